@@ -1,0 +1,34 @@
+"""Model FLOPs of a training step, for MFU.
+
+Counts the matrix multiplications the way `torch.utils.flop_counter.FlopCounterMode` does (2 FLOPs per
+multiply-add; attention scores over the full T x T square, as SDPA's kernels are counted; backward = 2x
+forward for every part that gets gradients). Work that is not in the model's math is left out: the
+recomputation of activation checkpointing, and the backward of the no-grad iterations, which never runs.
+"""
+
+from __future__ import annotations
+
+from huginn_ray.model.config import ModelConfig
+
+
+def training_flops_per_token(config: ModelConfig, num_steps: tuple[int, int], seq_len: int) -> float:
+    """Forward + backward FLOPs per token of one training step at depth (n no-grad, k grad) iterations."""
+    n, k = num_steps
+    D, I = config.n_embd, config.intermediate_size
+    block = 2 * (3 * D * D + D * D + 2 * D * I + I * D) + 4 * seq_len * D  # linears + QK^T and AV
+    adapter = 2 * (2 * D) * D
+    head = 2 * D * config.padded_vocab_size
+    core_iteration = adapter + config.n_layers_in_recurrent_block * block
+    once = (config.n_layers_in_prelude + config.n_layers_in_coda) * block + head
+
+    forward = once + (n + k) * core_iteration
+    backward = 2 * (once + k * core_iteration)
+    return float(forward + backward)
+
+
+def mean_training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """At the sampler's mean split (mean_recurrence - mean_backprop_depth, mean_backprop_depth), the depth
+    the reference used for MFU."""
+    k = config.mean_backprop_depth
+    n = max(config.mean_recurrence - k, 0)
+    return training_flops_per_token(config, (n, k), seq_len)

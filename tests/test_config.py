@@ -1,0 +1,61 @@
+"""YAML configs with dotted overrides: every unknown key and wrong type is refused by its dotted name."""
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from huginn_ray.config import ConfigError, flatten, load_config, to_dict
+
+
+@dataclass
+class Optim:
+    lr: float = 1e-3
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam betas."""
+
+
+@dataclass
+class Run:
+    name: str = "run"
+    """Run name."""
+    steps: int = 10
+    """Steps."""
+    resume: bool = True
+    """Resume."""
+    depths: list[int] = field(default_factory=lambda: [1, 4])
+    """Validation depths."""
+    optim: Optim = field(default_factory=Optim)
+    """Optimizer settings."""
+    note: str | None = None
+    """Optional note."""
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("name: a\nsteps: 5\noptim:\n  lr: 4e-5\n  betas: [0.8, 0.9]\n")
+    run = load_config(Run, path, ["steps=7", "optim.lr=1e-2", "depths=[1, 2, 3]", "note=hello"])
+    assert run == Run(name="a", steps=7, depths=[1, 2, 3], optim=Optim(lr=1e-2, betas=(0.8, 0.9)), note="hello")
+    assert isinstance(load_config(Run, path).optim.lr, float)  # plain PyYAML would read 4e-5 as a string
+    assert flatten(to_dict(run))["optim.lr"] == 1e-2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.lrr=1"], "unknown config key 'optim.lrr'"),
+    (["stepz=1"], "unknown config key 'stepz'"),
+    (["steps=ten"], "steps: expected an integer"),
+    (["steps=1.5"], "steps: expected an integer"),
+    (["resume=1"], "resume: expected true/false"),
+    (["optim.betas=[0.9]"], r"optim.betas"),
+    (["depths=[1, x]"], r"depths\[1\]: expected an integer"),
+    (["optim=3"], "optim: expected a mapping"),
+    (["steps"], "not of the form key=value"),
+])
+def test_bad_keys_and_types_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(Run, None, overrides)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config(Run, tmp_path / "nope.yaml")
