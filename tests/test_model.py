@@ -303,6 +303,8 @@ def test_sequence_longer_than_block_size():
     model = build(tiny(block_size=32))
     with pytest.raises(ValueError, match="sequence length 33 exceeds block_size=32"):
         model(torch.zeros(1, 33, dtype=torch.long))
+    with pytest.raises(ValueError, match="prompt length 30 \\+ max_new_tokens 3 exceeds block_size=32"):
+        model.generate(torch.zeros(1, 30, dtype=torch.long), max_new_tokens=3)
 
 
 # ---- generation --------------------------------------------------------------------------------------------------

@@ -363,6 +363,11 @@ class RecurrentGPT(nn.Module):
         position, so each new token costs one position instead of the whole sequence."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if input_ids.shape[-1] + max_new_tokens > self.config.block_size:
+            raise ValueError(
+                f"prompt length {input_ids.shape[-1]} + max_new_tokens {max_new_tokens} exceeds "
+                f"block_size={self.config.block_size} of this model"
+            )
         depth = self.config.mean_recurrence if num_steps is None else num_steps
         was_training = self.training
         self.eval()
