@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
+	tools/ensure_sshd.sh
 	tools/private_netns.sh $(PY) -m pytest tests
 
 demo: $(STAMP)
