@@ -1,0 +1,1 @@
+"""Data pipeline: sources -> download -> staging -> tokenizer -> tokenize/pack -> shuffled per-rank shards."""

@@ -1,0 +1,134 @@
+"""The data-preparation config: one YAML file drives tokenizer training and `jobs/prepare_data.py`.
+
+    cfg = load_data_config("configs/data/demo.yaml", ["output_dir=/tmp/out", "num_shards=8"])
+
+Relative paths in the file (`sources`) are resolved against the directory of the YAML file, so a config
+works from any working directory (and under `ray job submit --working-dir .`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from huginn_ray.config import ConfigError, apply_overrides, from_dict, read_yaml
+
+
+@dataclass
+class DownloadConfig:
+    max_in_flight: int = 8
+    """Hub files fetched at the same time (one Ray task each)."""
+    max_attempts: int = 8
+    """Attempts per file before the run fails naming the file."""
+    backoff_base_s: float = 1.0
+    """First retry waits about this long; each later retry doubles it (with full jitter)."""
+    backoff_max_s: float = 60.0
+    """Upper bound of one backoff wait (a server's Retry-After is honoured even when larger)."""
+
+
+@dataclass
+class TokenizerConfig:
+    path: str = ""
+    """Directory holding tokenizer.json + tokenizer_config.json; empty means `<output_dir>/tokenizer`."""
+    vocab_size: int = 65536
+    """Total vocabulary: BPE merges + manual tokens + 32 special tokens at the top ids."""
+    manual_tokens: bool = True
+    """Append the manual tokens of the reference (whitespace runs, chr(0..686), emoji, math symbols, ...)."""
+    rows_per_source: int = 131072
+    """Documents taken from each source for the training corpus (reference LIMITER = 2^17)."""
+    max_chars_per_doc: int = 32768
+    """Each corpus document is cut to this many characters."""
+    max_token_length: int = 32
+    """Longest BPE token in bytes."""
+
+
+@dataclass
+class ShuffleConfig:
+    reducer_mib: int = 64
+    """Approximate size of the rows one reducer task holds in memory; sets the number of reducers."""
+    row_group_size: int = 64
+    """Rows per parquet row group in the shards (the reader's shuffle-buffer granularity)."""
+
+
+@dataclass
+class LocalRayConfig:
+    num_cpus: int | None = None
+    """CPUs of a Ray instance this job starts itself (ignored when connecting to a running cluster)."""
+    object_store_mib: int | None = None
+    """Object store size of a Ray instance this job starts itself; spilling to disk covers the rest."""
+    temp_dir: str | None = None
+    """Ray temp dir of a Ray instance this job starts itself (keep it short: socket paths < 107 chars)."""
+
+
+@dataclass
+class DataConfig:
+    output_dir: str
+    """Root of everything this pipeline writes: download/, staging/, tokenizer/, packed/, shards/."""
+    sources: str
+    """YAML list of sources (see huginn_ray/data/sources.py); relative to this config file."""
+    seq_len: int = 4096
+    """Model context; every packed row holds seq_len + 1 token ids."""
+    num_shards: int = 4096
+    """Train shards and validation shards written (one per training rank)."""
+    seed: int = 233
+    """Seeds document order, up-weighting, the validation hold-out and the global shuffle."""
+    val_fraction: float = 0.05
+    """Share of documents held out for validation (chosen by a seeded hash of the document text)."""
+    docs_per_pack_batch: int = 4096
+    """Documents tokenised and packed together (leftovers shorter than a row are dropped per batch)."""
+    download: DownloadConfig = field(default_factory=DownloadConfig)
+    """How Hub files are fetched."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """Where the tokenizer lives and how jobs/train_tokenizer.py trains it."""
+    shuffle: ShuffleConfig = field(default_factory=ShuffleConfig)
+    """Global shuffle into per-rank shards."""
+    local_ray: LocalRayConfig = field(default_factory=LocalRayConfig)
+    """Settings of a Ray instance the job starts itself."""
+
+    def __post_init__(self) -> None:
+        positive = {"seq_len": self.seq_len, "num_shards": self.num_shards,
+                    "docs_per_pack_batch": self.docs_per_pack_batch,
+                    "download.max_in_flight": self.download.max_in_flight,
+                    "download.max_attempts": self.download.max_attempts,
+                    "shuffle.reducer_mib": self.shuffle.reducer_mib,
+                    "shuffle.row_group_size": self.shuffle.row_group_size,
+                    "tokenizer.rows_per_source": self.tokenizer.rows_per_source,
+                    "tokenizer.max_chars_per_doc": self.tokenizer.max_chars_per_doc}
+        for key, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{key}: must be positive, got {value}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"val_fraction: must be in (0, 1), got {self.val_fraction}")
+        if not self.output_dir:
+            raise ConfigError("output_dir: must be set")
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return Path(self.tokenizer.path) if self.tokenizer.path else Path(self.output_dir) / "tokenizer"
+
+    @property
+    def root(self) -> Path:
+        return Path(self.output_dir)
+
+
+def load_data_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> DataConfig:
+    path = Path(path).resolve()
+    data = apply_overrides(read_yaml(path), overrides)
+    cfg = from_dict(DataConfig, data)
+    base = path.parent
+    return dataclasses.replace(
+        cfg,
+        sources=str(_resolve(cfg.sources, base)),
+        output_dir=str(_resolve(os.path.expanduser(cfg.output_dir), Path.cwd())),
+        tokenizer=dataclasses.replace(
+            cfg.tokenizer,
+            path=str(_resolve(cfg.tokenizer.path, Path.cwd())) if cfg.tokenizer.path else "",
+        ),
+    )
+
+
+def _resolve(value: str, base: Path) -> Path:
+    p = Path(value)
+    return p if p.is_absolute() else (base / p).resolve()

@@ -1,0 +1,194 @@
+"""Downloading Hub dataset files: parallel Ray tasks, retries, verification, provenance.
+
+The driver resolves the requested revision to a commit and lists the repo's files with their sizes and hashes
+(`dataset_info(files_metadata=True)`), then keeps at most `download.max_in_flight` Ray tasks running, one per
+file. A task calls `hf_hub_download` for that commit and verifies the result against the Hub's size and hash
+(sha256 for LFS files, the git blob sha1 otherwise). Transient failures (429 honouring Retry-After, 5xx, 408,
+dropped connections, truncated bodies, hash mismatches) are retried with exponential backoff and full jitter;
+a file still failing after `download.max_attempts` fails the run with its name. Files already present and
+verified are skipped; a partial file is resumed or refetched (a mismatching one is deleted first).
+
+The Hub endpoint comes from HF_ENDPOINT (read by huggingface_hub at import) and is passed to the tasks
+explicitly; the token comes from HF_TOKEN / the login cache and is passed as a task argument, never logged.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from huginn_ray.data import layout
+from huginn_ray.data.config import DownloadConfig
+from huginn_ray.data.sources import Source
+
+PROVENANCE = "_provenance.json"
+
+
+class DownloadError(RuntimeError):
+    """A Hub file or listing that could not be fetched; the message names the repo and file."""
+
+
+@dataclass
+class HubFile:
+    path: str
+    size: int
+    sha256: str | None
+    git_sha1: str | None
+
+
+def retry_delay(err: BaseException, attempt: int, cfg: DownloadConfig) -> float | None:
+    """Seconds to wait before retrying after `err`, or None if retrying cannot help (404, 401, ...)."""
+    response = getattr(err, "response", None)
+    status = getattr(response, "status_code", None)
+    backoff = random.uniform(0, min(cfg.backoff_max_s, cfg.backoff_base_s * 2**attempt))
+    if status is not None:
+        if status == 429:
+            retry_after = (response.headers or {}).get("Retry-After", "")
+            if retry_after.strip().isdigit():
+                return float(retry_after) + random.uniform(0, cfg.backoff_base_s)
+            return backoff
+        if status >= 500 or status == 408:
+            return backoff
+        return None
+    return backoff  # dropped connections, timeouts, truncated bodies, hash mismatches
+
+
+def with_retries(what: str, cfg: DownloadConfig, fn):
+    """Call fn() until it succeeds, retrying transient errors; the final error names `what`."""
+    last: BaseException | None = None
+    for attempt in range(cfg.max_attempts):
+        try:
+            return fn()
+        except Exception as err:  # classified below; anything else is retried as transient
+            last = err
+            delay = retry_delay(err, attempt, cfg)
+            if delay is None:
+                break
+            if attempt + 1 < cfg.max_attempts:
+                time.sleep(delay)
+    raise DownloadError(f"{what}: failed after {attempt + 1} attempt(s): {type(last).__name__}: {last}")
+
+
+def list_repo_files(source: Source, endpoint: str, token: str | None, cfg: DownloadConfig) -> tuple[str, list[HubFile]]:
+    """Resolve the source's revision to a commit sha and list the files its patterns select."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=endpoint)
+    info = with_retries(
+        f"{source.address}@{source.revision} (listing)", cfg,
+        lambda: api.dataset_info(source.address, revision=source.revision, files_metadata=True, token=token),
+    )
+    files = []
+    for sibling in info.siblings or []:
+        if not any(fnmatch.fnmatch(sibling.rfilename, p) for p in source.file_patterns):
+            continue
+        if sibling.size is None:
+            raise DownloadError(f"{source.address}: the Hub reported no size for {sibling.rfilename}")
+        files.append(HubFile(sibling.rfilename, int(sibling.size),
+                             sibling.lfs.sha256 if sibling.lfs else None, sibling.blob_id))
+    return info.sha, sorted(files, key=lambda f: f.path)
+
+
+def verify(path: Path, expected: HubFile) -> bool:
+    """Size first (cheap), then the hash the Hub reports."""
+    if not path.is_file() or path.stat().st_size != expected.size:
+        return False
+    if expected.sha256:
+        digest = hashlib.sha256()
+    elif expected.git_sha1:
+        digest = hashlib.sha1(f"blob {expected.size}\0".encode())
+    else:
+        return True
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest() == (expected.sha256 or expected.git_sha1)
+
+
+def fetch_file(repo: str, commit: str, hub_file: HubFile, local_dir: str, endpoint: str, token: str | None,
+               cfg: DownloadConfig) -> dict:
+    """Ray task: make `local_dir/<path>` a verified copy of the Hub file; returns what it did."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()
+    target = Path(local_dir) / hub_file.path
+    if verify(target, hub_file):
+        return {"path": hub_file.path, "size": hub_file.size, "skipped": True}
+    target.unlink(missing_ok=True)
+
+    def attempt() -> None:
+        hf_hub_download(repo, hub_file.path, repo_type="dataset", revision=commit, local_dir=local_dir,
+                        endpoint=endpoint, token=token)
+        if not verify(target, hub_file):
+            target.unlink(missing_ok=True)
+            _forget_partial(Path(local_dir), hub_file.path)
+            raise OSError(f"{hub_file.path}: size or hash differs from what the Hub reports")
+
+    with_retries(f"{repo}@{commit[:12]}: {hub_file.path}", cfg, attempt)
+    return {"path": hub_file.path, "size": hub_file.size, "skipped": False}
+
+
+def _forget_partial(local_dir: Path, path: str) -> None:
+    """Drop huggingface_hub's resume state for a file whose content turned out wrong."""
+    cache = local_dir / ".cache" / "huggingface" / "download"
+    for leftover in cache.glob(f"{path}*"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
+
+
+def download_source(source: Source, download_root: Path, cfg: DownloadConfig) -> dict:
+    """Fetch a Hub source into `download_root/<name>` (skipped when its provenance matches); returns it."""
+    import ray
+    from huggingface_hub import constants, get_token
+
+    local_dir = download_root / source.name
+    request = {"address": source.address, "revision": source.revision, "patterns": source.file_patterns}
+    previous = layout.read_marker(local_dir, PROVENANCE)
+    if previous is not None and previous.get("request") == request:
+        print(f"[download] {source.name}: complete at {previous['commit'][:12]}, skipped", flush=True)
+        return previous
+
+    endpoint, token = constants.ENDPOINT, get_token()
+    commit, files = list_repo_files(source, endpoint, token, cfg)
+    if not files:
+        print(f"[download] {source.name}: WARNING: no file of {source.address}@{commit[:12]} matches "
+              f"{source.file_patterns}", flush=True)
+    local_dir.mkdir(parents=True, exist_ok=True)
+    total_bytes = sum(f.size for f in files)
+    task = ray.remote(fetch_file).options(num_cpus=0.25, max_retries=0)
+    queue = list(files)
+    pending: list = []
+    done_bytes = done = skipped = 0
+    while queue or pending:
+        while queue and len(pending) < cfg.max_in_flight:
+            pending.append(task.remote(source.address, commit, queue.pop(0), str(local_dir), endpoint, token, cfg))
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            result = ray.get(ready[0])
+        except Exception as err:
+            for ref in pending:
+                ray.cancel(ref)
+            cause = getattr(err, "cause", None)
+            raise DownloadError(str(cause) if isinstance(cause, DownloadError) else str(err)) from None
+        done += 1
+        skipped += result["skipped"]
+        done_bytes += result["size"]
+        print(f"[download] {source.name}: {done}/{len(files)} files, {done_bytes / 2**20:.1f}/"
+              f"{total_bytes / 2**20:.1f} MiB ({skipped} already complete)", flush=True)
+
+    provenance = {"source": source.name, "request": request, "endpoint": endpoint, "commit": commit,
+                  "files": [asdict(f) for f in files]}
+    layout.write_json(local_dir / PROVENANCE, provenance)
+    return provenance
+
+
+def downloaded_files(download_root: Path, provenance: dict) -> list[Path]:
+    return [download_root / provenance["source"] / f["path"] for f in provenance["files"]]

@@ -1,0 +1,70 @@
+"""Where each stage writes under `output_dir`, and how a stage marks its output complete.
+
+    <output_dir>/download/<source>/...             raw Hub files, + _provenance.json once all are verified
+    <output_dir>/download/manifest.json            provenance of every Hub source (repo, commit, files, hashes)
+    <output_dir>/staging/<source>/NNNNN.parquet    one file per input file: columns text, source
+    <output_dir>/staging/<source>/_COMPLETE.json   rows per file + the fingerprint of the inputs
+    <output_dir>/tokenizer/                        tokenizer.json + tokenizer_config.json
+    <output_dir>/packed/NNNNNN.parquet             packed rows (input_ids, split, source) before the shuffle
+    <output_dir>/packed/_COMPLETE.json
+    <output_dir>/shards/{train,val}/RRRRR.parquet  one file per training rank
+    <output_dir>/shards/manifest.json
+
+A stage writes into `<dir>.tmp-<pid>` and renames it into place when done, so a directory that exists is
+complete; its marker records a fingerprint of everything it was built from, and a stage whose recorded
+fingerprint matches is skipped on the next run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+COMPLETE = "_COMPLETE.json"
+
+
+def fingerprint(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def tmp_dir_for(final: Path) -> Path:
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished directory into place; an older version is deleted only after the swap."""
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{os.getpid()}")
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.rename(path)
+
+
+def read_marker(directory: Path, name: str = COMPLETE) -> dict | None:
+    path = directory / name
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def is_complete(directory: Path, expected_fingerprint: str, name: str = COMPLETE) -> bool:
+    marker = read_marker(directory, name)
+    return marker is not None and marker.get("fingerprint") == expected_fingerprint

@@ -1,0 +1,153 @@
+"""The data preparation job, stage by stage: download -> staging -> pack -> shuffle.
+
+Each stage reads the previous stage's output from disk and skips itself when its own output is complete and was
+built from the same inputs (huginn_ray/data/layout.py), so a rerun after a failure redoes only what is missing,
+and `--stage NAME` runs one stage alone.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from huginn_ray.data import layout
+from huginn_ray.data.config import DataConfig
+from huginn_ray.data.formatting import DataError
+from huginn_ray.data.hub_download import download_source, downloaded_files
+from huginn_ray.data.shards import run_shuffle
+from huginn_ray.data.sources import Source, load_sources
+from huginn_ray.data.staging import list_local_files, stage_source, staged_files
+from huginn_ray.data.tokenize_pack import pack_fingerprint, run_pack
+from huginn_ray.data.tokenizer import TOKENIZER_FILE, file_sha256, special_token_ids
+
+STAGES = ("download", "staging", "pack", "shuffle")
+
+
+def init_ray(cfg: DataConfig) -> None:
+    """Connect to the cluster in RAY_ADDRESS (set by `ray job submit`), else start a private local Ray."""
+    import ray
+    from ray.data import DataContext
+
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()
+        else:
+            temp_dir = cfg.local_ray.temp_dir or tempfile.mkdtemp(prefix="hrdata_", dir="/tmp")
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private, loopback-only instance
+            store = cfg.local_ray.object_store_mib
+            ray.init(address="local", num_cpus=cfg.local_ray.num_cpus, _temp_dir=temp_dir,
+                     object_store_memory=store << 20 if store else None, include_dashboard=False)
+    ctx = DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # deterministic batches, hence deterministic packing
+    ctx.enable_progress_bars = False  # the stages print their own progress lines
+
+
+def run_stage_download(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]:
+    root = cfg.root / "download"
+    provenance = {}
+    for source in sources:
+        if not source.is_local:
+            provenance[source.name] = download_source(source, root, cfg.download)
+    if provenance:
+        layout.write_json(root / "manifest.json", {"sources": provenance})
+    return provenance
+
+
+def source_inputs(cfg: DataConfig, source: Source) -> list[Path]:
+    if source.is_local:
+        return list_local_files(source)
+    provenance = layout.read_marker(cfg.root / "download" / source.name, "_provenance.json")
+    if provenance is None:
+        raise DataError(f"source {source.name!r} is not downloaded yet ({cfg.root / 'download' / source.name}); "
+                        "run the download stage first")
+    return downloaded_files(cfg.root / "download", provenance)
+
+
+def run_stage_staging(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]:
+    return {s.name: stage_source(s, source_inputs(cfg, s), cfg.root / "staging") for s in sources}
+
+
+def staging_markers(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]:
+    markers = {}
+    for source in sources:
+        marker = layout.read_marker(cfg.root / "staging" / source.name)
+        if marker is None:
+            raise DataError(f"source {source.name!r} is not staged yet; run the staging stage first")
+        markers[source.name] = marker
+    return markers
+
+
+def tokenizer_facts(cfg: DataConfig) -> dict:
+    tokenizer_file = cfg.tokenizer_dir / TOKENIZER_FILE
+    if not tokenizer_file.is_file():
+        raise DataError(f"no tokenizer at {tokenizer_file}: run jobs/train_tokenizer.py with this config first, "
+                        "or set tokenizer.path to an existing tokenizer directory")
+    ids = special_token_ids(cfg.tokenizer_dir)
+    return {"tokenizer_file": str(tokenizer_file), "tokenizer_sha256": file_sha256(tokenizer_file),
+            "vocab_size": ids["vocab_size"],
+            "bos_id": ids["bos"], "eos_id": ids["eos"], "pad_id": ids["pad"]}
+
+
+def run_stage_pack(cfg: DataConfig, sources: list[Source]) -> dict:
+    markers = staging_markers(cfg, sources)
+    facts = tokenizer_facts(cfg)
+    fingerprint = pack_fingerprint(sources, markers, facts["tokenizer_sha256"], cfg.seq_len, cfg.seed,
+                                   cfg.val_fraction, cfg.docs_per_pack_batch)
+    staged = {s.name: staged_files(cfg.root / "staging", s.name) for s in sources}
+    doc_counts = {name: m["rows"] for name, m in markers.items()}
+    return run_pack(sources, staged, doc_counts, Path(facts["tokenizer_file"]), cfg.root / "packed",
+                    seq_len=cfg.seq_len,
+                    seed=cfg.seed, val_fraction=cfg.val_fraction, docs_per_batch=cfg.docs_per_pack_batch,
+                    fingerprint=fingerprint, extra_marker=facts)
+
+
+def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:
+    pack_marker = layout.read_marker(cfg.root / "packed")
+    if pack_marker is None:
+        raise DataError(f"no packed data at {cfg.root / 'packed'}; run the pack stage first")
+    markers = staging_markers(cfg, sources)
+    empty = sorted(name for name, m in markers.items() if m["rows"] == 0)
+    for name in empty:
+        print(f"[shuffle] WARNING: source {name!r} has no rows", flush=True)
+    fingerprint = layout.fingerprint({"packed": pack_marker["fingerprint"], "num_shards": cfg.num_shards,
+                                      "seed": cfg.seed, "row_group_size": cfg.shuffle.row_group_size})
+    extra = {key: pack_marker[key] for key in ("tokenizer_sha256", "vocab_size", "bos_id", "eos_id", "pad_id")}
+    extra.update(input_fingerprint=pack_marker["fingerprint"], sources=pack_marker["sources"],
+                 empty_sources=empty, staged_documents={n: m["rows"] for n, m in markers.items()})
+    return run_shuffle(pack_marker, cfg.root / "packed", cfg.root / "shards", num_shards=cfg.num_shards,
+                       seed=cfg.seed, row_group_size=cfg.shuffle.row_group_size,
+                       reducer_mib=cfg.shuffle.reducer_mib, fingerprint=fingerprint, manifest_extra=extra)
+
+
+def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
+    """Run the given stages in order; returns the shard manifest when the shuffle stage ran."""
+    sources = load_sources(cfg.sources)
+    steps = {"download": run_stage_download, "staging": run_stage_staging,
+             "pack": run_stage_pack, "shuffle": run_stage_shuffle}
+    result: dict = {}
+    for stage in STAGES:
+        if stage not in stages:
+            continue
+        start = time.time()
+        print(f"==> {stage}", flush=True)
+        result = steps[stage](cfg, sources)
+        print(f"<== {stage} done in {time.time() - start:.1f}s", flush=True)
+    return result
+
+
+def root_error(err: BaseException) -> BaseException:
+    """The DataError / DownloadError / ValueError behind Ray's wrappers (task errors, user-code errors)."""
+    from huginn_ray.data.hub_download import DownloadError
+
+    seen, todo = set(), [err]
+    while todo:
+        current = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, (DataError, DownloadError)):
+            return current
+        todo += [getattr(current, "cause", None), current.__cause__, current.__context__]
+    return err

@@ -1,0 +1,124 @@
+"""The source list: which datasets go into the mix, where they come from and how they are weighted.
+
+A source list is a YAML list; each entry carries the fields of the reference's `sources.yaml` (§6.2) plus
+where its files come from, either the Hugging Face Hub or a local directory:
+
+    - name: goodwiki                      # directory name under download/ and staging/
+      address: euirim/goodwiki            # Hub dataset repo
+      revision: main                      # branch, tag or commit (resolved to a commit sha and recorded)
+      files: ["*.parquet"]                # fnmatch patterns over repo paths ('*' crosses '/')
+      features: [markdown]
+      weight: 4.0
+      category: wiki
+      license: mit
+    - name: stdlib-json
+      local_dir: "{stdlib}/json"          # {stdlib} = this Python's standard library directory
+      files: ["*.py"]
+      features: [text]                    # text files: each file is one document, feature "text"
+
+Unknown keys and ill-typed values are refused with an error naming the source and the field.
+"""
+
+from __future__ import annotations
+
+import re
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from huginn_ray.config import ConfigError, from_dict, parse_yaml
+
+# What a Hub or local source contributes when it names no `files`; a subset narrows this to `{subset}/`.
+DEFAULT_FILE_PATTERNS = ["*.parquet", "*.jsonl", "*.jsonl.gz", "*.txt"]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass
+class Source:
+    name: str
+    """Unique name; used as a directory name, so letters, digits, '.', '_' and '-' only."""
+    features: list[str]
+    """Columns that make up a document (several are joined by newlines; one is renamed to `text`)."""
+    address: str = ""
+    """Hub dataset repo `owner/name`; required unless `local_dir` is given (then it is provenance only)."""
+    revision: str = "main"
+    """Hub branch, tag or commit to fetch."""
+    files: list[str] = field(default_factory=list)
+    """fnmatch patterns selecting files (repo paths or paths below local_dir); default: data files."""
+    local_dir: str = ""
+    """Read files from this directory instead of the Hub ('{stdlib}' = the Python standard library)."""
+    subset: str = ""
+    """Dataset config / subdirectory: the default file patterns are looked up below `{subset}/`."""
+    needs_chat_templating: bool = False
+    """Features hold chat messages, rendered with the Huginn chat template."""
+    weight: float = 1.0
+    """Up-weighting: floor(weight) full copies plus a seeded random frac(weight) share of documents."""
+    every_token_is_sacred: bool = False
+    """Packing keeps every token of these documents instead of incinerating the overflow."""
+    category: str = ""
+    """Free-form category (code, math, wiki, ...), recorded in manifests."""
+    license: str = ""
+    """License of the source, recorded in manifests."""
+
+    @property
+    def is_local(self) -> bool:
+        return bool(self.local_dir)
+
+    @property
+    def file_patterns(self) -> list[str]:
+        if self.files:
+            return list(self.files)
+        prefix = f"{self.subset.strip('/')}/" if self.subset else ""
+        return [prefix + pattern for pattern in DEFAULT_FILE_PATTERNS]
+
+    def resolved_local_dir(self) -> Path:
+        return Path(self.local_dir.replace("{stdlib}", sysconfig.get_paths()["stdlib"]))
+
+
+def parse_sources(items: object, origin: str, base_dir: Path | None = None) -> list[Source]:
+    """Validate a parsed YAML list of sources; `origin` (the file name) appears in every error."""
+    if not isinstance(items, list) or not items:
+        raise ConfigError(f"{origin}: expected a non-empty YAML list of sources")
+    sources: list[Source] = []
+    for index, item in enumerate(items):
+        label = f"source #{index}"
+        if isinstance(item, dict) and isinstance(item.get("name"), str):
+            label = f"source {item['name']!r}"
+        try:
+            source = from_dict(Source, item, prefix="")
+        except ConfigError as err:
+            raise ConfigError(f"{origin}: {label}: {err}") from None
+        _check(source, origin, label)
+        if source.local_dir and base_dir is not None and "{stdlib}" not in source.local_dir:
+            if not Path(source.local_dir).is_absolute():
+                source.local_dir = str((base_dir / source.local_dir).resolve())
+        sources.append(source)
+    names = [s.name for s in sources]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigError(f"{origin}: source name {duplicates[0]!r} is used more than once")
+    return sources
+
+
+def load_sources(path: str | Path) -> list[Source]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"source list not found: {path}")
+    return parse_sources(parse_yaml(path.read_text()), str(path), base_dir=path.parent)
+
+
+def _check(source: Source, origin: str, label: str) -> None:
+    def fail(field_name: str, message: str) -> None:
+        raise ConfigError(f"{origin}: {label}: field {field_name!r}: {message}")
+
+    if not _NAME.match(source.name):
+        fail("name", f"{source.name!r} may hold only letters, digits, '.', '_' and '-'")
+    if not source.features or any(not f for f in source.features):
+        fail("features", "must list at least one non-empty column name")
+    if source.weight < 0:
+        fail("weight", f"must be >= 0, got {source.weight}")
+    if not source.local_dir and not source.address:
+        fail("address", "a Hub repo (owner/name) is required unless local_dir is given")
+    if source.address and not source.local_dir and source.address.count("/") != 1:
+        fail("address", f"{source.address!r} is not of the form owner/name")

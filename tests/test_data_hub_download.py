@@ -1,0 +1,149 @@
+"""Hub downloads through the real huggingface_hub client against a local Hub-compatible server with faults.
+
+prepare_data runs in a subprocess with HF_ENDPOINT pointing at tests/data_hub_server.py (huggingface_hub reads
+it at import) and HF_TOKEN set; it starts its own local Ray, whose tasks do the downloads.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data_hub_server import FAULTS, FakeHub, HubRepo
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "hf_local_test_token_do_not_log_0123456789"
+PARQUETS = [f"data/train-{i:05d}.parquet" for i in range(3)]
+
+
+def _parquet(seed: int) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"content": [f"document {seed}-{i}: " + "word " * (i % 50) for i in range(40)],
+                             "other": list(range(40))}), buf)
+    return buf.getvalue()
+
+
+def _repo() -> HubRepo:
+    files = {path: _parquet(i) for i, path in enumerate(PARQUETS)}
+    files["extra/notes.jsonl"] = "".join(json.dumps({"content": f"note {i} " * 7}) + "\n" for i in range(25)).encode()
+    files["README.md"] = b"# a dataset card, not data\n"
+    return HubRepo("acme/mix", files)
+
+
+def _config(root: Path, max_attempts: int = 10) -> Path:
+    (root / "sources.yaml").write_text("""
+- name: mix
+  address: acme/mix
+  files: ["data/*.parquet", "extra/*.jsonl"]
+  features: [content]
+  license: cc-by-4.0
+""")
+    config = root / "data.yaml"
+    config.write_text(f"""
+output_dir: {root / 'out'}
+sources: sources.yaml
+download: {{max_in_flight: 2, max_attempts: {max_attempts}, backoff_base_s: 0.05, backoff_max_s: 0.5}}
+local_ray: {{num_cpus: 2, object_store_mib: 128}}
+""")
+    return config
+
+
+def _prepare(config: Path, hub: FakeHub, home: Path) -> subprocess.CompletedProcess:
+    temp_dir = tempfile.mkdtemp(prefix="hrdh_", dir="/tmp")
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_TOKEN": TOKEN, "HF_HOME": str(home),
+           "HF_HUB_DISABLE_TELEMETRY": "1", "RAY_AUTH_MODE": "disabled"}
+    try:
+        return subprocess.run(
+            [sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--config", str(config), "--stage", "download",
+             "--stage", "staging", f"local_ray.temp_dir={temp_dir}"],
+            env=env, capture_output=True, text=True, timeout=400)
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _staged(root: Path) -> dict[str, bytes]:
+    staging = root / "out" / "staging" / "mix"
+    return {p.name: p.read_bytes() for p in sorted(staging.glob("*.parquet"))}
+
+
+def _file_gets(hub: FakeHub, path: str) -> int:
+    return sum(1 for method, p, _ in hub.log if method == "GET" and p.endswith("/" + path))
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("clean")
+    with FakeHub([_repo()], token=TOKEN) as hub:
+        result = _prepare(_config(root), hub, root / "hf_home")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root, result
+
+
+def test_download_stages_the_selected_files_and_records_provenance(clean_run):
+    root, result = clean_run
+    staged = _staged(root)
+    assert list(staged) == ["00000.parquet", "00001.parquet", "00002.parquet", "00003.parquet"]
+    texts = [t for name in staged for t in pq.read_table(root / "out" / "staging" / "mix" / name)["text"].to_pylist()]
+    assert len(texts) == 3 * 40 + 25 and texts[0].startswith("document 0-0") and texts[-1].startswith("note 24")
+    manifest = json.loads((root / "out" / "download" / "manifest.json").read_text())["sources"]["mix"]
+    repo = _repo()
+    assert manifest["commit"] == repo.commit
+    recorded = {f["path"]: f for f in manifest["files"]}
+    assert sorted(recorded) == sorted(PARQUETS + ["extra/notes.jsonl"])
+    for path, entry in recorded.items():
+        assert entry["size"] == len(repo.files[path])
+        assert (entry["sha256"] or entry["git_sha1"]) == repo.etag(path)
+    assert "[download] mix: 4/4 files" in result.stdout
+
+
+def test_faults_do_not_change_the_staged_bytes_and_token_is_never_logged(clean_run, tmp_path):
+    clean_root, _ = clean_run
+    script = {"info": ["500", "429", "drop"], "head": ["drop", "429", "500", "drop"],
+              "get": ["truncate", "drop", "429", "500", "truncate", "truncate"]}
+    with FakeHub([_repo()], token=TOKEN, fault_rate=0.3, seed=1, script=script) as hub:
+        result = _prepare(_config(tmp_path), hub, tmp_path / "hf_home")
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = [outcome for _, _, outcome in hub.log]
+    assert all(kind in outcomes for kind in FAULTS)
+    faults = sum(o in FAULTS for o in outcomes)
+    assert faults >= 13 and faults >= len(outcomes) // 4  # a good share of all requests failed
+    assert _staged(tmp_path) == _staged(clean_root)
+    assert "401" not in outcomes  # the token was sent on every request
+    assert TOKEN not in result.stdout + result.stderr
+    for path in (tmp_path / "out").rglob("*"):
+        if path.is_file():
+            assert TOKEN.encode() not in path.read_bytes(), path
+
+
+def test_file_that_never_succeeds_fails_the_run_and_a_rerun_fetches_only_what_is_missing(clean_run, tmp_path):
+    clean_root, _ = clean_run
+    broken = "extra/notes.jsonl"  # last in download order: the files before it complete first
+    with FakeHub([_repo()], token=TOKEN, always_fail={broken}) as hub:
+        result = _prepare(_config(tmp_path, max_attempts=3), hub, tmp_path / "hf_home")
+    assert result.returncode != 0
+    assert broken in result.stderr and "failed after 3 attempt(s)" in result.stderr
+    assert not (tmp_path / "out" / "staging" / "mix").exists()
+
+    download = tmp_path / "out" / "download" / "mix"
+    complete = [p for p in PARQUETS if (download / p).is_file()]
+    assert len(complete) >= 2, "the files before the broken one should have completed"
+    partial = complete[0]
+    data = (download / partial).read_bytes()
+    (download / partial).write_bytes(data[: len(data) // 3])  # a partial file left behind
+    with FakeHub([_repo()], token=TOKEN) as hub:
+        result = _prepare(_config(tmp_path), hub, tmp_path / "hf_home")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert _file_gets(hub, broken) >= 1 and _file_gets(hub, partial) >= 1
+        for path in complete[1:]:
+            assert _file_gets(hub, path) == 0, f"{path} was complete and should not be fetched again"
+    assert _staged(tmp_path) == _staged(clean_root)

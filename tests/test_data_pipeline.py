@@ -1,0 +1,310 @@
+"""The data preparation jobs end to end on a real local Ray: tokenizer, staging, packing, global shuffle.
+
+Sources are small generated local files (jsonl with two features, parquet chat data, text files, an empty
+source), so everything runs in seconds; the Hub path has its own tests (test_data_hub_download.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from huginn_ray.data.shards import read_manifest
+
+ROOT = Path(__file__).resolve().parents[1]
+N_SHARDS, SEQ_LEN = 4, 32
+WORDS = ("the raven flies over a recurrent depth of latent thought while ray shards data across many ranks "
+         "λ-calculus 北欧 mythology 🦭 seal x = y + 1 def return").split()
+
+
+def _load_job(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "jobs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+prepare_data = _load_job("prepare_data")
+train_tokenizer_job = _load_job("train_tokenizer")
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    import ray
+    import ray.data
+
+    if ray.is_initialized():  # another module's session-wide Ray: share it
+        yield
+        return
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    temp_dir = tempfile.mkdtemp(prefix="hrdp_", dir="/tmp")
+    ray.init(address="local", num_cpus=2, object_store_memory=256 << 20, _temp_dir=temp_dir,
+             include_dashboard=False, log_to_driver=False)
+    context = ray.data.DataContext.get_current()
+    saved = (context.execution_options.preserve_order, context.enable_progress_bars)
+    yield
+    # the jobs' init_ray set these process-wide; later test modules get Ray Data's defaults back
+    context.execution_options.preserve_order, context.enable_progress_bars = saved
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _text(rng: random.Random, low: int, high: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
+
+
+def _write_sources(root: Path, extra: str = "") -> Path:
+    rng = random.Random(0)
+    (root / "prose").mkdir(parents=True)
+    with open(root / "prose" / "part0.jsonl", "w") as f:
+        for i in range(300):
+            f.write(json.dumps({"title": f"Title {i}", "body": _text(rng, 5, 120), "id": i}) + "\n")
+    (root / "chat").mkdir()
+    chats = [[{"role": "user", "content": _text(rng, 3, 20)}, {"role": "assistant", "content": _text(rng, 3, 40)}]
+             for _ in range(120)]
+    pq.write_table(pa.table({"messages": chats}), root / "chat" / "chats.parquet")
+    (root / "notes").mkdir()
+    for i in range(40):
+        (root / "notes" / f"note{i:02d}.txt").write_text(_text(rng, 10, 200) + "\r\n\tend\n")
+    (root / "empty").mkdir()
+    (root / "empty" / "nothing.jsonl").write_text("")
+    sources = root / "sources.yaml"
+    sources.write_text(f"""
+- name: prose
+  local_dir: prose
+  features: [title, body]
+  weight: 1.5
+- name: chat
+  local_dir: chat
+  features: [messages]
+  needs_chat_templating: true
+- name: notes
+  local_dir: notes
+  features: [text]
+  weight: 2.0
+  every_token_is_sacred: true
+- name: empty
+  local_dir: empty
+  features: [text]
+{extra}""")
+    return sources
+
+
+def _config(root: Path, sources: Path) -> Path:
+    config = root / "data.yaml"
+    config.write_text(f"""
+output_dir: {root / 'out'}
+sources: {sources}
+seq_len: {SEQ_LEN}
+num_shards: {N_SHARDS}
+val_fraction: 0.2
+docs_per_pack_batch: 64
+tokenizer: {{vocab_size: 4096, rows_per_source: 1000}}
+shuffle: {{row_group_size: 8}}
+""")
+    return config
+
+
+@pytest.fixture(scope="module")
+def prepared(ray_instance, tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    config = _config(root, _write_sources(root))
+    assert train_tokenizer_job.main(["--config", str(config)]) == 0
+    assert prepare_data.main(["--config", str(config)]) == 0
+    return root, config
+
+
+def _rows(path: Path) -> list[tuple]:
+    return [tuple(r) for r in pq.read_table(path).column("input_ids").to_pylist()]
+
+
+def test_shards_have_exact_counts_lengths_and_types(prepared):
+    root, _ = prepared
+    shards = root / "out" / "shards"
+    manifest = read_manifest(shards)
+    assert manifest["num_shards"] == N_SHARDS and manifest["seq_len"] == SEQ_LEN
+    for split in ("train", "val"):
+        files = sorted((shards / split).glob("*.parquet"))
+        assert [f.name for f in files] == [f"{r:05d}.parquet" for r in range(N_SHARDS)]
+        per_shard = manifest["rows_per_shard"][split]
+        assert per_shard > 0 and manifest["tokens_per_shard"][split] == per_shard * (SEQ_LEN + 1)
+        for f in files:
+            pf = pq.ParquetFile(f)
+            assert pf.schema_arrow == pa.schema([("input_ids", pa.list_(pa.int32()))])
+            assert pf.metadata.num_rows == per_shard
+            assert pf.metadata.row_group(0).num_rows == min(8, per_shard)
+            assert all(len(r) == SEQ_LEN + 1 for r in _rows(f))
+    tok = json.loads((root / "out" / "tokenizer" / "tokenizer.json").read_bytes())
+    assert manifest["tokenizer_sha256"] == hashlib.sha256(
+        (root / "out" / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()
+    assert manifest["vocab_size"] == 4096 and tok["post_processor"]["type"] == "TemplateProcessing"
+    assert (manifest["bos_id"], manifest["eos_id"], manifest["pad_id"]) == (4064, 4065, 4069)
+
+
+def test_no_row_lost_or_duplicated_and_validation_held_out(prepared):
+    root, _ = prepared
+    out = root / "out"
+    manifest = read_manifest(out / "shards")
+    packed = {"train": collections.Counter(), "val": collections.Counter()}
+    for f in (out / "packed").glob("*.parquet"):
+        table = pq.read_table(f)
+        for ids, split in zip(table.column("input_ids").to_pylist(), table.column("split").to_pylist()):
+            packed["val" if split else "train"][tuple(ids)] += 1
+    shard_rows = {split: collections.Counter() for split in packed}
+    for split in packed:
+        for f in (out / "shards" / split).glob("*.parquet"):
+            shard_rows[split].update(_rows(f))
+        # every shard row comes from the packed rows, at most as often, and only the surplus is missing
+        assert not shard_rows[split] - packed[split]
+        missing = sum((packed[split] - shard_rows[split]).values())
+        assert missing == manifest["dropped_surplus_rows"][split] < N_SHARDS
+    assert not set(shard_rows["train"]) & set(shard_rows["val"])
+    assert not set(packed["train"]) & set(packed["val"])
+    # rows start at a document boundary (BOS) except sacred remainders
+    starts = [r[0] for r in shard_rows["train"].elements()]
+    assert starts.count(4064) > len(starts) // 3
+
+
+def test_weights_sacred_and_empty_source_in_manifest(prepared):
+    root, _ = prepared
+    manifest = read_manifest(root / "out" / "shards")
+    assert manifest["empty_sources"] == ["empty"]
+    assert manifest["staged_documents"] == {"prose": 300, "chat": 120, "notes": 40, "empty": 0}
+    sources = manifest["sources"]
+    assert sources["notes"]["copied_docs"] == 2 * 40
+    assert sources["chat"]["copied_docs"] == 120
+    assert 300 + 100 <= sources["prose"]["copied_docs"] <= 300 + 200  # 1 copy + ~half
+    # sacred notes keep every token: rows * row_len covers all tokens of both copies but < one row per copy
+    notes = sources["notes"]
+    rows = notes["train_rows"] + notes["val_rows"]
+    assert 2 * notes["doc_tokens"] - rows * (SEQ_LEN + 1) < 2 * 2 * 64 * (SEQ_LEN + 1)
+
+
+def test_same_seed_same_bytes_other_seed_other_order(prepared, tmp_path):
+    root, config = prepared
+    tokenizer = root / "out" / "tokenizer"
+
+    def shard_bytes(out: Path) -> dict:
+        return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.glob("shards/*/*.parquet"))}
+
+    first = shard_bytes(root / "out")
+    assert prepare_data.main(["--config", str(config), f"output_dir={tmp_path / 'again'}",
+                              f"tokenizer.path={tokenizer}"]) == 0
+    assert shard_bytes(tmp_path / "again") == first
+    assert prepare_data.main(["--config", str(config), f"output_dir={tmp_path / 'seed2'}",
+                              f"tokenizer.path={tokenizer}", "seed=234"]) == 0
+    other = shard_bytes(tmp_path / "seed2")
+    assert other.keys() == first.keys() and other["shards/train/00000.parquet"] != first["shards/train/00000.parquet"]
+
+
+def test_same_bytes_from_a_separate_ray_with_one_cpu(prepared, tmp_path):
+    """Determinism does not hang on scheduling: a fresh 1-CPU Ray in another process writes the same shards."""
+    root, config = prepared
+    temp_dir = tempfile.mkdtemp(prefix="hrd1_", dir="/tmp")
+    try:
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--config", str(config),
+             f"output_dir={tmp_path / 'one_cpu'}", f"tokenizer.path={root / 'out' / 'tokenizer'}",
+             "local_ray.num_cpus=1", f"local_ray.temp_dir={temp_dir}"],
+            env={**os.environ, "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for path in sorted((root / "out" / "shards").glob("*/*.parquet")):
+        assert (tmp_path / "one_cpu" / "shards" / path.parent.name / path.name).read_bytes() == path.read_bytes()
+
+
+def test_rerun_skips_complete_stages(prepared, capsys):
+    root, config = prepared
+    before = {p: p.stat().st_mtime_ns for p in (root / "out" / "shards").rglob("*.parquet")}
+    capsys.readouterr()
+    assert prepare_data.main(["--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "[staging] prose: complete" in out and "[pack] complete" in out and "[shuffle] complete" in out
+    assert {p: p.stat().st_mtime_ns for p in (root / "out" / "shards").rglob("*.parquet")} == before
+
+
+def test_one_stage_alone_needs_its_inputs(ray_instance, tmp_path, capsys):
+    config = _config(tmp_path, _write_sources(tmp_path))
+    assert prepare_data.main(["--config", str(config), "--stage", "shuffle"]) == 1
+    assert "no packed data" in capsys.readouterr().err
+
+
+def test_too_few_rows_for_the_shard_count_is_refused(prepared, tmp_path, capsys):
+    root, config = prepared
+    assert prepare_data.main(["--config", str(config), f"output_dir={tmp_path / 'many'}",
+                              f"tokenizer.path={root / 'out' / 'tokenizer'}", "num_shards=100000"]) == 1
+    assert "fewer than num_shards=100000" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("broken.parquet", b"PAR1 this is not parquet", "broken.parquet"),
+    ("bad.jsonl", b'{"text": "fine"}\n{"text": oops}\n', "bad.jsonl, line 2: invalid JSON"),
+    ("latin1.txt", "caf\xe9".encode("latin-1"), "latin1.txt is not valid UTF-8"),
+])
+def test_corrupt_input_file_is_named(ray_instance, tmp_path, capsys, name, content, expected):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "good.txt").write_text("fine text")
+    (tmp_path / "bad" / name).write_bytes(content)
+    sources = tmp_path / "sources.yaml"
+    sources.write_text("- {name: bad, local_dir: bad, features: [text], files: ['*.txt', '*.jsonl', '*.parquet']}")
+    config = _config(tmp_path, sources)
+    assert prepare_data.main(["--config", str(config), "--stage", "staging"]) == 1
+    err = capsys.readouterr().err
+    assert expected in err and str(tmp_path / "bad" / name) in err
+    assert not (tmp_path / "out" / "staging" / "bad").exists()  # nothing half-written in place
+
+
+def test_unknown_source_field_fails_the_job(ray_instance, tmp_path, capsys):
+    sources = _write_sources(tmp_path, extra="  colour: blue\n")
+    assert prepare_data.main(["--config", str(_config(tmp_path, sources))]) == 1
+    err = capsys.readouterr().err
+    assert "source 'empty'" in err and "colour" in err
+
+
+def test_bad_override_is_a_config_error(tmp_path, capsys):
+    config = _config(tmp_path, tmp_path / "sources.yaml")
+    assert prepare_data.main(["--config", str(config), "num_shards=many"]) == 2
+    assert "num_shards" in capsys.readouterr().err
+
+
+def test_shuffle_output_does_not_depend_on_map_and_reduce_grouping(ray_instance, tmp_path):
+    """Many map groups and reducers (reducer_mib=1) give the same shards as one of each (reducer_mib=64)."""
+    from huginn_ray.data.shards import run_shuffle
+    from huginn_ray.data.tokenize_pack import PACKED_SCHEMA, rows_to_arrow
+
+    seq_len, files = 1023, []
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    for i in range(10):
+        rows = (np.arange(40 * (seq_len + 1), dtype=np.int32).reshape(40, seq_len + 1) + i * 10**6)
+        split = (np.arange(40) % 5 == 0).astype(np.uint8)
+        pq.write_table(pa.table({"input_ids": rows_to_arrow(rows), "split": pa.array(split)}, schema=PACKED_SCHEMA),
+                       packed / f"{i:04d}.parquet")
+        files.append({"file": f"{i:04d}.parquet", "train_rows": 32, "val_rows": 8})
+    marker = {"seq_len": seq_len, "files": files}
+    outputs = {}
+    for reducer_mib in (1, 64):
+        out = tmp_path / f"shards_{reducer_mib}"
+        manifest = run_shuffle(marker, packed, out, num_shards=3, seed=5, row_group_size=4, reducer_mib=reducer_mib,
+                               fingerprint="test", manifest_extra={})
+        assert manifest["rows_per_shard"] == {"train": 106, "val": 26}
+        assert manifest["dropped_surplus_rows"] == {"train": 2, "val": 2}
+        outputs[reducer_mib] = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.glob("*/*.parquet")}
+    assert outputs[1] == outputs[64] and len(outputs[1]) == 6
+    firsts = [r[0] for p in (tmp_path / "shards_1" / "train").glob("*.parquet") for r in _rows(p)]
+    assert len(set(firsts)) == len(firsts) == 3 * 106  # no row twice

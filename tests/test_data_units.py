@@ -1,0 +1,135 @@
+"""Unit tests of the data pipeline's pure parts: source list validation, packing rule, weights, permutation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from huginn_ray.config import ConfigError, parse_yaml
+from huginn_ray.data.formatting import chat_template, format_rows
+from huginn_ray.data.packing import copy_fractions, pack, pack_row_starts, unit_hash
+from huginn_ray.data.shards import FeistelPermutation, plan_split
+from huginn_ray.data.sources import Source, parse_sources
+
+GOOD = """
+- name: wiki
+  address: euirim/goodwiki
+  features: [markdown]
+  weight: 4.0
+  category: wiki
+  license: mit
+- name: local
+  local_dir: /tmp
+  features: [text]
+"""
+
+
+def test_source_list_parses_fields_and_defaults():
+    wiki, local = parse_sources(parse_yaml(GOOD), "sources.yaml")
+    assert (wiki.address, wiki.weight, wiki.every_token_is_sacred) == ("euirim/goodwiki", 4.0, False)
+    assert wiki.revision == "main"
+    assert wiki.file_patterns == ["*.parquet", "*.jsonl", "*.jsonl.gz", "*.txt"]
+    assert local.is_local and not wiki.is_local
+
+
+@pytest.mark.parametrize("entry, field", [
+    ("{name: wiki, address: a/b, features: [x], colour: blue}", "colour"),
+    ("{name: wiki, address: a/b, features: [x], weight: heavy}", "weight"),
+    ("{name: wiki, address: a/b, features: x}", "features"),
+    ("{name: wiki, address: a/b, features: [x], every_token_is_sacred: 1}", "every_token_is_sacred"),
+    ("{name: wiki, features: [x]}", "address"),
+    ("{name: wiki, address: a/b, features: [x], weight: -1}", "weight"),
+    ("{name: 'bad name', address: a/b, features: [x]}", "name"),
+])
+def test_bad_source_fields_are_refused_naming_source_and_field(entry, field):
+    with pytest.raises(ConfigError) as err:
+        parse_sources(parse_yaml(f"- {entry}"), "sources.yaml")
+    message = str(err.value)
+    assert "sources.yaml" in message and field in message
+    if "'bad name'" not in entry:
+        assert "'wiki'" in message
+
+
+def test_duplicate_source_names_are_refused():
+    with pytest.raises(ConfigError, match="'a'.*more than once"):
+        parse_sources(parse_yaml("- {name: a, local_dir: /x, features: [t]}\n"
+                                 "- {name: a, local_dir: /y, features: [t]}"), "s.yaml")
+
+
+def test_formatting_rules():
+    multi = Source(name="m", local_dir="/x", features=["title", "body"])
+    assert format_rows({"title": ["T", "U"], "body": ["B", None]}, multi) == ["T\nB", "U\n"]
+    single = Source(name="s", local_dir="/x", features=["content"])
+    assert format_rows({"content": ["doc", "", None]}, single) == ["doc"]
+    chat = Source(name="c", local_dir="/x", features=["messages"], needs_chat_templating=True)
+    messages = [{"role": "user", "content": " hi \n"}, {"from": "gpt", "value": "hello"}]
+    expected = ("<|begin_header|>user<|end_header|>\n\nhi<|end_turn|>"
+                "<|begin_header|>Huginn<|end_header|>\n\nhello<|end_turn|>")
+    assert chat_template(messages) == expected
+    assert format_rows({"messages": [messages]}, chat) == [expected]
+
+
+def _docs(lengths):
+    start, docs = 0, []
+    for n in lengths:
+        docs.append(np.arange(start, start + n, dtype=np.int32))
+        start += n
+    return docs
+
+
+def test_incineration_rule_on_hand_made_documents():
+    # row_len 5: [3, 3] fill to 6 -> row [0..4], token 5 burnt; doc 3 (7 tokens, 6..12) -> row [6..10],
+    # 11..12 burnt; doc 4 (2 tokens) is left over (< 5) and dropped.
+    rows = pack(_docs([3, 3, 7, 2]), [False] * 4, 5)
+    assert rows.tolist() == [[0, 1, 2, 3, 4], [6, 7, 8, 9, 10]]
+
+
+def test_sacred_documents_keep_every_token():
+    rows = pack(_docs([3, 3, 7, 2]), [True] * 4, 5)
+    assert rows.tolist() == [list(range(0, 5)), list(range(5, 10)), list(range(10, 15))]
+
+
+def test_sacredness_is_that_of_the_previous_document():
+    # Before doc 2 the buffer (docs 0+1, 8 tokens) ends with a sacred doc: cut 5, keep 3 (5..7).
+    # Before doc 3 the buffer (5..7 + doc 2 = 5..13, 9 tokens) ends with a non-sacred doc: one row, rest burnt.
+    assert pack_row_starts([4, 4, 6, 1], [False, True, False, False], 5) == [0, 5]
+    rows = pack(_docs([4, 4, 6, 1]), [False, True, False, False], 5)
+    assert rows.tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+
+
+def test_every_row_has_row_len_tokens():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 300, size=500)
+    for sacred in (False, True):
+        rows = pack(_docs(lengths), [sacred] * len(lengths), 129)
+        assert rows.shape[1] == 129 and rows.shape[0] > 0
+        assert rows.dtype == np.int32
+    total = int(lengths.sum())
+    assert pack(_docs(lengths), [True] * len(lengths), 129).shape[0] == total // 129
+
+
+def test_copy_fractions_and_hash_selection():
+    assert copy_fractions(1.0) == [1.0]
+    assert copy_fractions(2.5) == [1.0, 1.0, 0.5]
+    assert copy_fractions(0.25) == [0.25]
+    assert copy_fractions(0.0) == []
+    texts = [f"document {i}" for i in range(4000)]
+    share = np.mean([unit_hash(7, "copy0", t) < 0.25 for t in texts])
+    assert 0.22 < share < 0.28
+    assert unit_hash(7, "val", "x") == unit_hash(7, "val", "x") != unit_hash(8, "val", "x")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 1000, 4097])
+def test_feistel_permutation_is_a_bijection(n):
+    perm = FeistelPermutation(n, seed=3, salt=0)(np.arange(n))
+    assert sorted(perm.tolist()) == list(range(n))
+    if n > 16:
+        assert perm.tolist() != list(range(n))
+        assert perm.tolist() != FeistelPermutation(n, seed=4, salt=0)(np.arange(n)).tolist()
+
+
+def test_plan_split_drops_surplus_and_refuses_too_few_rows():
+    plan = plan_split(103, 4, 100, 1 << 20, "train")
+    assert (plan["rows_per_shard"], plan["kept"], plan["dropped"]) == (25, 100, 3)
+    with pytest.raises(ValueError, match="val split has 3 packed rows, fewer than num_shards=4"):
+        plan_split(3, 4, 100, 1 << 20, "val")
