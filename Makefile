@@ -20,8 +20,11 @@ test: $(STAMP)
 	tools/ensure_sshd.sh
 	tools/private_netns.sh $(PY) -m pytest tests
 
+# The pipeline end to end on the embedded default (a private local Ray per job): tokenizer, shards, training.
 demo: $(STAMP)
-	$(PY) jobs/demo.py
+	$(PY) jobs/train_tokenizer.py --config configs/data/demo.yaml
+	$(PY) jobs/prepare_data.py --config configs/data/demo.yaml
+	$(PY) jobs/train.py --config configs/train/tiny_cpu.yaml
 
 clean:
 	rm -rf $(VENV)

@@ -1,0 +1,163 @@
+"""A training step under Ray Train versus the same step under plain torchrun.
+
+    python bench/train_step.py --workers 2 --steps 20 --model raven-tiny --seq-len 128 --rounds 2
+
+Both sides run `huginn_ray.train.loop.train_step` on components from `build_components` (model, gradient
+exchange, optimizer, shard reader) over the same synthetic shards, with gloo on CPU (NCCL with GPUs). Rank 0
+times `--steps` steps after `--warmup` steps; the two launchers alternate for `--rounds` rounds and the median
+step times are compared. Needs a private namespace (tools/private_netns.sh) since it starts a local Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+
+from huginn_ray.config import from_dict, to_dict
+from huginn_ray.model import ModelConfig
+from huginn_ray.train.config import TrainConfig
+from huginn_ray.data.shards import shard_path
+from huginn_ray.train.loop import build_components, train_step
+
+
+def make_shards(root: Path, workers: int, rows: int, seq_len: int, vocab: int) -> None:
+    rng = np.random.default_rng(0)
+    for rank in range(workers):
+        path = shard_path(root, "train", rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = rng.integers(0, vocab - 32, size=(rows, seq_len + 1), dtype=np.int32)
+        pq.write_table(pa.table({"input_ids": pa.array(list(data), type=pa.list_(pa.int32()))}), path,
+                       row_group_size=64)
+
+
+def timed_steps(spec: dict) -> None:
+    """Run on every rank once the process group is up; rank 0 writes the step times."""
+    cfg = from_dict(TrainConfig, spec["cfg"])
+    rank = dist.get_rank()
+    # the same device on both launchers: the worker's GPU (Ray Train and torchrun both set it) or the CPU
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.scaling.use_gpu else torch.device("cpu")
+    components = build_components(cfg, spec["plan"], rank, device)
+    times = []
+    for step in range(1, spec["warmup"] + spec["steps"] + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step(components, step, cfg, spec["plan"], device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if step > spec["warmup"]:
+            times.append(time.perf_counter() - t0)
+    if rank == 0:
+        Path(spec["result"]).write_text(json.dumps(times))
+
+
+def ray_train_loop(spec: dict) -> None:
+    timed_steps(spec)
+
+
+def run_ray(spec: dict, workers: int) -> list[float]:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    cfg = from_dict(TrainConfig, spec["cfg"])
+    TorchTrainer(
+        ray_train_loop, train_loop_config=spec,
+        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=cfg.scaling.use_gpu),
+        run_config=RunConfig(storage_path=spec["storage"], name=f"bench_{time.time_ns()}"),
+    ).fit()
+    return json.loads(Path(spec["result"]).read_text())
+
+
+def run_torchrun(spec_path: Path, workers: int) -> list[float]:
+    spec = json.loads(spec_path.read_text())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={workers}", "--master_addr=127.0.0.1",
+         f"--master_port={port}", __file__, "--torchrun-worker", str(spec_path)],
+        check=True, capture_output=True, timeout=600,
+    )
+    return json.loads(Path(spec["result"]).read_text())
+
+
+def torchrun_worker(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    use_gpu = spec["cfg"]["scaling"]["use_gpu"]
+    if use_gpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if use_gpu else "gloo")
+    timed_steps(spec)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--model", default="raven-tiny")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--grad-sync", default="chunk_stream")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--torchrun-worker", metavar="SPEC", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.torchrun_worker:
+        return torchrun_worker(args.torchrun_worker)
+
+    import ray
+
+    use_gpu = torch.cuda.device_count() >= args.workers
+    root = Path(tempfile.mkdtemp(prefix="hr_bench_"))
+    model_cfg = ModelConfig.from_name(args.model, activation_checkpointing=True)
+    rows = args.micro_batch * (args.warmup + args.steps)
+    make_shards(root / "data", args.workers, rows, args.seq_len, model_cfg.vocab_size)
+    cfg = TrainConfig(out_dir=str(root), block_size=args.seq_len, micro_batch_size=args.micro_batch)
+    cfg.grad_sync.kind = args.grad_sync
+    cfg.grad_sync.chunk_mib = 16
+    cfg.scaling.use_gpu = use_gpu
+    cfg.data.data_dir = str(root / "data")
+    cfg.cpu_threads = 1
+    plan = {"grad_accum": 1, "schedule_steps": 10**6, "pad_id": model_cfg.vocab_size - 1,
+            "eos_id": model_cfg.vocab_size - 2, "precision": "bf16-mixed" if use_gpu else "fp32",
+            "model_config": model_cfg.to_hf_dict()}
+    spec = {"cfg": to_dict(cfg), "plan": plan, "steps": args.steps, "warmup": args.warmup,
+            "result": str(root / "times.json"), "storage": str(root / "ray")}
+    spec_path = root / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+
+    ray.init(_temp_dir=tempfile.mkdtemp(prefix="hr_", dir="/tmp"), include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
+    medians = {"ray_train": [], "torchrun": []}
+    for _ in range(args.rounds):
+        medians["ray_train"].append(statistics.median(run_ray(spec, args.workers)))
+        medians["torchrun"].append(statistics.median(run_torchrun(spec_path, args.workers)))
+    ray.shutdown()
+    ray_s, torchrun_s = statistics.median(medians["ray_train"]), statistics.median(medians["torchrun"])
+    # the fastest round of each launcher is the least disturbed by other load on a shared machine
+    ray_best, torchrun_best = min(medians["ray_train"]), min(medians["torchrun"])
+    print(f"{args.model}, seq {args.seq_len} x micro-batch {args.micro_batch}, {args.workers} workers "
+          f"({'nccl' if use_gpu else 'gloo'}), {args.grad_sync}, median of {args.steps} steps x {args.rounds} rounds")
+    print(f"  torchrun   {torchrun_s * 1000:8.1f} ms/step   rounds: {[round(m * 1000, 1) for m in medians['torchrun']]}")
+    print(f"  Ray Train  {ray_s * 1000:8.1f} ms/step   rounds: {[round(m * 1000, 1) for m in medians['ray_train']]}")
+    print(f"  Ray Train / torchrun = {ray_s / torchrun_s:.3f} ({(ray_s / torchrun_s - 1) * 100:+.1f}%) median round, "
+          f"{ray_best / torchrun_best:.3f} ({(ray_best / torchrun_best - 1) * 100:+.1f}%) fastest round")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""What a checkpoint holds, and how a worker writes and reads its part.
+
+Every worker reports one directory to Ray Train, which merges them into one checkpoint directory:
+
+    model/model.safetensors, model/config.json   the model in the Hugging Face layout (rank 0)
+    optimizer.pt                                 optimizer state, identical on every rank (rank 0)
+    trainer_state.json                           step, tokens seen, MLflow run id, world size (rank 0)
+    rank_{r:05d}.pt                              rank r's reader state and RNG states (every rank)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from huginn_ray.model import load_pretrained, save_pretrained
+
+
+@dataclass
+class TrainerState:
+    step: int = 0
+    """Optimizer steps done."""
+    tokens: int = 0
+    """Tokens trained on, all ranks together."""
+    mlflow_run_id: str | None = None
+    """The MLflow run this training run logs to."""
+    world_size: int = 0
+    """Ranks that wrote the checkpoint."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def rng_states(device: torch.device) -> dict:
+    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict, device: torch.device) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def write(directory: Path, rank: int, model, optimizer, state: TrainerState, reader_state: dict, device) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        save_pretrained(model, directory / "model")
+        torch.save(optimizer.state_dict(), directory / "optimizer.pt")
+        (directory / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
+    torch.save({"reader": reader_state, "rng": rng_states(device)}, directory / rank_file(rank))
+
+
+def read(directory: Path, rank: int, world_size: int, model, optimizer, device) -> tuple[TrainerState, dict]:
+    """Load model and optimizer in place, restore the RNGs; returns the trainer state and the reader state."""
+    state = TrainerState(**json.loads((directory / "trainer_state.json").read_text()))
+    if state.world_size != world_size:
+        raise ValueError(
+            f"checkpoint {directory} was written by {state.world_size} ranks, this run has {world_size}: "
+            "the per-rank reader states do not carry over"
+        )
+    model.load_state_dict(load_pretrained(directory / "model", device=device).state_dict())
+    optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=device, weights_only=True))
+    per_rank = torch.load(directory / rank_file(rank), weights_only=True)
+    set_rng_states(per_rank["rng"], device)
+    return state, per_rank["reader"]

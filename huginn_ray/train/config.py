@@ -1,0 +1,205 @@
+"""The training run's configuration: one YAML file (configs/train/*.yaml) plus dotted `key=value` overrides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from huginn_ray.config import ConfigError, load_config
+
+
+@dataclass
+class ModelSection:
+    name: str = "raven-tiny"
+    """Registry name of the architecture (huginn_ray.model.ModelConfig.from_name)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """ModelConfig fields to change (the reference's `model_overwrite`), e.g. vocab_size, mean_recurrence."""
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["ELLISAdam", "AdamW"] = "ELLISAdam"
+    """Optimizer class: the reference's ELLISAdam or torch AdamW."""
+    lr: float = 4e-5
+    """Peak learning rate (ELLISAdam also uses it as init_lr in the decoupled weight decay)."""
+    weight_decay: float = 4e-5
+    """Weight decay of the weight and embedding groups."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam betas."""
+    eps: float = 1e-6
+    """Adam epsilon (ELLISAdam: also the floor sqrt of the second moment under update clipping)."""
+    update_clipping: bool = True
+    """ELLISAdam: scale the step down when the update RMS of a tensor exceeds 1."""
+    atan_adam: bool = True
+    """ELLISAdam: atan2 update instead of m / (sqrt(v) + eps)."""
+    running_init: bool = True
+    """ELLISAdam: initialise the moments from the first gradient."""
+    decouple_wd: bool = True
+    """ELLISAdam: decay by (lr / init_lr) * weight_decay instead of lr * weight_decay."""
+    no_weight_decay_for_bias_and_norm: bool = True
+    """No decay on norm weights and biases (the third parameter group)."""
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 4096
+    """Linear warmup length in steps."""
+    cooldown_steps: int = 4096
+    """Linear cooldown to min_lr over the last steps before max_steps."""
+    min_lr: float = 0.0
+    """Floor of the cooldown."""
+    reference_lr_quirk: bool = False
+    """Forensic only: reproduce the reference's LR bug (weight matrices at the constant peak lr from step 1,
+    every group frozen after a resume) instead of the intended schedule."""
+
+
+@dataclass
+class GradSyncConfig:
+    kind: Literal["chunk_stream", "chunk_stream_overlap", "ddp"] = "chunk_stream"
+    """Gradient exchange (huginn_ray.train.grad_sync)."""
+    chunk_mib: float = 64.0
+    """Size of every all-reduce message of the chunk streams, in MiB of fp32 (DDP: bucket size)."""
+    ddp_find_unused_parameters: bool = False
+    """Only for ddp: needed when some parameter may get no gradient in a step."""
+
+
+@dataclass
+class DataSection:
+    data_dir: str = ""
+    """Shard directory: train/{rank:05d}.parquet, val/{rank:05d}.parquet and manifest.json."""
+    tokenizer_path: str = ""
+    """Tokenizer directory (tokenizer.json) of the shards; gives the pad and eos ids."""
+
+
+@dataclass
+class ScalingSection:
+    num_workers: int = 2
+    """Ray Train workers = data-parallel ranks."""
+    use_gpu: bool = False
+    """One GPU per worker (NCCL/RCCL); otherwise CPU workers with gloo."""
+    cpus_per_worker: float = 1.0
+    """CPUs Ray reserves per worker."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How Ray places the workers on nodes."""
+
+
+@dataclass
+class CheckpointSection:
+    save_step_interval: int = 128
+    """Save every this many steps (also on SIGTERM and at the last step)."""
+    keep: int = 3
+    """Newest checkpoints kept (Ray CheckpointConfig.num_to_keep)."""
+    save_last_step: bool = True
+    """Save when the run reaches its last step."""
+
+
+@dataclass
+class MlflowSection:
+    tracking_uri: str | None = None
+    """MLflow tracking URI; else $MLFLOW_TRACKING_URI; else a SQLite store under out_dir/mlflow."""
+    experiment: str = "huginn_ray"
+    """MLflow experiment name."""
+
+
+@dataclass
+class FaultInjection:
+    kill_rank_at_step: int | None = None
+    """Testing only: worker `kill_rank` calls os._exit(1) once, after this step (a marker file in out_dir
+    makes it happen only in the first attempt)."""
+    kill_rank: int = 1
+    """The rank that is killed."""
+
+
+@dataclass
+class TrainConfig:
+    run_name: str = "huginn"
+    """Name of the run: Ray Train run directory under out_dir, MLflow run name."""
+    out_dir: str = "/tmp/huginn_runs"
+    """Everything a run writes: Ray Train checkpoints, the embedded MLflow store, logs."""
+    seed: int = 233
+    """Model-init seed on every rank; rank r's data order uses seed + r."""
+    max_tokens: float | None = None
+    """Token budget; gives max_steps = max_tokens // world_size // (micro_batch_size * block_size) if set."""
+    max_steps: int | None = None
+    """Number of steps (wins over max_tokens); the run also ends when a rank's shard is exhausted."""
+    block_size: int = 256
+    """Training sequence length; shard rows hold block_size + 1 ids."""
+    micro_batch_size: int = 1
+    """Sequences per rank per forward."""
+    world_batch_size: int | None = None
+    """Sequences per optimizer step over all ranks; gives the gradient accumulation. None: no accumulation."""
+    model: ModelSection = field(default_factory=ModelSection)
+    """Architecture."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Trapezoid learning-rate schedule."""
+    grad_sync: GradSyncConfig = field(default_factory=GradSyncConfig)
+    """Gradient exchange between ranks."""
+    data: DataSection = field(default_factory=DataSection)
+    """Shards and tokenizer."""
+    scaling: ScalingSection = field(default_factory=ScalingSection)
+    """Ray Train workers."""
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    """Checkpoint cadence and retention."""
+    mlflow: MlflowSection = field(default_factory=MlflowSection)
+    """Metrics tracking."""
+    grad_clip: float = 1.0
+    """Max global L2 norm of the averaged gradients."""
+    skip_first_optimizer_step: bool = True
+    """The reference never applies the first step's gradients."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A non-finite loss or gradient norm stops the run (with an error) or skips that optimizer step."""
+    activation_checkpointing: bool = True
+    """Per-iteration activation checkpointing of the gradient iterations of the recurrent block."""
+    precision: Literal["auto", "bf16-mixed", "fp32"] = "auto"
+    """auto: bf16 autocast on GPU, fp32 on CPU (bitwise-reproducible)."""
+    log_step_interval: int = 4
+    """Log metrics every this many steps."""
+    eval_step_interval: int = 128
+    """Validate every this many steps (and at the last step)."""
+    eval_iters: int = 1
+    """Validation micro-batches per rank per depth."""
+    eval_depths: list[int] = field(default_factory=lambda: [1, 4, 8, 16, 64, 32])
+    """Recurrence depths validated; the last one gives val_loss."""
+    peak_flops_per_device: float = 191.5e12
+    """Peak FLOP/s of one device for MFU (MI250X GCD: 383e12 / 2)."""
+    telemetry: bool = True
+    """Latent-state telemetry of the model on log steps."""
+    pg_timeout_s: int = 900
+    """Process-group timeout: a hung collective raises after this long."""
+    warmup_allreduce_mib: float = 128.0
+    """Size of the warm-up all-reduce buffer; 0 disables the warm-up."""
+    warmup_timeout_s: float = 300.0
+    """How long the warm-up waits for every rank to check in."""
+    max_failures: int = 3
+    """Worker failures Ray Train recovers from (restart from the newest checkpoint)."""
+    cpu_threads: int = 1
+    """torch threads per CPU worker (1 keeps CPU runs bitwise reproducible)."""
+    fault_injection: FaultInjection = field(default_factory=FaultInjection)
+    """Testing only."""
+
+
+def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Load, validate, and make every path absolute (relative to the current directory): Ray workers run in
+    their own directories."""
+    cfg = load_config(TrainConfig, path, overrides)
+    cfg.out_dir = str(Path(cfg.out_dir).resolve())
+    if cfg.data.data_dir:
+        cfg.data.data_dir = str(Path(cfg.data.data_dir).resolve())
+    if cfg.data.tokenizer_path:
+        cfg.data.tokenizer_path = str(Path(cfg.data.tokenizer_path).resolve())
+    for key in ("max_steps", "micro_batch_size", "log_step_interval", "eval_step_interval", "eval_iters"):
+        value = getattr(cfg, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}: must be >= 1, got {value}")
+    if cfg.checkpoint.save_step_interval < 1 or cfg.checkpoint.keep < 1:
+        raise ConfigError("checkpoint.save_step_interval and checkpoint.keep must be >= 1")
+    if cfg.scaling.num_workers < 1:
+        raise ConfigError(f"scaling.num_workers: must be >= 1, got {cfg.scaling.num_workers}")
+    if cfg.max_steps is None and cfg.max_tokens is None:
+        raise ConfigError("set max_steps or max_tokens")
+    if not cfg.eval_depths:
+        raise ConfigError("eval_depths: needs at least one depth")
+    return cfg

@@ -1,0 +1,227 @@
+"""Gradient exchange across data-parallel ranks: every rank ends with the fp32 mean of all ranks' gradients.
+
+Three interchangeable exchanges (config `grad_sync.kind`):
+
+- `chunk_stream` (the reference's, §4.2): after backward, the gradients of all trainable parameters are packed,
+  in registration order, into fixed-size fp32 chunks (64 MiB by default); each chunk is all-reduced (sum, then
+  divided by the world size in fp32) and unpacked. Chunks span parameter boundaries; every message has the same
+  size, the last chunk is zero-padded.
+- `chunk_stream_overlap`: the same fixed-size chunks, laid out in reverse registration order (the order backward
+  produces gradients) and filled by `register_post_accumulate_grad_hook`; a chunk's all-reduce is launched
+  asynchronously as soon as all of its parameters' gradients are final, so communication overlaps backward.
+  Chunks are always launched in index order, so every rank issues the same collectives in the same order.
+- `ddp`: torch DistributedDataParallel.
+
+The layout covers every trainable parameter whether or not it received a gradient this step; a parameter without
+gradient contributes zeros, and gets the averaged gradient of the others. This keeps the collectives identical
+on every rank even if one rank's graph skipped a parameter.
+
+Gradient accumulation: wrap every micro-batch's forward+backward in `sync.micro_batch(last=...)`, and call
+`sync.finish()` after the last one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+CHUNK_BYTES_DEFAULT = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`count` elements of parameter `param_index`'s flat gradient from `grad_offset` live at `chunk_offset`."""
+
+    param_index: int
+    grad_offset: int
+    chunk_offset: int
+    count: int
+
+
+def chunk_layout(numels: list[int], chunk_numel: int) -> list[list[Segment]]:
+    """Pack flat tensors of the given sizes, in order, into chunks of `chunk_numel` elements."""
+    chunks: list[list[Segment]] = [[]]
+    used = 0
+    for index, numel in enumerate(numels):
+        offset = 0
+        while offset < numel:
+            if used == chunk_numel:
+                chunks.append([])
+                used = 0
+            count = min(numel - offset, chunk_numel - used)
+            chunks[-1].append(Segment(index, offset, used, count))
+            offset += count
+            used += count
+    return [c for c in chunks if c]
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+    return p.grad
+
+
+class ChunkStream:
+    """Synchronous fixed-size chunk all-reduce after backward (reference §4.2, zero-padded)."""
+
+    def __init__(self, model: nn.Module, chunk_numel: int, group=None, device: torch.device | None = None):
+        self.module = model
+        self.params = trainable_parameters(model)
+        self.chunks = chunk_layout([p.numel() for p in self.params], chunk_numel)
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        device = device or self.params[0].device
+        # one buffer reused for every chunk: the exchange is sequential
+        self.buffer = torch.zeros(chunk_numel, dtype=torch.float32, device=device)
+
+    def micro_batch(self, last: bool):
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        for chunk in self.chunks:
+            self.buffer.zero_()
+            for s in chunk:
+                grad = self.params[s.param_index].grad
+                if grad is not None:
+                    self.buffer[s.chunk_offset : s.chunk_offset + s.count].copy_(
+                        grad.reshape(-1)[s.grad_offset : s.grad_offset + s.count]
+                    )
+            dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM, group=self.group)
+            self.buffer.div_(self.world_size)
+            for s in chunk:
+                grad = _grad_or_zeros(self.params[s.param_index])
+                grad.view(-1)[s.grad_offset : s.grad_offset + s.count].copy_(
+                    self.buffer[s.chunk_offset : s.chunk_offset + s.count]
+                )
+
+
+class ChunkStreamOverlap:
+    """Fixed-size chunks all-reduced asynchronously while backward is still running."""
+
+    def __init__(self, model: nn.Module, chunk_numel: int, group=None, device: torch.device | None = None):
+        self.module = model
+        # backward produces gradients roughly in reverse registration order: lay chunks out that way so that
+        # chunk 0 fills first.
+        self.params = list(reversed(trainable_parameters(model)))
+        self.chunks = chunk_layout([p.numel() for p in self.params], chunk_numel)
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        device = device or self.params[0].device
+        self.buffers = [torch.zeros(chunk_numel, dtype=torch.float32, device=device) for _ in self.chunks]
+        self.segments_of: list[list[tuple[int, Segment]]] = [[] for _ in self.params]
+        for chunk_index, chunk in enumerate(self.chunks):
+            for s in chunk:
+                self.segments_of[s.param_index].append((chunk_index, s))
+        self._syncing = False
+        self._reset()
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
+        ]
+
+    def _reset(self) -> None:
+        self.fired = [False] * len(self.params)
+        self.missing = [len({s.param_index for s in chunk}) for chunk in self.chunks]
+        self.works: list = []
+        for b in self.buffers:
+            b.zero_()
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool):
+        # hooks fire on every backward; only the last micro-batch's (accumulated) gradients are exchanged
+        self._syncing = last
+        if last:
+            self._reset()
+        yield
+
+    def _make_hook(self, index: int):
+        def hook(p: torch.Tensor) -> None:
+            if not self._syncing:
+                return
+            if self.fired[index]:
+                # Autograd runs a leaf's AccumulateGrad once per backward, after all uses are summed; a second
+                # call would mean this parameter's chunk may already be on the wire with a partial gradient.
+                raise RuntimeError(
+                    f"chunk_stream_overlap: gradient hook of parameter #{index} ({tuple(p.shape)}) fired twice "
+                    "in one backward (reentrant checkpointing or a second backward?); use chunk_stream instead"
+                )
+            self.fired[index] = True
+            flat = p.grad.reshape(-1)
+            for chunk_index, s in self.segments_of[index]:
+                self.buffers[chunk_index][s.chunk_offset : s.chunk_offset + s.count].copy_(
+                    flat[s.grad_offset : s.grad_offset + s.count]
+                )
+            for chunk_index in {c for c, _ in self.segments_of[index]}:
+                self.missing[chunk_index] -= 1
+            self._launch_ready()
+
+        return hook
+
+    def _launch_ready(self) -> None:
+        # strictly in chunk order, so that all ranks issue the same sequence of collectives
+        while len(self.works) < len(self.chunks) and self.missing[len(self.works)] == 0:
+            buf = self.buffers[len(self.works)]
+            self.works.append(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+
+    def finish(self) -> None:
+        # parameters whose hook never fired got no gradient: their zero slots are complete now
+        for index, fired in enumerate(self.fired):
+            if not fired:
+                for chunk_index in {c for c, _ in self.segments_of[index]}:
+                    self.missing[chunk_index] -= 1
+                self.fired[index] = True
+        self._launch_ready()
+        for chunk, buf, work in zip(self.chunks, self.buffers, self.works):
+            work.wait()
+            buf.div_(self.world_size)
+            for s in chunk:
+                grad = _grad_or_zeros(self.params[s.param_index])
+                grad.view(-1)[s.grad_offset : s.grad_offset + s.count].copy_(
+                    buf[s.chunk_offset : s.chunk_offset + s.count]
+                )
+        self._syncing = False
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class DDPSync:
+    """torch DistributedDataParallel; `find_unused_parameters` is needed only if some parameter may get no grad.
+
+    The recurrence depth changes every step, so the autograd graph changes too: `static_graph` stays off.
+    """
+
+    def __init__(self, model: nn.Module, group=None, find_unused_parameters: bool = False, bucket_mb: int = 25):
+        device_ids = [model_device.index] if (model_device := next(model.parameters()).device).type == "cuda" else None
+        self.module = nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=device_ids,
+            process_group=group,
+            find_unused_parameters=find_unused_parameters,
+            bucket_cap_mb=bucket_mb,
+        )
+
+    def micro_batch(self, last: bool):
+        return contextlib.nullcontext() if last else self.module.no_sync()
+
+    def finish(self) -> None:
+        """DDP has reduced during backward."""
+
+
+def build_grad_sync(kind: str, model: nn.Module, chunk_mib: float = 64, group=None, find_unused_parameters=False):
+    chunk_numel = int(chunk_mib * 1024 * 1024) // 4
+    if kind == "chunk_stream":
+        return ChunkStream(model, chunk_numel, group)
+    if kind == "chunk_stream_overlap":
+        return ChunkStreamOverlap(model, chunk_numel, group)
+    if kind == "ddp":
+        return DDPSync(model, group, find_unused_parameters=find_unused_parameters, bucket_mb=max(1, int(chunk_mib)))
+    raise ValueError(f"grad_sync.kind: unknown gradient exchange {kind!r} (chunk_stream, chunk_stream_overlap, ddp)")

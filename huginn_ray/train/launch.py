@@ -1,0 +1,176 @@
+"""Driver side of a training run: check everything cheap first, then start Ray Train workers.
+
+`preflight` refuses bad input (missing data, shard count != world size, tokenizer larger than the model's
+vocabulary, sequence length mismatch, impossible batch arithmetic) before any Ray worker starts, and derives
+the run plan the workers share. `run_training` opens the MLflow run and runs the TorchTrainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from huginn_ray.cluster.devices import DeviceSelectionError, check_ray_train_gpu_environment, distributed_backend
+from huginn_ray.config import to_dict
+from huginn_ray.data.shards import read_manifest, shard_path
+from huginn_ray.data.tokenizer import TOKENIZER_FILE, check_tokenizer_fits, file_sha256, special_token_ids
+from huginn_ray.model import ModelConfig
+from huginn_ray.train import tracking
+from huginn_ray.train.config import TrainConfig
+from huginn_ray.train.loop import stop_file, stopped_file, train_loop_per_worker
+
+
+class PreflightError(ValueError):
+    """Input that would make the run fail; raised before any worker starts."""
+
+
+def batch_arithmetic(cfg: TrainConfig) -> tuple[int, int]:
+    """(gradient accumulation steps, steps the schedule is laid out for) (reference §3.2)."""
+    per_step = cfg.micro_batch_size * cfg.scaling.num_workers
+    if cfg.world_batch_size is None:
+        grad_accum = 1
+    elif cfg.world_batch_size % per_step:
+        raise PreflightError(
+            f"world_batch_size={cfg.world_batch_size} is not a multiple of micro_batch_size x workers = {per_step}"
+        )
+    else:
+        grad_accum = cfg.world_batch_size // per_step
+    if cfg.max_steps is not None:
+        return grad_accum, cfg.max_steps
+    return grad_accum, int(cfg.max_tokens // cfg.scaling.num_workers) // (cfg.micro_batch_size * grad_accum * cfg.block_size)
+
+
+def preflight(cfg: TrainConfig) -> dict:
+    """The plan every worker gets: derived sizes, token ids, the resolved model config."""
+    world_size = cfg.scaling.num_workers
+    try:
+        check_ray_train_gpu_environment(cfg.scaling.use_gpu)
+    except DeviceSelectionError as err:
+        raise PreflightError(str(err)) from None
+    if not cfg.data.data_dir:
+        raise PreflightError("data.data_dir is not set")
+    data_dir = Path(cfg.data.data_dir)
+    if not data_dir.is_dir():
+        raise PreflightError(f"data.data_dir: directory not found: {data_dir}")
+    try:
+        manifest = read_manifest(data_dir)
+    except ValueError as err:
+        raise PreflightError(f"data.data_dir: {err}") from None
+    if manifest["num_shards"] != world_size:
+        raise PreflightError(
+            f"{data_dir} holds {manifest['num_shards']} shards but the run has {world_size} workers "
+            f"(scaling.num_workers): every rank reads exactly one shard"
+        )
+    for split in ("train", "val"):
+        for rank in range(world_size):
+            if not shard_path(data_dir, split, rank).is_file():
+                raise PreflightError(f"missing shard of rank {rank}: {shard_path(data_dir, split, rank)}")
+    if manifest["seq_len"] != cfg.block_size:
+        raise PreflightError(f"block_size={cfg.block_size} but the shards in {data_dir} hold seq_len={manifest['seq_len']}")
+
+    try:
+        model_cfg = ModelConfig.from_name(
+            cfg.model.name, **{"activation_checkpointing": cfg.activation_checkpointing, **cfg.model.overrides}
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise PreflightError(f"model: {err}") from None
+    if cfg.block_size > model_cfg.block_size:
+        raise PreflightError(f"block_size={cfg.block_size} exceeds the model's block_size={model_cfg.block_size}")
+    if not cfg.data.tokenizer_path:
+        raise PreflightError("data.tokenizer_path is not set")
+    try:
+        check_tokenizer_fits(cfg.data.tokenizer_path, model_cfg.vocab_size)
+        ids = special_token_ids(cfg.data.tokenizer_path)
+    except ValueError as err:
+        raise PreflightError(f"data.tokenizer_path: {err}") from None
+    tokenizer_file = Path(cfg.data.tokenizer_path) / TOKENIZER_FILE
+    if manifest["tokenizer_sha256"] != file_sha256(tokenizer_file):
+        raise PreflightError(
+            f"data.tokenizer_path: {tokenizer_file} is not the tokenizer the shards in {data_dir} were made with "
+            f"(manifest tokenizer_sha256 {manifest['tokenizer_sha256'][:12]}..., file {file_sha256(tokenizer_file)[:12]}...)"
+        )
+
+    grad_accum, schedule_steps = batch_arithmetic(cfg)
+    rows = manifest["rows_per_shard"]["train"]  # every shard holds the same number of rows
+    data_steps = rows // (cfg.micro_batch_size * grad_accum)
+    if data_steps < 1:
+        raise PreflightError(f"{data_dir}: a shard holds {rows} rows, one step needs {cfg.micro_batch_size * grad_accum}")
+    val_rows = cfg.eval_iters * cfg.micro_batch_size
+    if manifest["rows_per_shard"]["val"] < val_rows:
+        raise PreflightError(
+            f"{data_dir}: validation shards hold {manifest['rows_per_shard']['val']} rows, "
+            f"eval_iters x micro_batch_size = {val_rows}"
+        )
+    if data_steps < schedule_steps:
+        print(f"[huginn] the shards hold {data_steps} steps of data; the run ends there "
+              f"(the schedule is laid out for {schedule_steps} steps)", flush=True)
+    precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if cfg.scaling.use_gpu else "fp32")
+    return {
+        "world_size": world_size,
+        "grad_accum": grad_accum,
+        "schedule_steps": schedule_steps,
+        "max_steps": min(schedule_steps, data_steps),
+        "pad_id": ids["pad"],
+        "eos_id": ids["eos"],
+        "precision": precision,
+        "model_config": model_cfg.to_hf_dict(),
+    }
+
+
+@dataclass
+class RunOutcome:
+    ok: bool
+    message: str
+    checkpoint_path: str | None
+    mlflow_uri: str
+    mlflow_run_id: str
+    run_dir: str
+    metrics: dict
+
+
+def run_training(cfg: TrainConfig, plan: dict) -> RunOutcome:
+    """MLflow run and TorchTrainer for a plan from `preflight`; Ray must be initialised (see jobs/train.py)."""
+    run_dir = str(Path(cfg.out_dir) / cfg.run_name)
+    uri = tracking.tracking_uri(cfg.mlflow.tracking_uri, cfg.out_dir)
+    plan["mlflow_uri"] = uri
+    plan["mlflow_run_id"] = tracking.open_run(cfg, uri, run_dir)
+
+    backend = distributed_backend(torch.device("cuda" if cfg.scaling.use_gpu else "cpu"))
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": to_dict(cfg), "plan": plan},
+        torch_config=TorchConfig(backend=backend, timeout_s=cfg.pg_timeout_s),
+        scaling_config=ScalingConfig(
+            num_workers=cfg.scaling.num_workers,
+            use_gpu=cfg.scaling.use_gpu,
+            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+            placement_strategy=cfg.scaling.placement_strategy,
+        ),
+        run_config=RunConfig(
+            name=cfg.run_name,
+            storage_path=cfg.out_dir,
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
+        ),
+    )
+    ok = False
+    stopped = stopped_file(cfg)
+    # left by an earlier attempt that this rerun resumes
+    stopped.unlink(missing_ok=True)
+    stop_file(cfg).unlink(missing_ok=True)
+    try:
+        result = trainer.fit()
+        metrics = dict(result.metrics or {})
+        checkpoint_path = result.checkpoint.path if result.checkpoint else None
+        ok = not stopped.exists()
+        message = stopped.read_text().strip() if not ok else (
+            f"stopped on request at step {metrics.get('step')}; rerun to resume" if metrics.get("stop_requested")
+            else f"finished at step {metrics.get('step')}"
+        )
+    finally:  # an exception leaves the MLflow run FAILED
+        tracking.close_run(uri, plan["mlflow_run_id"], ok)
+    return RunOutcome(ok, message, checkpoint_path, uri, plan["mlflow_run_id"], run_dir, metrics)

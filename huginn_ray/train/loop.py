@@ -1,0 +1,314 @@
+"""The per-worker training loop that Ray Train runs on every rank (reference §3.3-§3.4, §3.9-§3.11).
+
+One step: sample the depth (n, k) from the step (the same on every rank), forward+backward every micro-batch,
+exchange gradients (fp32 mean), clip, set the scheduled lr in every group, step (not the first one), then log,
+validate and checkpoint on their intervals. All ranks agree on stopping: the step's loss, its finiteness and a
+SIGTERM flag travel in one small all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import resource
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray.train
+import torch
+import torch.distributed as dist
+
+from huginn_ray.cluster.devices import training_device
+from huginn_ray.config import from_dict
+from huginn_ray.data.shards import shard_path
+from huginn_ray.model import ModelConfig, RecurrentGPT, sample_recurrence, training_flops_per_token
+from huginn_ray.train import checkpoint as ckpt
+from huginn_ray.train.config import TrainConfig
+from huginn_ray.train.grad_sync import build_grad_sync
+from huginn_ray.train.optim import build_optimizer, set_lr, trapezoid_lr
+from huginn_ray.train.shard_reader import ShardReader, collate, validation_rows
+from huginn_ray.train.tracking import MetricsLogger
+from huginn_ray.train.warmup import register_node, warmup_allreduce
+
+
+class Stop(Exception):
+    """The run stops on purpose (non-finite loss or gradient with on_nonfinite=stop)."""
+
+
+def stop_file(cfg: TrainConfig) -> Path:
+    """Created by the driver when it gets SIGTERM (jobs/train.py): the workers save and stop at the next step.
+
+    The training function runs outside its process's main thread, where Python cannot install signal
+    handlers, so the driver forwards the signal through this file."""
+    return Path(cfg.out_dir) / cfg.run_name / "STOP"
+
+
+def stopped_file(cfg: TrainConfig) -> Path:
+    """Written by rank 0 when the run stops on purpose; holds the reason."""
+    return Path(cfg.out_dir) / cfg.run_name / "STOPPED"
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    try:
+        _train(loop_config)
+    except Stop as stop:
+        # Every rank raises Stop at the same step (the decision is all-reduced). Ending normally instead of
+        # raising keeps Ray Train from restarting a run that would only fail again; the driver learns why
+        # from the file (Ray's result carries the metrics of the last checkpoint only).
+        print(f"[huginn] {stop}", flush=True)
+        cfg = from_dict(TrainConfig, loop_config["cfg"])
+        if ray.train.get_context().get_world_rank() == 0:
+            stopped_file(cfg).parent.mkdir(parents=True, exist_ok=True)
+            stopped_file(cfg).write_text(str(stop) + "\n")
+
+
+@dataclass
+class Components:
+    """Everything a rank trains with; built the same way under Ray Train and under torchrun (bench)."""
+
+    model_cfg: ModelConfig
+    model: RecurrentGPT
+    sync: object
+    optimizer: torch.optim.Optimizer
+    reader: ShardReader
+    autocast: object
+    resumed: bool = False
+    """Model, optimizer and reader were loaded from a checkpoint."""
+
+
+def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.device) -> Components:
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.cpu_threads)
+    torch.manual_seed(cfg.seed)  # identical initial model on every rank
+    random.seed(cfg.seed)
+    model_cfg = ModelConfig.from_hf_dict(plan["model_config"])
+    model = RecurrentGPT(model_cfg).to(device)
+    sync = build_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib,
+                           find_unused_parameters=cfg.grad_sync.ddp_find_unused_parameters)
+    optimizer = build_optimizer(model, cfg.optim)
+    reader = ShardReader(shard_path(cfg.data.data_dir, "train", rank), cfg.seed + rank, cfg.block_size + 1)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if plan["precision"] == "bf16-mixed" else nullcontext()
+    return Components(model_cfg, model, sync, optimizer, reader, autocast)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Mean loss over ranks and micro-batches."""
+    lr: float
+    grad_norm: float
+    """Global L2 norm of the averaged gradients before clipping."""
+    num_steps: tuple[int, int]
+    telemetry: dict | None
+    stop_requested: bool
+    """Some rank saw a stop request: save and stop after this step."""
+
+
+def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: torch.device,
+               want_telemetry: bool = False, stop_here: bool = False) -> StepResult:
+    """One optimizer step (reference §3.4): identical depth on all ranks, micro-batches, exchange, clip, step."""
+    grad_accum = plan["grad_accum"]
+    n, k = sample_recurrence(step, c.model_cfg.mean_recurrence, c.model_cfg.mean_backprop_depth)
+    telemetry = None
+    local_loss = 0.0
+    for micro in range(grad_accum):
+        inputs, labels = collate(c.reader.next_rows(cfg.micro_batch_size), plan["pad_id"], plan["eos_id"])
+        inputs, labels = inputs.to(device), labels.to(device)
+        last = micro == grad_accum - 1
+        with c.sync.micro_batch(last=last):
+            with c.autocast:
+                out = c.sync.module(inputs, labels=labels, num_steps=(n, k), return_telemetry=want_telemetry and last)
+            (out.loss / grad_accum).backward()
+        local_loss += out.loss.item() / grad_accum
+        telemetry = out.telemetry or telemetry
+    c.sync.finish()
+
+    lr = trapezoid_lr(step, cfg.optim.lr, cfg.schedule.warmup_steps, cfg.schedule.cooldown_steps,
+                      plan["schedule_steps"], cfg.schedule.min_lr)
+    set_lr(c.optimizer, lr, cfg.schedule.reference_lr_quirk, c.resumed)
+    grad_norm = torch.nn.utils.clip_grad_norm_(c.model.parameters(), cfg.grad_clip).item()
+    # one small all-reduce carries the loss, its finiteness and a stop request: every rank decides alike
+    agreed = torch.tensor([local_loss, float(not math.isfinite(local_loss)), float(stop_here)],
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(agreed)
+    world_size = dist.get_world_size()
+    loss = agreed[0].item() / world_size
+    if agreed[1].item() > 0 or not math.isfinite(grad_norm):
+        message = f"step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm})"
+        if cfg.on_nonfinite == "stop":
+            raise Stop(f"{message}; stopping (on_nonfinite=stop)")
+        if dist.get_rank() == 0:
+            print(f"[huginn] {message}; optimizer step skipped (on_nonfinite=skip)", flush=True)
+    elif not (step == 1 and cfg.skip_first_optimizer_step):
+        c.optimizer.step()
+    c.optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss, lr, grad_norm, (n, k), telemetry, agreed[2].item() > 0)
+
+
+def _train(loop_config: dict) -> None:
+    cfg = from_dict(TrainConfig, loop_config["cfg"])
+    plan = loop_config["plan"]
+    ctx = ray.train.get_context()
+    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
+    device = training_device()
+    register_node()
+    c = build_components(cfg, plan, rank, device)
+    model, optimizer, reader = c.model, c.optimizer, c.reader
+    val_inputs, val_labels = collate(
+        validation_rows(cfg.data.data_dir, rank, cfg.eval_iters * cfg.micro_batch_size, cfg.block_size + 1),
+        plan["pad_id"], plan["eos_id"],
+    )
+
+    state = ckpt.TrainerState(mlflow_run_id=plan["mlflow_run_id"], world_size=world_size)
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            state, reader_state = ckpt.read(Path(directory), rank, world_size, model, optimizer, device)
+        reader.load_state_dict(reader_state)
+        c.resumed = True
+        if rank == 0:
+            print(f"[huginn] resumed from {checkpoint.path} at step {state.step}", flush=True)
+
+    if cfg.warmup_allreduce_mib > 0:
+        warmup_allreduce(device, cfg.warmup_allreduce_mib, timeout_s=cfg.warmup_timeout_s)
+
+    logger = MetricsLogger(plan["mlflow_uri"], state.mlflow_run_id) if rank == 0 else None
+    max_steps = plan["max_steps"]
+    tokens_per_step = world_size * cfg.micro_batch_size * plan["grad_accum"] * cfg.block_size
+    window = LogWindow()
+    start_step = state.step
+
+    while state.step < max_steps:
+        state.step += 1
+        step = state.step
+        log_step = step % cfg.log_step_interval == 0 or step == max_steps
+        result = train_step(c, step, cfg, plan, device, want_telemetry=cfg.telemetry and log_step,
+                            stop_here=rank == 0 and stop_file(cfg).exists())
+        state.tokens += tokens_per_step
+        window.add(result, training_flops_per_token(c.model_cfg, result.num_steps, cfg.block_size) * tokens_per_step,
+                   tokens_per_step)
+        if log_step:
+            metrics = window.metrics(result, state.tokens, world_size, cfg.peak_flops_per_device, device)
+            if rank == 0:
+                logger.log(metrics, step)
+                print(progress_line(step, max_steps, metrics), flush=True)
+            window = LogWindow()
+        last_step = step == max_steps
+        if step % cfg.eval_step_interval == 0 or last_step:
+            val = validate(model, val_inputs, val_labels, cfg, plan, device, c.autocast)
+            if rank == 0:
+                logger.log(val, step)
+                print(f"[huginn] step {step} validation " + " ".join(f"{k}={v:.4f}" for k, v in val.items()), flush=True)
+        stop_requested = result.stop_requested
+        if (step % cfg.checkpoint.save_step_interval == 0 or (last_step and cfg.checkpoint.save_last_step)
+                or stop_requested):
+            save(model, optimizer, state, reader, rank, device, result.loss, stop_requested)
+        if stop_requested:
+            if rank == 0:
+                print(f"[huginn] stop requested ({stop_file(cfg)}): saved step {step}, stopping", flush=True)
+                stop_file(cfg).unlink(missing_ok=True)
+            return
+        inject_fault(cfg, rank, step, start_step)
+
+
+class LogWindow:
+    """Steps since the last log line: their time, tokens and model FLOPs give tokens/s and MFU."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.steps, self.tokens, self.flops, self.loss_sum = 0, 0, 0.0, 0.0
+
+    def add(self, result: StepResult, flops: float, tokens: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.flops += flops
+        self.loss_sum += result.loss
+
+    def metrics(self, result: StepResult, total_tokens: int, world_size: int, peak_flops: float, device) -> dict:
+        seconds = time.perf_counter() - self.t0
+        n, k = result.num_steps
+        metrics = {
+            "loss": result.loss,
+            "ppl": math.exp(min(result.loss, 50.0)),
+            "loss_window_mean": self.loss_sum / self.steps,
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
+            "tokens_per_second": self.tokens / seconds,
+            "seconds_per_step": seconds / self.steps,
+            "mfu": self.flops / seconds / world_size / peak_flops,
+            "total_tokens": total_tokens,
+            "recurrence_n": n,
+            "recurrence_k": k,
+        }
+        if device.type == "cuda":
+            metrics["max_mem_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            metrics["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        for key, value in (result.telemetry or {}).items():
+            metrics[f"telemetry/{key}"] = value
+        return metrics
+
+
+def progress_line(step: int, max_steps: int, m: dict) -> str:
+    return (
+        f"[huginn] step {step}/{max_steps} loss {m['loss']:.4f} ppl {m['ppl']:.1f} lr {m['lr']:.3g} "
+        f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_second']:.0f} MFU {m['mfu']:.2%} "
+        f"depth ({m['recurrence_n']},{m['recurrence_k']})"
+    )
+
+
+@torch.no_grad()
+def validate(model, inputs, labels, cfg, plan, device, autocast) -> dict:
+    """Loss at every eval depth on the rank's fixed rows, averaged over ranks.
+
+    The initial latent noise is drawn from a fixed seed inside a forked RNG, so validation neither depends on
+    nor changes the training RNG stream (a resumed run stays bitwise identical)."""
+    model.eval()
+    inputs, labels = inputs.to(device), labels.to(device)
+    losses = torch.zeros(len(cfg.eval_depths), dtype=torch.float64, device=device)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        torch.manual_seed(cfg.seed)
+        for i, depth in enumerate(cfg.eval_depths):
+            for b in range(cfg.eval_iters):
+                rows = slice(b * cfg.micro_batch_size, (b + 1) * cfg.micro_batch_size)
+                with autocast:
+                    out = model(inputs[rows], labels=labels[rows], num_steps=(depth, 0), ignore_index=plan["pad_id"])
+                losses[i] += out.loss.double() / cfg.eval_iters
+    dist.all_reduce(losses)
+    losses /= dist.get_world_size()
+    model.train()
+    metrics = {}
+    for depth, value in zip(cfg.eval_depths, losses.tolist()):
+        metrics[f"val_loss_{depth}"] = value
+        metrics[f"val_ppl_{depth}"] = math.exp(min(value, 50.0))
+    metrics["val_loss"] = losses[-1].item()
+    metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50.0))
+    return metrics
+
+
+def save(model, optimizer, state, reader, rank, device, loss, stop_requested: bool) -> None:
+    with tempfile.TemporaryDirectory(prefix="huginn_ckpt_") as directory:
+        ckpt.write(Path(directory), rank, model, optimizer, state, reader.state_dict(), device)
+        ray.train.report(
+            {"step": state.step, "loss": loss, "tokens": state.tokens, "stop_requested": stop_requested},
+            checkpoint=ray.train.Checkpoint.from_directory(directory),
+        )
+
+
+def inject_fault(cfg: TrainConfig, rank: int, step: int, start_step: int) -> None:
+    fault = cfg.fault_injection
+    if fault.kill_rank_at_step != step or rank != fault.kill_rank:
+        return
+    marker = Path(cfg.out_dir) / cfg.run_name / f"fault_injected_rank{rank}_step{step}"
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"killed after step {step} (attempt started at step {start_step})\n")
+    print(f"[huginn] fault injection: rank {rank} exits after step {step}", flush=True)
+    os._exit(1)

@@ -1,0 +1,125 @@
+"""Per-rank reading of the training shard, with an exact resume, and the collate step (reference §3.12).
+
+Rank r reads `<data_dir>/train/{r:05d}.parquet` and no other file. Row groups are read in order; the rows of each
+row group are shuffled with the rank's own `random.Random(seed + rank)` (one generator continuing over the whole
+file) and taken from the end of the shuffled list.
+
+The reader's state is (row group in the buffer, RNG state before that row group's shuffle, rows taken from it).
+Loading it re-reads and re-shuffles that row group and drops the rows already taken, then continues with the
+next row group, so a resumed run reads exactly the rows an uninterrupted run reads (the reference re-read the
+current row group once more after a resume).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from huginn_ray.data.shards import shard_path
+
+COLUMN = "input_ids"
+
+
+def read_row_group(file: pq.ParquetFile, path: Path, index: int, row_length: int) -> np.ndarray:
+    """(rows, row_length) int32 array of one row group; every row must have exactly `row_length` ids."""
+    column = file.read_row_group(index, columns=[COLUMN]).column(COLUMN).combine_chunks()
+    lengths = np.diff(column.offsets.to_numpy())
+    if lengths.size and (lengths != row_length).any():
+        bad = int(np.flatnonzero(lengths != row_length)[0])
+        raise ValueError(
+            f"{path}: row group {index}, row {bad} has {lengths[bad]} ids, expected {row_length} (seq_len + 1)"
+        )
+    return column.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False).reshape(-1, row_length)
+
+
+class ShardReader:
+    def __init__(self, path: str | Path, seed: int, row_length: int):
+        self.path = Path(path)
+        self.file = pq.ParquetFile(self.path)
+        self.row_length = row_length
+        self.rng = random.Random(seed)
+        self.row_group = -1
+        self.rng_state_before_shuffle: tuple | None = None
+        self.taken = 0
+        self.rows = np.empty((0, row_length), dtype=np.int32)
+        self.order: list[int] = []
+
+    @property
+    def num_rows(self) -> int:
+        return self.file.metadata.num_rows
+
+    def _load_row_group(self, index: int) -> None:
+        self.rows = read_row_group(self.file, self.path, index, self.row_length)
+        self.rng_state_before_shuffle = self.rng.getstate()
+        self.order = list(range(len(self.rows)))
+        self.rng.shuffle(self.order)
+        self.row_group = index
+        self.taken = 0
+
+    def next_row(self) -> np.ndarray:
+        """The next row; StopIteration once the shard is exhausted."""
+        while not self.order:
+            if self.row_group + 1 >= self.file.num_row_groups:
+                raise StopIteration(f"{self.path}: all {self.num_rows} rows read")
+            self._load_row_group(self.row_group + 1)
+        self.taken += 1
+        return self.rows[self.order.pop()]
+
+    def next_rows(self, count: int) -> np.ndarray:
+        return np.stack([self.next_row() for _ in range(count)])
+
+    def state_dict(self) -> dict:
+        return {
+            "file": self.path.name,
+            "num_rows": self.num_rows,
+            "row_group": self.row_group,
+            "taken": self.taken,
+            "rng_state_before_shuffle": self.rng_state_before_shuffle,
+            "rng_state": self.rng.getstate(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["file"] != self.path.name or state["num_rows"] != self.num_rows:
+            raise ValueError(
+                f"reader state is for {state['file']} with {state['num_rows']} rows, "
+                f"but this rank reads {self.path} with {self.num_rows} rows: the data changed since the checkpoint"
+            )
+        if state["row_group"] < 0:
+            self.rng.setstate(_as_state(state["rng_state"]))
+            return
+        self.rng.setstate(_as_state(state["rng_state_before_shuffle"]))
+        self._load_row_group(state["row_group"])
+        for _ in range(state["taken"]):
+            self.order.pop()
+        self.taken = state["taken"]
+
+
+def _as_state(state) -> tuple:
+    """random.Random states come back from some serialisers with lists instead of tuples."""
+    version, internal, gauss = state
+    return version, tuple(internal), gauss
+
+
+def collate(rows: np.ndarray, pad_id: int, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows (B, seq_len + 1) -> inputs = row[:-1] with pad replaced by eos, labels = row[1:] (pad kept)."""
+    batch = torch.from_numpy(np.ascontiguousarray(rows)).long()
+    inputs = batch[:, :-1].clone()
+    inputs[inputs == pad_id] = eos_id
+    return inputs, batch[:, 1:].clone()
+
+
+def validation_rows(data_dir: str | Path, rank: int, count: int, row_length: int) -> np.ndarray:
+    """The fixed validation set of a rank: the first `count` rows of its validation shard, in file order."""
+    path = shard_path(data_dir, "val", rank)
+    file = pq.ParquetFile(path)
+    if file.metadata.num_rows < count:
+        raise ValueError(f"{path}: {file.metadata.num_rows} rows, validation needs {count}")
+    rows, index = [], 0
+    while sum(len(r) for r in rows) < count:
+        rows.append(read_row_group(file, path, index, row_length))
+        index += 1
+    return np.concatenate(rows)[:count]

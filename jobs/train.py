@@ -1,0 +1,72 @@
+"""Train the Huginn recurrent-depth model on Ray Train.
+
+    python jobs/train.py --config configs/train/tiny_cpu.yaml [key=value ...]
+    ray job submit --working-dir . -- python jobs/train.py --config configs/train/tiny_cpu.yaml out_dir=/abs/dir
+
+Connects to the Ray cluster in $RAY_ADDRESS (set by `ray job submit`), else starts a local one. Rerunning with
+the same run_name and out_dir resumes from the newest checkpoint, in the same MLflow run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import tempfile
+
+import ray
+
+from huginn_ray.config import ConfigError
+from huginn_ray.train.config import load_train_config
+from huginn_ray.train.launch import PreflightError, preflight, run_training
+from huginn_ray.train.loop import stop_file
+
+
+def request_stop(cfg) -> None:
+    """SIGTERM: ask the workers to save a checkpoint and stop after the current step."""
+    path = stop_file(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    print(f"[huginn] SIGTERM: asked the workers to save and stop ({path})", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML file (configs/train/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=1e-3")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_train_config(args.config, args.overrides)
+        plan = preflight(cfg)  # bad input is refused before Ray starts
+    except (ConfigError, PreflightError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    local_ray_dir = None
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"])
+    else:
+        # a short private temp dir: other Ray instances may share /tmp/ray, and socket paths are limited
+        local_ray_dir = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
+        ray.init(_temp_dir=local_ray_dir, include_dashboard=False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: request_stop(cfg))
+    try:
+        outcome = run_training(cfg, plan)
+    finally:
+        if local_ray_dir is not None:
+            ray.shutdown()
+            shutil.rmtree(local_ray_dir, ignore_errors=True)
+    print(f"[huginn] {outcome.message}")
+    print(f"[huginn] checkpoint: {outcome.checkpoint_path}")
+    print(f"[huginn] run directory: {outcome.run_dir}")
+    print(f"[huginn] MLflow: {outcome.mlflow_uri} (run {outcome.mlflow_run_id})")
+    if outcome.mlflow_uri.startswith("sqlite:"):
+        print(f"[huginn] open the UI with: mlflow ui --backend-store-uri {outcome.mlflow_uri} --port 5000")
+    else:
+        print(f"[huginn] open {outcome.mlflow_uri} in a browser")
+    return 0 if outcome.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""The three gradient exchanges give every rank the mean of the per-rank gradients (real gloo process groups).
+
+Each rank builds the same toy recurrent model (a shared block applied k times under non-reentrant activation
+checkpointing, like the core block, plus a parameter that never gets a gradient), computes its local gradient on
+rank-dependent data, and exchanges it. Each rank can recompute every other rank's local gradient, so the expected
+mean is computed locally and compared exactly (up to fp32 summation order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from huginn_ray.train.grad_sync import ChunkStream, ChunkStreamOverlap, DDPSync, chunk_layout
+from huginn_ray.train.warmup import WarmupError, register_node, warmup_allreduce
+
+
+class ToyRecurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(3, 5)
+        self.core = nn.Linear(5, 5)
+        self.core_norm = nn.Parameter(torch.ones(5))
+        self.unused = nn.Parameter(torch.ones(4, 2))
+        self.head = nn.Linear(5, 2)
+
+    def step(self, h):
+        return torch.tanh(self.core(h)) * self.core_norm
+
+    def forward(self, x, k=3):
+        h = self.embed(x)
+        for _ in range(k):
+            h = checkpoint(self.step, h, use_reentrant=False)
+        return self.head(h).square().mean()
+
+
+def toy_model():
+    torch.manual_seed(0)
+    return ToyRecurrent()
+
+
+def rank_batch(rank: int, micro: int = 0):
+    g = torch.Generator().manual_seed(100 * rank + micro)
+    return torch.randn(4, 3, generator=g) * (rank + 1)
+
+
+def local_grads(world_size: int, micro_batches: int):
+    """Mean over ranks of each rank's gradient (summed over micro-batches), computed without communication."""
+    per_rank = []
+    for r in range(world_size):
+        m = toy_model()
+        for micro in range(micro_batches):
+            m(rank_batch(r, micro)).backward()
+        per_rank.append({n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in m.named_parameters()})
+    return {n: torch.stack([g[n] for g in per_rank]).mean(0) for n in per_rank[0]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(rank, world_size, port, out_dir, fn_name, timeout_s):
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    torch.set_num_threads(1)
+    try:
+        result = globals()[fn_name](rank, world_size)
+    except Exception as err:  # reported to the parent, which asserts on it
+        result = {"error": type(err).__name__, "message": str(err), "trace": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+    # no destroy_process_group: a test may leave a rank behind on purpose
+    os._exit(0)
+
+
+def spawn(fn_name, world_size, tmp_path, timeout_s=30):
+    mp.start_processes(_run, args=(world_size, free_port(), str(tmp_path), fn_name, timeout_s),
+                       nprocs=world_size, start_method="spawn", join=True)
+    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world_size)]
+
+
+def exchange_all_kinds(rank, world_size):
+    warmup_allreduce(torch.device("cpu"), mib=1, timeout_s=10)
+    report = {}
+    for micro_batches in (1, 2):
+        expected = local_grads(world_size, micro_batches)
+        for kind in ("chunk_stream", "chunk_stream_overlap", "ddp"):
+            model = toy_model()
+            if kind == "chunk_stream":
+                sync = ChunkStream(model, chunk_numel=7)  # 7 elements: chunks span several parameters
+            elif kind == "chunk_stream_overlap":
+                sync = ChunkStreamOverlap(model, chunk_numel=7)
+            else:
+                sync = DDPSync(model, find_unused_parameters=True)
+            for micro in range(micro_batches):
+                with sync.micro_batch(last=micro == micro_batches - 1):
+                    sync.module(rank_batch(rank, micro)).backward()
+            sync.finish()
+            worst = 0.0
+            for name, p in model.named_parameters():
+                got = p.grad if p.grad is not None else torch.full_like(p, float("nan"))
+                worst = max(worst, (got - expected[name]).abs().max().item())
+            report[f"{kind}/ga{micro_batches}"] = worst
+    # the expected mean is not trivially equal to the local gradient
+    local = toy_model()
+    local(rank_batch(rank)).backward()
+    report["local_vs_mean"] = (local.core.weight.grad - local_grads(world_size, 1)["core.weight"]).abs().max().item()
+    # a second backward in the same step would put a partial gradient on the wire: refused
+    sync = ChunkStreamOverlap(toy_model(), chunk_numel=1000)
+    try:
+        with sync.micro_batch(last=True):
+            sync.module(rank_batch(rank)).backward()
+            sync.module(rank_batch(rank)).backward()
+        sync.finish()
+        report["double_backward"] = "accepted"
+    except RuntimeError as err:
+        report["double_backward"] = str(err)
+    return report
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_exchange_gives_the_mean_gradient(tmp_path, world_size):
+    """After the warm-up all-reduce, which passes when every rank takes part."""
+    results = spawn("exchange_all_kinds", world_size, tmp_path)
+    for rank, report in enumerate(results):
+        assert "error" not in report, report.get("trace")
+        assert report.pop("local_vs_mean") > 1e-3
+        assert "fired twice" in report.pop("double_backward")
+        assert set(report) == {f"{k}/ga{g}" for k in ("chunk_stream", "chunk_stream_overlap", "ddp") for g in (1, 2)}
+        for key, worst in report.items():
+            assert worst < 1e-6, f"rank {rank} {key}: max deviation from the mean gradient {worst}"
+
+
+def real_model(activation_checkpointing=True):
+    from huginn_ray.model import ModelConfig, RecurrentGPT
+
+    torch.manual_seed(0)
+    return RecurrentGPT(ModelConfig.from_name("raven-tiny", vocab_size=64, activation_checkpointing=activation_checkpointing))
+
+
+def real_batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    ids = torch.randint(0, 64, (2, 17), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+DEPTHS = [(0, 1), (3, 2), (1, 2)]  # the recurrence changes from step to step, as in training
+
+
+def real_model_local_mean(world_size: int, step: int, n: int, k: int):
+    grads = []
+    for r in range(world_size):
+        m = real_model()
+        torch.manual_seed(step)  # the latent noise is the same on every rank
+        m(*real_batch(r, step)[:1], labels=real_batch(r, step)[1], num_steps=(n, k)).loss.backward()
+        grads.append({name: p.grad.clone() for name, p in m.named_parameters()})
+    return {name: torch.stack([g[name] for g in grads]).mean(0) for name in grads[0]}
+
+
+def exchange_real_model(rank, world_size):
+    report = {}
+    for kind in ("chunk_stream", "chunk_stream_overlap", "ddp"):
+        model = real_model()
+        if kind == "chunk_stream":
+            sync = ChunkStream(model, chunk_numel=10_000)
+        elif kind == "chunk_stream_overlap":
+            sync = ChunkStreamOverlap(model, chunk_numel=10_000)
+        else:
+            sync = DDPSync(model)
+        worst = 0.0
+        for step, (n, k) in enumerate(DEPTHS):
+            expected = real_model_local_mean(world_size, step, n, k)
+            inputs, labels = real_batch(rank, step)
+            with sync.micro_batch(last=True):
+                torch.manual_seed(step)
+                sync.module(inputs, labels=labels, num_steps=(n, k)).loss.backward()
+            sync.finish()
+            for name, p in model.named_parameters():
+                worst = max(worst, (p.grad - expected[name]).abs().max().item())
+            model.zero_grad(set_to_none=True)  # no optimizer step: every step starts from the same weights
+        report[kind] = worst
+    return report
+
+
+def test_every_exchange_on_the_recurrent_model_with_changing_depth(tmp_path):
+    results = spawn("exchange_real_model", 2, tmp_path)
+    for rank, report in enumerate(results):
+        assert "error" not in report, report.get("trace")
+        for kind, worst in report.items():
+            assert worst < 1e-6, f"rank {rank} {kind}: max deviation from the mean gradient {worst}"
+
+
+def test_post_accumulate_hook_fires_once_per_parameter_in_the_recurrent_model():
+    model = real_model(activation_checkpointing=True)
+    counts = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, name=name: counts.__setitem__(name, counts.get(name, 0) + 1))
+    for n, k in DEPTHS + [(0, 5)]:  # the core block runs k times with gradients, each under a checkpoint
+        counts.clear()
+        inputs, labels = real_batch(0, 0)
+        model(inputs, labels=labels, num_steps=(n, k)).loss.backward()
+        assert counts == {name: 1 for name, _ in model.named_parameters()}, (n, k, counts)
+
+
+def test_chunk_layout_spans_parameters_and_pads_last_chunk():
+    chunks = chunk_layout([5, 3, 9], chunk_numel=4)
+    assert sum(s.count for c in chunks for s in c) == 17
+    assert len(chunks) == 5  # 4 full chunks and a last one with 1 valid element
+    assert [(s.param_index, s.grad_offset, s.chunk_offset, s.count) for s in chunks[1]] == [(0, 4, 0, 1), (1, 0, 1, 3)]
+    assert [(s.param_index, s.count) for s in chunks[-1]] == [(2, 1)]
+
+
+def test_post_accumulate_hook_fires_once_per_parameter_per_backward_under_checkpointing():
+    model = toy_model()
+    counts = {name: 0 for name, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, name=name: counts.__setitem__(name, counts[name] + 1))
+    for k in (1, 3, 7):  # the shared block is used k times, every use recomputed by the checkpoint in backward
+        for name in counts:
+            counts[name] = 0
+        model(rank_batch(0), k=k).backward()
+        assert counts == {**{n: 1 for n in counts}, "unused": 0}, f"k={k}: {counts}"
+
+
+def warmup_with_missing_rank(rank, world_size):
+    register_node()
+    if rank == world_size - 1:
+        time.sleep(5)  # this rank "hangs" while setting up, before the warm-up
+        return {"slept": True}
+    try:
+        warmup_allreduce(torch.device("cpu"), mib=1, timeout_s=2)
+    except WarmupError as err:
+        time.sleep(1)  # rank 0 hosts the store: let rank 1 read it before rank 0 exits
+        return {"error": "WarmupError", "message": str(err)}
+    return {"message": "warm-up passed"}
+
+
+def test_warmup_names_the_rank_and_node_that_did_not_answer(tmp_path):
+    results = spawn("warmup_with_missing_rank", 3, tmp_path)
+    host = socket.gethostname()
+    for report in results[:2]:
+        assert report.get("error") == "WarmupError", report
+        assert f"rank 2 (node {host})" in report["message"]
+        missing_part = report["message"].split(" did not answer")[0]
+        assert "rank 0" not in missing_part and "rank 1" not in missing_part
+
+
+def hung_collective(rank, world_size):
+    if rank == 1:
+        time.sleep(5)  # never joins the all-reduce
+        return {"slept": True}
+    try:
+        dist.all_reduce(torch.ones(3))
+    except Exception as err:  # gloo raises its own error type on timeout
+        return {"error": type(err).__name__, "message": str(err)}
+    return {"message": "all-reduce returned"}
+
+
+def test_a_hung_collective_raises_at_the_process_group_timeout(tmp_path):
+    results = spawn("hung_collective", 2, tmp_path, timeout_s=2)
+    assert "error" in results[0], results[0]
+    assert "timed out" in results[0]["message"].lower() or "timeout" in results[0]["message"].lower()

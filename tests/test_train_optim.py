@@ -1,0 +1,130 @@
+"""ELLISAdam against the reference test vector (§3.5), the three parameter groups and the trapezoid schedule."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from huginn_ray.train.optim import ELLISAdam, param_groups, set_lr, trapezoid_lr
+
+
+def huginn_ellis(params, lr=4e-5):
+    return ELLISAdam(params, lr=lr, betas=(0.9, 0.95), eps=1e-6, weight_decay=4e-5,
+                     update_clipping=True, atan_adam=True, running_init=True, decouple_wd=True)
+
+
+def test_ellis_adam_reproduces_reference_vector():
+    p = nn.Parameter(torch.tensor([1.0, -2.0, 0.5, 0.0]))
+    opt = huginn_ellis([p])
+    opt.param_groups[0]["lr"] = 2e-5  # scheduled lr at half of init_lr: decay factor uses lr / init_lr = 0.5
+    before = p.detach().clone()
+    p.grad = torch.tensor([0.1, -0.2, 0.0, 1e-3])
+    opt.step()
+    delta = p.detach() - before
+    expected = torch.tensor([-6.4015e-05, 8.4043e-05, -1.0014e-05, -4.3998e-05])
+    # fp32 differences near |p| = 1..2 are quantised to ~1e-7
+    torch.testing.assert_close(delta, expected, rtol=0, atol=2e-7)
+
+
+def test_ellis_adam_first_update_is_atan_of_bias_correction():
+    p = nn.Parameter(torch.zeros(3))
+    opt = ELLISAdam([p], lr=1e-3, atan_adam=True, running_init=True, update_clipping=True)
+    p.grad = torch.tensor([3.0, -1e-3, 7.0])
+    opt.step()
+    step = 1e-3 / 0.1 * math.atan(math.sqrt(1 - 0.95))
+    torch.testing.assert_close(p.detach(), torch.tensor([-step, step, -step]))
+
+
+def test_ellis_adam_update_clipping_limits_rms():
+    # second step with a gradient 100x larger than the first: rms(g/sqrt(v)) > 1 shrinks the step.
+    p_clip, p_free = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4))
+    opts = [ELLISAdam([p_clip], lr=1e-2, update_clipping=True), ELLISAdam([p_free], lr=1e-2)]
+    for g in (torch.full((4,), 0.01), torch.full((4,), 1.0)):
+        for p, opt in zip((p_clip, p_free), opts):
+            p.grad = g.clone()
+            opt.step()
+    assert p_clip.abs().max() < p_free.abs().max()
+
+
+def test_ellis_adam_init_lr_survives_state_dict_roundtrip():
+    p = nn.Parameter(torch.ones(2))
+    opt = huginn_ellis([p])
+    p.grad = torch.ones(2)
+    opt.step()
+    fresh = huginn_ellis([nn.Parameter(torch.ones(2))], lr=1.0)
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.param_groups[0]["init_lr"] == 4e-5
+    assert int(fresh.state[fresh.param_groups[0]["params"][0]]["step"]) == 1
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(10, 4)
+        self.qkv = nn.Linear(4, 12, bias=False)
+        self.attn_proj = nn.Linear(4, 4, bias=False)
+        self.norm_1 = nn.Parameter(torch.ones(4))
+        self.qk_bias = nn.Parameter(torch.zeros(2, 4))
+        self.ln_f = nn.LayerNorm(4)
+        self.lm_head = nn.Linear(4, 10, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: must appear once
+
+
+def test_param_groups_three_groups_no_decay_on_norms_and_biases():
+    groups = param_groups(Toy(), weight_decay=0.1)
+    by_name = {g["name"]: g for g in groups}
+    assert [g["name"] for g in groups] == ["weights", "embedding", "scale_norm"]
+    assert len(by_name["weights"]["params"]) == 2
+    assert len(by_name["embedding"]["params"]) == 1
+    assert len(by_name["scale_norm"]["params"]) == 4  # norm_1, qk_bias, ln_f.weight, ln_f.bias
+    assert by_name["weights"]["weight_decay"] == 0.1
+    assert by_name["embedding"]["weight_decay"] == 0.1
+    assert by_name["scale_norm"]["weight_decay"] == 0.0
+    total = sum(len(g["params"]) for g in groups)
+    assert total == len(list(Toy().parameters()))
+
+
+def test_param_groups_refuses_unclassified_parameter():
+    m = nn.Module()
+    m.mystery = nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="mystery"):
+        param_groups(m, 0.1)
+
+
+def test_trapezoid_schedule_warmup_constant_cooldown():
+    kw = dict(max_lr=4e-5, warmup_steps=4096, cooldown_steps=4096, max_steps=238418, min_lr=0.0)
+    assert trapezoid_lr(2, **kw) == pytest.approx(4e-5 * 2 / 4096)  # 1.95e-8, the first used value
+    assert trapezoid_lr(4096, **kw) == 4e-5
+    assert trapezoid_lr(100_000, **kw) == 4e-5
+    assert trapezoid_lr(238418 - 2048, **kw) == pytest.approx(2e-5)
+    assert trapezoid_lr(238418, **kw) == 0.0
+    assert trapezoid_lr(238418 - 10, **{**kw, "min_lr": 1e-5}) == 1e-5
+
+
+def test_every_group_follows_schedule_after_state_dict_load():
+    model = Toy()
+    opt = huginn_ellis(param_groups(model, 4e-5))
+    for g in opt.param_groups:
+        g["base_lr"] = 1.0
+    set_lr(opt, 1e-6)
+    reloaded = huginn_ellis(param_groups(Toy(), 4e-5))
+    reloaded.load_state_dict(opt.state_dict())
+    set_lr(reloaded, 3e-5)
+    assert [g["lr"] for g in reloaded.param_groups] == [3e-5, 3e-5, 3e-5]
+
+
+def test_reference_lr_quirk_switch_reproduces_the_frozen_groups():
+    def fresh():
+        opt = huginn_ellis(param_groups(Toy(), 4e-5))
+        set_lr(opt, 1e-6)
+        return opt
+
+    opt = fresh()
+    set_lr(opt, 2e-5, reference_quirk=True)
+    assert {g["name"]: g["lr"] for g in opt.param_groups} == {"weights": 4e-5, "embedding": 2e-5, "scale_norm": 2e-5}
+    set_lr(opt, 3e-5, reference_quirk=True, resumed=True)  # after a resume nothing follows the schedule
+    assert {g["name"]: g["lr"] for g in opt.param_groups} == {"weights": 4e-5, "embedding": 2e-5, "scale_norm": 2e-5}
+    intended = fresh()
+    set_lr(intended, 3e-5, resumed=True)
+    assert [g["lr"] for g in intended.param_groups] == [3e-5, 3e-5, 3e-5]

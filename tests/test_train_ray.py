@@ -1,0 +1,275 @@
+"""End-to-end training on a real local Ray cluster with real gloo process groups and a real `mlflow server`.
+
+One Ray head node (`ray start --head`, dashboard for job submission) and one MLflow server (SQLite backend,
+absolute artifact root) serve every test in this module. Runs are 2 CPU workers of raven-tiny on small
+arithmetic-sequence shards (tests/test_train_data.py), 16 steps each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from test_train_data import make_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+STEPS = 16
+
+pytestmark = pytest.mark.slow
+
+
+def in_private_namespace() -> bool:
+    """Only loopback in this network namespace, and PID 1 is not the machine's init (which starts at boot): then
+    the Ray head is reachable on loopback only and dies with the namespace (tools/private_netns.sh)."""
+    only_loopback = [name for _, name in socket.if_nameindex()] == ["lo"]
+    pid1_start_s = int(Path("/proc/1/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+    return only_loopback and pid1_start_s > 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(url: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not come up in {seconds} s")
+        time.sleep(0.5)
+
+
+def env() -> dict:
+    return {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
+        "RAY_DISABLE_USAGE_STATS": "1",
+        "PATH": f"{VENV_BIN}:{os.environ['PATH']}",  # `python` in a submitted job is the venv's
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if not in_private_namespace():
+        pytest.skip("starts a Ray head node that must stay private: run through tools/private_netns.sh (make test)")
+    temp_dir = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
+    gcs_port, dashboard_port = free_port(), free_port()
+    subprocess.run(
+        [str(VENV_BIN / "ray"), "start", "--head", f"--port={gcs_port}", f"--temp-dir={temp_dir}", "--num-cpus=4",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", "--disable-usage-stats"],
+        env=env(), check=True, capture_output=True,
+    )
+    wait_for(f"http://127.0.0.1:{dashboard_port}/api/version", 60)
+    # no `ray stop`: the head's processes die with this PID namespace when the test session ends
+    yield {"address": f"127.0.0.1:{gcs_port}", "dashboard": f"http://127.0.0.1:{dashboard_port}"}
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow_server")
+    port = free_port()
+    server = subprocess.Popen(
+        [str(VENV_BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+         "--default-artifact-root", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"],
+        stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT, env=env(),
+    )
+    try:
+        wait_for(f"http://127.0.0.1:{port}/health", 90)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("data"), num_shards=2, rows_per_shard=200, seq_len=32)
+
+
+def overrides(name, out_dir, dataset, mlflow_uri, *extra):
+    data_dir, tokenizer = dataset
+    return [
+        f"run_name={name}", f"out_dir={out_dir}", f"data.data_dir={data_dir}", f"data.tokenizer_path={tokenizer}",
+        f"mlflow.tracking_uri={mlflow_uri}", "block_size=32", "model.overrides.vocab_size=64",
+        "micro_batch_size=2", f"max_steps={STEPS}", "log_step_interval=1", "eval_step_interval=8",
+        "checkpoint.save_step_interval=4", "checkpoint.keep=2", "warmup_allreduce_mib=1", "optim.lr=3e-3",
+        "schedule.warmup_steps=3", "schedule.cooldown_steps=0", "pg_timeout_s=60", *extra,
+    ]
+
+
+def train(cluster, args, timeout=300) -> subprocess.CompletedProcess:
+    run = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(REPO / "configs/train/tiny_cpu.yaml"), *args],
+        env={**env(), "RAY_ADDRESS": cluster["address"]}, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    return run
+
+
+def losses(mlflow_uri, run_id, key="loss") -> dict[int, float]:
+    history = MlflowClient(mlflow_uri).get_metric_history(run_id, key)
+    by_step: dict[int, set] = {}
+    for m in history:
+        by_step.setdefault(m.step, set()).add(m.value)
+    # a step logged twice (re-run after a restart) must have logged the same value
+    assert all(len(v) == 1 for v in by_step.values()), {s: v for s, v in by_step.items() if len(v) > 1}
+    return {s: v.pop() for s, v in sorted(by_step.items())}
+
+
+def times_logged(mlflow_uri, run_id, key="loss") -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for m in MlflowClient(mlflow_uri).get_metric_history(run_id, key):
+        counts[m.step] = counts.get(m.step, 0) + 1
+    return counts
+
+
+def run_id_of(stdout: str) -> str:
+    line = next(l for l in stdout.splitlines() if "[huginn] MLflow:" in l)
+    return line.rsplit("(run ", 1)[1].rstrip(")")
+
+
+def final_reader_states(out_dir: Path, name: str) -> list[dict]:
+    checkpoints = [p for p in (out_dir / name).glob("checkpoint_*") if (p / "trainer_state.json").is_file()]
+    newest = max(checkpoints, key=lambda p: json.loads((p / "trainer_state.json").read_text())["step"])
+    return [torch.load(newest / f"rank_{r:05d}.pt", weights_only=False)["reader"] for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, mlflow_server, dataset, tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("runs")
+    run = train(cluster, overrides("straight", out_dir, dataset, mlflow_server))
+    return {"out_dir": out_dir, "run_id": run_id_of(run.stdout), "stdout": run.stdout,
+            "losses": losses(mlflow_server, run_id_of(run.stdout))}
+
+
+def test_two_worker_run_loss_falls(uninterrupted, mlflow_server):
+    loss = uninterrupted["losses"]
+    assert sorted(loss) == list(range(1, STEPS + 1))
+    first, last = sum(loss[s] for s in (1, 2, 3, 4)) / 4, sum(loss[s] for s in range(13, 17)) / 4
+    assert last < first - 0.5, loss
+    run = MlflowClient(mlflow_server).get_run(uninterrupted["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["optim.name"] == "ELLISAdam" and run.data.params["scaling.num_workers"] == "2"
+    for key in ("lr", "grad_norm", "tokens_per_second", "mfu", "recurrence_n", "recurrence_k",
+                "val_loss_1", "val_loss_64", "val_loss"):
+        assert key in run.data.metrics, key
+    assert any(k.startswith("telemetry/") for k in run.data.metrics)
+    assert "MLflow:" in uninterrupted["stdout"] and "mlflow ui" not in uninterrupted["stdout"]
+    # saved at steps 4, 8, 12, 16; checkpoint.keep=2 keeps the newest two
+    kept = sorted(json.loads(p.read_text())["step"]
+                  for p in (uninterrupted["out_dir"] / "straight").glob("checkpoint_*/trainer_state.json"))
+    assert kept == [12, 16]
+
+
+def test_stopped_and_resumed_run_logs_the_same_losses_and_reads_the_same_rows(
+        cluster, mlflow_server, dataset, uninterrupted):
+    out_dir = uninterrupted["out_dir"]
+    first = train(cluster, overrides("resumed", out_dir, dataset, mlflow_server, "max_steps=7"))
+    second = train(cluster, overrides("resumed", out_dir, dataset, mlflow_server))
+    assert run_id_of(first.stdout) == run_id_of(second.stdout)
+    # every step logged once: the second run continued at step 8 instead of starting over
+    assert times_logged(mlflow_server, run_id_of(second.stdout)) == {s: 1 for s in range(1, STEPS + 1)}
+    resumed = losses(mlflow_server, run_id_of(second.stdout))
+    assert resumed == uninterrupted["losses"]  # bitwise: fp32 on CPU, one thread, RNG states in the checkpoint
+    assert final_reader_states(out_dir, "resumed") == final_reader_states(out_dir, "straight")
+
+
+def test_killed_worker_is_restarted_from_checkpoint_with_the_same_final_loss(
+        cluster, mlflow_server, dataset, uninterrupted):
+    out_dir = uninterrupted["out_dir"]
+    train(cluster, overrides("killed", out_dir, dataset, mlflow_server,
+                             "fault_injection.kill_rank_at_step=10", "fault_injection.kill_rank=1"))
+    assert (out_dir / "killed" / "fault_injected_rank1_step10").exists()
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name("huginn_ray")
+    runs = client.search_runs([experiment.experiment_id], filter_string="attributes.run_name = 'killed'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    # the steps after the checkpoint the restart resumed from (step 8, or step 4 if Ray had not registered the
+    # step-8 report when the worker died) up to step 10 ran twice; the run did not start over
+    counts = times_logged(mlflow_server, runs[0].info.run_id)
+    resumed_at = min(s for s, n in counts.items() if n == 2) - 1
+    assert resumed_at in (4, 8)
+    assert counts == {s: 2 if resumed_at < s <= 10 else 1 for s in range(1, STEPS + 1)}
+    killed = losses(mlflow_server, runs[0].info.run_id)
+    assert killed[STEPS] == uninterrupted["losses"][STEPS]
+    assert killed == uninterrupted["losses"]
+
+
+def test_ray_job_submit_runs_training_and_metrics_reach_mlflow(cluster, mlflow_server, dataset, tmp_path):
+    # world_batch_size 8 = micro-batch 2 x 2 workers x 2 accumulation steps: the accumulation path of the loop
+    args = overrides("submitted", tmp_path, dataset, mlflow_server, "max_steps=4", "eval_step_interval=4",
+                     "world_batch_size=8")
+    job = subprocess.run(
+        [str(VENV_BIN / "ray"), "job", "submit", "--address", cluster["dashboard"], "--working-dir", str(REPO),
+         "--", "python", "jobs/train.py", "--config", "configs/train/tiny_cpu.yaml", *args],
+        env=env(), capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
+    assert "succeeded" in job.stdout.lower()
+    run_id = run_id_of(job.stdout)
+    assert sorted(losses(mlflow_server, run_id)) == [1, 2, 3, 4]
+    metrics = MlflowClient(mlflow_server).get_run(run_id).data.metrics
+    assert "val_loss" in metrics
+    assert metrics["total_tokens"] == 4 * 8 * 32  # 4 steps of 8 sequences of 32 tokens
+
+
+def test_non_finite_loss_stops_the_run_with_a_clear_message(cluster, mlflow_server, dataset, tmp_path):
+    args = overrides("diverged", tmp_path, dataset, mlflow_server, "optim.name=AdamW", "optim.lr=1e30",
+                     "schedule.warmup_steps=0", "grad_clip=1e30")
+    run = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(REPO / "configs/train/tiny_cpu.yaml"), *args],
+        env={**env(), "RAY_ADDRESS": cluster["address"]}, capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "non-finite loss" in run.stdout and "stopping (on_nonfinite=stop)" in run.stdout
+    run_id = run_id_of(run.stdout)
+    assert MlflowClient(mlflow_server).get_run(run_id).info.status == "FAILED"
+
+
+def test_sigterm_to_the_driver_saves_a_checkpoint_and_stops(cluster, mlflow_server, dataset, tmp_path):
+    args = overrides("sigterm", tmp_path, dataset, mlflow_server, "max_steps=95", "eval_step_interval=1000",
+                     "checkpoint.save_step_interval=1000")
+    driver = subprocess.Popen(
+        [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(REPO / "configs/train/tiny_cpu.yaml"), *args],
+        env={**env(), "RAY_ADDRESS": cluster["address"]}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO,
+    )
+    client = MlflowClient(mlflow_server)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and driver.poll() is None:  # wait until training is under way
+        experiment = client.get_experiment_by_name("huginn_ray")
+        runs = client.search_runs([experiment.experiment_id], "attributes.run_name = 'sigterm'") if experiment else []
+        if runs and len(client.get_metric_history(runs[0].info.run_id, "loss")) >= 3:
+            break
+        time.sleep(0.3)
+    driver.send_signal(signal.SIGTERM)
+    stdout, stderr = driver.communicate(timeout=240)
+    assert driver.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    line = next(l for l in stdout.splitlines() if "stopped on request at step" in l)
+    stopped_at = int(line.split("at step ")[1].split(";")[0])
+    assert 3 <= stopped_at < 95
+    saved = [json.loads(p.read_text())["step"] for p in (tmp_path / "sigterm").glob("checkpoint_*/trainer_state.json")]
+    assert saved == [stopped_at]  # no interval or last-step checkpoint was due: this one is the SIGTERM's
+    assert not (tmp_path / "sigterm" / "STOP").exists()
