@@ -27,7 +27,7 @@ from huginn_ray.model import ModelConfig, RecurrentGPT, training_flops_per_token
 SHAPES = [
     ("raven-small", {}, 8, 256, (4, 4)),
     ("raven-small", {"activation_checkpointing": True}, 8, 256, (4, 4)),
-    ("raven-medium", {}, 4, 512, (4, 4)),
+    ("raven-medium", {}, 2, 512, (2, 2)),
 ]
 CUSTOM = {  # a wider shape than the registry's CPU models, closer to where matmuls dominate
     "raven-medium": dict(n_embd=768, num_attention_heads=12, intermediate_size=2048, block_size=1024,
