@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         # a short private temp dir: other Ray instances may share /tmp/ray, and socket paths are limited
         local_ray_dir = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
+        # Ray Train's print patch sends each worker line both to its logger and to stdout, so the console
+        # showed every progress line twice; the workers of this local Ray inherit the setting.
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
         ray.init(_temp_dir=local_ray_dir, include_dashboard=False)
     signal.signal(signal.SIGTERM, lambda signum, frame: request_stop(cfg))
     try:
