@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from huginn_ray.cluster.devices import distributed_backend
 from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.train.grad_sync import ChunkStream, build_grad_sync
 
@@ -42,7 +43,7 @@ def worker(rank: int, args, port: int, out: str) -> None:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
-    dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group(distributed_backend(device), init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=args.world, timeout=timedelta(minutes=10))
     cfg = ModelConfig.from_name(args.model, activation_checkpointing=True)
     generator = torch.Generator().manual_seed(rank)

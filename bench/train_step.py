@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
+from huginn_ray.cluster.devices import distributed_backend
 from huginn_ray.config import from_dict, to_dict
 from huginn_ray.model import ModelConfig
 from huginn_ray.train.config import TrainConfig
@@ -75,7 +76,7 @@ def run_ray(spec: dict, workers: int) -> list[float]:
     cfg = from_dict(TrainConfig, spec["cfg"])
     TorchTrainer(
         ray_train_loop, train_loop_config=spec,
-        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
+        torch_config=TorchConfig(backend=distributed_backend(torch.device("cuda" if cfg.scaling.use_gpu else "cpu"))),
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=cfg.scaling.use_gpu),
         run_config=RunConfig(storage_path=spec["storage"], name=f"bench_{time.time_ns()}"),
     ).fit()
@@ -100,7 +101,7 @@ def torchrun_worker(spec_path: str) -> None:
     use_gpu = spec["cfg"]["scaling"]["use_gpu"]
     if use_gpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if use_gpu else "gloo")
+    dist.init_process_group(distributed_backend(torch.device("cuda" if use_gpu else "cpu")))
     timed_steps(spec)
     dist.destroy_process_group()
 

@@ -31,13 +31,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepare_data: config error: {err}", file=sys.stderr)
         return 2
     start = time.time()
+    stop_ray = None
     try:
-        init_ray(cfg)
+        stop_ray = init_ray(cfg)
         manifest = run(cfg, tuple(args.stage) if args.stage else STAGES)
     except Exception as err:
         cause = root_error(err)
         print(f"prepare_data: error: {cause}", file=sys.stderr)
         return 1
+    finally:
+        if stop_ray is not None:
+            stop_ray()
     if not args.stage or "shuffle" in args.stage:
         print(f"prepare_data: {manifest['num_shards']} train + {manifest['num_shards']} val shards in "
               f"{cfg.root / 'shards'} ({manifest['rows_per_shard']['train']} / {manifest['rows_per_shard']['val']} "

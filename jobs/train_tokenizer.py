@@ -36,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"train_tokenizer: config error: {err}", file=sys.stderr)
         return 2
+    stop_ray = None
     try:
-        init_ray(cfg)
+        stop_ray = init_ray(cfg)
         run(cfg, ("download", "staging"))
         sources = load_sources(cfg.sources)
         markers = staging_markers(cfg, sources)
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         print(f"train_tokenizer: error: {root_error(err)}", file=sys.stderr)
         return 1
+    finally:
+        if stop_ray is not None:
+            stop_ray()
     ids = special_token_ids(out_dir)
     print(f"train_tokenizer: {out_dir} ({ids['vocab_size']} ids, BOS {ids['bos']}, EOS {ids['eos']}, "
           f"pad {ids['pad']}) from {counted.docs} documents / {counted.chars / 1e6:.1f}M chars "

@@ -14,6 +14,7 @@ import pytest
 
 from huginn_ray.data.shards import read_manifest
 from huginn_ray.data.tokenizer import train_tokenizer
+from ray_jobs import submit_job
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -52,11 +53,11 @@ def test_prepare_data_under_ray_job_submit(tmp_path):
                     f"--dashboard-port={dashboard}", "--disable-usage-stats"],
                    env=env, check=True, capture_output=True, timeout=120)
     try:
-        job = subprocess.run(
+        job = submit_job(
             [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir",
              str(ROOT), "--", "python", "jobs/prepare_data.py", "--config", str(tmp_path / "data.yaml"),
              f"output_dir={out}", f"tokenizer.path={tmp_path / 'tokenizer'}"],
-            env=env, capture_output=True, text=True, timeout=300)
+            env=env, timeout=300)
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
         assert "prepare_data: 2 train + 2 val shards" in job.stdout
     finally:

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from torch.utils.flop_counter import FlopCounterMode
 
 from huginn_ray.model import (
+    KVCache,
     ModelConfig,
     RecurrentGPT,
     load_pretrained,
@@ -318,7 +319,6 @@ def test_cached_generation_equals_uncached():
     assert torch.equal(cached, uncached)
     # the last step's logits agree too, not just their argmax
     cache_logits = model(cached[:, :-1], num_steps=3).logits[:, -1]
-    from huginn_ray.model import KVCache
     cache = KVCache()
     model(cached[:, :-2], num_steps=3, cache=cache)
     stepped = model(cached[:, -2:-1], num_steps=3, cache=cache).logits[:, -1]

@@ -22,6 +22,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from ray_jobs import submit_job
 from test_train_data import make_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -221,10 +222,10 @@ def test_ray_job_submit_runs_training_and_metrics_reach_mlflow(cluster, mlflow_s
     # world_batch_size 8 = micro-batch 2 x 2 workers x 2 accumulation steps: the accumulation path of the loop
     args = overrides("submitted", tmp_path, dataset, mlflow_server, "max_steps=4", "eval_step_interval=4",
                      "world_batch_size=8")
-    job = subprocess.run(
+    job = submit_job(
         [str(VENV_BIN / "ray"), "job", "submit", "--address", cluster["dashboard"], "--working-dir", str(REPO),
          "--", "python", "jobs/train.py", "--config", "configs/train/tiny_cpu.yaml", *args],
-        env=env(), capture_output=True, text=True, timeout=300, cwd=REPO,
+        env=env(), timeout=300, cwd=REPO,
     )
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
     assert "succeeded" in job.stdout.lower()

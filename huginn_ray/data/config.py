@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from huginn_ray.config import ConfigError, apply_overrides, from_dict, read_yaml
+from huginn_ray.config import ConfigError, load_config
 
 
 @dataclass
@@ -115,8 +115,7 @@ class DataConfig:
 
 def load_data_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> DataConfig:
     path = Path(path).resolve()
-    data = apply_overrides(read_yaml(path), overrides)
-    cfg = from_dict(DataConfig, data)
+    cfg = load_config(DataConfig, path, overrides)
     base = path.parent
     return dataclasses.replace(
         cfg,

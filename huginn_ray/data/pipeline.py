@@ -8,14 +8,16 @@ and `--stage NAME` runs one stage alone.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from huginn_ray.data import layout
 from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError
-from huginn_ray.data.hub_download import download_source, downloaded_files
+from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_source, downloaded_files
 from huginn_ray.data.shards import run_shuffle
 from huginn_ray.data.sources import Source, load_sources
 from huginn_ray.data.staging import list_local_files, stage_source, staged_files
@@ -25,11 +27,20 @@ from huginn_ray.data.tokenizer import TOKENIZER_FILE, file_sha256, special_token
 STAGES = ("download", "staging", "pack", "shuffle")
 
 
-def init_ray(cfg: DataConfig) -> None:
-    """Connect to the cluster in RAY_ADDRESS (set by `ray job submit`), else start a private local Ray."""
+def init_ray(cfg: DataConfig) -> Callable[[], None]:
+    """Connect to the cluster in RAY_ADDRESS (set by `ray job submit`), else start a private local Ray.
+
+    Returns what stops the local Ray this call started and removes the temp dir it made for it (a no-op
+    when it started none: a cluster, or a Ray the caller had already initialised)."""
     import ray
     from ray.data import DataContext
 
+    def stop() -> None:
+        ray.shutdown()
+        if cfg.local_ray.temp_dir is None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+    started = False
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
             ray.init()
@@ -39,9 +50,11 @@ def init_ray(cfg: DataConfig) -> None:
             store = cfg.local_ray.object_store_mib
             ray.init(address="local", num_cpus=cfg.local_ray.num_cpus, _temp_dir=temp_dir,
                      object_store_memory=store << 20 if store else None, include_dashboard=False)
+            started = True
     ctx = DataContext.get_current()
     ctx.execution_options.preserve_order = True  # deterministic batches, hence deterministic packing
     ctx.enable_progress_bars = False  # the stages print their own progress lines
+    return stop if started else (lambda: None)
 
 
 def run_stage_download(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]:
@@ -58,7 +71,7 @@ def run_stage_download(cfg: DataConfig, sources: list[Source]) -> dict[str, dict
 def source_inputs(cfg: DataConfig, source: Source) -> list[Path]:
     if source.is_local:
         return list_local_files(source)
-    provenance = layout.read_marker(cfg.root / "download" / source.name, "_provenance.json")
+    provenance = layout.read_marker(cfg.root / "download" / source.name, PROVENANCE)
     if provenance is None:
         raise DataError(f"source {source.name!r} is not downloaded yet ({cfg.root / 'download' / source.name}); "
                         "run the download stage first")
@@ -139,8 +152,6 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
 
 def root_error(err: BaseException) -> BaseException:
     """The DataError / DownloadError / ValueError behind Ray's wrappers (task errors, user-code errors)."""
-    from huginn_ray.data.hub_download import DownloadError
-
     seen, todo = set(), [err]
     while todo:
         current = todo.pop(0)

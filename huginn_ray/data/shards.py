@@ -97,18 +97,21 @@ def _map_files(paths: list[str], offsets: dict, plans: dict, seed: int) -> list:
     running = dict(offsets)
     for path in paths:
         table = pq.read_table(path, columns=["input_ids", "split"])
-        split_col = table.column("split").to_numpy()
         column = 0
         for name, code in SPLITS.items():
             plan = plans[name]
             rows = table.filter(pc.equal(table.column("split"), code)).select(["input_ids"])
-            count = int((split_col == code).sum())
+            count = rows.num_rows
             position = FeistelPermutation(plan["rows"], seed, code)(running[name] + np.arange(count, dtype=np.int64))
             running[name] += count
             kept = position < plan["kept"]
             reducer = (position // plan["rows_per_shard"]) // plan["shards_per_reducer"]
+            # kept rows grouped by reducer, each group still in row order (stable sort of ascending indices)
+            kept_rows = np.nonzero(kept)[0]
+            by_reducer = kept_rows[np.argsort(reducer[kept_rows], kind="stable")]
+            bounds = np.searchsorted(reducer[by_reducer], np.arange(plan["reducers"] + 1))
             for r in range(plan["reducers"]):
-                take = np.nonzero(kept & (reducer == r))[0]
+                take = by_reducer[bounds[r] : bounds[r + 1]]
                 per_reducer[column].append(
                     rows.take(pa.array(take)).append_column("position", pa.array(position[take])))
                 column += 1

@@ -131,7 +131,7 @@ def run_pack(sources: list[Source], staged: dict[str, list[Path]], doc_counts: d
     files = []
     if datasets:
         ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
-        total_docs = sum(m for m in doc_counts.values())
+        total_docs = sum(doc_counts.values())
         done_docs = done_tokens = 0
         last_print = 0.0
         for r in ds.iter_rows():

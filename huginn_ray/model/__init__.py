@@ -1,11 +1,11 @@
 """The Huginn recurrent-depth model: config, module, depth sampler, FLOPs, and HF-layout save/load."""
 
 from huginn_ray.model.config import MODEL_REGISTRY, ModelConfig
-from huginn_ray.model.flops import mean_training_flops_per_token, training_flops_per_token
+from huginn_ray.model.flops import training_flops_per_token
 from huginn_ray.model.model import KVCache, ModelOutput, RecurrentGPT, sample_recurrence
 from huginn_ray.model.pretrained import load_pretrained, save_pretrained
 
 __all__ = [
     "MODEL_REGISTRY", "KVCache", "ModelConfig", "ModelOutput", "RecurrentGPT", "load_pretrained",
-    "mean_training_flops_per_token", "sample_recurrence", "save_pretrained", "training_flops_per_token",
+    "sample_recurrence", "save_pretrained", "training_flops_per_token",
 ]

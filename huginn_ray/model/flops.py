@@ -25,10 +25,3 @@ def training_flops_per_token(config: ModelConfig, num_steps: tuple[int, int], se
     backward = 2 * (once + k * core_iteration)
     return float(forward + backward)
 
-
-def mean_training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """At the sampler's mean split (mean_recurrence - mean_backprop_depth, mean_backprop_depth), the depth
-    the reference used for MFU."""
-    k = config.mean_backprop_depth
-    n = max(config.mean_recurrence - k, 0)
-    return training_flops_per_token(config, (n, k), seq_len)

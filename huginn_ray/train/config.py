@@ -180,6 +180,11 @@ class TrainConfig:
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
     """Testing only."""
 
+    @property
+    def run_dir(self) -> Path:
+        """Where this run writes: Ray Train's checkpoints, the STOP/STOPPED files, fault-injection markers."""
+        return Path(self.out_dir) / self.run_name
+
 
 def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Load, validate, and make every path absolute (relative to the current directory): Ray workers run in

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-CHUNK_BYTES_DEFAULT = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -72,13 +71,13 @@ def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
 class ChunkStream:
     """Synchronous fixed-size chunk all-reduce after backward (reference §4.2, zero-padded)."""
 
-    def __init__(self, model: nn.Module, chunk_numel: int, group=None, device: torch.device | None = None):
+    def __init__(self, model: nn.Module, chunk_numel: int, group=None):
         self.module = model
         self.params = trainable_parameters(model)
         self.chunks = chunk_layout([p.numel() for p in self.params], chunk_numel)
         self.group = group
         self.world_size = dist.get_world_size(group)
-        device = device or self.params[0].device
+        device = self.params[0].device
         # one buffer reused for every chunk: the exchange is sequential
         self.buffer = torch.zeros(chunk_numel, dtype=torch.float32, device=device)
 
@@ -106,7 +105,7 @@ class ChunkStream:
 class ChunkStreamOverlap:
     """Fixed-size chunks all-reduced asynchronously while backward is still running."""
 
-    def __init__(self, model: nn.Module, chunk_numel: int, group=None, device: torch.device | None = None):
+    def __init__(self, model: nn.Module, chunk_numel: int, group=None):
         self.module = model
         # backward produces gradients roughly in reverse registration order: lay chunks out that way so that
         # chunk 0 fills first.
@@ -114,7 +113,7 @@ class ChunkStreamOverlap:
         self.chunks = chunk_layout([p.numel() for p in self.params], chunk_numel)
         self.group = group
         self.world_size = dist.get_world_size(group)
-        device = device or self.params[0].device
+        device = self.params[0].device
         self.buffers = [torch.zeros(chunk_numel, dtype=torch.float32, device=device) for _ in self.chunks]
         self.segments_of: list[list[tuple[int, Segment]]] = [[] for _ in self.params]
         for chunk_index, chunk in enumerate(self.chunks):

@@ -134,7 +134,7 @@ class RunOutcome:
 
 def run_training(cfg: TrainConfig, plan: dict) -> RunOutcome:
     """MLflow run and TorchTrainer for a plan from `preflight`; Ray must be initialised (see jobs/train.py)."""
-    run_dir = str(Path(cfg.out_dir) / cfg.run_name)
+    run_dir = str(cfg.run_dir)
     uri = tracking.tracking_uri(cfg.mlflow.tracking_uri, cfg.out_dir)
     plan["mlflow_uri"] = uri
     plan["mlflow_run_id"] = tracking.open_run(cfg, uri, run_dir)

@@ -44,23 +44,23 @@ def stop_file(cfg: TrainConfig) -> Path:
 
     The training function runs outside its process's main thread, where Python cannot install signal
     handlers, so the driver forwards the signal through this file."""
-    return Path(cfg.out_dir) / cfg.run_name / "STOP"
+    return cfg.run_dir / "STOP"
 
 
 def stopped_file(cfg: TrainConfig) -> Path:
     """Written by rank 0 when the run stops on purpose; holds the reason."""
-    return Path(cfg.out_dir) / cfg.run_name / "STOPPED"
+    return cfg.run_dir / "STOPPED"
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
+    cfg = from_dict(TrainConfig, loop_config["cfg"])
     try:
-        _train(loop_config)
+        _train(cfg, loop_config["plan"])
     except Stop as stop:
         # Every rank raises Stop at the same step (the decision is all-reduced). Ending normally instead of
         # raising keeps Ray Train from restarting a run that would only fail again; the driver learns why
         # from the file (Ray's result carries the metrics of the last checkpoint only).
         print(f"[huginn] {stop}", flush=True)
-        cfg = from_dict(TrainConfig, loop_config["cfg"])
         if ray.train.get_context().get_world_rank() == 0:
             stopped_file(cfg).parent.mkdir(parents=True, exist_ok=True)
             stopped_file(cfg).write_text(str(stop) + "\n")
@@ -149,9 +149,7 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
     return StepResult(loss, lr, grad_norm, (n, k), telemetry, agreed[2].item() > 0)
 
 
-def _train(loop_config: dict) -> None:
-    cfg = from_dict(TrainConfig, loop_config["cfg"])
-    plan = loop_config["plan"]
+def _train(cfg: TrainConfig, plan: dict) -> None:
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     device = training_device()
@@ -287,7 +285,7 @@ def validate(model, inputs, labels, cfg, plan, device, autocast) -> dict:
     for depth, value in zip(cfg.eval_depths, losses.tolist()):
         metrics[f"val_loss_{depth}"] = value
         metrics[f"val_ppl_{depth}"] = math.exp(min(value, 50.0))
-    metrics["val_loss"] = losses[-1].item()
+    metrics["val_loss"] = metrics[f"val_loss_{cfg.eval_depths[-1]}"]
     metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50.0))
     return metrics
 
@@ -305,7 +303,7 @@ def inject_fault(cfg: TrainConfig, rank: int, step: int, start_step: int) -> Non
     fault = cfg.fault_injection
     if fault.kill_rank_at_step != step or rank != fault.kill_rank:
         return
-    marker = Path(cfg.out_dir) / cfg.run_name / f"fault_injected_rank{rank}_step{step}"
+    marker = cfg.run_dir / f"fault_injected_rank{rank}_step{step}"
     if marker.exists():
         return
     marker.parent.mkdir(parents=True, exist_ok=True)
