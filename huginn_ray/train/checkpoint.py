@@ -3,7 +3,10 @@
 Every worker reports one directory to Ray Train, which merges them into one checkpoint directory:
 
     model/model.safetensors, model/config.json   the model in the Hugging Face layout (rank 0)
-    optimizer.pt                                 optimizer state, identical on every rank (rank 0)
+    optimizer.pt                                 optimizer state, identical on every rank (rank 0; unsharded)
+    optimizer_shard_{l:05d}_of_{S:05d}.pt        with optim.sharding=node: local rank l's shard, written by the
+                                                 ranks of node 0 (every node holds the same shards); read by
+                                                 every rank with local rank l, whatever the number of nodes
     trainer_state.json                           step, tokens seen, MLflow run id, world size (rank 0)
     rank_{r:05d}.pt                              rank r's reader state and RNG states (every rank)
 """
@@ -50,12 +53,20 @@ def set_rng_states(states: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(states["cuda"], device)
 
 
+def shard_file(local_rank: int, node_size: int) -> str:
+    return f"optimizer_shard_{local_rank:05d}_of_{node_size:05d}.pt"
+
+
 def write(directory: Path, rank: int, model, optimizer, state: TrainerState, reader_state: dict, device) -> None:
     directory.mkdir(parents=True, exist_ok=True)
+    sharding = getattr(optimizer, "sharding", None)
     if rank == 0:
         save_pretrained(model, directory / "model")
-        torch.save(optimizer.state_dict(), directory / "optimizer.pt")
+        if sharding is None:
+            torch.save(optimizer.state_dict(), directory / "optimizer.pt")
         (directory / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
+    if sharding is not None and rank < sharding.layout.node_size:  # node 0 writes every shard once
+        torch.save(optimizer.state_dict(), directory / shard_file(rank, sharding.layout.node_size))
     torch.save({"reader": reader_state, "rng": rng_states(device)}, directory / rank_file(rank))
 
 
@@ -68,7 +79,29 @@ def read(directory: Path, rank: int, world_size: int, model, optimizer, device) 
             "the per-rank reader states do not carry over"
         )
     model.load_state_dict(load_pretrained(directory / "model", device=device).state_dict())
-    optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=device, weights_only=True))
+    read_optimizer(directory, optimizer, device)
     per_rank = torch.load(directory / rank_file(rank), weights_only=True)
     set_rng_states(per_rank["rng"], device)
     return state, per_rank["reader"]
+
+
+def read_optimizer(directory: Path, optimizer, device) -> None:
+    """Load the optimizer state this rank needs: the whole state, or its local rank's shard only."""
+    sharding = getattr(optimizer, "sharding", None)
+    shards = sorted(directory.glob("optimizer_shard_*_of_*.pt"))
+    if sharding is None:
+        if shards:
+            raise ValueError(f"checkpoint {directory} holds an optimizer sharded over nodes (optim.sharding=node, "
+                             f"{shards[0].name}); this run has optim.sharding=none")
+        optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=device, weights_only=True))
+        return
+    node_size = sharding.layout.node_size
+    path = directory / shard_file(sharding.layout.local_rank, node_size)
+    if not path.is_file():
+        if not shards:
+            raise ValueError(f"checkpoint {directory} holds an unsharded optimizer (optim.sharding=none); this run "
+                             f"has optim.sharding=node")
+        written = int(shards[0].stem.rsplit("_of_", 1)[1])
+        raise ValueError(f"checkpoint {directory} was written with node_size={written} (optimizer shards per node), "
+                         f"this run has node_size={node_size}: the optimizer shards do not carry over")
+    optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))

@@ -39,6 +39,9 @@ class OptimConfig:
     """ELLISAdam: decay by (lr / init_lr) * weight_decay instead of lr * weight_decay."""
     no_weight_decay_for_bias_and_norm: bool = True
     """No decay on norm weights and biases (the third parameter group)."""
+    sharding: Literal["none", "node"] = "none"
+    """node: the ranks of a node share the optimizer state, each owning whole tensors balanced by element count
+    (huginn_ray.train.sharding); none: every rank holds the full state."""
 
 
 @dataclass
@@ -56,10 +59,15 @@ class ScheduleConfig:
 
 @dataclass
 class GradSyncConfig:
-    kind: Literal["chunk_stream", "chunk_stream_overlap", "ddp"] = "chunk_stream"
-    """Gradient exchange (huginn_ray.train.grad_sync)."""
+    kind: Literal["chunk_stream", "chunk_stream_overlap", "ddp", "hierarchical"] = "chunk_stream"
+    """Gradient exchange (huginn_ray.train.grad_sync); hierarchical needs optim.sharding=node."""
     chunk_mib: float = 64.0
     """Size of every all-reduce message of the chunk streams, in MiB of fp32 (DDP: bucket size)."""
+    max_chunks_in_flight: int = 4
+    """chunk_stream_overlap: chunk buffers (all-reduces) in flight at once; bounds its extra memory."""
+    node_size: int = 0
+    """Ranks per node for optim.sharding=node and hierarchical; 0: Ray Train's local world size. Tests split
+    one machine into virtual nodes with it (4 workers, node_size=2: 2 nodes x 2)."""
     ddp_find_unused_parameters: bool = False
     """Only for ddp: needed when some parameter may get no gradient in a step."""
 
@@ -177,6 +185,11 @@ class TrainConfig:
     """Worker failures Ray Train recovers from (restart from the newest checkpoint)."""
     cpu_threads: int = 1
     """torch threads per CPU worker (1 keeps CPU runs bitwise reproducible)."""
+    device_memory_gib: float | None = None
+    """Memory of one device for the memory plan (huginn_ray.train.memory); None: the detected accelerator's
+    (64 for an MI250X GCD) or, on CPU, the machine's RAM divided by the workers."""
+    memory_headroom: float = 0.9
+    """The preflight refuses a plan above device_memory_gib x memory_headroom."""
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
     """Testing only."""
 
@@ -207,4 +220,17 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
         raise ConfigError("set max_steps or max_tokens")
     if not cfg.eval_depths:
         raise ConfigError("eval_depths: needs at least one depth")
+    check_sharding_config(cfg)
     return cfg
+
+
+def check_sharding_config(cfg: TrainConfig) -> None:
+    gs = cfg.grad_sync
+    if gs.kind == "hierarchical" and cfg.optim.sharding != "node":
+        raise ConfigError("grad_sync.kind=hierarchical reduces each gradient to its owner: it needs optim.sharding=node")
+    if gs.node_size < 0 or (gs.node_size and cfg.scaling.num_workers % gs.node_size):
+        raise ConfigError(f"grad_sync.node_size={gs.node_size} must divide scaling.num_workers={cfg.scaling.num_workers}")
+    if gs.max_chunks_in_flight < 1:
+        raise ConfigError(f"grad_sync.max_chunks_in_flight: must be >= 1, got {gs.max_chunks_in_flight}")
+    if not 0 < cfg.memory_headroom <= 1:
+        raise ConfigError(f"memory_headroom: must lie in (0, 1], got {cfg.memory_headroom}")

@@ -10,7 +10,9 @@ Three interchangeable exchanges (config `grad_sync.kind`):
   produces gradients) and filled by `register_post_accumulate_grad_hook`; a chunk's all-reduce is launched
   asynchronously as soon as all of its parameters' gradients are final, so communication overlaps backward.
   Chunks are always launched in index order, so every rank issues the same collectives in the same order.
-- `ddp`: torch DistributedDataParallel.
+- `ddp`: torch DistributedDataParallel (gradients as views into its buckets).
+- `hierarchical` (with `optim.sharding: node`): reduce every gradient to its owner within the node, then the
+  fixed-size chunk stream between nodes over the owned part only (class `Hierarchical`).
 
 The layout covers every trainable parameter whether or not it received a gradient this step; a parameter without
 gradient contributes zeros, and gets the averaged gradient of the others. This keeps the collectives identical
@@ -22,6 +24,7 @@ Gradient accumulation: wrap every micro-batch's forward+backward in `sync.micro_
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from dataclasses import dataclass
 
@@ -103,9 +106,13 @@ class ChunkStream:
 
 
 class ChunkStreamOverlap:
-    """Fixed-size chunks all-reduced asynchronously while backward is still running."""
+    """Fixed-size chunks all-reduced asynchronously while backward is still running.
 
-    def __init__(self, model: nn.Module, chunk_numel: int, group=None):
+    At most `max_in_flight` chunk buffers exist: a chunk is packed from the parameters' gradients when all of
+    them are final and a buffer is free; when none is free, the oldest all-reduce is waited for and unpacked
+    first. The extra memory is `max_in_flight` chunks, not a second copy of the gradients."""
+
+    def __init__(self, model: nn.Module, chunk_numel: int, group=None, max_in_flight: int = 4):
         self.module = model
         # backward produces gradients roughly in reverse registration order: lay chunks out that way so that
         # chunk 0 fills first.
@@ -114,11 +121,12 @@ class ChunkStreamOverlap:
         self.group = group
         self.world_size = dist.get_world_size(group)
         device = self.params[0].device
-        self.buffers = [torch.zeros(chunk_numel, dtype=torch.float32, device=device) for _ in self.chunks]
-        self.segments_of: list[list[tuple[int, Segment]]] = [[] for _ in self.params]
+        self.buffers = [torch.zeros(chunk_numel, dtype=torch.float32, device=device)
+                        for _ in range(min(max_in_flight, len(self.chunks)))]
+        self.chunks_of: list[list[int]] = [[] for _ in self.params]
         for chunk_index, chunk in enumerate(self.chunks):
             for s in chunk:
-                self.segments_of[s.param_index].append((chunk_index, s))
+                self.chunks_of[s.param_index].append(chunk_index)
         self._syncing = False
         self._reset()
         self._handles = [
@@ -128,9 +136,9 @@ class ChunkStreamOverlap:
     def _reset(self) -> None:
         self.fired = [False] * len(self.params)
         self.missing = [len({s.param_index for s in chunk}) for chunk in self.chunks]
-        self.works: list = []
-        for b in self.buffers:
-            b.zero_()
+        self.launched = 0
+        self.in_flight: collections.deque = collections.deque()
+        self.free = list(self.buffers)
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool):
@@ -151,45 +159,126 @@ class ChunkStreamOverlap:
                     f"chunk_stream_overlap: gradient hook of parameter #{index} ({tuple(p.shape)}) fired twice "
                     "in one backward (reentrant checkpointing or a second backward?); use chunk_stream instead"
                 )
-            self.fired[index] = True
-            flat = p.grad.reshape(-1)
-            for chunk_index, s in self.segments_of[index]:
-                self.buffers[chunk_index][s.chunk_offset : s.chunk_offset + s.count].copy_(
-                    flat[s.grad_offset : s.grad_offset + s.count]
-                )
-            for chunk_index in {c for c, _ in self.segments_of[index]}:
-                self.missing[chunk_index] -= 1
+            self._mark_final(index)
             self._launch_ready()
 
         return hook
 
+    def _mark_final(self, index: int) -> None:
+        self.fired[index] = True
+        for chunk_index in self.chunks_of[index]:
+            self.missing[chunk_index] -= 1
+
     def _launch_ready(self) -> None:
         # strictly in chunk order, so that all ranks issue the same sequence of collectives
-        while len(self.works) < len(self.chunks) and self.missing[len(self.works)] == 0:
-            buf = self.buffers[len(self.works)]
-            self.works.append(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        while self.launched < len(self.chunks) and self.missing[self.launched] == 0:
+            if not self.free:
+                self._complete_oldest()
+            buf = self.free.pop()
+            buf.zero_()
+            for s in self.chunks[self.launched]:
+                grad = self.params[s.param_index].grad
+                if grad is not None:
+                    buf[s.chunk_offset : s.chunk_offset + s.count].copy_(
+                        grad.reshape(-1)[s.grad_offset : s.grad_offset + s.count]
+                    )
+            work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            self.in_flight.append((self.launched, buf, work))
+            self.launched += 1
+
+    def _complete_oldest(self) -> None:
+        chunk_index, buf, work = self.in_flight.popleft()
+        work.wait()
+        buf.div_(self.world_size)
+        for s in self.chunks[chunk_index]:
+            grad = _grad_or_zeros(self.params[s.param_index])
+            grad.view(-1)[s.grad_offset : s.grad_offset + s.count].copy_(buf[s.chunk_offset : s.chunk_offset + s.count])
+        self.free.append(buf)
 
     def finish(self) -> None:
         # parameters whose hook never fired got no gradient: their zero slots are complete now
         for index, fired in enumerate(self.fired):
             if not fired:
-                for chunk_index in {c for c, _ in self.segments_of[index]}:
-                    self.missing[chunk_index] -= 1
-                self.fired[index] = True
+                self._mark_final(index)
         self._launch_ready()
-        for chunk, buf, work in zip(self.chunks, self.buffers, self.works):
-            work.wait()
-            buf.div_(self.world_size)
-            for s in chunk:
-                grad = _grad_or_zeros(self.params[s.param_index])
-                grad.view(-1)[s.grad_offset : s.grad_offset + s.count].copy_(
-                    buf[s.chunk_offset : s.chunk_offset + s.count]
-                )
+        while self.in_flight:
+            self._complete_oldest()
         self._syncing = False
 
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+class Hierarchical:
+    """Node-local reduce to each tensor's owner, then a chunk stream between nodes over the owned part only.
+
+    Needs the owner map of `optim.sharding=node` (huginn_ray.train.sharding.NodeSharding):
+    1. within the node, every gradient is summed onto the local rank that owns its tensor (`reduce`, fast links);
+    2. between nodes, each rank packs the gradients it owns into fixed-size, zero-padded fp32 chunks and
+       all-reduces them among the ranks with the same local rank on every node (§4.2 semantics: every message
+       has the same size; sum, then divide by the world size in fp32);
+    3. the owner steps its tensors and broadcasts them within the node (NodeShardedOptimizer.step).
+    Non-owned gradients are dropped after step 1, so clipping needs the node's sum of squares
+    (`clip_grad_norm_`). Each rank sends 1/node_size of the flat chunk stream's bytes between nodes."""
+
+    def __init__(self, model: nn.Module, chunk_numel: int, sharding):
+        self.module = model
+        self.sharding = sharding
+        self.layout = sharding.layout
+        self.params = sharding.params
+        self.owned = sharding.owned()
+        self.world_size = self.layout.world_size
+        self.chunks = chunk_layout([self.params[i].numel() for i in self.owned], chunk_numel)
+        device = self.params[0].device
+        self.buffer = (torch.zeros(chunk_numel, dtype=torch.float32, device=device)
+                       if self.layout.num_nodes > 1 else None)
+
+    def micro_batch(self, last: bool):
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        layout = self.layout
+        if layout.node_size > 1:
+            for index, p in enumerate(self.params):
+                grad = _grad_or_zeros(p)
+                owner = layout.intra_rank(self.sharding.owners[index])
+                dist.reduce(grad, dst=owner, op=dist.ReduceOp.SUM, group=layout.intra_group)
+                if not self.sharding.is_owned(index):
+                    p.grad = None
+        owned = [self.params[i] for i in self.owned]
+        if self.buffer is None:
+            for p in owned:
+                _grad_or_zeros(p).div_(self.world_size)
+            return
+        for chunk in self.chunks:
+            self.buffer.zero_()
+            for s in chunk:
+                grad = _grad_or_zeros(owned[s.param_index])
+                self.buffer[s.chunk_offset : s.chunk_offset + s.count].copy_(
+                    grad.reshape(-1)[s.grad_offset : s.grad_offset + s.count]
+                )
+            dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM, group=layout.cross_group)
+            self.buffer.div_(self.world_size)
+            for s in chunk:
+                owned[s.param_index].grad.view(-1)[s.grad_offset : s.grad_offset + s.count].copy_(
+                    self.buffer[s.chunk_offset : s.chunk_offset + s.count]
+                )
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global L2 norm of the averaged gradients (the node's owners hold them all), and clip them."""
+        grads = [self.params[i].grad for i in self.owned if self.params[i].grad is not None]
+        device = self.params[0].device
+        local = torch.stack([g.detach().float().norm(2) for g in grads]).square().sum() if grads else \
+            torch.zeros((), device=device)
+        total_sq = local.reshape(1).to(torch.float32)
+        if self.layout.node_size > 1:
+            dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=self.layout.intra_group)
+        total = total_sq.sqrt()[0]
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device, g.dtype))
+        return total.item()
 
 
 class DDPSync:
@@ -206,6 +295,7 @@ class DDPSync:
             process_group=group,
             find_unused_parameters=find_unused_parameters,
             bucket_cap_mb=bucket_mb,
+            gradient_as_bucket_view=True,  # the gradients live in DDP's buckets: no second copy
         )
 
     def micro_batch(self, last: bool):
@@ -215,12 +305,18 @@ class DDPSync:
         """DDP has reduced during backward."""
 
 
-def build_grad_sync(kind: str, model: nn.Module, chunk_mib: float = 64, group=None, find_unused_parameters=False):
+def build_grad_sync(kind: str, model: nn.Module, chunk_mib: float = 64, group=None, find_unused_parameters=False,
+                    max_chunks_in_flight: int = 4, sharding=None):
     chunk_numel = int(chunk_mib * 1024 * 1024) // 4
     if kind == "chunk_stream":
         return ChunkStream(model, chunk_numel, group)
     if kind == "chunk_stream_overlap":
-        return ChunkStreamOverlap(model, chunk_numel, group)
+        return ChunkStreamOverlap(model, chunk_numel, group, max_in_flight=max_chunks_in_flight)
     if kind == "ddp":
         return DDPSync(model, group, find_unused_parameters=find_unused_parameters, bucket_mb=max(1, int(chunk_mib)))
-    raise ValueError(f"grad_sync.kind: unknown gradient exchange {kind!r} (chunk_stream, chunk_stream_overlap, ddp)")
+    if kind == "hierarchical":
+        if sharding is None:
+            raise ValueError("grad_sync.kind=hierarchical needs optim.sharding=node (the owner of every tensor)")
+        return Hierarchical(model, chunk_numel, sharding)
+    raise ValueError(f"grad_sync.kind: unknown gradient exchange {kind!r} "
+                     "(chunk_stream, chunk_stream_overlap, ddp, hierarchical)")

@@ -30,6 +30,7 @@ from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.grad_sync import build_grad_sync
 from huginn_ray.train.optim import build_optimizer, set_lr, trapezoid_lr
+from huginn_ray.train.sharding import NodeSharding, NodeShardedOptimizer, build_node_layout
 from huginn_ray.train.shard_reader import ShardReader, collate, validation_rows
 from huginn_ray.train.tracking import MetricsLogger
 from huginn_ray.train.warmup import register_node, warmup_allreduce
@@ -80,16 +81,23 @@ class Components:
     """Model, optimizer and reader were loaded from a checkpoint."""
 
 
-def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.device) -> Components:
+def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.device,
+                     local_world_size: int | None = None) -> Components:
+    """`local_world_size`: ranks on this node (Ray Train's), the node size unless grad_sync.node_size is set."""
     if device.type == "cpu":
         torch.set_num_threads(cfg.cpu_threads)
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     random.seed(cfg.seed)
     model_cfg = ModelConfig.from_hf_dict(plan["model_config"])
     model = RecurrentGPT(model_cfg).to(device)
+    sharding = None
+    if cfg.optim.sharding == "node":
+        node_size = cfg.grad_sync.node_size or local_world_size or dist.get_world_size()
+        sharding = NodeSharding(model, build_node_layout(node_size))
     sync = build_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib,
-                           find_unused_parameters=cfg.grad_sync.ddp_find_unused_parameters)
-    optimizer = build_optimizer(model, cfg.optim)
+                           find_unused_parameters=cfg.grad_sync.ddp_find_unused_parameters,
+                           max_chunks_in_flight=cfg.grad_sync.max_chunks_in_flight, sharding=sharding)
+    optimizer = build_optimizer(model, cfg.optim) if sharding is None else NodeShardedOptimizer(model, cfg.optim, sharding)
     reader = ShardReader(shard_path(cfg.data.data_dir, "train", rank), cfg.seed + rank, cfg.block_size + 1)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if plan["precision"] == "bf16-mixed" else nullcontext()
     return Components(model_cfg, model, sync, optimizer, reader, autocast)
@@ -130,14 +138,15 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
     lr = trapezoid_lr(step, cfg.optim.lr, cfg.schedule.warmup_steps, cfg.schedule.cooldown_steps,
                       plan["schedule_steps"], cfg.schedule.min_lr)
     set_lr(c.optimizer, lr, cfg.schedule.reference_lr_quirk, c.resumed)
-    grad_norm = torch.nn.utils.clip_grad_norm_(c.model.parameters(), cfg.grad_clip).item()
-    # one small all-reduce carries the loss, its finiteness and a stop request: every rank decides alike
-    agreed = torch.tensor([local_loss, float(not math.isfinite(local_loss)), float(stop_here)],
-                          dtype=torch.float64, device=device)
+    grad_norm = clip_gradients(c, cfg.grad_clip)
+    # one small all-reduce carries the loss, the finiteness of loss and gradient norm, and a stop request:
+    # every rank decides alike, also if only one rank saw a non-finite value
+    nonfinite = not (math.isfinite(local_loss) and math.isfinite(grad_norm))
+    agreed = torch.tensor([local_loss, float(nonfinite), float(stop_here)], dtype=torch.float64, device=device)
     dist.all_reduce(agreed)
     world_size = dist.get_world_size()
     loss = agreed[0].item() / world_size
-    if agreed[1].item() > 0 or not math.isfinite(grad_norm):
+    if agreed[1].item() > 0:
         message = f"step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm})"
         if cfg.on_nonfinite == "stop":
             raise Stop(f"{message}; stopping (on_nonfinite=stop)")
@@ -149,12 +158,26 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
     return StepResult(loss, lr, grad_norm, (n, k), telemetry, agreed[2].item() > 0)
 
 
+def clip_gradients(c: Components, max_norm: float) -> float:
+    """Global L2 norm of the averaged gradients before clipping; the hierarchical exchange leaves each rank only
+    the gradients it owns and computes the norm over the node."""
+    if hasattr(c.sync, "clip_grad_norm_"):
+        return c.sync.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_(c.model.parameters(), max_norm).item()
+
+
 def _train(cfg: TrainConfig, plan: dict) -> None:
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     device = training_device()
     register_node()
-    c = build_components(cfg, plan, rank, device)
+    if cfg.optim.sharding == "node" and not cfg.grad_sync.node_size:
+        local, local_size = ctx.get_local_rank(), ctx.get_local_world_size()
+        if local != rank % local_size or world_size % local_size:
+            raise RuntimeError(f"optim.sharding=node: rank {rank} is local rank {local} of {local_size} on its node; "
+                               "node-local groups need the same number of workers on every node, ranks contiguous "
+                               "per node (set grad_sync.node_size to override)")
+    c = build_components(cfg, plan, rank, device, local_world_size=ctx.get_local_world_size())
     model, optimizer, reader = c.model, c.optimizer, c.reader
     val_inputs, val_labels = collate(
         validation_rows(cfg.data.data_dir, rank, cfg.eval_iters * cfg.micro_batch_size, cfg.block_size + 1),

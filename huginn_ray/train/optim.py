@@ -136,9 +136,12 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay_for_bias_and_no
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
-    """`cfg` is an `OptimConfig` (huginn_ray.train.config)."""
+def build_optimizer(model: nn.Module, cfg, keep=None) -> torch.optim.Optimizer:
+    """`cfg` is an `OptimConfig` (huginn_ray.train.config). `keep(param)`, if given, selects the parameters this
+    optimizer steps (node-local sharding, huginn_ray.train.sharding); the three groups stay, possibly empty."""
     groups = param_groups(model, cfg.weight_decay, cfg.no_weight_decay_for_bias_and_norm)
+    if keep is not None:
+        groups = [dict(g, params=[p for p in g["params"] if keep(p)]) for g in groups]
     if cfg.name == "ELLISAdam":
         return ELLISAdam(
             groups,
