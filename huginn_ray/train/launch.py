@@ -21,6 +21,7 @@ from huginn_ray.data.tokenizer import TOKENIZER_FILE, check_tokenizer_fits, file
 from huginn_ray.model import ModelConfig
 from huginn_ray.train import tracking
 from huginn_ray.train.config import TrainConfig
+from huginn_ray.train.memory import GIB, plan_memory
 from huginn_ray.train.loop import stop_file, stopped_file, train_loop_per_worker
 
 
@@ -42,6 +43,18 @@ def batch_arithmetic(cfg: TrainConfig) -> tuple[int, int]:
     if cfg.max_steps is not None:
         return grad_accum, cfg.max_steps
     return grad_accum, int(cfg.max_tokens // cfg.scaling.num_workers) // (cfg.micro_batch_size * grad_accum * cfg.block_size)
+
+
+def check_memory(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
+    """Refuse a configuration whose per-rank memory plan exceeds device_memory_gib x memory_headroom."""
+    plan = plan_memory(cfg, model_cfg)
+    if not plan.fits:
+        largest = ", ".join(f"{name} {size / GIB:.1f} GiB" for name, size in plan.largest())
+        raise PreflightError(
+            f"memory plan: {plan.total / GIB:.1f} GiB per rank exceeds device_memory_gib x memory_headroom = "
+            f"{plan.device_bytes / GIB:.1f} x {plan.headroom:g} = {plan.limit / GIB:.1f} GiB; largest items: {largest}; "
+            f"what would help: {plan.advice} (the whole plan: python -m huginn_ray.train.memory --config ...)"
+        )
 
 
 def preflight(cfg: TrainConfig) -> dict:
@@ -80,6 +93,7 @@ def preflight(cfg: TrainConfig) -> dict:
         raise PreflightError(f"model: {err}") from None
     if cfg.block_size > model_cfg.block_size:
         raise PreflightError(f"block_size={cfg.block_size} exceeds the model's block_size={model_cfg.block_size}")
+    check_memory(cfg, model_cfg)
     if not cfg.data.tokenizer_path:
         raise PreflightError("data.tokenizer_path is not set")
     try:

@@ -1,0 +1,318 @@
+"""Per-rank memory plan of a training configuration, checked before launch.
+
+    python -m huginn_ray.train.memory --config configs/train/frontier_nebel_512_nodes.yaml [key=value ...]
+
+Prints one row per item, then `total per rank: X.X GiB of Y.Y GiB device memory` as its last line, and exits 1
+when the total exceeds `device_memory_gib x memory_headroom`. `jobs/train.py` runs the same plan in its preflight.
+
+What is counted, per rank (the busiest rank where ranks differ):
+- parameters and buffers (fp32 master weights), gradients (fp32, every trainable tensor: backward produces all
+  of them before any exchange finishes);
+- optimizer state: two fp32 moments (+ a step counter) per tensor the rank steps: all tensors, or with
+  `optim.sharding: node` the largest owner's share (huginn_ray.train.sharding.owner_map);
+- exchange buffers: chunk_stream one chunk, chunk_stream_overlap `max_chunks_in_flight` chunks, hierarchical
+  one chunk (none on a single node), ddp none beyond the gradients (gradient_as_bucket_view);
+- activations kept for backward at the deepest backprop the sampler draws (k = mean_backprop_depth gradient
+  iterations, with the configured activation checkpointing), for one micro-batch: measured, not estimated, by
+  running the model's forward and loss on the meta device under `saved_tensors_hooks` and summing the bytes of
+  the distinct storages saved (parameters and buffers excluded). On GPU configurations bf16 autocast is emulated
+  on meta (linear/matmul/attention inputs cast to bf16, casts of weights cached as autocast does) and attention
+  is counted as the fused flash kernel saves it (q, k, v, output, log-sum-exp), as on the device;
+- the largest transient on top: the recomputation of one checkpointed iteration in backward (its saved tensors,
+  measured the same way), the gradient of the logits at the start of backward, or, under bf16 autocast, the
+  cached bf16 copies of the weights alive at the end of the forward (those not already saved for backward).
+Not counted: the allocator's fragmentation and the runtime's own memory (CUDA/ROCm context, communication
+library buffers); `memory_headroom` (default 0.9) is there for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from huginn_ray.model import ModelConfig, RecurrentGPT
+from huginn_ray.train.sharding import owner_loads, owner_map
+
+GIB = 2**30
+MI250X_GCD_GIB = 64.0
+"""Device memory assumed for GPU configurations when none is configured or detected (an MI250X GCD)."""
+GPU_NODE_SIZE = 8
+"""Ranks per node assumed for GPU configurations without grad_sync.node_size (Frontier: 8 GCDs)."""
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class AutocastOnMeta(TorchFunctionMode):
+    """What bf16 autocast and the device's fused attention do, for meta tensors (autocast ignores meta).
+
+    linear / matmul / attention get bf16 inputs; casts of leaf tensors that require grad (the weights) are
+    cached for the whole forward like autocast's weight cache; attention runs the flash kernel of the target
+    device (`_scaled_dot_product_flash_attention` on GPUs, its CPU variant on CPU), which saves what the device
+    saves instead of the math fallback meta would take."""
+
+    LOWER = {F.linear, torch.matmul, torch.Tensor.matmul, torch.mm, torch.bmm}
+
+    def __init__(self, bf16: bool, device_type: str):
+        super().__init__()
+        self.bf16 = bf16
+        self.device_type = device_type
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def _cast(self, t):
+        if not (self.bf16 and isinstance(t, torch.Tensor) and t.dtype == torch.float32):
+            return t
+        if t.is_leaf and t.requires_grad:
+            if id(t) not in self.cache:
+                self.cache[id(t)] = t.to(torch.bfloat16)
+            return self.cache[id(t)]
+        return t.to(torch.bfloat16)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._attention(*tree_map(self._cast, args), **tree_map(self._cast, kwargs))
+        if func in self.LOWER:
+            args, kwargs = tree_map(self._cast, args), tree_map(self._cast, kwargs)
+        return func(*args, **kwargs)
+
+    def _attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+        if attn_mask is not None:  # only generation passes a mask; training is causal without one
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+        if self.device_type == "cpu":
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, dropout_p, is_causal, scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+
+
+class SavedBytes:
+    """saved_tensors_hooks that sum the bytes of the distinct storages autograd keeps (parameters excluded)."""
+
+    def __init__(self, exclude: set[int]):
+        self.exclude = exclude
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor):
+        key = _storage_key(t)
+        if key not in self.exclude:
+            self.storages[key] = t.untyped_storage().nbytes()
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def saved_activation_bytes(model: RecurrentGPT, input_ids: torch.Tensor, num_steps: tuple[int, int],
+                           bf16: bool = False, device_type: str = "cpu") -> dict:
+    """Bytes autograd keeps for backward over one forward+loss of `model` (meta or real tensors).
+
+    Returns {"activations", "recompute_iteration", "weight_casts"}: the saved storages of the whole forward, of
+    one core iteration without checkpointing (what its recomputation holds in backward), and of the bf16
+    weight casts alive at the end of the forward that are not among the saved storages."""
+    exclude = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+    saved = SavedBytes(exclude)
+    emulation = AutocastOnMeta(bf16, device_type) if input_ids.device.type == "meta" else None
+    with saved.hooks(), (emulation or torch.enable_grad()):
+        out = model(input_ids, labels=input_ids, num_steps=num_steps)
+    casts = 0
+    if emulation is not None:
+        casts = sum(t.untyped_storage().nbytes() for t in emulation.cache.values()
+                    if _storage_key(t) not in saved.storages)
+    activations = saved.total
+    del out
+    # one iteration as its checkpoint recomputes it in backward
+    recompute = SavedBytes(exclude)
+    with torch.no_grad():
+        x = model.transformer.wte(input_ids) * model.config.embedding_scale
+    embedded = x.detach().requires_grad_()
+    state = torch.zeros_like(embedded).requires_grad_()
+    rope = model.freqs_cis[:, : input_ids.shape[1]]
+    emulation = AutocastOnMeta(bf16, device_type) if input_ids.device.type == "meta" else None
+    with recompute.hooks(), (emulation or torch.enable_grad()):
+        model._core(state, embedded, rope, None, 0)
+    return {"activations": activations, "recompute_iteration": recompute.total, "weight_casts": casts}
+
+
+@dataclass
+class MemoryPlan:
+    rows: list[tuple[str, int, str]] = field(default_factory=list)
+    """(item, bytes, how it was obtained)."""
+    transients: list[tuple[str, int]] = field(default_factory=list)
+    device_bytes: int = 0
+    headroom: float = 0.9
+    header: str = ""
+
+    @property
+    def transient(self) -> tuple[str, int]:
+        return max(self.transients, key=lambda t: t[1]) if self.transients else ("none", 0)
+
+    def bytes_of(self, item: str) -> int:
+        return next(b for name, b, _ in self.rows if name == item)
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b, _ in self.rows) + self.transient[1]
+
+    @property
+    def limit(self) -> int:
+        return int(self.device_bytes * self.headroom)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.limit
+
+    def largest(self, count: int = 3) -> list[tuple[str, int]]:
+        items = [(name, b) for name, b, _ in self.rows] + [self.transient]
+        return sorted(items, key=lambda t: -t[1])[:count]
+
+    def render(self) -> str:
+        lines = [self.header, f"{'item':<52}{'GiB':>8}  how"]
+        for name, b, how in self.rows:
+            lines.append(f"{name:<52}{b / GIB:>8.2f}  {how}")
+        for name, b in self.transients:
+            lines.append(f"{'  transient: ' + name:<52}{b / GIB:>8.2f}")
+        lines.append(f"{'largest transient (' + self.transient[0] + ')':<52}{self.transient[1] / GIB:>8.2f}")
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines.append(f"{verdict} within memory_headroom {self.headroom:g} x device memory = {self.limit / GIB:.1f} GiB")
+        if not self.fits:
+            lines.append("largest items: " + ", ".join(f"{n} {b / GIB:.1f} GiB" for n, b in self.largest()))
+            lines.append("what would help: " + self.advice)
+        lines.append(f"total per rank: {self.total / GIB:.1f} GiB of {self.device_bytes / GIB:.1f} GiB device memory")
+        return "\n".join(lines)
+
+    advice: str = ""
+
+
+def device_memory_bytes(cfg) -> int:
+    if cfg.device_memory_gib:
+        return int(cfg.device_memory_gib * GIB)
+    if cfg.scaling.use_gpu:
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory
+        return int(MI250X_GCD_GIB * GIB)
+    import os
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // max(1, cfg.scaling.num_workers)
+
+
+def plan_node_size(cfg) -> int:
+    if cfg.grad_sync.node_size:
+        return cfg.grad_sync.node_size
+    return min(cfg.scaling.num_workers, GPU_NODE_SIZE) if cfg.scaling.use_gpu else cfg.scaling.num_workers
+
+
+def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
+    """The per-rank memory plan of a TrainConfig (huginn_ray.train.config)."""
+    if model_cfg is None:
+        model_cfg = ModelConfig.from_name(
+            cfg.model.name, **{"activation_checkpointing": cfg.activation_checkpointing, **cfg.model.overrides})
+    precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if cfg.scaling.use_gpu else "fp32")
+    bf16 = precision == "bf16-mixed"
+    device_type = "cuda" if cfg.scaling.use_gpu else "cpu"
+    with torch.device("meta"):
+        model = RecurrentGPT(model_cfg)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    workers = cfg.scaling.num_workers
+    node_size = plan_node_size(cfg)
+    num_nodes = max(1, workers // node_size)
+
+    plan = MemoryPlan(device_bytes=device_memory_bytes(cfg), headroom=cfg.memory_headroom)
+    plan.header = (f"memory plan per rank: {cfg.model.name}, {workers} ranks ({num_nodes} nodes x {node_size}), "
+                   f"micro-batch {cfg.micro_batch_size} x {cfg.block_size} tokens, {precision}, "
+                   f"optim.sharding={cfg.optim.sharding}, grad_sync.kind={cfg.grad_sync.kind}")
+    plan.rows.append(("parameters + buffers (fp32)", numel * 4 + buffer_bytes, f"{numel:,} trainable elements"))
+    plan.rows.append(("gradients (fp32)", numel * 4, "every trainable tensor"))
+
+    numels = [p.numel() for p in params]
+    if cfg.optim.sharding == "node":
+        loads = owner_loads(numels, owner_map(numels, node_size), node_size)
+        owners = owner_map(numels, node_size)
+        busiest = max(range(node_size), key=lambda r: loads[r])
+        owned_elems, owned_tensors = loads[busiest], owners.count(busiest)
+        how = f"sharded over {node_size} ranks; busiest owns {owned_elems:,} elements ({owned_elems / numel:.1%})"
+    else:
+        owned_elems, owned_tensors = numel, len(params)
+        how = "replicated on every rank"
+    step_bytes = 8 if cfg.optim.name == "ELLISAdam" else 4
+    plan.rows.append((f"optimizer state ({cfg.optim.name}: 2 fp32 moments)", owned_elems * 8 + owned_tensors * step_bytes,
+                      how))
+
+    chunk_bytes = int(cfg.grad_sync.chunk_mib * 1024 * 1024) // 4 * 4
+    kind = cfg.grad_sync.kind
+    if kind == "chunk_stream":
+        exchange, how = chunk_bytes, "one chunk"
+    elif kind == "chunk_stream_overlap":
+        chunks = math.ceil(numel * 4 / chunk_bytes)
+        in_flight = min(cfg.grad_sync.max_chunks_in_flight, chunks)
+        exchange, how = in_flight * chunk_bytes, f"{in_flight} chunks in flight (grad_sync.max_chunks_in_flight)"
+    elif kind == "hierarchical":
+        exchange = chunk_bytes if num_nodes > 1 else 0
+        how = "one chunk for the inter-node stream" if num_nodes > 1 else "single node: no chunk"
+    else:
+        exchange, how = 0, "gradients are views into DDP's buckets"
+    plan.rows.append((f"exchange buffers ({kind})", exchange, how))
+
+    k = model_cfg.mean_backprop_depth
+    ids = torch.zeros(cfg.micro_batch_size, cfg.block_size, dtype=torch.long, device="meta")
+    measured = saved_activation_bytes(model, ids, (1, k), bf16=bf16, device_type=device_type)
+    checkpointing = "per-iteration checkpointing" if model_cfg.activation_checkpointing else "no checkpointing"
+    plan.rows.append((f"activations saved for backward (k={k})", measured["activations"],
+                      f"meta forward+loss under saved_tensors_hooks, {checkpointing}"))
+
+    vocab = model_cfg.padded_vocab_size
+    logits_grad = cfg.micro_batch_size * cfg.block_size * vocab * (4 + (2 if bf16 else 0))
+    if model_cfg.activation_checkpointing:
+        plan.transients.append(("recompute of one iteration", measured["recompute_iteration"]))
+    plan.transients.append(("gradient of the logits", logits_grad))
+    if bf16:
+        plan.transients.append(("bf16 weight casts at end of forward", measured["weight_casts"]))
+
+    advice = []
+    if cfg.optim.sharding != "node":
+        advice.append("optim.sharding=node (optimizer state / node_size)")
+    if kind == "chunk_stream_overlap":
+        advice.append("grad_sync.kind=hierarchical or a smaller grad_sync.max_chunks_in_flight")
+    if not model_cfg.activation_checkpointing:
+        advice.append("activation_checkpointing=true")
+    if cfg.micro_batch_size > 1:
+        advice.append("a smaller micro_batch_size (with world_batch_size kept: more gradient accumulation)")
+    plan.advice = "; ".join(advice) or "a shorter block_size or a smaller model"
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    from huginn_ray.config import ConfigError
+    from huginn_ray.train.config import load_train_config
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML file (configs/train/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.sharding=none")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_train_config(args.config, args.overrides)
+        plan = plan_memory(cfg)
+    except (ConfigError, KeyError, TypeError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(plan.render())
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The memory plan (huginn_ray.train.memory) against what a real CPU step allocates and saves, and its verdicts."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from huginn_ray.config import load_config
+from huginn_ray.model import ModelConfig, RecurrentGPT
+from huginn_ray.train import memory
+from huginn_ray.train.config import TrainConfig, load_train_config
+from huginn_ray.train.grad_sync import build_grad_sync
+from huginn_ray.train.memory import SavedBytes, plan_memory, saved_activation_bytes
+from huginn_ray.train.optim import build_optimizer
+
+REPO = Path(__file__).resolve().parents[1]
+FRONTIER = REPO / "configs/train/frontier_nebel_512_nodes.yaml"
+
+
+def small_config(*extra):
+    # reduced width: raven-small's layout at a width where the fixed memory is a few MiB
+    return load_config(TrainConfig, None, [
+        "max_steps=2", "block_size=64", "micro_batch_size=2", "model.name=raven-small",
+        "model.overrides.n_embd=128", "model.overrides.num_attention_heads=4", "model.overrides.intermediate_size=384",
+        "model.overrides.vocab_size=512", "scaling.num_workers=1", "grad_sync.chunk_mib=0.25", *extra,
+    ])
+
+
+def model_config(cfg):
+    return ModelConfig.from_name(cfg.model.name, activation_checkpointing=cfg.activation_checkpointing,
+                                 **cfg.model.overrides)
+
+
+def batch(cfg):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 512, (cfg.micro_batch_size, cfg.block_size), generator=g)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_activation_figure_equals_saved_bytes_of_a_real_cpu_step(checkpointing):
+    cfg = small_config(f"activation_checkpointing={str(checkpointing).lower()}")
+    mcfg = model_config(cfg)
+    k = mcfg.mean_backprop_depth
+    planned = plan_memory(cfg, mcfg).bytes_of(f"activations saved for backward (k={k})")
+
+    torch.manual_seed(0)
+    model = RecurrentGPT(mcfg).train()
+    exclude = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+    saved = SavedBytes(exclude)
+    ids = batch(cfg)
+    with saved.hooks():
+        loss = model(ids, labels=ids, num_steps=(1, k)).loss
+    loss.backward()  # the graph the hooks saw is a working one
+    assert saved.total == planned
+    # and the meta measurement of one recomputed iteration equals the real one
+    meta = saved_activation_bytes(model.to("meta"), ids.to("meta"), (1, k))
+    assert meta["activations"] == planned
+
+
+def live_tensor_bytes(extra) -> int:
+    """Distinct storages of every live CPU tensor the garbage collector knows of, plus `extra` (gradients live
+    in autograd's C++ structures without a Python object)."""
+    storages = {}
+    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated reduce_op object warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    tensors += [t for t in extra if t is not None]
+    for t in tensors:
+        if t.device.type == "cpu" and not t.is_meta:
+            s = t.untyped_storage()
+            storages[s._cdata] = s.nbytes()
+    return sum(storages.values())
+
+
+@pytest.fixture
+def single_rank_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["chunk_stream", "chunk_stream_overlap"])
+def test_planned_fixed_memory_matches_what_a_cpu_step_allocates(single_rank_group, kind):
+    cfg = small_config(f"grad_sync.kind={kind}", "grad_sync.max_chunks_in_flight=2")
+    mcfg = model_config(cfg)
+    plan = plan_memory(cfg, mcfg)
+    fixed = sum(b for name, b, _ in plan.rows if not name.startswith("activations"))
+
+    gc.collect()
+    before = live_tensor_bytes([])
+    torch.manual_seed(0)
+    model = RecurrentGPT(mcfg).train()
+    sync = build_grad_sync(kind, model, cfg.grad_sync.chunk_mib, max_chunks_in_flight=2)
+    optimizer = build_optimizer(model, cfg.optim)
+    ids = batch(cfg)
+    for _ in range(2):  # the second step holds optimizer state and gradients at once
+        optimizer.zero_grad(set_to_none=True)
+        with sync.micro_batch(last=True):
+            sync.module(ids, labels=ids, num_steps=(1, mcfg.mean_backprop_depth)).loss.backward()
+        sync.finish()
+        optimizer.step()
+    gc.collect()
+    allocated = live_tensor_bytes([p.grad for p in model.parameters()]) - before
+    assert abs(allocated - fixed) <= 0.10 * allocated, (allocated, fixed, plan.render())
+    if kind == "chunk_stream_overlap":  # bounded buffers, not a second copy of the gradients
+        assert plan.bytes_of("exchange buffers (chunk_stream_overlap)") == 2 * 256 * 1024
+    if hasattr(sync, "remove_hooks"):
+        sync.remove_hooks()
+
+
+def test_frontier_plan_fits_with_sharding_and_not_without(capsys):
+    assert memory.main(["--config", str(FRONTIER)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    total = float(out[-1].split("total per rank: ")[1].split(" GiB")[0])
+    assert out[-1] == f"total per rank: {total:.1f} GiB of 64.0 GiB device memory"
+    assert total <= 52.0
+    assert memory.main(["--config", str(FRONTIER), "optim.sharding=none", "grad_sync.kind=chunk_stream_overlap"]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert float(out[-1].split("total per rank: ")[1].split(" GiB")[0]) > 0.9 * 64
+    assert any("optim.sharding=node" in line for line in out)
+
+
+def test_train_job_refuses_a_plan_above_the_device_memory(tmp_path, capsys, monkeypatch):
+    import ray
+    from test_train_preflight import TINY, make_dataset, train_main
+
+    data_dir, tokenizer = make_dataset(tmp_path / "data", num_shards=2, rows_per_shard=40, seq_len=32)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started"))
+    code = train_main()(["--config", str(TINY), f"out_dir={tmp_path}", f"data.data_dir={data_dir}",
+                         f"data.tokenizer_path={tokenizer}", "block_size=32", "model.overrides.vocab_size=64",
+                         "device_memory_gib=0.001"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "memory plan:" in err and "exceeds device_memory_gib x memory_headroom" in err
+    assert "largest items: " in err and "what would help: optim.sharding=node" in err
