@@ -111,19 +111,32 @@ class StepResult:
     grad_norm: float
     """Global L2 norm of the averaged gradients before clipping."""
     num_steps: tuple[int, int]
+    """Depth (n, k) of the step's last micro-batch."""
     telemetry: dict | None
     stop_requested: bool
     """Some rank saw a stop request: save and stop after this step."""
+    depths: list = None
+    """Depth (n, k) of every micro-batch of the step."""
+
+
+def micro_step(step: int, micro: int, grad_accum: int) -> int:
+    """1-based micro-batch step of micro-batch `micro` (0-based) of optimizer step `step` (reference §3.4:
+    `microbatch_step`): the depth sampler and the LR schedule are indexed by it."""
+    return (step - 1) * grad_accum + micro + 1
 
 
 def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: torch.device,
                want_telemetry: bool = False, stop_here: bool = False) -> StepResult:
     """One optimizer step (reference §3.4): identical depth on all ranks, micro-batches, exchange, clip, step."""
     grad_accum = plan["grad_accum"]
-    n, k = sample_recurrence(step, c.model_cfg.mean_recurrence, c.model_cfg.mean_backprop_depth)
     telemetry = None
     local_loss = 0.0
+    depths = []
     for micro in range(grad_accum):
+        # every micro-batch draws its own depth from its micro-batch step (the same on every rank)
+        n, k = sample_recurrence(micro_step(step, micro, grad_accum), c.model_cfg.mean_recurrence,
+                                 c.model_cfg.mean_backprop_depth)
+        depths.append((n, k))
         inputs, labels = collate(c.reader.next_rows(cfg.micro_batch_size), plan["pad_id"], plan["eos_id"])
         inputs, labels = inputs.to(device), labels.to(device)
         last = micro == grad_accum - 1
@@ -135,8 +148,10 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
         telemetry = out.telemetry or telemetry
     c.sync.finish()
 
-    lr = trapezoid_lr(step, cfg.optim.lr, cfg.schedule.warmup_steps, cfg.schedule.cooldown_steps,
-                      plan["schedule_steps"], cfg.schedule.min_lr)
+    # the schedule runs in micro-batch steps: evaluated at the step's last micro-batch, laid out over
+    # schedule_steps x grad_accum micro-batch steps (warmup_steps and cooldown_steps count micro-batch steps)
+    lr = trapezoid_lr(step * grad_accum, cfg.optim.lr, cfg.schedule.warmup_steps, cfg.schedule.cooldown_steps,
+                      plan["schedule_steps"] * grad_accum, cfg.schedule.min_lr)
     set_lr(c.optimizer, lr, cfg.schedule.reference_lr_quirk, c.resumed)
     grad_norm = clip_gradients(c, cfg.grad_clip)
     # one small all-reduce carries the loss, the finiteness of loss and gradient norm, and a stop request:
@@ -155,7 +170,7 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
     elif not (step == 1 and cfg.skip_first_optimizer_step):
         c.optimizer.step()
     c.optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, lr, grad_norm, (n, k), telemetry, agreed[2].item() > 0)
+    return StepResult(loss, lr, grad_norm, (n, k), telemetry, agreed[2].item() > 0, depths)
 
 
 def clip_gradients(c: Components, max_norm: float) -> float:
@@ -210,8 +225,8 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
         result = train_step(c, step, cfg, plan, device, want_telemetry=cfg.telemetry and log_step,
                             stop_here=rank == 0 and stop_file(cfg).exists())
         state.tokens += tokens_per_step
-        window.add(result, training_flops_per_token(c.model_cfg, result.num_steps, cfg.block_size) * tokens_per_step,
-                   tokens_per_step)
+        flops = sum(training_flops_per_token(c.model_cfg, depth, cfg.block_size) for depth in result.depths)
+        window.add(result, flops / len(result.depths) * tokens_per_step, tokens_per_step)
         if log_step:
             metrics = window.metrics(result, state.tokens, world_size, cfg.peak_flops_per_device, device)
             if rank == 0:
