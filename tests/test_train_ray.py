@@ -218,6 +218,28 @@ def test_killed_worker_is_restarted_from_checkpoint_with_the_same_final_loss(
     assert killed == uninterrupted["losses"]
 
 
+def test_sharded_run_stopped_rerun_and_killed_resumes_exactly(cluster, mlflow_server, dataset, uninterrupted):
+    """optim.sharding=node over Ray Train's node (local world size 2) with the hierarchical exchange: stop at
+    step 7 and rerun; the rerun loses a worker after step 10 and Ray restarts it from the step-8 checkpoint."""
+    out_dir = uninterrupted["out_dir"]
+    sharded = ("optim.sharding=node", "grad_sync.kind=hierarchical")
+    first = train(cluster, overrides("sharded", out_dir, dataset, mlflow_server, "max_steps=7", *sharded))
+    shards = sorted(p.name for p in (out_dir / "sharded").glob("checkpoint_*/optimizer*"))
+    assert shards and set(shards) == {"optimizer_shard_00000_of_00002.pt", "optimizer_shard_00001_of_00002.pt"}
+    second = train(cluster, overrides("sharded", out_dir, dataset, mlflow_server, *sharded,
+                                      "fault_injection.kill_rank_at_step=10", "fault_injection.kill_rank=1"))
+    assert (out_dir / "sharded" / "fault_injected_rank1_step10").exists()
+    run_id = run_id_of(second.stdout)
+    assert run_id_of(first.stdout) == run_id
+    counts = times_logged(mlflow_server, run_id)
+    assert all(counts[s] == 1 for s in range(1, 8)) and counts[10] == 2  # resumed at 7, replayed after the kill
+    got = losses(mlflow_server, run_id)  # a replayed step must log bitwise the same loss
+    expected = uninterrupted["losses"]
+    assert sorted(got) == sorted(expected)
+    for step, value in expected.items():  # the unsharded run's losses up to summation order
+        assert got[step] == pytest.approx(value, rel=1e-5), step
+
+
 def test_ray_job_submit_runs_training_and_metrics_reach_mlflow(cluster, mlflow_server, dataset, tmp_path):
     # world_batch_size 8 = micro-batch 2 x 2 workers x 2 accumulation steps: the accumulation path of the loop
     args = overrides("submitted", tmp_path, dataset, mlflow_server, "max_steps=4", "eval_step_interval=4",

@@ -190,6 +190,21 @@ class RecurrentGPT(nn.Module):
         self.register_buffer("freqs_cis", rope_table(config.head_dim, config.block_size, config.rope_base))
         self.reset_parameters()
 
+    @torch.no_grad()
+    def materialize(self, device: torch.device | str) -> "RecurrentGPT":
+        """Allocate a model built on the meta device on `device` and initialise it there, drawing exactly the
+        random numbers a model constructed on `device` draws (the default inits of nn.Linear / nn.Embedding in
+        construction order, then `reset_parameters`): bitwise the same model, without a CPU copy first."""
+        self.to_empty(device=device)
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.freqs_cis = rope_table(self.config.head_dim, self.config.block_size, self.config.rope_base).to(device)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.reset_parameters()
+        self.reset_parameters()
+        return self
+
     # ---- initialisation (takase, training-code variant: both halves of mlp.fc at the base std) -----------
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -89,7 +89,9 @@ def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.devi
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     random.seed(cfg.seed)
     model_cfg = ModelConfig.from_hf_dict(plan["model_config"])
-    model = RecurrentGPT(model_cfg).to(device)
+    with torch.device("meta"):  # no CPU copy of the model: allocate and initialise on the training device
+        model = RecurrentGPT(model_cfg)
+    model.materialize(device)
     sharding = None
     if cfg.optim.sharding == "node":
         node_size = cfg.grad_sync.node_size or local_world_size or dist.get_world_size()
@@ -329,12 +331,16 @@ def validate(model, inputs, labels, cfg, plan, device, autocast) -> dict:
 
 
 def save(model, optimizer, state, reader, rank, device, loss, stop_requested: bool) -> None:
-    with tempfile.TemporaryDirectory(prefix="huginn_ckpt_") as directory:
-        ckpt.write(Path(directory), rank, model, optimizer, state, reader.state_dict(), device)
-        ray.train.report(
-            {"step": state.step, "loss": loss, "tokens": state.tokens, "stop_requested": stop_requested},
-            checkpoint=ray.train.Checkpoint.from_directory(directory),
-        )
+    """Write this rank's part into a local directory, then let Ray Train upload it in the background
+    (CheckpointUploadMode.ASYNC; Ray deletes the local copy after the upload): ranks do not wait on storage.
+    The files are complete before `report`, so the checkpoint's content, and an exact resume, do not change."""
+    directory = tempfile.mkdtemp(prefix="huginn_ckpt_")
+    ckpt.write(Path(directory), rank, model, optimizer, state, reader.state_dict(), device)
+    ray.train.report(
+        {"step": state.step, "loss": loss, "tokens": state.tokens, "stop_requested": stop_requested},
+        checkpoint=ray.train.Checkpoint.from_directory(directory),
+        checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+    )
 
 
 def inject_fault(cfg: TrainConfig, rank: int, step: int, start_step: int) -> None:
