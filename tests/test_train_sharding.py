@@ -176,3 +176,16 @@ def test_owner_map_balances_by_elements_and_keeps_whole_tensors():
     sizes = [p.numel() for p in model.parameters()]
     loads = owner_loads(sizes, owner_map(sizes, 8), 8)
     assert max(loads) <= 1.05 * sum(sizes) / 8  # the reference's split put 1/7 of the matrices on ranks 1..7
+
+
+def test_memory_plan_gives_the_sharded_optimizer_state_of_the_busiest_rank(results):
+    from huginn_ray.train.memory import plan_memory
+
+    cfg = train_config(["grad_sync.kind=hierarchical", "optim.sharding=node", "scaling.num_workers=4",
+                        "model.overrides.vocab_size=64"])
+    planned = plan_memory(cfg).bytes_of("optimizer state (ELLISAdam: 2 fp32 moments)")
+    # measured: elements of the state tensors (fp32 moments; the int64 step counters count 1 element each)
+    busiest = max(report["hierarchical"]["state_numel"] for report in results) * 4
+    assert abs(planned - busiest) <= 0.10 * busiest, (planned, busiest)
+    unsharded = plan_memory(train_config(["scaling.num_workers=4", "model.overrides.vocab_size=64"]))
+    assert unsharded.bytes_of("optimizer state (ELLISAdam: 2 fp32 moments)") > 1.8 * planned
