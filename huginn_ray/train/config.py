@@ -39,6 +39,9 @@ class OptimConfig:
     """ELLISAdam: decay by (lr / init_lr) * weight_decay instead of lr * weight_decay."""
     no_weight_decay_for_bias_and_norm: bool = True
     """No decay on norm weights and biases (the third parameter group)."""
+    foreach: bool | None = None
+    """ELLISAdam: multi-tensor step (torch._foreach_* per group) when true, one tensor at a time when false;
+    null picks the faster: multi-tensor on GPUs, single-tensor on CPU. Same result either way."""
 
 
 @dataclass
