@@ -405,9 +405,7 @@ class RecurrentGPT(nn.Module):
         if self.config.state_init == "zero":
             return torch.zeros_like(embedded)
         std = self.config.init_std
-        state = torch.empty_like(embedded)
-        nn.init.trunc_normal_(state, mean=0.0, std=std, a=-3 * std, b=3 * std)
-        return state * self.config.embedding_scale
+        return trunc_normal_no_sync(torch.empty_like(embedded), std) * self.config.embedding_scale
 
     def _resolve_num_steps(self, num_steps: int | tuple[int, int] | None) -> tuple[int, int]:
         backprop = self.config.mean_backprop_depth
@@ -520,6 +518,23 @@ class RecurrentGPT(nn.Module):
             threshold = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < threshold, float("-inf"))
         return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def trunc_normal_no_sync(tensor: Tensor, std: float) -> Tensor:
+    """Fill with N(0, std^2) truncated to [-3 std, 3 std] by the inverse CDF, in place.
+
+    This is how torch's `nn.init.trunc_normal_` sampled up to torch 2.5 (the reference's). Newer torch versions
+    resample rejected values in a loop whose `mask.any()` reads the device once or more per call; the initial
+    latent state is drawn in every forward, so that would be a host sync per micro-batch."""
+    def normal_cdf(x: float) -> float:
+        return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+    low, high = normal_cdf(-3.0), normal_cdf(3.0)
+    tensor.uniform_(2 * low - 1, 2 * high - 1)
+    tensor.erfinv_()
+    tensor.mul_(std * math.sqrt(2.0))
+    return tensor.clamp_(min=-3 * std, max=3 * std)
 
 
 @torch.no_grad()

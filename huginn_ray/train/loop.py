@@ -25,7 +25,7 @@ import torch.distributed as dist
 from huginn_ray.cluster.devices import training_device
 from huginn_ray.config import from_dict
 from huginn_ray.data.shards import shard_path
-from huginn_ray.model import ModelConfig, RecurrentGPT, sample_recurrence, training_flops_per_token
+from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, sample_recurrence, training_flops_per_token
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.grad_sync import build_grad_sync
@@ -87,6 +87,10 @@ def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.devi
     random.seed(cfg.seed)
     model_cfg = ModelConfig.from_hf_dict(plan["model_config"])
     model = RecurrentGPT(model_cfg).to(device)
+    model.check_token_ids = False  # collate checks every batch on the host
+    model.loss_chunk_tokens = cfg.loss_chunk_tokens
+    if cfg.compile:
+        compile_blocks(model, **cfg.compile_options)
     sync = build_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib,
                            find_unused_parameters=cfg.grad_sync.ddp_find_unused_parameters)
     optimizer = build_optimizer(model, cfg.optim)
@@ -116,7 +120,8 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
     telemetry = None
     local_loss = 0.0
     for micro in range(grad_accum):
-        inputs, labels = collate(c.reader.next_rows(cfg.micro_batch_size), plan["pad_id"], plan["eos_id"])
+        inputs, labels = collate(c.reader.next_rows(cfg.micro_batch_size), plan["pad_id"], plan["eos_id"],
+                                 c.model_cfg.vocab_size)
         inputs, labels = inputs.to(device), labels.to(device)
         last = micro == grad_accum - 1
         with c.sync.micro_batch(last=last):
@@ -158,7 +163,7 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
     model, optimizer, reader = c.model, c.optimizer, c.reader
     val_inputs, val_labels = collate(
         validation_rows(cfg.data.data_dir, rank, cfg.eval_iters * cfg.micro_batch_size, cfg.block_size + 1),
-        plan["pad_id"], plan["eos_id"],
+        plan["pad_id"], plan["eos_id"], c.model_cfg.vocab_size,
     )
 
     state = ckpt.TrainerState(mlflow_run_id=plan["mlflow_run_id"], world_size=world_size)
