@@ -261,8 +261,13 @@ def progress_line(step: int, max_steps: int, m: dict) -> str:
     return (
         f"[huginn] step {step}/{max_steps} loss {m['loss']:.4f} ppl {m['ppl']:.1f} lr {m['lr']:.3g} "
         f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_second']:.0f} MFU {m['mfu']:.2%} "
-        f"depth ({m['recurrence_n']},{m['recurrence_k']})"
+        f"depth ({m['recurrence_n']},{m['recurrence_k']}) ETA {eta(m['seconds_per_step'] * (max_steps - step))}"
     )
+
+
+def eta(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 @torch.no_grad()
