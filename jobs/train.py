@@ -16,10 +16,14 @@ import signal
 import sys
 import tempfile
 
-import ray
+from huginn_ray.console import local_ray_environment, local_ray_init_kwargs, quiet_local_ray, summary_line
 
-from huginn_ray.config import ConfigError
-from huginn_ray.console import local_ray_init_kwargs, quiet_local_ray
+if not os.environ.get("RAY_ADDRESS"):
+    local_ray_environment()  # before `import ray`, which reads RAY_AUTH_MODE
+
+import ray  # noqa: E402
+
+from huginn_ray.config import ConfigError  # noqa: E402
 from huginn_ray.train.config import load_train_config
 from huginn_ray.train.launch import PreflightError, preflight, run_training
 from huginn_ray.train.loop import stop_file
@@ -31,18 +35,6 @@ def request_stop(cfg) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch()
     print(f"[huginn] SIGTERM: asked the workers to save and stop ({path})", flush=True)
-
-
-def summary_line(metrics: dict) -> str:
-    """The last checkpoint's figures, as Ray Train reports them."""
-    parts = []
-    if "step" in metrics:
-        parts.append(f"step {metrics['step']}")
-    if "loss" in metrics:
-        parts.append(f"loss {metrics['loss']:.4f}")
-    if "tokens" in metrics:
-        parts.append(f"{metrics['tokens']:,} tokens")
-    return ("final: " + ", ".join(parts)) if parts else ""
 
 
 def main(argv: list[str] | None = None) -> int:
