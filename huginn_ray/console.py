@@ -14,7 +14,8 @@ Jobs that start their own local Ray (jobs/train.py) call `local_ray_environment(
 - `RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0`: the watcher polls for cloud spot-instance preemption, which a local
   (or Slurm) cluster does not have.
 - `TORCH_CPP_LOG_LEVEL=ERROR`: c10d's warnings about hostnames it cannot resolve in a private namespace.
-- Ray's Python loggers at ERROR in the driver and in every Ray process (`logging_config`), so INFO/WARNING
+- Ray's Python loggers at ERROR in the driver and in every Ray process (`logging_config`), and Ray Train's
+  controller/worker console logging at ERROR (`run_training(..., ray_train_log_level=...)`), so INFO/WARNING
   lines go only to the session's log files (under the Ray temp dir, logs/). Errors, tracebacks of failed
   workers and Ray Train's failure reports still reach the console in full.
 
@@ -54,6 +55,7 @@ def quiet_local_ray(verbose: bool = False) -> None:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         for name in ("ray", "ray.train", "ray.data", "ray.tune"):
             logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # "Creating initial MLflow database tables..."
 
 
 def local_ray_init_kwargs(verbose: bool = False) -> dict:

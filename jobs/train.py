@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
           f"model {cfg.model.name}, {plan['precision']}{', compiled blocks' if cfg.compile else ''}", flush=True)
     outcome = None
     try:
-        outcome = run_training(cfg, plan)
+        outcome = run_training(cfg, plan, ray_train_log_level="INFO" if args.verbose else "ERROR")
     finally:
         if local_ray_dir is not None:
             ray.shutdown()

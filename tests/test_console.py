@@ -11,7 +11,7 @@ def test_quiet_local_ray_sets_explicit_ray_settings(monkeypatch):
     for key in (*QUIET_ENV, "TORCH_CPP_LOG_LEVEL"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # an explicit choice of the caller wins
-    for name in ("ray", "ray.train", "ray.data", "ray.tune"):
+    for name in ("ray", "ray.train", "ray.data", "ray.tune", "mlflow"):
         monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
     quiet_local_ray(verbose=False)
     assert os.environ["RAY_AUTH_MODE"] == "disabled"
