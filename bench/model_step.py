@@ -6,12 +6,18 @@ is robust to a noisy machine. On CPU the step runs in fp32; on a GPU under bf16 
 measured with bf16 matmuls.
 
     python bench/model_step.py                 # CPU, all shapes
+    python bench/model_step.py --compile       # eager and compiled blocks side by side, in one run
     python bench/model_step.py --device cuda   # a GPU, if present
+
+With --compile every shape is built twice with the same weights, one copy with compile_blocks, and the
+timed steps alternate between the two (eager, compiled, eager, ...) so that load from other processes on a
+shared machine falls on both alike; the figure per variant is the median step.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -21,15 +27,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from huginn_ray.model import ModelConfig, RecurrentGPT, training_flops_per_token  # noqa: E402
+from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, training_flops_per_token  # noqa: E402
 
 # (registry name, overrides, batch, seq_len, (n, k))
 SHAPES = [
+    ("anchor", {}, 2, 256, (4, 4)),
     ("raven-small", {}, 8, 256, (4, 4)),
     ("raven-small", {"activation_checkpointing": True}, 8, 256, (4, 4)),
     ("raven-medium", {}, 2, 512, (2, 2)),
 ]
 CUSTOM = {  # a wider shape than the registry's CPU models, closer to where matmuls dominate
+    # the shape issue 12 compares eager and compiled at (D=512, 8 heads, I=1536, V=8192, 2/4/2 layers)
+    "anchor": dict(n_embd=512, num_attention_heads=8, intermediate_size=1536, block_size=256, vocab_size=8192,
+                   padding_multiple=64, mean_recurrence=8, mean_backprop_depth=4),
     "raven-medium": dict(n_embd=768, num_attention_heads=12, intermediate_size=2048, block_size=1024,
                          vocab_size=4096, padding_multiple=64, mean_recurrence=8, mean_backprop_depth=4),
 }
@@ -53,26 +63,33 @@ def matmul_flops_per_second(device: torch.device, dtype: torch.dtype, size: int,
     return 2 * size**3 / best
 
 
-def step_seconds(model: RecurrentGPT, batch: int, seq_len: int, num_steps, device, autocast, steps: int) -> float:
-    x = torch.randint(0, model.config.vocab_size, (batch, seq_len), device=device)
-    times = []
-    for i in range(steps + 2):  # two warm-up steps
-        synchronize(device)
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = model(x, labels=x, num_steps=num_steps).loss
-        loss.backward()
-        synchronize(device)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
-    return sorted(times)[len(times) // 2]  # median
+def step_seconds(models: dict, batch: int, seq_len: int, num_steps, device, autocast, steps: int) -> dict:
+    """Median fwd+bwd seconds of every model in `models`, their steps interleaved."""
+    vocab = next(iter(models.values())).config.vocab_size
+    x = torch.randint(0, vocab, (batch, seq_len), device=device)
+    times = {name: [] for name in models}
+    for i in range(steps + 2):  # two warm-up steps (the first one compiles)
+        for name, model in models.items():
+            synchronize(device)
+            start = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(x, labels=x, num_steps=num_steps).loss
+            loss.backward()
+            synchronize(device)
+            if i >= 2:
+                times[name].append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}  # median
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="also time compile_blocks (side by side)")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=0, help="chunked cross-entropy (0: full logits)")
+    parser.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES (default: all)")
     args = parser.parse_args()
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -82,8 +99,11 @@ def main() -> None:
     print(f"device: {device} ({name}), torch {torch.__version__}, step dtype {'bf16 autocast' if on_gpu else 'fp32'}")
     peak = matmul_flops_per_second(device, dtype, 8192 if on_gpu else 2048, repeats=10 if on_gpu else 5)
     print(f"measured matmul peak: {peak / 1e12:.3f} TFLOP/s ({dtype})")
-    print(f"{'shape':40s} {'params':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s}")
-    for registry_name, overrides, batch, seq_len, num_steps in SHAPES:
+    if os.path.exists("/proc/loadavg"):
+        print(f"load average at start: {open('/proc/loadavg').read().split()[:3]}")
+    print(f"{'shape':40s} {'variant':>9s} {'params':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s}")
+    shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    for registry_name, overrides, batch, seq_len, num_steps in shapes:
         if registry_name in CUSTOM:
             config = ModelConfig(name=registry_name, **CUSTOM[registry_name], **overrides)
         else:
@@ -91,13 +111,23 @@ def main() -> None:
         if on_gpu:
             batch *= 4
         torch.manual_seed(0)
-        model = RecurrentGPT(config).to(device)
-        seconds = step_seconds(model, batch, seq_len, num_steps, device, autocast=on_gpu, steps=args.steps)
-        tokens_per_second = batch * seq_len / seconds
-        achieved = training_flops_per_token(config, num_steps, seq_len) * tokens_per_second
+        models = {"eager": RecurrentGPT(config).to(device)}
+        if args.compile:
+            models["compiled"] = RecurrentGPT(config).to(device)
+            models["compiled"].load_state_dict(models["eager"].state_dict())
+            compile_blocks(models["compiled"], **({"mode": args.compile_mode} if args.compile_mode else {}))
+        for model in models.values():
+            model.loss_chunk_tokens = args.loss_chunk_tokens
+        seconds = step_seconds(models, batch, seq_len, num_steps, device, autocast=on_gpu, steps=args.steps)
         label = f"{registry_name}{' +ckpt' if overrides.get('activation_checkpointing') else ''} B={batch} T={seq_len} {num_steps}"
-        params = sum(p.numel() for p in model.parameters())
-        print(f"{label:40s} {params / 1e6:7.1f}M {tokens_per_second:10.0f} {achieved / 1e12:8.3f} {achieved / peak:6.1%}")
+        params = sum(p.numel() for p in models["eager"].parameters())
+        for variant, median in seconds.items():
+            tokens_per_second = batch * seq_len / median
+            achieved = training_flops_per_token(config, num_steps, seq_len) * tokens_per_second
+            print(f"{label:40s} {variant:>9s} {params / 1e6:7.1f}M {tokens_per_second:10.0f} {achieved / 1e12:8.3f} "
+                  f"{achieved / peak:6.1%}")
+        if args.compile:
+            print(f"{'':40s} compiled / eager = {seconds['eager'] / seconds['compiled']:.2f}x")
 
 
 if __name__ == "__main__":

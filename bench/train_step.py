@@ -6,6 +6,12 @@ Both sides run `huginn_ray.train.loop.train_step` on components from `build_comp
 exchange, optimizer, shard reader) over the same synthetic shards, with gloo on CPU (NCCL with GPUs). Rank 0
 times `--steps` steps after `--warmup` steps; the two launchers alternate for `--rounds` rounds and the median
 step times are compared. Needs a private namespace (tools/private_netns.sh) since it starts a local Ray.
+
+    python bench/train_step.py --count-syncs --model raven-tiny --steps 4
+
+counts instead, in one process (world size 1, gloo), the reads of a tensor's value by the host per training
+step (Tensor.item / __bool__ / __float__ / __int__ / tolist: each one a device sync on a GPU), by call site.
+Reads of the optimizer's step counters, which live on the CPU by design, are listed but are no sync.
 """
 
 from __future__ import annotations
@@ -106,6 +112,49 @@ def torchrun_worker(spec_path: str) -> None:
     dist.destroy_process_group()
 
 
+def count_host_syncs(spec: dict) -> None:
+    import collections
+    import traceback
+
+    cfg = from_dict(TrainConfig, spec["cfg"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    device = torch.device("cpu")
+    components = build_components(cfg, spec["plan"], 0, device)
+    sites: collections.Counter = collections.Counter()
+    counting = False
+    originals = {name: getattr(torch.Tensor, name) for name in ("item", "__bool__", "__float__", "__int__", "tolist")}
+
+    def patched(name):
+        original = originals[name]
+
+        def read(self, *args, **kwargs):
+            if counting:
+                frame = traceback.extract_stack(limit=2)[0]
+                sites[f"{Path(frame.filename).name}:{frame.lineno} {frame.name} ({name})"] += 1
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in originals:
+        setattr(torch.Tensor, name, patched(name))
+    try:
+        train_step(components, 1, cfg, spec["plan"], device)  # the first step (state init) is not counted
+        counting = True
+        for step in range(2, spec["steps"] + 2):
+            train_step(components, step, cfg, spec["plan"], device, want_telemetry=False)
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+        dist.destroy_process_group()
+    steps = spec["steps"]
+    print(f"host reads of tensor values per training step (mean of {steps} steps, grad_accum "
+          f"{spec['plan']['grad_accum']}): {sum(sites.values()) / steps:.1f}")
+    for site, count in sites.most_common():
+        print(f"  {count / steps:6.1f}  {site}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
@@ -116,6 +165,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--count-syncs", action="store_true", help="count host reads of tensors per step instead")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (--count-syncs)")
     parser.add_argument("--torchrun-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.torchrun_worker:
@@ -123,7 +174,7 @@ def main() -> None:
 
     import ray
 
-    use_gpu = torch.cuda.device_count() >= args.workers
+    use_gpu = torch.cuda.device_count() >= args.workers and not args.count_syncs
     root = Path(tempfile.mkdtemp(prefix="hr_bench_"))
     model_cfg = ModelConfig.from_name(args.model, activation_checkpointing=True)
     rows = args.micro_batch * (args.warmup + args.steps)
@@ -134,11 +185,14 @@ def main() -> None:
     cfg.scaling.use_gpu = use_gpu
     cfg.data.data_dir = str(root / "data")
     cfg.cpu_threads = 1
-    plan = {"grad_accum": 1, "schedule_steps": 10**6, "pad_id": model_cfg.vocab_size - 1,
+    plan = {"grad_accum": args.grad_accum if args.count_syncs else 1, "schedule_steps": 10**6, "pad_id": model_cfg.vocab_size - 1,
             "eos_id": model_cfg.vocab_size - 2, "precision": "bf16-mixed" if use_gpu else "fp32",
             "model_config": model_cfg.to_hf_dict()}
     spec = {"cfg": to_dict(cfg), "plan": plan, "steps": args.steps, "warmup": args.warmup,
             "result": str(root / "times.json"), "storage": str(root / "ray")}
+    if args.count_syncs:
+        make_shards(root / "data", 1, rows * args.grad_accum + args.micro_batch, args.seq_len, model_cfg.vocab_size)
+        return count_host_syncs(spec)
     spec_path = root / "spec.json"
     spec_path.write_text(json.dumps(spec))
 

@@ -16,9 +16,14 @@ import signal
 import sys
 import tempfile
 
-import ray
+from huginn_ray.console import local_ray_environment, local_ray_init_kwargs, quiet_local_ray, summary_line
 
-from huginn_ray.config import ConfigError
+if not os.environ.get("RAY_ADDRESS"):
+    local_ray_environment()  # before `import ray`, which reads RAY_AUTH_MODE
+
+import ray  # noqa: E402
+
+from huginn_ray.config import ConfigError  # noqa: E402
 from huginn_ray.train.config import load_train_config
 from huginn_ray.train.launch import PreflightError, preflight, run_training
 from huginn_ray.train.loop import stop_file
@@ -36,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML file (configs/train/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=1e-3")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show Ray's own INFO/WARNING lines (otherwise they stay in Ray's log files)")
     args = parser.parse_args(argv)
     try:
         cfg = load_train_config(args.config, args.overrides)
@@ -49,18 +56,28 @@ def main(argv: list[str] | None = None) -> int:
     else:
         # a short private temp dir: other Ray instances may share /tmp/ray, and socket paths are limited
         local_ray_dir = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
-        # Ray Train's print patch sends each worker line both to its logger and to stdout, so the console
-        # showed every progress line twice; the workers of this local Ray inherit the setting.
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-        ray.init(_temp_dir=local_ray_dir, include_dashboard=False)
+        quiet_local_ray(args.verbose)  # the workers of this local Ray inherit the settings
+        ray.init(_temp_dir=local_ray_dir, **local_ray_init_kwargs(args.verbose))
+        if not args.verbose:
+            print(f"[huginn] Ray's own INFO/WARNING lines go to {local_ray_dir}/session_latest/logs, kept if the "
+                  f"run fails (--verbose shows them here)", flush=True)
     signal.signal(signal.SIGTERM, lambda signum, frame: request_stop(cfg))
+    print(f"[huginn] training {cfg.run_name}: {plan['max_steps']} steps, {cfg.scaling.num_workers} workers, "
+          f"model {cfg.model.name}, {plan['precision']}{', compiled blocks' if cfg.compile else ''}", flush=True)
+    outcome = None
     try:
-        outcome = run_training(cfg, plan)
+        outcome = run_training(cfg, plan, ray_train_log_level="INFO" if args.verbose else "ERROR")
     finally:
         if local_ray_dir is not None:
             ray.shutdown()
-            shutil.rmtree(local_ray_dir, ignore_errors=True)
+            if outcome is not None and outcome.ok:
+                shutil.rmtree(local_ray_dir, ignore_errors=True)
+            else:
+                print(f"[huginn] Ray's logs of this run are kept in {local_ray_dir}/session_latest/logs", flush=True)
     print(f"[huginn] {outcome.message}")
+    summary = summary_line(outcome.metrics)
+    if summary:
+        print(f"[huginn] {summary}")
     print(f"[huginn] checkpoint: {outcome.checkpoint_path}")
     print(f"[huginn] run directory: {outcome.run_dir}")
     print(f"[huginn] MLflow: {outcome.mlflow_uri} (run {outcome.mlflow_run_id})")

@@ -128,3 +128,71 @@ def test_reference_lr_quirk_switch_reproduces_the_frozen_groups():
     intended = fresh()
     set_lr(intended, 3e-5, resumed=True)
     assert [g["lr"] for g in intended.param_groups] == [3e-5, 3e-5, 3e-5]
+
+
+class SingleTensorReference(ELLISAdam):
+    """The update of the original single-tensor ELLISAdam, with its `.item()` (float64 step size)."""
+
+    def _update(self, p, group):
+        g = p.grad
+        lr, init_lr = float(group["lr"]), float(group["init_lr"])
+        beta1, beta2 = group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        state = self._init_state(p, group)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.lerp_(g, 1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        step_size = lr
+        if group["update_clipping"]:
+            v.clamp_(min=eps * eps)
+            step_size = lr / max(g.square().div(v).mean().sqrt().item(), 1.0)
+        state["step"] += 1
+        t = int(state["step"])
+        step_size /= 1.0 - beta1**t
+        denom = v.sqrt().div_(math.sqrt(1.0 - beta2**t))
+        if wd != 0.0:
+            p.mul_(1.0 - (lr / init_lr) * wd if group["decouple_wd"] else 1.0 - lr * wd)
+        if group["atan_adam"]:
+            p.add_(torch.atan2(m, denom), alpha=-step_size)
+        else:
+            p.add_(m / denom.add_(eps), alpha=-step_size)
+
+
+@pytest.mark.parametrize("options", [
+    dict(update_clipping=True, atan_adam=True, running_init=True, decouple_wd=True),
+    dict(update_clipping=False, atan_adam=False, running_init=False, decouple_wd=False),
+])
+def test_multi_tensor_ellis_adam_equals_single_tensor_over_30_steps(options):
+    torch.manual_seed(0)
+    shapes = [(16, 8), (8,), (3, 5, 2), (1,)]
+    initial = [torch.randn(shape) for shape in shapes]
+    variants = {"reference": SingleTensorReference, "single": ELLISAdam, "foreach": ELLISAdam}
+    params, opts = {}, {}
+    for name, cls in variants.items():
+        params[name] = [nn.Parameter(t.clone()) for t in initial]
+        groups = [dict(params=params[name][:2], weight_decay=0.1), dict(params=params[name][2:], weight_decay=0.0)]
+        opts[name] = cls(groups, lr=1e-2, eps=1e-6, **options)
+        opts[name].foreach = name == "foreach"
+    for step in range(30):
+        lr = 1e-2 * (step + 1) / 30  # a warmup: lr / init_lr changes every step
+        grads = [torch.randn(shape) * (10.0 if step % 7 == 3 else 1.0) for shape in shapes]  # some clipped steps
+        for name in variants:
+            for p, g in zip(params[name], grads):
+                p.grad = None if (step == 5 and p.ndim == 3) else g.clone()  # one tensor misses a step
+            set_lr(opts[name], lr)
+            opts[name].step()
+    for name in ("single", "foreach"):
+        for p, ref in zip(params[name], params["reference"]):
+            assert (p.detach() - ref.detach()).abs().max() <= 1e-7, name
+    assert opts["foreach"].state_dict()["param_groups"] == opts["single"].state_dict()["param_groups"]
+
+
+def test_update_clipping_makes_no_host_sync(monkeypatch):
+    p = nn.Parameter(torch.randn(4, 4))
+    opt = huginn_ellis([p])
+    for foreach in (False, True):
+        opt.foreach = foreach
+        p.grad = torch.randn(4, 4)
+        monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("Tensor.item() in the optimizer step"))
+        opt.step()
+        monkeypatch.undo()

@@ -48,13 +48,16 @@ def rope_table(head_dim: int, length: int, base: float) -> Tensor:
 
 def apply_rope(q: Tensor, k: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
     """Rotate adjacent pairs (2j, 2j+1) of every head vector (GPT-J convention), in fp32."""
-    heads = q.shape[2]
-    pairs = torch.cat([q, k], dim=2).float().unflatten(-1, (-1, 2))
+    return _rotate(q, table), _rotate(k, table)
+
+
+def _rotate(x: Tensor, table: Tensor) -> Tensor:
+    # One elementwise expression per tensor (no concatenation of q and k), which a compiled block fuses with
+    # the qk_bias add and the casts into a single pass over q and over k.
+    pairs = x.float().unflatten(-1, (-1, 2))
     cos, sin = table[..., 0], table[..., 1]
     even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
-    q_rot, k_rot = rotated.to(q.dtype).split(heads, dim=2)
-    return q_rot, k_rot
+    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2).to(x.dtype)
 
 
 class KVCache:
@@ -132,9 +135,102 @@ class SandwichBlock(nn.Module):
         self.mlp = GatedMLP(config)
         self.norm_4 = RMSNorm(config.n_embd, config.norm_eps)
 
+    compiled_sandwich = None
+    """Set by compile_blocks: a torch.compile'd `sandwich`, used whenever no KV cache is passed."""
+
     def forward(self, x: Tensor, rope: Tensor, cache: KVCache | None = None, block_index: int = 0) -> Tensor:
+        if cache is None and self.compiled_sandwich is not None:
+            return self.compiled_sandwich(x, rope)
+        return self.sandwich(x, rope, cache, block_index)
+
+    def sandwich(self, x: Tensor, rope: Tensor, cache: KVCache | None = None, block_index: int = 0) -> Tensor:
         x = self.norm_2(self.attn(self.norm_1(x), rope, cache, block_index) + x)
         return self.norm_4(self.mlp(self.norm_3(x)) + x)
+
+
+def compile_blocks(model: "RecurrentGPT", **compile_kwargs) -> "RecurrentGPT":
+    """Regional compilation: compile every sandwich block (prelude, core, coda) on its own, as torchtitan does
+    per transformer block, instead of the whole forward. The recurrent loop stays in Python, so a newly
+    sampled depth reuses the compiled blocks instead of recompiling; all blocks share one compiled graph per
+    (grad mode, input dtype, shape). Inside a block the compiler fuses the memory-bound work around the
+    matmuls: the RMSNorms with their fp32 round trip and the residual adds before them, qk_bias + RoPE + casts,
+    SiLU(gate) * up. Parameter names and state_dict keys do not change. Calls with a KV cache (generation)
+    run the eager block, whose shapes change at every token. Returns the model."""
+    for block in model.blocks():
+        block.compiled_sandwich = torch.compile(block.sandwich, **compile_kwargs)
+    return model
+
+
+def uncompile_blocks(model: "RecurrentGPT") -> "RecurrentGPT":
+    for block in model.blocks():
+        block.compiled_sandwich = None
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loss over chunks of tokens
+# ---------------------------------------------------------------------------------------------------------
+def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int,
+                          ignore_index: int = -100) -> Tensor:
+    """Mean cross-entropy of `F.linear(hidden, weight).float()` against labels, chunk_tokens rows at a time.
+
+    Equal to `F.cross_entropy(lm_head(hidden).float(), labels, ignore_index=...)` (to fp32 rounding), but
+    only one (chunk_tokens x vocab) fp32 block of logits exists at a time. When a gradient is needed, every
+    chunk's gradient for `hidden` and `weight` is computed right after its loss, in the same pass (softmax
+    minus one-hot, then two matmuls), and backward only scales them by the incoming gradient: the head costs
+    the same three matmuls as unchunked, and the memory it keeps is hidden-sized plus weight-sized instead of
+    (tokens x vocab) logits and their gradient. Under autocast the matmuls run in the autocast dtype, as
+    `lm_head` would."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return _ChunkedCrossEntropy.apply(hidden, weight, labels, chunk_tokens, ignore_index)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int, ignore_index: int) -> Tensor:
+        device_type = hidden.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+        h = hidden.reshape(-1, hidden.shape[-1])
+        y = labels.reshape(-1)
+        w = weight.to(dtype)
+        valid = y != ignore_index
+        count = valid.sum()
+        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(h) if want_grad and ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_grad and ctx.needs_input_grad[1] else None
+        inv_count = 1.0 / count.clamp(min=1).float()
+        for start in range(0, h.shape[0], chunk_tokens):
+            h_c = h[start : start + chunk_tokens].to(dtype)
+            y_c, valid_c = y[start : start + chunk_tokens], valid[start : start + chunk_tokens]
+            target = torch.where(valid_c, y_c, 0)[:, None]
+            logits = F.linear(h_c, w).float()
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            total += ((lse - logits.gather(1, target))[:, 0] * valid_c).sum()
+            if not want_grad:
+                continue
+            # d(mean loss)/d logits = (softmax - onehot) / count on valid rows, 0 on ignored ones
+            grad_logits = logits.sub_(lse).exp_()
+            grad_logits.scatter_add_(1, target, torch.full_like(lse, -1.0))
+            grad_logits.mul_((valid_c * inv_count)[:, None])
+            grad_logits = grad_logits.to(dtype)
+            if grad_h is not None:
+                grad_h[start : start + chunk_tokens] = grad_logits @ w
+            if grad_w is not None:
+                grad_w.add_(grad_logits.t() @ h_c)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        if grad_h is not None:
+            grad_h = (grad_h * grad_output).view(ctx.hidden_shape)
+        if grad_w is not None:
+            grad_w = (grad_w * grad_output).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -162,8 +258,8 @@ def sample_recurrence(step: int, mean_recurrence: int, mean_backprop_depth: int)
 # ---------------------------------------------------------------------------------------------------------
 @dataclass
 class ModelOutput:
-    logits: Tensor
-    """(batch, length, padded_vocab_size), always fp32."""
+    logits: Tensor | None
+    """(batch, length, padded_vocab_size), always fp32; None when the loss was computed in chunks."""
     loss: Tensor | None
     """Mean next-token cross-entropy when labels were given."""
     num_steps: tuple[int, int]
@@ -173,6 +269,13 @@ class ModelOutput:
 
 
 class RecurrentGPT(nn.Module):
+    loss_chunk_tokens: int = 0
+    """> 0: with labels, compute the head and the loss over chunks of this many tokens (chunked_cross_entropy)
+    instead of materialising (tokens x padded vocab) fp32 logits. The training loop sets it from its config."""
+    check_token_ids: bool = True
+    """Check in every forward that token ids lie in [0, vocab_size); costs a host sync. The training loop
+    turns it off because its collate step checks every batch on the host before it reaches the device."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -245,13 +348,16 @@ class RecurrentGPT(nn.Module):
         ignore_index: int = -100,
         return_telemetry: bool = False,
         cache: KVCache | None = None,
+        return_logits: bool = False,
     ) -> ModelOutput:
         """num_steps: (n, k) runs n iterations without and k with gradients. An int r runs r iterations, all
         without gradients in eval mode, the last min(r, mean_backprop_depth) with gradients in train mode.
         None means the mean depth: (mean_recurrence, 0) in eval, the sampler's mean split in train mode.
-        input_states replaces the random initial latent state. ignore_index applies to labels."""
+        input_states replaces the random initial latent state. ignore_index applies to labels.
+        With labels and `loss_chunk_tokens` > 0 the loss is computed chunk by chunk without the full fp32
+        logits, and `logits` is None unless return_logits=True."""
         position = len(cache) if cache is not None else 0
-        self._check_input_ids(input_ids, position)
+        self._check_input_ids(input_ids, position, values=self.check_token_ids)
         n, k = self._resolve_num_steps(num_steps)
         rope = self.freqs_cis[:, position : position + input_ids.shape[1]]
 
@@ -262,35 +368,49 @@ class RecurrentGPT(nn.Module):
 
         state = self._initial_state(embedded) if input_states is None else input_states
         previous_state = state
+        injected = self._inject(embedded) if n + k > 0 else None
         with torch.no_grad():
             for iteration in range(n):
                 previous_state = state
-                state = self._core(state, embedded, rope, cache, iteration)
+                state = self._core(state, injected, rope, cache, iteration)
         for iteration in range(n, n + k):
             previous_state = state
             if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
-                state = checkpoint(self._core, state, embedded, rope, cache, iteration,
+                state = checkpoint(self._core, state, injected, rope, cache, iteration,
                                    use_reentrant=False, preserve_rng_state=False, determinism_check="none")
             else:
-                state = self._core(state, embedded, rope, cache, iteration)
+                state = self._core(state, injected, rope, cache, iteration)
 
         latent = self.transformer.ln_f(state)
         x = latent
         for index, block in enumerate(self.transformer.coda):
             x = block(x, rope, cache, -1 - index)
         x = self.transformer.ln_f(x)
-        logits = self.lm_head(x).float()
 
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index)
+        logits, loss = None, None
+        chunk = self.loss_chunk_tokens
+        if labels is not None and chunk > 0 and not return_logits:
+            loss = chunked_cross_entropy(x, self.lm_head.weight, labels, chunk, ignore_index)
+        else:
+            logits = self.lm_head(x).float()
+            if labels is not None:
+                loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index)
         telemetry = None
         if return_telemetry:
             telemetry = latent_telemetry(embedded, previous_state, latent, x, (n, k))
         return ModelOutput(logits=logits, loss=loss, num_steps=(n, k), telemetry=telemetry)
 
-    def _core(self, state: Tensor, embedded: Tensor, rope: Tensor, cache: KVCache | None, iteration: int) -> Tensor:
-        x = self.transformer.adapter(torch.cat([state, embedded], dim=-1))  # state first, then e
+    def _inject(self, embedded: Tensor) -> Tensor:
+        """e's half of the adapter, W[:, D:] e: the same in every iteration, so computed once per forward."""
+        return F.linear(embedded, self.transformer.adapter.weight[:, self.config.n_embd :])
+
+    def _core(self, state: Tensor, injected: Tensor, rope: Tensor, cache: KVCache | None, iteration: int) -> Tensor:
+        # adapter(concat[s, e]) = W[:, :D] s + W[:, D:] e (state first, then e), without the concatenation
+        x = F.linear(state, self.transformer.adapter.weight[:, : self.config.n_embd]) + injected
+        if cache is None:  # training and uncached evaluation: the block index plays no part
+            for block in self.transformer.core_block:
+                x = block(x, rope)
+            return x
         first_index = self.config.n_layers_in_prelude + self.config.n_layers_in_recurrent_block * iteration
         for offset, block in enumerate(self.transformer.core_block):
             x = block(x, rope, cache, first_index + offset)
@@ -300,9 +420,7 @@ class RecurrentGPT(nn.Module):
         if self.config.state_init == "zero":
             return torch.zeros_like(embedded)
         std = self.config.init_std
-        state = torch.empty_like(embedded)
-        nn.init.trunc_normal_(state, mean=0.0, std=std, a=-3 * std, b=3 * std)
-        return state * self.config.embedding_scale
+        return trunc_normal_no_sync(torch.empty_like(embedded), std) * self.config.embedding_scale
 
     def _resolve_num_steps(self, num_steps: int | tuple[int, int] | None) -> tuple[int, int]:
         backprop = self.config.mean_backprop_depth
@@ -319,7 +437,7 @@ class RecurrentGPT(nn.Module):
             raise ValueError(f"num_steps=(n, k) must be non-negative, got {(n, k)}")
         return n, k
 
-    def _check_input_ids(self, input_ids: Tensor, position: int) -> None:
+    def _check_input_ids(self, input_ids: Tensor, position: int, values: bool = True) -> None:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}")
         if input_ids.dtype not in (torch.int64, torch.int32):
@@ -329,7 +447,7 @@ class RecurrentGPT(nn.Module):
             raise ValueError(
                 f"sequence length {length} exceeds block_size={self.config.block_size} of this model"
             )
-        if input_ids.device.type == "meta":
+        if not values or input_ids.device.type == "meta":
             return
         out_of_range = (input_ids < 0) | (input_ids >= self.config.vocab_size)
         if out_of_range.any():
@@ -415,6 +533,23 @@ class RecurrentGPT(nn.Module):
             threshold = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < threshold, float("-inf"))
         return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def trunc_normal_no_sync(tensor: Tensor, std: float) -> Tensor:
+    """Fill with N(0, std^2) truncated to [-3 std, 3 std] by the inverse CDF, in place.
+
+    This is how torch's `nn.init.trunc_normal_` sampled up to torch 2.5 (the reference's). Newer torch versions
+    resample rejected values in a loop whose `mask.any()` reads the device once or more per call; the initial
+    latent state is drawn in every forward, so that would be a host sync per micro-batch."""
+    def normal_cdf(x: float) -> float:
+        return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+    low, high = normal_cdf(-3.0), normal_cdf(3.0)
+    tensor.uniform_(2 * low - 1, 2 * high - 1)
+    tensor.erfinv_()
+    tensor.mul_(std * math.sqrt(2.0))
+    return tensor.clamp_(min=-3 * std, max=3 * std)
 
 
 @torch.no_grad()

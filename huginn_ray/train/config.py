@@ -42,6 +42,9 @@ class OptimConfig:
     sharding: Literal["none", "node"] = "none"
     """node: the ranks of a node share the optimizer state, each owning whole tensors balanced by element count
     (huginn_ray.train.sharding); none: every rank holds the full state."""
+    foreach: bool | None = None
+    """ELLISAdam: multi-tensor step (torch._foreach_* per group) when true, one tensor at a time when false;
+    null picks the faster: multi-tensor on GPUs, single-tensor on CPU. Same result either way."""
 
 
 @dataclass
@@ -161,6 +164,15 @@ class TrainConfig:
     """A non-finite loss or gradient norm stops the run (with an error) or skips that optimizer step."""
     activation_checkpointing: bool = True
     """Per-iteration activation checkpointing of the gradient iterations of the recurrent block."""
+    compile: bool = False
+    """torch.compile every sandwich block (huginn_ray.model.compile_blocks, regional compilation): a new depth
+    does not recompile. Costs compile time at the start of every worker (about a minute on CPU)."""
+    compile_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of torch.compile for the blocks, e.g. {mode: max-autotune} on GPUs."""
+    loss_chunk_tokens: int = 1024
+    """Head + cross-entropy over chunks of this many tokens (huginn_ray.model.chunked_cross_entropy): at most
+    loss_chunk_tokens x padded_vocab fp32 logits exist at a time instead of all tokens' logits and their
+    gradient. 0 computes the full logits (the reference's way)."""
     precision: Literal["auto", "bf16-mixed", "fp32"] = "auto"
     """auto: bf16 autocast on GPU, fp32 on CPU (bitwise-reproducible)."""
     log_step_interval: int = 4
@@ -214,6 +226,8 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
             raise ConfigError(f"{key}: must be >= 1, got {value}")
     if cfg.checkpoint.save_step_interval < 1 or cfg.checkpoint.keep < 1:
         raise ConfigError("checkpoint.save_step_interval and checkpoint.keep must be >= 1")
+    if cfg.loss_chunk_tokens < 0:
+        raise ConfigError(f"loss_chunk_tokens: must be >= 0 (0: full logits), got {cfg.loss_chunk_tokens}")
     if cfg.scaling.num_workers < 1:
         raise ConfigError(f"scaling.num_workers: must be >= 1, got {cfg.scaling.num_workers}")
     if cfg.max_steps is None and cfg.max_tokens is None:

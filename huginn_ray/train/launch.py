@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from huginn_ray.cluster.devices import DeviceSelectionError, check_ray_train_gpu_environment, distributed_backend
@@ -146,8 +146,11 @@ class RunOutcome:
     metrics: dict
 
 
-def run_training(cfg: TrainConfig, plan: dict) -> RunOutcome:
-    """MLflow run and TorchTrainer for a plan from `preflight`; Ray must be initialised (see jobs/train.py)."""
+def run_training(cfg: TrainConfig, plan: dict, ray_train_log_level: str = "INFO") -> RunOutcome:
+    """MLflow run and TorchTrainer for a plan from `preflight`; Ray must be initialised (see jobs/train.py).
+
+    `ray_train_log_level` is the console level of Ray Train's own controller and worker loggers (its log
+    files under the Ray session keep everything)."""
     run_dir = str(cfg.run_dir)
     uri = tracking.tracking_uri(cfg.mlflow.tracking_uri, cfg.out_dir)
     plan["mlflow_uri"] = uri
@@ -169,6 +172,7 @@ def run_training(cfg: TrainConfig, plan: dict) -> RunOutcome:
             storage_path=cfg.out_dir,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=cfg.max_failures),
+            logging_config=LoggingConfig(log_level=ray_train_log_level),
         ),
     )
     ok = False

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from huginn_ray.cluster.devices import training_device
 from huginn_ray.config import from_dict
 from huginn_ray.data.shards import shard_path
-from huginn_ray.model import ModelConfig, RecurrentGPT, sample_recurrence, training_flops_per_token
+from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, sample_recurrence, training_flops_per_token
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.grad_sync import build_grad_sync
@@ -92,6 +92,10 @@ def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.devi
     with torch.device("meta"):  # no CPU copy of the model: allocate and initialise on the training device
         model = RecurrentGPT(model_cfg)
     model.materialize(device)
+    model.check_token_ids = False  # collate checks every batch on the host
+    model.loss_chunk_tokens = cfg.loss_chunk_tokens
+    if cfg.compile:
+        compile_blocks(model, **cfg.compile_options)
     sharding = None
     if cfg.optim.sharding == "node":
         node_size = cfg.grad_sync.node_size or local_world_size or dist.get_world_size()
@@ -139,7 +143,8 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
         n, k = sample_recurrence(micro_step(step, micro, grad_accum), c.model_cfg.mean_recurrence,
                                  c.model_cfg.mean_backprop_depth)
         depths.append((n, k))
-        inputs, labels = collate(c.reader.next_rows(cfg.micro_batch_size), plan["pad_id"], plan["eos_id"])
+        inputs, labels = collate(c.reader.next_rows(cfg.micro_batch_size), plan["pad_id"], plan["eos_id"],
+                         c.model_cfg.vocab_size)
         inputs, labels = inputs.to(device), labels.to(device)
         last = micro == grad_accum - 1
         with c.sync.micro_batch(last=last):
@@ -198,7 +203,7 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
     model, optimizer, reader = c.model, c.optimizer, c.reader
     val_inputs, val_labels = collate(
         validation_rows(cfg.data.data_dir, rank, cfg.eval_iters * cfg.micro_batch_size, cfg.block_size + 1),
-        plan["pad_id"], plan["eos_id"],
+        plan["pad_id"], plan["eos_id"], c.model_cfg.vocab_size,
     )
 
     state = ckpt.TrainerState(mlflow_run_id=plan["mlflow_run_id"], world_size=world_size)
@@ -296,8 +301,13 @@ def progress_line(step: int, max_steps: int, m: dict) -> str:
     return (
         f"[huginn] step {step}/{max_steps} loss {m['loss']:.4f} ppl {m['ppl']:.1f} lr {m['lr']:.3g} "
         f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_second']:.0f} MFU {m['mfu']:.2%} "
-        f"depth ({m['recurrence_n']},{m['recurrence_k']})"
+        f"depth ({m['recurrence_n']},{m['recurrence_k']}) ETA {eta(m['seconds_per_step'] * (max_steps - step))}"
     )
+
+
+def eta(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 @torch.no_grad()

@@ -23,7 +23,8 @@ class ELLISAdam(torch.optim.Optimizer):
     Per tensor with gradient g (state `exp_avg` m, `exp_avg_sq` v, `step` t):
       first step: m = g, v = g^2 with `running_init` (else zeros);
       m <- m + (1 - b1)(g - m);  v <- b2 v + (1 - b2) g^2;
-      `update_clipping`: v <- max(v, eps^2) in place, eta = lr / max(sqrt(mean(g^2 / v)), 1), else eta = lr;
+      `update_clipping`: v <- max(v, eps^2) in place, eta = lr / max(sqrt(mean(g^2 / v)), 1), else eta = lr
+                         (the RMS stays on the device: no host sync per tensor);
       t <- t + 1;  eta <- eta / (1 - b1^t);
       decay: p <- p (1 - (lr / init_lr) wd) with `decouple_wd` (the schedule fraction, not the lr magnitude),
              p <- p (1 - lr wd) without it;
@@ -43,6 +44,7 @@ class ELLISAdam(torch.optim.Optimizer):
         atan_adam: bool = False,
         running_init: bool = False,
         decouple_wd: bool = False,
+        foreach: bool | None = None,
     ):
         if lr <= 0:
             raise ValueError(f"ELLISAdam: lr must be positive (it is also init_lr), got {lr}")
@@ -60,6 +62,13 @@ class ELLISAdam(torch.optim.Optimizer):
             decouple_wd=decouple_wd,
         )
         super().__init__(params, defaults)
+        self.foreach = foreach
+
+    foreach: bool | None = None
+    """True: the multi-tensor step (torch._foreach_* over each group); False: one tensor at a time; None
+    (default): multi-tensor where it is faster, i.e. when the parameters live on a GPU (on CPU the foreach ops
+    are loops over the same kernels). Both give the same result; it is an attribute, not a group option,
+    so param_groups and state_dict keep their layout."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -68,18 +77,21 @@ class ELLISAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            foreach = self.foreach if self.foreach is not None else params[0].device.type != "cpu"
+            if foreach:
+                self._update_group(params, group)
+            else:
+                for p in params:
                     self._update(p, group)
         return loss
 
-    def _update(self, p: torch.Tensor, group: dict) -> None:
-        g = p.grad
-        lr, init_lr = float(group["lr"]), float(group["init_lr"])
-        beta1, beta2 = group["betas"]
-        eps, wd = group["eps"], group["weight_decay"]
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
         if not state:
+            g = p.grad
             state["step"] = torch.zeros((), dtype=torch.int64)
             if group["running_init"]:
                 state["exp_avg"] = g.detach().clone()
@@ -87,26 +99,76 @@ class ELLISAdam(torch.optim.Optimizer):
             else:
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
+        return state
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        """The single-tensor step. No host sync: the update-clipping RMS stays a device tensor."""
+        g = p.grad
+        lr, init_lr = float(group["lr"]), float(group["init_lr"])
+        beta1, beta2 = group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        state = self._init_state(p, group)
         m, v = state["exp_avg"], state["exp_avg_sq"]
         m.lerp_(g, 1.0 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
 
-        step_size = lr
+        clip = None
         if group["update_clipping"]:
             v.clamp_(min=eps * eps)
-            rms = g.square().div(v).mean().sqrt().item()
-            step_size = lr / max(rms, 1.0)
+            clip = g.square().div(v).mean().sqrt().clamp(min=1.0)  # the step is divided by max(rms, 1)
         state["step"] += 1
-        t = int(state["step"])
-        step_size /= 1.0 - beta1**t
+        t = int(state["step"])  # a CPU tensor: no device sync
+        step_size = lr / (1.0 - beta1**t)
         denom = v.sqrt().div_(math.sqrt(1.0 - beta2**t))
 
         if wd != 0.0:
             p.mul_(1.0 - (lr / init_lr) * wd if group["decouple_wd"] else 1.0 - lr * wd)
+        update = torch.atan2(m, denom) if group["atan_adam"] else m / denom.add_(eps)
+        if clip is not None:
+            update.div_(clip)
+        p.add_(update, alpha=-step_size)
+
+    def _update_group(self, params: list[torch.Tensor], group: dict) -> None:
+        """The multi-tensor step: the same operations as `_update`, each over all tensors of the group at once."""
+        lr, init_lr = float(group["lr"]), float(group["init_lr"])
+        beta1, beta2 = group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        states = [self._init_state(p, group) for p in params]
+        grads = [p.grad for p in params]
+        ms = [state["exp_avg"] for state in states]
+        vs = [state["exp_avg_sq"] for state in states]
+        torch._foreach_lerp_(ms, grads, 1.0 - beta1)
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, grads, grads, value=1.0 - beta2)
+
+        clips = None
+        if group["update_clipping"]:
+            torch._foreach_clamp_min_(vs, eps * eps)
+            ratios = torch._foreach_div(torch._foreach_mul(grads, grads), vs)
+            clips = [r.mean().sqrt().clamp(min=1.0) for r in ratios]
+            del ratios
+        steps = [state["step"] for state in states]
+        torch._foreach_add_(steps, 1)
+        ts = [int(step) for step in steps]  # CPU tensors: no device sync
+        denoms = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denoms, [math.sqrt(1.0 - beta2**t) for t in ts])
+
+        if wd != 0.0:
+            torch._foreach_mul_(params, 1.0 - (lr / init_lr) * wd if group["decouple_wd"] else 1.0 - lr * wd)
         if group["atan_adam"]:
-            p.add_(torch.atan2(m, denom), alpha=-step_size)
+            updates = [torch.atan2(m, d) for m, d in zip(ms, denoms)]
         else:
-            p.add_(m / denom.add_(eps), alpha=-step_size)
+            torch._foreach_add_(denoms, eps)
+            updates = torch._foreach_div(ms, denoms)
+        del denoms
+        if clips is not None:
+            torch._foreach_div_(updates, clips)
+        step_sizes = [lr / (1.0 - beta1**t) for t in ts]
+        if all(size == step_sizes[0] for size in step_sizes):  # the usual case: every tensor at the same step
+            torch._foreach_add_(params, updates, alpha=-step_sizes[0])
+        else:
+            for p, update, size in zip(params, updates, step_sizes):
+                p.add_(update, alpha=-size)
 
 
 def param_groups(model: nn.Module, weight_decay: float, no_decay_for_bias_and_norm: bool = True) -> list[dict]:
@@ -153,6 +215,7 @@ def build_optimizer(model: nn.Module, cfg, keep=None) -> torch.optim.Optimizer:
             atan_adam=cfg.atan_adam,
             running_init=cfg.running_init,
             decouple_wd=cfg.decouple_wd,
+            foreach=cfg.foreach,
         )
     if cfg.name == "AdamW":
         # foreach=False: the single-tensor path gives the same bits on every run on CPU.

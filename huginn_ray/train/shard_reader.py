@@ -104,8 +104,15 @@ def _as_state(state) -> tuple:
     return version, tuple(internal), gauss
 
 
-def collate(rows: np.ndarray, pad_id: int, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows (B, seq_len + 1) -> inputs = row[:-1] with pad replaced by eos, labels = row[1:] (pad kept)."""
+def collate(rows: np.ndarray, pad_id: int, eos_id: int, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows (B, seq_len + 1) -> inputs = row[:-1] with pad replaced by eos, labels = row[1:] (pad kept).
+
+    With `vocab_size`, every id must lie in [0, vocab_size): checked here on the host, once per batch, so the
+    model's forward does not need its own check (a host sync on a GPU) in training."""
+    if vocab_size is not None and rows.size and (rows.min() < 0 or rows.max() >= vocab_size):
+        row, col = (int(i) for i in np.argwhere((rows < 0) | (rows >= vocab_size))[0])
+        raise ValueError(f"token id {int(rows[row, col])} at (row {row}, position {col}) of the batch is outside "
+                         f"the model's vocabulary [0, {vocab_size}): were the shards made with another tokenizer?")
     batch = torch.from_numpy(np.ascontiguousarray(rows)).long()
     inputs = batch[:, :-1].clone()
     inputs[inputs == pad_id] = eos_id

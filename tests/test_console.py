@@ -1,0 +1,35 @@
+"""The console settings of jobs that start their own local Ray (huginn_ray.console, jobs/train.py)."""
+
+import logging
+import os
+
+from huginn_ray.console import QUIET_ENV, local_ray_init_kwargs, quiet_local_ray, summary_line
+from huginn_ray.train.loop import eta, progress_line
+
+
+def test_quiet_local_ray_sets_explicit_ray_settings(monkeypatch):
+    for key in (*QUIET_ENV, "TORCH_CPP_LOG_LEVEL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # an explicit choice of the caller wins
+    for name in ("ray", "ray.train", "ray.data", "ray.tune", "mlflow"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+    quiet_local_ray(verbose=False)
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"
+    assert os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
+    assert os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+    assert logging.getLogger("ray.train").level == logging.ERROR
+    kwargs = local_ray_init_kwargs(verbose=False)
+    assert kwargs["include_dashboard"] and kwargs["_node_ip_address"] == "127.0.0.1"
+    assert kwargs["logging_level"] == logging.ERROR and kwargs["log_to_driver"]
+    assert "logging_config" not in local_ray_init_kwargs(verbose=True)
+
+
+def test_progress_line_has_an_eta_and_the_summary_names_the_figures():
+    metrics = dict(loss=3.2, ppl=24.5, lr=1e-3, grad_norm=0.5, tokens_per_second=1234, mfu=0.05,
+                   recurrence_n=2, recurrence_k=2, seconds_per_step=1.5)
+    line = progress_line(10, 50, metrics)
+    assert "step 10/50" in line and "tok/s 1234" in line and "MFU 5.00%" in line and "depth (2,2)" in line
+    assert line.endswith("ETA 0:01:00")
+    assert eta(3725) == "1:02:05"
+    assert summary_line({"step": 50, "loss": 2.5, "tokens": 102400}) == "final: step 50, loss 2.5000, 102,400 tokens"
+    assert summary_line({}) == ""

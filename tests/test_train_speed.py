@@ -1,0 +1,31 @@
+"""The training side of the speed work: the token-id check in collate, the config switches reaching the model."""
+
+import numpy as np
+import pytest
+
+from huginn_ray.config import ConfigError
+from huginn_ray.train.config import load_train_config
+from huginn_ray.train.shard_reader import collate
+
+
+def test_collate_checks_token_ids_once_per_batch_on_the_host():
+    rows = np.array([[1, 2, 3, 9], [4, 5, 6, 7]], dtype=np.int32)
+    inputs, labels = collate(rows, pad_id=9, eos_id=8, vocab_size=10)
+    assert inputs.tolist() == [[1, 2, 3], [4, 5, 6]] and labels.tolist() == [[2, 3, 9], [5, 6, 7]]
+    rows[1, 2] = 10
+    with pytest.raises(ValueError, match=r"token id 10 at \(row 1, position 2\).*vocabulary \[0, 10\)"):
+        collate(rows, pad_id=9, eos_id=8, vocab_size=10)
+    rows[1, 2] = -1
+    with pytest.raises(ValueError, match="token id -1"):
+        collate(rows, pad_id=9, eos_id=8, vocab_size=10)
+    collate(rows, pad_id=9, eos_id=8)  # without a vocabulary size nothing is checked
+
+
+def test_speed_switches_in_the_config(tmp_path):
+    cfg = load_train_config(None, ["max_steps=1", "compile=true", "loss_chunk_tokens=256",
+                                   "optim.foreach=true", "compile_options={mode: max-autotune}"])
+    assert cfg.compile and cfg.loss_chunk_tokens == 256 and cfg.optim.foreach is True
+    assert cfg.compile_options == {"mode": "max-autotune"}
+    assert load_train_config(None, ["max_steps=1"]).optim.foreach is None
+    with pytest.raises(ConfigError, match="loss_chunk_tokens"):
+        load_train_config(None, ["max_steps=1", "loss_chunk_tokens=-1"])
