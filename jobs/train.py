@@ -22,6 +22,7 @@ from huginn_ray.config import ConfigError
 from huginn_ray.train.config import load_train_config
 from huginn_ray.train.launch import PreflightError, preflight, run_training
 from huginn_ray.train.loop import stop_file
+from huginn_ray.train.runlock import RunLock, RunLockError
 
 
 def request_stop(cfg) -> None:
@@ -39,8 +40,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_train_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    lock = RunLock(cfg.run_dir)  # one writer per run directory, checked before Ray starts
+    try:
+        taken_over = lock.acquire()
+    except RunLockError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if taken_over:
+        print(f"[huginn] {taken_over}", flush=True)
+    try:
+        return _run(cfg)
+    finally:
+        lock.release()
+
+
+def _run(cfg) -> int:
+    try:
         plan = preflight(cfg)  # bad input is refused before Ray starts
-    except (ConfigError, PreflightError) as err:
+    except PreflightError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     local_ray_dir = None

@@ -100,6 +100,10 @@ class MlflowSection:
     """MLflow tracking URI; else $MLFLOW_TRACKING_URI; else a SQLite store under out_dir/mlflow."""
     experiment: str = "huginn_ray"
     """MLflow experiment name."""
+    max_pending_metrics: int = 100_000
+    """Metric values rank 0 buffers while the server is down or slow; beyond that the oldest are dropped."""
+    flush_timeout_s: float = 60.0
+    """At the end of a run, how long rank 0 waits for buffered metrics to reach the server."""
 
 
 @dataclass
