@@ -18,6 +18,7 @@ import tempfile
 
 import ray
 
+from huginn_ray.cluster.local_ray import init_local_ray
 from huginn_ray.config import ConfigError
 from huginn_ray.train.config import load_train_config
 from huginn_ray.train.launch import PreflightError, preflight, run_training
@@ -72,7 +73,7 @@ def _run(cfg) -> int:
         # Ray Train's print patch sends each worker line both to its logger and to stdout, so the console
         # showed every progress line twice; the workers of this local Ray inherit the setting.
         os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-        ray.init(_temp_dir=local_ray_dir, include_dashboard=False)
+        init_local_ray(_temp_dir=local_ray_dir, include_dashboard=False)  # token auth: Ray listens on every interface
     signal.signal(signal.SIGTERM, lambda signum, frame: request_stop(cfg))
     try:
         outcome = run_training(cfg, plan)

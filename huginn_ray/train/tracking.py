@@ -18,46 +18,15 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from huginn_ray.config import flatten, to_dict
+from huginn_ray.redact import redact, redact_uri  # noqa: F401 - also this module's API
 
 RUN_DIR_TAG = "huginn.run_dir"
 SECRET_KEY = re.compile(r"(^|_)(token|secret|password|key)$")  # hf_token, api_key; not tokenizer_path
-
-
-URI = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+")
-
-
-def redact_uri(uri: str) -> str:
-    """`https://user:pass@host/x?token=t` -> `https://user:***@host/x?token=***`: the password (or a bare
-    user-info token) and secret-looking query values are replaced."""
-    try:
-        parts = urlsplit(uri)
-    except ValueError:
-        return re.sub(r"//[^/@\s]*@", "//***@", uri)
-    redacted = uri
-    if "@" in parts.netloc:
-        userinfo, host = parts.netloc.rsplit("@", 1)
-        user = userinfo.split(":", 1)[0] if ":" in userinfo else ""
-        redacted = redacted.replace(parts.netloc, f"{user}:***@{host}" if user else f"***@{host}", 1)
-    if parts.query:
-        pairs = parse_qsl(parts.query, keep_blank_values=True)
-        if any(SECRET_QUERY.search(k.lower()) for k, _ in pairs):
-            query = urlencode([(k, "***" if SECRET_QUERY.search(k.lower()) else v) for k, v in pairs], safe="*")
-            redacted = redacted.replace("?" + parts.query, "?" + query, 1)
-    return redacted
-
-
-def redact(text: str) -> str:
-    """Every URI inside `text` with its credentials redacted (console lines, params, manifests)."""
-    return URI.sub(lambda m: redact_uri(m.group(0)), text)
-
-
-SECRET_QUERY = re.compile(r"token|secret|password|passwd|key|signature|sig$|credential")
 
 
 def tracking_uri(configured: str | None, out_dir: str) -> str:
