@@ -240,3 +240,5 @@ def test_sigterm_to_the_driver_saves_a_checkpoint_and_stops(cluster, mlflow_serv
     saved = [json.loads(p.read_text())["step"] for p in (tmp_path / "sigterm").glob("checkpoint_*/trainer_state.json")]
     assert saved == [stopped_at]  # no interval or last-step checkpoint was due: this one is the SIGTERM's
     assert not (tmp_path / "sigterm" / "STOP").exists()
+    assert client.get_run(run_id_of(stdout)).info.status == "KILLED"  # stopped on request, resumable
+    assert not (tmp_path / "sigterm" / "LOCK").exists()  # the job's run lock went with it
