@@ -20,6 +20,7 @@ MUST_RUN = (
     "tests/test_cluster_sbatch.py::test_frontier_sbatch_brings_up_the_cluster_and_submits_the_job",
     "tests/test_cluster_launcher.py::test_ray_up_exec_job_submit_down",
     "tests/test_data_tokenizer.py::test_transformers_loads_it_with_the_same_ids",
+    "tests/test_private_netns.py::test_inside_the_namespace_the_marker_names_its_namespaces",
 )
 
 
