@@ -58,9 +58,10 @@ def _missing_prerequisite() -> str | None:
             return f"{tool} is not installed (ray up needs it)"
     if not os.access(SSHD, os.X_OK):
         return "sshd is not installed (tools/ensure_sshd.sh installs openssh-server where it may)"
-    if os.geteuid() != 0:
-        # sshd's privilege separation and `ssh root@127.0.0.1` need real (or namespace) root
-        return "needs uid 0: run through tools/private_netns.sh (make test), which maps the user to root"
+    if os.geteuid() != 0 or Path("/proc/self/uid_map").read_text().split() != ["0", "0", "4294967295"]:
+        # sshd needs /run/sshd and its unprivileged `sshd` user for privilege separation: neither exists for the
+        # uid 0 of a user namespace (tools/private_netns.sh as a non-root user maps that user alone)
+        return "sshd needs real root (privilege separation): not available to a non-root user, even in a user namespace"
     return nested_namespace()[1]
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,10 +61,23 @@ def test_reused_pid_does_not_keep_a_lock(tmp_path, live_process):
     assert "took over the stale lock" in RunLock(tmp_path / "run").acquire()
 
 
-def test_lock_of_another_host_is_refused_with_the_file_to_delete(tmp_path):
+def test_lock_of_another_host_is_refused_while_its_heartbeat_is_fresh_then_taken_over(tmp_path):
     path = write_lock(tmp_path / "run", 1, host="other-node-17")
     with pytest.raises(RunLockError, match=rf"other-node-17.*delete {path}"):
         RunLock(tmp_path / "run").acquire()
+    old = time.time() - 301  # the holder's allocation ended: no heartbeat for longer than STALE_S
+    os.utime(path, (old, old))
+    assert "took over the stale lock" in RunLock(tmp_path / "run").acquire()
+
+
+def test_the_holder_keeps_its_heartbeat(tmp_path):
+    lock = RunLock(tmp_path / "run", heartbeat_s=0.1)
+    lock.acquire()
+    old = time.time() - 1000
+    os.utime(lock.path, (old, old))
+    time.sleep(0.5)
+    assert time.time() - lock.path.stat().st_mtime < 5
+    lock.release()
 
 
 def test_train_job_refuses_a_locked_run_before_ray_starts(tmp_path, live_process, capsys):

@@ -2,9 +2,10 @@
 
 A second job on the same run directory while the holder is alive is refused before Ray starts, naming the holder
 (host, PID, since when). A lock whose holder is dead (same host, PID gone or reused by another program) is taken
-over with a message. A lock held from another host cannot be checked from here: it is refused, and the message
-says which file to delete if that job is known to be gone. The file is created with O_EXCL, so two jobs
-starting at the same moment cannot both win.
+over with a message. The holder touches the file every HEARTBEAT_S; a lock from another host (a job resubmitted
+into a new allocation, whose head is another node) is taken over once its heartbeat is older than STALE_S, and
+refused before that, naming the file to delete if that job is known to be gone. The file is created with
+O_EXCL, so two jobs starting at the same moment cannot both win.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
 LOCK_NAME = "LOCK"
+HEARTBEAT_S = 30.0
+STALE_S = 300.0
 
 
 class RunLockError(RuntimeError):
@@ -44,9 +48,11 @@ def _alive(holder: dict) -> bool:
 class RunLock:
     """Held from `acquire` to `release` (also a context manager)."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, heartbeat_s: float = HEARTBEAT_S, stale_s: float = STALE_S):
         self.path = Path(run_dir) / LOCK_NAME
         self.held = False
+        self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
+        self._stop = threading.Event()
 
     def _record(self) -> dict:
         return {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid()),
@@ -75,16 +81,22 @@ class RunLock:
                 who = f"host {holder.get('host', '?')}, PID {holder.get('pid', '?')}, since {holder.get('since', '?')}"
                 if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
                     raise RunLockError(f"{self.path.parent} is already locked by this process")
+                try:
+                    silent_s = time.time() - self.path.stat().st_mtime
+                except FileNotFoundError:
+                    continue
                 if holder and holder.get("host") != socket.gethostname():
-                    raise RunLockError(
-                        f"another job holds run directory {self.path.parent} ({who}); it runs on another host, so "
-                        f"this one cannot tell whether it is alive: if it is gone, delete {self.path} and rerun")
-                if holder and _alive(holder):
+                    if silent_s <= self.stale_s:
+                        raise RunLockError(
+                            f"another job holds run directory {self.path.parent} ({who}, heartbeat {silent_s:.0f} s "
+                            f"ago) on another host; it is taken over once its heartbeat is {self.stale_s:.0f} s old, "
+                            f"or delete {self.path} if that job is known to be gone")
+                elif holder and _alive(holder):
                     raise RunLockError(
                         f"another job is writing run directory {self.path.parent} ({who}): refusing to start a "
                         f"second writer; wait for it, stop it, or choose another run_name / out_dir")
-                message = (f"took over the stale lock {self.path} of a job that is no longer running ({who})"
-                           if holder else f"took over the unreadable lock {self.path}")
+                message = (f"took over the stale lock {self.path} of a job that is no longer running ({who}, "
+                           f"heartbeat {silent_s:.0f} s ago)" if holder else f"took over the unreadable lock {self.path}")
                 try:
                     self.path.unlink()
                 except FileNotFoundError:
@@ -93,13 +105,22 @@ class RunLock:
             with os.fdopen(fd, "w") as f:
                 json.dump(self._record(), f)
             self.held = True
+            threading.Thread(target=self._heartbeat, name="huginn-run-lock", daemon=True).start()
             return message
         raise RunLockError(f"could not take {self.path}: other jobs keep taking it")
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
 
     def release(self) -> None:
         if not self.held:
             return
         self.held = False
+        self._stop.set()
         try:
             holder = json.loads(self.path.read_text())
             if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
