@@ -5,7 +5,7 @@
 - `nested_namespace()`: the `unshare` command that gives a test a network+PID namespace of its own (through a
   user namespace when not root), or why there is none here, naming the missing tool.
 - `LocalRayHead`: a `ray start --head --block` that the test owns; stopping it ends exactly the processes it
-  started (its process group, then any process still running from its private temp dir), never a machine-wide
+  started (its process group, then any process still carrying its marker in the environment), never a machine-wide
   `ray stop`.
 """
 
@@ -85,14 +85,20 @@ def wait_for(url: str, seconds: float, alive=lambda: True) -> None:
         time.sleep(0.3)
 
 
-def pids_using(path: str) -> list[int]:
-    """PIDs whose command line mentions `path` (Ray passes its temp/session dir to every process it starts)."""
+HEAD_MARKER = "HUGINN_TEST_RAY_HEAD"
+
+
+def pids_of_head(temp_dir: str) -> list[int]:
+    """PIDs started from one LocalRayHead: its marker is in their environment (inherited by the GCS, raylet,
+    workers and submitted jobs), or its temp dir is on their command line. Workers rename themselves (ray::IDLE),
+    so the environment is the reliable mark."""
+    marker = f"{HEAD_MARKER}={temp_dir}\0".encode()
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if path.encode() in (entry / "cmdline").read_bytes():
+            if marker in (entry / "environ").read_bytes() or temp_dir.encode() in (entry / "cmdline").read_bytes():
                 pids.append(int(entry.name))
         except OSError:
             pass
@@ -111,7 +117,7 @@ class LocalRayHead:
             command += ["--include-dashboard=true", "--dashboard-host=127.0.0.1",
                         f"--dashboard-port={self.dashboard_port}"]
         self.log = open(Path(self.temp_dir) / "ray_start.log", "w")
-        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+        self.process = subprocess.Popen(command, env={**env, HEAD_MARKER: self.temp_dir}, stdout=self.log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
         self.address = f"127.0.0.1:{self.port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
@@ -124,7 +130,7 @@ class LocalRayHead:
 
     def stop(self) -> None:
         """SIGTERM to `ray start --block` (it stops the head it started), then SIGKILL to its process group and to
-        any process still running from this head's temp dir (workers Ray put in sessions of their own)."""
+        any process still carrying this head's marker (workers Ray put in sessions of their own)."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -137,7 +143,7 @@ class LocalRayHead:
             pass
         self.process.wait()
         deadline = time.monotonic() + 10
-        while (pids := pids_using(self.temp_dir)) and time.monotonic() < deadline:
+        while (pids := pids_of_head(self.temp_dir)) and time.monotonic() < deadline:
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -146,3 +152,43 @@ class LocalRayHead:
             time.sleep(0.2)
         self.log.close()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+class MlflowServer:
+    """An `mlflow server` on a free loopback port, in a session of its own: stop() ends exactly its processes."""
+
+    def __init__(self, root: Path, env: dict | None = None):
+        self.root, self.port, self.env = Path(root), free_port(), env
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.process = None
+
+    def start(self) -> "MlflowServer":
+        self.process = subprocess.Popen(
+            [str(VENV_BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+             "--default-artifact-root", str(self.root / "artifacts"), "--host", "127.0.0.1", "--port",
+             str(self.port), "--workers", "1"],
+            stdout=open(self.root / "server.log", "a"), stderr=subprocess.STDOUT, env=self.env,
+            start_new_session=True)
+        try:
+            wait_for(f"{self.uri}/health", 180, alive=lambda: self.process.poll() is None)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)  # the server and its uvicorn worker
+            self.process.wait(timeout=60)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        try:  # a worker that outlived the server process
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process = None

@@ -19,7 +19,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from isolation import LocalRayHead, free_port, private_namespace_problem, wait_for
+from isolation import LocalRayHead, MlflowServer, private_namespace_problem
 from ray_jobs import submit_job
 from test_train_data import make_dataset
 
@@ -54,20 +54,11 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlflow_server")
-    port = free_port()
-    server = subprocess.Popen(
-        [str(VENV_BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--default-artifact-root", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"],
-        stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT, env=env(),
-    )
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow_server"), env=env()).start()
     try:
-        wait_for(f"http://127.0.0.1:{port}/health", 90)
-        yield f"http://127.0.0.1:{port}"
+        yield server.uri
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.stop()
 
 
 @pytest.fixture(scope="module")

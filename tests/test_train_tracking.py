@@ -1,18 +1,14 @@
 """MLflow settings: where metrics go, and which config values become params."""
 
-import os
-import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from huginn_ray.train.tracking import (MetricsLogger, artifact_root, close_run, loggable_params, redact, redact_uri,
                                        tracking_uri)
-from isolation import VENV_BIN, free_port, wait_for
+from isolation import MlflowServer, free_port
 
 
 def test_tracking_uri_config_then_environment_then_embedded_sqlite(tmp_path, monkeypatch):
@@ -65,26 +61,6 @@ def fast_failing_client(monkeypatch):
     # what MetricsLogger sets for its process, restored after the test
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
-
-
-class MlflowServer:
-    def __init__(self, root: Path):
-        self.root, self.port = root, free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.process = None
-
-    def start(self):
-        self.process = subprocess.Popen(
-            [str(VENV_BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-             "--default-artifact-root", str(self.root / "artifacts"), "--host", "127.0.0.1", "--port",
-             str(self.port), "--workers", "1"],
-            stdout=open(self.root / "server.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
-        wait_for(f"{self.uri}/health", 90, alive=lambda: self.process.poll() is None)
-
-    def stop(self):
-        if self.process and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # the server and its worker: this test's processes only
-            self.process.wait(timeout=30)
 
 
 @pytest.mark.slow
