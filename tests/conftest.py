@@ -33,6 +33,7 @@ def must_run(nodeid: str) -> bool:
     return any(base == entry or base.startswith(entry + "::") for entry in MUST_RUN)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -k/-m deselection, which would make entries look stale
 def pytest_collection_modifyitems(session, config, items):
     files = {item.nodeid.split("::", 1)[0] for item in items}
     bases = [item.nodeid.split("[", 1)[0] for item in items]
