@@ -10,11 +10,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
-import os, secrets, subprocess, sys, tempfile
+import os, secrets, shutil, subprocess, sys, tempfile
 os.environ["RAY_AUTH_MODE"] = "disabled"  # what a careless environment says; the job's own Ray ignores it
 import ray
 from huginn_ray.cluster.local_ray import init_local_ray
-info = init_local_ray(num_cpus=1, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="hra_", dir="/tmp"))
+temp_dir = tempfile.mkdtemp(prefix="hra_", dir="/tmp")
+info = init_local_ray(num_cpus=1, include_dashboard=False, _temp_dir=temp_dir)
 print("WORKER_MODE", ray.get(ray.remote(lambda: os.environ["RAY_AUTH_MODE"]).remote()))
 connect = f"import ray; ray.init(address={info.address_info['gcs_address']!r}); print('CONNECTED')"
 base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
@@ -24,6 +25,7 @@ for name, extra in (("none", {"RAY_AUTH_MODE": "disabled"}),
                             timeout=120)
     print("CLIENT", name, "CONNECTED" in client.stdout)
 ray.shutdown()
+shutil.rmtree(temp_dir, ignore_errors=True)
 """
 
 
