@@ -169,3 +169,50 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     raise ConfigError(f"{key}: unsupported config type {tp}")  # a programming error in a config class
+
+
+# ---- value ranges, checked when a config loads ------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """An allowed interval for a numeric config value; None means unbounded. NaN is never inside."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if value != value:  # NaN
+            return False
+        if self.lo is not None and not (value > self.lo if self.lo_open else value >= self.lo):
+            return False
+        if self.hi is not None and not (value < self.hi if self.hi_open else value <= self.hi):
+            return False
+        return True
+
+    def __str__(self) -> str:
+        lo = "-inf" if self.lo is None else f"{self.lo:g}"
+        hi = "inf" if self.hi is None else f"{self.hi:g}"
+        return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi_open or self.hi is None else ']'}"
+
+
+AT_LEAST_1 = Range(1)
+NON_NEGATIVE = Range(0)
+POSITIVE = Range(0, lo_open=True)
+
+
+def check_ranges(cfg: Any, ranges: dict[str, Range]) -> None:
+    """Every dotted key in `ranges` that is set (not None) lies in its range; lists are checked item by item.
+    The error names the dotted key (with the list index) and the allowed range."""
+    for key, allowed in ranges.items():
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value is None:
+            continue
+        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+        for index, item in items:
+            if item not in allowed:
+                name = key if index is None else f"{key}[{index}]"
+                raise ConfigError(f"{name}: must be in {allowed}, got {item!r}")

@@ -23,10 +23,12 @@ if not os.environ.get("RAY_ADDRESS"):
 
 import ray  # noqa: E402
 
+from huginn_ray.cluster.local_ray import init_local_ray  # noqa: E402
 from huginn_ray.config import ConfigError  # noqa: E402
 from huginn_ray.train.config import load_train_config
 from huginn_ray.train.launch import PreflightError, preflight, run_training
 from huginn_ray.train.loop import stop_file
+from huginn_ray.train.runlock import RunLock, RunLockError
 
 
 def request_stop(cfg) -> None:
@@ -46,8 +48,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_train_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    lock = RunLock(cfg.run_dir)  # one writer per run directory, checked before Ray starts
+    try:
+        taken_over = lock.acquire()
+    except RunLockError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if taken_over:
+        print(f"[huginn] {taken_over}", flush=True)
+    try:
+        return _run(cfg, args.verbose)
+    finally:
+        lock.release()
+
+
+def _run(cfg, verbose: bool) -> int:
+    try:
         plan = preflight(cfg)  # bad input is refused before Ray starts
-    except (ConfigError, PreflightError) as err:
+    except PreflightError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     local_ray_dir = None
@@ -56,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         # a short private temp dir: other Ray instances may share /tmp/ray, and socket paths are limited
         local_ray_dir = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
-        quiet_local_ray(args.verbose)  # the workers of this local Ray inherit the settings
-        ray.init(_temp_dir=local_ray_dir, **local_ray_init_kwargs(args.verbose))
-        if not args.verbose:
+        quiet_local_ray(verbose)  # the workers of this local Ray inherit the settings
+        # token auth: Ray listens on every interface
+        init_local_ray(_temp_dir=local_ray_dir, **local_ray_init_kwargs(verbose))
+        if not verbose:
             print(f"[huginn] Ray's own INFO/WARNING lines go to {local_ray_dir}/session_latest/logs, kept if the "
                   f"run fails (--verbose shows them here)", flush=True)
     signal.signal(signal.SIGTERM, lambda signum, frame: request_stop(cfg))
@@ -66,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
           f"model {cfg.model.name}, {plan['precision']}{', compiled blocks' if cfg.compile else ''}", flush=True)
     outcome = None
     try:
-        outcome = run_training(cfg, plan, ray_train_log_level="INFO" if args.verbose else "ERROR")
+        outcome = run_training(cfg, plan, ray_train_log_level="INFO" if verbose else "ERROR")
     finally:
         if local_ray_dir is not None:
             ray.shutdown()

@@ -5,7 +5,7 @@ frontier_env.sh is mounted next to a site.env), then runs a TorchTrainer with tw
 environment, device and process-group backend. Stand-ins: Lmod's `module` command (a shell function that records
 what frontier_env.sh loads), the aws-ofi-rccl plugin directory (an empty temp dir), and the --autoscaling-config
 flag is dropped (the launcher writes that file on a real head). Ray runs in a network+PID namespace of its own, so
-the YAML's fixed ports are free and its `ray stop` touches no other Ray.
+the YAML's fixed ports are free and the `ray stop` among its head commands touches no other Ray.
 """
 
 import json
@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from isolation import nested_namespace
 
 REPO = Path(__file__).resolve().parents[1]
 VENV = Path(sys.executable).parent.parent
@@ -84,8 +86,9 @@ def _head_start_commands(env_file: Path) -> list[str]:
 
 
 def test_frontier_environment_reaches_ray_train_workers():
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        pytest.skip("needs root and unshare to give the cluster a namespace of its own")
+    unshare, problem = nested_namespace()
+    if problem:
+        pytest.skip(f"the cluster needs a network+PID namespace of its own: {problem}")
     work = Path(f"/tmp/hre_{secrets.token_hex(4)}")  # short: Ray's socket paths live below it
     work.mkdir()
     try:
@@ -113,12 +116,11 @@ def test_frontier_environment_reaches_ray_train_workers():
             *_head_start_commands(mounts / "frontier_env.sh"),
             f"source {mounts}/frontier_env.sh",
             f"python {work}/driver.py {work} {','.join(names)}",
-            "ray stop",
-        ])
+        ])  # no `ray stop` at the end: --kill-child ends every process of the namespace with this script
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "OMP_", "NCCL_"))}
         env["PATH"] = f"{VENV / 'bin'}:{env['PATH']}"
         run = subprocess.run(
-            ["unshare", "-n", "-p", "-f", "--mount-proc", "--kill-child", "bash", "-c", script],
+            [*unshare, "bash", "-c", script],
             capture_output=True, text=True, env=env, cwd=REPO, timeout=240,
         )
         assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]

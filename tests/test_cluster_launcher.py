@@ -25,6 +25,8 @@ import yaml
 
 from huginn_ray.cluster.render import load_template, render, to_yaml
 
+from isolation import nested_namespace
+
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
@@ -51,16 +53,16 @@ TEARDOWN = 'source {env_file} && kill "$(cat "$HUGINN_NODE_LOCAL_DIR/mlflow.pid"
 
 
 def _missing_prerequisite() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create a network namespace for sshd and the cluster"
-    for tool in ("unshare", "nsenter", "ssh", "ssh-keygen", "rsync"):
+    for tool in ("nsenter", "ssh", "ssh-keygen", "rsync"):
         if not shutil.which(tool):
             return f"{tool} is not installed (ray up needs it)"
     if not os.access(SSHD, os.X_OK):
         return "sshd is not installed (tools/ensure_sshd.sh installs openssh-server where it may)"
-    if subprocess.run(["unshare", "-n", "-p", "-f", "--mount-proc", "true"], capture_output=True).returncode:
-        return "cannot create a network+PID namespace here"
-    return None
+    if os.geteuid() != 0 or Path("/proc/self/uid_map").read_text().split() != ["0", "0", "4294967295"]:
+        # sshd needs /run/sshd and its unprivileged `sshd` user for privilege separation: neither exists for the
+        # uid 0 of a user namespace (tools/private_netns.sh as a non-root user maps that user alone)
+        return "sshd needs real root (privilege separation): not available to a non-root user, even in a user namespace"
+    return nested_namespace()[1]
 
 
 @pytest.fixture
@@ -83,7 +85,7 @@ def sshd_namespace(tmp_path_factory):
     )
     Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
     namespace = subprocess.Popen(
-        ["unshare", "-n", "-p", "-f", "--mount-proc", "--kill-child", "bash", "-c",
+        [*nested_namespace()[0], "bash", "-c",
          f'ip link set lo up && exec {SSHD} -D -e -f "$0"', str(work / "sshd_config")],
         stdout=open(work / "sshd.log", "w"), stderr=subprocess.STDOUT,
     )

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from isolation import nested_namespace
+
 REPO = Path(__file__).resolve().parents[1]
 VENV = Path(sys.executable).parent.parent
 
@@ -29,8 +31,9 @@ JOB = (
 
 
 def test_frontier_sbatch_brings_up_the_cluster_and_submits_the_job():
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        pytest.skip("needs root and unshare to give the cluster a namespace of its own")
+    unshare, problem = nested_namespace()
+    if problem:
+        pytest.skip(f"the cluster needs a network+PID namespace of its own: {problem}")
     work = Path(f"/tmp/hrs_{secrets.token_hex(4)}")  # short: Ray's socket paths live below it
     try:
         submit, stubs = work / "submit", work / "bin"
@@ -59,7 +62,7 @@ def test_frontier_sbatch_brings_up_the_cluster_and_submits_the_job():
             f'exec bash {REPO}/cluster_yamls/frontier.sbatch python -c "$0"'
         )
         run = subprocess.run(
-            ["unshare", "-n", "-p", "-f", "--mount-proc", "--kill-child", "bash", "-c", script, JOB],
+            [*unshare, "bash", "-c", script, JOB],
             capture_output=True, text=True, env=env, cwd=submit, timeout=240,
         )
         output = run.stdout + run.stderr

@@ -3,38 +3,25 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from huginn_ray.data.shards import read_manifest
 from huginn_ray.data.tokenizer import train_tokenizer
+from isolation import LocalRayHead, private_namespace_problem
 from ray_jobs import submit_job
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def _private_namespace() -> bool:
-    """Only loopback in this network namespace, and a PID namespace of our own (tools/private_netns.sh)."""
-    return [name for _, name in socket.if_nameindex()] == ["lo"] and os.getpid() < 1000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _private_namespace(), reason="needs the private namespace of tools/private_netns.sh "
-                    "(`ray stop` would otherwise reach other Ray instances on this machine)")
 def test_prepare_data_under_ray_job_submit(tmp_path):
+    problem = private_namespace_problem()
+    if problem:
+        pytest.skip(f"starts a Ray head node that must stay private: {problem}")
     (tmp_path / "docs").mkdir()
     texts = [f"document {i}: " + " ".join(f"word{j % 17}" for j in range(40 + 13 * i)) for i in range(60)]
     for i, text in enumerate(texts):
@@ -45,24 +32,18 @@ def test_prepare_data_under_ray_job_submit(tmp_path):
                                         "val_fraction: 0.3\n")
     out = tmp_path / "out"
 
-    temp_dir = tempfile.mkdtemp(prefix="hrj_", dir="/tmp")
-    dashboard = _free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{BIN}:{os.environ['PATH']}"}
-    subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={_free_port()}", "--num-cpus=2",
-                    f"--temp-dir={temp_dir}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                    f"--dashboard-port={dashboard}", "--disable-usage-stats"],
-                   env=env, check=True, capture_output=True, timeout=120)
+    head = LocalRayHead(num_cpus=2, env=env)
     try:
         job = submit_job(
-            [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir",
+            [str(BIN / "ray"), "job", "submit", "--address", head.dashboard, "--working-dir",
              str(ROOT), "--", "python", "jobs/prepare_data.py", "--config", str(tmp_path / "data.yaml"),
              f"output_dir={out}", f"tokenizer.path={tmp_path / 'tokenizer'}"],
             env=env, timeout=300)
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
         assert "prepare_data: 2 train + 2 val shards" in job.stdout
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        head.stop()  # only the processes this head started, by PID
     manifest = read_manifest(out / "shards")
     assert manifest["num_shards"] == 2 and manifest["rows_per_shard"]["train"] > 0
     assert sorted(p.name for p in (out / "shards" / "train").glob("*.parquet")) == ["00000.parquet", "00001.parquet"]

@@ -10,18 +10,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from isolation import LocalRayHead, MlflowServer, private_namespace_problem
 from ray_jobs import submit_job
 from test_train_data import make_dataset
 
@@ -30,34 +28,6 @@ VENV_BIN = Path(sys.executable).parent
 STEPS = 16
 
 pytestmark = pytest.mark.slow
-
-
-def in_private_namespace() -> bool:
-    """Only loopback in this network namespace, and PID 1 is not the machine's init (which starts at boot): then
-    the Ray head is reachable on loopback only and dies with the namespace (tools/private_netns.sh)."""
-    only_loopback = [name for _, name in socket.if_nameindex()] == ["lo"]
-    pid1_start_s = int(Path("/proc/1/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-    return only_loopback and pid1_start_s > 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(url: str, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} did not come up in {seconds} s")
-        time.sleep(0.5)
 
 
 def env() -> dict:
@@ -72,36 +42,23 @@ def env() -> dict:
 
 @pytest.fixture(scope="module")
 def cluster():
-    if not in_private_namespace():
-        pytest.skip("starts a Ray head node that must stay private: run through tools/private_netns.sh (make test)")
-    temp_dir = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
-    gcs_port, dashboard_port = free_port(), free_port()
-    subprocess.run(
-        [str(VENV_BIN / "ray"), "start", "--head", f"--port={gcs_port}", f"--temp-dir={temp_dir}", "--num-cpus=4",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", "--disable-usage-stats"],
-        env=env(), check=True, capture_output=True,
-    )
-    wait_for(f"http://127.0.0.1:{dashboard_port}/api/version", 60)
-    # no `ray stop`: the head's processes die with this PID namespace when the test session ends
-    yield {"address": f"127.0.0.1:{gcs_port}", "dashboard": f"http://127.0.0.1:{dashboard_port}"}
+    problem = private_namespace_problem()
+    if problem:
+        pytest.skip(f"starts a Ray head node that must stay private: {problem}")
+    head = LocalRayHead(num_cpus=4, env=env())
+    try:
+        yield {"address": head.address, "dashboard": head.dashboard}
+    finally:
+        head.stop()  # the processes this head started, by PID; never a machine-wide `ray stop`
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlflow_server")
-    port = free_port()
-    server = subprocess.Popen(
-        [str(VENV_BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--default-artifact-root", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"],
-        stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT, env=env(),
-    )
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow_server"), env=env()).start()
     try:
-        wait_for(f"http://127.0.0.1:{port}/health", 90)
-        yield f"http://127.0.0.1:{port}"
+        yield server.uri
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -296,3 +253,5 @@ def test_sigterm_to_the_driver_saves_a_checkpoint_and_stops(cluster, mlflow_serv
     saved = [json.loads(p.read_text())["step"] for p in (tmp_path / "sigterm").glob("checkpoint_*/trainer_state.json")]
     assert saved == [stopped_at]  # no interval or last-step checkpoint was due: this one is the SIGTERM's
     assert not (tmp_path / "sigterm" / "STOP").exists()
+    assert client.get_run(run_id_of(stdout)).info.status == "KILLED"  # stopped on request, resumable
+    assert not (tmp_path / "sigterm" / "LOCK").exists()  # the job's run lock went with it

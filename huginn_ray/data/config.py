@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from huginn_ray.config import ConfigError, load_config
+from huginn_ray.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigError, Range, check_ranges, load_config
 
 
 @dataclass
@@ -101,6 +101,7 @@ class DataConfig:
                 raise ConfigError(f"{key}: must be positive, got {value}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"val_fraction: must be in (0, 1), got {self.val_fraction}")
+        check_ranges(self, DATA_RANGES)
         if not self.output_dir:
             raise ConfigError("output_dir: must be set")
 
@@ -111,6 +112,18 @@ class DataConfig:
     @property
     def root(self) -> Path:
         return Path(self.output_dir)
+
+
+# allowed ranges of the numeric fields not checked above
+DATA_RANGES: dict[str, Range] = {
+    "seed": NON_NEGATIVE,
+    "download.backoff_base_s": NON_NEGATIVE,
+    "download.backoff_max_s": NON_NEGATIVE,
+    "tokenizer.vocab_size": Range(33),  # more than the 32 special tokens at the top (train_tokenizer checks the rest)
+    "tokenizer.max_token_length": AT_LEAST_1,
+    "local_ray.num_cpus": AT_LEAST_1,
+    "local_ray.object_store_mib": POSITIVE,
+}
 
 
 def load_data_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> DataConfig:

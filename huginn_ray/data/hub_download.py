@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from huginn_ray.data import layout
+from huginn_ray.redact import redact_uri
 from huginn_ray.data.config import DownloadConfig
 from huginn_ray.data.sources import Source
 
@@ -184,7 +185,7 @@ def download_source(source: Source, download_root: Path, cfg: DownloadConfig) ->
         print(f"[download] {source.name}: {done}/{len(files)} files, {done_bytes / 2**20:.1f}/"
               f"{total_bytes / 2**20:.1f} MiB ({skipped} already complete)", flush=True)
 
-    provenance = {"source": source.name, "request": request, "endpoint": endpoint, "commit": commit,
+    provenance = {"source": source.name, "request": request, "endpoint": redact_uri(endpoint), "commit": commit,
                   "files": [asdict(f) for f in files]}
     layout.write_json(local_dir / PROVENANCE, provenance)
     return provenance

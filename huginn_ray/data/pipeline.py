@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from huginn_ray.cluster.local_ray import init_local_ray
 from huginn_ray.data import layout
 from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError
@@ -46,9 +47,9 @@ def init_ray(cfg: DataConfig) -> Callable[[], None]:
             ray.init()
         else:
             temp_dir = cfg.local_ray.temp_dir or tempfile.mkdtemp(prefix="hrdata_", dir="/tmp")
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private, loopback-only instance
             store = cfg.local_ray.object_store_mib
-            ray.init(address="local", num_cpus=cfg.local_ray.num_cpus, _temp_dir=temp_dir,
+            # token authentication: Ray's ports listen on every interface, not only on loopback
+            init_local_ray(num_cpus=cfg.local_ray.num_cpus, _temp_dir=temp_dir,
                      object_store_memory=store << 20 if store else None, include_dashboard=False)
             started = True
     ctx = DataContext.get_current()

@@ -70,6 +70,26 @@ def write(directory: Path, rank: int, model, optimizer, state: TrainerState, rea
     torch.save({"reader": reader_state, "rng": rng_states(device)}, directory / rank_file(rank))
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used (truncated, foreign, or from another run layout); names the file."""
+
+
+def load_file(path: Path, expected_keys: tuple[str, ...], **kwargs) -> dict:
+    """torch.load that names the file when it is missing, truncated, or not what this code wrote."""
+    try:
+        data = torch.load(path, weights_only=True, **kwargs)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing from the checkpoint") from None
+    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError, ... for a bad file
+        raise CheckpointError(f"{path}: cannot be read, truncated or not a torch file "
+                              f"({type(err).__name__}: {str(err)[:200]})") from None
+    missing = [k for k in expected_keys if not isinstance(data, dict) or k not in data]
+    if missing:
+        found = sorted(map(str, data))[:8] if isinstance(data, dict) else type(data).__name__
+        raise CheckpointError(f"{path}: not a file this code wrote (keys {missing} missing; found {found})")
+    return data
+
+
 def read(directory: Path, rank: int, world_size: int, model, optimizer, device) -> tuple[TrainerState, dict]:
     """Load model and optimizer in place, restore the RNGs; returns the trainer state and the reader state."""
     state = TrainerState(**json.loads((directory / "trainer_state.json").read_text()))
@@ -80,7 +100,7 @@ def read(directory: Path, rank: int, world_size: int, model, optimizer, device) 
         )
     model.load_state_dict(load_pretrained(directory / "model", device=device).state_dict())
     read_optimizer(directory, optimizer, device)
-    per_rank = torch.load(directory / rank_file(rank), weights_only=True)
+    per_rank = load_file(directory / rank_file(rank), ("reader", "rng"))
     set_rng_states(per_rank["rng"], device)
     return state, per_rank["reader"]
 
@@ -93,7 +113,7 @@ def read_optimizer(directory: Path, optimizer, device) -> None:
         if shards:
             raise ValueError(f"checkpoint {directory} holds an optimizer sharded over nodes (optim.sharding=node, "
                              f"{shards[0].name}); this run has optim.sharding=none")
-        optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=device, weights_only=True))
+        load_optimizer_file(directory / "optimizer.pt", ("state", "param_groups"), optimizer, device)
         return
     node_size = sharding.layout.node_size
     path = directory / shard_file(sharding.layout.local_rank, node_size)
@@ -104,4 +124,13 @@ def read_optimizer(directory: Path, optimizer, device) -> None:
         written = int(shards[0].stem.rsplit("_of_", 1)[1])
         raise ValueError(f"checkpoint {directory} was written with node_size={written} (optimizer shards per node), "
                          f"this run has node_size={node_size}: the optimizer shards do not carry over")
-    optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+    load_optimizer_file(path, ("shard", "node_size", "local_rank", "owners"), optimizer, device)
+
+
+def load_optimizer_file(path: Path, expected_keys: tuple[str, ...], optimizer, device) -> None:
+    try:
+        optimizer.load_state_dict(load_file(path, expected_keys, map_location=device))
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise CheckpointError(f"{path}: does not fit this model's optimizer ({err})") from None

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from huginn_ray.config import ConfigError, load_config
+from huginn_ray.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigError, Range, check_ranges, load_config
 
 
 @dataclass
@@ -111,6 +111,10 @@ class MlflowSection:
     """MLflow tracking URI; else $MLFLOW_TRACKING_URI; else a SQLite store under out_dir/mlflow."""
     experiment: str = "huginn_ray"
     """MLflow experiment name."""
+    max_pending_metrics: int = 100_000
+    """Metric values rank 0 buffers while the server is down or slow; beyond that the oldest are dropped."""
+    flush_timeout_s: float = 60.0
+    """At the end of a run, how long rank 0 waits for buffered metrics to reach the server."""
 
 
 @dataclass
@@ -220,20 +224,14 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
         cfg.data.data_dir = str(Path(cfg.data.data_dir).resolve())
     if cfg.data.tokenizer_path:
         cfg.data.tokenizer_path = str(Path(cfg.data.tokenizer_path).resolve())
-    for key in ("max_steps", "micro_batch_size", "log_step_interval", "eval_step_interval", "eval_iters"):
-        value = getattr(cfg, key)
-        if value is not None and value < 1:
-            raise ConfigError(f"{key}: must be >= 1, got {value}")
-    if cfg.checkpoint.save_step_interval < 1 or cfg.checkpoint.keep < 1:
-        raise ConfigError("checkpoint.save_step_interval and checkpoint.keep must be >= 1")
-    if cfg.loss_chunk_tokens < 0:
-        raise ConfigError(f"loss_chunk_tokens: must be >= 0 (0: full logits), got {cfg.loss_chunk_tokens}")
-    if cfg.scaling.num_workers < 1:
-        raise ConfigError(f"scaling.num_workers: must be >= 1, got {cfg.scaling.num_workers}")
+    check_ranges(cfg, TRAIN_RANGES)
     if cfg.max_steps is None and cfg.max_tokens is None:
         raise ConfigError("set max_steps or max_tokens")
     if not cfg.eval_depths:
         raise ConfigError("eval_depths: needs at least one depth")
+    if cfg.fault_injection.kill_rank >= cfg.scaling.num_workers:
+        raise ConfigError(f"fault_injection.kill_rank: must be in [0, {cfg.scaling.num_workers - 1}] "
+                          f"(scaling.num_workers={cfg.scaling.num_workers}), got {cfg.fault_injection.kill_rank}")
     check_sharding_config(cfg)
     return cfg
 
@@ -242,9 +240,48 @@ def check_sharding_config(cfg: TrainConfig) -> None:
     gs = cfg.grad_sync
     if gs.kind == "hierarchical" and cfg.optim.sharding != "node":
         raise ConfigError("grad_sync.kind=hierarchical reduces each gradient to its owner: it needs optim.sharding=node")
-    if gs.node_size < 0 or (gs.node_size and cfg.scaling.num_workers % gs.node_size):
+    if gs.node_size and cfg.scaling.num_workers % gs.node_size:
         raise ConfigError(f"grad_sync.node_size={gs.node_size} must divide scaling.num_workers={cfg.scaling.num_workers}")
-    if gs.max_chunks_in_flight < 1:
-        raise ConfigError(f"grad_sync.max_chunks_in_flight: must be >= 1, got {gs.max_chunks_in_flight}")
-    if not 0 < cfg.memory_headroom <= 1:
-        raise ConfigError(f"memory_headroom: must lie in (0, 1], got {cfg.memory_headroom}")
+
+
+# ---- allowed ranges of the numeric fields (checked by load_train_config; a new numeric field belongs here) -----
+TRAIN_RANGES: dict[str, Range] = {
+    "seed": NON_NEGATIVE,
+    "max_tokens": POSITIVE,
+    "max_steps": AT_LEAST_1,
+    "block_size": AT_LEAST_1,
+    "micro_batch_size": AT_LEAST_1,
+    "world_batch_size": AT_LEAST_1,
+    "optim.lr": POSITIVE,
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.betas": Range(0, 1, hi_open=True),
+    "optim.eps": POSITIVE,
+    "schedule.warmup_steps": NON_NEGATIVE,
+    "schedule.cooldown_steps": NON_NEGATIVE,
+    "schedule.min_lr": NON_NEGATIVE,
+    "grad_sync.chunk_mib": Range(0, 16384, lo_open=True),  # 0 would hang every worker at startup
+    "scaling.num_workers": AT_LEAST_1,
+    "scaling.cpus_per_worker": POSITIVE,
+    "checkpoint.save_step_interval": AT_LEAST_1,
+    "checkpoint.keep": AT_LEAST_1,
+    "mlflow.max_pending_metrics": AT_LEAST_1,
+    "mlflow.flush_timeout_s": NON_NEGATIVE,
+    "grad_clip": POSITIVE,  # a negative max norm flips the gradients, 0 zeroes them
+    "log_step_interval": AT_LEAST_1,
+    "eval_step_interval": AT_LEAST_1,
+    "eval_iters": AT_LEAST_1,
+    "eval_depths": AT_LEAST_1,
+    "peak_flops_per_device": POSITIVE,
+    "pg_timeout_s": AT_LEAST_1,
+    "warmup_allreduce_mib": NON_NEGATIVE,
+    "warmup_timeout_s": POSITIVE,
+    "max_failures": Range(-1),  # -1: retry forever (Ray's convention)
+    "cpu_threads": AT_LEAST_1,
+    "fault_injection.kill_rank_at_step": AT_LEAST_1,
+    "fault_injection.kill_rank": NON_NEGATIVE,
+    "grad_sync.node_size": NON_NEGATIVE,  # 0: Ray Train's local world size
+    "grad_sync.max_chunks_in_flight": AT_LEAST_1,
+    "device_memory_gib": POSITIVE,
+    "memory_headroom": Range(0, 1, lo_open=True),
+    "loss_chunk_tokens": NON_NEGATIVE,  # 0: full logits
+}

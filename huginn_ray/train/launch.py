@@ -176,6 +176,7 @@ def run_training(cfg: TrainConfig, plan: dict, ray_train_log_level: str = "INFO"
         ),
     )
     ok = False
+    status = "FAILED"  # an exception leaves the MLflow run FAILED
     stopped = stopped_file(cfg)
     # left by an earlier attempt that this rerun resumes
     stopped.unlink(missing_ok=True)
@@ -189,6 +190,11 @@ def run_training(cfg: TrainConfig, plan: dict, ray_train_log_level: str = "INFO"
             f"stopped on request at step {metrics.get('step')}; rerun to resume" if metrics.get("stop_requested")
             else f"finished at step {metrics.get('step')}"
         )
-    finally:  # an exception leaves the MLflow run FAILED
-        tracking.close_run(uri, plan["mlflow_run_id"], ok)
-    return RunOutcome(ok, message, checkpoint_path, uri, plan["mlflow_run_id"], run_dir, metrics)
+        # stopped on request (SIGTERM, preemption): KILLED, and a rerun continues the same MLflow run
+        status = "FAILED" if not ok else "KILLED" if metrics.get("stop_requested") else "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracking.close_run(uri, plan["mlflow_run_id"], status)
+    return RunOutcome(ok, message, checkpoint_path, tracking.redact_uri(uri), plan["mlflow_run_id"], run_dir, metrics)

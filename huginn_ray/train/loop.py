@@ -27,6 +27,7 @@ from huginn_ray.config import from_dict
 from huginn_ray.data.shards import shard_path
 from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, sample_recurrence, training_flops_per_token
 from huginn_ray.train import checkpoint as ckpt
+from huginn_ray.train import tracking
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.grad_sync import build_grad_sync
 from huginn_ray.train.optim import build_optimizer, set_lr, trapezoid_lr
@@ -65,6 +66,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
         if ray.train.get_context().get_world_rank() == 0:
             stopped_file(cfg).parent.mkdir(parents=True, exist_ok=True)
             stopped_file(cfg).write_text(str(stop) + "\n")
+    finally:
+        # rank 0's metrics still buffered (a tracking outage) get their last chance, bounded by flush_timeout_s
+        tracking.close_loggers()
 
 
 @dataclass
@@ -219,7 +223,8 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
     if cfg.warmup_allreduce_mib > 0:
         warmup_allreduce(device, cfg.warmup_allreduce_mib, timeout_s=cfg.warmup_timeout_s)
 
-    logger = MetricsLogger(plan["mlflow_uri"], state.mlflow_run_id) if rank == 0 else None
+    logger = MetricsLogger(plan["mlflow_uri"], state.mlflow_run_id, max_pending=cfg.mlflow.max_pending_metrics,
+                           flush_timeout_s=cfg.mlflow.flush_timeout_s) if rank == 0 else None
     max_steps = plan["max_steps"]
     tokens_per_step = world_size * cfg.micro_batch_size * plan["grad_accum"] * cfg.block_size
     window = LogWindow()

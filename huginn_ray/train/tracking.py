@@ -1,22 +1,29 @@
 """MLflow: one MLflow run per training run, continued across worker restarts and reruns (resumes).
 
 The driver opens the run (`open_run`) before the workers start: it looks for a run tagged with this training
-run's directory and reuses it, else creates one and logs the resolved config as params. Rank 0 logs metrics
-to it (`MetricsLogger`); the driver marks it FINISHED or FAILED at the end. The run id also goes into every
-checkpoint.
+run's directory and reuses it, else creates one and logs the resolved config as params (secrets left out,
+credentials in URIs redacted). Rank 0 logs metrics to it through `MetricsLogger`, which never blocks or raises:
+a background thread sends, retries while the server is down or slow, and drops the oldest values (with one
+warning saying how many) only when its bounded buffer is full. The driver marks the run FINISHED, FAILED or
+KILLED at the end. The run id also goes into every checkpoint.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
+import threading
 import time
+from collections import deque
 from pathlib import Path
 
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from huginn_ray.config import flatten, to_dict
+from huginn_ray.redact import redact, redact_uri  # noqa: F401 - also this module's API
 
 RUN_DIR_TAG = "huginn.run_dir"
 SECRET_KEY = re.compile(r"(^|_)(token|secret|password|key)$")  # hf_token, api_key; not tokenizer_path
@@ -41,7 +48,7 @@ def loggable_params(cfg) -> dict[str, str]:
     for key, value in flatten(to_dict(cfg)).items():
         if SECRET_KEY.search(key.lower().rsplit(".", 1)[-1]):
             continue
-        params[key] = str(value)[:6000]
+        params[key] = redact(str(value))[:6000]
     return params
 
 
@@ -68,19 +75,195 @@ def open_run(cfg, uri: str, run_dir: str) -> str:
     return run.info.run_id
 
 
-def close_run(uri: str, run_id: str, ok: bool) -> None:
-    MlflowClient(uri).set_terminated(run_id, status="FINISHED" if ok else "FAILED")
+def close_run(uri: str, run_id: str, status: str, attempts: int = 5) -> None:
+    """Mark the run FINISHED, FAILED or KILLED. A tracking outage at this moment is reported, never raised: the
+    training result does not depend on it (and a rerun sets the run RUNNING again)."""
+    assert status in ("FINISHED", "FAILED", "KILLED"), status
+    for attempt in range(attempts):
+        try:
+            MlflowClient(uri).set_terminated(run_id, status=status)
+            return
+        except Exception as err:  # noqa: BLE001 - any client error: the server is down, slow or refusing
+            if attempt == attempts - 1:
+                print(f"[huginn] warning: could not mark MLflow run {run_id} {status} at {redact_uri(uri)}: "
+                      f"{type(err).__name__}: {redact(str(err))[:300]}", flush=True)
+                return
+            time.sleep(min(2.0**attempt, 10.0))
+
+
+_LOGGERS: list["MetricsLogger"] = []
+
+
+def close_loggers(timeout_s: float | None = None) -> None:
+    """Flush and stop every MetricsLogger of this process (the training function's last act on rank 0)."""
+    while _LOGGERS:
+        _LOGGERS.pop().close(timeout_s)
 
 
 class MetricsLogger:
-    """Rank 0's metric sink."""
+    """Rank 0's metric sink. `log` and `log_artifact` only enqueue: they never block on the server and never
+    raise, so a tracking outage cannot stop training.
 
-    def __init__(self, uri: str, run_id: str):
+    A background thread sends the queue in order, in batches of up to 1000 values, with MLflow's own HTTP
+    retries off and a short request timeout; on failure it retries with backoff (up to `max_backoff_s`) until the
+    server answers again, then flushes everything buffered. When more than `max_pending` values wait, the
+    oldest are dropped; one warning per outage says how many were dropped (printed when sending resumes, or at
+    close). `close` waits up to `flush_timeout_s` for the queue to drain and names what could not be sent.
+    """
+
+    BATCH = 1000  # MLflow's limit of metrics per log_batch
+
+    def __init__(self, uri: str, run_id: str, max_pending: int = 100_000, flush_timeout_s: float = 60.0,
+                 request_timeout_s: float = 10.0, max_backoff_s: float = 30.0, max_pending_artifacts: int = 64):
+        # Read by MLflow's REST client at every request: without this a down server blocks the sender for minutes
+        # inside MLflow's own retries (the sender retries by itself, and nothing waits for it).
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, request_timeout_s))))
+        self.uri, self.run_id = uri, run_id
         self.client = MlflowClient(uri)
-        self.run_id = run_id
+        self.max_pending, self.flush_timeout_s, self.max_backoff_s = max_pending, flush_timeout_s, max_backoff_s
+        self.max_pending_artifacts = max_pending_artifacts
+        self._queue: deque[list[Metric]] = deque()
+        self._artifacts: deque[tuple[str, str | None, str]] = deque()
+        self._pending = 0
+        self._inflight: list[Metric] | None = None
+        self._dropped = 0  # in the current outage, not yet reported
+        self.dropped_total = 0
+        self.sent_total = 0
+        self._failing_since: float | None = None
+        self._closing = False
+        self._cond = threading.Condition()
+        self._spool = tempfile.mkdtemp(prefix="huginn_artifacts_")
+        self._thread = threading.Thread(target=self._send_loop, name="huginn-mlflow-sender", daemon=True)
+        self._thread.start()
+        _LOGGERS.append(self)
 
+    # ---- the training side: never blocks, never raises
     def log(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        for start in range(0, len(batch), 500):
-            self.client.log_batch(self.run_id, metrics=batch[start : start + 500])
+        with self._cond:
+            for start in range(0, len(batch), self.BATCH):
+                self._queue.append(batch[start : start + self.BATCH])
+                self._pending += len(batch[start : start + self.BATCH])
+            while self._pending > self.max_pending and self._drop_oldest():
+                pass
+            self._cond.notify()
+
+    def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
+        """Upload a file (a plot, a table) to the run; the file is copied now, so the caller may delete it."""
+        local_path = Path(local_path)
+        with self._cond:
+            if len(self._artifacts) >= self.max_pending_artifacts:
+                old = self._artifacts.popleft()
+                shutil.rmtree(Path(old[2]).parent, ignore_errors=True)
+                self._dropped += 1
+                self.dropped_total += 1
+        copy_dir = Path(tempfile.mkdtemp(dir=self._spool))
+        copy = copy_dir / local_path.name
+        try:
+            shutil.copy2(local_path, copy)
+        except OSError as err:
+            print(f"[huginn] warning: artifact {local_path} not logged: {err}", flush=True)
+            return
+        with self._cond:
+            self._artifacts.append((str(local_path), artifact_path, str(copy)))
+            self._cond.notify()
+
+    def _drop_oldest(self) -> bool:
+        for i, entry in enumerate(self._queue):
+            if entry is not self._inflight:
+                del self._queue[i]
+                self._pending -= len(entry)
+                self._dropped += len(entry)
+                self.dropped_total += len(entry)
+                return True
+        return False
+
+    # ---- the sender thread
+    def _next_batch(self) -> list[list[Metric]]:
+        entries, size = [], 0
+        for entry in self._queue:
+            if entries and size + len(entry) > self.BATCH:
+                break
+            entries.append(entry)
+            size += len(entry)
+        return entries
+
+    def _send_loop(self) -> None:
+        backoff = 0.5
+        while True:
+            with self._cond:
+                while not self._queue and not self._artifacts and not self._closing:
+                    self._cond.wait()
+                if not self._queue and not self._artifacts:
+                    return  # closing, and everything is sent
+                entries = self._next_batch()
+                self._inflight = entries[0] if entries else None
+                artifact = self._artifacts[0] if not entries else None
+            try:
+                if entries:
+                    self.client.log_batch(self.run_id, metrics=[m for e in entries for m in e])
+                else:
+                    self.client.log_artifact(self.run_id, artifact[2], artifact[1])
+            except Exception as err:  # noqa: BLE001 - the server is down, slow, or refused: retry later
+                with self._cond:
+                    self._inflight = None
+                    if self._failing_since is None:
+                        self._failing_since = time.monotonic()
+                        print(f"[huginn] MLflow at {redact_uri(self.uri)} not reachable "
+                              f"({type(err).__name__}: {redact(str(err))[:200]}); training goes on, metrics are "
+                              f"buffered (up to {self.max_pending} values) and retried", flush=True)
+                    if self._closing and time.monotonic() > self._close_deadline:
+                        return
+                    self._cond.wait(timeout=min(backoff, 1.0) if self._closing else backoff)
+                backoff = min(backoff * 2, self.max_backoff_s)
+                continue
+            backoff = 0.5
+            with self._cond:
+                self._inflight = None
+                if entries:
+                    for entry in entries:  # still at the front unless dropped meanwhile (then already counted)
+                        if self._queue and self._queue[0] is entry:
+                            self._queue.popleft()
+                            self._pending -= len(entry)
+                            self.sent_total += len(entry)
+                elif self._artifacts and self._artifacts[0] is artifact:
+                    self._artifacts.popleft()
+                    shutil.rmtree(Path(artifact[2]).parent, ignore_errors=True)
+                if self._failing_since is not None:
+                    outage = time.monotonic() - self._failing_since
+                    self._failing_since = None
+                    print(f"[huginn] MLflow reachable again after {outage:.0f} s; sending the buffered metrics",
+                          flush=True)
+                self._report_dropped()
+
+    def _report_dropped(self) -> None:
+        if self._dropped:
+            print(f"[huginn] warning: MLflow buffer full while {redact_uri(self.uri)} was unreachable: dropped "
+                  f"{self._dropped} metric values (the oldest; buffer of {self.max_pending})", flush=True)
+            self._dropped = 0
+
+    def pending(self) -> int:
+        with self._cond:
+            return self._pending + len(self._artifacts)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Send what is buffered, waiting at most `timeout_s` (default flush_timeout_s); never raises."""
+        timeout_s = self.flush_timeout_s if timeout_s is None else timeout_s
+        with self._cond:
+            self._closing = True
+            self._close_deadline = time.monotonic() + timeout_s
+            self._cond.notify_all()
+        self._thread.join(timeout_s + 1.0)
+        with self._cond:
+            self._report_dropped()
+            if self._pending or self._artifacts:
+                print(f"[huginn] warning: MLflow at {redact_uri(self.uri)} did not take {self._pending} metric "
+                      f"values and {len(self._artifacts)} artifacts within {timeout_s:.0f} s; they are not logged",
+                      flush=True)
+        shutil.rmtree(self._spool, ignore_errors=True)
+        if self in _LOGGERS:
+            _LOGGERS.remove(self)
+
+

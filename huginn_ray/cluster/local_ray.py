@@ -1,0 +1,31 @@
+"""A private local Ray for a job started without a cluster (`python jobs/train.py ...`, `jobs/prepare_data.py`).
+
+Ray's GCS and raylet listen on every interface of the machine, whatever --node-ip-address says, and anyone who
+reaches an unauthenticated Ray can run code in it. So a Ray that a job starts itself always runs with token
+authentication: a fresh random token per job, handed to Ray's processes through the environment only (nothing
+written to ~/.ray). An explicit RAY_AUTH_TOKEN in the environment is used instead of a fresh one.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+
+def require_token_auth() -> None:
+    """Turn on Ray token authentication for the Ray this process is about to start (and its workers)."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    # Ray caches its config (the auth mode among it) when it is imported; re-read it, as Ray's own
+    # enable-token-auth helper does (ray._private.authentication.authentication_token_setup).
+    from ray._raylet import Config
+
+    Config.initialize("")
+
+
+def init_local_ray(**ray_init_kwargs):
+    """ray.init of a new local instance with token authentication on; returns ray.init's result."""
+    import ray
+
+    require_token_auth()
+    return ray.init(address="local", **ray_init_kwargs)

@@ -1,0 +1,38 @@
+"""A Ray that a job starts itself requires a token: its ports listen on every interface, not only loopback."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import os, secrets, shutil, subprocess, sys, tempfile
+os.environ["RAY_AUTH_MODE"] = "disabled"  # what a careless environment says; the job's own Ray ignores it
+import ray
+from huginn_ray.cluster.local_ray import init_local_ray
+temp_dir = tempfile.mkdtemp(prefix="hra_", dir="/tmp")
+info = init_local_ray(num_cpus=1, include_dashboard=False, _temp_dir=temp_dir)
+print("WORKER_MODE", ray.get(ray.remote(lambda: os.environ["RAY_AUTH_MODE"]).remote()))
+connect = f"import ray; ray.init(address={info.address_info['gcs_address']!r}); print('CONNECTED')"
+base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+for name, extra in (("none", {"RAY_AUTH_MODE": "disabled"}),
+                    ("wrong", {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})):
+    client = subprocess.run([sys.executable, "-c", connect], env={**base, **extra}, capture_output=True, text=True,
+                            timeout=120)
+    print("CLIENT", name, "CONNECTED" in client.stdout)
+ray.shutdown()
+shutil.rmtree(temp_dir, ignore_errors=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_jobs_own_local_ray_refuses_clients_without_its_token():
+    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "RAY_DISABLE_USAGE_STATS": "1"})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert "WORKER_MODE token" in run.stdout
+    assert "CLIENT none False" in run.stdout and "CLIENT wrong False" in run.stdout, run.stdout
