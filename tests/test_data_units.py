@@ -133,3 +133,31 @@ def test_plan_split_drops_surplus_and_refuses_too_few_rows():
     assert (plan["rows_per_shard"], plan["kept"], plan["dropped"]) == (25, 100, 3)
     with pytest.raises(ValueError, match="val split has 3 packed rows, fewer than num_shards=4"):
         plan_split(3, 4, 100, 1 << 20, "val")
+
+
+def test_token_dtype_follows_the_vocabulary_and_out_of_range_ids_are_named():
+    from huginn_ray.data.tokens import TokenRangeError, check_ids, token_dtype
+
+    assert token_dtype(4096) == token_dtype(65536) == "uint16"
+    assert token_dtype(65537) == token_dtype(200_000) == "int32"
+    check_ids(np.array([0, 65535]), 65536, "uint16", "x")
+    with pytest.raises(TokenRangeError, match="file.parquet: token id 65536 does not fit"):
+        check_ids(np.array([3, 65536]), 70000, "uint16", "file.parquet")
+    with pytest.raises(TokenRangeError, match="token id -1"):
+        check_ids(np.array([-1]), 100, "int32", "x")
+
+
+def test_training_reader_accepts_uint16_and_int32_shards(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from huginn_ray.data.tokens import row_schema, rows_to_arrow
+    from huginn_ray.train.shard_reader import read_row_group
+
+    rows = (np.arange(12 * 5).reshape(12, 5) * 1000) % 65536
+    for dtype in ("uint16", "int32"):
+        path = tmp_path / f"{dtype}.parquet"
+        pq.write_table(pa.table({"input_ids": rows_to_arrow(rows, dtype)}, schema=row_schema(dtype)), path,
+                       row_group_size=4)
+        got = read_row_group(pq.ParquetFile(path), path, 1, 5)
+        assert got.dtype == np.int32 and (got == rows[4:8]).all()

@@ -46,8 +46,10 @@ class TokenizerConfig:
 
 @dataclass
 class ShuffleConfig:
-    reducer_mib: int = 64
-    """Approximate size of the rows one reducer task holds in memory; sets the number of reducers."""
+    reducer_mib: int = 256
+    """Rows one reducer task gathers and writes (its memory is ~3x this); sets the number of reducers."""
+    map_mib: int = 256
+    """Rows one map task reads, sorts by destination and writes as one intermediate file (memory ~3x this)."""
     row_group_size: int = 64
     """Rows per parquet row group in the shards (the reader's shuffle-buffer granularity)."""
 
@@ -92,7 +94,7 @@ class DataConfig:
                     "docs_per_pack_batch": self.docs_per_pack_batch,
                     "download.max_in_flight": self.download.max_in_flight,
                     "download.max_attempts": self.download.max_attempts,
-                    "shuffle.reducer_mib": self.shuffle.reducer_mib,
+                    "shuffle.reducer_mib": self.shuffle.reducer_mib, "shuffle.map_mib": self.shuffle.map_mib,
                     "shuffle.row_group_size": self.shuffle.row_group_size,
                     "tokenizer.rows_per_source": self.tokenizer.rows_per_source,
                     "tokenizer.max_chars_per_doc": self.tokenizer.max_chars_per_doc}

@@ -20,8 +20,9 @@ from huginn_ray.data.formatting import DataError
 from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_source, downloaded_files
 from huginn_ray.data.shards import run_shuffle
 from huginn_ray.data.sources import Source, load_sources
-from huginn_ray.data.staging import list_local_files, stage_source, staged_files
+from huginn_ray.data.staging import list_local_files, stage_source
 from huginn_ray.data.tokenize_pack import pack_fingerprint, run_pack
+from huginn_ray.data.tokens import TokenRangeError
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, file_sha256, special_token_ids
 
 STAGES = ("download", "staging", "pack", "shuffle")
@@ -103,16 +104,27 @@ def tokenizer_facts(cfg: DataConfig) -> dict:
             "bos_id": ids["bos"], "eos_id": ids["eos"], "pad_id": ids["pad"]}
 
 
+def check_document_delimiters(tokenizer_file: str, bos_id: int, eos_id: int) -> None:
+    """Refuse a tokenizer that does not wrap every document in BOS ... EOS: packed rows need the delimiters."""
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(tokenizer_file).encode("Huginn probe: the raven flies.").ids
+    if len(ids) < 3 or ids[0] != bos_id or ids[-1] != eos_id:
+        raise DataError(f"tokenizer {tokenizer_file} does not wrap documents in BOS ({bos_id}) ... EOS ({eos_id}): "
+                        f"a probe text encodes to {ids[:3]} ... {ids[-3:]}. Packing without document delimiters "
+                        "would run documents together; use a tokenizer whose post-processor adds both "
+                        "(jobs/train_tokenizer.py writes one)")
+
+
 def run_stage_pack(cfg: DataConfig, sources: list[Source]) -> dict:
     markers = staging_markers(cfg, sources)
     facts = tokenizer_facts(cfg)
+    check_document_delimiters(facts["tokenizer_file"], facts["bos_id"], facts["eos_id"])
     fingerprint = pack_fingerprint(sources, markers, facts["tokenizer_sha256"], cfg.seq_len, cfg.seed,
                                    cfg.val_fraction, cfg.docs_per_pack_batch)
-    staged = {s.name: staged_files(cfg.root / "staging", s.name) for s in sources}
-    doc_counts = {name: m["rows"] for name, m in markers.items()}
-    return run_pack(sources, staged, doc_counts, Path(facts["tokenizer_file"]), cfg.root / "packed",
-                    seq_len=cfg.seq_len,
-                    seed=cfg.seed, val_fraction=cfg.val_fraction, docs_per_batch=cfg.docs_per_pack_batch,
+    return run_pack(sources, markers, cfg.root / "staging", Path(facts["tokenizer_file"]), cfg.root / "packed",
+                    seq_len=cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
+                    docs_per_batch=cfg.docs_per_pack_batch, vocab_size=facts["vocab_size"],
                     fingerprint=fingerprint, extra_marker=facts)
 
 
@@ -129,9 +141,13 @@ def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:
     extra = {key: pack_marker[key] for key in ("tokenizer_sha256", "vocab_size", "bos_id", "eos_id", "pad_id")}
     extra.update(input_fingerprint=pack_marker["fingerprint"], sources=pack_marker["sources"],
                  empty_sources=empty, staged_documents={n: m["rows"] for n, m in markers.items()})
-    return run_shuffle(pack_marker, cfg.root / "packed", cfg.root / "shards", num_shards=cfg.num_shards,
+    files = [{"path": str(cfg.root / "packed" / f["file"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]}
+             for f in pack_marker["files"]]
+    return run_shuffle(files, pack_marker["seq_len"] + 1, cfg.root / "shards", num_shards=cfg.num_shards,
                        seed=cfg.seed, row_group_size=cfg.shuffle.row_group_size,
-                       reducer_mib=cfg.shuffle.reducer_mib, fingerprint=fingerprint, manifest_extra=extra)
+                       reducer_mib=cfg.shuffle.reducer_mib, map_mib=cfg.shuffle.map_mib,
+                       token_dtype=pack_marker.get("token_dtype", "int32"), vocab_size=pack_marker["vocab_size"],
+                       fingerprint=fingerprint, manifest_extra=extra)
 
 
 def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
@@ -158,7 +174,8 @@ def root_error(err: BaseException) -> BaseException:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, (DataError, DownloadError)):
+        if isinstance(current, (DataError, DownloadError, TokenRangeError)) and \
+                getattr(current, "cause", None) is None:  # Ray's task errors wrap the original in .cause
             return current
         todo += [getattr(current, "cause", None), current.__cause__, current.__context__]
     return err
