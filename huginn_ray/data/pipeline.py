@@ -22,7 +22,7 @@ from huginn_ray.data.shards import run_shuffle
 from huginn_ray.data.sources import Source, load_sources
 from huginn_ray.data.staging import list_local_files, stage_source
 from huginn_ray.data.tokenize_pack import pack_fingerprint, run_pack
-from huginn_ray.data.tokens import TokenRangeError
+from huginn_ray.data.tokens import TokenRangeError, token_dtype
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, file_sha256, special_token_ids
 
 STAGES = ("download", "staging", "pack", "shuffle")
@@ -79,7 +79,20 @@ def source_inputs(cfg: DataConfig, source: Source) -> list[Path]:
     return downloaded_files(cfg.root / "download", provenance)
 
 
+def packed_only(sources: list[Source]) -> bool:
+    """True when every source is already packed; mixing packed and document sources is refused."""
+    packed = [s.name for s in sources if s.is_packed]
+    if packed and len(packed) != len(sources):
+        others = [s.name for s in sources if not s.is_packed]
+        raise DataError(f"source list mixes packed sources ({', '.join(packed)}) with document sources "
+                        f"({', '.join(others)}): prepare them with separate configs")
+    return bool(packed)
+
+
 def run_stage_staging(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]:
+    if packed_only(sources):
+        print("[staging] packed sources: nothing to stage", flush=True)
+        return {}
     return {s.name: stage_source(s, source_inputs(cfg, s), cfg.root / "staging") for s in sources}
 
 
@@ -117,6 +130,9 @@ def check_document_delimiters(tokenizer_file: str, bos_id: int, eos_id: int) -> 
 
 
 def run_stage_pack(cfg: DataConfig, sources: list[Source]) -> dict:
+    if packed_only(sources):
+        print("[pack] packed sources: nothing to tokenise or pack", flush=True)
+        return {}
     markers = staging_markers(cfg, sources)
     facts = tokenizer_facts(cfg)
     check_document_delimiters(facts["tokenizer_file"], facts["bos_id"], facts["eos_id"])
@@ -128,7 +144,80 @@ def run_stage_pack(cfg: DataConfig, sources: list[Source]) -> dict:
                     fingerprint=fingerprint, extra_marker=facts)
 
 
+def packed_source_files(cfg: DataConfig, source: Source) -> dict[str, list[dict]]:
+    """The files of a packed source per split, with row counts and provenance; errors name source and pattern."""
+    import fnmatch
+
+    import pyarrow.parquet as pq
+
+    if source.is_local:
+        root = source.resolved_local_dir()
+        paths = {p.relative_to(root).as_posix(): p for p in list_local_files(source)}
+        hashes: dict = {}
+    else:
+        provenance = layout.read_marker(cfg.root / "download" / source.name, PROVENANCE)
+        if provenance is None:
+            raise DataError(f"source {source.name!r} is not downloaded yet; run the download stage first")
+        paths = {f["path"]: cfg.root / "download" / source.name / f["path"] for f in provenance["files"]}
+        hashes = {f["path"]: f.get("sha256") or f.get("git_sha1") for f in provenance["files"]}
+    out: dict[str, list[dict]] = {}
+    for split, patterns in (("train", source.train_files), ("val", source.val_files)):
+        other = source.val_files if split == "train" else source.train_files
+        chosen = []
+        for rel in sorted(paths):
+            if any(fnmatch.fnmatch(rel, p) for p in patterns):
+                if any(fnmatch.fnmatch(rel, p) for p in other):
+                    raise DataError(f"source {source.name!r}: {rel} matches both train_files and val_files")
+                chosen.append(rel)
+        if not chosen:
+            raise DataError(f"source {source.name!r}: no file matches {split}_files {patterns}")
+        entries = []
+        for rel in chosen:
+            path = paths[rel]
+            rows = pq.ParquetFile(path).metadata.num_rows
+            entries.append({"path": str(path), "rel": rel, "size": path.stat().st_size, "hash": hashes.get(rel),
+                            "train_rows": rows if split == "train" else 0, "val_rows": rows if split == "val" else 0})
+        out[split] = entries
+    return out
+
+
+def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
+    """Already packed sources (e.g. the released Huginn data) straight into N + N shards."""
+    facts = tokenizer_facts(cfg)
+    per_source, files, provenance = {}, [], {}
+    for source in sources:
+        split_files = packed_source_files(cfg, source)
+        marker = None if source.is_local else layout.read_marker(cfg.root / "download" / source.name, PROVENANCE)
+        provenance[source.name] = {
+            "kind": "packed", "address": source.address,
+            "local_dir": str(source.resolved_local_dir()) if source.is_local else "",
+            "revision": source.revision, "commit": marker["commit"] if marker else None,
+            "train_rows": sum(f["train_rows"] for f in split_files["train"]),
+            "val_rows": sum(f["val_rows"] for f in split_files["val"]),
+            "files": [{"path": f["rel"], "size": f["size"], "hash": f["hash"]}
+                      for split in ("train", "val") for f in split_files[split]],
+        }
+        per_source[source.name] = split_files
+        files += split_files["train"] + split_files["val"]
+    input_fingerprint = layout.fingerprint({
+        "packed": {name: [(f["path"], f["size"], f["hash"] or os.stat(f["path"]).st_mtime_ns) for f in v["train"] + v["val"]]
+                   for name, v in per_source.items()},
+        "tokenizer": facts["tokenizer_sha256"], "seq_len": cfg.seq_len})
+    fingerprint = layout.fingerprint({"packed": input_fingerprint, "num_shards": cfg.num_shards, "seed": cfg.seed,
+                                      "row_group_size": cfg.shuffle.row_group_size})
+    extra = {key: facts[key] for key in ("tokenizer_sha256", "vocab_size", "bos_id", "eos_id", "pad_id")}
+    extra.update(input_fingerprint=input_fingerprint, sources=provenance, empty_sources=[], staged_documents={})
+    manifest = run_shuffle(files, cfg.seq_len + 1, cfg.root / "shards", num_shards=cfg.num_shards, seed=cfg.seed,
+                           row_group_size=cfg.shuffle.row_group_size, reducer_mib=cfg.shuffle.reducer_mib,
+                           map_mib=cfg.shuffle.map_mib, token_dtype=token_dtype(facts["vocab_size"]),
+                           vocab_size=facts["vocab_size"], fingerprint=fingerprint, manifest_extra=extra,
+                           hash_inputs=any(s.is_local for s in sources))
+    return manifest
+
+
 def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:
+    if packed_only(sources):
+        return run_stage_shuffle_packed(cfg, sources)
     pack_marker = layout.read_marker(cfg.root / "packed")
     if pack_marker is None:
         raise DataError(f"no packed data at {cfg.root / 'packed'}; run the pack stage first")

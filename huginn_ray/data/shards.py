@@ -27,6 +27,7 @@ committed map files and shards and redoes only the rest.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -42,7 +43,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.tokens import DTYPES, check_ids, fixed_rows, row_schema, rows_to_arrow
+from huginn_ray.data.tokens import DTYPES, check_ids, fixed_rows, numpy_dtype, row_schema, rows_to_arrow
 
 TRAIN, VAL = 0, 1
 SPLITS = {"train": TRAIN, "val": VAL}
@@ -130,14 +131,23 @@ def _map_paths(work: Path, split: str, index: int) -> tuple[Path, Path]:
     return work / "map" / split / f"{index:06d}.arrow", work / "map" / split / f"{index:06d}.idx.npy"
 
 
-def _read_input(entry: dict, row_len: int, dtype: str, vocab_size: int) -> dict[str, np.ndarray]:
-    """One input file's rows per split, as (rows, row_len) arrays of the storage type, checked."""
+def _read_input(entry: dict, row_len: int, dtype: str, vocab_size: int, hashes: dict) -> dict[str, np.ndarray]:
+    """One input file's rows per split, as (rows, row_len) arrays of the storage type, checked.
+
+    With `hashes` not None, the file's sha256 is recorded in it (read once: the bytes are hashed and parsed)."""
     path = entry["path"]
-    names = pq.ParquetFile(path).schema_arrow.names
+    if hashes is not None:
+        data = pa.py_buffer(Path(path).read_bytes())
+        hashes[path] = hashlib.sha256(data).hexdigest()
+        source = pa.BufferReader(data)
+    else:
+        source = path
+    pf = pq.ParquetFile(source)
+    names = pf.schema_arrow.names
     if "input_ids" not in names:
         raise ValueError(f"{path}: no column 'input_ids' (columns: {', '.join(names)})")
     has_split = "split" in names
-    table = pq.read_table(path, columns=["input_ids", "split"] if has_split else ["input_ids"])
+    table = pf.read(columns=["input_ids", "split"] if has_split else ["input_ids"])
     out = {}
     for name, code in SPLITS.items():
         if has_split:
@@ -149,20 +159,21 @@ def _read_input(entry: dict, row_len: int, dtype: str, vocab_size: int) -> dict[
             raise ValueError(f"{path}: {len(rows)} {name} rows, the plan expected {entry[f'{name}_rows']} "
                              "(the file changed since it was listed)")
         check_ids(rows, vocab_size, dtype, str(path))
-        out[name] = rows
+        out[name] = rows.astype(numpy_dtype(dtype), copy=False)
     return out
 
 
 def _map_group(index: int, files: list[dict], offsets: dict, plans: dict, seed: int, row_len: int, dtype: str,
-               vocab_size: int, work: str) -> dict:
+               vocab_size: int, work: str, hash_inputs: bool = False) -> dict:
     """Ray task: sort one group's rows by destination position and write one map file (+ index) per split."""
     work_dir = Path(work)
     todo = [name for name in SPLITS if not _map_paths(work_dir, name, index)[1].exists()]
     written = 0
+    hashes: dict | None = {} if hash_inputs else None
     if todo:
         parts: dict[str, list[np.ndarray]] = {name: [] for name in SPLITS}
         for entry in files:
-            for name, rows in _read_input(entry, row_len, dtype, vocab_size).items():
+            for name, rows in _read_input(entry, row_len, dtype, vocab_size, hashes).items():
                 parts[name].append(rows)
         for name in todo:
             plan, code = plans[name], SPLITS[name]
@@ -187,7 +198,11 @@ def _map_group(index: int, files: list[dict], offsets: dict, plans: dict, seed: 
             with open(tmp, "wb") as f:
                 np.save(f, bounds.astype(np.int64))
             tmp.rename(index_path)  # the index is the commit mark of this map file
-    return {"bytes_written": written, "skipped": not todo, "peak_rss_mib": _peak_rss_mib()}
+    if hash_inputs and not todo:  # resumed: the hashes were recorded next to the committed map files
+        hashes = json.loads((work_dir / "map" / f"{index:06d}.sha256.json").read_text())
+    elif hash_inputs:
+        layout.write_json(work_dir / "map" / f"{index:06d}.sha256.json", hashes)
+    return {"bytes_written": written, "skipped": not todo, "peak_rss_mib": _peak_rss_mib(), "sha256": hashes}
 
 
 def _reduce(split: str, reducer: int, plan: dict, work: str, num_maps: int, row_len: int, dtype: str,
@@ -274,7 +289,7 @@ last_run_stats: dict = {}
 
 def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards: int, seed: int,
                 row_group_size: int, reducer_mib: int, map_mib: int, token_dtype: str, vocab_size: int,
-                fingerprint: str, manifest_extra: dict) -> dict:
+                fingerprint: str, manifest_extra: dict, hash_inputs: bool = False) -> dict:
     """Shuffle rows of `files` ({path, train_rows, val_rows}, in global order) into shards; returns the manifest.
 
     Skipped when `shard_root` holds a manifest of the same fingerprint; resumes from `<shard_root>.partial`."""
@@ -324,7 +339,7 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         offsets = dict(running)
         entries = [{"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]} for f in group]
         calls.append(lambda i=index, e=entries, o=offsets: map_task.remote(
-            i, e, o, plans, seed, row_len, token_dtype, vocab_size, str(work)))
+            i, e, o, plans, seed, row_len, token_dtype, vocab_size, str(work), hash_inputs))
         for f in group:
             for name in SPLITS:
                 running[name] += f[f"{name}_rows"]
@@ -352,6 +367,13 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         shard_bytes_written=sum(r["bytes_written"] for r in reduce_results),
         max_task_peak_rss_mib=max(r["peak_rss_mib"] for r in map_results + reduce_results))
 
+    if hash_inputs:  # local packed inputs: record the sha256 of every file read (Hub files carry theirs)
+        digests = {path: digest for r in map_results for path, digest in (r["sha256"] or {}).items()}
+        for info in manifest_extra.get("sources", {}).values():
+            for f in info.get("files", []):
+                root = info.get("local_dir")
+                if root and f.get("hash") is None:
+                    f["hash"] = digests.get(str(Path(root) / f["path"]))
     manifest = {
         "format": "huginn_ray.shards/2",
         "fingerprint": fingerprint,
