@@ -378,3 +378,89 @@ def test_out_of_range_id_is_refused_before_anything_is_written(ray_instance, tmp
             raise root_error(err)
     assert not (tmp_path / "shards").exists()
     assert not list((tmp_path / "shards.partial").glob("out/*/*.parquet"))
+
+
+def test_no_validation_document_appears_in_a_train_row(prepared):
+    """Leak check per document: no 16-token window of any held-out document occurs in any training row."""
+    from tokenizers import Tokenizer
+
+    from huginn_ray.data.packing import unit_hash
+
+    root, _ = prepared
+    out = root / "out"
+    window = 16
+    train_windows = set()
+    for f in (out / "shards" / "train").glob("*.parquet"):
+        for row in _rows(f):
+            train_windows.update(row[i:i + window] for i in range(len(row) - window + 1))
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer" / "tokenizer.json"))
+    val_docs = checked = 0
+    for f in sorted((out / "staging").glob("*/*.parquet")):
+        for text in pq.read_table(f, columns=["text"]).column("text").to_pylist():
+            if unit_hash(233, "val", text) >= 0.2:
+                continue
+            val_docs += 1
+            ids = tuple(tokenizer.encode(text).ids)
+            for i in range(len(ids) - window + 1):
+                assert ids[i:i + window] not in train_windows, f"validation document {text[:60]!r} leaked"
+                checked += 1
+    assert val_docs > 50 and checked > 1000
+
+
+def test_packing_does_not_depend_on_the_cluster_size_with_many_files(prepared, tmp_path):
+    """>= 500 small staged files: packed files and shards are byte-identical with 2 Ray CPUs and with 1."""
+    root, _ = prepared
+    rng = random.Random(1)
+    (tmp_path / "many").mkdir()
+    for i in range(520):
+        (tmp_path / "many" / f"doc{i:04d}.txt").write_text(_text(rng, 5, 60))
+    sources = tmp_path / "sources.yaml"
+    sources.write_text("- {name: many, local_dir: many, features: [text], weight: 1.5}\n")
+    config = _config(tmp_path, sources)
+    common = [f"tokenizer.path={root / 'out' / 'tokenizer'}", "docs_per_pack_batch=7", "num_shards=3"]
+    assert prepare_data.main(["--config", str(config), f"output_dir={tmp_path / 'two'}", *common]) == 0
+    temp_dir = tempfile.mkdtemp(prefix="hrd1_", dir="/tmp")
+    try:
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--config", str(config),
+             f"output_dir={tmp_path / 'one'}", *common, "local_ray.num_cpus=1", f"local_ray.temp_dir={temp_dir}"],
+            env={**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}, capture_output=True,
+            text=True, timeout=600)
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def outputs(out: Path) -> dict:
+        return {p.relative_to(out).as_posix(): p.read_bytes()
+                for p in sorted(out.glob("packed/*.parquet")) + sorted(out.glob("shards/*/*.parquet"))}
+
+    two, one = outputs(tmp_path / "two"), outputs(tmp_path / "one")
+    assert len([k for k in two if k.startswith("packed/")]) > 60 and two == one
+
+
+def test_pack_resumes_keeping_committed_batches_and_cleans_stale_tmp_dirs(prepared, tmp_path, capsys):
+    root, config = prepared
+    out = tmp_path / "resume"
+    args = ["--config", str(config), f"output_dir={out}", f"tokenizer.path={root / 'out' / 'tokenizer'}"]
+    assert prepare_data.main(args) == 0
+    reference = {p.name: p.read_bytes() for p in (out / "packed").glob("*.parquet")}
+    # a crashed pack run: its work dir holds some committed files and a half-written one; a dead run's tmp dir
+    marker = json.loads((out / "packed" / "_COMPLETE.json").read_text())
+    shutil.rmtree(out / "shards")
+    (out / "packed").rename(out / "packed.partial")
+    (out / "packed.partial" / "_COMPLETE.json").unlink()
+    (out / "packed.partial" / "_PLAN.json").write_text(json.dumps({"fingerprint": marker["fingerprint"]}))
+    kept = sorted((out / "packed.partial").glob("*.parquet"))[::2]
+    for p in sorted((out / "packed.partial").glob("*.parquet"))[1::2]:
+        p.unlink()
+    (out / "packed.partial" / "0000-half.parquet.tmp").write_bytes(b"half")
+    mtimes = {p.name: p.stat().st_mtime_ns for p in kept}
+    (out / "staging" / "prose.tmp-999999").mkdir()
+    capsys.readouterr()
+    assert prepare_data.main(args) == 0
+    printed = capsys.readouterr().out
+    assert f"[pack] {len(kept)}/" in printed and "already packed by an earlier run" in printed
+    assert "removing" in printed and "prose.tmp-999999" in printed
+    assert not (out / "staging" / "prose.tmp-999999").exists()
+    assert {p.name: p.read_bytes() for p in (out / "packed").glob("*.parquet")} == reference
+    assert all((out / "packed" / name).stat().st_mtime_ns == m for name, m in mtimes.items())

@@ -25,7 +25,9 @@ class DownloadConfig:
     backoff_base_s: float = 1.0
     """First retry waits about this long; each later retry doubles it (with full jitter)."""
     backoff_max_s: float = 60.0
-    """Upper bound of one backoff wait (a server's Retry-After is honoured even when larger)."""
+    """Upper bound of one backoff wait."""
+    retry_after_max_s: float = 120.0
+    """A server's Retry-After is honoured up to this many seconds."""
 
 
 @dataclass

@@ -55,6 +55,14 @@ def clean_stale(final: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def clean_stale_under(root: Path) -> None:
+    """clean_stale for every stage directory under an output root (run at the start of a pipeline run)."""
+    for parent in (root, root / "staging", root / "download"):
+        if parent.is_dir():
+            for path in parent.glob("*.*-*"):
+                clean_stale(path.with_name(path.name.split(".tmp-")[0].split(".old-")[0]))
+
+
 def tmp_dir_for(final: Path) -> Path:
     clean_stale(final)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")

@@ -17,7 +17,7 @@ from typing import Callable
 from huginn_ray.data import layout
 from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError
-from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_source, downloaded_files
+from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_sources, downloaded_files
 from huginn_ray.data.shards import run_shuffle
 from huginn_ray.data.sources import Source, load_sources
 from huginn_ray.data.staging import list_local_files, stage_source
@@ -60,10 +60,7 @@ def init_ray(cfg: DataConfig) -> Callable[[], None]:
 
 def run_stage_download(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]:
     root = cfg.root / "download"
-    provenance = {}
-    for source in sources:
-        if not source.is_local:
-            provenance[source.name] = download_source(source, root, cfg.download)
+    provenance = download_sources([s for s in sources if not s.is_local], root, cfg.download)
     if provenance:
         layout.write_json(root / "manifest.json", {"sources": provenance})
     return provenance
@@ -242,6 +239,7 @@ def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:
 def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     """Run the given stages in order; returns the shard manifest when the shuffle stage ran."""
     sources = load_sources(cfg.sources)
+    layout.clean_stale_under(cfg.root)
     steps = {"download": run_stage_download, "staging": run_stage_staging,
              "pack": run_stage_pack, "shuffle": run_stage_shuffle}
     result: dict = {}
