@@ -197,3 +197,19 @@ def test_sources_download_concurrently_under_one_limit(tmp_path):
     assert "[download] 7/7 files of 2 source(s)" in result.stdout
     for name in ("mix", "other"):
         assert json.loads((tmp_path / "out" / "download" / name / "_provenance.json").read_text())["source"] == name
+
+
+def test_hub_source_whose_patterns_match_no_file_is_an_error(tmp_path, monkeypatch):
+    from huginn_ray.config import parse_yaml
+    from huginn_ray.data.config import DownloadConfig
+    from huginn_ray.data.hub_download import DownloadError, download_sources
+    from huginn_ray.data.sources import parse_sources
+
+    source = parse_sources(parse_yaml(
+        "- {name: algebra, address: acme/mix, features: [text], files: ['algebraic-stack/*.jsonl.zst']}"),
+        "sources.yaml")[0]
+    with FakeHub([_repo()]) as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        with pytest.raises(DownloadError, match=r"source 'algebra': no file of acme/mix@\w+ matches "
+                                                r"\['algebraic-stack/\*.jsonl.zst'\]"):
+            download_sources([source], tmp_path / "download", DownloadConfig(max_attempts=1))

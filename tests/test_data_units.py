@@ -161,3 +161,60 @@ def test_training_reader_accepts_uint16_and_int32_shards(tmp_path):
                        row_group_size=4)
         got = read_row_group(pq.ParquetFile(path), path, 1, 5)
         assert got.dtype == np.int32 and (got == rows[4:8]).all()
+
+
+def test_huginn_source_list_carries_all_113_sources_of_the_fact_sheet():
+    from pathlib import Path
+
+    from huginn_ray.data.sources import load_sources
+
+    root = Path(__file__).resolve().parents[1]
+    sources = {s.name: s for s in load_sources(root / "configs" / "data" / "huginn_sources.yaml")}
+    tsv = Path("/work/shared/huginn_sources.tsv")
+    if tsv.is_file():
+        rows = [line.rstrip("\n").split("\t") for line in tsv.read_text().splitlines() if not line.startswith("#")]
+        for name, repo, subset, features, chat, weight, sacred, _, special, _ in rows[1:]:
+            s = sources[name]
+            assert (s.address, s.subset or "-", ",".join(s.features)) == (repo, subset, features)
+            assert (s.needs_chat_templating, s.weight, s.every_token_is_sacred) == (chat == "1", float(weight),
+                                                                                    sacred == "1")
+            assert s.requires_software_heritage_aws_download == (special == "1")
+    assert len(sources) == 113
+    assert sources["proofpile-algebra"].file_patterns == ["algebraic-stack/train/*.jsonl.zst"]
+
+
+def test_zstd_jsonl_and_chat_text_columns(tmp_path):
+    import json
+
+    import pyarrow as pa
+
+    from huginn_ray.data.formatting import iter_documents
+
+    path = tmp_path / "part.jsonl.zst"
+    with pa.output_stream(str(path), compression="zstd") as out:
+        for i in range(3):
+            out.write((json.dumps({"text": f"algebra {i}"}) + "\n").encode())
+    source = Source(name="pp", features=["text"], address="a/b")
+    assert [t for batch in iter_documents(path, source) for t in batch] == ["algebra 0", "algebra 1", "algebra 2"]
+    chat = Source(name="qa", features=["question", "answer"], address="a/b", needs_chat_templating=True)
+    assert format_rows({"question": ["2+2?"], "answer": [" 4 "]}, chat) == [
+        "<|begin_header|>user<|end_header|>\n\n2+2?<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n4<|end_turn|>"]
+
+
+def test_unsupported_or_unmatched_sources_are_errors_naming_them(tmp_path):
+    from huginn_ray.data.config import DataConfig
+    from huginn_ray.data.formatting import DataError
+    from huginn_ray.data.pipeline import check_supported, source_inputs
+
+    swh = Source(name="the-stack-v2", features=["content"], address="bigcode/the-stack-v2-train-smol-ids",
+                 requires_software_heritage_aws_download=True)
+    with pytest.raises(DataError, match="'the-stack-v2'.*Software Heritage"):
+        check_supported([swh])
+    swh.weight = 0.0
+    check_supported([swh])
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.txt").write_text("x")
+    cfg = DataConfig(output_dir=str(tmp_path / "out"), sources="s.yaml")
+    source = Source(name="algebra", features=["text"], local_dir=str(tmp_path / "d"), files=["*.jsonl.zst"])
+    with pytest.raises(DataError, match=r"source 'algebra': no file under .* matches \['\*.jsonl.zst'\]"):
+        source_inputs(cfg, source)

@@ -177,8 +177,8 @@ def download_sources(sources: list[Source], download_root: Path, cfg: DownloadCo
         for f in files:  # every name checked before anything of this source is written
             check_inside(local_dir, f.path, source.address)
         if not files:
-            print(f"[download] {source.name}: WARNING: no file of {source.address}@{commit[:12]} matches "
-                  f"{source.file_patterns}", flush=True)
+            raise DownloadError(f"source {source.name!r}: no file of {source.address}@{commit[:12]} matches "
+                                f"{source.file_patterns}")
         listed.append((source, request, commit, files))
 
     queue = [(i, f) for i, (_, _, _, files) in enumerate(listed) for f in files]

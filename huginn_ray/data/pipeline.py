@@ -58,7 +58,16 @@ def init_ray(cfg: DataConfig) -> Callable[[], None]:
     return stop if started else (lambda: None)
 
 
+def check_supported(sources: list[Source]) -> None:
+    for source in sources:
+        if source.requires_software_heritage_aws_download and source.weight > 0:
+            raise DataError(f"source {source.name!r} ({source.address}) needs file contents from the Software "
+                            "Heritage S3 bucket, which this pipeline does not download: set its weight to 0 to "
+                            "leave it out, or provide its files as a local_dir source")
+
+
 def run_stage_download(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]:
+    sources = [s for s in sources if s.weight > 0 or s.is_packed]
     root = cfg.root / "download"
     provenance = download_sources([s for s in sources if not s.is_local], root, cfg.download)
     if provenance:
@@ -68,7 +77,13 @@ def run_stage_download(cfg: DataConfig, sources: list[Source]) -> dict[str, dict
 
 def source_inputs(cfg: DataConfig, source: Source) -> list[Path]:
     if source.is_local:
-        return list_local_files(source)
+        files = list_local_files(source)
+        if not files and source.weight > 0:
+            raise DataError(f"source {source.name!r}: no file under {source.resolved_local_dir()} matches "
+                            f"{source.file_patterns}")
+        return files
+    if source.weight == 0:
+        return []
     provenance = layout.read_marker(cfg.root / "download" / source.name, PROVENANCE)
     if provenance is None:
         raise DataError(f"source {source.name!r} is not downloaded yet ({cfg.root / 'download' / source.name}); "
@@ -239,6 +254,7 @@ def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:
 def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     """Run the given stages in order; returns the shard manifest when the shuffle stage ran."""
     sources = load_sources(cfg.sources)
+    check_supported(sources)
     layout.clean_stale_under(cfg.root)
     steps = {"download": run_stage_download, "staging": run_stage_staging,
              "pack": run_stage_pack, "shuffle": run_stage_shuffle}

@@ -67,6 +67,9 @@ class Source:
     """Up-weighting: floor(weight) full copies plus a seeded random frac(weight) share of documents."""
     every_token_is_sacred: bool = False
     """Packing keeps every token of these documents instead of incinerating the overflow."""
+    requires_software_heritage_aws_download: bool = False
+    """The source's file contents live in Software Heritage's S3 bucket, not on the Hub (the-stack-v2). This
+    project has no such download: a source with this flag and weight > 0 is refused naming it."""
     category: str = ""
     """Free-form category (code, math, wiki, ...), recorded in manifests."""
     license: str = ""
