@@ -218,3 +218,26 @@ def test_unsupported_or_unmatched_sources_are_errors_naming_them(tmp_path):
     source = Source(name="algebra", features=["text"], local_dir=str(tmp_path / "d"), files=["*.jsonl.zst"])
     with pytest.raises(DataError, match=r"source 'algebra': no file under .* matches \['\*.jsonl.zst'\]"):
         source_inputs(cfg, source)
+
+
+def test_tokenizer_corpus_reads_only_the_files_it_needs_and_uses_message_contents(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from huginn_ray.data.formatting import chat_template
+    from huginn_ray.data.tokenizer_corpus import corpus_texts
+
+    files = []
+    for i in range(50):
+        path = tmp_path / f"{i:05d}.parquet"
+        pq.write_table(pa.table({"text": [f"file {i} doc {j}" for j in range(20)]}), path, row_group_size=5)
+        files.append(path)
+    chat = tmp_path / "chat.parquet"
+    pq.write_table(pa.table({"text": [chat_template([{"role": "user", "content": "hi"},
+                                                      {"role": "assistant", "content": "hello\nthere"}])]}), chat)
+    texts = list(corpus_texts({"plain": files, "chat": [chat]}, 12, 100, seed=3, chat_sources=frozenset({"chat"})))
+    plain = texts[:12]
+    assert len(plain) == 12 and len({t.split(" doc")[0] for t in plain}) <= 3  # a few files, not all 50
+    assert plain == list(corpus_texts({"plain": files}, 12, 100, seed=3))
+    assert plain != list(corpus_texts({"plain": files}, 12, 100, seed=4))
+    assert texts[12:] == ["hi\nhello\nthere"]
