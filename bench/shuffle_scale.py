@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from huginn_ray.data import shards
 from huginn_ray.data.tokenize_pack import packed_schema
-from huginn_ray.data.tokens import rows_to_arrow
+from huginn_ray.data.tokens import parquet_options, rows_to_arrow
 
 
 def rss_mib() -> float:
@@ -50,8 +50,9 @@ def write_packed(root: Path, gib: float, row_len: int, rows_per_file: int) -> li
         rows = rng.integers(0, 65536, size=(n, row_len), dtype=np.uint16)
         split = ((done + np.arange(n)) % 20 == 0).astype(np.uint8)
         path = root / f"0000-{index:016x}.parquet"
-        pq.write_table(pa.table({"input_ids": rows_to_arrow(rows, "uint16"), "split": pa.array(split)},
-                                schema=packed_schema("uint16")), path)
+        table = pa.table({"input_ids": rows_to_arrow(rows, "uint16"), "split": pa.array(split)},
+                         schema=packed_schema("uint16"))
+        pq.write_table(table, path, **parquet_options(table))  # as the pack stage writes them
         files.append({"path": str(path), "train_rows": int((split == 0).sum()), "val_rows": int(split.sum())})
         done += n
         index += 1
@@ -66,7 +67,7 @@ def baseline(files: list[dict], out: Path) -> tuple[float, int, int]:
         table = pq.read_table(f["path"])
         read += os.path.getsize(f["path"])
         target = out / Path(f["path"]).name
-        pq.write_table(table, target)
+        pq.write_table(table, target, **parquet_options(table))
         written += target.stat().st_size
     os.sync()
     return time.perf_counter() - start, read, written

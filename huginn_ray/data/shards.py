@@ -43,7 +43,8 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.tokens import DTYPES, check_ids, fixed_rows, numpy_dtype, row_schema, rows_to_arrow
+from huginn_ray.data.tokens import (DTYPES, check_ids, fixed_rows, numpy_dtype, parquet_options, row_schema,
+                                    rows_to_arrow)
 
 TRAIN, VAL = 0, 1
 SPLITS = {"train": TRAIN, "val": VAL}
@@ -241,7 +242,7 @@ def _reduce(split: str, reducer: int, plan: dict, work: str, num_maps: int, row_
             path = shard_path(work_dir / "out", split, shard)
             tmp = path.with_name(path.name + ".tmp")
             table = pa.table({"input_ids": rows_to_arrow(rows[lo:hi], dtype)}, schema=row_schema(dtype))
-            pq.write_table(table, tmp, row_group_size=row_group_size)
+            pq.write_table(table, tmp, row_group_size=row_group_size, **parquet_options(table))
             tmp.rename(path)
             written += path.stat().st_size
     return {"bytes_read": read, "bytes_written": written, "shards": len(shards), "peak_rss_mib": _peak_rss_mib()}

@@ -33,7 +33,8 @@ from huginn_ray.data.formatting import DataError
 from huginn_ray.data.packing import copy_fractions, copy_order, pack, unit_hash
 from huginn_ray.data.shards import TRAIN, VAL, run_bounded
 from huginn_ray.data.sources import Source
-from huginn_ray.data.tokens import TokenRangeError, arrow_type, check_ids, rows_to_arrow, token_dtype
+from huginn_ray.data.tokens import (TokenRangeError, arrow_type, check_ids, parquet_options, rows_to_arrow,
+                                    token_dtype)
 
 PACK_VERSION = 2
 ENCODE_CHUNK = 256
@@ -112,7 +113,7 @@ def tokenize_and_pack(task: dict, *, tokenizer_file: str, row_len: int, seed: in
     schema = packed_schema(dtype).with_metadata({STATS_KEY: json.dumps(stats, sort_keys=True).encode()})
     table = pa.table({"input_ids": rows_to_arrow(rows, dtype), "split": pa.array(split_col)}, schema=schema)
     tmp = out.with_name(out.name + ".tmp")
-    pq.write_table(table, tmp)
+    pq.write_table(table, tmp, **parquet_options(table))
     tmp.rename(out)
     return {**stats, "file": task["name"], "source_index": task["source_index"], "reused": False}
 

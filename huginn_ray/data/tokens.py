@@ -17,6 +17,20 @@ class TokenRangeError(ValueError):
     """A token id outside [0, vocab_size) or outside the storage type; the message names where it came from."""
 
 
+# How token columns are written to parquet (packed files and shards): no dictionary (a dictionary of up to 65,536
+# ids per row group costs more than it saves), BYTE_STREAM_SPLIT + zstd level 1 (parquet stores 16-bit ids in
+# 32-bit slots; splitting the bytes lets zstd drop the empty high bytes). Measured on 2,048 rows of 4,097 ids,
+# 64-row groups: 0.82x the uint16 bytes on Zipf-distributed ids (snappy + dictionary, pyarrow's default: 1.14x),
+# and a 1.5-5x faster write.
+PARQUET_OPTIONS = {"use_dictionary": ["split"], "compression": "zstd", "compression_level": 1,
+                   "column_encoding": {"input_ids": "BYTE_STREAM_SPLIT"}}
+
+
+def parquet_options(table: pa.Table) -> dict:
+    """PARQUET_OPTIONS for a table (dictionary only for the columns it has besides input_ids)."""
+    return {**PARQUET_OPTIONS, "use_dictionary": [c for c in table.column_names if c != "input_ids"]}
+
+
 def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "int32"
 
