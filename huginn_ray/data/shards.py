@@ -176,6 +176,8 @@ def _map_group(index: int, files: list[dict], offsets: dict, plans: dict, seed: 
         for entry in files:
             for name, rows in _read_input(entry, row_len, dtype, vocab_size, hashes).items():
                 parts[name].append(rows)
+        if hash_inputs:  # before any map file is committed, so a resumed task finds them
+            layout.write_json(work_dir / "map" / f"{index:06d}.sha256.json", hashes)
         for name in todo:
             plan, code = plans[name], SPLITS[name]
             rows = np.concatenate(parts[name]) if parts[name] else np.zeros((0, row_len), np.uint16)
@@ -201,8 +203,6 @@ def _map_group(index: int, files: list[dict], offsets: dict, plans: dict, seed: 
             tmp.rename(index_path)  # the index is the commit mark of this map file
     if hash_inputs and not todo:  # resumed: the hashes were recorded next to the committed map files
         hashes = json.loads((work_dir / "map" / f"{index:06d}.sha256.json").read_text())
-    elif hash_inputs:
-        layout.write_json(work_dir / "map" / f"{index:06d}.sha256.json", hashes)
     return {"bytes_written": written, "skipped": not todo, "peak_rss_mib": _peak_rss_mib(), "sha256": hashes}
 
 
