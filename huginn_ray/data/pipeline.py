@@ -53,7 +53,7 @@ def init_ray(cfg: DataConfig) -> Callable[[], None]:
                      object_store_memory=store << 20 if store else None, include_dashboard=False)
             started = True
     ctx = DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # deterministic batches, hence deterministic packing
+    ctx.execution_options.preserve_order = True  # staging results in input order (packing no longer relies on it)
     ctx.enable_progress_bars = False  # the stages print their own progress lines
     return stop if started else (lambda: None)
 
