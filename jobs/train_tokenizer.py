@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = {"vocab_size": cfg.tokenizer.vocab_size, "manual_tokens": cfg.tokenizer.manual_tokens,
                     "rows_per_source": cfg.tokenizer.rows_per_source, "seed": cfg.seed,
                     "max_chars_per_doc": cfg.tokenizer.max_chars_per_doc,
-                    "max_token_length": cfg.tokenizer.max_token_length,
+                    "max_token_length": cfg.tokenizer.max_token_length, "corpus": 2,
                     "staged": {name: m["fingerprint"] for name, m in markers.items()}}
         fingerprint = layout.fingerprint(settings)
         out_dir = cfg.tokenizer_dir
@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         start = time.time()
         staged = {s.name: staged_files(cfg.root / "staging", s.name) for s in sources}
-        texts = corpus_texts(staged, cfg.tokenizer.rows_per_source, cfg.tokenizer.max_chars_per_doc, cfg.seed)
+        staged = {name: files for name, files in staged.items()
+                  if next(s for s in sources if s.name == name).weight > 0}
+        texts = corpus_texts(staged, cfg.tokenizer.rows_per_source, cfg.tokenizer.max_chars_per_doc, cfg.seed,
+                             frozenset(s.name for s in sources if s.needs_chat_templating))
         counted = _Counter(texts)
         print(f"==> training BPE (vocab_size={cfg.tokenizer.vocab_size}) with bpeasy", flush=True)
         train_tokenizer(counted, cfg.tokenizer.vocab_size, out_dir, use_manual_tokens=cfg.tokenizer.manual_tokens,

@@ -61,7 +61,7 @@ local_ray: {{num_cpus: 2, object_store_mib: 128}}
 def _prepare(config: Path, hub: FakeHub, home: Path) -> subprocess.CompletedProcess:
     temp_dir = tempfile.mkdtemp(prefix="hrdh_", dir="/tmp")
     env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_TOKEN": TOKEN, "HF_HOME": str(home),
-           "HF_HUB_DISABLE_TELEMETRY": "1", "RAY_AUTH_MODE": "disabled"}
+           "HF_HUB_DISABLE_TELEMETRY": "1", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     try:
         return subprocess.run(
             [sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--config", str(config), "--stage", "download",
@@ -103,7 +103,7 @@ def test_download_stages_the_selected_files_and_records_provenance(clean_run):
     for path, entry in recorded.items():
         assert entry["size"] == len(repo.files[path])
         assert (entry["sha256"] or entry["git_sha1"]) == repo.etag(path)
-    assert "[download] mix: 4/4 files" in result.stdout
+    assert "[download] 4/4 files of 1 source(s)" in result.stdout and "[download] mix: 4 files verified" in result.stdout
 
 
 def test_faults_do_not_change_the_staged_bytes_and_token_is_never_logged(clean_run, tmp_path):
@@ -147,3 +147,69 @@ def test_file_that_never_succeeds_fails_the_run_and_a_rerun_fetches_only_what_is
         for path in complete[1:]:
             assert _file_gets(hub, path) == 0, f"{path} was complete and should not be fetched again"
     assert _staged(tmp_path) == _staged(clean_root)
+
+
+def test_retry_after_is_capped():
+    from types import SimpleNamespace
+
+    from huginn_ray.data.config import DownloadConfig
+    from huginn_ray.data.hub_download import retry_delay
+
+    err = SimpleNamespace(response=SimpleNamespace(status_code=429, headers={"Retry-After": "86400"}))
+    cfg = DownloadConfig(backoff_base_s=0.5)
+    assert 120 <= retry_delay(err, 0, cfg) <= 120.5
+    err.response.headers["Retry-After"] = "3"
+    assert 3 <= retry_delay(err, 0, cfg) <= 3.5
+
+
+@pytest.mark.parametrize("name", ["../../escape.parquet", "data/../../escape.parquet", "/etc/escape.parquet"])
+def test_file_name_outside_the_folder_is_refused_before_anything_is_touched(tmp_path, monkeypatch, name):
+    from huginn_ray.config import parse_yaml
+    from huginn_ray.data.config import DownloadConfig
+    from huginn_ray.data.hub_download import DownloadError, download_sources
+    from huginn_ray.data.sources import parse_sources
+
+    repo = HubRepo("acme/evil", {"data/ok.parquet": _parquet(0), name: _parquet(1)})
+    source = parse_sources(parse_yaml("- {name: evil, address: acme/evil, features: [content], files: ['*']}"),
+                           "sources.yaml")[0]
+    with FakeHub([repo]) as hub:
+        from huginn_ray.data import hub_download
+
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        with pytest.raises(DownloadError, match="which would resolve outside"):
+            download_sources([source], tmp_path / "download", DownloadConfig(max_attempts=1))
+        assert not any(method == "GET" and "/resolve/" in p for method, p, _ in hub.log)
+    assert not (tmp_path / "download").exists()
+
+
+def test_sources_download_concurrently_under_one_limit(tmp_path):
+    second = HubRepo("acme/other", {f"data/part-{i}.parquet": _parquet(10 + i) for i in range(3)})
+    config = _config(tmp_path, max_attempts=3)
+    (tmp_path / "sources.yaml").write_text((tmp_path / "sources.yaml").read_text() + """
+- name: other
+  address: acme/other
+  files: ["data/*.parquet"]
+  features: [content]
+""")
+    with FakeHub([_repo(), second], token=TOKEN) as hub:
+        result = _prepare(config, hub, tmp_path / "hf_home")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[download] 7/7 files of 2 source(s)" in result.stdout
+    for name in ("mix", "other"):
+        assert json.loads((tmp_path / "out" / "download" / name / "_provenance.json").read_text())["source"] == name
+
+
+def test_hub_source_whose_patterns_match_no_file_is_an_error(tmp_path, monkeypatch):
+    from huginn_ray.config import parse_yaml
+    from huginn_ray.data.config import DownloadConfig
+    from huginn_ray.data.hub_download import DownloadError, download_sources
+    from huginn_ray.data.sources import parse_sources
+
+    source = parse_sources(parse_yaml(
+        "- {name: algebra, address: acme/mix, features: [text], files: ['algebraic-stack/*.jsonl.zst']}"),
+        "sources.yaml")[0]
+    with FakeHub([_repo()]) as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        with pytest.raises(DownloadError, match=r"source 'algebra': no file of acme/mix@\w+ matches "
+                                                r"\['algebraic-stack/\*.jsonl.zst'\]"):
+            download_sources([source], tmp_path / "download", DownloadConfig(max_attempts=1))

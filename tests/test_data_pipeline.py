@@ -137,6 +137,7 @@ def test_shards_have_exact_counts_lengths_and_types(prepared):
     shards = root / "out" / "shards"
     manifest = read_manifest(shards)
     assert manifest["num_shards"] == N_SHARDS and manifest["seq_len"] == SEQ_LEN
+    assert manifest["token_dtype"] == "uint16"
     for split in ("train", "val"):
         files = sorted((shards / split).glob("*.parquet"))
         assert [f.name for f in files] == [f"{r:05d}.parquet" for r in range(N_SHARDS)]
@@ -144,7 +145,7 @@ def test_shards_have_exact_counts_lengths_and_types(prepared):
         assert per_shard > 0 and manifest["tokens_per_shard"][split] == per_shard * (SEQ_LEN + 1)
         for f in files:
             pf = pq.ParquetFile(f)
-            assert pf.schema_arrow == pa.schema([("input_ids", pa.list_(pa.int32()))])
+            assert pf.schema_arrow == pa.schema([("input_ids", pa.list_(pa.uint16()))])  # vocab 4096: 16 bits
             assert pf.metadata.num_rows == per_shard
             assert pf.metadata.row_group(0).num_rows == min(8, per_shard)
             assert all(len(r) == SEQ_LEN + 1 for r in _rows(f))
@@ -220,7 +221,7 @@ def test_same_bytes_from_a_separate_ray_with_one_cpu(prepared, tmp_path):
             [sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--config", str(config),
              f"output_dir={tmp_path / 'one_cpu'}", f"tokenizer.path={root / 'out' / 'tokenizer'}",
              "local_ray.num_cpus=1", f"local_ray.temp_dir={temp_dir}"],
-            env={**os.environ, "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True, timeout=300)
+            env={**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -282,29 +283,184 @@ def test_bad_override_is_a_config_error(tmp_path, capsys):
     assert "num_shards" in capsys.readouterr().err
 
 
-def test_shuffle_output_does_not_depend_on_map_and_reduce_grouping(ray_instance, tmp_path):
-    """Many map groups and reducers (reducer_mib=1) give the same shards as one of each (reducer_mib=64)."""
-    from huginn_ray.data.shards import run_shuffle
-    from huginn_ray.data.tokenize_pack import PACKED_SCHEMA, rows_to_arrow
+def _synthetic_packed(packed: Path, n_files: int = 10, seq_len: int = 1023) -> list[dict]:
+    from huginn_ray.data.tokenize_pack import packed_schema
+    from huginn_ray.data.tokens import rows_to_arrow
 
-    seq_len, files = 1023, []
-    packed = tmp_path / "packed"
     packed.mkdir()
-    for i in range(10):
-        rows = (np.arange(40 * (seq_len + 1), dtype=np.int32).reshape(40, seq_len + 1) + i * 10**6)
+    files = []
+    for i in range(n_files):
+        rows = (np.arange(40 * (seq_len + 1)).reshape(40, seq_len + 1) + i * 1000) % 60000
+        rows[:, 0] = i * 40 + np.arange(40)  # identity of the row
         split = (np.arange(40) % 5 == 0).astype(np.uint8)
-        pq.write_table(pa.table({"input_ids": rows_to_arrow(rows), "split": pa.array(split)}, schema=PACKED_SCHEMA),
-                       packed / f"{i:04d}.parquet")
-        files.append({"file": f"{i:04d}.parquet", "train_rows": 32, "val_rows": 8})
-    marker = {"seq_len": seq_len, "files": files}
+        pq.write_table(pa.table({"input_ids": rows_to_arrow(rows, "uint16"), "split": pa.array(split)},
+                                schema=packed_schema("uint16")), packed / f"{i:04d}.parquet")
+        files.append({"path": str(packed / f"{i:04d}.parquet"), "train_rows": 32, "val_rows": 8})
+    return files
+
+
+def _shuffle(files, out, **kw):
+    from huginn_ray.data.shards import run_shuffle
+
+    args = dict(num_shards=3, seed=5, row_group_size=4, reducer_mib=64, map_mib=64, token_dtype="uint16",
+                vocab_size=65536, fingerprint="test", manifest_extra={})
+    args.update(kw)
+    return run_shuffle(files, int(pq.ParquetFile(files[0]["path"]).read_row_group(0).column(0)[0].values.__len__()),
+                       out, **args)
+
+
+def test_shuffle_output_does_not_depend_on_map_and_reduce_grouping(ray_instance, tmp_path):
+    """Many map groups and reducers (1 MiB each) give the same shards as one of each (64 MiB)."""
+    files = _synthetic_packed(tmp_path / "packed")
     outputs = {}
-    for reducer_mib in (1, 64):
-        out = tmp_path / f"shards_{reducer_mib}"
-        manifest = run_shuffle(marker, packed, out, num_shards=3, seed=5, row_group_size=4, reducer_mib=reducer_mib,
-                               fingerprint="test", manifest_extra={})
+    for mib in (1, 64):
+        out = tmp_path / f"shards_{mib}"
+        manifest = _shuffle(files, out, reducer_mib=mib, map_mib=mib)
         assert manifest["rows_per_shard"] == {"train": 106, "val": 26}
         assert manifest["dropped_surplus_rows"] == {"train": 2, "val": 2}
-        outputs[reducer_mib] = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.glob("*/*.parquet")}
+        assert manifest["token_dtype"] == "uint16"
+        outputs[mib] = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.glob("*/*.parquet")}
+        assert not (tmp_path / f"shards_{mib}.partial").exists()
     assert outputs[1] == outputs[64] and len(outputs[1]) == 6
     firsts = [r[0] for p in (tmp_path / "shards_1" / "train").glob("*.parquet") for r in _rows(p)]
     assert len(set(firsts)) == len(firsts) == 3 * 106  # no row twice
+    assert pq.ParquetFile(tmp_path / "shards_1" / "train" / "00000.parquet").schema_arrow == \
+        pa.schema([("input_ids", pa.list_(pa.uint16()))])
+
+
+def test_shuffle_resumes_after_a_crash_and_redoes_only_missing_files(ray_instance, tmp_path, capsys):
+    files = _synthetic_packed(tmp_path / "packed", seq_len=4095)  # 8 KiB rows: several map files and reducers
+    reference = tmp_path / "reference"
+    _shuffle(files, reference, reducer_mib=1, map_mib=1)
+    expected = {p.relative_to(reference).as_posix(): p.read_bytes() for p in reference.glob("*/*.parquet")}
+    # a crash after some map files and shards were committed: build the partial state, then delete some of it
+    out = tmp_path / "shards"
+    # a crash in the middle: the first validation reducer fails after all map files and the train shards exist
+    from huginn_ray.data import shards as shards_mod
+
+    original = shards_mod._reduce
+
+    def flaky(split, reducer, *args):
+        if split == "val" and reducer == 0:
+            raise RuntimeError("simulated crash")
+        return original(split, reducer, *args)
+
+    shards_mod._reduce = flaky
+    try:
+        with pytest.raises(Exception, match="simulated crash"):
+            _shuffle(files, out, reducer_mib=1, map_mib=1)
+    finally:
+        shards_mod._reduce = original
+    partial = tmp_path / "shards.partial"
+    done_before = {p: p.stat().st_mtime_ns for p in partial.glob("out/*/*.parquet")}
+    maps_before = {p: p.stat().st_mtime_ns for p in partial.glob("map/*/*.arrow")}
+    assert done_before and maps_before
+    (partial / "out" / "train" / "junk.parquet.tmp").write_bytes(b"half")  # a half-written file is never used
+    capsys.readouterr()
+    _shuffle(files, out, reducer_mib=1, map_mib=1)
+    printed = capsys.readouterr().out
+    assert "resuming" in printed and f"{len(maps_before)}/" in printed
+    got = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.glob("*/*.parquet")}
+    assert got == expected
+    for p, mtime in done_before.items():  # finished shards were not rewritten
+        assert (out / p.relative_to(partial / "out")).stat().st_mtime_ns == mtime
+    assert not partial.exists()
+
+
+def test_out_of_range_id_is_refused_before_anything_is_written(ray_instance, tmp_path):
+    files = _synthetic_packed(tmp_path / "packed")
+    with pytest.raises(Exception, match=r"0000\.parquet: token id 4\d{4} does not fit the vocabulary of 40000 ids stored as uint16"):
+        try:
+            _shuffle(files, tmp_path / "shards", vocab_size=40000)
+        except Exception as err:
+            from huginn_ray.data.pipeline import root_error
+
+            raise root_error(err)
+    assert not (tmp_path / "shards").exists()
+    assert not list((tmp_path / "shards.partial").glob("out/*/*.parquet"))
+
+
+def test_no_validation_document_appears_in_a_train_row(prepared):
+    """Leak check per document: no 16-token window of any held-out document occurs in any training row."""
+    from tokenizers import Tokenizer
+
+    from huginn_ray.data.packing import unit_hash
+
+    root, _ = prepared
+    out = root / "out"
+    window = 16
+    train_windows = set()
+    for f in (out / "shards" / "train").glob("*.parquet"):
+        for row in _rows(f):
+            train_windows.update(row[i:i + window] for i in range(len(row) - window + 1))
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer" / "tokenizer.json"))
+    val_docs = checked = 0
+    for f in sorted((out / "staging").glob("*/*.parquet")):
+        for text in pq.read_table(f, columns=["text"]).column("text").to_pylist():
+            if unit_hash(233, "val", text) >= 0.2:
+                continue
+            val_docs += 1
+            ids = tuple(tokenizer.encode(text).ids)
+            for i in range(len(ids) - window + 1):
+                assert ids[i:i + window] not in train_windows, f"validation document {text[:60]!r} leaked"
+                checked += 1
+    assert val_docs > 50 and checked > 1000
+
+
+def test_packing_does_not_depend_on_the_cluster_size_with_many_files(prepared, tmp_path):
+    """>= 500 small staged files: packed files and shards are byte-identical with 2 Ray CPUs and with 1."""
+    root, _ = prepared
+    rng = random.Random(1)
+    (tmp_path / "many").mkdir()
+    for i in range(520):
+        (tmp_path / "many" / f"doc{i:04d}.txt").write_text(_text(rng, 5, 60))
+    sources = tmp_path / "sources.yaml"
+    sources.write_text("- {name: many, local_dir: many, features: [text], weight: 1.5}\n")
+    config = _config(tmp_path, sources)
+    common = [f"tokenizer.path={root / 'out' / 'tokenizer'}", "docs_per_pack_batch=7", "num_shards=3"]
+    assert prepare_data.main(["--config", str(config), f"output_dir={tmp_path / 'two'}", *common]) == 0
+    temp_dir = tempfile.mkdtemp(prefix="hrd1_", dir="/tmp")
+    try:
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--config", str(config),
+             f"output_dir={tmp_path / 'one'}", *common, "local_ray.num_cpus=1", f"local_ray.temp_dir={temp_dir}"],
+            env={**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}, capture_output=True,
+            text=True, timeout=600)
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def outputs(out: Path) -> dict:
+        return {p.relative_to(out).as_posix(): p.read_bytes()
+                for p in sorted(out.glob("packed/*.parquet")) + sorted(out.glob("shards/*/*.parquet"))}
+
+    two, one = outputs(tmp_path / "two"), outputs(tmp_path / "one")
+    assert len([k for k in two if k.startswith("packed/")]) > 60 and two == one
+
+
+def test_pack_resumes_keeping_committed_batches_and_cleans_stale_tmp_dirs(prepared, tmp_path, capsys):
+    root, config = prepared
+    out = tmp_path / "resume"
+    args = ["--config", str(config), f"output_dir={out}", f"tokenizer.path={root / 'out' / 'tokenizer'}"]
+    assert prepare_data.main(args) == 0
+    reference = {p.name: p.read_bytes() for p in (out / "packed").glob("*.parquet")}
+    # a crashed pack run: its work dir holds some committed files and a half-written one; a dead run's tmp dir
+    marker = json.loads((out / "packed" / "_COMPLETE.json").read_text())
+    shutil.rmtree(out / "shards")
+    (out / "packed").rename(out / "packed.partial")
+    (out / "packed.partial" / "_COMPLETE.json").unlink()
+    (out / "packed.partial" / "_PLAN.json").write_text(json.dumps({"fingerprint": marker["fingerprint"]}))
+    kept = sorted((out / "packed.partial").glob("*.parquet"))[::2]
+    for p in sorted((out / "packed.partial").glob("*.parquet"))[1::2]:
+        p.unlink()
+    (out / "packed.partial" / "0000-half.parquet.tmp").write_bytes(b"half")
+    mtimes = {p.name: p.stat().st_mtime_ns for p in kept}
+    (out / "staging" / "prose.tmp-999999").mkdir()
+    capsys.readouterr()
+    assert prepare_data.main(args) == 0
+    printed = capsys.readouterr().out
+    assert f"[pack] {len(kept)}/" in printed and "already packed by an earlier run" in printed
+    assert "removing" in printed and "prose.tmp-999999" in printed
+    assert not (out / "staging" / "prose.tmp-999999").exists()
+    assert {p.name: p.read_bytes() for p in (out / "packed").glob("*.parquet")} == reference
+    assert all((out / "packed" / name).stat().st_mtime_ns == m for name, m in mtimes.items())

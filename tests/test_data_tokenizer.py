@@ -105,3 +105,19 @@ def test_check_tokenizer_fits(small, tmp_path):
 def test_vocab_too_small_for_the_manual_tokens_is_refused(tmp_path):
     with pytest.raises(ValueError, match="vocab_size 1024 is too small"):
         train_tokenizer(["some text"], 1024, tmp_path / "tok")
+
+
+def test_pack_refuses_a_tokenizer_without_document_delimiters(small, tmp_path):
+    import json
+
+    from huginn_ray.data.formatting import DataError
+    from huginn_ray.data.pipeline import check_document_delimiters
+
+    ids = special_token_ids(small)
+    check_document_delimiters(str(small / "tokenizer.json"), ids["bos"], ids["eos"])
+    spec = json.loads((small / "tokenizer.json").read_text())
+    spec["post_processor"] = None
+    bare = tmp_path / "tokenizer.json"
+    bare.write_text(json.dumps(spec))
+    with pytest.raises(DataError, match=rf"{bare} does not wrap documents in BOS \({ids['bos']}\)"):
+        check_document_delimiters(str(bare), ids["bos"], ids["eos"])

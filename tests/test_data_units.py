@@ -133,3 +133,111 @@ def test_plan_split_drops_surplus_and_refuses_too_few_rows():
     assert (plan["rows_per_shard"], plan["kept"], plan["dropped"]) == (25, 100, 3)
     with pytest.raises(ValueError, match="val split has 3 packed rows, fewer than num_shards=4"):
         plan_split(3, 4, 100, 1 << 20, "val")
+
+
+def test_token_dtype_follows_the_vocabulary_and_out_of_range_ids_are_named():
+    from huginn_ray.data.tokens import TokenRangeError, check_ids, token_dtype
+
+    assert token_dtype(4096) == token_dtype(65536) == "uint16"
+    assert token_dtype(65537) == token_dtype(200_000) == "int32"
+    check_ids(np.array([0, 65535]), 65536, "uint16", "x")
+    with pytest.raises(TokenRangeError, match="file.parquet: token id 65536 does not fit"):
+        check_ids(np.array([3, 65536]), 70000, "uint16", "file.parquet")
+    with pytest.raises(TokenRangeError, match="token id -1"):
+        check_ids(np.array([-1]), 100, "int32", "x")
+
+
+def test_training_reader_accepts_uint16_and_int32_shards(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from huginn_ray.data.tokens import row_schema, rows_to_arrow
+    from huginn_ray.train.shard_reader import read_row_group
+
+    rows = (np.arange(12 * 5).reshape(12, 5) * 1000) % 65536
+    for dtype in ("uint16", "int32"):
+        path = tmp_path / f"{dtype}.parquet"
+        pq.write_table(pa.table({"input_ids": rows_to_arrow(rows, dtype)}, schema=row_schema(dtype)), path,
+                       row_group_size=4)
+        got = read_row_group(pq.ParquetFile(path), path, 1, 5)
+        assert got.dtype == np.int32 and (got == rows[4:8]).all()
+
+
+def test_huginn_source_list_carries_all_113_sources_of_the_fact_sheet():
+    from pathlib import Path
+
+    from huginn_ray.data.sources import load_sources
+
+    root = Path(__file__).resolve().parents[1]
+    sources = {s.name: s for s in load_sources(root / "configs" / "data" / "huginn_sources.yaml")}
+    tsv = Path("/work/shared/huginn_sources.tsv")
+    if tsv.is_file():
+        rows = [line.rstrip("\n").split("\t") for line in tsv.read_text().splitlines() if not line.startswith("#")]
+        for name, repo, subset, features, chat, weight, sacred, _, special, _ in rows[1:]:
+            s = sources[name]
+            assert (s.address, s.subset or "-", ",".join(s.features)) == (repo, subset, features)
+            assert (s.needs_chat_templating, s.weight, s.every_token_is_sacred) == (chat == "1", float(weight),
+                                                                                    sacred == "1")
+            assert s.requires_software_heritage_aws_download == (special == "1")
+    assert len(sources) == 113
+    assert sources["proofpile-algebra"].file_patterns == ["algebraic-stack/train/*.jsonl.zst"]
+
+
+def test_zstd_jsonl_and_chat_text_columns(tmp_path):
+    import json
+
+    import pyarrow as pa
+
+    from huginn_ray.data.formatting import iter_documents
+
+    path = tmp_path / "part.jsonl.zst"
+    with pa.output_stream(str(path), compression="zstd") as out:
+        for i in range(3):
+            out.write((json.dumps({"text": f"algebra {i}"}) + "\n").encode())
+    source = Source(name="pp", features=["text"], address="a/b")
+    assert [t for batch in iter_documents(path, source) for t in batch] == ["algebra 0", "algebra 1", "algebra 2"]
+    chat = Source(name="qa", features=["question", "answer"], address="a/b", needs_chat_templating=True)
+    assert format_rows({"question": ["2+2?"], "answer": [" 4 "]}, chat) == [
+        "<|begin_header|>user<|end_header|>\n\n2+2?<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n4<|end_turn|>"]
+
+
+def test_unsupported_or_unmatched_sources_are_errors_naming_them(tmp_path):
+    from huginn_ray.data.config import DataConfig
+    from huginn_ray.data.formatting import DataError
+    from huginn_ray.data.pipeline import check_supported, source_inputs
+
+    swh = Source(name="the-stack-v2", features=["content"], address="bigcode/the-stack-v2-train-smol-ids",
+                 requires_software_heritage_aws_download=True)
+    with pytest.raises(DataError, match="'the-stack-v2'.*Software Heritage"):
+        check_supported([swh])
+    swh.weight = 0.0
+    check_supported([swh])
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.txt").write_text("x")
+    cfg = DataConfig(output_dir=str(tmp_path / "out"), sources="s.yaml")
+    source = Source(name="algebra", features=["text"], local_dir=str(tmp_path / "d"), files=["*.jsonl.zst"])
+    with pytest.raises(DataError, match=r"source 'algebra': no file under .* matches \['\*.jsonl.zst'\]"):
+        source_inputs(cfg, source)
+
+
+def test_tokenizer_corpus_reads_only_the_files_it_needs_and_uses_message_contents(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from huginn_ray.data.formatting import chat_template
+    from huginn_ray.data.tokenizer_corpus import corpus_texts
+
+    files = []
+    for i in range(50):
+        path = tmp_path / f"{i:05d}.parquet"
+        pq.write_table(pa.table({"text": [f"file {i} doc {j}" for j in range(20)]}), path, row_group_size=5)
+        files.append(path)
+    chat = tmp_path / "chat.parquet"
+    pq.write_table(pa.table({"text": [chat_template([{"role": "user", "content": "hi"},
+                                                      {"role": "assistant", "content": "hello\nthere"}])]}), chat)
+    texts = list(corpus_texts({"plain": files, "chat": [chat]}, 12, 100, seed=3, chat_sources=frozenset({"chat"})))
+    plain = texts[:12]
+    assert len(plain) == 12 and len({t.split(" doc")[0] for t in plain}) <= 3  # a few files, not all 50
+    assert plain == list(corpus_texts({"plain": files}, 12, 100, seed=3))
+    assert plain != list(corpus_texts({"plain": files}, 12, 100, seed=4))
+    assert texts[12:] == ["hi\nhello\nthere"]

@@ -25,7 +25,9 @@ class DownloadConfig:
     backoff_base_s: float = 1.0
     """First retry waits about this long; each later retry doubles it (with full jitter)."""
     backoff_max_s: float = 60.0
-    """Upper bound of one backoff wait (a server's Retry-After is honoured even when larger)."""
+    """Upper bound of one backoff wait."""
+    retry_after_max_s: float = 120.0
+    """A server's Retry-After is honoured up to this many seconds."""
 
 
 @dataclass
@@ -46,8 +48,10 @@ class TokenizerConfig:
 
 @dataclass
 class ShuffleConfig:
-    reducer_mib: int = 64
-    """Approximate size of the rows one reducer task holds in memory; sets the number of reducers."""
+    reducer_mib: int = 256
+    """Rows one reducer task gathers and writes (its memory is ~3x this); sets the number of reducers."""
+    map_mib: int = 256
+    """Rows one map task reads, sorts by destination and writes as one intermediate file (memory ~3x this)."""
     row_group_size: int = 64
     """Rows per parquet row group in the shards (the reader's shuffle-buffer granularity)."""
 
@@ -92,7 +96,7 @@ class DataConfig:
                     "docs_per_pack_batch": self.docs_per_pack_batch,
                     "download.max_in_flight": self.download.max_in_flight,
                     "download.max_attempts": self.download.max_attempts,
-                    "shuffle.reducer_mib": self.shuffle.reducer_mib,
+                    "shuffle.reducer_mib": self.shuffle.reducer_mib, "shuffle.map_mib": self.shuffle.map_mib,
                     "shuffle.row_group_size": self.shuffle.row_group_size,
                     "tokenizer.rows_per_source": self.tokenizer.rows_per_source,
                     "tokenizer.max_chars_per_doc": self.tokenizer.max_chars_per_doc}

@@ -1,9 +1,11 @@
 """Turning one raw input file into documents: the `text` column of the staging parquet (§6.3).
 
-Formats by file name: `*.parquet`; `*.jsonl` / `*.json` (one JSON object per line, optionally `.gz`); anything
-else is a text file that becomes a single document (feature `text`). Rules for a row:
+Formats by file name: `*.parquet`; `*.jsonl` / `*.json` (one JSON object per line, optionally `.gz` or `.zst`);
+anything else is a text file that becomes a single document (feature `text`). Rules for a row:
 
-- chat sources (`needs_chat_templating`): each feature is a list of messages rendered with the chat template;
+- chat sources (`needs_chat_templating`): a feature holding a list of messages is rendered with the chat template;
+  when all features are text (question, answer, ...), they become one user message each and the last one the
+  assistant's (Huginn's) turn, rendered with the same template;
 - one feature: its value is the document;
 - several features: their values joined by newlines.
 
@@ -53,7 +55,15 @@ def format_rows(columns: dict[str, list], source: Source) -> list[str]:
     texts = []
     for i in range(n):
         values = [columns[f][i] for f in features]
-        if source.needs_chat_templating:
+        if source.needs_chat_templating and all(isinstance(v, str) or v is None for v in values):
+            # chat source given as text columns (question, answer, ...): the last column is Huginn's turn,
+            # the ones before it the user's (one message each)
+            present = [v for v in values if v]
+            messages = [{"role": "user", "content": v} for v in present[:-1]]
+            if present:
+                messages.append({"role": "assistant", "content": present[-1]})
+            text = chat_template(messages)
+        elif source.needs_chat_templating:
             text = "\n".join(v if isinstance(v, str) else chat_template(v) for v in values if v is not None)
         elif len(values) == 1:
             text = values[0]
@@ -73,7 +83,7 @@ def iter_documents(path: str | Path, source: Source) -> Iterator[list[str]]:
     try:
         if name.endswith(".parquet"):
             yield from _parquet_documents(path, source)
-        elif name.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
+        elif name.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")):
             yield from _jsonl_documents(path, source)
         else:
             yield from _text_documents(path, source)
@@ -96,7 +106,15 @@ def _parquet_documents(path: Path, source: Source) -> Iterator[list[str]]:
 
 
 def _jsonl_documents(path: Path, source: Source) -> Iterator[list[str]]:
-    raw = gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+    lower = path.name.lower()
+    if lower.endswith(".gz"):
+        raw = gzip.open(path, "rb")
+    elif lower.endswith(".zst"):  # zstd through pyarrow's codec: no extra dependency
+        import pyarrow as pa
+
+        raw = pa.input_stream(str(path), compression="zstd")
+    else:
+        raw = open(path, "rb")
     with raw, io.TextIOWrapper(raw, encoding="utf-8", errors="strict") as lines:
         rows: list[dict] = []
         line_no = 0

@@ -20,7 +20,7 @@ import random
 import shutil
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from huginn_ray.data import layout
 from huginn_ray.redact import redact_uri
@@ -50,8 +50,8 @@ def retry_delay(err: BaseException, attempt: int, cfg: DownloadConfig) -> float 
     if status is not None:
         if status == 429:
             retry_after = (response.headers or {}).get("Retry-After", "")
-            if retry_after.strip().isdigit():
-                return float(retry_after) + random.uniform(0, cfg.backoff_base_s)
+            if retry_after.strip().isdigit():  # capped: a server asking for hours must not park the run
+                return min(float(retry_after), cfg.retry_after_max_s) + random.uniform(0, cfg.backoff_base_s)
             return backoff
         if status >= 500 or status == 408:
             return backoff
@@ -145,33 +145,73 @@ def _forget_partial(local_dir: Path, path: str) -> None:
             leftover.unlink(missing_ok=True)
 
 
-def download_source(source: Source, download_root: Path, cfg: DownloadConfig) -> dict:
-    """Fetch a Hub source into `download_root/<name>` (skipped when its provenance matches); returns it."""
+def check_inside(local_dir: Path, name: str, repo: str) -> None:
+    """Refuse a Hub file name that would be written outside `local_dir` (absolute, '..', backslashes)."""
+    pure = PurePosixPath(name)
+    root = local_dir.resolve()
+    bad = (not name or pure.is_absolute() or ".." in pure.parts or "\\" in name or ":" in pure.parts[0]
+           or not (root / name).resolve().is_relative_to(root))
+    if bad:
+        raise DownloadError(f"{repo}: the Hub lists a file named {name!r}, which would resolve outside {local_dir}: "
+                            "refused (nothing of this source was downloaded)")
+
+
+def download_sources(sources: list[Source], download_root: Path, cfg: DownloadConfig) -> dict[str, dict]:
+    """Fetch Hub sources into `download_root/<name>`, all at once: one queue of files across sources and at most
+    `download.max_in_flight` downloads in flight in total. Sources whose provenance matches are skipped; a
+    source's provenance is written when all of its files are verified. Returns {name: provenance}."""
     import ray
     from huggingface_hub import constants, get_token
 
-    local_dir = download_root / source.name
-    request = {"address": source.address, "revision": source.revision, "patterns": source.file_patterns}
-    previous = layout.read_marker(local_dir, PROVENANCE)
-    if previous is not None and previous.get("request") == request:
-        print(f"[download] {source.name}: complete at {previous['commit'][:12]}, skipped", flush=True)
-        return previous
-
     endpoint, token = constants.ENDPOINT, get_token()
-    commit, files = list_repo_files(source, endpoint, token, cfg)
-    if not files:
-        print(f"[download] {source.name}: WARNING: no file of {source.address}@{commit[:12]} matches "
-              f"{source.file_patterns}", flush=True)
-    local_dir.mkdir(parents=True, exist_ok=True)
-    total_bytes = sum(f.size for f in files)
+    provenance: dict[str, dict] = {}
+    listed = []
+    for source in sources:
+        local_dir = download_root / source.name
+        request = {"address": source.address, "revision": source.revision, "patterns": source.file_patterns}
+        previous = layout.read_marker(local_dir, PROVENANCE)
+        if previous is not None and previous.get("request") == request:
+            print(f"[download] {source.name}: complete at {previous['commit'][:12]}, skipped", flush=True)
+            provenance[source.name] = previous
+            continue
+        commit, files = list_repo_files(source, endpoint, token, cfg)
+        for f in files:  # every name checked before anything of this source is written
+            check_inside(local_dir, f.path, source.address)
+        if not files:
+            raise DownloadError(f"source {source.name!r}: no file of {source.address}@{commit[:12]} matches "
+                                f"{source.file_patterns}")
+        listed.append((source, request, commit, files))
+
+    queue = [(i, f) for i, (_, _, _, files) in enumerate(listed) for f in files]
+    remaining = [len(files) for _, _, _, files in listed]
+    total_bytes = sum(f.size for _, f in queue)
     task = ray.remote(fetch_file).options(num_cpus=0.25, max_retries=0)
-    queue = list(files)
-    pending: list = []
+    pending: dict = {}
     done_bytes = done = skipped = 0
+    total = len(queue)
+
+    def finish(i: int) -> None:
+        source, request, commit, files = listed[i]
+        record = {"source": source.name, "request": request, "endpoint": redact_uri(endpoint), "commit": commit,
+                  "files": [asdict(f) for f in files]}
+        layout.write_json(download_root / source.name / PROVENANCE, record)
+        provenance[source.name] = record
+        print(f"[download] {source.name}: {len(files)} files verified at {commit[:12]}", flush=True)
+
+    for i, (source, _, _, files) in enumerate(listed):
+        (download_root / source.name).mkdir(parents=True, exist_ok=True)
+        if not files:
+            finish(i)
+    queue.reverse()
     while queue or pending:
         while queue and len(pending) < cfg.max_in_flight:
-            pending.append(task.remote(source.address, commit, queue.pop(0), str(local_dir), endpoint, token, cfg))
-        ready, pending = ray.wait(pending, num_returns=1)
+            i, hub_file = queue.pop()
+            source = listed[i][0]
+            ref = task.remote(source.address, listed[i][2], hub_file, str(download_root / source.name), endpoint,
+                              token, cfg)
+            pending[ref] = i
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        i = pending.pop(ready[0])
         try:
             result = ray.get(ready[0])
         except Exception as err:
@@ -182,13 +222,17 @@ def download_source(source: Source, download_root: Path, cfg: DownloadConfig) ->
         done += 1
         skipped += result["skipped"]
         done_bytes += result["size"]
-        print(f"[download] {source.name}: {done}/{len(files)} files, {done_bytes / 2**20:.1f}/"
+        print(f"[download] {done}/{total} files of {len(listed)} source(s), {done_bytes / 2**20:.1f}/"
               f"{total_bytes / 2**20:.1f} MiB ({skipped} already complete)", flush=True)
-
-    provenance = {"source": source.name, "request": request, "endpoint": redact_uri(endpoint), "commit": commit,
-                  "files": [asdict(f) for f in files]}
-    layout.write_json(local_dir / PROVENANCE, provenance)
+        remaining[i] -= 1
+        if remaining[i] == 0:
+            finish(i)
     return provenance
+
+
+def download_source(source: Source, download_root: Path, cfg: DownloadConfig) -> dict:
+    """Fetch one Hub source (see download_sources)."""
+    return download_sources([source], download_root, cfg)[source.name]
 
 
 def downloaded_files(download_root: Path, provenance: dict) -> list[Path]:

@@ -5,14 +5,15 @@
     <output_dir>/staging/<source>/NNNNN.parquet    one file per input file: columns text, source
     <output_dir>/staging/<source>/_COMPLETE.json   rows per file + the fingerprint of the inputs
     <output_dir>/tokenizer/                        tokenizer.json + tokenizer_config.json
-    <output_dir>/packed/NNNNNN.parquet             packed rows (input_ids, split, source) before the shuffle
+    <output_dir>/packed/SSSS-DDDDDDDDDDDDDDDD.parquet  packed rows (input_ids, split) per batch, before the shuffle
     <output_dir>/packed/_COMPLETE.json
     <output_dir>/shards/{train,val}/RRRRR.parquet  one file per training rank
     <output_dir>/shards/manifest.json
 
-A stage writes into `<dir>.tmp-<pid>` and renames it into place when done, so a directory that exists is
-complete; its marker records a fingerprint of everything it was built from, and a stage whose recorded
-fingerprint matches is skipped on the next run.
+A stage writes into `<dir>.tmp-<pid>` (staging) or `<dir>.partial` (pack, shuffle: resumable, keyed by the
+stage's fingerprint) and renames it into place when done, so a directory that exists is complete; its marker
+records a fingerprint of everything it was built from, and a stage whose recorded fingerprint matches is skipped
+on the next run. `.tmp-<pid>` directories of processes that are gone are removed, with a message.
 """
 
 from __future__ import annotations
@@ -30,7 +31,40 @@ def fingerprint(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale(final: Path) -> None:
+    """Remove `<final>.tmp-<pid>` / `<final>.old-<pid>` directories whose process is gone (a crashed run).
+
+    Pids are those of this host: run a pipeline's driver on one host (the Ray head) at a time."""
+    if not final.parent.is_dir():
+        return
+    for path in final.parent.glob(f"{final.name}.*-*"):
+        kind, _, pid = path.name[len(final.name) + 1:].partition("-")
+        if kind in ("tmp", "old") and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            print(f"[cleanup] removing {path}: temporary directory of a run that is no longer alive (pid {pid})",
+                  flush=True)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def clean_stale_under(root: Path) -> None:
+    """clean_stale for every stage directory under an output root (run at the start of a pipeline run)."""
+    for parent in (root, root / "staging", root / "download"):
+        if parent.is_dir():
+            for path in parent.glob("*.*-*"):
+                clean_stale(path.with_name(path.name.split(".tmp-")[0].split(".old-")[0]))
+
+
 def tmp_dir_for(final: Path) -> Path:
+    clean_stale(final)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -18,11 +18,12 @@ from huginn_ray.cluster.local_ray import init_local_ray
 from huginn_ray.data import layout
 from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError
-from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_source, downloaded_files
+from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_sources, downloaded_files
 from huginn_ray.data.shards import run_shuffle
 from huginn_ray.data.sources import Source, load_sources
-from huginn_ray.data.staging import list_local_files, stage_source, staged_files
+from huginn_ray.data.staging import list_local_files, stage_source
 from huginn_ray.data.tokenize_pack import pack_fingerprint, run_pack
+from huginn_ray.data.tokens import TokenRangeError, token_dtype
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, file_sha256, special_token_ids
 
 STAGES = ("download", "staging", "pack", "shuffle")
@@ -53,17 +54,23 @@ def init_ray(cfg: DataConfig) -> Callable[[], None]:
                      object_store_memory=store << 20 if store else None, include_dashboard=False)
             started = True
     ctx = DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # deterministic batches, hence deterministic packing
+    ctx.execution_options.preserve_order = True  # staging results in input order (packing no longer relies on it)
     ctx.enable_progress_bars = False  # the stages print their own progress lines
     return stop if started else (lambda: None)
 
 
-def run_stage_download(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]:
-    root = cfg.root / "download"
-    provenance = {}
+def check_supported(sources: list[Source]) -> None:
     for source in sources:
-        if not source.is_local:
-            provenance[source.name] = download_source(source, root, cfg.download)
+        if source.requires_software_heritage_aws_download and source.weight > 0:
+            raise DataError(f"source {source.name!r} ({source.address}) needs file contents from the Software "
+                            "Heritage S3 bucket, which this pipeline does not download: set its weight to 0 to "
+                            "leave it out, or provide its files as a local_dir source")
+
+
+def run_stage_download(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]:
+    sources = [s for s in sources if s.weight > 0 or s.is_packed]
+    root = cfg.root / "download"
+    provenance = download_sources([s for s in sources if not s.is_local], root, cfg.download)
     if provenance:
         layout.write_json(root / "manifest.json", {"sources": provenance})
     return provenance
@@ -71,7 +78,13 @@ def run_stage_download(cfg: DataConfig, sources: list[Source]) -> dict[str, dict
 
 def source_inputs(cfg: DataConfig, source: Source) -> list[Path]:
     if source.is_local:
-        return list_local_files(source)
+        files = list_local_files(source)
+        if not files and source.weight > 0:
+            raise DataError(f"source {source.name!r}: no file under {source.resolved_local_dir()} matches "
+                            f"{source.file_patterns}")
+        return files
+    if source.weight == 0:
+        return []
     provenance = layout.read_marker(cfg.root / "download" / source.name, PROVENANCE)
     if provenance is None:
         raise DataError(f"source {source.name!r} is not downloaded yet ({cfg.root / 'download' / source.name}); "
@@ -79,7 +92,20 @@ def source_inputs(cfg: DataConfig, source: Source) -> list[Path]:
     return downloaded_files(cfg.root / "download", provenance)
 
 
+def packed_only(sources: list[Source]) -> bool:
+    """True when every source is already packed; mixing packed and document sources is refused."""
+    packed = [s.name for s in sources if s.is_packed]
+    if packed and len(packed) != len(sources):
+        others = [s.name for s in sources if not s.is_packed]
+        raise DataError(f"source list mixes packed sources ({', '.join(packed)}) with document sources "
+                        f"({', '.join(others)}): prepare them with separate configs")
+    return bool(packed)
+
+
 def run_stage_staging(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]:
+    if packed_only(sources):
+        print("[staging] packed sources: nothing to stage", flush=True)
+        return {}
     return {s.name: stage_source(s, source_inputs(cfg, s), cfg.root / "staging") for s in sources}
 
 
@@ -104,20 +130,107 @@ def tokenizer_facts(cfg: DataConfig) -> dict:
             "bos_id": ids["bos"], "eos_id": ids["eos"], "pad_id": ids["pad"]}
 
 
+def check_document_delimiters(tokenizer_file: str, bos_id: int, eos_id: int) -> None:
+    """Refuse a tokenizer that does not wrap every document in BOS ... EOS: packed rows need the delimiters."""
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(tokenizer_file).encode("Huginn probe: the raven flies.").ids
+    if len(ids) < 3 or ids[0] != bos_id or ids[-1] != eos_id:
+        raise DataError(f"tokenizer {tokenizer_file} does not wrap documents in BOS ({bos_id}) ... EOS ({eos_id}): "
+                        f"a probe text encodes to {ids[:3]} ... {ids[-3:]}. Packing without document delimiters "
+                        "would run documents together; use a tokenizer whose post-processor adds both "
+                        "(jobs/train_tokenizer.py writes one)")
+
+
 def run_stage_pack(cfg: DataConfig, sources: list[Source]) -> dict:
+    if packed_only(sources):
+        print("[pack] packed sources: nothing to tokenise or pack", flush=True)
+        return {}
     markers = staging_markers(cfg, sources)
     facts = tokenizer_facts(cfg)
+    check_document_delimiters(facts["tokenizer_file"], facts["bos_id"], facts["eos_id"])
     fingerprint = pack_fingerprint(sources, markers, facts["tokenizer_sha256"], cfg.seq_len, cfg.seed,
                                    cfg.val_fraction, cfg.docs_per_pack_batch)
-    staged = {s.name: staged_files(cfg.root / "staging", s.name) for s in sources}
-    doc_counts = {name: m["rows"] for name, m in markers.items()}
-    return run_pack(sources, staged, doc_counts, Path(facts["tokenizer_file"]), cfg.root / "packed",
-                    seq_len=cfg.seq_len,
-                    seed=cfg.seed, val_fraction=cfg.val_fraction, docs_per_batch=cfg.docs_per_pack_batch,
+    return run_pack(sources, markers, cfg.root / "staging", Path(facts["tokenizer_file"]), cfg.root / "packed",
+                    seq_len=cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
+                    docs_per_batch=cfg.docs_per_pack_batch, vocab_size=facts["vocab_size"],
                     fingerprint=fingerprint, extra_marker=facts)
 
 
+def packed_source_files(cfg: DataConfig, source: Source) -> dict[str, list[dict]]:
+    """The files of a packed source per split, with row counts and provenance; errors name source and pattern."""
+    import fnmatch
+
+    import pyarrow.parquet as pq
+
+    if source.is_local:
+        root = source.resolved_local_dir()
+        paths = {p.relative_to(root).as_posix(): p for p in list_local_files(source)}
+        hashes: dict = {}
+    else:
+        provenance = layout.read_marker(cfg.root / "download" / source.name, PROVENANCE)
+        if provenance is None:
+            raise DataError(f"source {source.name!r} is not downloaded yet; run the download stage first")
+        paths = {f["path"]: cfg.root / "download" / source.name / f["path"] for f in provenance["files"]}
+        hashes = {f["path"]: f.get("sha256") or f.get("git_sha1") for f in provenance["files"]}
+    out: dict[str, list[dict]] = {}
+    for split, patterns in (("train", source.train_files), ("val", source.val_files)):
+        other = source.val_files if split == "train" else source.train_files
+        chosen = []
+        for rel in sorted(paths):
+            if any(fnmatch.fnmatch(rel, p) for p in patterns):
+                if any(fnmatch.fnmatch(rel, p) for p in other):
+                    raise DataError(f"source {source.name!r}: {rel} matches both train_files and val_files")
+                chosen.append(rel)
+        if not chosen:
+            raise DataError(f"source {source.name!r}: no file matches {split}_files {patterns}")
+        entries = []
+        for rel in chosen:
+            path = paths[rel]
+            rows = pq.ParquetFile(path).metadata.num_rows
+            entries.append({"path": str(path), "rel": rel, "size": path.stat().st_size, "hash": hashes.get(rel),
+                            "train_rows": rows if split == "train" else 0, "val_rows": rows if split == "val" else 0})
+        out[split] = entries
+    return out
+
+
+def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
+    """Already packed sources (e.g. the released Huginn data) straight into N + N shards."""
+    facts = tokenizer_facts(cfg)
+    per_source, files, provenance = {}, [], {}
+    for source in sources:
+        split_files = packed_source_files(cfg, source)
+        marker = None if source.is_local else layout.read_marker(cfg.root / "download" / source.name, PROVENANCE)
+        provenance[source.name] = {
+            "kind": "packed", "address": source.address,
+            "local_dir": str(source.resolved_local_dir()) if source.is_local else "",
+            "revision": source.revision, "commit": marker["commit"] if marker else None,
+            "train_rows": sum(f["train_rows"] for f in split_files["train"]),
+            "val_rows": sum(f["val_rows"] for f in split_files["val"]),
+            "files": [{"path": f["rel"], "size": f["size"], "hash": f["hash"]}
+                      for split in ("train", "val") for f in split_files[split]],
+        }
+        per_source[source.name] = split_files
+        files += split_files["train"] + split_files["val"]
+    input_fingerprint = layout.fingerprint({
+        "packed": {name: [(f["path"], f["size"], f["hash"] or os.stat(f["path"]).st_mtime_ns) for f in v["train"] + v["val"]]
+                   for name, v in per_source.items()},
+        "tokenizer": facts["tokenizer_sha256"], "seq_len": cfg.seq_len})
+    fingerprint = layout.fingerprint({"packed": input_fingerprint, "num_shards": cfg.num_shards, "seed": cfg.seed,
+                                      "row_group_size": cfg.shuffle.row_group_size})
+    extra = {key: facts[key] for key in ("tokenizer_sha256", "vocab_size", "bos_id", "eos_id", "pad_id")}
+    extra.update(input_fingerprint=input_fingerprint, sources=provenance, empty_sources=[], staged_documents={})
+    manifest = run_shuffle(files, cfg.seq_len + 1, cfg.root / "shards", num_shards=cfg.num_shards, seed=cfg.seed,
+                           row_group_size=cfg.shuffle.row_group_size, reducer_mib=cfg.shuffle.reducer_mib,
+                           map_mib=cfg.shuffle.map_mib, token_dtype=token_dtype(facts["vocab_size"]),
+                           vocab_size=facts["vocab_size"], fingerprint=fingerprint, manifest_extra=extra,
+                           hash_inputs=any(s.is_local for s in sources))
+    return manifest
+
+
 def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:
+    if packed_only(sources):
+        return run_stage_shuffle_packed(cfg, sources)
     pack_marker = layout.read_marker(cfg.root / "packed")
     if pack_marker is None:
         raise DataError(f"no packed data at {cfg.root / 'packed'}; run the pack stage first")
@@ -130,14 +243,20 @@ def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:
     extra = {key: pack_marker[key] for key in ("tokenizer_sha256", "vocab_size", "bos_id", "eos_id", "pad_id")}
     extra.update(input_fingerprint=pack_marker["fingerprint"], sources=pack_marker["sources"],
                  empty_sources=empty, staged_documents={n: m["rows"] for n, m in markers.items()})
-    return run_shuffle(pack_marker, cfg.root / "packed", cfg.root / "shards", num_shards=cfg.num_shards,
+    files = [{"path": str(cfg.root / "packed" / f["file"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]}
+             for f in pack_marker["files"]]
+    return run_shuffle(files, pack_marker["seq_len"] + 1, cfg.root / "shards", num_shards=cfg.num_shards,
                        seed=cfg.seed, row_group_size=cfg.shuffle.row_group_size,
-                       reducer_mib=cfg.shuffle.reducer_mib, fingerprint=fingerprint, manifest_extra=extra)
+                       reducer_mib=cfg.shuffle.reducer_mib, map_mib=cfg.shuffle.map_mib,
+                       token_dtype=pack_marker.get("token_dtype", "int32"), vocab_size=pack_marker["vocab_size"],
+                       fingerprint=fingerprint, manifest_extra=extra)
 
 
 def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     """Run the given stages in order; returns the shard manifest when the shuffle stage ran."""
     sources = load_sources(cfg.sources)
+    check_supported(sources)
+    layout.clean_stale_under(cfg.root)
     steps = {"download": run_stage_download, "staging": run_stage_staging,
              "pack": run_stage_pack, "shuffle": run_stage_shuffle}
     result: dict = {}
@@ -159,7 +278,8 @@ def root_error(err: BaseException) -> BaseException:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, (DataError, DownloadError)):
+        if isinstance(current, (DataError, DownloadError, TokenRangeError)) and \
+                getattr(current, "cause", None) is None:  # Ray's task errors wrap the original in .cause
             return current
         todo += [getattr(current, "cause", None), current.__cause__, current.__context__]
     return err

@@ -34,12 +34,23 @@ DEFAULT_FILE_PATTERNS = ["*.parquet", "*.jsonl", "*.jsonl.gz", "*.txt"]
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
+KINDS = ("documents", "packed")
+
+
 @dataclass
 class Source:
     name: str
     """Unique name; used as a directory name, so letters, digits, '.', '_' and '-' only."""
-    features: list[str]
+    features: list[str] = field(default_factory=list)
     """Columns that make up a document (several are joined by newlines; one is renamed to `text`)."""
+    kind: str = "documents"
+    """'documents': raw text, staged, tokenised and packed. 'packed': already tokenised and packed rows (parquet
+    with an `input_ids` column of seq_len + 1 ids, e.g. the released tomg-group-umd/huginn-dataset), which go
+    straight to the shuffle; their files are selected by `train_files` and `val_files`."""
+    train_files: list[str] = field(default_factory=list)
+    """kind 'packed': fnmatch patterns of the training files."""
+    val_files: list[str] = field(default_factory=list)
+    """kind 'packed': fnmatch patterns of the validation files."""
     address: str = ""
     """Hub dataset repo `owner/name`; required unless `local_dir` is given (then it is provenance only)."""
     revision: str = "main"
@@ -56,6 +67,9 @@ class Source:
     """Up-weighting: floor(weight) full copies plus a seeded random frac(weight) share of documents."""
     every_token_is_sacred: bool = False
     """Packing keeps every token of these documents instead of incinerating the overflow."""
+    requires_software_heritage_aws_download: bool = False
+    """The source's file contents live in Software Heritage's S3 bucket, not on the Hub (the-stack-v2). This
+    project has no such download: a source with this flag and weight > 0 is refused naming it."""
     category: str = ""
     """Free-form category (code, math, wiki, ...), recorded in manifests."""
     license: str = ""
@@ -66,7 +80,13 @@ class Source:
         return bool(self.local_dir)
 
     @property
+    def is_packed(self) -> bool:
+        return self.kind == "packed"
+
+    @property
     def file_patterns(self) -> list[str]:
+        if self.is_packed:
+            return list(self.train_files) + list(self.val_files)
         if self.files:
             return list(self.files)
         prefix = f"{self.subset.strip('/')}/" if self.subset else ""
@@ -114,8 +134,21 @@ def _check(source: Source, origin: str, label: str) -> None:
 
     if not _NAME.match(source.name):
         fail("name", f"{source.name!r} may hold only letters, digits, '.', '_' and '-'")
-    if not source.features or any(not f for f in source.features):
-        fail("features", "must list at least one non-empty column name")
+    if source.kind not in KINDS:
+        fail("kind", f"must be one of {', '.join(KINDS)}, got {source.kind!r}")
+    if source.is_packed:
+        for key in ("train_files", "val_files"):
+            if not getattr(source, key):
+                fail(key, "a packed source needs patterns for its training and its validation files")
+        for key, default in (("features", []), ("files", []), ("needs_chat_templating", False), ("weight", 1.0),
+                             ("every_token_is_sacred", False), ("subset", "")):
+            if getattr(source, key) != default:
+                fail(key, "does not apply to a packed source (its rows are used as they are)")
+    else:
+        if source.train_files or source.val_files:
+            fail("train_files" if source.train_files else "val_files", "only a packed source (kind: packed) has it")
+        if not source.features or any(not f for f in source.features):
+            fail("features", "must list at least one non-empty column name")
     if source.weight < 0:
         fail("weight", f"must be >= 0, got {source.weight}")
     if not source.local_dir and not source.address:

@@ -1,20 +1,26 @@
-"""Tokenise + pack on Ray Data: staged documents -> rows of seq_len + 1 ids in `packed/`.
+"""Tokenise + pack: staged documents -> rows of seq_len + 1 ids in `packed/`, independent of the cluster.
 
-Per source: `read_parquet(staging files)` -> `map_batches(tokenize_and_pack, batch_size=docs_per_pack_batch)`.
-Each batch is encoded with the Rust `tokenizers` batch encoder (the post-processor adds BOS/EOS per document),
-split into held-out validation documents and training documents (a seeded hash of the text, so a document and all
-its up-weighted copies are on one side), up-weighted, packed (huginn_ray/data/packing.py), and written by the UDF as
-`packed/<source index>-<first doc_id>.parquet` with columns `input_ids` (list<int32>) and `split` (0 train, 1 val).
+Work is cut by document identity, not by how a reader happens to split files into blocks: one Ray task per
+(staged file, run of `docs_per_pack_batch` consecutive documents of that file). A task reads exactly that row
+range of the staged parquet file, encodes it with the Rust `tokenizers` batch encoder (the post-processor adds
+BOS/EOS per document), splits held-out validation documents from training documents (a seeded hash of the text,
+so a document and all its up-weighted copies are on one side), up-weights, packs (huginn_ray/data/packing.py),
+and writes `packed/SSSS-DDDDDDDDDDDDDDDD.parquet` (source index, hex doc_id of the batch's first document) with
+columns `input_ids` (list<uint16> for vocabularies <= 65,536 ids, else list<int32>) and `split` (0 train,
+1 val); the batch's statistics are stored in the file's schema metadata. The rows, the files and their names are
+therefore a function of the staged data, the tokenizer and the settings only, whatever the number of CPUs.
 
-Naming each file after the first document of its batch, with preserve_order set so batches are cut at the same
-documents every run, makes the packed data a deterministic function of the staged data, the tokenizer and the
-seed, whatever the task scheduling; the shuffle stage builds on that order.
+Resumable: files are written under a temporary name and renamed when complete, in `packed.partial/`, keyed by the
+stage's fingerprint; a rerun after a crash keeps every committed file (its statistics are read back from its
+metadata) and packs only the missing batches.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -23,13 +29,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
+from huginn_ray.data.formatting import DataError
 from huginn_ray.data.packing import copy_fractions, copy_order, pack, unit_hash
+from huginn_ray.data.shards import TRAIN, VAL, run_bounded
 from huginn_ray.data.sources import Source
+from huginn_ray.data.tokens import (TokenRangeError, arrow_type, check_ids, parquet_options, rows_to_arrow,
+                                    token_dtype)
 
-PACK_VERSION = 1
-TRAIN, VAL = 0, 1
+PACK_VERSION = 2
 ENCODE_CHUNK = 256
-PACKED_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("split", pa.uint8())])
+STATS_KEY = b"huginn_ray.pack"
+PLAN = "_PLAN.json"
+_STAT_KEYS = ("docs", "copied_docs", "doc_tokens", "train_rows", "val_rows")
+
+
+def packed_schema(dtype: str) -> pa.Schema:
+    return pa.schema([("input_ids", pa.list_(arrow_type(dtype))), ("split", pa.uint8())])
 
 
 @functools.lru_cache(maxsize=2)
@@ -41,50 +56,66 @@ def _tokenizer(path: str):
     return Tokenizer.from_file(path)
 
 
-def rows_to_arrow(rows: np.ndarray) -> pa.ListArray:
-    n, width = rows.shape
-    offsets = pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32))
-    return pa.ListArray.from_arrays(offsets, pa.array(rows.reshape(-1), pa.int32()))
+def read_row_range(path: str | Path, start: int, count: int, columns: list[str]) -> pa.Table:
+    """Rows [start, start + count) of a parquet file, reading only the row groups that hold them."""
+    pf = pq.ParquetFile(path)
+    groups, first_row, row = [], None, 0
+    for g in range(pf.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        if row + n > start and row < start + count:
+            groups.append(g)
+            first_row = row if first_row is None else first_row
+        row += n
+    if not groups:
+        return pf.schema_arrow.empty_table().select(columns)
+    table = pf.read_row_groups(groups, columns=columns)
+    return table.slice(start - first_row, count)
 
 
-def tokenize_and_pack(batch: pa.Table, *, source_index: int, tokenizer_file: str, row_len: int, seed: int,
-                      val_fraction: float, weight: float, sacred: bool, out_dir: str) -> dict:
-    """Ray Data UDF: one batch of staged documents -> one packed parquet file; returns its row counts."""
+def tokenize_and_pack(task: dict, *, tokenizer_file: str, row_len: int, seed: int, val_fraction: float,
+                      vocab_size: int, dtype: str, out_dir: str) -> dict:
+    """Ray task: one batch of staged documents (a row range of one staged file) -> one packed parquet file."""
+    out = Path(out_dir) / task["name"]
+    if out.exists():  # committed by an earlier (crashed) run of the same plan
+        stats = json.loads(pq.read_schema(out).metadata[STATS_KEY])
+        return {**stats, "file": task["name"], "source_index": task["source_index"], "reused": True}
+    batch = read_row_range(task["path"], task["start"], task["count"], ["text", "doc_id"])
     texts = batch.column("text").to_pylist()
     first_doc_id = int(batch.column("doc_id")[0].as_py())
     tokenizer = _tokenizer(tokenizer_file)
     docs = []
     for i in range(0, len(texts), ENCODE_CHUNK):  # Encoding objects cost ~100 bytes per token: keep few alive
         docs += [np.asarray(e.ids, np.int32) for e in tokenizer.encode_batch_fast(texts[i:i + ENCODE_CHUNK])]
+    try:
+        check_ids(np.concatenate(docs) if docs else np.zeros(0, np.int32), vocab_size, dtype, "")
+    except TokenRangeError:  # name the document: nothing of this batch has been written
+        for i, d in enumerate(docs):
+            check_ids(d, vocab_size, dtype, f"source {task['source']!r}: {task['path']}, document "
+                                            f"doc_id={first_doc_id + i}")
     held_out = np.array([unit_hash(seed, "val", t) < val_fraction for t in texts])
 
     parts, splits = [], []
     copied_docs = 0
-    for copy, fraction in enumerate(copy_fractions(weight)):
+    for copy, fraction in enumerate(copy_fractions(task["weight"])):
         member = np.ones(len(texts), bool) if fraction >= 1.0 else \
             np.array([unit_hash(seed, f"copy{copy}", t) < fraction for t in texts])
         order = copy_order(seed, copy, first_doc_id, len(texts))
         for split in (TRAIN, VAL):
             chosen = [docs[i] for i in order if member[i] and held_out[i] == (split == VAL)]
             copied_docs += len(chosen)
-            rows = pack(chosen, [sacred] * len(chosen), row_len)
+            rows = pack(chosen, [task["sacred"]] * len(chosen), row_len)
             parts.append(rows)
             splits.append(np.full(len(rows), split, np.uint8))
     rows = np.concatenate(parts)
     split_col = np.concatenate(splits)
-
-    name = ""
-    if len(rows):
-        name = f"{source_index:04d}-{first_doc_id:016x}.parquet"
-        table = pa.table({"input_ids": rows_to_arrow(rows), "split": pa.array(split_col)}, schema=PACKED_SCHEMA)
-        tmp = Path(out_dir) / (name + ".tmp")
-        pq.write_table(table, tmp)
-        tmp.rename(Path(out_dir) / name)
-    return {
-        "file": [name], "source_index": [source_index], "docs": [len(texts)], "copied_docs": [copied_docs],
-        "doc_tokens": [int(sum(len(d) for d in docs))],
-        "train_rows": [int((split_col == TRAIN).sum())], "val_rows": [int((split_col == VAL).sum())],
-    }
+    stats = {"docs": len(texts), "copied_docs": copied_docs, "doc_tokens": int(sum(len(d) for d in docs)),
+             "train_rows": int((split_col == TRAIN).sum()), "val_rows": int((split_col == VAL).sum())}
+    schema = packed_schema(dtype).with_metadata({STATS_KEY: json.dumps(stats, sort_keys=True).encode()})
+    table = pa.table({"input_ids": rows_to_arrow(rows, dtype), "split": pa.array(split_col)}, schema=schema)
+    tmp = out.with_name(out.name + ".tmp")
+    pq.write_table(table, tmp, **parquet_options(table))
+    tmp.rename(out)
+    return {**stats, "file": task["name"], "source_index": task["source_index"], "reused": False}
 
 
 def pack_fingerprint(sources: list[Source], staging_markers: dict[str, dict], tokenizer_sha256: str,
@@ -97,65 +128,92 @@ def pack_fingerprint(sources: list[Source], staging_markers: dict[str, dict], to
     })
 
 
-def run_pack(sources: list[Source], staged: dict[str, list[Path]], doc_counts: dict[str, int],
-             tokenizer_file: Path, out_root: Path, *,
-             seq_len: int, seed: int, val_fraction: float, docs_per_batch: int, fingerprint: str,
-             extra_marker: dict) -> dict:
+def pack_tasks(sources: list[Source], staging_root: Path, markers: dict[str, dict], docs_per_batch: int) -> list:
+    """Every batch of the pack stage, in the packed data's global order: (source, staged file, row range)."""
+    tasks = []
+    for index, source in enumerate(sources):
+        if source.weight == 0:
+            continue
+        for f in markers[source.name]["files"]:
+            file_index = int(Path(f["output"]).stem)
+            for start in range(0, f["rows"], docs_per_batch):
+                first_doc = (file_index << 32) + start
+                tasks.append({"name": f"{index:04d}-{first_doc:016x}.parquet", "source_index": index,
+                              "source": source.name, "path": str(staging_root / source.name / f["output"]),
+                              "start": start, "count": min(docs_per_batch, f["rows"] - start),
+                              "weight": source.weight, "sacred": source.every_token_is_sacred})
+    return tasks
+
+
+def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path, tokenizer_file: Path,
+             out_root: Path, *, seq_len: int, seed: int, val_fraction: float, docs_per_batch: int, vocab_size: int,
+             fingerprint: str, extra_marker: dict) -> dict:
     """Tokenise and pack every source into `out_root` (skipped when complete); returns the pack marker."""
-    import ray.data
+    import ray
 
     if layout.is_complete(out_root, fingerprint):
         marker = layout.read_marker(out_root)
         print(f"[pack] complete ({marker['train_rows']} train + {marker['val_rows']} val rows), skipped", flush=True)
         return marker
 
-    tmp = layout.tmp_dir_for(out_root)
-    per_source: dict[str, dict] = {}
-    datasets = []
-    for index, source in enumerate(sources):
-        per_source[source.name] = {"docs": 0, "copied_docs": 0, "doc_tokens": 0, "train_rows": 0, "val_rows": 0,
-                                   "weight": source.weight, "every_token_is_sacred": source.every_token_is_sacred}
-        if not staged[source.name] or source.weight == 0:
-            doc_counts = {**doc_counts, source.name: 0}
-            continue
-        ds = ray.data.read_parquet([str(p) for p in staged[source.name]]).select_columns(["text", "doc_id"])
-        # A staged file is read as one block and a block goes to one task: cut blocks to batch size so all
-        # CPUs tokenize in parallel.
-        ds = ds.repartition(target_num_rows_per_block=docs_per_batch)
-        datasets.append(ds.map_batches(
-            tokenize_and_pack, batch_size=docs_per_batch, batch_format="pyarrow",
-            fn_kwargs={"source_index": index, "tokenizer_file": str(tokenizer_file), "row_len": seq_len + 1,
-                       "seed": seed, "val_fraction": val_fraction, "weight": source.weight,
-                       "sacred": source.every_token_is_sacred, "out_dir": str(tmp)},
-        ))
+    dtype = token_dtype(vocab_size)
+    work = out_root.with_name(out_root.name + ".partial")
+    previous = layout.read_marker(work, PLAN)
+    if previous is not None and previous.get("fingerprint") == fingerprint:
+        print(f"[pack] resuming {work}: {sum(1 for _ in work.glob('*.parquet'))} packed files already written "
+              "are kept", flush=True)
+    else:
+        if work.exists():
+            print(f"[pack] removing {work}: left by a run with other inputs or settings", flush=True)
+            shutil.rmtree(work)
+        work.mkdir(parents=True)
+        layout.write_json(work / PLAN, {"fingerprint": fingerprint})
+    for stale in work.glob("*.tmp"):
+        stale.unlink()
+
+    tasks = pack_tasks(sources, staging_root, markers, docs_per_batch)
+    # memory= per task: the batch's text plus its encodings (~100 bytes per token alive per encode chunk) and
+    # packed rows; estimated from each source's mean document size.
+    mean_chars = {s.name: markers[s.name]["chars"] / max(1, markers[s.name]["rows"]) for s in sources}
+    worst = max((mean_chars[t["source"]] * t["count"] for t in tasks), default=0)
+    cap = _node_memory_cap()
+    memory = int(min(256 * 2**20 + 24 * worst, cap)) if cap else int(256 * 2**20 + 24 * worst)
+    remote = ray.remote(tokenize_and_pack).options(memory=memory)
+    kwargs = {"tokenizer_file": str(tokenizer_file), "row_len": seq_len + 1, "seed": seed,
+              "val_fraction": val_fraction, "vocab_size": vocab_size, "dtype": dtype, "out_dir": str(work)}
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    results = run_bounded([lambda t=t: remote.remote(t, **kwargs) for t in tasks], 2 * cpus, "batches", "pack")
+
+    per_source = {s.name: {**{k: 0 for k in _STAT_KEYS}, "weight": s.weight,
+                           "every_token_is_sacred": s.every_token_is_sacred} for s in sources}
     files = []
-    if datasets:
-        ds = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
-        total_docs = sum(doc_counts.values())
-        done_docs = done_tokens = 0
-        last_print = 0.0
-        for r in ds.iter_rows():
-            stats = per_source[sources[r["source_index"]].name]
-            for key in ("docs", "copied_docs", "doc_tokens", "train_rows", "val_rows"):
-                stats[key] += int(r[key])
-            if r["file"]:
-                files.append({"file": r["file"], "train_rows": int(r["train_rows"]), "val_rows": int(r["val_rows"])})
-            done_docs += int(r["docs"])
-            done_tokens += int(r["doc_tokens"])
-            if time.time() - last_print > 5 or done_docs == total_docs:
-                last_print = time.time()
-                print(f"[pack] {done_docs}/{total_docs} documents, {done_tokens / 1e6:.2f}M tokens, "
-                      f"{len(files)} packed files", flush=True)
+    for r in results:
+        stats = per_source[sources[r["source_index"]].name]
+        for key in _STAT_KEYS:
+            stats[key] += int(r[key])
+        if r["train_rows"] + r["val_rows"]:
+            files.append({"file": r["file"], "train_rows": int(r["train_rows"]), "val_rows": int(r["val_rows"])})
+    reused = sum(1 for r in results if r["reused"])
+    if reused:
+        print(f"[pack] {reused}/{len(results)} batches were already packed by an earlier run", flush=True)
     files.sort(key=lambda f: f["file"])
     marker = {
-        "fingerprint": fingerprint, "seq_len": seq_len, "seed": seed, "files": files, "sources": per_source,
+        "fingerprint": fingerprint, "seq_len": seq_len, "seed": seed, "token_dtype": dtype, "files": files,
+        "sources": per_source,
         "train_rows": sum(f["train_rows"] for f in files), "val_rows": sum(f["val_rows"] for f in files),
         **extra_marker,
     }
-    layout.write_json(tmp / layout.COMPLETE, marker)
-    layout.replace_dir(tmp, out_root)
+    (work / PLAN).unlink()
+    layout.write_json(work / layout.COMPLETE, marker)
+    layout.replace_dir(work, out_root)
     for name, stats in per_source.items():
         print(f"[pack] {name}: {stats['docs']} docs ({stats['copied_docs']} after weighting), "
               f"{stats['doc_tokens']} tokens -> "
               f"{stats['train_rows']} train + {stats['val_rows']} val rows", flush=True)
     return marker
+
+
+def _node_memory_cap() -> int:
+    from huginn_ray.data.shards import _node_memory_cap as cap
+
+    return cap()

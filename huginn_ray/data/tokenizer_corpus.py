@@ -1,34 +1,55 @@
-"""The tokenizer's training corpus, assembled with Ray Data from the staged sources (§6.1).
+"""The tokenizer's training corpus, sampled per source at file level from the staged data (§6.1).
 
-Per source: the staged documents in a seeded random block order, the first `rows_per_source` of them, each cut
-to `max_chars_per_doc` characters. The reference's fastText English filter is not applied.
+Per source: the staged files in a seeded random order (seeded by the run seed and the source name), read row
+group by row group, each file's rows in a seeded random order, until `rows_per_source` documents are taken, so a
+source contributes about as many bytes as it keeps, not all of its staged rows. Each document is cut to
+`max_chars_per_doc` characters. Chat sources contribute their message contents joined by newlines (as §6.1
+does), not the chat-templated text the model trains on. The reference's fastText English filter is not applied.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.compute as pc
+import numpy as np
+import pyarrow.parquet as pq
+
+_MESSAGE = re.compile(r"<\|begin_header\|>.*?<\|end_header\|>\n\n(.*?)<\|end_turn\|>", re.DOTALL)
 
 
-def _cap_chars(batch: pa.Table, max_chars: int) -> pa.Table:
-    return pa.table({"text": pc.utf8_slice_codeunits(batch.column("text"), 0, max_chars)})
+def message_contents(templated: str) -> str:
+    """Chat-templated text -> its message contents joined by newlines (text outside messages is kept)."""
+    contents = _MESSAGE.findall(templated)
+    return "\n".join(contents) if contents else templated
 
 
-def corpus_texts(staged: dict[str, list[Path]], rows_per_source: int, max_chars: int, seed: int) -> Iterator[str]:
-    import ray.data
+def _rng(seed: int, name: str, salt: int) -> np.random.Generator:
+    return np.random.default_rng([seed, salt, int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")])
 
-    parts = []
-    for name, files in staged.items():
-        if not files:
-            continue
-        parts.append(ray.data.read_parquet([str(f) for f in files]).select_columns(["text"])
-                     .randomize_block_order(seed=seed).limit(rows_per_source))
-    if not parts:
+
+def source_sample(name: str, files: list[Path], rows_per_source: int, max_chars: int, seed: int,
+                  chat: bool) -> Iterator[str]:
+    """Up to `rows_per_source` documents of one source, reading only the files (and row groups) it needs."""
+    taken = 0
+    for file_index in _rng(seed, name, 0).permutation(len(files)):
+        pf = pq.ParquetFile(files[file_index])
+        for group in range(pf.num_row_groups):
+            texts = pf.read_row_group(group, columns=["text"]).column("text").to_pylist()
+            for i in _rng(seed, f"{name}/{file_index}/{group}", 1).permutation(len(texts)):
+                text = message_contents(texts[i]) if chat else texts[i]
+                yield text[:max_chars]
+                taken += 1
+                if taken >= rows_per_source:
+                    return
+
+
+def corpus_texts(staged: dict[str, list[Path]], rows_per_source: int, max_chars: int, seed: int,
+                 chat_sources: frozenset[str] = frozenset()) -> Iterator[str]:
+    if not any(staged.values()):
         raise ValueError("no staged documents to train the tokenizer on")
-    ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-    ds = ds.map_batches(_cap_chars, fn_kwargs={"max_chars": max_chars}, batch_format="pyarrow")
-    for batch in ds.iter_batches(batch_size=1024, batch_format="pyarrow"):
-        yield from batch.column("text").to_pylist()
+    for name, files in staged.items():
+        if files:
+            yield from source_sample(name, files, rows_per_source, max_chars, seed, name in chat_sources)

@@ -1,0 +1,193 @@
+"""The released, already packed dataset as an input: a local directory and a Hub repo mimicking
+tomg-group-umd/huginn-dataset (train/ and val/ parquet files, column `input_ids`, rows of seq_len + 1 ids) go
+straight to the shuffle and are re-sharded into N + N shards for any N."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data_hub_server import FakeHub, HubRepo
+from huginn_ray.data.shards import read_manifest
+from huginn_ray.data.tokenizer import train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ_LEN, VOCAB = 32, 4096
+spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "jobs" / "prepare_data.py")
+prepare_data = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(prepare_data)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    temp_dir = tempfile.mkdtemp(prefix="hrdr_", dir="/tmp")
+    ray.init(address="local", num_cpus=2, object_store_memory=256 << 20, _temp_dir=temp_dir,
+             include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Path:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [p.read_text() for p in sorted((stdlib / "json").glob("*.py"))]
+    return train_tokenizer(texts, VOCAB, tmp_path_factory.mktemp("tok") / "tokenizer")
+
+
+def _file_bytes(first_row: int, rows: int, row_len: int = SEQ_LEN + 1, bad_id: int | None = None) -> bytes:
+    ids = (np.arange(rows * row_len).reshape(rows, row_len) * 7 + first_row) % VOCAB
+    ids[:, 0] = first_row + np.arange(rows)  # identity of the row
+    if bad_id is not None:
+        ids[2, 5] = bad_id
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"input_ids": pa.array(list(ids), pa.list_(pa.int64()))}), buf)
+    return buf.getvalue()
+
+
+def _released_files() -> dict[str, bytes]:
+    files = {f"train/{i:03d}_00000.parquet": _file_bytes(100 * i, 30) for i in range(6)}
+    files.update({f"val/{i:03d}_00000.parquet": _file_bytes(1000 + 100 * i, 11) for i in range(3)})
+    files["README.md"] = b"# card\n"
+    return files
+
+
+def _write_local(root: Path, files: dict[str, bytes]) -> Path:
+    for rel, data in files.items():
+        (root / "released" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / "released" / rel).write_bytes(data)
+    return root / "released"
+
+
+def _config(root: Path, tokenizer: Path, source: str) -> Path:
+    (root / "sources.yaml").write_text(source)
+    (root / "data.yaml").write_text(f"""
+output_dir: {root / 'out'}
+sources: sources.yaml
+seq_len: {SEQ_LEN}
+num_shards: 4
+tokenizer: {{path: {tokenizer}}}
+shuffle: {{row_group_size: 4}}
+""")
+    return root / "data.yaml"
+
+
+LOCAL = """
+- name: released
+  kind: packed
+  local_dir: released
+  train_files: ["train/*.parquet"]
+  val_files: ["val/*.parquet"]
+"""
+
+
+def _shard_rows(shards: Path, split: str) -> collections.Counter:
+    rows = collections.Counter()
+    for f in sorted((shards / split).glob("*.parquet")):
+        rows.update(tuple(r) for r in pq.read_table(f).column("input_ids").to_pylist())
+    return rows
+
+
+@pytest.mark.parametrize("num_shards", [4, 7])
+def test_local_released_data_is_resharded_for_any_n(ray_instance, tokenizer, tmp_path, num_shards):
+    files = _released_files()
+    _write_local(tmp_path, files)
+    config = _config(tmp_path, tokenizer, LOCAL)
+    assert prepare_data.main(["--config", str(config), f"num_shards={num_shards}"]) == 0
+    shards = tmp_path / "out" / "shards"
+    manifest = read_manifest(shards)
+    assert manifest["num_shards"] == num_shards and manifest["token_dtype"] == "uint16"
+    inputs = {"train": collections.Counter(), "val": collections.Counter()}
+    for rel, data in files.items():
+        if rel.endswith(".parquet"):
+            inputs[rel.split("/")[0]].update(tuple(r) for r in pq.read_table(io.BytesIO(data)).column(0).to_pylist())
+    for split, total in (("train", 180), ("val", 33)):
+        assert manifest["rows_per_shard"][split] == total // num_shards
+        assert manifest["dropped_surplus_rows"][split] == total % num_shards
+        got = _shard_rows(shards, split)
+        assert not got - inputs[split] and sum(got.values()) == total - total % num_shards
+        for f in (shards / split).glob("*.parquet"):
+            assert pq.ParquetFile(f).schema_arrow.field("input_ids").type == pa.list_(pa.uint16())
+    assert not set(_shard_rows(shards, "train")) & set(_shard_rows(shards, "val"))
+    recorded = {f["path"]: f["hash"] for f in manifest["sources"]["released"]["files"]}
+    assert recorded == {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()
+                        if rel.endswith(".parquet")}
+    assert not (tmp_path / "out" / "staging").exists() and not (tmp_path / "out" / "packed").exists()
+
+
+@pytest.mark.parametrize("bad, expected", [
+    (_file_bytes(0, 5, row_len=SEQ_LEN), "row 0 has 32 ids, expected 33"),
+    (_file_bytes(0, 5, bad_id=VOCAB + 3), "token id 4099 does not fit the vocabulary of 4096 ids"),
+])
+def test_wrong_row_length_or_id_range_is_refused_naming_the_file(ray_instance, tokenizer, tmp_path, capsys, bad,
+                                                                 expected):
+    files = _released_files()
+    files["train/003_00000.parquet"] = bad
+    _write_local(tmp_path, files)
+    assert prepare_data.main(["--config", str(_config(tmp_path, tokenizer, LOCAL))]) == 1
+    err = capsys.readouterr().err
+    assert "train/003_00000.parquet" in err and expected in err
+    assert not (tmp_path / "out" / "shards").exists()
+
+
+def test_pattern_matching_no_file_and_mixed_sources_are_refused(ray_instance, tokenizer, tmp_path, capsys):
+    _write_local(tmp_path, _released_files())
+    config = _config(tmp_path, tokenizer, LOCAL.replace('val/*.parquet', 'validation/*.parquet'))
+    assert prepare_data.main(["--config", str(config)]) == 1
+    assert "source 'released': no file matches val_files ['validation/*.parquet']" in capsys.readouterr().err
+    config = _config(tmp_path, tokenizer, LOCAL + "- {name: docs, local_dir: released, features: [text]}\n")
+    assert prepare_data.main(["--config", str(config)]) == 1
+    assert "mixes packed sources (released) with document sources (docs)" in capsys.readouterr().err
+
+
+def test_hub_released_data_records_commit_and_hashes(tokenizer, tmp_path):
+    files = _released_files()
+    repo = HubRepo("tomg-group-umd/huginn-dataset", files)
+    config = _config(tmp_path, tokenizer, """
+- name: huginn-dataset
+  kind: packed
+  address: tomg-group-umd/huginn-dataset
+  train_files: ["train/*.parquet"]
+  val_files: ["val/*.parquet"]
+""")
+    temp_dir = tempfile.mkdtemp(prefix="hrdr_", dir="/tmp")
+    try:
+        with FakeHub([repo]) as hub:
+            env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"),
+                   "HF_HUB_DISABLE_TELEMETRY": "1", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+            env.pop("HF_TOKEN", None)
+            result = subprocess.run(
+                [sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--config", str(config), "num_shards=5",
+                 f"local_ray.temp_dir={temp_dir}", "local_ray.num_cpus=2"],
+                env=env, capture_output=True, text=True, timeout=400)
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    manifest = read_manifest(tmp_path / "out" / "shards")
+    source = manifest["sources"]["huginn-dataset"]
+    assert source["commit"] == repo.commit and source["address"] == "tomg-group-umd/huginn-dataset"
+    assert {f["path"]: f["hash"] for f in source["files"]} == {
+        rel: hashlib.sha256(data).hexdigest() for rel, data in files.items() if rel.endswith(".parquet")}
+    assert manifest["rows_per_shard"] == {"train": 36, "val": 6}
+    assert not (tmp_path / "out" / "download" / "huginn-dataset" / "README.md").exists()
