@@ -65,7 +65,7 @@ def test_depth_scaling_job_writes_table_csv_plot_and_mlflow(setup):
         parts = [shard_loss(str(root / "ckpt" / "model"), s, int(row["depth"]), 2, 8, 233, ids["pad"], ids["eos"])
                  for s in shards]
         assert float(row["loss"]) == pytest.approx(sum(p[0] for p in parts) / sum(p[1] for p in parts), rel=1e-5)
-        assert int(row["tokens"]) == 2 * 2 * 32 - 5
+        assert int(row["tokens"]) == 2 * 2 * 32 - 2 * 5  # 2 shards x 2 rows x 32 labels, 5 pads per shard
     # metrics and both files in a new MLflow run (the checkpoint has none)
     from mlflow.tracking import MlflowClient
     client = MlflowClient(f"sqlite:///{out / 'mlflow' / 'mlflow.db'}")

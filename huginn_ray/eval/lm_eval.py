@@ -7,7 +7,6 @@ that many core iterations. Tasks come from lm-eval's registry or from YAML files
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 
@@ -22,11 +21,19 @@ def evaluate_tasks(hf_dir: str | Path, tasks: list[str], num_steps: int, include
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), trust_remote_code=True).eval().to(device)
-    model.forward = functools.partial(model.forward, num_steps=num_steps)
+    forward, seen = model.forward, set()
+
+    def forward_at_depth(*args, **kwargs):
+        kwargs.setdefault("num_steps", num_steps)
+        seen.add(kwargs["num_steps"])
+        return forward(*args, **kwargs)
+
+    model.forward = forward_at_depth  # what HFLM's loglikelihood and generate calls both reach
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
               max_length=model.config.block_size)
     task_manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, limit=limit,
                                       log_samples=False)
-    return {"results": results["results"], "num_steps": num_steps, "tasks": tasks}
+    return {"results": results["results"], "num_steps": num_steps, "tasks": tasks,
+            "forward_num_steps": sorted(seen)}

@@ -74,6 +74,8 @@ class GenerationResult:
     """(batch, D) latent state each generated token's recurrence started from (index 0: the prefill's last position)."""
     final_states: list[Tensor] = field(default_factory=list)
     """(batch, D) final latent state of each generated token."""
+    logprobs: Tensor | None = None
+    """(batch, generated) log-probability of each emitted token under the distribution it was drawn from."""
 
     @property
     def mean_steps(self) -> float:
@@ -223,8 +225,11 @@ def generate(
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
     input_states: Tensor | None = None,
+    force_tokens: Tensor | None = None,
 ) -> GenerationResult:
-    """See the module docstring. `input_states` (batch, prompt, D) replaces the prefill's initial noise."""
+    """See the module docstring. `input_states` (batch, prompt, D) replaces the prefill's initial noise.
+    `force_tokens` (batch, max_new_tokens) are emitted instead of sampled (teacher forcing, for measuring the
+    loss of adaptive compute); `logprobs` holds each emitted token's log-probability either way."""
     cfg = model.config
     max_steps = cfg.mean_recurrence if num_steps is None else int(num_steps)
     if max_steps < 1 or min_steps < 1 or check_every < 1:
@@ -246,7 +251,7 @@ def generate(
         kv = IterationKVCache(model, batch, total, cache)
         device = input_ids.device
         criterion = None
-        tokens, steps, flops, initial_states, final_states = input_ids, [], [], [], []
+        tokens, steps, flops, initial_states, final_states, logprobs = input_ids, [], [], [], [], []
 
         # prefill: the whole prompt at the full depth
         embedded = _prelude(model, input_ids, kv)
@@ -262,7 +267,12 @@ def generate(
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
 
         for position in range(prompt_len, total):
-            next_token = model._pick(logits[:, -1, : cfg.vocab_size], temperature, top_k, generator)
+            last = logits[:, -1, : cfg.vocab_size]
+            if force_tokens is not None:
+                next_token = force_tokens[:, position - prompt_len]
+            else:
+                next_token = model._pick(last, temperature, top_k, generator)
+            logprobs.append(last.log_softmax(-1).gather(1, next_token[:, None])[:, 0])
             if eos_token_id is not None:
                 next_token = torch.where(finished, torch.full_like(next_token, eos_token_id), next_token)
                 finished |= next_token == eos_token_id
@@ -308,6 +318,7 @@ def generate(
             tokens=tokens, steps=torch.stack(steps[: tokens.shape[1] - prompt_len], dim=1),
             flops_per_token=sum(flops[1:]) / len(flops[1:]) if len(flops) > 1 else flops[0], cache_bytes_per_token=kv.bytes_per_token(),
             seconds=time.perf_counter() - t0, initial_states=initial_states, final_states=final_states,
+            logprobs=torch.stack(logprobs, dim=1),
         )
     finally:
         model.train(was_training)
