@@ -74,7 +74,6 @@ def load_pretrained(directory: str | Path, device: str | torch.device = "cpu",
             state_dict.update(load_file(weights, device=str(device)))
         except (SafetensorError, OSError) as err:
             raise ValueError(f"{weights} is not a readable safetensors file: {err}") from None
-    weights = directory
     for key, tensor in state_dict.items():
         if dtype is not None and tensor.is_floating_point() and key != "freqs_cis":
             state_dict[key] = tensor.to(dtype)
@@ -87,7 +86,7 @@ def load_pretrained(directory: str | Path, device: str | torch.device = "cpu",
     try:
         model.load_state_dict(state_dict, strict=True, assign=True)
     except ValueError as err:
-        raise ValueError(f"{weights}: {err}") from None
+        raise ValueError(f"{directory}: {err}") from None
     if config.tie_embeddings:
         model.lm_head.weight = model.transformer.wte.weight
     return model
