@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STEPS ?= 150
 
 .PHONY: test demo install clean
 
@@ -20,11 +21,26 @@ test: $(STAMP)
 	tools/ensure_sshd.sh
 	tools/private_netns.sh $(PY) -m pytest tests
 
-# The pipeline end to end on the embedded default (a private local Ray per job): tokenizer, shards, training.
+# The pipeline end to end on the embedded default (a private local Ray per job): tokenizer, shards, training,
+# then what recurrence buys: loss by test-time depth, generation at a fixed depth and with an adaptive exit,
+# and the Hugging Face export.
+DEMO_CKPT := out/train_tiny_cpu
+DEMO_TOK := out/data_demo/tokenizer
+DEMO_PROMPT := def main(
 demo: $(STAMP)
 	$(PY) jobs/train_tokenizer.py --config configs/data/demo.yaml
 	$(PY) jobs/prepare_data.py --config configs/data/demo.yaml
-	$(PY) jobs/train.py --config configs/train/tiny_cpu.yaml
+	$(PY) jobs/train.py --config configs/train/tiny_cpu.yaml max_steps=$(DEMO_STEPS)
+	$(PY) jobs/evaluate.py --checkpoint $(DEMO_CKPT) --data-dir out/data_demo/shards --out out/demo/eval \
+		--depths 1,2,4,8,16,32 --max-rows 8
+	$(PY) jobs/generate.py --checkpoint $(DEMO_CKPT) --tokenizer $(DEMO_TOK) --prompt "$(DEMO_PROMPT)" \
+		--num-steps 16 --max-new-tokens 24
+	$(PY) jobs/generate.py --checkpoint $(DEMO_CKPT) --tokenizer $(DEMO_TOK) --prompt "$(DEMO_PROMPT)" \
+		--num-steps 16 --max-new-tokens 24 --exit-criterion kl --exit-threshold 1e-3 --cache ring:8
+	$(PY) -m huginn_ray.model.export --checkpoint $(DEMO_CKPT) --out out/demo/hf --tokenizer $(DEMO_TOK)
+	@echo "[demo] depth-scaling plot: out/demo/eval/depth_scaling.png (table: out/demo/eval/depth_scaling.csv)"
+	@echo "[demo] Hugging Face export: out/demo/hf (AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True))"
+	@echo "[demo] MLflow UI: $(PY) -m mlflow ui --backend-store-uri sqlite:///$(CURDIR)/$(DEMO_CKPT)/mlflow/mlflow.db --port 5000"
 
 clean:
 	rm -rf $(VENV)

@@ -84,6 +84,11 @@ def test_released_config_json_loads_as_it_is(tmp_path):
         "padding_multiple": 4096, "qk_bias": True, "rope_base": 50000, "sampling_scheme": "poisson-lognormal-filling",
         "state_init": "like-init", "test_time_noise": 0, "test_time_noise_type": "fixed", "tie_embeddings": True,
         "vocab_size": 65536, "bos_token_id": 65504, "eos_token_id": 65505, "pad_token_id": 65509,
+        "architecture_class_name": "RecurrentGPT", "activation_checkpoint_impl": "per-iteration",
+        "auto_map": {"AutoConfig": "raven_config_minimal.RavenConfig",
+                     "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM"},
+        "transformers_version": "4.44.2", "hf_config": {"name": "huginn-0125", "org": "tomg-group-umd"},
+        "use_cache": True, "tie_word_embeddings": True,
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(released))
@@ -95,6 +100,14 @@ def test_released_config_json_loads_as_it_is(tmp_path):
     assert config.embedding_scale == pytest.approx(72.6636084983398, rel=1e-12)
     path.write_text(json.dumps({**released, "injection_type": "add"}))
     with pytest.raises(ValueError, match="injection_type"):
+        ModelConfig.from_json(path)
+    for key, value in (("architecture_class_name", "GPT"), ("block_class_name", "TransformerPreNormBlock"),
+                       ("mlp_class_name", "BaseMLP"), ("bias", True)):
+        path.write_text(json.dumps({**released, key: value}))
+        with pytest.raises(ValueError, match=key):
+            ModelConfig.from_json(path)
+    path.write_text(json.dumps({**released, "n_experts": 8}))
+    with pytest.raises(ValueError, match="unknown ModelConfig field 'n_experts'"):
         ModelConfig.from_json(path)
     path.write_text(json.dumps({**released, "padded_vocab_size": 65600}))
     with pytest.raises(ValueError, match="padded_vocab_size"):

@@ -134,6 +134,8 @@ def test_two_worker_run_loss_falls(uninterrupted, mlflow_server):
                 "val_loss_1", "val_loss_64", "val_loss"):
         assert key in run.data.metrics, key
     assert any(k.startswith("telemetry/") for k in run.data.metrics)
+    plots = [a.path for a in MlflowClient(mlflow_server).list_artifacts(uninterrupted["run_id"], "depth_scaling")]
+    assert plots and all(p.startswith("depth_scaling/step_") and p.endswith(".png") for p in plots), plots
     assert "MLflow:" in uninterrupted["stdout"] and "mlflow ui" not in uninterrupted["stdout"]
     # saved at steps 4, 8, 12, 16; checkpoint.keep=2 keeps the newest two
     kept = sorted(json.loads(p.read_text())["step"]

@@ -18,6 +18,7 @@ from typing import Any, Literal
 # Architecture choices of the released model that this implementation does not vary. config.json files carry
 # them; loading one with another value is refused instead of silently building a different model.
 FIXED_ARCHITECTURE = {
+    "architecture_class_name": "RecurrentGPT",
     "bias": False,
     "block_class_name": "SandwichBlock",
     "mlp_class_name": "GatedMLP",
@@ -31,8 +32,9 @@ FIXED_ARCHITECTURE = {
 }
 # Keys of a Hugging Face config.json that describe packaging or inference defaults, not the architecture.
 HF_METADATA_KEYS = {
-    "architectures", "auto_map", "model_type", "torch_dtype", "transformers_version", "bos_token_id",
-    "eos_token_id", "pad_token_id", "tie_word_embeddings", "use_cache", "test_time_noise_type", "activation_checkpoint_impl",
+    "architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version", "bos_token_id",
+    "eos_token_id", "pad_token_id", "tie_word_embeddings", "use_cache", "test_time_noise_type",
+    "activation_checkpoint_impl", "hf_config", "num_hidden_layers",
 }
 # Keys that follow from the other fields; a file that carries them must agree.
 DERIVED_KEYS = {"n_heads", "num_key_value_heads", "head_dim", "n_layers", "padded_vocab_size", "effective_expected_depth", "init_values"}

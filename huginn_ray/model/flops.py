@@ -25,3 +25,15 @@ def training_flops_per_token(config: ModelConfig, num_steps: tuple[int, int], se
     backward = 2 * (once + k * core_iteration)
     return float(forward + backward)
 
+
+
+def inference_flops_per_token(config: ModelConfig, core_iterations: float, context_len: int,
+                              coda_head_evals: float = 1.0) -> float:
+    """Forward FLOPs of one token at inference: prelude once, `core_iterations` core iterations, and the coda +
+    head `coda_head_evals` times (1 for a plain forward; more when an exit criterion reads the logits at its
+    checks). Attention is counted over the `context_len` positions the token attends to."""
+    D, I = config.n_embd, config.intermediate_size
+    block = 2 * (3 * D * D + D * D + 2 * D * I + I * D) + 4 * context_len * D
+    core_iteration = 2 * (2 * D) * D + config.n_layers_in_recurrent_block * block
+    coda_head = config.n_layers_in_coda * block + 2 * D * config.padded_vocab_size
+    return float(config.n_layers_in_prelude * block + core_iterations * core_iteration + coda_head_evals * coda_head)

@@ -75,6 +75,10 @@ class KVCache:
         """Number of positions cached (read off the first prelude/core block)."""
         return next(iter(self.entries.values()))[0].shape[1] if self.entries else 0
 
+    def past_length(self, index: int) -> int:
+        """Positions already cached for block `index` (the attention's query offset)."""
+        return self.entries[index][0].shape[1] if index in self.entries else 0
+
     def update(self, index: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if index in self.entries:
             past_k, past_v = self.entries[index]
@@ -101,7 +105,7 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rope(q, k, rope)
         mask, causal = None, True
         if cache is not None:
-            past = cache.entries[block_index][0].shape[1] if block_index in cache.entries else 0
+            past = cache.past_length(block_index)
             k, v = cache.update(block_index, k, v)
             if past:  # queries sit at positions past..past+length-1: SDPA's is_causal would align them at 0
                 mask = torch.ones(length, past + length, dtype=torch.bool, device=x.device).tril(diagonal=past)

@@ -7,6 +7,7 @@ and the head is re-tied on load.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -16,9 +17,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from huginn_ray.model.config import ModelConfig
-from huginn_ray.model.model import RecurrentGPT
+from huginn_ray.model.model import RecurrentGPT, rope_table
 
 WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 
 
@@ -35,24 +37,56 @@ def save_pretrained(model: RecurrentGPT, directory: str | Path) -> Path:
     return directory
 
 
-def load_pretrained(directory: str | Path, device: str | torch.device = "cpu") -> RecurrentGPT:
+def resolve_model_dir(path: str | Path) -> Path:
+    """The model directory (config.json + weights) of `path`: the directory itself, the `model/` of a training
+    checkpoint, or the newest checkpoint's `model/` under a training output directory."""
+    path = Path(path)
+    for candidate in (path, path / "model"):
+        if (candidate / CONFIG_NAME).is_file():
+            return candidate
+    found = sorted(path.glob(f"**/model/{CONFIG_NAME}"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise ValueError(f"no model ({CONFIG_NAME} + {WEIGHTS_NAME}) in or under {path}")
+    return found[-1].parent
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """model.safetensors, or the shards named by model.safetensors.index.json (the released layout)."""
+    if (directory / WEIGHTS_NAME).is_file():
+        return [directory / WEIGHTS_NAME]
+    index = directory / INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    raise ValueError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {directory}")
+
+
+def load_pretrained(directory: str | Path, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = torch.float32) -> RecurrentGPT:
+    """Load a directory written by save_pretrained or the export, or the released Huginn-0125 layout
+    (config.json with the released keys, safetensors shards with an index). Weights are cast to `dtype`
+    (None keeps the stored dtype); the RoPE table is recomputed in fp32 when the file has none or a rounded one."""
     directory = Path(directory)
     config = ModelConfig.from_json(directory / CONFIG_NAME)
-    weights = directory / WEIGHTS_NAME
-    if not weights.is_file():
-        raise ValueError(f"no {WEIGHTS_NAME} in {directory}")
-    try:
-        state_dict = load_file(weights, device=str(device))
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"{weights} is not a readable safetensors file: {err}") from None
-    if config.tie_embeddings and "lm_head.weight" not in state_dict and "transformer.wte.weight" in state_dict:
+    state_dict = {}
+    for weights in _weight_files(directory):
+        try:
+            state_dict.update(load_file(weights, device=str(device)))
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{weights} is not a readable safetensors file: {err}") from None
+    for key, tensor in state_dict.items():
+        if dtype is not None and tensor.is_floating_point() and key != "freqs_cis":
+            state_dict[key] = tensor.to(dtype)
+    if state_dict.get("freqs_cis") is None or state_dict["freqs_cis"].dtype != torch.float32:
+        state_dict["freqs_cis"] = rope_table(config.head_dim, config.block_size, config.rope_base).to(device)
+    if config.tie_embeddings and "transformer.wte.weight" in state_dict:
         state_dict["lm_head.weight"] = state_dict["transformer.wte.weight"]
     with torch.device("meta"):
         model = RecurrentGPT(config)
     try:
         model.load_state_dict(state_dict, strict=True, assign=True)
     except ValueError as err:
-        raise ValueError(f"{weights}: {err}") from None
+        raise ValueError(f"{directory}: {err}") from None
     if config.tie_embeddings:
         model.lm_head.weight = model.transformer.wte.weight
     return model

@@ -31,6 +31,7 @@ from huginn_ray.train import tracking
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.grad_sync import build_grad_sync
 from huginn_ray.train.optim import build_optimizer, set_lr, trapezoid_lr
+from huginn_ray.eval.depth_scaling import log_validation_plot
 from huginn_ray.train.sharding import NodeSharding, NodeShardedOptimizer, build_node_layout
 from huginn_ray.train.shard_reader import ShardReader, collate, validation_rows
 from huginn_ray.train.tracking import MetricsLogger
@@ -250,6 +251,7 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
             val = validate(model, val_inputs, val_labels, cfg, plan, device, c.autocast)
             if rank == 0:
                 logger.log(val, step)
+                log_validation_plot(plan["mlflow_uri"], state.mlflow_run_id, val, step, c.model_cfg.mean_recurrence)
                 print(f"[huginn] step {step} validation " + " ".join(f"{k}={v:.4f}" for k, v in val.items()), flush=True)
         stop_requested = result.stop_requested
         if (step % cfg.checkpoint.save_step_interval == 0 or (last_step and cfg.checkpoint.save_last_step)

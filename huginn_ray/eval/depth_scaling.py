@@ -1,0 +1,159 @@
+"""Loss and perplexity against recurrence depth, on the validation shards, in parallel on Ray.
+
+One Ray task per (validation shard, depth) loads the model, reads up to `max_rows` rows of its shard and
+returns the summed next-token cross-entropy and the token count (pad labels ignored, as in training's
+validation). Every task seeds the initial latent state the same way, so a depth's number does not depend on
+the order tasks run in. The results become a table, `depth_scaling.csv`, `depth_scaling.png` (loss against
+depth on a log-2 axis with the training depth marked, and loss against FLOPs per token), and MLflow metrics
+and artifacts.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+
+from huginn_ray.model.flops import inference_flops_per_token
+
+COLUMNS = ["depth", "loss", "ppl", "flops_per_token", "tokens"]
+
+
+@dataclass
+class DepthRow:
+    depth: int
+    loss: float
+    ppl: float
+    flops_per_token: float
+    tokens: int
+
+
+def read_val_rows(path: str | Path, max_rows: int | None) -> np.ndarray:
+    """(rows, seq_len + 1) token ids of the first `max_rows` rows of a shard."""
+    column = pq.read_table(path, columns=["input_ids"]).column("input_ids").combine_chunks()
+    offsets = column.offsets.to_numpy()
+    rows = len(offsets) - 1 if max_rows is None else min(max_rows, len(offsets) - 1)
+    length = int(offsets[1] - offsets[0])
+    values = column.values.to_numpy(zero_copy_only=False)
+    return values[: rows * length].astype(np.int64).reshape(rows, length)
+
+
+@torch.no_grad()
+def shard_loss(model_dir: str, shard: str, depth: int, max_rows: int | None, batch_size: int, seed: int,
+               pad_id: int, eos_id: int, threads: int = 1) -> tuple[float, int]:
+    """Summed cross-entropy and label count of one shard at one depth (runs inside a Ray task)."""
+    from huginn_ray.model.pretrained import load_pretrained
+
+    torch.set_num_threads(threads)
+    model = load_pretrained(model_dir).eval()
+    rows = torch.from_numpy(read_val_rows(shard, max_rows))
+    inputs, labels = rows[:, :-1].clone(), rows[:, 1:]
+    inputs[inputs == pad_id] = eos_id
+    total, count = 0.0, 0
+    torch.manual_seed(seed)
+    for start in range(0, len(rows), batch_size):
+        logits = model(inputs[start : start + batch_size], num_steps=(depth, 0)).logits
+        target = labels[start : start + batch_size]
+        total += float(F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=pad_id, reduction="sum"))
+        count += int((target != pad_id).sum())
+    return total, count
+
+
+def depth_scaling(model_dir: str | Path, data_dir: str | Path, depths: list[int], *, max_rows: int | None = None,
+                  batch_size: int = 8, seed: int = 233, pad_id: int, eos_id: int) -> list[DepthRow]:
+    """Run every (shard, depth) as a Ray task on the connected cluster; one row per depth."""
+    import ray
+
+    from huginn_ray.model.config import ModelConfig
+
+    shards = sorted(str(p) for p in (Path(data_dir) / "val").glob("*.parquet"))
+    if not shards:
+        raise ValueError(f"no validation shards in {Path(data_dir) / 'val'}")
+    task = ray.remote(num_cpus=1)(shard_loss)
+    futures = {(shard, depth): task.remote(str(model_dir), shard, depth, max_rows, batch_size, seed, pad_id, eos_id)
+               for depth in depths for shard in shards}
+    results = dict(zip(futures, ray.get(list(futures.values()))))
+    config = ModelConfig.from_json(Path(model_dir) / "config.json")
+    seq_len = read_val_rows(shards[0], 1).shape[1] - 1
+    rows = []
+    for depth in depths:
+        total = sum(results[(shard, depth)][0] for shard in shards)
+        count = sum(results[(shard, depth)][1] for shard in shards)
+        loss = total / max(count, 1)
+        rows.append(DepthRow(depth, loss, math.exp(min(loss, 50.0)),
+                             inference_flops_per_token(config, depth, seq_len), count))
+    return rows
+
+
+def format_table(rows: list[DepthRow]) -> str:
+    lines = [f"{'depth':>6} {'loss':>8} {'ppl':>10} {'FLOPs/token':>12} {'tokens':>9}"]
+    for r in rows:
+        lines.append(f"{r.depth:>6} {r.loss:>8.4f} {r.ppl:>10.2f} {r.flops_per_token:>12.3g} {r.tokens:>9}")
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[DepthRow], path: str | Path) -> Path:
+    path = Path(path)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow(asdict(r))
+    return path
+
+
+def plot(depths: list[int], losses: list[float], path: str | Path, train_depth: int, title: str,
+         flops: list[float] | None = None) -> Path:
+    """Loss against depth (log-2 x axis, training depth marked); beside it loss against FLOPs per token."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 2 if flops else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
+    ax = axes[0][0]
+    ax.plot(depths, losses, "o-")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(depths, [str(d) for d in depths])
+    ax.axvline(train_depth, color="gray", linestyle="--", label=f"training mean depth {train_depth}")
+    ax.set_xlabel("core iterations at test time")
+    ax.set_ylabel("validation loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    if flops:
+        ax2 = axes[0][1]
+        ax2.plot(flops, losses, "o-")
+        ax2.set_xscale("log")
+        ax2.set_xlabel("forward FLOPs per token")
+        ax2.set_ylabel("validation loss")
+        ax2.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def log_validation_plot(uri: str, run_id: str, metrics: dict, step: int, train_depth: int) -> None:
+    """During training: the depth curve of this validation step as MLflow artifact depth_scaling/step_XXXXXX.png."""
+    import tempfile
+
+    from mlflow.tracking import MlflowClient
+
+    depths = sorted(int(k.removeprefix("val_loss_")) for k in metrics if k.removeprefix("val_loss_").isdigit())
+    if len(depths) < 2:
+        return
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = plot(depths, [metrics[f"val_loss_{d}"] for d in depths], Path(tmp) / f"step_{step:06d}.png",
+                        train_depth, f"validation loss by depth, step {step}")
+            MlflowClient(uri).log_artifact(run_id, str(path), artifact_path="depth_scaling")
+    except Exception as err:  # a plot must never stop training
+        print(f"[huginn] warning: depth-scaling plot of step {step} not logged: {err}", flush=True)

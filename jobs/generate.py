@@ -1,0 +1,77 @@
+"""Generate text from a checkpoint, at a fixed depth or with an adaptive exit.
+
+    python jobs/generate.py --checkpoint DIR --prompt TEXT [--num-steps 32] [--max-new-tokens 64]
+        [--exit-criterion kl --exit-threshold 1e-3] [--min-steps 1] [--check-every 1] [--warm-start]
+        [--cache latest|ring:16] [--tokenizer DIR] [--temperature 0] [--seed 0]
+
+Prints the text, then tokens/s, mean core iterations per token, the iterations of each token, FLOPs per token
+and cache bytes per token. DIR is a model directory, a training checkpoint, or a training out_dir (newest
+checkpoint). The tokenizer defaults to one stored beside the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from huginn_ray.model.export import find_tokenizer
+from huginn_ray.model.generate import DEFAULT_THRESHOLDS, generate
+from huginn_ray.model.pretrained import load_pretrained, resolve_model_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--tokenizer", help="tokenizer directory (default: the one stored with the model)")
+    parser.add_argument("--num-steps", type=int, default=None, help="core iterations (max with an exit criterion)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--exit-criterion", choices=[*DEFAULT_THRESHOLDS, "none"], default="none")
+    parser.add_argument("--exit-threshold", type=float, default=None, help="default: the criterion's")
+    parser.add_argument("--min-steps", type=int, default=1)
+    parser.add_argument("--check-every", type=int, default=1)
+    parser.add_argument("--warm-start", action="store_true", help="continuous chain-of-thought")
+    parser.add_argument("--cache", default="latest", help="latest or ring:N")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        model_dir = resolve_model_dir(args.checkpoint)
+        model = load_pretrained(model_dir)
+        tokenizer_dir = args.tokenizer or find_tokenizer(model_dir)
+        if tokenizer_dir is None:
+            raise ValueError(f"no tokenizer stored with {model_dir}: pass --tokenizer")
+        from tokenizers import Tokenizer
+
+        from huginn_ray.data.tokenizer import special_token_ids
+        tokenizer = Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json")
+        special = special_token_ids(tokenizer_dir)
+        ids = [special["bos"]] + tokenizer.encode(args.prompt, add_special_tokens=False).ids
+        torch.manual_seed(args.seed)
+        result = generate(
+            model, torch.tensor([ids]), args.max_new_tokens, num_steps=args.num_steps,
+            exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold, min_steps=args.min_steps,
+            check_every=args.check_every, cache=args.cache, warm_start=args.warm_start,
+            temperature=args.temperature, top_k=args.top_k, eos_token_id=special["eos"],
+        )
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    new = result.tokens[0, len(ids):].tolist()
+    print(args.prompt + tokenizer.decode(new, skip_special_tokens=False))
+    depth = args.num_steps or model.config.mean_recurrence
+    how = "fixed depth" if args.exit_criterion == "none" else f"exit {args.exit_criterion}"
+    print(f"[huginn] {len(new)} tokens in {result.seconds:.2f}s: {len(new) / result.seconds:.1f} tokens/s "
+          f"({how}, max {depth} iterations, cache {args.cache}{', warm start' if args.warm_start else ''})")
+    print(f"[huginn] mean core iterations per token: {result.mean_steps:.2f} "
+          f"(per token: {' '.join(str(s) for s in result.steps[0].tolist())})")
+    print(f"[huginn] FLOPs per token: {result.flops_per_token:.3g}; cache bytes per token: "
+          f"{result.cache_bytes_per_token:,.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
