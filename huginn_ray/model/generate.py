@@ -257,8 +257,9 @@ def generate(
         embedded = _prelude(model, input_ids, kv)
         state = model._initial_state(embedded) if input_states is None else input_states
         initial_states.append(state[:, -1].clone())
+        injected = model._inject(embedded)
         for iteration in range(max_steps):
-            state = model._core(state, embedded, _rope(model, kv, prompt_len), kv, iteration)
+            state = model._core(state, injected, _rope(model, kv, prompt_len), kv, iteration)
         logits = _coda_head(model, state, kv)
         kv.length += prompt_len
         steps.append(torch.full((batch,), max_steps, dtype=torch.long, device=device))
@@ -286,6 +287,7 @@ def generate(
             embedded = _prelude(model, next_token[:, None], kv)
             state = final_states[-1][:, None].clone() if warm_start else model._initial_state(embedded)
             initial_states.append(state[:, 0].clone())
+            injected = model._inject(embedded)
             used = torch.full((batch,), max_steps, dtype=torch.long, device=device)
             active = torch.arange(batch, device=device)
             rope = _rope(model, kv, 1)
@@ -293,7 +295,7 @@ def generate(
             for iteration in range(max_steps):
                 kv.rows = active
                 previous = state[active]
-                new = model._core(previous, embedded[active], rope, kv, iteration)
+                new = model._core(previous, injected[active], rope, kv, iteration)
                 state[active] = new
                 done = iteration + 1
                 if criterion is None or done < min_steps or done % check_every or done == max_steps:

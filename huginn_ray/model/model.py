@@ -194,7 +194,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int, ignore_index: int) -> Tensor:
         device_type = hidden.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+        autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type) if autocast else weight.dtype  # meta: no autocast
         h = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
         w = weight.to(dtype)

@@ -224,6 +224,7 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
     device_type = "cuda" if cfg.scaling.use_gpu else "cpu"
     with torch.device("meta"):
         model = RecurrentGPT(model_cfg)
+    model.loss_chunk_tokens = cfg.loss_chunk_tokens  # as the worker sets it (loop.build_components)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
@@ -276,10 +277,15 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
                       f"meta forward+loss under saved_tensors_hooks, {checkpointing}"))
 
     vocab = model_cfg.padded_vocab_size
-    logits_grad = cfg.micro_batch_size * cfg.block_size * vocab * (4 + (2 if bf16 else 0))
+    tokens = cfg.micro_batch_size * cfg.block_size
     if model_cfg.activation_checkpointing:
         plan.transients.append(("recompute of one iteration", measured["recompute_iteration"]))
-    plan.transients.append(("gradient of the logits", logits_grad))
+    if cfg.loss_chunk_tokens:
+        # one chunk's fp32 logits and their gradient (the gradients the chunked loss keeps are measured above)
+        chunk = min(cfg.loss_chunk_tokens, tokens)
+        plan.transients.append((f"logits of one loss chunk ({chunk} tokens)", 2 * chunk * vocab * 4))
+    else:
+        plan.transients.append(("gradient of the logits", tokens * vocab * (4 + (2 if bf16 else 0))))
     if bf16:
         plan.transients.append(("bf16 weight casts at end of forward", measured["weight_casts"]))
 
