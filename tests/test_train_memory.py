@@ -52,6 +52,7 @@ def test_activation_figure_equals_saved_bytes_of_a_real_cpu_step(checkpointing):
 
     torch.manual_seed(0)
     model = RecurrentGPT(mcfg).train()
+    model.loss_chunk_tokens = cfg.loss_chunk_tokens  # as the worker sets it
     exclude = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
     saved = SavedBytes(exclude)
     ids = batch(cfg)
