@@ -58,12 +58,13 @@ def quiet_local_ray(verbose: bool = False) -> None:
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # "Creating initial MLflow database tables..."
 
 
-def local_ray_init_kwargs(verbose: bool = False) -> dict:
-    """Keyword arguments of `ray.init` for a local single-node Ray started by a job."""
+def local_ray_init_kwargs(verbose: bool = False, dashboard: bool = True) -> dict:
+    """Keyword arguments of `ray.init` for a local single-node Ray started by a job. Jobs without Ray Train
+    (data preparation, evaluation) need no dashboard: nothing queries the state API there."""
     import ray
 
     kwargs = dict(
-        include_dashboard=True,
+        include_dashboard=dashboard,
         dashboard_host="127.0.0.1",
         _node_ip_address="127.0.0.1",
         log_to_driver=True,  # the workers' own lines (progress, errors) reach the console
