@@ -1,7 +1,8 @@
 """A console a person can read: the project's own lines on stdout, Ray's own INFO/WARNING lines in Ray's log files.
 
-Jobs that start their own local Ray (jobs/train.py) call `local_ray_environment()` before `import ray`, then
-`quiet_local_ray(verbose)` and `ray.init(**local_ray_init_kwargs(verbose))`. What it configures, and why each line used to appear:
+Jobs that start their own local Ray call `local_ray_environment()` before `import ray` where they can
+(jobs/train.py), then `huginn_ray.cluster.local_ray.init_local_ray`, which applies `quiet_local_ray` and
+`local_ray_init_kwargs`. What it configures, and why each line used to appear:
 
 - `RAY_AUTH_MODE=token` explicitly: Ray 2.5x enables token authentication for a new local cluster by default
   and warns that it did so; setting the mode explicitly keeps the safe default without the warning.

@@ -78,7 +78,6 @@ def run_depth_scaling(args, model_dir: Path, out: Path, options: dict) -> int:
     from mlflow.tracking import MlflowClient
 
     from huginn_ray.cluster.local_ray import init_local_ray
-    from huginn_ray.console import local_ray_init_kwargs, quiet_local_ray
 
     from huginn_ray.data.tokenizer import special_token_ids
     from huginn_ray.eval.depth_scaling import depth_scaling, format_table, plot, write_csv
@@ -96,9 +95,7 @@ def run_depth_scaling(args, model_dir: Path, out: Path, options: dict) -> int:
         ray.init(address=os.environ["RAY_ADDRESS"])
     else:
         local = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
-        quiet_local_ray()
-        # token auth: a job's own Ray listens on every interface
-        init_local_ray(_temp_dir=local, num_cpus=os.cpu_count(), **local_ray_init_kwargs(dashboard=False))
+        init_local_ray(_temp_dir=local, num_cpus=os.cpu_count())  # token auth: Ray listens on every interface
     try:
         rows = depth_scaling(model_dir, data_dir, depths, max_rows=args.max_rows,
                              batch_size=options.get("batch_size", 8), seed=options.get("seed", 233),

@@ -16,7 +16,7 @@ import signal
 import sys
 import tempfile
 
-from huginn_ray.console import local_ray_environment, local_ray_init_kwargs, quiet_local_ray, summary_line
+from huginn_ray.console import local_ray_environment, summary_line
 
 if not os.environ.get("RAY_ADDRESS"):
     local_ray_environment()  # before `import ray`, which reads RAY_AUTH_MODE
@@ -77,9 +77,8 @@ def _run(cfg, verbose: bool) -> int:
     else:
         # a short private temp dir: other Ray instances may share /tmp/ray, and socket paths are limited
         local_ray_dir = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
-        quiet_local_ray(verbose)  # the workers of this local Ray inherit the settings
-        # token auth: Ray listens on every interface
-        init_local_ray(_temp_dir=local_ray_dir, **local_ray_init_kwargs(verbose))
+        # token auth: Ray listens on every interface; the dashboard serves Ray Train's state queries
+        init_local_ray(verbose=verbose, dashboard=True, _temp_dir=local_ray_dir)
         if not verbose:
             print(f"[huginn] Ray's own INFO/WARNING lines go to {local_ray_dir}/session_latest/logs, kept if the "
                   f"run fails (--verbose shows them here)", flush=True)

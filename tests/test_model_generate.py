@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from huginn_ray.model import KVCache, ModelConfig, RecurrentGPT
 from huginn_ray.model.flops import inference_flops_per_token
-from huginn_ray.model.generate import DEFAULT_THRESHOLDS, generate
+from huginn_ray.model.generate import DEFAULT_THRESHOLDS, ExitCriterion, generate
 
 CRITERIA = list(DEFAULT_THRESHOLDS)
 
@@ -131,6 +131,20 @@ def test_each_criterion_exits_where_its_quantity_first_falls_below_threshold(mod
                       min_steps=min_steps, check_every=check_every)
     assert result.steps[0].tolist() == [depth, expected], values
 
+
+
+def test_latent_quantities_are_the_specified_formulas():
+    # the exit-position test above cannot tell ||s_t|| from ||s_{t-1}|| in the denominator on a converging
+    # trajectory; this one holds the values themselves
+    g = torch.Generator().manual_seed(0)
+    state, previous = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+    rows = torch.arange(2)
+    latent = ExitCriterion("latent-diff", 0.03, 16, 2, "cpu").quantity(rows, state, previous, None)
+    cosine = ExitCriterion("cosine", 1e-3, 16, 2, "cpu").quantity(rows, state, previous, None)
+    for r in range(2):
+        s, p = state[r], previous[r]
+        assert latent[r].item() == pytest.approx(float((s - p).norm() / s.norm()), rel=1e-6)
+        assert cosine[r].item() == pytest.approx(float(1 - (s @ p) / (s.norm() * p.norm())), rel=1e-5)
 
 def test_batch_rows_exit_on_their_own(model, prompt):
     together = generate(model, prompt, 6, num_steps=10, exit_criterion="kl", exit_threshold=5e-3)

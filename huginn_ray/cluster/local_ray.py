@@ -23,9 +23,14 @@ def require_token_auth() -> None:
     Config.initialize("")
 
 
-def init_local_ray(**ray_init_kwargs):
-    """ray.init of a new local instance with token authentication on; returns ray.init's result."""
+def init_local_ray(*, verbose: bool = False, dashboard: bool = False, **ray_init_kwargs):
+    """ray.init of a new local instance with token authentication on and the console settings of
+    huginn_ray.console (Ray's own lines to its log files unless `verbose`); `dashboard` for jobs whose Ray Train
+    controller queries the state API. Other keyword arguments go to ray.init. Returns ray.init's result."""
     import ray
 
+    from huginn_ray.console import local_ray_init_kwargs, quiet_local_ray
+
+    quiet_local_ray(verbose)  # the workers of this local Ray inherit the settings
     require_token_auth()
-    return ray.init(address="local", **ray_init_kwargs)
+    return ray.init(address="local", **{**local_ray_init_kwargs(verbose, dashboard), **ray_init_kwargs})

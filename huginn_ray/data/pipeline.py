@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Callable
 
 from huginn_ray.cluster.local_ray import init_local_ray
-from huginn_ray.console import local_ray_init_kwargs, quiet_local_ray
 from huginn_ray.data import layout
 from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError
@@ -51,9 +50,8 @@ def init_ray(cfg: DataConfig) -> Callable[[], None]:
             temp_dir = cfg.local_ray.temp_dir or tempfile.mkdtemp(prefix="hrdata_", dir="/tmp")
             store = cfg.local_ray.object_store_mib
             # token authentication: Ray's ports listen on every interface, not only on loopback
-            quiet_local_ray()
             init_local_ray(num_cpus=cfg.local_ray.num_cpus, _temp_dir=temp_dir,
-                           object_store_memory=store << 20 if store else None, **local_ray_init_kwargs(dashboard=False))
+                           object_store_memory=store << 20 if store else None)
             started = True
     ctx = DataContext.get_current()
     ctx.execution_options.preserve_order = True  # staging results in input order (packing no longer relies on it)
