@@ -16,7 +16,9 @@ Jobs that start their own local Ray call `local_ray_environment()` before `impor
   (or Slurm) cluster does not have.
 - `TORCH_CPP_LOG_LEVEL=ERROR`: c10d's warnings about hostnames it cannot resolve in a private namespace.
 - Ray's Python loggers at ERROR in the driver and in every Ray process (`logging_config`), and Ray Train's
-  controller/worker console logging at ERROR (`run_training(..., ray_train_log_level=...)`), so INFO/WARNING
+  controller/worker console logging at ERROR (`run_training(..., ray_train_log_level=...)`; the training workers
+  also set their root logger to that level, because Ray Train logs "Reporting training result" at every
+  checkpoint through a logger named by its file path, outside `ray.train`), so INFO/WARNING
   lines go only to the session's log files (under the Ray temp dir, logs/). Errors, tracebacks of failed
   workers and Ray Train's failure reports still reach the console in full.
 

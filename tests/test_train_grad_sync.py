@@ -8,6 +8,7 @@ mean is computed locally and compared exactly (up to fp32 summation order).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
@@ -79,7 +80,10 @@ def _run(rank, world_size, port, out_dir, fn_name, timeout_s):
     )
     torch.set_num_threads(1)
     try:
-        result = globals()[fn_name](rank, world_size)
+        # "module:function" runs a function of another test module (imported in this spawned process)
+        module, _, name = fn_name.rpartition(":")
+        fn = getattr(importlib.import_module(module), name) if module else globals()[name]
+        result = fn(rank, world_size)
     except Exception as err:  # reported to the parent, which asserts on it
         result = {"error": type(err).__name__, "message": str(err), "trace": traceback.format_exc()}
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:

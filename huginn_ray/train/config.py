@@ -199,6 +199,12 @@ class TrainConfig:
     """How long the warm-up waits for every rank to check in."""
     max_failures: int = 3
     """Worker failures Ray Train recovers from (restart from the newest checkpoint)."""
+    time_limit_s: float | None = None
+    """Wall-clock budget of this job from the driver's start: the run saves a checkpoint and stops when less than
+    time_limit_margin_s remain. The Slurm allocation's end (HUGINN_JOB_END_TIME, exported by
+    cluster_yamls/frontier.sbatch) also counts, whichever comes first. None: no budget of its own."""
+    time_limit_margin_s: float = 300.0
+    """Time left for the last checkpoint when the budget runs out (the reference saved with 5 minutes left)."""
     cpu_threads: int = 1
     """torch threads per CPU worker (1 keeps CPU runs bitwise reproducible)."""
     device_memory_gib: float | None = None
@@ -276,6 +282,8 @@ TRAIN_RANGES: dict[str, Range] = {
     "warmup_allreduce_mib": NON_NEGATIVE,
     "warmup_timeout_s": POSITIVE,
     "max_failures": Range(-1),  # -1: retry forever (Ray's convention)
+    "time_limit_s": POSITIVE,
+    "time_limit_margin_s": NON_NEGATIVE,
     "cpu_threads": AT_LEAST_1,
     "fault_injection.kill_rank_at_step": AT_LEAST_1,
     "fault_injection.kill_rank": NON_NEGATIVE,

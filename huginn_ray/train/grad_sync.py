@@ -265,8 +265,9 @@ class Hierarchical:
                     self.buffer[s.chunk_offset : s.chunk_offset + s.count]
                 )
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Global L2 norm of the averaged gradients (the node's owners hold them all), and clip them."""
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the averaged gradients (the node's owners hold them all) as a device scalar, and
+        clip them."""
         grads = [self.params[i].grad for i in self.owned if self.params[i].grad is not None]
         device = self.params[0].device
         local = torch.stack([g.detach().float().norm(2) for g in grads]).square().sum() if grads else \
@@ -278,7 +279,7 @@ class Hierarchical:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.device, g.dtype))
-        return total.item()
+        return total
 
 
 class DDPSync:

@@ -7,6 +7,8 @@ the run plan the workers share. `run_training` opens the MLflow run and runs the
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +126,7 @@ def preflight(cfg: TrainConfig) -> dict:
               f"(the schedule is laid out for {schedule_steps} steps)", flush=True)
     precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if cfg.scaling.use_gpu else "fp32")
     return {
+        "stop_at_unix": stop_at_unix(cfg, time.time(), os.environ),
         "world_size": world_size,
         "grad_accum": grad_accum,
         "schedule_steps": schedule_steps,
@@ -133,6 +136,30 @@ def preflight(cfg: TrainConfig) -> dict:
         "precision": precision,
         "model_config": model_cfg.to_hf_dict(),
     }
+
+
+JOB_END_TIME_ENV = "HUGINN_JOB_END_TIME"
+"""Unix time at which the allocation ends (exported by cluster_yamls/frontier.sbatch from squeue)."""
+
+
+def stop_at_unix(cfg: TrainConfig, start: float, environ: dict) -> float | None:
+    """When the workers must have saved and stopped: the earlier of `start + time_limit_s` and the allocation's
+    end, minus time_limit_margin_s; None without a budget."""
+    ends = [start + cfg.time_limit_s] if cfg.time_limit_s else []
+    if environ.get(JOB_END_TIME_ENV):
+        try:
+            ends.append(float(environ[JOB_END_TIME_ENV]))
+        except ValueError:
+            raise PreflightError(f"{JOB_END_TIME_ENV}={environ[JOB_END_TIME_ENV]!r} is not a Unix time") from None
+    if not ends:
+        return None
+    stop_at = min(ends) - cfg.time_limit_margin_s
+    if stop_at <= start:
+        raise PreflightError(
+            f"no time left: the budget ends {min(ends) - start:.0f} s from now (time_limit_s={cfg.time_limit_s}, "
+            f"{JOB_END_TIME_ENV}={environ.get(JOB_END_TIME_ENV)}), less than time_limit_margin_s="
+            f"{cfg.time_limit_margin_s:g}")
+    return stop_at
 
 
 @dataclass
@@ -159,7 +186,7 @@ def run_training(cfg: TrainConfig, plan: dict, ray_train_log_level: str = "INFO"
     backend = distributed_backend(torch.device("cuda" if cfg.scaling.use_gpu else "cpu"))
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": to_dict(cfg), "plan": plan},
+        train_loop_config={"cfg": to_dict(cfg), "plan": plan, "log_level": ray_train_log_level},
         torch_config=TorchConfig(backend=backend, timeout_s=cfg.pg_timeout_s),
         scaling_config=ScalingConfig(
             num_workers=cfg.scaling.num_workers,
@@ -186,12 +213,16 @@ def run_training(cfg: TrainConfig, plan: dict, ray_train_log_level: str = "INFO"
         metrics = dict(result.metrics or {})
         checkpoint_path = result.checkpoint.path if result.checkpoint else None
         ok = not stopped.exists()
+        reason = metrics.get("stop_reason")
+        step = metrics.get("step")
         message = stopped.read_text().strip() if not ok else (
-            f"stopped on request at step {metrics.get('step')}; rerun to resume" if metrics.get("stop_requested")
-            else f"finished at step {metrics.get('step')}"
+            f"stopped on request at step {step}; rerun to resume" if reason == "request"
+            else f"stopped at the time limit at step {step}; rerun to resume" if reason == "time limit"
+            else f"finished at step {step}"
         )
-        # stopped on request (SIGTERM, preemption): KILLED, and a rerun continues the same MLflow run
-        status = "FAILED" if not ok else "KILLED" if metrics.get("stop_requested") else "FINISHED"
+        # stopped on request or at the time limit (SIGTERM, preemption): KILLED, and a rerun continues the same
+        # MLflow run
+        status = "FAILED" if not ok else "KILLED" if reason else "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
         raise

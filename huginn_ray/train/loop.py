@@ -1,13 +1,18 @@
 """The per-worker training loop that Ray Train runs on every rank (reference §3.3-§3.4, §3.9-§3.11).
 
-One step: sample the depth (n, k) from the step (the same on every rank), forward+backward every micro-batch,
-exchange gradients (fp32 mean), clip, set the scheduled lr in every group, step (not the first one), then log,
-validate and checkpoint on their intervals. All ranks agree on stopping: the step's loss, its finiteness and a
-SIGTERM flag travel in one small all-reduce.
+One step: read and check the step's micro-batches on the host, sample the depth (n, k) from the step (the same on
+every rank), forward+backward every micro-batch, exchange gradients (fp32 mean), clip, set the scheduled lr in
+every group, step (not the first one), then log, validate and checkpoint on their intervals.
+
+All ranks decide alike with one small all-reduce per step, read once by the host (the step's only host sync):
+the loss, whether the loss or gradient norm is non-finite, a stop request (SIGTERM, the Slurm signal), the time
+budget running out, and a rank that could not read its data. A data error therefore stops every rank at the same
+step, within seconds, instead of leaving 4095 ranks waiting for the process-group timeout.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -39,7 +44,18 @@ from huginn_ray.train.warmup import register_node, warmup_allreduce
 
 
 class Stop(Exception):
-    """The run stops on purpose (non-finite loss or gradient with on_nonfinite=stop)."""
+    """The run stops on purpose, on every rank at the same step: a non-finite loss or gradient with
+    on_nonfinite=stop, or a rank that cannot read its data. Not retried by Ray: it would only fail again."""
+
+    def __init__(self, message: str, reporter: bool):
+        super().__init__(message)
+        self.reporter = reporter
+        """This rank's message explains the stop; it writes it for the driver (the STOPPED file)."""
+
+
+# pyarrow's read errors are OSError (ArrowIOError) or ValueError (ArrowInvalid); collate raises ValueError for ids
+# outside the vocabulary; StopIteration is an exhausted shard
+DATA_ERRORS = (OSError, ValueError, StopIteration)
 
 
 def stop_file(cfg: TrainConfig) -> Path:
@@ -50,12 +66,23 @@ def stop_file(cfg: TrainConfig) -> Path:
     return cfg.run_dir / "STOP"
 
 
+STOP_FILE_ENV = "HUGINN_STOP_FILE"
+"""A second stop file, named by the cluster (cluster_yamls/frontier.sbatch creates it on Slurm's signal)."""
+
+
+def stop_files(cfg: TrainConfig) -> list[Path]:
+    return [stop_file(cfg)] + ([Path(os.environ[STOP_FILE_ENV])] if os.environ.get(STOP_FILE_ENV) else [])
+
+
 def stopped_file(cfg: TrainConfig) -> Path:
     """Written by rank 0 when the run stops on purpose; holds the reason."""
     return cfg.run_dir / "STOPPED"
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
+    # Ray Train sends the worker's root logger to the console at INFO; some of Ray's own loggers hang off the root
+    # (one, named by its file path, logs "Reporting training result ..." at every checkpoint): the run's level
+    logging.getLogger().setLevel(loop_config.get("log_level", "INFO"))
     cfg = from_dict(TrainConfig, loop_config["cfg"])
     try:
         _train(cfg, loop_config["plan"])
@@ -64,7 +91,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         # raising keeps Ray Train from restarting a run that would only fail again; the driver learns why
         # from the file (Ray's result carries the metrics of the last checkpoint only).
         print(f"[huginn] {stop}", flush=True)
-        if ray.train.get_context().get_world_rank() == 0:
+        if stop.reporter:
             stopped_file(cfg).parent.mkdir(parents=True, exist_ok=True)
             stopped_file(cfg).write_text(str(stop) + "\n")
     finally:
@@ -124,10 +151,15 @@ class StepResult:
     num_steps: tuple[int, int]
     """Depth (n, k) of the step's last micro-batch."""
     telemetry: dict | None
-    stop_requested: bool
-    """Some rank saw a stop request: save and stop after this step."""
+    stop_reason: str | None
+    """Save and stop after this step: "request" (a rank saw the STOP file: SIGTERM, the Slurm signal) or
+    "time limit" (a rank found the time budget running out); None: go on."""
     depths: list = None
     """Depth (n, k) of every micro-batch of the step."""
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.stop_reason is not None
 
 
 def micro_step(step: int, micro: int, grad_accum: int) -> int:
@@ -137,26 +169,28 @@ def micro_step(step: int, micro: int, grad_accum: int) -> int:
 
 
 def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: torch.device,
-               want_telemetry: bool = False, stop_here: bool = False) -> StepResult:
-    """One optimizer step (reference §3.4): identical depth on all ranks, micro-batches, exchange, clip, step."""
+               want_telemetry: bool = False, stop_here: bool = False, time_up: bool = False) -> StepResult:
+    """One optimizer step (reference §3.4): identical depth on all ranks, micro-batches, exchange, clip, step.
+
+    `stop_here` / `time_up`: this rank asks every rank to save and stop after this step (the STOP file, the time
+    budget). Losses and the gradient norm stay on the device until the step's one all-reduce is read."""
     grad_accum = plan["grad_accum"]
+    batches, data_error = read_batches(c, cfg, plan, grad_accum)
     telemetry = None
-    local_loss = 0.0
+    local_loss = torch.zeros((), dtype=torch.float64, device=device)
     depths = []
-    for micro in range(grad_accum):
+    for micro, (inputs, labels) in enumerate(batches):
         # every micro-batch draws its own depth from its micro-batch step (the same on every rank)
         n, k = sample_recurrence(micro_step(step, micro, grad_accum), c.model_cfg.mean_recurrence,
                                  c.model_cfg.mean_backprop_depth)
         depths.append((n, k))
-        inputs, labels = collate(c.reader.next_rows(cfg.micro_batch_size), plan["pad_id"], plan["eos_id"],
-                         c.model_cfg.vocab_size)
         inputs, labels = inputs.to(device), labels.to(device)
         last = micro == grad_accum - 1
         with c.sync.micro_batch(last=last):
             with c.autocast:
                 out = c.sync.module(inputs, labels=labels, num_steps=(n, k), return_telemetry=want_telemetry and last)
             (out.loss / grad_accum).backward()
-        local_loss += out.loss.item() / grad_accum
+        local_loss += out.loss.detach().double() / grad_accum
         telemetry = out.telemetry or telemetry
     c.sync.finish()
 
@@ -166,31 +200,81 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
                       plan["schedule_steps"] * grad_accum, cfg.schedule.min_lr)
     set_lr(c.optimizer, lr, cfg.schedule.reference_lr_quirk, c.resumed)
     grad_norm = clip_gradients(c, cfg.grad_clip)
-    # one small all-reduce carries the loss, the finiteness of loss and gradient norm, and a stop request:
-    # every rank decides alike, also if only one rank saw a non-finite value
-    nonfinite = not (math.isfinite(local_loss) and math.isfinite(grad_norm))
-    agreed = torch.tensor([local_loss, float(nonfinite), float(stop_here)], dtype=torch.float64, device=device)
+
+    # the step's agreement: [loss sum, non-finite ranks, stop requests, time-ups, data errors, grad norm (rank 0's)];
+    # built on the device (no host round trip), reduced once, read once
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    agreed = torch.zeros(6, dtype=torch.float64, device=device)
+    agreed[0] = local_loss
+    agreed[1] = ~(torch.isfinite(local_loss) & torch.isfinite(grad_norm))
+    for index, flag in ((2, stop_here), (3, time_up), (4, data_error is not None)):
+        if flag:
+            agreed[index] = 1.0
+    if rank == 0:
+        agreed[5] = grad_norm
     dist.all_reduce(agreed)
-    world_size = dist.get_world_size()
-    loss = agreed[0].item() / world_size
-    if agreed[1].item() > 0:
+    loss_sum, nonfinite_ranks, stop_ranks, time_up_ranks, data_error_ranks, grad_norm = agreed.tolist()
+    loss = loss_sum / world_size
+
+    if data_error_ranks:
+        c.optimizer.zero_grad(set_to_none=True)
+        raise data_error_stop(f"step {step}", data_error, int(data_error_ranks), device)
+    if nonfinite_ranks:
         message = f"step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm})"
         if cfg.on_nonfinite == "stop":
-            raise Stop(f"{message}; stopping (on_nonfinite=stop)")
-        if dist.get_rank() == 0:
+            raise Stop(f"{message}; stopping (on_nonfinite=stop)", reporter=rank == 0)
+        if rank == 0:
             print(f"[huginn] {message}; optimizer step skipped (on_nonfinite=skip)", flush=True)
     elif not (step == 1 and cfg.skip_first_optimizer_step):
         c.optimizer.step()
     c.optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, lr, grad_norm, (n, k), telemetry, agreed[2].item() > 0, depths)
+    stop_reason = "request" if stop_ranks else "time limit" if time_up_ranks else None
+    return StepResult(loss, lr, grad_norm, (n, k), telemetry, stop_reason, depths)
 
 
-def clip_gradients(c: Components, max_norm: float) -> float:
-    """Global L2 norm of the averaged gradients before clipping; the hierarchical exchange leaves each rank only
-    the gradients it owns and computes the norm over the node."""
+def read_batches(c: Components, cfg: TrainConfig, plan: dict, grad_accum: int) -> tuple[list, str | None]:
+    """The step's micro-batches (inputs, labels), read and checked on the host before any compute.
+
+    A rank that cannot read its data trains this one step on zeros, so that every collective of the step still
+    meets, and reports the error (rank and file) through the step's all-reduce."""
+    try:
+        return [collate(c.reader.next_rows(cfg.micro_batch_size), plan["pad_id"], plan["eos_id"],
+                        c.model_cfg.vocab_size) for _ in range(grad_accum)], None
+    except DATA_ERRORS as err:
+        zeros = torch.zeros(cfg.micro_batch_size, cfg.block_size, dtype=torch.long)
+        return [(zeros, zeros)] * grad_accum, f"{c.reader.path}: {type(err).__name__}: {err}"
+
+
+def stop_if_a_rank_cannot_read(error: str | None, device: torch.device) -> None:
+    """At startup (one all-reduce): every rank stops if any rank could not read its data."""
+    failed = torch.tensor([float(error is not None)], device=device)
+    dist.all_reduce(failed)
+    if failed.item():
+        raise data_error_stop("startup", error, int(failed.item()), device)
+
+
+def data_error_stop(when: str, error: str | None, failed_ranks: int, device: torch.device) -> Stop:
+    """The Stop every rank raises after `failed_ranks` ranks could not read their data; the lowest failing rank
+    (one more small all-reduce, on this error path only) reports its error to the driver."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    first = torch.tensor([rank if error is not None else world_size], device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    first = int(first.item())
+    advice = ("a data error is not retried: fix or regenerate the shard, then rerun to resume from the last "
+              "checkpoint")
+    if error is not None:
+        return Stop(f"{when}: rank {rank} cannot read its data: {error}; every rank stops "
+                    f"({failed_ranks} rank(s) failed; {advice})", reporter=rank == first)
+    return Stop(f"{when}: rank {first} cannot read its data (its message names the file); every "
+                f"rank stops ({failed_ranks} rank(s) failed; {advice})", reporter=False)
+
+
+def clip_gradients(c: Components, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the averaged gradients before clipping, as a device scalar; the hierarchical exchange
+    leaves each rank only the gradients it owns and computes the norm over the node."""
     if hasattr(c.sync, "clip_grad_norm_"):
         return c.sync.clip_grad_norm_(max_norm)
-    return torch.nn.utils.clip_grad_norm_(c.model.parameters(), max_norm).item()
+    return torch.nn.utils.clip_grad_norm_(c.model.parameters(), max_norm)
 
 
 def _train(cfg: TrainConfig, plan: dict) -> None:
@@ -206,10 +290,15 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
                                "per node (set grad_sync.node_size to override)")
     c = build_components(cfg, plan, rank, device, local_world_size=ctx.get_local_world_size())
     model, optimizer, reader = c.model, c.optimizer, c.reader
-    val_inputs, val_labels = collate(
-        validation_rows(cfg.data.data_dir, rank, cfg.eval_iters * cfg.micro_batch_size, cfg.block_size + 1),
-        plan["pad_id"], plan["eos_id"], c.model_cfg.vocab_size,
-    )
+    read_error = None
+    try:
+        val_inputs, val_labels = collate(
+            validation_rows(cfg.data.data_dir, rank, cfg.eval_iters * cfg.micro_batch_size, cfg.block_size + 1),
+            plan["pad_id"], plan["eos_id"], c.model_cfg.vocab_size,
+        )
+    except DATA_ERRORS as err:
+        read_error = f"validation data: {type(err).__name__}: {err}"
+    stop_if_a_rank_cannot_read(read_error, device)
 
     state = ckpt.TrainerState(mlflow_run_id=plan["mlflow_run_id"], world_size=world_size)
     checkpoint = ray.train.get_checkpoint()
@@ -230,13 +319,17 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
     tokens_per_step = world_size * cfg.micro_batch_size * plan["grad_accum"] * cfg.block_size
     window = LogWindow()
     start_step = state.step
+    step_seconds = 0.0
 
     while state.step < max_steps:
         state.step += 1
         step = state.step
         log_step = step % cfg.log_step_interval == 0 or step == max_steps
+        step_start = time.time()
         result = train_step(c, step, cfg, plan, device, want_telemetry=cfg.telemetry and log_step,
-                            stop_here=rank == 0 and stop_file(cfg).exists())
+                            stop_here=rank == 0 and any(path.exists() for path in stop_files(cfg)),
+                            time_up=rank == 0 and time_is_up(plan.get("stop_at_unix"), step_start, step_seconds))
+        step_seconds = time.time() - step_start
         state.tokens += tokens_per_step
         flops = sum(training_flops_per_token(c.model_cfg, depth, cfg.block_size) for depth in result.depths)
         window.add(result, flops / len(result.depths) * tokens_per_step, tokens_per_step)
@@ -253,16 +346,25 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
                 logger.log(val, step)
                 log_validation_plot(plan["mlflow_uri"], state.mlflow_run_id, val, step, c.model_cfg.mean_recurrence)
                 print(f"[huginn] step {step} validation " + " ".join(f"{k}={v:.4f}" for k, v in val.items()), flush=True)
-        stop_requested = result.stop_requested
         if (step % cfg.checkpoint.save_step_interval == 0 or (last_step and cfg.checkpoint.save_last_step)
-                or stop_requested):
-            save(model, optimizer, state, reader, rank, device, result.loss, stop_requested)
-        if stop_requested:
+                or result.stop_requested):
+            save(model, optimizer, state, reader, rank, device, result.loss, result.stop_reason)
+        if result.stop_requested:
             if rank == 0:
-                print(f"[huginn] stop requested ({stop_file(cfg)}): saved step {step}, stopping", flush=True)
-                stop_file(cfg).unlink(missing_ok=True)
+                cause = f"stop requested ({', '.join(map(str, stop_files(cfg)))})" \
+                    if result.stop_reason == "request" else \
+                    f"time budget ends in less than {cfg.time_limit_margin_s:g} s + two steps"
+                print(f"[huginn] {cause}: saved step {step}, stopping", flush=True)
+                for path in stop_files(cfg):
+                    path.unlink(missing_ok=True)
             return
         inject_fault(cfg, rank, step, start_step)
+
+
+def time_is_up(stop_at_unix: float | None, now: float, step_seconds: float) -> bool:
+    """True when the step about to run and one more would end past `stop_at_unix` (the driver's time budget
+    minus the checkpoint margin): this step is the last, and its checkpoint is saved in time."""
+    return stop_at_unix is not None and now + 2 * step_seconds >= stop_at_unix
 
 
 class LogWindow:
@@ -347,14 +449,14 @@ def validate(model, inputs, labels, cfg, plan, device, autocast) -> dict:
     return metrics
 
 
-def save(model, optimizer, state, reader, rank, device, loss, stop_requested: bool) -> None:
+def save(model, optimizer, state, reader, rank, device, loss, stop_reason: str | None) -> None:
     """Write this rank's part into a local directory, then let Ray Train upload it in the background
     (CheckpointUploadMode.ASYNC; Ray deletes the local copy after the upload): ranks do not wait on storage.
     The files are complete before `report`, so the checkpoint's content, and an exact resume, do not change."""
     directory = tempfile.mkdtemp(prefix="huginn_ckpt_")
     ckpt.write(Path(directory), rank, model, optimizer, state, reader.state_dict(), device)
     ray.train.report(
-        {"step": state.step, "loss": loss, "tokens": state.tokens, "stop_requested": stop_requested},
+        {"step": state.step, "loss": loss, "tokens": state.tokens, "stop_reason": stop_reason or ""},
         checkpoint=ray.train.Checkpoint.from_directory(directory),
         checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
     )
