@@ -111,8 +111,8 @@ def preflight(cfg: TrainConfig) -> dict:
     except ShardCheckError as err:
         raise PreflightError(str(err)) from None
     print(f"[huginn] shards checked: {shards.files} footers in {shards.seconds:.1f} s ({shards.threads} threads)"
-          + (f"; {shards.row_groups_without_statistics} row groups carry no id statistics (ids not range-checked "
-             "before training)" if shards.row_groups_without_statistics else ""), flush=True)
+          + (f"; {shards.row_groups_without_statistics} row groups carry no id statistics (their ids are "
+             "range-checked by collate during training only)" if shards.row_groups_without_statistics else ""), flush=True)
 
     grad_accum, schedule_steps = batch_arithmetic(cfg)
     rows = manifest["rows_per_shard"]["train"]  # every shard holds the same number of rows
