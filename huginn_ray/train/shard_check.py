@@ -1,8 +1,8 @@
 """The preflight's check of every train and val shard, from the parquet footers only (never the data pages).
 
 A run of W workers reads 2W shard files (`<data_dir>/{train,val}/{rank:05d}.parquet`). Each one is opened and
-its footer read, in a thread pool (footer reads wait on the filesystem, not on the CPU), and held to the
-manifest:
+its footer read, in a thread pool (the reads wait on the filesystem; the threads overlap the waits), and held
+to the manifest:
 
 - the file exists and its footer parses (a file cut short has no footer);
 - `num_rows` == the manifest's `rows_per_shard[split]`;
@@ -14,8 +14,10 @@ manifest:
 - where the chunk statistics carry min/max, every id lies in [0, vocab_size) of the manifest (which must not
   exceed the model's: checked first, without opening a file).
 
-Cost: 2W x one footer read (a few KiB: one open, two small reads), `threads` at a time. The first bad file in
-(train, val) x rank order is reported, however the threads finish.
+Cost: 2W x (one open and a read of the footer: 0.6 KiB for a shard of two row groups, 80 KiB for a Frontier train
+shard of 745) with `threads` in flight, plus about 2 µs of Python per row group, which holds the GIL
+(BENCHMARKS.md: 8,192 Frontier-sized shards in 18 s on 2 busy cores). The first bad file in (train, val) x rank
+order is reported, however the threads finish.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from huginn_ray.data.shards import SPLITS, shard_path
+from huginn_ray.data.shards import MANIFEST, SPLITS, shard_path
 from huginn_ray.data.tokens import arrow_type
 
 COLUMN = "input_ids"
-DEFAULT_THREADS = 32  # footer reads are latency-bound (a parallel filesystem: ~1 ms each), not CPU-bound
+DEFAULT_THREADS = 32  # footer reads mostly wait on the filesystem; this many in flight overlap the waits (BENCHMARKS.md)
 
 
 class ShardCheckError(ValueError):
@@ -58,7 +60,7 @@ def check_shards(data_dir: str | Path, manifest: dict, world_size: int, model_vo
     vocab_size = manifest["vocab_size"]
     if vocab_size > model_vocab_size:
         raise ShardCheckError(
-            f"{Path(data_dir) / 'manifest.json'}: the shards were made with a vocabulary of {vocab_size} ids "
+            f"{Path(data_dir) / MANIFEST}: the shards were made with a vocabulary of {vocab_size} ids "
             f"(vocab_size), the model has vocab_size={model_vocab_size}"
         )
     expected = {
