@@ -34,7 +34,7 @@ from huginn_ray.data.shards import MANIFEST, SPLITS, shard_path
 from huginn_ray.data.tokens import arrow_type
 
 COLUMN = "input_ids"
-DEFAULT_THREADS = 32  # footer reads mostly wait on the filesystem; this many in flight overlap the waits (BENCHMARKS.md)
+DEFAULT_THREADS = 32  # footer reads mostly wait on the filesystem; this many in flight overlap the waits
 
 
 class ShardCheckError(ValueError):
