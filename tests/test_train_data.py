@@ -131,6 +131,18 @@ def test_collate_shifts_and_replaces_pad_by_eos_in_inputs_only():
     assert labels.tolist() == [[2, 9, 3, 9], [9, 5, 6, 7]]
 
 
+def test_collate_checks_labels_too_and_replaces_pad_in_inputs_only_with_high_special_ids():
+    """Special ids >= 32 (pad 40, eos 33, vocabulary 64); the last id of a row is a label and never an input."""
+    rows = np.array([[1, 40, 2, 50, 40], [40, 33, 63, 3, 4]], dtype=np.int32)
+    inputs, labels = collate(rows, pad_id=40, eos_id=33, vocab_size=64)
+    assert inputs.tolist() == [[1, 33, 2, 50], [33, 33, 63, 3]]
+    assert labels.tolist() == [[40, 2, 50, 40], [33, 63, 3, 4]]
+    rows[1, 4] = 64  # only ever a label
+    with pytest.raises(ValueError, match=r"^token id 64 at \(row 1, position 4\) of the batch is outside the "
+                                         r"model's vocabulary \[0, 64\)"):
+        collate(rows, pad_id=40, eos_id=33, vocab_size=64)
+
+
 def test_validation_rows_are_the_first_rows_of_the_rank_s_val_shard(tmp_path):
     data_dir, _ = make_dataset(tmp_path, num_shards=2, rows_per_shard=20, val_rows=40, row_group_size=16)
     rows = validation_rows(data_dir, rank=1, count=20, row_length=33)

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import ray
 
 from huginn_ray.config import ConfigError
+from huginn_ray.data.shards import shard_path
+from huginn_ray.data.tokens import parquet_options, row_schema, rows_to_arrow
 from huginn_ray.train.config import load_train_config
 from huginn_ray.train.launch import PreflightError, batch_arithmetic, preflight
-from test_train_data import make_dataset, make_tokenizer
+from huginn_ray.train.shard_check import check_shards
+from test_train_data import make_dataset, make_tokenizer, write_shard
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs/train/tiny_cpu.yaml"
@@ -112,3 +120,109 @@ def test_frontier_config_holds_the_original_run():
     assert (cfg.schedule.warmup_steps, cfg.schedule.cooldown_steps) == (4096, 4096)
     assert cfg.checkpoint.save_step_interval == 128 and cfg.eval_step_interval == 128
     assert batch_arithmetic(cfg) == (1, 238_418)  # §3.2
+
+
+# Bad shards: every shard's footer is held to the manifest before Ray starts (huginn_ray/train/shard_check.py).
+# Each test spoils a fresh copy of the dataset: 2 ranks, train 40 rows in row groups of 16 (16, 16, 8), val 16
+# rows, seq_len 32 (rows of 33 ids), int32 ids in [0, 32), manifest vocab_size 64, model vocab_size 64.
+
+
+@pytest.fixture
+def fresh(tmp_path):
+    return make_dataset(tmp_path / "fresh", num_shards=2, rows_per_shard=40, seq_len=32)
+
+
+def rows_of(path: Path) -> np.ndarray:
+    return np.array(pq.read_table(path).column("input_ids").to_pylist(), dtype=np.int32)
+
+
+def refused(dataset, tmp_path, message: str) -> None:
+    """preflight raises PreflightError with exactly `message`."""
+    with pytest.raises(PreflightError) as err:
+        preflight(tiny(dataset, tmp_path))
+    assert str(err.value) == message
+
+
+def test_truncated_shard_is_refused_naming_the_first_bad_file(fresh, tmp_path):
+    data_dir = fresh[0]
+    for split, rank in (("val", 0), ("train", 1)):  # two bad files: the first in (train, val) x rank order is named
+        path = shard_path(data_dir, split, rank)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(PreflightError) as err:
+        preflight(tiny(fresh, tmp_path))
+    assert str(err.value).startswith(f"{shard_path(data_dir, 'train', 1)}: not a readable parquet file (truncated or "
+                                     "corrupt?): ")
+
+
+def test_missing_shard_is_refused_naming_its_rank(fresh, tmp_path):
+    shard_path(fresh[0], "val", 1).unlink()
+    refused(fresh, tmp_path, f"missing shard of rank 1: {shard_path(fresh[0], 'val', 1)}")
+
+
+def test_shard_with_another_row_count_than_the_manifest_is_refused(fresh, tmp_path):
+    path = shard_path(fresh[0], "train", 1)
+    write_shard(path, rows_of(path)[:39], row_group_size=16)
+    refused(fresh, tmp_path, f"{path}: 39 rows, the manifest says 40 (rows_per_shard)")
+
+
+@pytest.mark.parametrize("column, found", [
+    (pa.array([[1] * 33] * 16, pa.list_(pa.int64())), "list<element: int64>"),
+    (pa.array(["t1 t2"] * 16), "string"),
+])
+def test_shard_column_of_another_type_than_the_manifest_s_is_refused(fresh, tmp_path, column, found):
+    path = shard_path(fresh[0], "val", 0)
+    pq.write_table(pa.table({"input_ids": column}), path)
+    refused(fresh, tmp_path, f"{path}: column 'input_ids' is {found}, the manifest's token_dtype needs list<int32>")
+
+
+def test_shard_rows_of_another_length_are_refused(fresh, tmp_path):
+    path = shard_path(fresh[0], "val", 1)
+    write_shard(path, np.zeros((16, 34), np.int32), row_group_size=16)  # made with seq_len 33
+    refused(fresh, tmp_path, f"{path}: row group 0 holds 544 ids in 16 rows, expected 16 x 33 (seq_len + 1) = 528")
+
+
+def test_shard_with_empty_or_null_rows_is_refused(fresh, tmp_path):
+    path = shard_path(fresh[0], "train", 0)
+    rows = rows_of(path).tolist()
+    rows[20], rows[21] = [], None  # both in row group 1
+    pq.write_table(pa.table({"input_ids": pa.array(rows, pa.list_(pa.int32()))}), path, row_group_size=16)
+    refused(fresh, tmp_path, f"{path}: row group 1 holds 2 empty or null rows or ids, expected 16 rows of 33 ids "
+                             "(seq_len + 1)")
+
+
+def test_manifest_vocabulary_larger_than_the_model_s_is_refused(fresh, tmp_path):
+    manifest = fresh[0] / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "vocab_size": 128}))
+    refused(fresh, tmp_path, f"{manifest}: the shards were made with a vocabulary of 128 ids (vocab_size), "
+                             "the model has vocab_size=64")
+
+
+def test_out_of_vocabulary_id_is_caught_by_the_footer_statistics(fresh, tmp_path):
+    path = shard_path(fresh[0], "train", 1)
+    rows = rows_of(path)
+    rows[37, 32] = 64  # row group 2 (rows 32..39), last position: a label only
+    write_shard(path, rows, row_group_size=16)
+    refused(fresh, tmp_path, f"{path}: row group 2 holds token id 64 (statistics: min {rows[32:].min()}, max 64), "
+                             "outside the manifest's vocabulary [0, 64)")
+
+
+def test_shards_without_statistics_pass_and_are_counted(fresh, tmp_path, capsys):
+    path = shard_path(fresh[0], "train", 0)
+    pq.write_table(pa.table({"input_ids": pa.array(list(rows_of(path)), pa.list_(pa.int32()))}), path,
+                   row_group_size=16, write_statistics=False)
+    preflight(tiny(fresh, tmp_path))
+    assert re.search(r"shards checked: 4 footers in [0-9.]+ s \(32 threads\); 3 row groups carry no id statistics",
+                     capsys.readouterr().out)
+
+
+def test_shards_of_the_project_s_own_writer_pass(tmp_path):
+    """uint16 rows as huginn_ray.data.shards writes them (BYTE_STREAM_SPLIT, zstd), some rows ending in padding."""
+    rows = np.arange(24 * 9, dtype=np.uint16).reshape(24, 9) % 300
+    rows[5, 4:] = 299  # a padded row
+    table = pa.table({"input_ids": rows_to_arrow(rows, "uint16")}, schema=row_schema("uint16"))
+    for split in ("train", "val"):
+        shard_path(tmp_path, split, 0).parent.mkdir(parents=True)
+        pq.write_table(table, shard_path(tmp_path, split, 0), row_group_size=10, **parquet_options(table))
+    manifest = {"seq_len": 8, "token_dtype": "uint16", "vocab_size": 300, "rows_per_shard": {"train": 24, "val": 24}}
+    summary = check_shards(tmp_path, manifest, world_size=1, model_vocab_size=320)
+    assert (summary.files, summary.row_groups_without_statistics) == (2, 0)

@@ -1,7 +1,8 @@
 """Driver side of a training run: check everything cheap first, then start Ray Train workers.
 
 `preflight` refuses bad input (missing data, shard count != world size, tokenizer larger than the model's
-vocabulary, sequence length mismatch, impossible batch arithmetic) before any Ray worker starts, and derives
+vocabulary, sequence length mismatch, impossible batch arithmetic, a shard whose footer does not match the
+manifest: huginn_ray/train/shard_check.py) before any Ray worker starts, and derives
 the run plan the workers share. `run_training` opens the MLflow run and runs the TorchTrainer.
 """
 
@@ -18,12 +19,13 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from huginn_ray.cluster.devices import DeviceSelectionError, check_ray_train_gpu_environment, distributed_backend
 from huginn_ray.config import to_dict
-from huginn_ray.data.shards import read_manifest, shard_path
+from huginn_ray.data.shards import read_manifest
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, check_tokenizer_fits, file_sha256, special_token_ids
 from huginn_ray.model import ModelConfig
 from huginn_ray.train import tracking
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.memory import GIB, plan_memory
+from huginn_ray.train.shard_check import ShardCheckError, check_shards
 from huginn_ray.train.loop import stop_file, stopped_file, train_loop_per_worker
 
 
@@ -80,10 +82,6 @@ def preflight(cfg: TrainConfig) -> dict:
             f"{data_dir} holds {manifest['num_shards']} shards but the run has {world_size} workers "
             f"(scaling.num_workers): every rank reads exactly one shard"
         )
-    for split in ("train", "val"):
-        for rank in range(world_size):
-            if not shard_path(data_dir, split, rank).is_file():
-                raise PreflightError(f"missing shard of rank {rank}: {shard_path(data_dir, split, rank)}")
     if manifest["seq_len"] != cfg.block_size:
         raise PreflightError(f"block_size={cfg.block_size} but the shards in {data_dir} hold seq_len={manifest['seq_len']}")
 
@@ -109,6 +107,14 @@ def preflight(cfg: TrainConfig) -> dict:
             f"data.tokenizer_path: {tokenizer_file} is not the tokenizer the shards in {data_dir} were made with "
             f"(manifest tokenizer_sha256 {manifest['tokenizer_sha256'][:12]}..., file {file_sha256(tokenizer_file)[:12]}...)"
         )
+    # the one check that opens 2 x world_size files: after every check that reads only the config and the manifest
+    try:
+        shards = check_shards(data_dir, manifest, world_size, model_cfg.vocab_size)
+    except ShardCheckError as err:
+        raise PreflightError(str(err)) from None
+    print(f"[huginn] shards checked: {shards.files} footers in {shards.seconds:.1f} s ({shards.threads} threads)"
+          + (f"; {shards.row_groups_without_statistics} row groups carry no id statistics (their ids are "
+             "range-checked by collate during training only)" if shards.row_groups_without_statistics else ""), flush=True)
 
     grad_accum, schedule_steps = batch_arithmetic(cfg)
     rows = manifest["rows_per_shard"]["train"]  # every shard holds the same number of rows
