@@ -64,14 +64,15 @@ def quiet_local_ray(verbose: bool = False) -> None:
 def local_ray_init_kwargs(verbose: bool = False, dashboard: bool = True) -> dict:
     """Keyword arguments of `ray.init` for a local single-node Ray started by a job. Jobs without Ray Train
     (data preparation, evaluation) need no dashboard: nothing queries the state API there."""
+    return dict(include_dashboard=dashboard, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
+                **ray_connect_kwargs(verbose))
+
+
+def ray_connect_kwargs(verbose: bool = False) -> dict:
+    """Keyword arguments of `ray.init` for this job's console, also when it connects to a running Ray."""
     import ray
 
-    kwargs = dict(
-        include_dashboard=dashboard,
-        dashboard_host="127.0.0.1",
-        _node_ip_address="127.0.0.1",
-        log_to_driver=True,  # the workers' own lines (progress, errors) reach the console
-    )
+    kwargs = dict(log_to_driver=True)  # the workers' own lines (progress, errors) reach the console
     if not verbose:
         kwargs["logging_level"] = logging.ERROR
         kwargs["logging_config"] = ray.LoggingConfig(encoding="TEXT", log_level="ERROR")

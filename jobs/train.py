@@ -23,7 +23,8 @@ if not os.environ.get("RAY_ADDRESS"):
 
 import ray  # noqa: E402
 
-from huginn_ray.cluster.local_ray import init_local_ray  # noqa: E402
+from huginn_ray.cluster.local_ray import LocalRayHead  # noqa: E402
+from huginn_ray.console import ray_connect_kwargs  # noqa: E402
 from huginn_ray.config import ConfigError  # noqa: E402
 from huginn_ray.train.config import load_train_config
 from huginn_ray.train.launch import PreflightError, preflight, run_training
@@ -71,17 +72,19 @@ def _run(cfg, verbose: bool) -> int:
     except PreflightError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    local_ray_dir = None
+    local_ray_dir = head = None
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])
     else:
         # a short private temp dir: other Ray instances may share /tmp/ray, and socket paths are limited
         local_ray_dir = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
-        # token auth: Ray listens on every interface; the dashboard serves Ray Train's state queries
-        init_local_ray(verbose=verbose, dashboard=True, _temp_dir=local_ray_dir)
+        # in a session of its own, with token auth (Ray listens on every interface): see LocalRayHead
+        head = LocalRayHead(local_ray_dir, verbose=verbose)
+        ray.init(address=head.address, **ray_connect_kwargs(verbose))
         if not verbose:
             print(f"[huginn] Ray's own INFO/WARNING lines go to {local_ray_dir}/session_latest/logs, kept if the "
                   f"run fails (--verbose shows them here)", flush=True)
+    stop_file(cfg).unlink(missing_ok=True)  # left by an earlier attempt that this rerun resumes
     signal.signal(signal.SIGTERM, lambda signum, frame: request_stop(cfg))
     print(f"[huginn] training {cfg.run_name}: {plan['max_steps']} steps, {cfg.scaling.num_workers} workers, "
           f"model {cfg.model.name}, {plan['precision']}{', compiled blocks' if cfg.compile else ''}", flush=True)
@@ -89,8 +92,9 @@ def _run(cfg, verbose: bool) -> int:
     try:
         outcome = run_training(cfg, plan, ray_train_log_level="INFO" if verbose else "ERROR")
     finally:
-        if local_ray_dir is not None:
+        if head is not None:
             ray.shutdown()
+            head.stop()
             if outcome is not None and outcome.ok:
                 shutil.rmtree(local_ray_dir, ignore_errors=True)
             else:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from isolation import LocalRayHead, MlflowServer, private_namespace_problem
+from isolation import LocalRayHead, MlflowServer, pids_of_head, private_namespace_problem
 from ray_jobs import submit_job
 from test_train_data import make_dataset
 
@@ -230,30 +230,36 @@ def test_non_finite_loss_stops_the_run_with_a_clear_message(cluster, mlflow_serv
     assert MlflowClient(mlflow_server).get_run(run_id).info.status == "FAILED"
 
 
-def test_sigterm_to_the_driver_saves_a_checkpoint_and_stops(cluster, mlflow_server, dataset, tmp_path):
-    args = overrides("sigterm", tmp_path, dataset, mlflow_server, "max_steps=95", "eval_step_interval=1000",
-                     "checkpoint.save_step_interval=1000")
+def test_sigterm_to_the_job_s_process_group_saves_the_current_step_and_a_rerun_continues_bitwise(
+        cluster, mlflow_server, dataset, uninterrupted):
+    """A job that starts its own Ray gets SIGTERM on its whole process group (driver and everything it started
+    there), as from a scheduler ending the job step: the current step is saved, and a rerun continues bitwise."""
+    out_dir = uninterrupted["out_dir"]
+    args = overrides("sigterm", out_dir, dataset, mlflow_server, "max_steps=95")
     driver = subprocess.Popen(
         [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(REPO / "configs/train/tiny_cpu.yaml"), *args],
-        env={**env(), "RAY_ADDRESS": cluster["address"]}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        cwd=REPO,
+        env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
     )
-    client = MlflowClient(mlflow_server)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and driver.poll() is None:  # wait until training is under way
-        experiment = client.get_experiment_by_name("huginn_ray")
-        runs = client.search_runs([experiment.experiment_id], "attributes.run_name = 'sigterm'") if experiment else []
-        if runs and len(client.get_metric_history(runs[0].info.run_id, "loss")) >= 3:
+    lines = []
+    for line in driver.stdout:
+        lines.append(line)
+        if "[huginn] step 3/95" in line:
+            os.killpg(driver.pid, signal.SIGTERM)
             break
-        time.sleep(0.3)
-    driver.send_signal(signal.SIGTERM)
-    stdout, stderr = driver.communicate(timeout=240)
-    assert driver.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    stdout = "".join(lines) + driver.communicate(timeout=240)[0]
+    assert driver.returncode == 0, stdout[-5000:]
     line = next(l for l in stdout.splitlines() if "stopped on request at step" in l)
     stopped_at = int(line.split("at step ")[1].split(";")[0])
-    assert 3 <= stopped_at < 95
-    saved = [json.loads(p.read_text())["step"] for p in (tmp_path / "sigterm").glob("checkpoint_*/trainer_state.json")]
-    assert saved == [stopped_at]  # no interval or last-step checkpoint was due: this one is the SIGTERM's
-    assert not (tmp_path / "sigterm" / "STOP").exists()
-    assert client.get_run(run_id_of(stdout)).info.status == "KILLED"  # stopped on request, resumable
-    assert not (tmp_path / "sigterm" / "LOCK").exists()  # the job's run lock went with it
+    assert 3 <= stopped_at < STEPS, stdout[-3000:]
+    saved = sorted(json.loads(p.read_text())["step"] for p in (out_dir / "sigterm").glob("checkpoint_*/trainer_state.json"))
+    assert saved[-1] == stopped_at  # the SIGTERM's checkpoint, whatever the save interval
+    assert not (out_dir / "sigterm" / "STOP").exists() and not (out_dir / "sigterm" / "LOCK").exists()
+    assert MlflowClient(mlflow_server).get_run(run_id_of(stdout)).info.status == "KILLED"  # resumable
+    ray_dir = next(l for l in stdout.splitlines() if "Ray's own INFO/WARNING lines go to" in l).split(" go to ")[1]
+    assert pids_of_head(ray_dir.split("/session_latest")[0]) == []  # the job stopped the Ray it started
+
+    rerun = train(cluster, overrides("sigterm", out_dir, dataset, mlflow_server))
+    assert run_id_of(rerun.stdout) == run_id_of(stdout)
+    assert times_logged(mlflow_server, run_id_of(stdout)) == {s: 1 for s in range(1, STEPS + 1)}
+    assert losses(mlflow_server, run_id_of(stdout)) == uninterrupted["losses"]
+    assert final_reader_states(out_dir, "sigterm") == final_reader_states(out_dir, "straight")

@@ -4,12 +4,23 @@ Ray's GCS and raylet listen on every interface of the machine, whatever --node-i
 reaches an unauthenticated Ray can run code in it. So a Ray that a job starts itself always runs with token
 authentication: a fresh random token per job, handed to Ray's processes through the environment only (nothing
 written to ~/.ray). An explicit RAY_AUTH_TOKEN in the environment is used instead of a fresh one.
+
+The training job's Ray (`LocalRayHead`) runs in a session of its own. `ray.init()` would start the GCS and raylet
+in the driver's process group, where a SIGTERM to the job's group (a scheduler ending the job step, `kill -- -PGID`)
+kills them together with the driver before the workers could save; in their own session, the signal reaches only
+the driver, which asks the workers to save and stop, and then stops Ray itself.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 
 def require_token_auth() -> None:
@@ -34,3 +45,69 @@ def init_local_ray(*, verbose: bool = False, dashboard: bool = False, **ray_init
     quiet_local_ray(verbose)  # the workers of this local Ray inherit the settings
     require_token_auth()
     return ray.init(address="local", **{**local_ray_init_kwargs(verbose, dashboard), **ray_init_kwargs})
+
+
+class LocalRayHead:
+    """`ray start --head --block` on loopback with token authentication, in a session of its own; `stop()` ends
+    its processes (its process group; the workers die with their raylet)."""
+
+    def __init__(self, temp_dir: str, verbose: bool = False, startup_timeout_s: float = 120.0):
+        from huginn_ray.console import quiet_local_ray
+
+        quiet_local_ray(verbose)  # the head's processes inherit the settings through the environment
+        require_token_auth()
+        port, dashboard_port = _free_port(), _free_port()
+        self.address = f"127.0.0.1:{port}"
+        self.log_path = Path(temp_dir) / "ray_start.log"
+        command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+                   "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+                   # Ray Train's controller asks the state API, which the dashboard serves, whether it is alive
+                   "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            preexec_fn=_terminate_with_parent)
+        try:
+            self._wait_until_up(startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_until_up(self, timeout_s: float) -> None:
+        """Until `ray start` says its processes run (its dashboard wants the token, so it is not polled)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if "Ray runtime started." in self.log_path.read_text():
+                return
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the job's local Ray head did not start (see {self.log_path}): "
+                                   + self.log_path.read_text()[-2000:])
+            time.sleep(0.3)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to the head's process group (`ray start --block` stops what it started), SIGKILL after
+        `timeout_s`."""
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, None)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: SIGTERM when the driver dies, however it dies (Linux; a no-op elsewhere), so a
+    head in its own session is never left behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

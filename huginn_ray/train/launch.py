@@ -26,7 +26,7 @@ from huginn_ray.train import tracking
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.memory import GIB, plan_memory
 from huginn_ray.train.shard_check import ShardCheckError, check_shards
-from huginn_ray.train.loop import stop_file, stopped_file, train_loop_per_worker
+from huginn_ray.train.loop import stopped_file, train_loop_per_worker
 
 
 class PreflightError(ValueError):
@@ -211,9 +211,7 @@ def run_training(cfg: TrainConfig, plan: dict, ray_train_log_level: str = "INFO"
     ok = False
     status = "FAILED"  # an exception leaves the MLflow run FAILED
     stopped = stopped_file(cfg)
-    # left by an earlier attempt that this rerun resumes
-    stopped.unlink(missing_ok=True)
-    stop_file(cfg).unlink(missing_ok=True)
+    stopped.unlink(missing_ok=True)  # left by an earlier attempt that this rerun resumes
     try:
         result = trainer.fit()
         metrics = dict(result.metrics or {})
