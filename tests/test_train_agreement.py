@@ -53,7 +53,7 @@ def flags_agreed(rank, world_size):
 
 
 def test_one_rank_s_stop_request_time_up_and_read_error_stop_every_rank_at_the_same_step(tmp_path):
-    ranks = spawn("test_train_agreement:flags_agreed", 2, tmp_path, timeout_s=60)
+    ranks = spawn(flags_agreed, 2, tmp_path, timeout_s=60)
     assert "error" not in ranks[0] and "error" not in ranks[1], ranks
     for report in ranks:
         assert (report["request"], report["time"], report["none"]) == ("request", "time limit", None)

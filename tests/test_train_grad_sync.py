@@ -8,7 +8,6 @@ mean is computed locally and compared exactly (up to fp32 summation order).
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import socket
@@ -73,17 +72,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(rank, world_size, port, out_dir, fn_name, timeout_s):
+def _run(rank, world_size, port, out_dir, fn, timeout_s):
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
     torch.set_num_threads(1)
     try:
-        # "module:function" runs a function of another test module (imported in this spawned process)
-        module, _, name = fn_name.rpartition(":")
-        fn = getattr(importlib.import_module(module), name) if module else globals()[name]
-        result = fn(rank, world_size)
+        result = (globals()[fn] if isinstance(fn, str) else fn)(rank, world_size)
     except Exception as err:  # reported to the parent, which asserts on it
         result = {"error": type(err).__name__, "message": str(err), "trace": traceback.format_exc()}
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
@@ -92,8 +88,11 @@ def _run(rank, world_size, port, out_dir, fn_name, timeout_s):
     os._exit(0)
 
 
-def spawn(fn_name, world_size, tmp_path, timeout_s=30):
-    mp.start_processes(_run, args=(world_size, free_port(), str(tmp_path), fn_name, timeout_s),
+def spawn(fn, world_size, tmp_path, timeout_s=30):
+    """Run `fn(rank, world_size)` in `world_size` fresh processes joined by a gloo group; their JSON reports.
+
+    `fn`: the name of a function of this module, or a function of another test module (pickled by name)."""
+    mp.start_processes(_run, args=(world_size, free_port(), str(tmp_path), fn, timeout_s),
                        nprocs=world_size, start_method="spawn", join=True)
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world_size)]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -263,3 +264,45 @@ def test_sigterm_to_the_job_s_process_group_saves_the_current_step_and_a_rerun_c
     assert times_logged(mlflow_server, run_id_of(stdout)) == {s: 1 for s in range(1, STEPS + 1)}
     assert losses(mlflow_server, run_id_of(stdout)) == uninterrupted["losses"]
     assert final_reader_states(out_dir, "sigterm") == final_reader_states(out_dir, "straight")
+
+
+def running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie has exited)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_hung_rank_makes_the_next_collective_time_out_and_every_rank_exit(cluster, mlflow_server, dataset, tmp_path):
+    """Rank 1 stops answering after step 2. Rank 0's gradient all-reduce of step 3 raises after pg_timeout_s
+    (launch.py passes it to Ray's TorchConfig, and gloo honours it on CPU); with max_failures=0 Ray Train ends
+    the worker group, the hung rank included, and the driver exits non-zero naming the timeout."""
+    timeout_s, bound_s = 10, 90  # the bound leaves room for a loaded 2-core machine; no lower bound is asserted
+    args = overrides("hung", tmp_path, dataset, mlflow_server, "max_steps=4", f"pg_timeout_s={timeout_s}",
+                     "max_failures=0", "fault_injection.hang_rank_at_step=2", "fault_injection.hang_rank=1")
+    run = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(REPO / "configs/train/tiny_cpu.yaml"), *args],
+        env={**env(), "RAY_ADDRESS": cluster["address"]}, capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    driver_exited = time.time()
+    output = run.stdout + run.stderr
+    marker = tmp_path / "hung" / "fault_injected_rank1_step2"  # written by rank 1 as it starts to hang
+    assert marker.is_file(), output[-4000:]
+    hung_at = marker.stat().st_mtime
+    assert run.returncode != 0, output[-4000:]
+    assert "[huginn] step 2/4" in run.stdout and "[huginn] step 3/4" not in run.stdout
+    # the project's timeout (not Ray's default of 1800 s) ended rank 0's all-reduce, and the driver says so
+    assert "Training failed due to worker errors" in run.stderr, output[-4000:]
+    assert re.search(rf"timed out waiting {timeout_s * 1000} ?ms", run.stderr, re.IGNORECASE), output[-4000:]
+    assert driver_exited - hung_at < bound_s, (driver_exited - hung_at, output[-4000:])
+    workers = {int(pid) for pid in re.findall(r"RayTrainWorker pid=(\d+)", output)}
+    assert len(workers) == 2 and int(marker.read_text().split("pid ")[1]) in workers, (workers, marker.read_text())
+    while any(running(pid) for pid in workers) and time.time() < hung_at + bound_s:
+        time.sleep(0.2)
+    assert not any(running(pid) for pid in workers), f"workers still running {bound_s} s after the hang: {workers}"
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name("huginn_ray")
+    runs = client.search_runs([experiment.experiment_id], filter_string="attributes.run_name = 'hung'")
+    assert len(runs) == 1 and runs[0].info.status == "FAILED"

@@ -124,6 +124,12 @@ class FaultInjection:
     makes it happen only in the first attempt)."""
     kill_rank: int = 1
     """The rank that is killed."""
+    hang_rank_at_step: int | None = None
+    """Testing only: worker `hang_rank` stops answering once, after this step (it sleeps until Ray Train ends
+    it; a marker file in out_dir holding its PID makes it happen only in the first attempt). The other ranks'
+    next collective raises after `pg_timeout_s`."""
+    hang_rank: int = 1
+    """The rank that hangs."""
 
 
 @dataclass
@@ -235,9 +241,11 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
         raise ConfigError("set max_steps or max_tokens")
     if not cfg.eval_depths:
         raise ConfigError("eval_depths: needs at least one depth")
-    if cfg.fault_injection.kill_rank >= cfg.scaling.num_workers:
-        raise ConfigError(f"fault_injection.kill_rank: must be in [0, {cfg.scaling.num_workers - 1}] "
-                          f"(scaling.num_workers={cfg.scaling.num_workers}), got {cfg.fault_injection.kill_rank}")
+    for key in ("kill_rank", "hang_rank"):
+        rank = getattr(cfg.fault_injection, key)
+        if rank >= cfg.scaling.num_workers:
+            raise ConfigError(f"fault_injection.{key}: must be in [0, {cfg.scaling.num_workers - 1}] "
+                              f"(scaling.num_workers={cfg.scaling.num_workers}), got {rank}")
     check_sharding_config(cfg)
     return cfg
 
@@ -287,6 +295,8 @@ TRAIN_RANGES: dict[str, Range] = {
     "cpu_threads": AT_LEAST_1,
     "fault_injection.kill_rank_at_step": AT_LEAST_1,
     "fault_injection.kill_rank": NON_NEGATIVE,
+    "fault_injection.hang_rank_at_step": AT_LEAST_1,
+    "fault_injection.hang_rank": NON_NEGATIVE,
     "grad_sync.node_size": NON_NEGATIVE,  # 0: Ray Train's local world size
     "grad_sync.max_chunks_in_flight": AT_LEAST_1,
     "device_memory_gib": POSITIVE,

@@ -1,0 +1,251 @@
+"""Exact values of a training step and of validation, from the project's own per-rank code (real gloo groups).
+
+`huginn_ray.train.loop.build_components`, `train_step` and `validate` run in process groups of 1 rank (this
+process) and 2 ranks (spawned by tests/test_train_grad_sync.py::spawn), on raven-tiny with a 64-token vocabulary
+and rows from an in-memory reader (tests/test_train_sharding.py::MemoryReader, seeded per rank). Every value is
+held to one computed another way: the 2-rank loss and validation loss to the mean of the 1-rank values of each
+rank's data, the gradient the optimizer applies to the unclipped one scaled by hand, the weights to bitwise
+equality where a step must leave them alone.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from huginn_ray.train import loop
+from huginn_ray.train.shard_reader import collate
+from test_train_grad_sync import free_port, spawn
+from test_train_sharding import MemoryReader, plan_for, train_config
+
+CPU = torch.device("cpu")
+POISONED_STEP = 3
+"""The step whose loss is NaN on rank 1 only (on_nonfinite tests)."""
+
+
+def config(*extra):
+    return train_config(["grad_sync.node_size=0", "eval_iters=2", "eval_depths=[1, 3]", *extra])
+
+
+def validation_batch(rank, cfg, plan):
+    """Rank `rank`'s fixed validation rows: eval_iters micro-batches, unlike its training rows."""
+    rows = MemoryReader(None, 1000 + rank, cfg.block_size + 1).next_rows(cfg.eval_iters * cfg.micro_batch_size)
+    return collate(rows, plan["pad_id"], plan["eos_id"], 64)
+
+
+def weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def same_weights(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def global_norm(tensors) -> float:
+    return torch.linalg.vector_norm(torch.cat([t.double().flatten() for t in tensors])).item()
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A gloo group of this process alone; the loop reads its rows from MemoryReader."""
+    monkeypatch.setattr(loop, "ShardReader", MemoryReader)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- 2 ranks: every rank's report, computed once ---------------------------------------------------------------
+
+def poisoned_run(rank: int, on_nonfinite: str) -> dict:
+    """Up to 5 steps in which rank 1's loss at POISONED_STEP is NaN while its gradient stays finite: rank 0 sees
+    a finite loss and a finite gradient norm, and learns of the NaN only from the step's agreement."""
+    cfg = config(f"on_nonfinite={on_nonfinite}", "skip_first_optimizer_step=false")
+    plan = plan_for(cfg)
+    c = loop.build_components(cfg, plan, rank, CPU)
+    forward = c.model.forward
+    step = 0
+
+    def poisoned_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if rank == 1 and step == POISONED_STEP:
+            out.loss = out.loss + float("nan")  # NaN value, the same finite gradient
+        return out
+
+    c.model.forward = poisoned_forward
+    run = {"losses": [], "moved": []}
+    for step in range(1, 6):
+        before = weights(c.model)
+        try:
+            run["losses"].append(loop.train_step(c, step, cfg, plan, CPU).loss)
+        except loop.Stop as stop:
+            run["stop"] = {"step": step, "message": str(stop)}
+            break
+        run["moved"].append(not same_weights(before, weights(c.model)))
+    flat = torch.cat([p.detach().double().flatten() for p in c.model.parameters()])
+    run["weights"] = [flat.sum().item(), flat.abs().sum().item()]
+    return run
+
+
+def rank_report(rank: int, world_size: int) -> dict:
+    loop.ShardReader = MemoryReader  # this spawned process's own loop module
+    cfg = config()
+    plan = plan_for(cfg, grad_accum=2)
+    c = loop.build_components(cfg, plan, rank, CPU)
+    validation = loop.validate(c.model, *validation_batch(rank, cfg, plan), cfg, plan, CPU, c.autocast)
+    return {
+        "validation": validation,
+        "loss": loop.train_step(c, 1, cfg, plan, CPU).loss,
+        "skip": poisoned_run(rank, "skip"),
+        "stop": poisoned_run(rank, "stop"),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    reports = spawn(rank_report, 2, tmp_path_factory.mktemp("two_ranks"), timeout_s=60)
+    for rank, report in enumerate(reports):
+        assert "error" not in report, f"rank {rank}: {report.get('trace')}"
+    return reports
+
+
+def test_two_rank_loss_is_the_mean_of_the_rank_local_losses(one_rank, two_ranks):
+    cfg = config()
+    plan = plan_for(cfg, grad_accum=2)
+    # each rank's data alone: same seed, same depth, 1 rank; its reader is the one of rank r
+    local = [loop.train_step(loop.build_components(cfg, plan, r, CPU), 1, cfg, plan, CPU).loss for r in (0, 1)]
+    mean = (local[0] + local[1]) / 2
+    # the ranks' losses differ enough that a sum over ranks (2 x mean) or no averaging (each rank its own
+    # loss, off by |l0 - l1| / 2 from the mean) is far outside the tolerance
+    assert abs(local[0] - local[1]) > 1e-3 * mean, local
+    for rank, report in enumerate(two_ranks):
+        assert report["loss"] == pytest.approx(mean, rel=1e-6), (rank, report["loss"], local)
+
+
+def test_two_rank_validation_is_the_mean_of_each_ranks_own_validation(one_rank, two_ranks):
+    cfg = config()
+    plan = plan_for(cfg, grad_accum=2)
+    c = loop.build_components(cfg, plan, 0, CPU)
+    local = [loop.validate(c.model, *validation_batch(r, cfg, plan), cfg, plan, CPU, c.autocast) for r in (0, 1)]
+    for depth in (1, 3):
+        key = f"val_loss_{depth}"
+        mean = (local[0][key] + local[1][key]) / 2
+        assert abs(local[0][key] - local[1][key]) > 1e-3 * mean, (key, local)  # not divided: off by 2x
+        for rank, report in enumerate(two_ranks):
+            assert report["validation"][key] == pytest.approx(mean, rel=1e-6), (rank, key, local)
+            assert report["validation"][f"val_ppl_{depth}"] == pytest.approx(math.exp(mean), rel=1e-6)
+    assert two_ranks[0]["validation"]["val_loss"] == two_ranks[0]["validation"]["val_loss_3"]
+
+
+def test_a_nan_loss_on_one_rank_skips_that_step_on_both_ranks_with_on_nonfinite_skip(two_ranks):
+    for rank, report in enumerate(two_ranks):
+        run = report["skip"]
+        assert "stop" not in run, run
+        # the poisoned step left the weights bitwise alone on both ranks; the steps before and after moved them
+        assert run["moved"] == [True, True, False, True, True], (rank, run["moved"])
+        losses = run["losses"]
+        assert math.isnan(losses[POISONED_STEP - 1]), losses
+        assert all(math.isfinite(loss) for i, loss in enumerate(losses) if i != POISONED_STEP - 1), losses
+    assert two_ranks[0]["skip"]["weights"] == two_ranks[1]["skip"]["weights"]  # the ranks stayed in step
+
+
+def test_a_nan_loss_on_one_rank_stops_both_ranks_at_that_step_with_on_nonfinite_stop(two_ranks):
+    for rank, report in enumerate(two_ranks):
+        run = report["stop"]
+        assert run["stop"]["step"] == POISONED_STEP, (rank, run)
+        assert run["stop"]["message"].startswith(f"step {POISONED_STEP}: non-finite loss"), run["stop"]
+        assert "stopping (on_nonfinite=stop)" in run["stop"]["message"]
+        assert run["moved"] == [True, True] and all(math.isfinite(loss) for loss in run["losses"]), run
+
+
+# ---- 1 rank ------------------------------------------------------------------------------------------------------
+
+def first_step_applied(cfg, plan):
+    """Step 1 of a fresh model: the gradients its optimizer step gets (captured as the step starts), the result."""
+    c = loop.build_components(cfg, plan, 0, CPU)
+    applied = []
+    optimizer_step = c.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        applied.extend(p.grad.detach().clone() for p in c.model.parameters())
+        return optimizer_step(*args, **kwargs)
+
+    c.optimizer.step = recording_step
+    return applied, loop.train_step(c, 1, cfg, plan, CPU)
+
+
+def test_clipping_scales_the_applied_gradient_to_the_max_norm_and_reports_the_norm_before(one_rank):
+    plan = plan_for(config())
+    raw, unclipped = first_step_applied(config("grad_clip=1e6", "skip_first_optimizer_step=false"), plan)
+    clipped, result = first_step_applied(config("grad_clip=1e-3", "skip_first_optimizer_step=false"), plan)
+    raw_norm = global_norm(raw)
+    assert raw_norm > 100 * 1e-3, raw_norm  # clipping at 1e-3 changes the gradient
+    assert unclipped.grad_norm == pytest.approx(raw_norm, rel=1e-6)
+    assert result.grad_norm == pytest.approx(raw_norm, rel=1e-6)  # StepResult: the norm before clipping
+    assert global_norm(clipped) == pytest.approx(1e-3, rel=1e-5)
+    scale = 1e-3 / raw_norm
+    for got, before in zip(clipped, raw, strict=True):
+        torch.testing.assert_close(got.double(), before.double() * scale, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("skip_first, moved", [(True, [False, True]), (False, [True, True])])
+def test_skip_first_optimizer_step_leaves_the_weights_of_step_1_bitwise_alone(one_rank, skip_first, moved):
+    cfg = config(f"skip_first_optimizer_step={str(skip_first).lower()}")
+    plan = plan_for(cfg)
+    c = loop.build_components(cfg, plan, 0, CPU)
+    got = []
+    for step in (1, 2):
+        before = weights(c.model)
+        loop.train_step(c, step, cfg, plan, CPU)
+        got.append(not same_weights(before, weights(c.model)))
+    assert got == moved
+
+
+PAD, EOS = 40, 50
+
+
+class RowsWithPads:
+    """Rows of ids 2..31 with pad at input positions 3 (every row) and 7 (row 0), eos at position 5, and pad as
+    the last id, which is only ever a label."""
+
+    def __init__(self, path, seed, row_length):
+        self.row_length = row_length
+
+    def next_rows(self, count):
+        rows = 2 + (5 * np.arange(count)[:, None] + np.arange(self.row_length)) % 30
+        rows[:, 3] = PAD
+        rows[0, 7] = PAD
+        rows[:, 5] = EOS
+        rows[:, -1] = PAD
+        return rows
+
+
+def test_the_model_gets_pad_replaced_by_eos_in_the_inputs_and_pad_kept_in_the_labels(one_rank, monkeypatch):
+    monkeypatch.setattr(loop, "ShardReader", RowsWithPads)
+    cfg = config()
+    plan = {**plan_for(cfg), "pad_id": PAD, "eos_id": EOS}
+    c = loop.build_components(cfg, plan, 0, CPU)
+    seen = []
+    forward = c.model.forward
+
+    def recording_forward(input_ids, labels=None, **kwargs):
+        seen.append((input_ids.clone(), labels.clone()))
+        return forward(input_ids, labels=labels, **kwargs)
+
+    c.model.forward = recording_forward
+    loop.train_step(c, 1, cfg, plan, CPU)
+    rows = RowsWithPads(None, 0, cfg.block_size + 1).next_rows(cfg.micro_batch_size)
+    inputs = rows[:, :-1].copy()
+    inputs[:, 3] = EOS
+    inputs[0, 7] = EOS
+    assert len(seen) == 1
+    assert torch.equal(seen[0][0], torch.from_numpy(inputs).long())
+    assert torch.equal(seen[0][1], torch.from_numpy(rows[:, 1:]).long())
+    assert (seen[0][1] == PAD).sum().item() == 2 + 1 + 2  # position 2 (x2), 6 (row 0), the last (x2)
