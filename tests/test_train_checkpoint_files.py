@@ -204,7 +204,8 @@ def test_only_unfinished_saves_start_the_run_at_step_0_and_say_so(tmp_path):
     resumed, _, messages = resume(tmp_path, registered_step=None)
     assert resumed is None
     assert messages == [
-        f"[huginn] skipping checkpoint {checkpoint_of(tmp_path, 4)} (no checkpoint_complete.json: the save did not finish)",
+        f"[huginn] skipping checkpoint {checkpoint_of(tmp_path, 4)} "
+        "(no checkpoint_complete.json: the save did not finish)",
         f"[huginn] no finished checkpoint in {tmp_path} (only unfinished saves): starting at step 0"]
     assert resume(tmp_path / "empty", registered_step=None)[0] is None  # a new run
 

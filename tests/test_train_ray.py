@@ -152,11 +152,12 @@ def test_resumed_three_times_and_past_a_truncated_checkpoint_logs_the_same_losse
     out_dir = uninterrupted["out_dir"]
     runs = [train(cluster, overrides("resumed", out_dir, dataset, mlflow_server, f"max_steps={steps}"))
             for steps in (4, 8, 12)]
-    kept = {json.loads(p.read_text())["step"]: p.parent for p in (out_dir / "resumed").glob("checkpoint_*/trainer_state.json")}
+    kept = {json.loads(p.read_text())["step"]: p.parent
+            for p in (out_dir / "resumed").glob("checkpoint_*/trainer_state.json")}
     assert sorted(kept) == [8, 12]
     for run, step in zip(runs[1:], (4, 8)):
-        assert re.search(rf"\[huginn\] resumed from {re.escape(str(out_dir / 'resumed'))}/checkpoint_\S+ at step {step}$",
-                         run.stdout + run.stderr, re.M), run.stdout[-3000:]
+        resumed_line = rf"\[huginn\] resumed from {re.escape(str(out_dir / 'resumed'))}/checkpoint_\S+ at step {step}$"
+        assert re.search(resumed_line, run.stdout + run.stderr, re.M), run.stdout[-3000:]
     weights = kept[12] / "model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     last = train(cluster, overrides("resumed", out_dir, dataset, mlflow_server))

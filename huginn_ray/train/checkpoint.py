@@ -167,7 +167,8 @@ def read(directory: Path, rank: int, world_size: int, model, optimizer, device) 
     try:
         state = TrainerState(**json.loads((directory / "trainer_state.json").read_text()))
     except (OSError, ValueError, TypeError) as err:
-        raise CheckpointError(f"{directory / 'trainer_state.json'}: cannot be read ({type(err).__name__}: {err})") from None
+        raise CheckpointError(f"{directory / 'trainer_state.json'}: cannot be read "
+                              f"({type(err).__name__}: {err})") from None
     if state.world_size != world_size:
         raise ValueError(
             f"checkpoint {directory} was written by {state.world_size} ranks, this run has {world_size}: "
@@ -239,19 +240,22 @@ def resume(registered: Path | None, run_dir: Path, rank: int, world_size: int, m
     skipped, was_complete = [], registered is not None
     for directory in map(Path, candidates):
         why = incomplete(directory)
-        if why is None:
-            was_complete = True
+        complete = why is None
+        if complete:
             try:
                 state, reader_state = read(directory, rank, world_size, model, optimizer, device)
             except CheckpointError as err:
                 why = str(err)
-        reasons = all_ranks(why, device)
-        failures = [(r, reason) for r, reason in enumerate(reasons) if reason is not None]
+        # every rank decides from every rank's outcome, so all take the same branch (a shared file system may
+        # show one node a file that another does not see yet)
+        outcomes = all_ranks({"complete": complete, "why": why}, device)
+        was_complete = was_complete or any(outcome["complete"] for outcome in outcomes)
+        failures = [(r, outcome["why"]) for r, outcome in enumerate(outcomes) if outcome["why"] is not None]
         if not failures:
             if rank == 0:
                 log(f"[huginn] resumed from {directory} at step {state.step}")
             return Resumed(state, reader_state, directory)
-        skipped.append(f"{directory} ({describe(failures, len(reasons))})")
+        skipped.append(f"{directory} ({describe(failures, len(outcomes))})")
         if rank == 0:
             log(f"[huginn] skipping checkpoint {skipped[-1]}")
     if was_complete:
