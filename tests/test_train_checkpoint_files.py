@@ -1,9 +1,16 @@
-"""A truncated or foreign optimizer.pt / rank file gives an error naming the file, not a raw torch error."""
+"""A truncated or foreign optimizer.pt / rank file gives an error naming the file, not a raw torch error; resume
+passes over incomplete or unloadable checkpoints to the newest one that loads on every rank."""
 
+import json
+import re
+import socket
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.train import checkpoint as ckpt
@@ -67,3 +74,192 @@ def test_optimizer_of_another_model_is_named(saved):
     (saved / "optimizer.pt").write_bytes((other / "optimizer.pt").read_bytes())
     with pytest.raises(ckpt.CheckpointError, match=rf"{saved / 'optimizer.pt'}: does not fit"):
         read(saved)
+
+
+# --- resume: the newest complete checkpoint that loads, falling back past broken ones ---
+
+WORLD = 2
+
+
+def save_run_checkpoint(run_dir: Path, step: int) -> Path:
+    """A two-rank checkpoint as Ray Train leaves it (both ranks' files merged into one directory), with its
+    marker; the model's first parameter, reader state and trainer state say which step it is."""
+    directory = run_dir / f"checkpoint_2026-11-23_11-00-{step:02d}.000000"
+    model, optimizer = components()
+    with torch.no_grad():
+        next(model.parameters()).fill_(step)
+    state = ckpt.TrainerState(step=step, world_size=WORLD)
+    files = [ckpt.write_rank_files(directory, rank, model, optimizer, state, {"taken": step, "rank": rank}, CPU)
+             for rank in range(WORLD)]
+    ckpt.write_marker(directory, step, files)
+    return directory
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    """Checkpoints of steps 4 and 8 and 12 (the newest, the one Ray Train registered last)."""
+    for step in (4, 8, 12):
+        save_run_checkpoint(tmp_path, step)
+    return tmp_path
+
+
+def checkpoint_of(run_dir: Path, step: int) -> Path:
+    return run_dir / f"checkpoint_2026-11-23_11-00-{step:02d}.000000"
+
+
+def resume(run_dir: Path, registered_step: int | None = 12, rank: int = 0):
+    model, optimizer = components()
+    messages = []
+    registered = checkpoint_of(run_dir, registered_step) if registered_step is not None else None
+    resumed = ckpt.resume(registered, run_dir, rank, WORLD, model, optimizer, CPU, log=messages.append)
+    return resumed, model, messages
+
+
+def assert_resumed_at(resumed, model, step: int, rank: int = 0):
+    assert resumed.state.step == step and resumed.state.world_size == WORLD
+    assert resumed.reader_state == {"taken": step, "rank": rank}
+    assert resumed.directory == checkpoint_of(resumed.directory.parent, step)
+    assert torch.equal(next(model.parameters()), torch.full_like(next(model.parameters()), step))
+
+
+def test_resume_takes_the_registered_checkpoint_when_it_is_complete(run_dir):
+    resumed, model, messages = resume(run_dir)
+    assert_resumed_at(resumed, model, 12)
+    assert messages == [f"[huginn] resumed from {checkpoint_of(run_dir, 12)} at step 12"]
+
+
+def test_every_rank_reads_its_own_rank_file(run_dir):
+    resumed, model, _ = resume(run_dir, rank=1)
+    assert_resumed_at(resumed, model, 12, rank=1)
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+BROKEN = {
+    "truncated model.safetensors": (
+        lambda d: truncate(d / "model/model.safetensors"),
+        r"model/model.safetensors has \d+ bytes, checkpoint_complete.json lists \d+: truncated"),
+    "missing rank_00001.pt": (
+        lambda d: (d / "rank_00001.pt").unlink(),
+        r"rank_00001.pt is missing \(checkpoint_complete.json lists it with \d+ bytes\)"),
+    "no marker (half-written)": (
+        lambda d: (d / "checkpoint_complete.json").unlink(),
+        r"no checkpoint_complete.json: the save did not finish"),
+    "marker lists a file of another size": (
+        lambda d: (d / "checkpoint_complete.json").write_text(
+            (d / "checkpoint_complete.json").read_text().replace('"optimizer.pt": ', '"optimizer.pt": 1')),
+        r"optimizer.pt has \d+ bytes, checkpoint_complete.json lists 1\d+: truncated or rewritten"),
+    "complete but unreadable optimizer.pt (same size)": (
+        lambda d: (d / "optimizer.pt").write_bytes(bytes((d / "optimizer.pt").stat().st_size)),
+        r"optimizer.pt: cannot be read, truncated or not a torch file"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_a_broken_newest_checkpoint_is_skipped_for_the_previous_one(run_dir, case):
+    breaks, why = BROKEN[case]
+    breaks(checkpoint_of(run_dir, 12))
+    resumed, model, messages = resume(run_dir)
+    assert_resumed_at(resumed, model, 8)
+    assert len(messages) == 2, messages
+    assert messages[0].startswith(f"[huginn] skipping checkpoint {checkpoint_of(run_dir, 12)} (")
+    assert re.search(why, messages[0]), messages[0]
+    assert messages[1] == f"[huginn] resumed from {checkpoint_of(run_dir, 8)} at step 8"
+
+
+def test_two_broken_checkpoints_fall_back_two_steps_and_newer_unregistered_saves_are_ignored(run_dir):
+    (checkpoint_of(run_dir, 12) / "rank_00001.pt").unlink()
+    truncate(checkpoint_of(run_dir, 8) / "model/model.safetensors")
+    save_run_checkpoint(run_dir, 16)  # complete, but Ray never registered it: not a candidate
+    resumed, model, messages = resume(run_dir)
+    assert_resumed_at(resumed, model, 4)
+    assert [m.split(" (")[0] for m in messages] == [
+        f"[huginn] skipping checkpoint {checkpoint_of(run_dir, 12)}",
+        f"[huginn] skipping checkpoint {checkpoint_of(run_dir, 8)}",
+        f"[huginn] resumed from {checkpoint_of(run_dir, 4)} at step 4"]
+
+
+def test_no_loadable_checkpoint_fails_naming_every_one_tried(run_dir):
+    for step in (4, 8, 12):
+        (checkpoint_of(run_dir, step) / "checkpoint_complete.json").unlink()
+    with pytest.raises(ckpt.CheckpointError) as failed:
+        resume(run_dir)
+    message = str(failed.value)
+    assert message.startswith(f"no checkpoint of {run_dir} can be resumed from; tried, newest first: ")
+    tried = [checkpoint_of(run_dir, step) for step in (12, 8, 4)]
+    assert [message.index(str(d)) for d in tried] == sorted(message.index(str(d)) for d in tried)
+    assert message.count("no checkpoint_complete.json: the save did not finish") == 3
+
+
+def test_without_a_registered_checkpoint_a_complete_one_in_storage_is_used(run_dir):
+    resumed, model, _ = resume(run_dir, registered_step=None)
+    assert_resumed_at(resumed, model, 12)
+
+
+def test_only_unfinished_saves_start_the_run_at_step_0_and_say_so(tmp_path):
+    save_run_checkpoint(tmp_path, 4)
+    (checkpoint_of(tmp_path, 4) / "checkpoint_complete.json").unlink()
+    resumed, _, messages = resume(tmp_path, registered_step=None)
+    assert resumed is None
+    assert messages == [
+        f"[huginn] skipping checkpoint {checkpoint_of(tmp_path, 4)} "
+        "(no checkpoint_complete.json: the save did not finish)",
+        f"[huginn] no finished checkpoint in {tmp_path} (only unfinished saves): starting at step 0"]
+    assert resume(tmp_path / "empty", registered_step=None)[0] is None  # a new run
+
+
+def test_the_marker_lists_every_file_of_every_rank_with_its_size(run_dir):
+    directory = checkpoint_of(run_dir, 12)
+    listed = json.loads((directory / "checkpoint_complete.json").read_text())
+    on_disk = {str(p.relative_to(directory)): p.stat().st_size for p in directory.rglob("*")
+               if p.is_file() and p.name != "checkpoint_complete.json"}
+    assert listed == {"step": 12, "files": on_disk}
+    assert sorted(on_disk) == ["model/config.json", "model/model.safetensors", "optimizer.pt", "rank_00000.pt",
+                               "rank_00001.pt", "trainer_state.json"]
+
+
+def two_gloo_ranks(rank: int, port: int, run_dir: str) -> None:
+    """Both ranks save steps 8 and 12 with the real collective (the marker gathers rank 1's file list), then
+    rank 1's own file of step 12 is unreadable at its listed size: only rank 1 fails to load it."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=30))
+    torch.set_num_threads(1)
+    run_dir = Path(run_dir)
+    for step in (8, 12):
+        model, optimizer = components()
+        with torch.no_grad():
+            next(model.parameters()).fill_(step)
+        ckpt.write(checkpoint_of(run_dir, step), rank, model, optimizer, ckpt.TrainerState(step=step, world_size=WORLD),
+                   {"taken": step, "rank": rank}, CPU)
+    dist.barrier()
+    if rank == 1:
+        broken = checkpoint_of(run_dir, 12) / "rank_00001.pt"
+        broken.write_bytes(bytes(broken.stat().st_size))
+    dist.barrier()
+    model, optimizer = components()
+    messages = []
+    resumed = ckpt.resume(checkpoint_of(run_dir, 12), run_dir, rank, WORLD, model, optimizer, CPU, log=messages.append)
+    (run_dir / f"result_{rank}.json").write_text(json.dumps(
+        {"step": resumed.state.step, "reader": resumed.reader_state, "directory": str(resumed.directory),
+         "first_param": next(model.parameters()).flatten()[0].item(), "messages": messages}))
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_to_skip_a_checkpoint_that_only_one_rank_cannot_load(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(two_gloo_ranks, args=(port, str(tmp_path)), nprocs=WORLD, start_method="spawn", join=True)
+    results = [json.loads((tmp_path / f"result_{rank}.json").read_text()) for rank in range(WORLD)]
+    assert json.loads((checkpoint_of(tmp_path, 12) / "checkpoint_complete.json").read_text())["files"].keys() >= {
+        "rank_00000.pt", "rank_00001.pt", "optimizer.pt", "model/model.safetensors"}
+    for rank, result in enumerate(results):
+        assert result["step"] == 8 and result["first_param"] == 8.0
+        assert result["reader"] == {"taken": 8, "rank": rank} and result["directory"] == str(checkpoint_of(tmp_path, 8))
+    skipped, used = results[0]["messages"]
+    assert skipped.startswith(f"[huginn] skipping checkpoint {checkpoint_of(tmp_path, 12)} (rank 1: "
+                              f"{checkpoint_of(tmp_path, 12) / 'rank_00001.pt'}: cannot be read, truncated")
+    assert used == f"[huginn] resumed from {checkpoint_of(tmp_path, 8)} at step 8"
+    assert results[1]["messages"] == []  # rank 0 speaks for all

@@ -144,15 +144,31 @@ def test_two_worker_run_loss_falls(uninterrupted, mlflow_server):
     assert kept == [12, 16]
 
 
-def test_stopped_and_resumed_run_logs_the_same_losses_and_reads_the_same_rows(
+def test_resumed_three_times_and_past_a_truncated_checkpoint_logs_the_same_losses_and_reads_the_same_rows(
         cluster, mlflow_server, dataset, uninterrupted):
+    """Stop at step 4, resume to 8, resume to 12 (a double and a triple resume: a reader state that only survives
+    one resume shows here), then truncate the newest checkpoint's weights and resume to 16: the run skips it,
+    falls back to the step-8 checkpoint (checkpoint.keep=2 kept it) and replays steps 9-12."""
     out_dir = uninterrupted["out_dir"]
-    first = train(cluster, overrides("resumed", out_dir, dataset, mlflow_server, "max_steps=7"))
-    second = train(cluster, overrides("resumed", out_dir, dataset, mlflow_server))
-    assert run_id_of(first.stdout) == run_id_of(second.stdout)
-    # every step logged once: the second run continued at step 8 instead of starting over
-    assert times_logged(mlflow_server, run_id_of(second.stdout)) == {s: 1 for s in range(1, STEPS + 1)}
-    resumed = losses(mlflow_server, run_id_of(second.stdout))
+    runs = [train(cluster, overrides("resumed", out_dir, dataset, mlflow_server, f"max_steps={steps}"))
+            for steps in (4, 8, 12)]
+    kept = {json.loads(p.read_text())["step"]: p.parent
+            for p in (out_dir / "resumed").glob("checkpoint_*/trainer_state.json")}
+    assert sorted(kept) == [8, 12]
+    for run, step in zip(runs[1:], (4, 8)):
+        resumed_line = rf"\[huginn\] resumed from {re.escape(str(out_dir / 'resumed'))}/checkpoint_\S+ at step {step}$"
+        assert re.search(resumed_line, run.stdout + run.stderr, re.M), run.stdout[-3000:]
+    weights = kept[12] / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    last = train(cluster, overrides("resumed", out_dir, dataset, mlflow_server))
+    console = last.stdout + last.stderr
+    assert f"[huginn] skipping checkpoint {kept[12]} (model/model.safetensors has" in console, console[-4000:]
+    assert f"[huginn] resumed from {kept[8]} at step 8" in console
+    run_id = run_id_of(last.stdout)
+    assert {run_id_of(run.stdout) for run in runs} == {run_id}
+    # every step logged once, steps 9-12 twice: before the truncation and after the fallback
+    assert times_logged(mlflow_server, run_id) == {s: 2 if 9 <= s <= 12 else 1 for s in range(1, STEPS + 1)}
+    resumed = losses(mlflow_server, run_id)  # a replayed step logged bitwise the same loss (losses() checks)
     assert resumed == uninterrupted["losses"]  # bitwise: fp32 on CPU, one thread, RNG states in the checkpoint
     assert final_reader_states(out_dir, "resumed") == final_reader_states(out_dir, "straight")
 

@@ -100,7 +100,8 @@ class CheckpointSection:
     save_step_interval: int = 128
     """Save every this many steps (also on SIGTERM and at the last step)."""
     keep: int = 3
-    """Newest checkpoints kept (Ray CheckpointConfig.num_to_keep)."""
+    """Newest checkpoints kept (Ray CheckpointConfig.num_to_keep); resume can fall back to an older one only
+    with at least 2."""
     save_last_step: bool = True
     """Save when the run reaches its last step."""
 

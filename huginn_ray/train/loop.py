@@ -301,14 +301,13 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
     stop_if_a_rank_cannot_read(read_error, device)
 
     state = ckpt.TrainerState(mlflow_run_id=plan["mlflow_run_id"], world_size=world_size)
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            state, reader_state = ckpt.read(Path(directory), rank, world_size, model, optimizer, device)
-        reader.load_state_dict(reader_state)
+    checkpoint = ray.train.get_checkpoint()  # out_dir is a filesystem every node sees: the path is the directory
+    registered = Path(checkpoint.path) if checkpoint is not None else None
+    resumed = ckpt.resume(registered, cfg.run_dir, rank, world_size, model, optimizer, device)
+    if resumed is not None:
+        state = resumed.state
+        reader.load_state_dict(resumed.reader_state)
         c.resumed = True
-        if rank == 0:
-            print(f"[huginn] resumed from {checkpoint.path} at step {state.step}", flush=True)
 
     if cfg.warmup_allreduce_mib > 0:
         warmup_allreduce(device, cfg.warmup_allreduce_mib, timeout_s=cfg.warmup_timeout_s)
