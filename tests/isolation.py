@@ -134,7 +134,7 @@ class LocalRayHead:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=10)
+                self.process.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 pass
         try:
