@@ -11,7 +11,10 @@ measured with bf16 matmuls.
 
 With --compile every shape is built twice with the same weights, one copy with compile_blocks, and the
 timed steps alternate between the two (eager, compiled, eager, ...) so that load from other processes on a
-shared machine falls on both alike; the figure per variant is the median step.
+shared machine falls on both alike; the figure per variant is the median step. It also profiles one eager
+step and prints the share of its time spent in matmul and attention kernels: compilation fuses the rest
+(norms, RoPE, SiLU*up, residual adds) but does not make those kernels faster, so 1 / share is the most any
+fusion can gain at that shape on that device.
 """
 
 from __future__ import annotations
@@ -82,6 +85,28 @@ def step_seconds(models: dict, batch: int, seq_len: int, num_steps, device, auto
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}  # median
 
 
+MATMUL_AND_ATTENTION = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_scaled_dot_product")
+
+
+def matmul_and_attention_share(model, batch: int, seq_len: int, num_steps, device, autocast: bool) -> float:
+    """Fraction of one profiled eager fwd+bwd step's kernel time spent in matmul and attention kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randint(0, model.config.vocab_size, (batch, seq_len), device=device)
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as profiler:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x, labels=x, num_steps=num_steps).loss
+        loss.backward()
+        synchronize(device)
+    model.zero_grad(set_to_none=True)
+    own_time = (lambda e: e.self_device_time_total) if device.type == "cuda" else (lambda e: e.self_cpu_time_total)
+    events = profiler.key_averages()
+    total = sum(own_time(e) for e in events)
+    heavy = sum(own_time(e) for e in events if e.key.startswith(MATMUL_AND_ATTENTION))
+    return heavy / total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -127,7 +152,9 @@ def main() -> None:
             print(f"{label:40s} {variant:>9s} {params / 1e6:7.1f}M {tokens_per_second:10.0f} {achieved / 1e12:8.3f} "
                   f"{achieved / peak:6.1%}")
         if args.compile:
-            print(f"{'':40s} compiled / eager = {seconds['eager'] / seconds['compiled']:.2f}x")
+            share = matmul_and_attention_share(models["eager"], batch, seq_len, num_steps, device, autocast=on_gpu)
+            print(f"{'':40s} compiled / eager = {seconds['eager'] / seconds['compiled']:.2f}x; eager step "
+                  f"{share:.0%} in matmul+attention kernels, so fusion can give at most {1 / share:.2f}x")
 
 
 if __name__ == "__main__":

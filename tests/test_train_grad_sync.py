@@ -1,4 +1,4 @@
-"""The three gradient exchanges give every rank the mean of the per-rank gradients (real gloo process groups).
+"""Every gradient exchange gives every rank the mean of the per-rank gradients (real gloo process groups).
 
 Each rank builds the same toy recurrent model (a shared block applied k times under non-reentrant activation
 checkpointing, like the core block, plus a parameter that never gets a gradient), computes its local gradient on
@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from huginn_ray.train.grad_sync import ChunkStream, ChunkStreamOverlap, DDPSync, chunk_layout
+from huginn_ray.train.grad_sync import ChunkStream, ChunkStreamOverlap, DDPSync, Hierarchical, chunk_layout
 from huginn_ray.train.warmup import WarmupError, register_node, warmup_allreduce
 
 
@@ -175,16 +175,23 @@ def real_model_local_mean(world_size: int, step: int, n: int, k: int):
     return {name: torch.stack([g[name] for g in grads]).mean(0) for name in grads[0]}
 
 
-def exchange_real_model(rank, world_size):
+def exchange_real_model(rank, world_size, compiled=False):
+    from huginn_ray.model import compile_blocks
+    from huginn_ray.train.sharding import NodeSharding, build_node_layout
+
     report = {}
-    for kind in ("chunk_stream", "chunk_stream_overlap", "ddp"):
+    for kind in ("chunk_stream", "chunk_stream_overlap", "ddp", "hierarchical"):
         model = real_model()
+        if compiled:  # the expected mean stays eager: compiled blocks must give the same gradients
+            compile_blocks(model)
         if kind == "chunk_stream":
             sync = ChunkStream(model, chunk_numel=10_000)
         elif kind == "chunk_stream_overlap":
             sync = ChunkStreamOverlap(model, chunk_numel=10_000)
-        else:
+        elif kind == "ddp":
             sync = DDPSync(model)
+        else:  # one rank per virtual node: each rank owns every tensor, so every gradient is the mean
+            sync = Hierarchical(model, chunk_numel=10_000, sharding=NodeSharding(model, build_node_layout(1)))
         worst = 0.0
         for step, (n, k) in enumerate(DEPTHS):
             expected = real_model_local_mean(world_size, step, n, k)
@@ -200,10 +207,17 @@ def exchange_real_model(rank, world_size):
     return report
 
 
-def test_every_exchange_on_the_recurrent_model_with_changing_depth(tmp_path):
-    results = spawn("exchange_real_model", 2, tmp_path)
+def exchange_real_model_compiled(rank, world_size):
+    return exchange_real_model(rank, world_size, compiled=True)
+
+
+@pytest.mark.parametrize("fn", ["exchange_real_model", "exchange_real_model_compiled"])
+def test_every_exchange_on_the_recurrent_model_with_changing_depth(tmp_path, fn):
+    """Eager, and with compile_blocks: the gradient hooks of every exchange fire on the compiled blocks' weights."""
+    results = spawn(fn, 2, tmp_path, timeout_s=120)
     for rank, report in enumerate(results):
         assert "error" not in report, report.get("trace")
+        assert sorted(report) == ["chunk_stream", "chunk_stream_overlap", "ddp", "hierarchical"]
         for kind, worst in report.items():
             assert worst < 1e-6, f"rank {rank} {kind}: max deviation from the mean gradient {worst}"
 
