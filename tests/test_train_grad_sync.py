@@ -222,6 +222,38 @@ def test_every_exchange_on_the_recurrent_model_with_changing_depth(tmp_path, fn)
             assert worst < 1e-6, f"rank {rank} {kind}: max deviation from the mean gradient {worst}"
 
 
+def hierarchical_clip(rank, world_size):
+    """One node of two ranks: each owns part of the tensors and holds only their mean gradient; clipping must
+    use the norm over the whole node, not the owned part."""
+    from huginn_ray.train.sharding import NodeSharding, build_node_layout
+
+    model = real_model()
+    sharding = NodeSharding(model, build_node_layout(node_size=2))
+    sync = Hierarchical(model, chunk_numel=10_000, sharding=sharding)
+    n, k = DEPTHS[1]
+    inputs, labels = real_batch(rank, 1)
+    torch.manual_seed(1)
+    model(inputs, labels=labels, num_steps=(n, k)).loss.backward()
+    sync.finish()
+    expected = real_model_local_mean(world_size, 1, n, k)
+    expected_norm = torch.stack([g.norm(2) for g in expected.values()]).norm(2)
+    norm = sync.clip_grad_norm_(max_norm=1e-3)
+    scale = 1e-3 / (expected_norm + 1e-6)
+    names = [name for name, _ in model.named_parameters()]
+    worst = max((sharding.params[i].grad - expected[names[i]] * scale).abs().max().item() for i in sync.owned)
+    return {"norm": norm.item(), "expected_norm": expected_norm.item(), "owned": len(sync.owned), "worst": worst}
+
+
+def test_hierarchical_clipping_uses_the_norm_of_the_whole_node(tmp_path):
+    results = spawn("hierarchical_clip", 2, tmp_path)
+    for report in results:
+        assert "error" not in report, report.get("trace")
+        assert report["norm"] == pytest.approx(report["expected_norm"], rel=1e-6)
+        assert report["worst"] < 1e-9  # clipped to a norm of 1e-3: gradients of order 1e-4
+    assert results[0]["owned"] + results[1]["owned"] == len(list(real_model().parameters()))
+    assert results[0]["owned"] > 0 and results[1]["owned"] > 0
+
+
 def test_post_accumulate_hook_fires_once_per_parameter_in_the_recurrent_model():
     model = real_model(activation_checkpointing=True)
     counts = {}
