@@ -195,6 +195,24 @@ def test_sigterm_to_the_job_s_process_group_then_three_resumes_past_a_truncated_
     assert resumed == uninterrupted["losses"]  # bitwise: fp32 on CPU, one thread, RNG states in the checkpoint
     assert final_reader_states(out_dir, "resumed") == final_reader_states(out_dir, "straight")
 
+    # no checkpoint that loads: one attempt that names every checkpoint tried, not max_failures retries of it
+    kept = [p.parent for p in sorted((out_dir / "resumed").glob("checkpoint_*/trainer_state.json"),
+                                     key=lambda p: json.loads(p.read_text())["step"])]
+    for checkpoint in kept:
+        weights = checkpoint / "model" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    failed = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(REPO / "configs/train/tiny_cpu.yaml"),
+         *overrides("resumed", out_dir, dataset, mlflow_server)],
+        env={**env(), "RAY_ADDRESS": cluster["address"]}, capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    console = failed.stdout + failed.stderr
+    assert failed.returncode == 1, console[-4000:]
+    assert f"cannot resume: no checkpoint of {out_dir / 'resumed'} can be resumed from; tried, newest first: " \
+        f"{kept[1]} (" in console, console[-4000:]
+    assert [console.count(f"[huginn] skipping checkpoint {c} (") for c in kept] == [1, 1]  # tiny_cpu: max_failures=2
+    assert MlflowClient(mlflow_server).get_run(run_id).info.status == "FAILED"
+
 
 def test_killed_worker_is_restarted_from_checkpoint_with_the_same_final_loss(
         cluster, mlflow_server, dataset, uninterrupted):

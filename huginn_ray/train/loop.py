@@ -45,7 +45,8 @@ from huginn_ray.train.warmup import register_node, warmup_allreduce
 
 class Stop(Exception):
     """The run stops on purpose, on every rank at the same step: a non-finite loss or gradient with
-    on_nonfinite=stop, or a rank that cannot read its data. Not retried by Ray: it would only fail again."""
+    on_nonfinite=stop, a rank that cannot read its data, or no checkpoint to resume from that loads. Not retried
+    by Ray: it would only fail again."""
 
     def __init__(self, message: str, reporter: bool):
         super().__init__(message)
@@ -303,7 +304,10 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
     state = ckpt.TrainerState(mlflow_run_id=plan["mlflow_run_id"], world_size=world_size)
     checkpoint = ray.train.get_checkpoint()  # out_dir is a filesystem every node sees: the path is the directory
     registered = Path(checkpoint.path) if checkpoint is not None else None
-    resumed = ckpt.resume(registered, cfg.run_dir, rank, world_size, model, optimizer, device)
+    try:
+        resumed = ckpt.resume(registered, cfg.run_dir, rank, world_size, model, optimizer, device)
+    except ValueError as err:  # CheckpointError included: every rank read the same files and agreed
+        raise Stop(f"cannot resume: {err}", reporter=rank == 0) from None
     if resumed is not None:
         state = resumed.state
         reader.load_state_dict(resumed.reader_state)
