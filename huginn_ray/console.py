@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 QUIET_ENV = {
     "RAY_AUTH_MODE": "token",
@@ -90,3 +91,20 @@ def summary_line(metrics: dict) -> str:
     if "tokens" in metrics:
         parts.append(f"{metrics['tokens']:,} tokens")
     return ("final: " + ", ".join(parts)) if parts else ""
+
+
+_EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Timeout|Interrupt)): ?(.*)$")
+_RANKS = re.compile(r"\[(Rank[^\]]*) Error Snippet\]")
+
+
+def failure_line(error: BaseException) -> str:
+    """One line for a failed run after Ray's full report: which ranks failed and the last exception they raised
+    (Ray Train's WorkerGroupError carries every rank's traceback snippet; its last exception line is the cause)."""
+    text = str(error)
+    causes = [m for line in text.splitlines() if (m := _EXCEPTION_LINE.match(line))]
+    if causes:
+        cause = f"{causes[-1].group(1)}: {causes[-1].group(2)}"
+    else:
+        cause = f"{type(error).__name__}: {next((line.strip() for line in text.splitlines() if line.strip()), '')}"
+    ranks = _RANKS.search(text)
+    return (f"{ranks.group(1).lower()}: " if ranks else "") + cause[:300]

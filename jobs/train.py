@@ -15,8 +15,9 @@ import shutil
 import signal
 import sys
 import tempfile
+import traceback
 
-from huginn_ray.console import local_ray_environment, summary_line
+from huginn_ray.console import failure_line, local_ray_environment, summary_line
 
 if not os.environ.get("RAY_ADDRESS"):
     local_ray_environment()  # before `import ray`, which reads RAY_AUTH_MODE
@@ -91,6 +92,9 @@ def _run(cfg, verbose: bool) -> int:
     outcome = None
     try:
         outcome = run_training(cfg, plan, ray_train_log_level="INFO" if verbose else "ERROR")
+    except Exception as err:  # Ray's report in full, then one line of our own
+        traceback.print_exc()
+        print(f"[huginn] training failed, {failure_line(err)}", flush=True)
     finally:
         if head is not None:
             ray.shutdown()
@@ -99,6 +103,9 @@ def _run(cfg, verbose: bool) -> int:
                 shutil.rmtree(local_ray_dir, ignore_errors=True)
             else:
                 print(f"[huginn] Ray's logs of this run are kept in {local_ray_dir}/session_latest/logs", flush=True)
+    if outcome is None:
+        print(f"[huginn] run directory: {cfg.run_dir}; rerun to resume from its newest checkpoint")
+        return 1
     print(f"[huginn] {outcome.message}")
     summary = summary_line(outcome.metrics)
     if summary:

@@ -3,7 +3,7 @@
 import logging
 import os
 
-from huginn_ray.console import QUIET_ENV, local_ray_init_kwargs, quiet_local_ray, summary_line
+from huginn_ray.console import QUIET_ENV, failure_line, local_ray_init_kwargs, quiet_local_ray, summary_line
 from huginn_ray.train.loop import eta, progress_line
 
 
@@ -33,3 +33,15 @@ def test_progress_line_has_an_eta_and_the_summary_names_the_figures():
     assert eta(3725) == "1:02:05"
     assert summary_line({"step": 50, "loss": 2.5, "tokens": 102400}) == "final: step 50, loss 2.5000, 102,400 tokens"
     assert summary_line({}) == ""
+
+
+def test_failure_line_names_the_ranks_and_the_last_exception_of_ray_s_report():
+    report = RuntimeError(  # the shape of Ray Train's WorkerGroupError text (a snippet cut in the middle)
+        "Training failed due to worker errors:\n[Rank 0 Error Snippet]:\nTraceback (most recent call last):\n"
+        '  File "/w/huginn_ray/train/loop.py", line 89, in train_loop_per_worker\n    _train(cfg)\n'
+        "... (Output truncated. See individual worker logs for full details) ...\n"
+        "    work.wait()\ntorch.distributed.DistBackendError: [../gloo/transport/tcp/pair.cc:534] Read error: "
+        "timed out waiting 10000 ms\n\n")
+    assert failure_line(report) == ("rank 0: torch.distributed.DistBackendError: [../gloo/transport/tcp/pair.cc:534] "
+                                    "Read error: timed out waiting 10000 ms")
+    assert failure_line(ValueError("bad shard\nsecond line")) == "ValueError: bad shard"

@@ -318,6 +318,9 @@ def test_a_hung_rank_makes_the_next_collective_time_out_and_every_rank_exit(clus
     # the project's timeout (not Ray's default of 1800 s) ended rank 0's all-reduce, and the driver says so
     assert "Training failed due to worker errors" in run.stderr, output[-4000:]
     assert re.search(rf"timed out waiting {timeout_s * 1000} ?ms", run.stderr, re.IGNORECASE), output[-4000:]
+    # after Ray's report, one line of the project's own names the failed rank and the cause
+    assert re.search(rf"^\[huginn\] training failed, rank 0: \S+: .*timed out waiting {timeout_s * 1000} ?ms",
+                     run.stdout, re.M | re.IGNORECASE), output[-4000:]
     assert driver_exited - hung_at < bound_s, (driver_exited - hung_at, output[-4000:])
     workers = {int(pid) for pid in re.findall(r"RayTrainWorker pid=(\d+)", output)}
     assert len(workers) == 2 and int(marker.read_text().split("pid ")[1]) in workers, (workers, marker.read_text())
