@@ -211,7 +211,9 @@ def chunked_cross_entropy_grads(hidden: Tensor, weight: Tensor, labels: Tensor, 
     for start in range(0, h.shape[0], chunk_tokens):
         rows = slice(start, start + chunk_tokens)
         h_c = h[rows].to(dtype)
-        grad_logits = torch.softmax(F.linear(h_c, w), dim=-1, dtype=torch.float32)
+        grad_logits = F.linear(h_c, w).float()
+        _exp_minus_max_(grad_logits)
+        grad_logits.div_(grad_logits.sum(dim=-1, keepdim=True))  # softmax
         target = torch.where(valid[rows], y[rows], 0)[:, None]
         grad_logits.scatter_add_(1, target, torch.full(target.shape, -1.0, device=target.device))
         grad_logits = grad_logits.mul_(row_scale[rows]).to(dtype)
@@ -225,6 +227,14 @@ def chunked_cross_entropy_grads(hidden: Tensor, weight: Tensor, labels: Tensor, 
     grad_h = grad_h.view(hidden.shape) if grad_h is not None else None
     grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
     return grad_h, grad_w
+
+
+def _exp_minus_max_(logits: Tensor) -> Tensor:
+    """exp(logits - row max), in place, and the row max: no second (chunk x vocab) block is ever allocated,
+    as torch.logsumexp or torch.softmax from bf16 would inside their kernels."""
+    row_max = logits.amax(dim=-1, keepdim=True)
+    logits.sub_(row_max).exp_()
+    return row_max
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -242,8 +252,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk_tokens)
             logits = F.linear(h[rows].to(dtype), w).float()
             target = torch.where(valid[rows], y[rows], 0)[:, None]
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            total += ((lse - logits.gather(1, target))[:, 0] * valid[rows]).sum()
+            picked = logits.gather(1, target)
+            row_max = _exp_minus_max_(logits)
+            log_sum_exp = logits.sum(dim=-1, keepdim=True).log_().add_(row_max)
+            total += ((log_sum_exp - picked)[:, 0] * valid[rows]).sum()
             del logits  # before the next chunk's logits exist, not while they are made
         ctx.save_for_backward(hidden, weight, labels)  # references: no new memory
         # backward runs outside the forward's autocast state: it recomputes in the dtype recorded here
