@@ -186,7 +186,8 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_
     lives from the end of the forward through the model's backward: the fp32 accumulator of the weight's
     gradient and the weight in the matmul dtype exist only while the loss's own backward runs, at its start
     (huginn_ray.train.memory plans that moment). Under autocast the matmuls run in the autocast dtype, as
-    `lm_head` would, in forward and backward alike. Without gradients (evaluation) only the loss is computed."""
+    `lm_head` would, in forward and backward alike. Without gradients (evaluation) the forward is all it costs:
+    one matmul per chunk."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     return _ChunkedCrossEntropy.apply(hidden, weight, labels, chunk_tokens, ignore_index)
@@ -200,7 +201,10 @@ def chunked_cross_entropy_grads(hidden: Tensor, weight: Tensor, labels: Tensor, 
     Chunk by chunk: logits = hidden_chunk @ weight.T in `dtype` (the forward's matmul dtype), then
     d loss / d logits = (softmax - one-hot) x grad_output / (number of counted tokens) on counted rows and 0 on
     ignored ones, cast to `dtype`; hidden's gradient is that times the weight, and the weight's gradient
-    accumulates (gradient.T @ hidden_chunk) in fp32 and is cast to the weight's dtype at the end."""
+    accumulates (gradient.T @ hidden_chunk) in fp32 and is cast to the weight's dtype at the end. Alive at
+    the peak: the fp32 accumulator, hidden's gradient, the weight in `dtype` (a copy unless it is the weight's
+    own dtype), one chunk's logits and their gradient, and for a `dtype` other than fp32 one weight-sized
+    product per chunk (a matmul cannot add bf16 products into fp32 in place)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     w = weight.to(dtype)
@@ -230,8 +234,8 @@ def chunked_cross_entropy_grads(hidden: Tensor, weight: Tensor, labels: Tensor, 
 
 
 def _exp_minus_max_(logits: Tensor) -> Tensor:
-    """exp(logits - row max), in place, and the row max: no second (chunk x vocab) block is ever allocated,
-    as torch.logsumexp or torch.softmax from bf16 would inside their kernels."""
+    """exp(logits - row max) in place; returns the row max. In place so that no second (chunk x vocab) block
+    is made: torch.logsumexp allocates one inside its kernel."""
     row_max = logits.amax(dim=-1, keepdim=True)
     logits.sub_(row_max).exp_()
     return row_max

@@ -17,10 +17,19 @@ What is counted, per rank (the busiest rank where ranks differ):
   running the model's forward and loss on the meta device under `saved_tensors_hooks` and summing the bytes of
   the distinct storages saved (parameters and buffers excluded). On GPU configurations bf16 autocast is emulated
   on meta (linear/matmul/attention inputs cast to bf16, casts of weights cached as autocast does) and attention
-  is counted as the fused flash kernel saves it (q, k, v, output, log-sum-exp), as on the device;
-- the largest transient on top: the recomputation of one checkpointed iteration in backward (its saved tensors,
-  measured the same way), the gradient of the logits at the start of backward, or, under bf16 autocast, the
-  cached bf16 copies of the weights alive at the end of the forward (those not already saved for backward).
+  is counted as the fused flash kernel saves it (q, k, v, output, log-sum-exp), as on the device. The chunked
+  loss (`loss_chunk_tokens`) saves only references to the final hidden states, the head weight and the labels;
+- the largest of the transients on top of all of that:
+  - the recomputation of one checkpointed iteration in backward (its saved tensors, measured the same way);
+  - the start of backward, every activation still alive. With `loss_chunk_tokens` the chunked loss's backward
+    runs first and recomputes the head chunk by chunk: at its peak it holds the fp32 accumulator of the head
+    weight's gradient (weight-sized, on top of the gradients row: with gradient accumulation the head's .grad
+    already exists), hidden's gradient, one chunk's logits and their gradient, and under bf16 the weight's bf16
+    copy and one chunk's weight-sized bf16 product. Measured by running that backward on meta and tracking
+    the storages it creates (PeakLiveBytes); equal to a real CPU step byte for byte. Without
+    `loss_chunk_tokens`: the gradient of the full logits;
+  - the end of the forward: under bf16 autocast the cached bf16 copies of the weights (those not already saved
+    for backward), plus with `loss_chunk_tokens` what one chunk of the loss's forward allocates (measured).
 Not counted: the allocator's fragmentation and the runtime's own memory (CUDA/ROCm context, communication
 library buffers); `memory_headroom` (default 0.9) is there for them.
 """
