@@ -133,8 +133,8 @@ class PeakLiveBytes(TorchDispatchMode):
     """Peak bytes alive at once of the storages created while this mode is active (meta or real tensors).
 
     Storages that existed before (inputs, and views or in-place results of them) are not counted; a created
-    storage counts from the op that returns it until its last reference goes, the intermediates of composite
-    ops included (they are live while the next op runs)."""
+    storage counts from the op that returns it until its last reference goes. Scratch memory inside one op's
+    kernel is not seen (so the chunked loss forms its softmax in place rather than in torch.logsumexp)."""
 
     def __init__(self):
         super().__init__()
