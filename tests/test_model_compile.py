@@ -127,3 +127,48 @@ def test_chunked_cross_entropy_function_without_grad():
         torch.testing.assert_close(chunked_cross_entropy(h, w, labels, 4), expected)
     with pytest.raises(ValueError, match="chunk_tokens"):
         chunked_cross_entropy(h, w, labels, 0)
+
+
+@pytest.mark.parametrize("chunk", [10, 48, 100])  # a partial last chunk, one exact chunk, one chunk past the end
+def test_chunked_cross_entropy_gradients_equal_unchunked_with_tied_weight(chunk):
+    # the head weight is also the embedding (tied, as lm_head and wte are): its gradient sums both uses
+    torch.manual_seed(0)
+    wte = torch.nn.Embedding(VOCAB, 32)
+    mix = torch.randn(32, 32) / 32**0.5
+    ids = torch.randint(0, VOCAB, (2, 24))
+    labels = torch.randint(0, VOCAB, (2, 24))
+    labels[0, :5] = labels[1, -3:] = -100  # ignored rows at the start and in the last chunk
+    results = []
+    for chunked in (False, True):
+        wte.zero_grad(set_to_none=True)
+        hidden = torch.tanh(wte(ids) @ mix)
+        hidden.retain_grad()
+        if chunked:
+            loss = chunked_cross_entropy(hidden, wte.weight, labels, chunk)
+        else:
+            loss = torch.nn.functional.cross_entropy(
+                torch.nn.functional.linear(hidden, wte.weight).float().view(-1, VOCAB), labels.view(-1))
+        (loss * 3).backward()  # an incoming gradient of 3, not 1
+        results.append((loss.detach(), hidden.grad, wte.weight.grad))
+    for name, unchunked, chunked in zip(("loss", "hidden", "weight"), *results):
+        torch.testing.assert_close(chunked, unchunked, rtol=1e-5, atol=1e-7, msg=name)
+    ignored = labels == -100
+    assert results[1][1][ignored].eq(0).all() and results[1][1][~ignored].ne(0).all()  # ignored rows: no gradient
+
+
+def test_chunked_cross_entropy_saves_references_only():
+    # what the chunked loss keeps from forward to backward: hidden, the weight and the labels themselves, no
+    # gradient- or weight-sized tensor of its own (the gradients are recomputed in backward)
+    torch.manual_seed(0)
+    model = RecurrentGPT(tiny())
+    hidden = torch.randn(2, 24, 32, requires_grad=True) * 1.0
+    labels = torch.randint(0, VOCAB, (2, 24))
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        loss = chunked_cross_entropy(hidden, model.lm_head.weight, labels, 10)
+    storages = [t.untyped_storage()._cdata for t in packed]
+    expected = [x.untyped_storage()._cdata for x in (hidden, model.lm_head.weight, labels)]
+    assert storages == expected
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied: the one parameter
+    loss.backward()
+    assert model.lm_head.weight.grad.shape == (VOCAB, 32) and model.lm_head.weight.grad.dtype == torch.float32

@@ -17,7 +17,7 @@ from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.train import memory
 from huginn_ray.train.config import TrainConfig, load_train_config
 from huginn_ray.train.grad_sync import build_grad_sync
-from huginn_ray.train.memory import SavedBytes, plan_memory, saved_activation_bytes
+from huginn_ray.train.memory import PeakLiveBytes, SavedBytes, plan_memory, saved_activation_bytes
 from huginn_ray.train.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,6 +63,33 @@ def test_activation_figure_equals_saved_bytes_of_a_real_cpu_step(checkpointing):
     # and the meta measurement of one recomputed iteration equals the real one
     meta = saved_activation_bytes(model.to("meta"), ids.to("meta"), (1, k))
     assert meta["activations"] == planned
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_chunked_loss_backward_figure_equals_a_real_cpu_step(precision):
+    # 128 tokens in chunks of 48: the last one partial. Under bf16 the backward recomputes in bf16 (the
+    # forward's dtype, recorded: autocast is off in backward), so it also holds a bf16 copy of the weight.
+    cfg = small_config(f"precision={precision}", "loss_chunk_tokens=48")
+    mcfg = model_config(cfg)
+    planned = dict(plan_memory(cfg, mcfg).transients)["chunked loss backward, chunk 48"]
+
+    torch.manual_seed(0)
+    model = RecurrentGPT(mcfg).train()
+    model.loss_chunk_tokens = cfg.loss_chunk_tokens
+    ids = batch(cfg)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        loss = model(ids, labels=ids, num_steps=(1, mcfg.mean_backprop_depth)).loss
+    peak_after_loss_node = []
+    with PeakLiveBytes() as peak:  # what backward allocates from its start until the loss's node is done
+        loss.grad_fn.register_hook(lambda *_: peak_after_loss_node.append(peak.peak))
+        loss.backward()
+    assert peak_after_loss_node == [planned]
+    weight, hidden, chunk_logits, chunk_hidden = 512 * 128, 128 * 128, 48 * 512, 48 * 128  # elements
+    small = 1028  # the label mask, the per-row scale, one chunk's targets, scalars
+    if precision == "fp32":  # head gradient (fp32 accumulator) + hidden's gradient + a chunk's logits + its dh
+        assert planned == weight * 4 + hidden * 4 + chunk_logits * 4 + chunk_hidden * 4 + small
+    else:  # + the weight in bf16 and the bf16 product (weight-sized) added into the fp32 accumulator
+        assert planned == weight * (2 + 4 + 2) + hidden * 4 + chunk_logits * 2 + chunk_hidden * 2 + small
 
 
 def live_tensor_bytes(extra) -> int:
@@ -121,11 +148,16 @@ def test_planned_fixed_memory_matches_what_a_cpu_step_allocates(single_rank_grou
 
 
 def test_frontier_plan_fits_with_sharding_and_not_without(capsys):
-    assert memory.main(["--config", str(FRONTIER)]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    total = float(out[-1].split("total per rank: ")[1].split(" GiB")[0])
-    assert out[-1] == f"total per rank: {total:.1f} GiB of 64.0 GiB device memory"
-    assert total <= 52.0
+    plan = plan_memory(load_train_config(FRONTIER, []))
+    head = 65536 * 5280  # padded vocab x n_embd: the tied head weight
+    # The chunked loss used to form the head weight's gradient in its forward and keep it, fp32, until backward:
+    # activations were 12,319,017,056 bytes and the total 54,334,842,328 (50.6 GiB). It now recomputes instead.
+    assert plan.bytes_of("activations saved for backward (k=8)") == 12_319_017_056 - head * 4
+    assert plan.total == 54_334_842_328 - head * 4 == 52_950_722_008
+    # what recomputation costs at the start of backward: fp32 accumulator, bf16 weight, bf16 product, and so on
+    assert dict(plan.transients)["chunked loss backward, chunk 1024"] == 2_999_808_004
+    assert plan.transient[0] == "recompute of one iteration" and plan.fits
+    assert plan.render().splitlines()[-1] == "total per rank: 49.3 GiB of 64.0 GiB device memory"
     assert memory.main(["--config", str(FRONTIER), "optim.sharding=none", "grad_sync.kind=chunk_stream_overlap"]) == 1
     out = capsys.readouterr().out.strip().splitlines()
     assert float(out[-1].split("total per rank: ")[1].split(" GiB")[0]) > 0.9 * 64

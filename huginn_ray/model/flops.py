@@ -3,7 +3,8 @@
 Counts the matrix multiplications the way `torch.utils.flop_counter.FlopCounterMode` does (2 FLOPs per
 multiply-add; attention scores over the full T x T square, as SDPA's kernels are counted; backward = 2x
 forward for every part that gets gradients). Work that is not in the model's math is left out: the
-recomputation of activation checkpointing, and the backward of the no-grad iterations, which never runs.
+recomputation of activation checkpointing and of the chunked loss's head matmul in backward, and the backward
+of the no-grad iterations, which never runs.
 """
 
 from __future__ import annotations

@@ -183,7 +183,8 @@ class TrainConfig:
     loss_chunk_tokens: int = 1024
     """Head + cross-entropy over chunks of this many tokens (huginn_ray.model.chunked_cross_entropy): at most
     loss_chunk_tokens x padded_vocab fp32 logits exist at a time instead of all tokens' logits and their
-    gradient. 0 computes the full logits (the reference's way)."""
+    gradient; backward recomputes each chunk's logits (one extra head matmul). 0 computes the full logits (the
+    reference's way)."""
     precision: Literal["auto", "bf16-mixed", "fp32"] = "auto"
     """auto: bf16 autocast on GPU, fp32 on CPU (bitwise-reproducible)."""
     log_step_interval: int = 4

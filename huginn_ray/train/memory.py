@@ -17,10 +17,19 @@ What is counted, per rank (the busiest rank where ranks differ):
   running the model's forward and loss on the meta device under `saved_tensors_hooks` and summing the bytes of
   the distinct storages saved (parameters and buffers excluded). On GPU configurations bf16 autocast is emulated
   on meta (linear/matmul/attention inputs cast to bf16, casts of weights cached as autocast does) and attention
-  is counted as the fused flash kernel saves it (q, k, v, output, log-sum-exp), as on the device;
-- the largest transient on top: the recomputation of one checkpointed iteration in backward (its saved tensors,
-  measured the same way), the gradient of the logits at the start of backward, or, under bf16 autocast, the
-  cached bf16 copies of the weights alive at the end of the forward (those not already saved for backward).
+  is counted as the fused flash kernel saves it (q, k, v, output, log-sum-exp), as on the device. The chunked
+  loss (`loss_chunk_tokens`) saves only references to the final hidden states, the head weight and the labels;
+- the largest of the transients on top of all of that:
+  - the recomputation of one checkpointed iteration in backward (its saved tensors, measured the same way);
+  - the start of backward, every activation still alive. With `loss_chunk_tokens` the chunked loss's backward
+    runs first and recomputes the head chunk by chunk: at its peak it holds the fp32 accumulator of the head
+    weight's gradient (weight-sized, on top of the gradients row: with gradient accumulation the head's .grad
+    already exists), hidden's gradient, one chunk's logits and their gradient, and under bf16 the weight's bf16
+    copy and one chunk's weight-sized bf16 product. Measured by running that backward on meta and tracking
+    the storages it creates (PeakLiveBytes); equal to a real CPU step byte for byte. Without
+    `loss_chunk_tokens`: the gradient of the full logits;
+  - the end of the forward: under bf16 autocast the cached bf16 copies of the weights (those not already saved
+    for backward), plus with `loss_chunk_tokens` what one chunk of the loss's forward allocates (measured).
 Not counted: the allocator's fragmentation and the runtime's own memory (CUDA/ROCm context, communication
 library buffers); `memory_headroom` (default 0.9) is there for them.
 """
@@ -34,10 +43,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from huginn_ray.model import ModelConfig, RecurrentGPT
+from huginn_ray.model.model import chunked_cross_entropy, chunked_cross_entropy_grads
 from huginn_ray.train.sharding import owner_loads, owner_map
 
 GIB = 2**30
@@ -65,15 +77,18 @@ class AutocastOnMeta(TorchFunctionMode):
         super().__init__()
         self.bf16 = bf16
         self.device_type = device_type
-        self.cache: dict[int, torch.Tensor] = {}
+        self.cache: dict[tuple, torch.Tensor] = {}
 
     def _cast(self, t):
         if not (self.bf16 and isinstance(t, torch.Tensor) and t.dtype == torch.float32):
             return t
         if t.is_leaf and t.requires_grad:
-            if id(t) not in self.cache:
-                self.cache[id(t)] = t.to(torch.bfloat16)
-            return self.cache[id(t)]
+            # keyed by what is viewed, not by the Python object: a weight saved for backward comes back from
+            # autograd as another object over the same storage
+            key = (_storage_key(t), t.storage_offset(), tuple(t.shape), t.stride())
+            if key not in self.cache:
+                self.cache[key] = t.to(torch.bfloat16)
+            return self.cache[key]
         return t.to(torch.bfloat16)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -114,13 +129,40 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
+class PeakLiveBytes(TorchDispatchMode):
+    """Peak bytes alive at once of the storages created while this mode is active (meta or real tensors).
+
+    Storages that existed before (inputs, and views or in-place results of them) are not counted; a created
+    storage counts from the op that returns it until its last reference goes. Scratch memory inside one op's
+    kernel is not seen (so the chunked loss forms its softmax in place rather than in torch.logsumexp)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        self.live = {key: (ref, size) for key, (ref, size) in self.live.items() if not ref.expired()}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs:
+                self.live[_storage_key(t)] = (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+        self.peak = max(self.peak, sum(size for _, size in self.live.values()))
+        return out
+
+
 def saved_activation_bytes(model: RecurrentGPT, input_ids: torch.Tensor, num_steps: tuple[int, int],
                            bf16: bool = False, device_type: str = "cpu") -> dict:
     """Bytes autograd keeps for backward over one forward+loss of `model` (meta or real tensors).
 
-    Returns {"activations", "recompute_iteration", "weight_casts"}: the saved storages of the whole forward, of
-    one core iteration without checkpointing (what its recomputation holds in backward), and of the bf16
-    weight casts alive at the end of the forward that are not among the saved storages."""
+    Returns {"activations", "recompute_iteration", "weight_casts", "loss_forward", "loss_backward"}: the saved
+    storages of the whole forward, of one core iteration without checkpointing (what its recomputation holds
+    in backward), and of the bf16 weight casts alive at the end of the forward that are not among the saved
+    storages; with `model.loss_chunk_tokens` the peaks of the chunked loss's own allocations in its forward
+    (one chunk's logits) and in its backward, which runs first in backward while every activation is alive
+    (the fp32 accumulator of the head weight's gradient, the weight in the matmul dtype, hidden's gradient,
+    one chunk's logits and their gradient), both 0 without."""
     exclude = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
     saved = SavedBytes(exclude)
     emulation = AutocastOnMeta(bf16, device_type) if input_ids.device.type == "meta" else None
@@ -131,6 +173,19 @@ def saved_activation_bytes(model: RecurrentGPT, input_ids: torch.Tensor, num_ste
         casts = sum(t.untyped_storage().nbytes() for t in emulation.cache.values()
                     if _storage_key(t) not in saved.storages)
     activations = saved.total
+    loss_forward = loss_backward = 0
+    if model.loss_chunk_tokens:  # the loss is the chunked loss's output: its node holds what it saved
+        node = out.loss.grad_fn
+        hidden, weight, labels = node.saved_tensors
+        with torch.no_grad(), PeakLiveBytes() as forward_peak, (emulation or torch.no_grad()):
+            chunked_cross_entropy(hidden, weight, labels, node.chunk_tokens, node.ignore_index)
+        # meta has no autocast, so the node recorded fp32; backward recomputes in the forward's dtype
+        dtype = torch.bfloat16 if (bf16 and emulation is not None) else node.dtype
+        with torch.no_grad(), PeakLiveBytes() as backward_peak:
+            grad_output = torch.ones((), device=hidden.device)  # what loss.backward() starts from
+            chunked_cross_entropy_grads(hidden, weight, labels, grad_output, node.chunk_tokens, node.ignore_index,
+                                        dtype)
+        loss_forward, loss_backward = forward_peak.peak, backward_peak.peak
     del out
     # one iteration as its checkpoint recomputes it in backward
     recompute = SavedBytes(exclude)
@@ -142,7 +197,8 @@ def saved_activation_bytes(model: RecurrentGPT, input_ids: torch.Tensor, num_ste
     emulation = AutocastOnMeta(bf16, device_type) if input_ids.device.type == "meta" else None
     with recompute.hooks(), (emulation or torch.enable_grad()):
         model._core(state, embedded, rope, None, 0)
-    return {"activations": activations, "recompute_iteration": recompute.total, "weight_casts": casts}
+    return {"activations": activations, "recompute_iteration": recompute.total, "weight_casts": casts,
+            "loss_forward": loss_forward, "loss_backward": loss_backward}
 
 
 @dataclass
@@ -281,13 +337,13 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
     if model_cfg.activation_checkpointing:
         plan.transients.append(("recompute of one iteration", measured["recompute_iteration"]))
     if cfg.loss_chunk_tokens:
-        # one chunk's fp32 logits and their gradient (the gradients the chunked loss keeps are measured above)
         chunk = min(cfg.loss_chunk_tokens, tokens)
-        plan.transients.append((f"logits of one loss chunk ({chunk} tokens)", 2 * chunk * vocab * 4))
+        plan.transients.append((f"chunked loss backward, chunk {chunk}", measured["loss_backward"]))
     else:
         plan.transients.append(("gradient of the logits", tokens * vocab * (4 + (2 if bf16 else 0))))
-    if bf16:
-        plan.transients.append(("bf16 weight casts at end of forward", measured["weight_casts"]))
+    if bf16 or cfg.loss_chunk_tokens:
+        plan.transients.append(("end of forward (bf16 casts, loss chunk)",
+                                measured["weight_casts"] + measured["loss_forward"]))
 
     advice = []
     if cfg.optim.sharding != "node":
