@@ -185,8 +185,8 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_
     unchunked 3 (its forward matmul runs again in backward). In exchange nothing gradient- or weight-sized
     lives from the end of the forward through the model's backward: the fp32 accumulator of the weight's
     gradient and the weight in the matmul dtype exist only while the loss's own backward runs, first in the
-    model's backward (huginn_ray.train.memory plans that moment). Under autocast the matmuls run in the autocast dtype, as
-    `lm_head` would, in forward and backward alike. Without gradients (evaluation) the forward is all it costs:
+    model's backward (huginn_ray.train.memory plans that moment). Under autocast the matmuls run in the
+    autocast dtype, as `lm_head` would, in forward and backward alike. Without gradients (evaluation) the forward is all it costs:
     one matmul per chunk."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
