@@ -196,8 +196,11 @@ def main() -> None:
     spec_path = root / "spec.json"
     spec_path.write_text(json.dumps(spec))
 
+    # the workers import this script (bench/) and the same huginn_ray as the driver (this checkout, not
+    # whichever copy is installed), as the torchrun column does
+    here = Path(__file__).resolve().parent
     ray.init(_temp_dir=tempfile.mkdtemp(prefix="hr_", dir="/tmp"), include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}})
     medians = {"ray_train": [], "torchrun": []}
     for _ in range(args.rounds):
         medians["ray_train"].append(statistics.median(run_ray(spec, args.workers)))
