@@ -18,8 +18,11 @@ temp_dir = tempfile.mkdtemp(prefix="hra_", dir="/tmp")
 info = init_local_ray(num_cpus=1, include_dashboard=False, _temp_dir=temp_dir)
 print("WORKER_MODE", ray.get(ray.remote(lambda: os.environ["RAY_AUTH_MODE"]).remote()))
 connect = f"import ray; ray.init(address={info.address_info['gcs_address']!r}); print('CONNECTED')"
-base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-for name, extra in (("none", {"RAY_AUTH_MODE": "disabled"}),
+# a refused client retries once a second for 20 s by default; 3 tries are plenty on loopback (the right token
+# connecting under the same budget shows that a refusal is not a timeout)
+base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | {"RAY_gcs_server_port_wait_time_s": "3"}
+for name, extra in (("right", {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.environ["RAY_AUTH_TOKEN"]}),
+                    ("none", {"RAY_AUTH_MODE": "disabled"}),
                     ("wrong", {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})):
     client = subprocess.run([sys.executable, "-c", connect], env={**base, **extra}, capture_output=True, text=True,
                             timeout=120)
@@ -35,4 +38,5 @@ def test_a_jobs_own_local_ray_refuses_clients_without_its_token():
                          env={**os.environ, "RAY_DISABLE_USAGE_STATS": "1"})
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert "WORKER_MODE token" in run.stdout
+    assert "CLIENT right True" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "CLIENT none False" in run.stdout and "CLIENT wrong False" in run.stdout, run.stdout
