@@ -153,7 +153,11 @@ def real_model(activation_checkpointing=True):
     from huginn_ray.model import ModelConfig, RecurrentGPT
 
     torch.manual_seed(0)
-    return RecurrentGPT(ModelConfig.from_name("raven-tiny", vocab_size=64, activation_checkpointing=activation_checkpointing))
+    # the block shapes of test_model_compile.py's model, so that the compiled variant below finds the blocks
+    # that module compiled in inductor's on-disk cache instead of compiling them again
+    return RecurrentGPT(ModelConfig.from_name("raven-tiny", vocab_size=64, n_embd=32, num_attention_heads=2,
+                                              intermediate_size=64, block_size=64,
+                                              activation_checkpointing=activation_checkpointing))
 
 
 def real_batch(rank: int, step: int):
