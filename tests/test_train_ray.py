@@ -78,11 +78,16 @@ def overrides(name, out_dir, dataset, mlflow_uri, *extra):
     ]
 
 
-def train(cluster, args, timeout=300) -> subprocess.CompletedProcess:
-    run = subprocess.run(
+def run_train(cluster, args, timeout=300) -> subprocess.CompletedProcess:
+    """jobs/train.py on the shared test cluster, whatever its exit status."""
+    return subprocess.run(
         [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(REPO / "configs/train/tiny_cpu.yaml"), *args],
         env={**env(), "RAY_ADDRESS": cluster["address"]}, capture_output=True, text=True, timeout=timeout, cwd=REPO,
     )
+
+
+def train(cluster, args, timeout=300) -> subprocess.CompletedProcess:
+    run = run_train(cluster, args, timeout)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     return run
 
@@ -200,11 +205,7 @@ def test_sigterm_to_the_job_s_process_group_then_resumes_past_a_truncated_checkp
     for checkpoint in kept:
         weights = checkpoint / "model" / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:100])
-    failed = subprocess.run(
-        [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(REPO / "configs/train/tiny_cpu.yaml"),
-         *overrides("resumed", out_dir, dataset, mlflow_server)],
-        env={**env(), "RAY_ADDRESS": cluster["address"]}, capture_output=True, text=True, timeout=300, cwd=REPO,
-    )
+    failed = run_train(cluster, overrides("resumed", out_dir, dataset, mlflow_server))
     console = failed.stdout + failed.stderr
     assert failed.returncode == 1, console[-4000:]
     assert f"cannot resume: no checkpoint of {out_dir / 'resumed'} can be resumed from; tried, newest first: " \
@@ -277,10 +278,7 @@ def test_ray_job_submit_runs_training_and_metrics_reach_mlflow(cluster, mlflow_s
 def test_non_finite_loss_stops_the_run_with_a_clear_message(cluster, mlflow_server, dataset, tmp_path):
     args = overrides("diverged", tmp_path, dataset, mlflow_server, "optim.name=AdamW", "optim.lr=1e30",
                      "schedule.warmup_steps=0", "grad_clip=1e30")
-    run = subprocess.run(
-        [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(REPO / "configs/train/tiny_cpu.yaml"), *args],
-        env={**env(), "RAY_ADDRESS": cluster["address"]}, capture_output=True, text=True, timeout=300, cwd=REPO,
-    )
+    run = run_train(cluster, args)
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     assert "non-finite loss" in run.stdout and "stopping (on_nonfinite=stop)" in run.stdout
     run_id = run_id_of(run.stdout)
@@ -303,10 +301,7 @@ def test_a_hung_rank_makes_the_next_collective_time_out_and_every_rank_exit(clus
     timeout_s, bound_s = 10, 90  # the bound leaves room for a loaded 2-core machine; no lower bound is asserted
     args = overrides("hung", tmp_path, dataset, mlflow_server, "max_steps=4", f"pg_timeout_s={timeout_s}",
                      "max_failures=0", "fault_injection.hang_rank_at_step=2", "fault_injection.hang_rank=1")
-    run = subprocess.run(
-        [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(REPO / "configs/train/tiny_cpu.yaml"), *args],
-        env={**env(), "RAY_ADDRESS": cluster["address"]}, capture_output=True, text=True, timeout=300, cwd=REPO,
-    )
+    run = run_train(cluster, args)
     driver_exited = time.time()
     output = run.stdout + run.stderr
     marker = tmp_path / "hung" / "fault_injected_rank1_step2"  # written by rank 1 as it starts to hang
