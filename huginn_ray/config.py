@@ -89,9 +89,22 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
         raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {err}") from None
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> T:
-    data = read_yaml(path) if path is not None else {}
-    return from_dict(cls, apply_overrides(data, overrides))
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                removed: dict[str, str] | None = None) -> T:
+    """`removed`: dotted keys (or `key=value` choices) that no longer exist, each with what replaces it; a config
+    naming one is refused with that message (instead of a bare "unknown key" or "not one of")."""
+    data = apply_overrides(read_yaml(path) if path is not None else {}, overrides)
+    for entry, replacement in (removed or {}).items():
+        key, _, value = entry.partition("=")
+        node = data
+        for part in key.split("."):
+            node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
+        if node is not _ABSENT and (not value or str(node) == value):
+            raise ConfigError(f"{entry} was removed: {replacement}")
+    return from_dict(cls, data)
+
+
+_ABSENT = object()
 
 
 def to_dict(obj: Any) -> Any:

@@ -1,7 +1,7 @@
 """Every rank decides alike from the step's one all-reduce: stop requests, the time budget, and data errors.
 
 Two real gloo processes run `huginn_ray.train.loop.train_step` on raven-tiny with an in-memory reader
-(tests/test_train_sharding.py); one rank alone sees a stop request, the time budget running out, or a read error,
+(tests/test_train_parallel.py); one rank alone sees a stop request, the time budget running out, or a read error,
 and both ranks must act on it at the same step. The driver's deadline arithmetic and the per-step host reads are
 checked in one process.
 """
@@ -22,13 +22,13 @@ from huginn_ray.train import loop
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.launch import PreflightError, stop_at_unix
 from test_train_grad_sync import spawn
-from test_train_sharding import MemoryReader, plan_for, train_config
+from test_train_parallel import MemoryReader, plan_for, train_config
 
 
 def flags_agreed(rank, world_size):
     """Step 1: rank 1 alone asks to stop; step 2: rank 1 alone runs out of time; step 3: rank 1's shard breaks."""
     loop.ShardReader = MemoryReader
-    cfg = train_config(["grad_sync.node_size=0"])
+    cfg = train_config([])
     plan = plan_for(cfg)
     c = loop.build_components(cfg, plan, rank, torch.device("cpu"))
     cpu = torch.device("cpu")
@@ -105,7 +105,7 @@ def test_a_training_step_reads_the_device_once():
     sites: collections.Counter = collections.Counter()
     try:
         loop.ShardReader = MemoryReader
-        cfg = train_config(["grad_sync.node_size=0", "grad_sync.kind=chunk_stream"])
+        cfg = train_config(["grad_sync.kind=chunk_stream"])
         plan = plan_for(cfg, grad_accum=2)
         c = loop.build_components(cfg, plan, 0, torch.device("cpu"))
         for step in (1, 2):  # the first optimizer step is skipped (skip_first_optimizer_step): state after step 2
@@ -133,6 +133,6 @@ def test_a_training_step_reads_the_device_once():
         loop.ShardReader = original_reader
         dist.destroy_process_group()
     project = {site: n for site, n in sites.items() if site.split(":")[0] in (
-        "loop.py", "model.py", "optim.py", "grad_sync.py", "sharding.py")}
+        "loop.py", "model.py", "optim.py", "grad_sync.py", "parallel.py")}
     # 3 steps of 2 micro-batches: one agreed-vector read per step, one CPU depth draw per micro-batch
     assert project == {"loop.py:train_step:tolist": 3, "model.py:sample_recurrence:item": 6}, sites

@@ -1,5 +1,6 @@
-"""A truncated or foreign optimizer.pt / rank file gives an error naming the file, not a raw torch error; resume
-passes over incomplete or unloadable checkpoints to the newest one that loads on every rank."""
+"""A truncated or foreign DCP state file or rank file gives an error naming the file or the state directory, not a
+raw torch error; resume passes over incomplete or unloadable checkpoints to the newest one that loads on every
+rank; replicated tensors are written once, spread over the ranks."""
 
 import json
 import re
@@ -30,6 +31,7 @@ def components(n_layers_in_recurrent_block: int = 1):
 @pytest.fixture
 def saved(tmp_path) -> Path:
     model, optimizer = components()
+    torch.manual_seed(0)
     model(torch.randint(0, 64, (1, 8)), labels=torch.randint(0, 64, (1, 8)), num_steps=(1, 1)).loss.backward()
     optimizer.step()
     ckpt.write(tmp_path, 0, model, optimizer, ckpt.TrainerState(step=3, world_size=1), {"taken": 5}, CPU)
@@ -38,26 +40,41 @@ def saved(tmp_path) -> Path:
 
 def read(directory, n_layers_in_recurrent_block=1):
     model, optimizer = components(n_layers_in_recurrent_block)
-    return ckpt.read(directory, 0, 1, model, optimizer, CPU)
+    state = ckpt.read_trainer_state(directory, 1)
+    ckpt.read_tensors(directory, model, optimizer)
+    return state, ckpt.read_rank_file(directory, 0, CPU), model, optimizer
 
 
-def test_intact_checkpoint_reads(saved):
-    state, reader = read(saved)
+def test_intact_checkpoint_reads_back_every_tensor_exactly(saved):
+    model, _ = components()
+    state, reader, loaded, loaded_optimizer = read(saved)
     assert state.step == 3 and reader == {"taken": 5}
+    stepped, stepped_optimizer = components()  # what the fixture saved: the same seed, batch and step
+    torch.manual_seed(0)
+    stepped(torch.randint(0, 64, (1, 8)), labels=torch.randint(0, 64, (1, 8)), num_steps=(1, 1)).loss.backward()
+    stepped_optimizer.step()
+    assert not torch.equal(loaded.transformer.wte.weight, model.transformer.wte.weight)  # not the fresh init
+    for (name, value), expected in zip(loaded.state_dict().items(), stepped.state_dict().values()):
+        assert torch.equal(value, expected), name
+    for got, expected in zip(loaded_optimizer.state.values(), stepped_optimizer.state.values()):
+        assert torch.equal(got["exp_avg"], expected["exp_avg"]) and torch.equal(got["exp_avg_sq"], expected["exp_avg_sq"])
+    steps = [s["step"] for s in loaded_optimizer.state.values()]
+    assert steps and all(step.device.type == "cpu" and int(step) == 1 for step in steps)  # on the host
 
 
-@pytest.mark.parametrize("name", ["optimizer.pt", "rank_00000.pt"])
-def test_truncated_file_is_named(saved, name):
+@pytest.mark.parametrize("name, error", [
+    ("state/__0_0.distcp", "state: cannot be loaded into this model and optimizer"),
+    ("rank_00000.pt", "rank_00000.pt: cannot be read, truncated")])
+def test_truncated_file_is_named(saved, name, error):
     path = saved / name
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    with pytest.raises(ckpt.CheckpointError, match=rf"{path}: cannot be read, truncated"):
+    with pytest.raises(ckpt.CheckpointError, match=rf"{saved}/{error}"):
         read(saved)
 
 
-@pytest.mark.parametrize("name", ["optimizer.pt", "rank_00000.pt"])
-def test_foreign_file_is_named(saved, name):
-    torch.save({"something": torch.zeros(2)}, saved / name)
-    with pytest.raises(ckpt.CheckpointError, match=rf"{saved / name}: not a file this code wrote"):
+def test_foreign_rank_file_is_named(saved):
+    torch.save({"something": torch.zeros(2)}, saved / "rank_00000.pt")
+    with pytest.raises(ckpt.CheckpointError, match=rf"{saved / 'rank_00000.pt'}: not a file this code wrote"):
         read(saved)
 
 
@@ -67,13 +84,11 @@ def test_missing_rank_file_is_named(saved):
         read(saved)
 
 
-def test_optimizer_of_another_model_is_named(saved):
-    model, optimizer = components(n_layers_in_recurrent_block=2)
-    other = saved / "other"
-    ckpt.write(other, 0, model, optimizer, ckpt.TrainerState(step=3, world_size=1), {}, CPU)
-    (saved / "optimizer.pt").write_bytes((other / "optimizer.pt").read_bytes())
-    with pytest.raises(ckpt.CheckpointError, match=rf"{saved / 'optimizer.pt'}: does not fit"):
-        read(saved)
+def test_a_checkpoint_of_another_model_is_refused_naming_the_missing_tensor(saved):
+    with pytest.raises(ckpt.CheckpointError, match=rf"{saved / 'state'}: cannot be loaded into this model and "
+                       r"optimizer \(rank 0: RuntimeError: Missing key in checkpoint state_dict: "
+                       r"model.transformer.core_block.1.norm_1.weight"):
+        read(saved, n_layers_in_recurrent_block=2)
 
 
 # --- resume: the newest complete checkpoint that loads, falling back past broken ones ---
@@ -138,9 +153,9 @@ def truncate(path: Path) -> None:
 
 
 BROKEN = {
-    "truncated model.safetensors": (
-        lambda d: truncate(d / "model/model.safetensors"),
-        r"model/model.safetensors has \d+ bytes, checkpoint_complete.json lists \d+: truncated"),
+    "truncated state/__0_0.distcp": (
+        lambda d: truncate(d / "state/__0_0.distcp"),
+        r"state/__0_0.distcp has \d+ bytes, checkpoint_complete.json lists \d+: truncated"),
     "missing rank_00001.pt": (
         lambda d: (d / "rank_00001.pt").unlink(),
         r"rank_00001.pt is missing \(checkpoint_complete.json lists it with \d+ bytes\)"),
@@ -149,11 +164,11 @@ BROKEN = {
         r"no checkpoint_complete.json: the save did not finish"),
     "marker lists a file of another size": (
         lambda d: (d / "checkpoint_complete.json").write_text(
-            (d / "checkpoint_complete.json").read_text().replace('"optimizer.pt": ', '"optimizer.pt": 1')),
-        r"optimizer.pt has \d+ bytes, checkpoint_complete.json lists 1\d+: truncated or rewritten"),
-    "complete but unreadable optimizer.pt (same size)": (
-        lambda d: (d / "optimizer.pt").write_bytes(bytes((d / "optimizer.pt").stat().st_size)),
-        r"optimizer.pt: cannot be read, truncated or not a torch file"),
+            (d / "checkpoint_complete.json").read_text().replace('"state/.metadata": ', '"state/.metadata": 1')),
+        r"state/.metadata has \d+ bytes, checkpoint_complete.json lists 1\d+: truncated or rewritten"),
+    "complete but unreadable state/__0_0.distcp (same size)": (
+        lambda d: (d / "state/__0_0.distcp").write_bytes(bytes((d / "state/__0_0.distcp").stat().st_size)),
+        r"state: cannot be loaded into this model and optimizer \(rank 0: UnpicklingError"),
 }
 
 
@@ -171,7 +186,7 @@ def test_a_broken_newest_checkpoint_is_skipped_for_the_previous_one(run_dir, cas
 
 def test_two_broken_checkpoints_fall_back_two_steps_and_newer_unregistered_saves_are_ignored(run_dir):
     (checkpoint_of(run_dir, 12) / "rank_00001.pt").unlink()
-    truncate(checkpoint_of(run_dir, 8) / "model/model.safetensors")
+    truncate(checkpoint_of(run_dir, 8) / "state/__0_0.distcp")
     save_run_checkpoint(run_dir, 16)  # complete, but Ray never registered it: not a candidate
     resumed, model, messages = resume(run_dir)
     assert_resumed_at(resumed, model, 4)
@@ -216,8 +231,8 @@ def test_the_marker_lists_every_file_of_every_rank_with_its_size(run_dir):
     on_disk = {str(p.relative_to(directory)): p.stat().st_size for p in directory.rglob("*")
                if p.is_file() and p.name != "checkpoint_complete.json"}
     assert listed == {"step": 12, "files": on_disk}
-    assert sorted(on_disk) == ["model/config.json", "model/model.safetensors", "optimizer.pt", "rank_00000.pt",
-                               "rank_00001.pt", "trainer_state.json"]
+    assert sorted(on_disk) == ["model/config.json", "rank_00000.pt", "rank_00001.pt", "state/.metadata",
+                               "state/__0_0.distcp", "trainer_state.json"]
 
 
 def two_gloo_ranks(rank: int, port: int, run_dir: str) -> None:
@@ -253,8 +268,16 @@ def test_ranks_agree_to_skip_a_checkpoint_that_only_one_rank_cannot_load(tmp_pat
         port = s.getsockname()[1]
     mp.start_processes(two_gloo_ranks, args=(port, str(tmp_path)), nprocs=WORLD, start_method="spawn", join=True)
     results = [json.loads((tmp_path / f"result_{rank}.json").read_text()) for rank in range(WORLD)]
-    assert json.loads((checkpoint_of(tmp_path, 12) / "checkpoint_complete.json").read_text())["files"].keys() >= {
-        "rank_00000.pt", "rank_00001.pt", "optimizer.pt", "model/model.safetensors"}
+    files = json.loads((checkpoint_of(tmp_path, 12) / "checkpoint_complete.json").read_text())["files"]
+    assert files.keys() >= {"rank_00000.pt", "rank_00001.pt", "state/.metadata", "model/config.json"}
+    # the model is replicated on both ranks: each tensor is written once, and both ranks write a share of them
+    model, optimizer = components()  # the same state saved by one process alone, for the byte count
+    with torch.no_grad():
+        next(model.parameters()).fill_(12)
+    ckpt.write_rank_files(tmp_path / "one_rank", 0, model, optimizer, ckpt.TrainerState(step=12, world_size=1), {}, CPU)
+    one_rank = (tmp_path / "one_rank" / "state" / "__0_0.distcp").stat().st_size
+    shares = [files["state/__0_0.distcp"], files["state/__1_0.distcp"]]
+    assert min(shares) > 0.2 * one_rank and abs(sum(shares) - one_rank) < 0.05 * one_rank, (shares, one_rank)
     for rank, result in enumerate(results):
         assert result["step"] == 8 and result["first_param"] == 8.0
         assert result["reader"] == {"taken": 8, "rank": rank} and result["directory"] == str(checkpoint_of(tmp_path, 8))

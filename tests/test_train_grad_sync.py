@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from huginn_ray.train.grad_sync import ChunkStream, ChunkStreamOverlap, DDPSync, Hierarchical, chunk_layout
+from huginn_ray.train.grad_sync import ChunkStream, ChunkStreamOverlap, DDPSync, chunk_layout
 from huginn_ray.train.warmup import WarmupError, register_node, warmup_allreduce
 
 
@@ -181,10 +181,10 @@ def real_model_local_mean(world_size: int, step: int, n: int, k: int):
 
 def exchange_real_model(rank, world_size, compiled=False):
     from huginn_ray.model import compile_blocks
-    from huginn_ray.train.sharding import NodeSharding, build_node_layout
+    from huginn_ray.train import parallel
 
     report = {}
-    for kind in ("chunk_stream", "chunk_stream_overlap", "ddp", "hierarchical"):
+    for kind in ("chunk_stream", "chunk_stream_overlap", "ddp", "hsdp"):
         model = real_model()
         if compiled:  # the expected mean stays eager: compiled blocks must give the same gradients
             compile_blocks(model)
@@ -194,8 +194,10 @@ def exchange_real_model(rank, world_size, compiled=False):
             sync = ChunkStreamOverlap(model, chunk_numel=10_000)
         elif kind == "ddp":
             sync = DDPSync(model)
-        else:  # one rank per virtual node: each rank owns every tensor, so every gradient is the mean
-            sync = Hierarchical(model, chunk_numel=10_000, sharding=NodeSharding(model, build_node_layout(1)))
+        else:  # shard groups of one rank: FSDP2's units and hooks, and the chunk stream between the groups
+            mesh = parallel.build_mesh(parallel.MeshShape("hsdp", world_size, 1), "cpu")
+            parallel.apply_hsdp(model, mesh)
+            sync = ChunkStream(model, chunk_numel=10_000, group=mesh.get_group("replicate"), divide_by=world_size)
         worst = 0.0
         for step, (n, k) in enumerate(DEPTHS):
             expected = real_model_local_mean(world_size, step, n, k)
@@ -205,7 +207,8 @@ def exchange_real_model(rank, world_size, compiled=False):
                 sync.module(inputs, labels=labels, num_steps=(n, k)).loss.backward()
             sync.finish()
             for name, p in model.named_parameters():
-                worst = max(worst, (p.grad - expected[name]).abs().max().item())
+                grad = p.grad.full_tensor() if kind == "hsdp" else p.grad
+                worst = max(worst, (grad - expected[name]).abs().max().item())
             model.zero_grad(set_to_none=True)  # no optimizer step: every step starts from the same weights
         report[kind] = worst
     return report
@@ -221,19 +224,20 @@ def test_every_exchange_on_the_recurrent_model_with_changing_depth(tmp_path, fn)
     results = spawn(fn, 2, tmp_path, timeout_s=120)
     for rank, report in enumerate(results):
         assert "error" not in report, report.get("trace")
-        assert sorted(report) == ["chunk_stream", "chunk_stream_overlap", "ddp", "hierarchical"]
+        assert sorted(report) == ["chunk_stream", "chunk_stream_overlap", "ddp", "hsdp"]
         for kind, worst in report.items():
             assert worst < 1e-6, f"rank {rank} {kind}: max deviation from the mean gradient {worst}"
 
 
-def hierarchical_clip(rank, world_size):
-    """One node of two ranks: each owns part of the tensors and holds only their mean gradient; clipping must
-    use the norm over the whole node, not the owned part."""
-    from huginn_ray.train.sharding import NodeSharding, build_node_layout
+def hsdp_clip(rank, world_size):
+    """One shard group of two ranks: each holds half of every gradient; clipping must use the norm of the whole
+    gradients, summed over the group in one all-reduce."""
+    from huginn_ray.train import parallel
 
     model = real_model()
-    sharding = NodeSharding(model, build_node_layout(node_size=2))
-    sync = Hierarchical(model, chunk_numel=10_000, sharding=sharding)
+    mesh = parallel.build_mesh(parallel.MeshShape("hsdp", world_size, world_size), "cpu")
+    parallel.apply_hsdp(model, mesh)
+    sync = ChunkStream(model, chunk_numel=10_000, group=mesh.get_group("replicate"), divide_by=world_size)
     n, k = DEPTHS[1]
     inputs, labels = real_batch(rank, 1)
     torch.manual_seed(1)
@@ -241,21 +245,31 @@ def hierarchical_clip(rank, world_size):
     sync.finish()
     expected = real_model_local_mean(world_size, 1, n, k)
     expected_norm = torch.stack([g.norm(2) for g in expected.values()]).norm(2)
-    norm = sync.clip_grad_norm_(max_norm=1e-3)
+    params = list(model.parameters())
+    calls = []
+    all_reduce = parallel.dist.all_reduce
+    parallel.dist.all_reduce = lambda *args, **kwargs: calls.append(1) or all_reduce(*args, **kwargs)
+    try:
+        norm = parallel.clip_grad_norm_(params, max_norm=1e-3)
+    finally:
+        parallel.dist.all_reduce = all_reduce
     scale = 1e-3 / (expected_norm + 1e-6)
-    names = [name for name, _ in model.named_parameters()]
-    worst = max((sharding.params[i].grad - expected[names[i]] * scale).abs().max().item() for i in sync.owned)
-    return {"norm": norm.item(), "expected_norm": expected_norm.item(), "owned": len(sync.owned), "worst": worst}
+    worst = max((p.grad.full_tensor() - expected[name] * scale).abs().max().item()
+                for name, p in model.named_parameters())
+    local_elements = sum(parallel.local(p.grad).numel() for p in params)
+    return {"norm": norm.item(), "expected_norm": expected_norm.item(), "worst": worst, "collectives": len(calls),
+            "local_elements": local_elements}
 
 
-def test_hierarchical_clipping_uses_the_norm_of_the_whole_node(tmp_path):
-    results = spawn("hierarchical_clip", 2, tmp_path)
+def test_hsdp_clipping_uses_the_norm_of_the_whole_gradients_in_one_all_reduce(tmp_path):
+    results = spawn("hsdp_clip", 2, tmp_path)
+    whole = sum(p.numel() for p in real_model().parameters())
     for report in results:
         assert "error" not in report, report.get("trace")
         assert report["norm"] == pytest.approx(report["expected_norm"], rel=1e-6)
         assert report["worst"] < 1e-9  # clipped to a norm of 1e-3: gradients of order 1e-4
-    assert results[0]["owned"] + results[1]["owned"] == len(list(real_model().parameters()))
-    assert results[0]["owned"] > 0 and results[1]["owned"] > 0
+        assert report["collectives"] == 1
+        assert report["local_elements"] < whole  # each rank held a part
 
 
 def test_post_accumulate_hook_fires_once_per_parameter_in_the_recurrent_model():

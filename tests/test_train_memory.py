@@ -147,21 +147,28 @@ def test_planned_fixed_memory_matches_what_a_cpu_step_allocates(single_rank_grou
         sync.remove_hooks()
 
 
-def test_frontier_plan_fits_with_sharding_and_not_without(capsys):
+def test_frontier_plan_under_hsdp_and_why_replicate_does_not_fit(capsys):
     plan = plan_memory(load_train_config(FRONTIER, []))
     head = 65536 * 5280  # padded vocab x n_embd: the tied head weight
-    # The chunked loss used to form the head weight's gradient in its forward and keep it, fp32, until backward:
-    # activations were 12,319,017,056 bytes and the total 54,334,842,328 (50.6 GiB). It now recomputes instead.
+    # activations and transients are the meta measurements of the replicated plan: hsdp does not change them
     assert plan.bytes_of("activations saved for backward (k=8)") == 12_319_017_056 - head * 4
-    assert plan.total == 54_334_842_328 - head * 4 == 52_950_722_008
-    # what recomputation costs at the start of backward: fp32 accumulator, bf16 weight, bf16 product, and so on
     assert dict(plan.transients)["chunked loss backward, chunk 1024"] == 2_999_808_004
-    assert plan.transient[0] == "recompute of one iteration" and plan.fits
-    assert plan.render().splitlines()[-1] == "total per rank: 49.3 GiB of 64.0 GiB device memory"
-    assert memory.main(["--config", str(FRONTIER), "optim.sharding=none", "grad_sync.kind=chunk_stream_overlap"]) == 1
+    # this rank's eighth of every tensor (dim 0 padded to a multiple of 8), and what FSDP2 gathers whole
+    local = 445_653_780
+    assert plan.bytes_of("gradients (fp32, sharded)") == local * 4
+    assert plan.bytes_of("optimizer state (ELLISAdam: 2 fp32 moments)") == local * 8 + 75 * 8  # 75 tensors: 8 blocks x 9 + 3
+    core = 4 * (3 * 5280 * 5280 + 5280 * 5280 + 2 * 17920 * 5280 + 17920 * 5280 + 4 * 5280 + 2 * 96)
+    assert plan.bytes_of("gathered: core block unit, weights + gradients") == 2 * core * 4 == 12_652_738_560
+    assert plan.bytes_of("gathered: root unit, weights + gradients (fp32)") == 2 * 4 * (head + 2 * 5280 * 5280 + 5280)
+    assert plan.total == 45_349_687_384 and plan.fits
+    assert plan.render().splitlines()[-1] == "total per rank: 42.2 GiB of 64.0 GiB device memory"
+    assert [line.split()[2] for line in plan.render().splitlines() if "not counted:" in line] == [
+        "CUDA/HIP", "communicator", "allocator"]
+    assert memory.main(["--config", str(FRONTIER), "parallelism.mode=replicate",
+                        "grad_sync.kind=chunk_stream_overlap"]) == 1
     out = capsys.readouterr().out.strip().splitlines()
     assert float(out[-1].split("total per rank: ")[1].split(" GiB")[0]) > 0.9 * 64
-    assert any("optim.sharding=node" in line for line in out)
+    assert any("parallelism.mode=hsdp" in line for line in out)
 
 
 def test_train_job_refuses_a_plan_above_the_device_memory(tmp_path, capsys, monkeypatch):
@@ -176,4 +183,4 @@ def test_train_job_refuses_a_plan_above_the_device_memory(tmp_path, capsys, monk
     err = capsys.readouterr().err
     assert code == 2
     assert "memory plan:" in err and "exceeds device_memory_gib x memory_headroom" in err
-    assert "largest items: " in err and "what would help: optim.sharding=node" in err
+    assert "largest items: " in err and "what would help: parallelism.mode=hsdp" in err

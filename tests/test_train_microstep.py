@@ -12,7 +12,7 @@ import torch.distributed as dist
 from huginn_ray.model import sample_recurrence
 from huginn_ray.train import loop
 from huginn_ray.train.optim import trapezoid_lr
-from test_train_sharding import MemoryReader, plan_for, train_config
+from test_train_parallel import MemoryReader, plan_for, train_config
 
 
 def test_grad_accumulation_3_draws_depth_and_lr_per_micro_batch_step(monkeypatch):
@@ -31,7 +31,7 @@ def test_grad_accumulation_3_draws_depth_and_lr_per_micro_batch_step(monkeypatch
 
         monkeypatch.setattr(loop, "sample_recurrence", recording_sampler)
         cfg = train_config(["max_steps=4", "schedule.warmup_steps=6", "schedule.cooldown_steps=3",
-                            "grad_sync.node_size=0", "skip_first_optimizer_step=false"])
+                            "skip_first_optimizer_step=false"])
         plan = plan_for(cfg, grad_accum=3)
         c = loop.build_components(cfg, plan, 0, torch.device("cpu"))
         results = [loop.train_step(c, step, cfg, plan, torch.device("cpu")) for step in range(1, 5)]

@@ -2,7 +2,7 @@
 
 `huginn_ray.train.loop.build_components`, `train_step` and `validate` run in process groups of 1 rank (this
 process) and 2 ranks (spawned by tests/test_train_grad_sync.py::spawn), on raven-tiny with a 64-token vocabulary
-and rows from an in-memory reader (tests/test_train_sharding.py::MemoryReader, seeded per rank). Every value is
+and rows from an in-memory reader (tests/test_train_parallel.py::MemoryReader, seeded per rank). Every value is
 held to one computed another way: the 2-rank loss and validation loss to the mean of the 1-rank values of each
 rank's data, the gradient the optimizer applies to the unclipped one scaled by hand, the weights to bitwise
 equality where a step must leave them alone.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from huginn_ray.train import loop
 from huginn_ray.train.shard_reader import collate
 from test_train_grad_sync import free_port, spawn
-from test_train_sharding import MemoryReader, plan_for, train_config
+from test_train_parallel import MemoryReader, plan_for, train_config
 
 CPU = torch.device("cpu")
 POISONED_STEP = 3
@@ -29,7 +29,7 @@ POISONED_STEP = 3
 
 
 def config(*extra):
-    return train_config(["grad_sync.node_size=0", "eval_iters=2", "eval_depths=[1, 3]", *extra])
+    return train_config(["eval_iters=2", "eval_depths=[1, 3]", *extra])
 
 
 def validation_batch(rank, cfg, plan):

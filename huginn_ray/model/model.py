@@ -152,6 +152,46 @@ class SandwichBlock(nn.Module):
         return self.norm_4(self.mlp(self.norm_3(x)) + x)
 
 
+class RecurrentCore(nn.ModuleList):
+    """The core block: its sandwich blocks, applied once per recurrence iteration.
+
+    `forward` runs every iteration of one forward pass in one call, so a wrapper that hooks module calls (FSDP2,
+    huginn_ray.train.parallel) gathers the core's weights once per step and reduces their gradients once, after
+    the backward of the last use, instead of once per iteration. It is still a ModuleList: the parameter names
+    (`transformer.core_block.{i}....`) are the released checkpoint's."""
+
+    def iterate(self, state: Tensor, injected: Tensor, adapter_weight: Tensor, rope: Tensor,
+                cache: KVCache | None = None, first_block_index: int = 0) -> Tensor:
+        """One iteration. adapter(concat[s, e]) = W[:, :D] s + W[:, D:] e: `injected` is W[:, D:] e (the same in
+        every iteration), `adapter_weight` is W[:, :D]. The block index keys the KV cache only."""
+        x = F.linear(state, adapter_weight) + injected
+        for offset, block in enumerate(self):
+            x = block(x, rope) if cache is None else block(x, rope, cache, first_block_index + offset)
+        return x
+
+    def forward(self, state: Tensor, injected: Tensor, adapter_weight: Tensor, rope: Tensor,
+                num_steps: tuple[int, int], checkpointing: bool = False, cache: KVCache | None = None,
+                block_offset: int = 0) -> tuple[Tensor, Tensor]:
+        """`n` iterations without gradients, then `k` with (each recomputed in backward when `checkpointing`).
+        Returns the final state and the state before the last iteration (for telemetry). Iteration i's blocks
+        have KV-cache indices block_offset + len(self) * i + j (the released bookkeeping)."""
+        n, k = num_steps
+        previous = state
+        with torch.no_grad():
+            for iteration in range(n):
+                previous, state = state, self.iterate(state, injected, adapter_weight, rope, cache,
+                                                      block_offset + len(self) * iteration)
+        for iteration in range(n, n + k):
+            previous = state
+            first = block_offset + len(self) * iteration
+            if checkpointing:
+                state = checkpoint(self.iterate, state, injected, adapter_weight, rope, cache, first,
+                                   use_reentrant=False, preserve_rng_state=False, determinism_check="none")
+            else:
+                state = self.iterate(state, injected, adapter_weight, rope, cache, first)
+        return state, previous
+
+
 def compile_blocks(model: "RecurrentGPT", **compile_kwargs) -> "RecurrentGPT":
     """Regional compilation: compile every sandwich block (prelude, core, coda) on its own, as torchtitan does
     per transformer block, instead of the whole forward. The recurrent loop stays in Python, so a newly
@@ -325,7 +365,7 @@ class RecurrentGPT(nn.Module):
             wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
             prelude=nn.ModuleList(SandwichBlock(config) for _ in range(config.n_layers_in_prelude)),
             adapter=nn.Linear(2 * config.n_embd, config.n_embd, bias=False),
-            core_block=nn.ModuleList(SandwichBlock(config) for _ in range(config.n_layers_in_recurrent_block)),
+            core_block=RecurrentCore(SandwichBlock(config) for _ in range(config.n_layers_in_recurrent_block)),
             coda=nn.ModuleList(SandwichBlock(config) for _ in range(config.n_layers_in_coda)),
             ln_f=RMSNorm(config.n_embd, config.norm_eps),
         ))
@@ -410,18 +450,11 @@ class RecurrentGPT(nn.Module):
 
         state = self._initial_state(embedded) if input_states is None else input_states
         previous_state = state
-        injected = self._inject(embedded) if n + k > 0 else None
-        with torch.no_grad():
-            for iteration in range(n):
-                previous_state = state
-                state = self._core(state, injected, rope, cache, iteration)
-        for iteration in range(n, n + k):
-            previous_state = state
-            if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
-                state = checkpoint(self._core, state, injected, rope, cache, iteration,
-                                   use_reentrant=False, preserve_rng_state=False, determinism_check="none")
-            else:
-                state = self._core(state, injected, rope, cache, iteration)
+        if n + k > 0:
+            checkpointing = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
+            state, previous_state = self.transformer.core_block(
+                state, self._inject(embedded), self._adapter_state_weight(), rope, (n, k), checkpointing, cache,
+                self.config.n_layers_in_prelude)
 
         latent = self.transformer.ln_f(state)
         x = latent
@@ -446,17 +479,15 @@ class RecurrentGPT(nn.Module):
         """e's half of the adapter, W[:, D:] e: the same in every iteration, so computed once per forward."""
         return F.linear(embedded, self.transformer.adapter.weight[:, self.config.n_embd :])
 
+    def _adapter_state_weight(self) -> Tensor:
+        """The state's half of the adapter, W[:, :D] (state first, then e, in the released concatenation)."""
+        return self.transformer.adapter.weight[:, : self.config.n_embd]
+
     def _core(self, state: Tensor, injected: Tensor, rope: Tensor, cache: KVCache | None, iteration: int) -> Tensor:
-        # adapter(concat[s, e]) = W[:, :D] s + W[:, D:] e (state first, then e), without the concatenation
-        x = F.linear(state, self.transformer.adapter.weight[:, : self.config.n_embd]) + injected
-        if cache is None:  # training and uncached evaluation: the block index plays no part
-            for block in self.transformer.core_block:
-                x = block(x, rope)
-            return x
+        """One core iteration (generation steps them one at a time)."""
         first_index = self.config.n_layers_in_prelude + self.config.n_layers_in_recurrent_block * iteration
-        for offset, block in enumerate(self.transformer.core_block):
-            x = block(x, rope, cache, first_index + offset)
-        return x
+        return self.transformer.core_block.iterate(state, injected, self._adapter_state_weight(), rope, cache,
+                                                   first_index)
 
     def _initial_state(self, embedded: Tensor) -> Tensor:
         if self.config.state_init == "zero":

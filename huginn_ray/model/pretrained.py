@@ -1,4 +1,5 @@
-"""Save and load models in the Hugging Face layout: `model.safetensors` + `config.json`.
+"""Save and load models in the Hugging Face layout: `model.safetensors` + `config.json`; load a training
+checkpoint's model the same way (its `model/config.json` beside the DCP `state/` that holds the weights).
 
 Loading reads safetensors only (never pickle), so a checkpoint from an untrusted source cannot run code.
 A tied `lm_head.weight` is not stored twice: like `transformers`, the file holds `transformer.wte.weight`
@@ -22,6 +23,8 @@ from huginn_ray.model.model import RecurrentGPT, rope_table
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
+TRAINING_STATE_DIR = "state"
+"""A training checkpoint's torch.distributed.checkpoint directory, beside its `model/` (huginn_ray.train.checkpoint)."""
 
 
 def save_pretrained(model: RecurrentGPT, directory: str | Path) -> Path:
@@ -61,13 +64,47 @@ def _weight_files(directory: Path) -> list[Path]:
     raise ValueError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {directory}")
 
 
+def _training_state(directory: Path) -> Path | None:
+    """The DCP directory of a training checkpoint whose `model/` is `directory`, if it is one."""
+    state = directory.parent / TRAINING_STATE_DIR
+    return state if directory.name == "model" and (state / ".metadata").is_file() else None
+
+
+def _load_training_checkpoint(state_dir: Path, config: ModelConfig, device, dtype) -> RecurrentGPT:
+    """The model of a training checkpoint, read by this one process from the pieces every rank wrote (any
+    layout: replicate or hsdp, any world size); the optimizer state is not read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with torch.device("meta"):
+        model = RecurrentGPT(config)
+    model.to_empty(device=device)
+    model.freqs_cis = rope_table(config.head_dim, config.block_size, config.rope_base).to(device)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.transformer.wte.weight
+    tensors = {key: value for key, value in model.state_dict().items()
+               if not (config.tie_embeddings and key == "lm_head.weight")}
+    try:
+        dcp.load({"model": tensors}, storage_reader=dcp.FileSystemReader(state_dir), no_dist=True)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps the file system's and planner's errors
+        failures = getattr(err, "failures", {0: (err, None)})
+        raise ValueError(f"{state_dir}: the training checkpoint's model cannot be read ("
+                         + "; ".join(f"{type(e).__name__}: {e}" for e, _ in failures.values())[:400] + ")") from None
+    if dtype is not None:
+        model.to(dtype)
+        model.freqs_cis = model.freqs_cis.float()
+    return model
+
+
 def load_pretrained(directory: str | Path, device: str | torch.device = "cpu",
                     dtype: torch.dtype | None = torch.float32) -> RecurrentGPT:
-    """Load a directory written by save_pretrained or the export, or the released Huginn-0125 layout
-    (config.json with the released keys, safetensors shards with an index). Weights are cast to `dtype`
+    """Load a directory written by save_pretrained or the export, the released Huginn-0125 layout
+    (config.json with the released keys, safetensors shards with an index), or a training checkpoint's `model/`. Weights are cast to `dtype`
     (None keeps the stored dtype); the RoPE table is recomputed in fp32 when the file has none or a rounded one."""
     directory = Path(directory)
     config = ModelConfig.from_json(directory / CONFIG_NAME)
+    if (state_dir := _training_state(directory)) is not None:
+        return _load_training_checkpoint(state_dir, config, device, dtype)
     state_dict = {}
     for weights in _weight_files(directory):
         try:

@@ -1,17 +1,18 @@
-"""What a checkpoint holds, and how a worker writes and reads its part.
+"""What a checkpoint holds, and how the workers write and read it.
 
 Every worker reports one directory to Ray Train, which merges them into one checkpoint directory:
 
-    model/model.safetensors, model/config.json   the model in the Hugging Face layout (rank 0)
-    optimizer.pt                                 optimizer state, identical on every rank (rank 0; unsharded)
-    optimizer_shard_{l:05d}_of_{S:05d}.pt        with optim.sharding=node: local rank l's shard, written by the
-                                                 ranks of node 0 (every node holds the same shards); read by
-                                                 every rank with local rank l, whatever the number of nodes
-    trainer_state.json                           step, tokens seen, MLflow run id, world size (rank 0)
-    rank_{r:05d}.pt                              rank r's reader state and RNG states (every rank)
-    checkpoint_complete.json                     every file above of every rank with its size in bytes, and
-                                                 the step (rank 0, written last, after gathering every
-                                                 rank's list)
+    state/                     model and optimizer in torch.distributed.checkpoint (DCP) format: every rank writes
+                               the tensors it holds (its shards under hsdp); a tensor held whole by several ranks
+                               (replicate, or the replicas of a shard) is written once, by one of them, DCP
+                               spreading those writes over the ranks; `.metadata` (rank 0) maps every tensor to
+                               its pieces, so any layout reads it back (resharding)
+    model/config.json          the model's shape (rank 0): `load_pretrained` and the export read a checkpoint as a
+                               model directory, whatever layout wrote it
+    trainer_state.json         step, tokens seen, MLflow run id, world size, layout (rank 0)
+    rank_{r:05d}.pt            rank r's reader state and RNG states (every rank)
+    checkpoint_complete.json   every file above of every rank with its size in bytes, and the step (rank 0,
+                               written last, after gathering every rank's list)
 
 A directory is complete when its marker is readable and every file it lists is there with the listed size:
 ranks upload their parts independently (README, "What is atomic"), so a directory with no marker, a missing or
@@ -22,13 +23,18 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, \
+    set_optimizer_state_dict
 
-from huginn_ray.model import load_pretrained, save_pretrained
+from huginn_ray.model.pretrained import CONFIG_NAME, TRAINING_STATE_DIR
 
 
 @dataclass
@@ -41,6 +47,8 @@ class TrainerState:
     """The MLflow run this training run logs to."""
     world_size: int = 0
     """Ranks that wrote the checkpoint."""
+    layout: str = ""
+    """parallelism of the run that wrote it (`replicate` or `hsdp, shard_size S`); informative: any layout reads it."""
 
 
 def rank_file(rank: int) -> str:
@@ -61,16 +69,54 @@ def set_rng_states(states: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(states["cuda"], device)
 
 
-def shard_file(local_rank: int, node_size: int) -> str:
-    return f"optimizer_shard_{local_rank:05d}_of_{node_size:05d}.pt"
-
-
 MARKER = "checkpoint_complete.json"
+
+IO_ATTEMPTS = 3
+"""DCP reads and writes are tried this often (1 s, then 2 s apart) before the error counts: a transient error of a
+shared file system must not mark a good checkpoint as broken."""
+
+
+def with_retries(what: str, action):
+    """`action()`, retried up to IO_ATTEMPTS times on the file system's errors (OSError); DCP reports a failure on
+    any rank as a CheckpointException on every rank alike, so every rank retries it together. Other errors (a
+    missing key, another shape) are raised at once."""
+    for attempt in range(1, IO_ATTEMPTS + 1):
+        try:
+            return action()
+        except (OSError, CheckpointException) as err:
+            if attempt == IO_ATTEMPTS or not transient(err):
+                raise
+            print(f"[huginn] {what}: {describe_error(err)}; retrying ({attempt}/{IO_ATTEMPTS})", flush=True)
+            time.sleep(attempt)
+
+
+def transient(err: BaseException) -> bool:
+    """An I/O error, on every rank that failed."""
+    if isinstance(err, CheckpointException):
+        return all(isinstance(failure, OSError) for failure, _ in err.failures.values())
+    return isinstance(err, OSError)
+
+
+def describe_error(err: BaseException) -> str:
+    """One line: the error of each failed rank (DCP), or the error itself."""
+    if isinstance(err, CheckpointException):
+        return "; ".join(f"rank {rank}: {type(failure).__name__}: {failure}"
+                         for rank, (failure, _) in sorted(err.failures.items()))
+    return f"{type(err).__name__}: {err}"
+
+
+def model_state(model) -> dict:
+    """The model's tensors by name, aliasing the model's own (DTensor shards under hsdp), so DCP loads in place.
+    A tied head is the embedding: stored once, under `transformer.wte.weight`."""
+    state = get_model_state_dict(model)
+    if model.config.tie_embeddings:
+        del state["lm_head.weight"]
+    return state
 
 
 def write(directory: Path, rank: int, model, optimizer, state: TrainerState, reader_state: dict, device) -> None:
-    """Write this rank's files, then (rank 0) the marker listing every rank's files. Every rank calls it: the
-    file lists travel in one collective (without a process group, one process: this rank's files alone)."""
+    """Write this rank's files, then (rank 0) the marker listing every rank's files. Every rank calls it: DCP's
+    save and the file lists are collectives (without a process group, one process: this rank's files alone)."""
     files = write_rank_files(directory, rank, model, optimizer, state, reader_state, device)
     every_rank = all_ranks(files, device)
     if rank == 0:
@@ -81,18 +127,18 @@ def write_rank_files(directory: Path, rank: int, model, optimizer, state: Traine
                      device) -> dict[str, int]:
     """This rank's part of the checkpoint; returns its files (relative paths) and their sizes in bytes."""
     directory.mkdir(parents=True, exist_ok=True)
-    sharding = getattr(optimizer, "sharding", None)
-    names = [rank_file(rank)]
+    tensors = {"model": model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    with_retries(f"writing {directory / TRAINING_STATE_DIR}",
+                 lambda: dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory / TRAINING_STATE_DIR,
+                                                                           overwrite=True)))
+    names = [str(path.relative_to(directory)) for path in (directory / TRAINING_STATE_DIR).glob(f"__{rank}_*")]
+    names.append(rank_file(rank))
     if rank == 0:
-        save_pretrained(model, directory / "model")
-        names += ["model/model.safetensors", "model/config.json", "trainer_state.json"]
-        if sharding is None:
-            torch.save(optimizer.state_dict(), directory / "optimizer.pt")
-            names.append("optimizer.pt")
+        names.append(f"{TRAINING_STATE_DIR}/.metadata")
+        (directory / "model").mkdir(exist_ok=True)
+        model.config.to_json(directory / "model" / CONFIG_NAME)
         (directory / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
-    if sharding is not None and rank < sharding.layout.node_size:  # node 0 writes every shard once
-        torch.save(optimizer.state_dict(), directory / shard_file(rank, sharding.layout.node_size))
-        names.append(shard_file(rank, sharding.layout.node_size))
+        names += [f"model/{CONFIG_NAME}", "trainer_state.json"]
     torch.save({"reader": reader_state, "rng": rng_states(device)}, directory / rank_file(rank))
     return {name: (directory / name).stat().st_size for name in names}
 
@@ -161,9 +207,8 @@ def load_file(path: Path, expected_keys: tuple[str, ...], **kwargs) -> dict:
     return data
 
 
-def read(directory: Path, rank: int, world_size: int, model, optimizer, device) -> tuple[TrainerState, dict]:
-    """Load model and optimizer in place, restore the RNGs; returns the trainer state and the reader state.
-    A file that cannot be read raises CheckpointError naming it; a checkpoint of another layout, ValueError."""
+def read_trainer_state(directory: Path, world_size: int) -> TrainerState:
+    """trainer_state.json; a checkpoint of another world size is refused (the reader states are per rank)."""
     try:
         state = TrainerState(**json.loads((directory / "trainer_state.json").read_text()))
     except (OSError, ValueError, TypeError) as err:
@@ -174,45 +219,28 @@ def read(directory: Path, rank: int, world_size: int, model, optimizer, device) 
             f"checkpoint {directory} was written by {state.world_size} ranks, this run has {world_size}: "
             "the per-rank reader states do not carry over"
         )
+    return state
+
+
+def read_tensors(directory: Path, model, optimizer) -> None:
+    """Load model and optimizer in place from the checkpoint's DCP state, whatever layout wrote it (DCP reads the
+    pieces of each tensor this rank holds). A collective: every rank calls it; a failure on any rank raises
+    CheckpointError on every rank."""
+    tensors = {"model": model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
     try:
-        model.load_state_dict(load_pretrained(directory / "model", device=device).state_dict())
-    except (OSError, ValueError, RuntimeError) as err:  # load_pretrained names the file; RuntimeError: another shape
-        raise CheckpointError(f"{directory / 'model'}: cannot be loaded into this model ({str(err)[:300]})") from None
-    read_optimizer(directory, optimizer, device)
+        with_retries(f"reading {directory / TRAINING_STATE_DIR}",
+                     lambda: dcp.load(tensors, storage_reader=dcp.FileSystemReader(directory / TRAINING_STATE_DIR)))
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's errors: missing file, short read, shape
+        raise CheckpointError(f"{directory / TRAINING_STATE_DIR}: cannot be loaded into this model and optimizer "
+                              f"({describe_error(err)[:600]})") from None
+    set_optimizer_state_dict(model, optimizer, tensors["optim"])
+
+
+def read_rank_file(directory: Path, rank: int, device) -> dict:
+    """Restore this rank's RNGs; returns its reader state."""
     per_rank = load_file(directory / rank_file(rank), ("reader", "rng"))
     set_rng_states(per_rank["rng"], device)
-    return state, per_rank["reader"]
-
-
-def read_optimizer(directory: Path, optimizer, device) -> None:
-    """Load the optimizer state this rank needs: the whole state, or its local rank's shard only."""
-    sharding = getattr(optimizer, "sharding", None)
-    shards = sorted(directory.glob("optimizer_shard_*_of_*.pt"))
-    if sharding is None:
-        if shards:
-            raise ValueError(f"checkpoint {directory} holds an optimizer sharded over nodes (optim.sharding=node, "
-                             f"{shards[0].name}); this run has optim.sharding=none")
-        load_optimizer_file(directory / "optimizer.pt", ("state", "param_groups"), optimizer, device)
-        return
-    node_size = sharding.layout.node_size
-    path = directory / shard_file(sharding.layout.local_rank, node_size)
-    if not path.is_file():
-        if not shards:
-            raise ValueError(f"checkpoint {directory} holds an unsharded optimizer (optim.sharding=none); this run "
-                             f"has optim.sharding=node")
-        written = int(shards[0].stem.rsplit("_of_", 1)[1])
-        raise ValueError(f"checkpoint {directory} was written with node_size={written} (optimizer shards per node), "
-                         f"this run has node_size={node_size}: the optimizer shards do not carry over")
-    load_optimizer_file(path, ("shard", "node_size", "local_rank", "owners"), optimizer, device)
-
-
-def load_optimizer_file(path: Path, expected_keys: tuple[str, ...], optimizer, device) -> None:
-    try:
-        optimizer.load_state_dict(load_file(path, expected_keys, map_location=device))
-    except CheckpointError:
-        raise
-    except (ValueError, KeyError, RuntimeError) as err:
-        raise CheckpointError(f"{path}: does not fit this model's optimizer ({err})") from None
+    return per_rank["reader"]
 
 
 @dataclass
@@ -239,17 +267,24 @@ def resume(registered: Path | None, run_dir: Path, rank: int, world_size: int, m
     candidates = all_ranks([str(path) for path in resume_candidates(registered, run_dir)], device)[0]
     skipped, was_complete = [], registered is not None
     for directory in map(Path, candidates):
-        why = incomplete(directory)
+        # every rank decides from every rank's outcome, so all take the same branch (a shared file system may show
+        # one node a file that another does not see yet), and all enter DCP's collective load together
+        why, state = incomplete(directory), None
         complete = why is None
         if complete:
             try:
-                state, reader_state = read(directory, rank, world_size, model, optimizer, device)
+                state = read_trainer_state(directory, world_size)
             except CheckpointError as err:
                 why = str(err)
-        # every rank decides from every rank's outcome, so all take the same branch (a shared file system may
-        # show one node a file that another does not see yet)
         outcomes = all_ranks({"complete": complete, "why": why}, device)
         was_complete = was_complete or any(outcome["complete"] for outcome in outcomes)
+        if all(outcome["why"] is None for outcome in outcomes):
+            try:
+                read_tensors(directory, model, optimizer)
+                reader_state = read_rank_file(directory, rank, device)
+            except CheckpointError as err:
+                why = str(err)
+            outcomes = all_ranks({"why": why}, device)
         failures = [(r, outcome["why"]) for r, outcome in enumerate(outcomes) if outcome["why"] is not None]
         if not failures:
             if rank == 0:

@@ -39,9 +39,6 @@ class OptimConfig:
     """ELLISAdam: decay by (lr / init_lr) * weight_decay instead of lr * weight_decay."""
     no_weight_decay_for_bias_and_norm: bool = True
     """No decay on norm weights and biases (the third parameter group)."""
-    sharding: Literal["none", "node"] = "none"
-    """node: the ranks of a node share the optimizer state, each owning whole tensors balanced by element count
-    (huginn_ray.train.sharding); none: every rank holds the full state."""
     foreach: bool | None = None
     """ELLISAdam: multi-tensor step (torch._foreach_* per group) when true, one tensor at a time when false;
     null picks the faster: multi-tensor on GPUs, single-tensor on CPU. Same result either way."""
@@ -62,17 +59,26 @@ class ScheduleConfig:
 
 @dataclass
 class GradSyncConfig:
-    kind: Literal["chunk_stream", "chunk_stream_overlap", "ddp", "hierarchical"] = "chunk_stream"
-    """Gradient exchange (huginn_ray.train.grad_sync); hierarchical needs optim.sharding=node."""
+    kind: Literal["chunk_stream", "chunk_stream_overlap", "ddp"] = "chunk_stream"
+    """Gradient exchange (huginn_ray.train.grad_sync); under parallelism.mode=hsdp only chunk_stream (between
+    shard groups)."""
     chunk_mib: float = 64.0
     """Size of every all-reduce message of the chunk streams, in MiB of fp32 (DDP: bucket size)."""
     max_chunks_in_flight: int = 4
     """chunk_stream_overlap: chunk buffers (all-reduces) in flight at once; bounds its extra memory."""
-    node_size: int = 0
-    """Ranks per node for optim.sharding=node and hierarchical; 0: Ray Train's local world size. Tests split
-    one machine into virtual nodes with it (4 workers, node_size=2: 2 nodes x 2)."""
     ddp_find_unused_parameters: bool = False
     """Only for ddp: needed when some parameter may get no gradient in a step."""
+
+
+@dataclass
+class ParallelismSection:
+    mode: Literal["replicate", "hsdp"] = "replicate"
+    """replicate: every rank holds the whole model, grad_sync.kind exchanges the gradients (the reference's way);
+    hsdp: FSDP2 shards parameters, gradients and optimizer state over the ranks of a shard group, the chunk
+    stream runs between shard groups (huginn_ray.train.parallel)."""
+    shard_size: int = 0
+    """hsdp: ranks per shard group; 0: one node (Ray Train's local world size). Set it only to split one machine
+    into virtual nodes (tests: 4 workers, shard_size=2)."""
 
 
 @dataclass
@@ -157,8 +163,10 @@ class TrainConfig:
     """Optimizer."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """Trapezoid learning-rate schedule."""
+    parallelism: ParallelismSection = field(default_factory=ParallelismSection)
+    """How the model is laid out over the ranks."""
     grad_sync: GradSyncConfig = field(default_factory=GradSyncConfig)
-    """Gradient exchange between ranks."""
+    """Gradient exchange between ranks (between shard groups under hsdp)."""
     data: DataSection = field(default_factory=DataSection)
     """Shards and tokenizer."""
     scaling: ScalingSection = field(default_factory=ScalingSection)
@@ -232,7 +240,7 @@ class TrainConfig:
 def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Load, validate, and make every path absolute (relative to the current directory): Ray workers run in
     their own directories."""
-    cfg = load_config(TrainConfig, path, overrides)
+    cfg = load_config(TrainConfig, path, overrides, removed=REMOVED_KEYS)
     cfg.out_dir = str(Path(cfg.out_dir).resolve())
     if cfg.data.data_dir:
         cfg.data.data_dir = str(Path(cfg.data.data_dir).resolve())
@@ -252,12 +260,23 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
     return cfg
 
 
+REMOVED_KEYS = {
+    "optim.sharding": "set parallelism.mode=hsdp to shard the optimizer state (and parameters and gradients)",
+    "grad_sync.node_size": "set parallelism.shard_size (0: one node)",
+    "grad_sync.kind=hierarchical": "set parallelism.mode=hsdp (FSDP2 inside the node, the chunk stream between nodes)",
+}
+
+
 def check_sharding_config(cfg: TrainConfig) -> None:
-    gs = cfg.grad_sync
-    if gs.kind == "hierarchical" and cfg.optim.sharding != "node":
-        raise ConfigError("grad_sync.kind=hierarchical reduces each gradient to its owner: it needs optim.sharding=node")
-    if gs.node_size and cfg.scaling.num_workers % gs.node_size:
-        raise ConfigError(f"grad_sync.node_size={gs.node_size} must divide scaling.num_workers={cfg.scaling.num_workers}")
+    par = cfg.parallelism
+    if par.mode == "hsdp" and cfg.grad_sync.kind != "chunk_stream":
+        raise ConfigError(f"grad_sync.kind={cfg.grad_sync.kind}: under parallelism.mode=hsdp the exchange between "
+                          "shard groups is chunk_stream")
+    if par.mode == "replicate" and par.shard_size:
+        raise ConfigError(f"parallelism.shard_size={par.shard_size} needs parallelism.mode=hsdp")
+    if par.shard_size and cfg.scaling.num_workers % par.shard_size:
+        raise ConfigError(f"parallelism.shard_size={par.shard_size} must divide scaling.num_workers="
+                          f"{cfg.scaling.num_workers}")
 
 
 # ---- allowed ranges of the numeric fields (checked by load_train_config; a new numeric field belongs here) -----
@@ -299,7 +318,7 @@ TRAIN_RANGES: dict[str, Range] = {
     "fault_injection.kill_rank": NON_NEGATIVE,
     "fault_injection.hang_rank_at_step": AT_LEAST_1,
     "fault_injection.hang_rank": NON_NEGATIVE,
-    "grad_sync.node_size": NON_NEGATIVE,  # 0: Ray Train's local world size
+    "parallelism.shard_size": NON_NEGATIVE,  # 0: Ray Train's local world size
     "grad_sync.max_chunks_in_flight": AT_LEAST_1,
     "device_memory_gib": POSITIVE,
     "memory_headroom": Range(0, 1, lo_open=True),

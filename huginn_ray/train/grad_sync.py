@@ -11,8 +11,9 @@ Three interchangeable exchanges (config `grad_sync.kind`):
   asynchronously as soon as all of its parameters' gradients are final, so communication overlaps backward.
   Chunks are always launched in index order, so every rank issues the same collectives in the same order.
 - `ddp`: torch DistributedDataParallel (gradients as views into its buckets).
-- `hierarchical` (with `optim.sharding: node`): reduce every gradient to its owner within the node, then the
-  fixed-size chunk stream between nodes over the owned part only (class `Hierarchical`).
+
+Under `parallelism.mode: hsdp` the chunk stream runs between shard groups over each rank's gradient shard, after
+FSDP2 has reduce-scattered the sums within the group (huginn_ray.train.parallel).
 
 The layout covers every trainable parameter whether or not it received a gradient this step; a parameter without
 gradient contributes zeros, and gets the averaged gradient of the others. This keeps the collectives identical
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from huginn_ray.train.parallel import local
 
 
 @dataclass(frozen=True)
@@ -72,15 +74,20 @@ def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
 
 
 class ChunkStream:
-    """Synchronous fixed-size chunk all-reduce after backward (reference §4.2, zero-padded)."""
+    """Synchronous fixed-size chunk all-reduce after backward (reference §4.2, zero-padded).
 
-    def __init__(self, model: nn.Module, chunk_numel: int, group=None):
+    Streams this rank's part of every gradient (the local shard of a sharded one) over `group`, sums, and divides
+    by `divide_by` (default: the group's size). Under hsdp the group is the rank's "replicate" column and the
+    divisor the world size, since the reduce-scatter before it summed the shard group without dividing."""
+
+    def __init__(self, model: nn.Module, chunk_numel: int, group=None, divide_by: int | None = None):
         self.module = model
         self.params = trainable_parameters(model)
-        self.chunks = chunk_layout([p.numel() for p in self.params], chunk_numel)
+        self.chunks = chunk_layout([local(p).numel() for p in self.params], chunk_numel)
         self.group = group
-        self.world_size = dist.get_world_size(group)
-        device = self.params[0].device
+        self.world_size = divide_by or dist.get_world_size(group)
+        self.group_size = dist.get_world_size(group)
+        device = local(self.params[0]).device
         # one buffer reused for every chunk: the exchange is sequential
         self.buffer = torch.zeros(chunk_numel, dtype=torch.float32, device=device)
 
@@ -94,12 +101,13 @@ class ChunkStream:
                 grad = self.params[s.param_index].grad
                 if grad is not None:
                     self.buffer[s.chunk_offset : s.chunk_offset + s.count].copy_(
-                        grad.reshape(-1)[s.grad_offset : s.grad_offset + s.count]
+                        local(grad).reshape(-1)[s.grad_offset : s.grad_offset + s.count]
                     )
-            dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM, group=self.group)
+            if self.group_size > 1:
+                dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM, group=self.group)
             self.buffer.div_(self.world_size)
             for s in chunk:
-                grad = _grad_or_zeros(self.params[s.param_index])
+                grad = local(_grad_or_zeros(self.params[s.param_index]))
                 grad.view(-1)[s.grad_offset : s.grad_offset + s.count].copy_(
                     self.buffer[s.chunk_offset : s.chunk_offset + s.count]
                 )
@@ -210,78 +218,6 @@ class ChunkStreamOverlap:
             h.remove()
 
 
-class Hierarchical:
-    """Node-local reduce to each tensor's owner, then a chunk stream between nodes over the owned part only.
-
-    Needs the owner map of `optim.sharding=node` (huginn_ray.train.sharding.NodeSharding):
-    1. within the node, every gradient is summed onto the local rank that owns its tensor (`reduce`, fast links);
-    2. between nodes, each rank packs the gradients it owns into fixed-size, zero-padded fp32 chunks and
-       all-reduces them among the ranks with the same local rank on every node (§4.2 semantics: every message
-       has the same size; sum, then divide by the world size in fp32);
-    3. the owner steps its tensors and broadcasts them within the node (NodeShardedOptimizer.step).
-    Non-owned gradients are dropped after step 1, so clipping needs the node's sum of squares
-    (`clip_grad_norm_`). Each rank sends 1/node_size of the flat chunk stream's bytes between nodes."""
-
-    def __init__(self, model: nn.Module, chunk_numel: int, sharding):
-        self.module = model
-        self.sharding = sharding
-        self.layout = sharding.layout
-        self.params = sharding.params
-        self.owned = sharding.owned()
-        self.world_size = self.layout.world_size
-        self.chunks = chunk_layout([self.params[i].numel() for i in self.owned], chunk_numel)
-        device = self.params[0].device
-        self.buffer = (torch.zeros(chunk_numel, dtype=torch.float32, device=device)
-                       if self.layout.num_nodes > 1 else None)
-
-    def micro_batch(self, last: bool):
-        return contextlib.nullcontext()
-
-    def finish(self) -> None:
-        layout = self.layout
-        if layout.node_size > 1:
-            for index, p in enumerate(self.params):
-                grad = _grad_or_zeros(p)
-                owner = layout.intra_rank(self.sharding.owners[index])
-                dist.reduce(grad, dst=owner, op=dist.ReduceOp.SUM, group=layout.intra_group)
-                if not self.sharding.is_owned(index):
-                    p.grad = None
-        owned = [self.params[i] for i in self.owned]
-        if self.buffer is None:
-            for p in owned:
-                _grad_or_zeros(p).div_(self.world_size)
-            return
-        for chunk in self.chunks:
-            self.buffer.zero_()
-            for s in chunk:
-                grad = _grad_or_zeros(owned[s.param_index])
-                self.buffer[s.chunk_offset : s.chunk_offset + s.count].copy_(
-                    grad.reshape(-1)[s.grad_offset : s.grad_offset + s.count]
-                )
-            dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM, group=layout.cross_group)
-            self.buffer.div_(self.world_size)
-            for s in chunk:
-                owned[s.param_index].grad.view(-1)[s.grad_offset : s.grad_offset + s.count].copy_(
-                    self.buffer[s.chunk_offset : s.chunk_offset + s.count]
-                )
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Global L2 norm of the averaged gradients (the node's owners hold them all) as a device scalar, and
-        clip them."""
-        grads = [self.params[i].grad for i in self.owned if self.params[i].grad is not None]
-        device = self.params[0].device
-        local = torch.stack([g.detach().float().norm(2) for g in grads]).square().sum() if grads else \
-            torch.zeros((), device=device)
-        total_sq = local.reshape(1).to(torch.float32)
-        if self.layout.node_size > 1:
-            dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=self.layout.intra_group)
-        total = total_sq.sqrt()[0]
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device, g.dtype))
-        return total
-
-
 class DDPSync:
     """torch DistributedDataParallel; `find_unused_parameters` is needed only if some parameter may get no grad.
 
@@ -307,17 +243,12 @@ class DDPSync:
 
 
 def build_grad_sync(kind: str, model: nn.Module, chunk_mib: float = 64, group=None, find_unused_parameters=False,
-                    max_chunks_in_flight: int = 4, sharding=None):
+                    max_chunks_in_flight: int = 4, divide_by: int | None = None):
     chunk_numel = int(chunk_mib * 1024 * 1024) // 4
     if kind == "chunk_stream":
-        return ChunkStream(model, chunk_numel, group)
+        return ChunkStream(model, chunk_numel, group, divide_by)
     if kind == "chunk_stream_overlap":
         return ChunkStreamOverlap(model, chunk_numel, group, max_in_flight=max_chunks_in_flight)
     if kind == "ddp":
         return DDPSync(model, group, find_unused_parameters=find_unused_parameters, bucket_mb=max(1, int(chunk_mib)))
-    if kind == "hierarchical":
-        if sharding is None:
-            raise ValueError("grad_sync.kind=hierarchical needs optim.sharding=node (the owner of every tensor)")
-        return Hierarchical(model, chunk_numel, sharding)
-    raise ValueError(f"grad_sync.kind: unknown gradient exchange {kind!r} "
-                     "(chunk_stream, chunk_stream_overlap, ddp, hierarchical)")
+    raise ValueError(f"grad_sync.kind: unknown gradient exchange {kind!r} (chunk_stream, chunk_stream_overlap, ddp)")

@@ -36,8 +36,8 @@ from huginn_ray.train import tracking
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.grad_sync import build_grad_sync
 from huginn_ray.train.optim import build_optimizer, set_lr, trapezoid_lr
+from huginn_ray.train import parallel
 from huginn_ray.eval.depth_scaling import log_validation_plot
-from huginn_ray.train.sharding import NodeSharding, NodeShardedOptimizer, build_node_layout
 from huginn_ray.train.shard_reader import ShardReader, collate, validation_rows
 from huginn_ray.train.tracking import MetricsLogger
 from huginn_ray.train.warmup import register_node, warmup_allreduce
@@ -106,40 +106,54 @@ class Components:
 
     model_cfg: ModelConfig
     model: RecurrentGPT
+    """The model (FSDP2-sharded under hsdp; DDP, if chosen, wraps it in `sync.module`)."""
     sync: object
     optimizer: torch.optim.Optimizer
     reader: ShardReader
     autocast: object
+    mesh: object
+    """The ("replicate", "shard") DeviceMesh (huginn_ray.train.parallel)."""
+    shape: parallel.MeshShape
     resumed: bool = False
     """Model, optimizer and reader were loaded from a checkpoint."""
 
 
 def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.device,
                      local_world_size: int | None = None) -> Components:
-    """`local_world_size`: ranks on this node (Ray Train's), the node size unless grad_sync.node_size is set."""
+    """`local_world_size`: ranks on this node (Ray Train's); it is the shard size of hsdp unless
+    parallelism.shard_size sets one. None: every rank on one node."""
     if device.type == "cpu":
         torch.set_num_threads(cfg.cpu_threads)
+    world_size = dist.get_world_size()
+    shape = parallel.mesh_shape(cfg.parallelism.mode, cfg.parallelism.shard_size, world_size,
+                                local_world_size or world_size)
+    mesh = parallel.build_mesh(shape, device.type)
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     random.seed(cfg.seed)
     model_cfg = ModelConfig.from_hf_dict(plan["model_config"])
     with torch.device("meta"):  # no CPU copy of the model: allocate and initialise on the training device
         model = RecurrentGPT(model_cfg)
-    model.materialize(device)
+    model.materialize(device)  # whole, on every rank: hsdp then keeps each rank's slice
     model.check_token_ids = False  # collate checks every batch on the host
     model.loss_chunk_tokens = cfg.loss_chunk_tokens
     if cfg.compile:
         compile_blocks(model, **cfg.compile_options)
-    sharding = None
-    if cfg.optim.sharding == "node":
-        node_size = cfg.grad_sync.node_size or local_world_size or dist.get_world_size()
-        sharding = NodeSharding(model, build_node_layout(node_size))
-    sync = build_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib,
-                           find_unused_parameters=cfg.grad_sync.ddp_find_unused_parameters,
-                           max_chunks_in_flight=cfg.grad_sync.max_chunks_in_flight, sharding=sharding)
-    optimizer = build_optimizer(model, cfg.optim) if sharding is None else NodeShardedOptimizer(model, cfg.optim, sharding)
+    if shape.mode == "hsdp":
+        parallel.apply_hsdp(model, mesh)
+        sync = build_grad_sync("chunk_stream", model, cfg.grad_sync.chunk_mib, group=mesh.get_group("replicate"),
+                               divide_by=world_size)
+    else:
+        sync = build_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib,
+                               find_unused_parameters=cfg.grad_sync.ddp_find_unused_parameters,
+                               max_chunks_in_flight=cfg.grad_sync.max_chunks_in_flight)
+    optimizer = build_optimizer(model, cfg.optim)
     reader = ShardReader(shard_path(cfg.data.data_dir, "train", rank), cfg.seed + rank, cfg.block_size + 1)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if plan["precision"] == "bf16-mixed" else nullcontext()
-    return Components(model_cfg, model, sync, optimizer, reader, autocast)
+    return Components(model_cfg, model, sync, optimizer, reader, autocast, mesh, shape)
+
+
+def layout_name(shape: parallel.MeshShape) -> str:
+    return "replicate" if shape.mode == "replicate" else f"hsdp, shard_size {shape.shard_size}"
 
 
 @dataclass
@@ -271,11 +285,9 @@ def data_error_stop(when: str, error: str | None, failed_ranks: int, device: tor
 
 
 def clip_gradients(c: Components, max_norm: float) -> torch.Tensor:
-    """Global L2 norm of the averaged gradients before clipping, as a device scalar; the hierarchical exchange
-    leaves each rank only the gradients it owns and computes the norm over the node."""
-    if hasattr(c.sync, "clip_grad_norm_"):
-        return c.sync.clip_grad_norm_(max_norm)
-    return torch.nn.utils.clip_grad_norm_(c.model.parameters(), max_norm)
+    """Global L2 norm of the averaged gradients before clipping, as a device scalar (under hsdp summed over the
+    shard group in one all-reduce)."""
+    return parallel.clip_grad_norm_([p for p in c.model.parameters() if p.requires_grad], max_norm)
 
 
 def _train(cfg: TrainConfig, plan: dict) -> None:
@@ -283,13 +295,12 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     device = training_device()
     register_node()
-    if cfg.optim.sharding == "node" and not cfg.grad_sync.node_size:
-        local, local_size = ctx.get_local_rank(), ctx.get_local_world_size()
-        if local != rank % local_size or world_size % local_size:
-            raise RuntimeError(f"optim.sharding=node: rank {rank} is local rank {local} of {local_size} on its node; "
-                               "node-local groups need the same number of workers on every node, ranks contiguous "
-                               "per node (set grad_sync.node_size to override)")
+    placement = {"node_rank": ctx.get_node_rank(), "local_rank": ctx.get_local_rank(),
+                 "local_world_size": ctx.get_local_world_size()}
     c = build_components(cfg, plan, rank, device, local_world_size=ctx.get_local_world_size())
+    # always checked: shard groups are consecutive ranks, which must be one node's (or part of one)
+    parallel.check_node_layout(c.shape, ckpt.all_ranks(placement, device))
+    parallel.warm_mesh(c.mesh, device)
     model, optimizer, reader = c.model, c.optimizer, c.reader
     read_error = None
     try:
@@ -301,7 +312,8 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
         read_error = f"validation data: {type(err).__name__}: {err}"
     stop_if_a_rank_cannot_read(read_error, device)
 
-    state = ckpt.TrainerState(mlflow_run_id=plan["mlflow_run_id"], world_size=world_size)
+    state = ckpt.TrainerState(mlflow_run_id=plan["mlflow_run_id"], world_size=world_size,
+                              layout=layout_name(c.shape))
     checkpoint = ray.train.get_checkpoint()  # out_dir is a filesystem every node sees: the path is the directory
     registered = Path(checkpoint.path) if checkpoint is not None else None
     try:
@@ -310,8 +322,10 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
         raise Stop(f"cannot resume: {err}", reporter=rank == 0) from None
     if resumed is not None:
         state = resumed.state
+        state.layout = layout_name(c.shape)
         reader.load_state_dict(resumed.reader_state)
         c.resumed = True
+    parallel.check_replicas_agree(model, optimizer, c.mesh, device, "at startup")
 
     if cfg.warmup_allreduce_mib > 0:
         warmup_allreduce(device, cfg.warmup_allreduce_mib, timeout_s=cfg.warmup_timeout_s)
@@ -351,6 +365,7 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
                 print(f"[huginn] step {step} validation " + " ".join(f"{k}={v:.4f}" for k, v in val.items()), flush=True)
         if (step % cfg.checkpoint.save_step_interval == 0 or (last_step and cfg.checkpoint.save_last_step)
                 or result.stop_requested):
+            parallel.check_replicas_agree(model, optimizer, c.mesh, device, f"step {step}")
             save(model, optimizer, state, reader, rank, device, result.loss, result.stop_reason)
         if result.stop_requested:
             if rank == 0:

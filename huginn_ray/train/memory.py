@@ -5,13 +5,16 @@
 Prints one row per item, then `total per rank: X.X GiB of Y.Y GiB device memory` as its last line, and exits 1
 when the total exceeds `device_memory_gib x memory_headroom`. `jobs/train.py` runs the same plan in its preflight.
 
-What is counted, per rank (the busiest rank where ranks differ):
+What is counted, per rank:
 - parameters and buffers (fp32 master weights), gradients (fp32, every trainable tensor: backward produces all
-  of them before any exchange finishes);
-- optimizer state: two fp32 moments (+ a step counter) per tensor the rank steps: all tensors, or with
-  `optim.sharding: node` the largest owner's share (huginn_ray.train.sharding.owner_map);
-- exchange buffers: chunk_stream one chunk, chunk_stream_overlap `max_chunks_in_flight` chunks, hierarchical
-  one chunk (none on a single node), ddp none beyond the gradients (gradient_as_bucket_view);
+  of them before any exchange finishes), optimizer state (two fp32 moments and a step counter per tensor):
+  whole under `parallelism.mode: replicate`; under `hsdp` this rank's FSDP2 shard (dim 0 split over the shard
+  group, padded to a multiple of it), plus what FSDP2 gathers whole: the root unit (embedding = head, adapter,
+  final norm) with its whole gradient for the whole step, the core block unit with its whole gradient from its
+  forward to the end of its backward (the peak: both are alive while the core's iterations are recomputed), and
+  one prelude block prefetched by the backward; the core's reduce-scatter input (core-sized) is a transient;
+- exchange buffers: chunk_stream one chunk (hsdp: one chunk when there is more than one shard group),
+  chunk_stream_overlap `max_chunks_in_flight` chunks, ddp none beyond the gradients (gradient_as_bucket_view);
 - activations kept for backward at the deepest backprop the sampler draws (k = mean_backprop_depth gradient
   iterations, with the configured activation checkpointing), for one micro-batch: measured, not estimated, by
   running the model's forward and loss on the meta device under `saved_tensors_hooks` and summing the bytes of
@@ -30,8 +33,8 @@ What is counted, per rank (the busiest rank where ranks differ):
     `loss_chunk_tokens`: the gradient of the full logits;
   - the end of the forward: under bf16 autocast the cached bf16 copies of the weights (those not already saved
     for backward), plus with `loss_chunk_tokens` what one chunk of the loss's forward allocates (measured).
-Not counted: the allocator's fragmentation and the runtime's own memory (CUDA/ROCm context, communication
-library buffers); `memory_headroom` (default 0.9) is there for them.
+Not counted, but listed with an estimate under the total (never added to it): the CUDA/HIP context, the
+communication library's buffers, the allocator's fragmentation; `memory_headroom` (default 0.9) is there for them.
 """
 
 from __future__ import annotations
@@ -50,13 +53,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.model.model import chunked_cross_entropy, chunked_cross_entropy_grads
-from huginn_ray.train.sharding import owner_loads, owner_map
 
 GIB = 2**30
 MI250X_GCD_GIB = 64.0
 """Device memory assumed for GPU configurations when none is configured or detected (an MI250X GCD)."""
 GPU_NODE_SIZE = 8
-"""Ranks per node assumed for GPU configurations without grad_sync.node_size (Frontier: 8 GCDs)."""
+"""Ranks per node assumed for GPU configurations without parallelism.shard_size (Frontier: 8 GCDs)."""
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -206,6 +208,8 @@ class MemoryPlan:
     rows: list[tuple[str, int, str]] = field(default_factory=list)
     """(item, bytes, how it was obtained)."""
     transients: list[tuple[str, int]] = field(default_factory=list)
+    not_counted: list[tuple[str, int, str]] = field(default_factory=list)
+    """(item, estimated bytes, basis of the estimate): listed, never added to the total."""
     device_bytes: int = 0
     headroom: float = 0.9
     header: str = ""
@@ -245,6 +249,8 @@ class MemoryPlan:
         if not self.fits:
             lines.append("largest items: " + ", ".join(f"{n} {b / GIB:.1f} GiB" for n, b in self.largest()))
             lines.append("what would help: " + self.advice)
+        for name, b, how in self.not_counted:
+            lines.append(f"{'  not counted: ' + name:<52}{'~' + format(b / GIB, '.1f'):>8}  {how}")
         lines.append(f"total per rank: {self.total / GIB:.1f} GiB of {self.device_bytes / GIB:.1f} GiB device memory")
         return "\n".join(lines)
 
@@ -264,10 +270,19 @@ def device_memory_bytes(cfg) -> int:
     return ram // max(1, cfg.scaling.num_workers)
 
 
-def plan_node_size(cfg) -> int:
-    if cfg.grad_sync.node_size:
-        return cfg.grad_sync.node_size
+def plan_shard_size(cfg) -> int:
+    """Ranks per shard group: parallelism.shard_size, else one node (8 GPUs, or every CPU worker)."""
+    if cfg.parallelism.mode == "replicate":
+        return 1
+    if cfg.parallelism.shard_size:
+        return cfg.parallelism.shard_size
     return min(cfg.scaling.num_workers, GPU_NODE_SIZE) if cfg.scaling.use_gpu else cfg.scaling.num_workers
+
+
+def shard_numel(shape: torch.Size, shards: int) -> int:
+    """Elements of one FSDP2 shard of a tensor: dim 0 split into `shards` equal parts, padded."""
+    rows = shape[0] if len(shape) else 1
+    return math.ceil(rows / shards) * (math.prod(shape[1:]) if len(shape) > 1 else 1)
 
 
 def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
@@ -286,41 +301,50 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
     numel = sum(p.numel() for p in params)
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     workers = cfg.scaling.num_workers
-    node_size = plan_node_size(cfg)
-    num_nodes = max(1, workers // node_size)
+    shards = plan_shard_size(cfg)
+    hsdp = cfg.parallelism.mode == "hsdp"
 
     plan = MemoryPlan(device_bytes=device_memory_bytes(cfg), headroom=cfg.memory_headroom)
-    plan.header = (f"memory plan per rank: {cfg.model.name}, {workers} ranks ({num_nodes} nodes x {node_size}), "
+    layout = f"hsdp, {workers // shards} shard groups x {shards}" if hsdp else "replicate"
+    plan.header = (f"memory plan per rank: {cfg.model.name}, {workers} ranks ({layout}), "
                    f"micro-batch {cfg.micro_batch_size} x {cfg.block_size} tokens, {precision}, "
-                   f"optim.sharding={cfg.optim.sharding}, grad_sync.kind={cfg.grad_sync.kind}")
-    plan.rows.append(("parameters + buffers (fp32)", numel * 4 + buffer_bytes, f"{numel:,} trainable elements"))
-    plan.rows.append(("gradients (fp32)", numel * 4, "every trainable tensor"))
-
-    numels = [p.numel() for p in params]
-    if cfg.optim.sharding == "node":
-        loads = owner_loads(numels, owner_map(numels, node_size), node_size)
-        owners = owner_map(numels, node_size)
-        busiest = max(range(node_size), key=lambda r: loads[r])
-        owned_elems, owned_tensors = loads[busiest], owners.count(busiest)
-        how = f"sharded over {node_size} ranks; busiest owns {owned_elems:,} elements ({owned_elems / numel:.1%})"
-    else:
-        owned_elems, owned_tensors = numel, len(params)
-        how = "replicated on every rank"
+                   f"grad_sync.kind={cfg.grad_sync.kind}")
     step_bytes = 8 if cfg.optim.name == "ELLISAdam" else 4
-    plan.rows.append((f"optimizer state ({cfg.optim.name}: 2 fp32 moments)", owned_elems * 8 + owned_tensors * step_bytes,
-                      how))
+    optimizer_row = f"optimizer state ({cfg.optim.name}: 2 fp32 moments)"
+    if hsdp:
+        local = sum(shard_numel(p.shape, shards) for p in params)
+        how = f"{local:,} of {numel:,} elements: this rank's shard of every tensor (1/{shards}, dim 0 padded)"
+        plan.rows.append(("parameters (fp32, sharded) + buffers", local * 4 + buffer_bytes, how))
+        plan.rows.append(("gradients (fp32, sharded)", local * 4, "after the reduce-scatter: this rank's shard"))
+        plan.rows.append((optimizer_row, local * 8 + len(params) * step_bytes, "sharded like the parameters"))
+        t = model.transformer
+        core = sum(p.numel() for p in t.core_block.parameters()) * 4
+        blocks = [sum(p.numel() for p in block.parameters()) * 4 for block in [*t.prelude, *t.coda]]
+        root = numel * 4 - core - sum(blocks)
+        plan.rows.append(("gathered: root unit, weights + gradients (fp32)", 2 * root,
+                          "embedding = head, adapter, final norm: whole for the whole step"))
+        plan.rows.append(("gathered: core block unit, weights + gradients", 2 * core,
+                          "whole from its forward to the end of its backward (once per step)"))
+        plan.rows.append(("gathered: one prelude block (backward prefetch)", max(blocks, default=0),
+                          "FSDP2 gathers the next unit while the core's backward runs"))
+        plan.transients.append(("reduce-scatter input of the core unit", core))
+    else:
+        plan.rows.append(("parameters + buffers (fp32)", numel * 4 + buffer_bytes, f"{numel:,} trainable elements"))
+        plan.rows.append(("gradients (fp32)", numel * 4, "every trainable tensor"))
+        plan.rows.append((optimizer_row, numel * 8 + len(params) * step_bytes, "replicated on every rank"))
 
     chunk_bytes = int(cfg.grad_sync.chunk_mib * 1024 * 1024) // 4 * 4
     kind = cfg.grad_sync.kind
-    if kind == "chunk_stream":
+    if hsdp:
+        replicas = workers // shards
+        exchange = chunk_bytes if replicas > 1 else 0
+        how = "one chunk, streamed between shard groups" if replicas > 1 else "one shard group: no stream"
+    elif kind == "chunk_stream":
         exchange, how = chunk_bytes, "one chunk"
     elif kind == "chunk_stream_overlap":
         chunks = math.ceil(numel * 4 / chunk_bytes)
         in_flight = min(cfg.grad_sync.max_chunks_in_flight, chunks)
         exchange, how = in_flight * chunk_bytes, f"{in_flight} chunks in flight (grad_sync.max_chunks_in_flight)"
-    elif kind == "hierarchical":
-        exchange = chunk_bytes if num_nodes > 1 else 0
-        how = "one chunk for the inter-node stream" if num_nodes > 1 else "single node: no chunk"
     else:
         exchange, how = 0, "gradients are views into DDP's buckets"
     plan.rows.append((f"exchange buffers ({kind})", exchange, how))
@@ -345,11 +369,19 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
         plan.transients.append(("end of forward (bf16 casts, loss chunk)",
                                 measured["weight_casts"] + measured["loss_forward"]))
 
+    if cfg.scaling.use_gpu:
+        plan.not_counted += [
+            ("CUDA/HIP context", int(0.6 * GIB), "driver context + kernel images, ~0.5-1 GiB per process"),
+            ("communicator buffers", int(0.2 * GIB) * (3 if hsdp else 1),
+             "NCCL/RCCL: ~0.2 GiB per communicator at default buffer sizes (world" + (", shard, replicate)" if hsdp
+                                                                                      else ")")),
+            ("allocator fragmentation", int(0.05 * plan.total), "~5% of the planned peak (caching allocator)"),
+        ]
     advice = []
-    if cfg.optim.sharding != "node":
-        advice.append("optim.sharding=node (optimizer state / node_size)")
+    if not hsdp:
+        advice.append("parallelism.mode=hsdp (parameters, gradients and optimizer state / shard size)")
     if kind == "chunk_stream_overlap":
-        advice.append("grad_sync.kind=hierarchical or a smaller grad_sync.max_chunks_in_flight")
+        advice.append("a smaller grad_sync.max_chunks_in_flight")
     if not model_cfg.activation_checkpointing:
         advice.append("activation_checkpointing=true")
     if cfg.micro_batch_size > 1:
@@ -364,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML file (configs/train/*.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.sharding=none")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. parallelism.mode=replicate")
     args = parser.parse_args(argv)
     try:
         cfg = load_train_config(args.config, args.overrides)

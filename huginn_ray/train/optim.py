@@ -10,7 +10,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from huginn_ray.train.parallel import local, shard_group
 
 EMBEDDING_MARKERS = ("wte", "embedding", "abacus", "lm_head")
 NO_DECAY_MARKERS = ("ln_f", "norm", "bias", "diff_lmb")
@@ -24,7 +28,9 @@ class ELLISAdam(torch.optim.Optimizer):
       first step: m = g, v = g^2 with `running_init` (else zeros);
       m <- m + (1 - b1)(g - m);  v <- b2 v + (1 - b2) g^2;
       `update_clipping`: v <- max(v, eps^2) in place, eta = lr / max(sqrt(mean(g^2 / v)), 1), else eta = lr
-                         (the RMS stays on the device: no host sync per tensor);
+                         (the RMS stays on the device: no host sync per tensor; the mean is over the whole
+                         tensor also when it is sharded: the step sums every sharded tensor's local part in one
+                         all-reduce over the shard group, so sharded ELLISAdam equals whole ELLISAdam);
       t <- t + 1;  eta <- eta / (1 - b1^t);
       decay: p <- p (1 - (lr / init_lr) wd) with `decouple_wd` (the schedule fraction, not the lr magnitude),
              p <- p (1 - lr wd) without it;
@@ -76,19 +82,27 @@ class ELLISAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            foreach = self.foreach if self.foreach is not None else params[0].device.type != "cpu"
+        work = [(group, [p for p in group["params"] if p.grad is not None]) for group in self.param_groups]
+        work = [(group, params) for group, params in work if params]
+        foreach = self.foreach if self.foreach is not None else any(local(ps[0]).device.type != "cpu" for _, ps in work)
+        # 1. moments, and per tensor the sum of g^2 / v over this rank's part (update clipping)
+        sums = [self._moments_group(params, group) if foreach else [self._moments(p, group) for p in params]
+                for group, params in work]
+        # 2. whole-tensor sums of sharded tensors: one all-reduce over the shard group for every tensor of the step
+        self._sum_over_shards(work, sums)
+        # 3. the update, each tensor scaled down by max(RMS(g / sqrt(v)), 1) of the whole tensor
+        for (group, params), group_sums in zip(work, sums):
+            clips = [None if total is None else total.div(p.numel()).sqrt().clamp(min=1.0)
+                     for p, total in zip(params, group_sums)]
             if foreach:
-                self._update_group(params, group)
+                self._apply_group(params, group, clips)
             else:
-                for p in params:
-                    self._update(p, group)
+                for p, clip in zip(params, clips):
+                    self._apply(p, group, clip)
         return loss
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        """State tensors shaped and placed like the parameter (sharded like it under hsdp); `step` on the host."""
         state = self.state[p]
         if not state:
             g = p.grad
@@ -101,74 +115,97 @@ class ELLISAdam(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p)
         return state
 
-    def _update(self, p: torch.Tensor, group: dict) -> None:
-        """The single-tensor step. No host sync: the update-clipping RMS stays a device tensor."""
-        g = p.grad
+    def _moments(self, p: torch.Tensor, group: dict) -> torch.Tensor | None:
+        """Single tensor: m and v updated in place (this rank's part); with update clipping, v floored at eps^2
+        and the sum of g^2 / v returned as a device scalar (no host sync)."""
+        beta1, beta2 = group["betas"]
+        g = local(p.grad)
+        state = self._init_state(p, group)
+        m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
+        m.lerp_(g, 1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        if not group["update_clipping"]:
+            return None
+        v.clamp_(min=group["eps"] ** 2)
+        return g.square().div(v).sum()
+
+    def _apply(self, p: torch.Tensor, group: dict, clip: torch.Tensor | None) -> None:
+        """Single tensor: bias corrections, weight decay and the (clipped) step."""
         lr, init_lr = float(group["lr"]), float(group["init_lr"])
         beta1, beta2 = group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
-        state = self._init_state(p, group)
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        m.lerp_(g, 1.0 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-
-        clip = None
-        if group["update_clipping"]:
-            v.clamp_(min=eps * eps)
-            clip = g.square().div(v).mean().sqrt().clamp(min=1.0)  # the step is divided by max(rms, 1)
+        state = self.state[p]
+        m, v, param = local(state["exp_avg"]), local(state["exp_avg_sq"]), local(p)
         state["step"] += 1
-        t = int(state["step"])  # a CPU tensor: no device sync
+        t = int(state["step"])  # a host tensor: no device sync
         step_size = lr / (1.0 - beta1**t)
         denom = v.sqrt().div_(math.sqrt(1.0 - beta2**t))
-
         if wd != 0.0:
-            p.mul_(1.0 - (lr / init_lr) * wd if group["decouple_wd"] else 1.0 - lr * wd)
+            param.mul_(1.0 - (lr / init_lr) * wd if group["decouple_wd"] else 1.0 - lr * wd)
         update = torch.atan2(m, denom) if group["atan_adam"] else m / denom.add_(eps)
         if clip is not None:
             update.div_(clip)
-        p.add_(update, alpha=-step_size)
+        param.add_(update, alpha=-step_size)
 
-    def _update_group(self, params: list[torch.Tensor], group: dict) -> None:
-        """The multi-tensor step: the same operations as `_update`, each over all tensors of the group at once."""
-        lr, init_lr = float(group["lr"]), float(group["init_lr"])
+    def _moments_group(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor | None]:
+        """Multi-tensor `_moments`: the same operations, each over all tensors of the group at once."""
         beta1, beta2 = group["betas"]
-        eps, wd = group["eps"], group["weight_decay"]
         states = [self._init_state(p, group) for p in params]
-        grads = [p.grad for p in params]
-        ms = [state["exp_avg"] for state in states]
-        vs = [state["exp_avg_sq"] for state in states]
+        grads = [local(p.grad) for p in params]
+        ms = [local(state["exp_avg"]) for state in states]
+        vs = [local(state["exp_avg_sq"]) for state in states]
         torch._foreach_lerp_(ms, grads, 1.0 - beta1)
         torch._foreach_mul_(vs, beta2)
         torch._foreach_addcmul_(vs, grads, grads, value=1.0 - beta2)
+        if not group["update_clipping"]:
+            return [None] * len(params)
+        torch._foreach_clamp_min_(vs, group["eps"] ** 2)
+        return [ratio.sum() for ratio in torch._foreach_div(torch._foreach_mul(grads, grads), vs)]
 
-        clips = None
-        if group["update_clipping"]:
-            torch._foreach_clamp_min_(vs, eps * eps)
-            ratios = torch._foreach_div(torch._foreach_mul(grads, grads), vs)
-            clips = [r.mean().sqrt().clamp(min=1.0) for r in ratios]
-            del ratios
+    def _apply_group(self, params: list[torch.Tensor], group: dict, clips: list[torch.Tensor | None]) -> None:
+        """Multi-tensor `_apply`."""
+        lr, init_lr = float(group["lr"]), float(group["init_lr"])
+        beta1, beta2 = group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        states = [self.state[p] for p in params]
+        ms = [local(state["exp_avg"]) for state in states]
+        vs = [local(state["exp_avg_sq"]) for state in states]
+        tensors = [local(p) for p in params]
         steps = [state["step"] for state in states]
         torch._foreach_add_(steps, 1)
-        ts = [int(step) for step in steps]  # CPU tensors: no device sync
+        ts = [int(step) for step in steps]  # host tensors: no device sync
         denoms = torch._foreach_sqrt(vs)
         torch._foreach_div_(denoms, [math.sqrt(1.0 - beta2**t) for t in ts])
-
         if wd != 0.0:
-            torch._foreach_mul_(params, 1.0 - (lr / init_lr) * wd if group["decouple_wd"] else 1.0 - lr * wd)
+            torch._foreach_mul_(tensors, 1.0 - (lr / init_lr) * wd if group["decouple_wd"] else 1.0 - lr * wd)
         if group["atan_adam"]:
             updates = [torch.atan2(m, d) for m, d in zip(ms, denoms)]
         else:
             torch._foreach_add_(denoms, eps)
             updates = torch._foreach_div(ms, denoms)
         del denoms
-        if clips is not None:
+        if clips[0] is not None:
             torch._foreach_div_(updates, clips)
         step_sizes = [lr / (1.0 - beta1**t) for t in ts]
         if all(size == step_sizes[0] for size in step_sizes):  # the usual case: every tensor at the same step
-            torch._foreach_add_(params, updates, alpha=-step_sizes[0])
+            torch._foreach_add_(tensors, updates, alpha=-step_sizes[0])
         else:
-            for p, update, size in zip(params, updates, step_sizes):
-                p.add_(update, alpha=-size)
+            for param, update, size in zip(tensors, updates, step_sizes):
+                param.add_(update, alpha=-size)
+
+    @staticmethod
+    def _sum_over_shards(work: list, sums: list[list]) -> None:
+        """Replace each sharded tensor's local sum by the sum over its shard group, in place, with one
+        all-reduce for all of them (whole tensors keep theirs)."""
+        sharded = [(i, j) for i, (_, params) in enumerate(work) for j, p in enumerate(params)
+                   if isinstance(p, DTensor) and sums[i][j] is not None]
+        if not sharded:
+            return
+        group = shard_group([work[i][1][j] for i, j in sharded])
+        totals = torch.stack([sums[i][j] for i, j in sharded])
+        dist.all_reduce(totals, group=group)
+        for (i, j), total in zip(sharded, totals):
+            sums[i][j] = total
 
 
 def param_groups(model: nn.Module, weight_decay: float, no_decay_for_bias_and_norm: bool = True) -> list[dict]:
@@ -198,12 +235,9 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay_for_bias_and_no
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg, keep=None) -> torch.optim.Optimizer:
-    """`cfg` is an `OptimConfig` (huginn_ray.train.config). `keep(param)`, if given, selects the parameters this
-    optimizer steps (node-local sharding, huginn_ray.train.sharding); the three groups stay, possibly empty."""
+def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
+    """`cfg` is an `OptimConfig` (huginn_ray.train.config)."""
     groups = param_groups(model, cfg.weight_decay, cfg.no_weight_decay_for_bias_and_norm)
-    if keep is not None:
-        groups = [dict(g, params=[p for p in g["params"] if keep(p)]) for g in groups]
     if cfg.name == "ELLISAdam":
         return ELLISAdam(
             groups,

@@ -1,0 +1,184 @@
+"""Data parallelism as a device mesh: `replicate` (every rank holds the whole model) or `hsdp` (FSDP2 inside a
+shard group, the reference's chunk stream between shard groups).
+
+The mesh has two dimensions, ("replicate", "shard"), of shape (W / S, S); rank = replica x S + shard index, so a
+shard group is S consecutive ranks, which is one node when S is Ray Train's local world size (Ray Train numbers
+workers node by node; `check_node_layout` verifies it on every run).
+
+- `replicate` (S = 1): the model is whole on every rank; `grad_sync.kind` (chunk_stream, chunk_stream_overlap,
+  ddp) exchanges the gradients over all ranks. The reference-exact path.
+- `hsdp`: FSDP2 (`fully_shard` on the "shard" dimension) shards parameters, gradients and optimizer state over
+  the S ranks of a shard group. Units: every prelude and coda block (gathered for its forward, again for its
+  backward), the core block as one unit (`RecurrentCore.forward` runs every iteration in one call, so the core is
+  gathered once per step and kept until its backward ends, then reduce-scattered once), and the root (embedding
+  = tied head, adapter, final norm). Within the shard group FSDP reduce-scatters the gradient sums (no division);
+  between shard groups each rank then streams its gradient shard through `ChunkStream` over the "replicate"
+  dimension: fixed-size, zero-padded fp32 chunks, summed, then divided by W (reference §4.2). Each rank sends
+  1/S of the flat stream's bytes between shard groups.
+
+Numerics are those of `replicate`: the sharded parameters are the fp32 master weights, gathers and reductions
+run in fp32 (FSDP2's MixedPrecisionPolicy left at its default: param_dtype and reduce_dtype None), and bf16
+comes only from the autocast around the forward, as in `replicate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """How the ranks are laid out: `replicas` shard groups of `shard_size` consecutive ranks."""
+
+    mode: str
+    """replicate or hsdp."""
+    world_size: int
+    shard_size: int
+    """Ranks that share one copy of the model (1 under replicate)."""
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.shard_size
+
+
+def mesh_shape(mode: str, shard_size: int, world_size: int, local_world_size: int) -> MeshShape:
+    """`shard_size` 0 means one node (Ray Train's local world size)."""
+    if mode == "replicate":
+        return MeshShape(mode, world_size, 1)
+    size = shard_size or local_world_size
+    if world_size % size:
+        raise ValueError(f"parallelism.shard_size={size} does not divide the world size {world_size}")
+    return MeshShape(mode, world_size, size)
+
+
+def check_node_layout(shape: MeshShape, placements: list[dict]) -> None:
+    """Every rank's (node_rank, local_rank, local_world_size), as Ray Train reports them, in rank order: ranks must
+    be numbered node by node, every node must run the same number of workers, and a shard group must lie inside
+    one node (FSDP's gathers and reductions belong on the node's fast links). Raises naming the first bad rank."""
+    local_sizes = {p["local_world_size"] for p in placements}
+    if len(local_sizes) > 1:
+        counts = ", ".join(f"rank {r}: {p['local_world_size']}" for r, p in enumerate(placements))
+        raise RuntimeError(f"the nodes run different numbers of workers ({counts}); every node must run the same "
+                           "number (scaling.num_workers a multiple of the workers per node)")
+    local_size = local_sizes.pop()
+    for rank, p in enumerate(placements):
+        if rank != p["node_rank"] * local_size + p["local_rank"]:
+            raise RuntimeError(f"rank {rank} is local rank {p['local_rank']} on node {p['node_rank']} "
+                               f"({local_size} workers per node): ranks are not numbered node by node")
+    if local_size % shape.shard_size:
+        raise RuntimeError(f"parallelism.shard_size={shape.shard_size} does not divide the {local_size} workers of "
+                           "a node: a shard group would span nodes")
+
+
+def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
+    """The ("replicate", "shard") mesh; creates the process group of every row and column on every rank."""
+    return init_device_mesh(device_type, (shape.replicas, shape.shard_size), mesh_dim_names=("replicate", "shard"))
+
+
+def warm_mesh(mesh: DeviceMesh, device: torch.device) -> None:
+    """One small all-reduce in each of this rank's mesh groups, so a communicator that cannot form fails here,
+    at startup, naming the dimension, instead of in step 1."""
+    for name in ("shard", "replicate"):
+        group = mesh.get_group(name)
+        probe = torch.ones(1, device=device)
+        try:
+            dist.all_reduce(probe, group=group)
+        except Exception as err:  # noqa: BLE001 - any backend error: say which group
+            raise RuntimeError(f"the {name!r} process group of rank {dist.get_rank()} (ranks "
+                               f"{dist.get_process_group_ranks(group)}) did not form: {err}") from err
+        if int(probe.item()) != group.size():
+            raise RuntimeError(f"the {name!r} process group of rank {dist.get_rank()} summed {probe.item()} "
+                               f"instead of {group.size()}")
+
+
+def apply_hsdp(model: nn.Module, mesh: DeviceMesh) -> list[FSDPModule]:
+    """Shard a materialised RecurrentGPT over the mesh's "shard" dimension (units: see the module docstring).
+    Every rank must hold the same weights when this is called: each keeps its slice."""
+    shard_mesh = mesh["shard"]
+    t = model.transformer
+    units = [fully_shard(block, mesh=shard_mesh, reshard_after_forward=True) for block in [*t.prelude, *t.coda]]
+    # the core runs n + k times per forward: keep it gathered from its forward to the end of its backward
+    units.append(fully_shard(t.core_block, mesh=shard_mesh, reshard_after_forward=False))
+    units.append(fully_shard(model, mesh=shard_mesh, reshard_after_forward=False))
+    for unit in units:
+        # plain sums in the reduce-scatter; the exchange between shard groups divides by the world size once
+        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_gradient_divide_factor(1.0)
+    return units
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor (a view: writing it writes the DTensor), or
+    the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_group(params: list[torch.Tensor]):
+    """The process group a model's parameters are sharded over; None when they are whole."""
+    for p in params:
+        if isinstance(p, DTensor):
+            return p.device_mesh.get_group()
+    return None
+
+
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the averaged gradients to a global L2 norm of `max_norm`; returns the norm before clipping as a device
+    scalar (no host read). Sharded gradients: the squares of every local shard are summed with one all-reduce
+    over the shard group (the replicas hold the same gradients), not one collective per tensor."""
+    grads = [local(p.grad) for p in params if p.grad is not None]
+    group = shard_group(params)
+    norms = torch._foreach_norm(grads, 2.0)
+    if group is None:
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    else:
+        squares = torch.stack(norms).square().sum().reshape(1)
+        dist.all_reduce(squares, group=group)
+        total = squares.sqrt()[0]
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return total
+
+
+def replicated_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """(name, local tensor) of everything the replicas of a shard must hold identically: parameters and the
+    optimizer's tensors, in a fixed order."""
+    names = {p: name for name, p in model.named_parameters()}
+    items = [(name, local(p.detach())) for name, p in model.named_parameters()]
+    for p, state in optimizer.state.items():
+        for key in sorted(state):
+            if torch.is_tensor(state[key]):
+                items.append((f"optimizer {key} of {names.get(p, '?')}", local(state[key])))
+    return items
+
+
+def check_replicas_agree(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh,
+                         device: torch.device, when: str) -> None:
+    """Compare a checksum of every replicated tensor (fp64 sum and sum of squares of this rank's part) across the
+    replicas of this rank's shard (one all-gather over the "replicate" dimension), then agree over all ranks (one
+    all-reduce), so that every rank raises together; the ranks that saw the mismatch name the ranks and the first
+    tensor that differs. Replicas start from the same seed and apply the same averaged gradients, so any
+    difference means a broken replica (an RNG that diverged, a bad load, a faulty device)."""
+    group = mesh.get_group("replicate")
+    message = None
+    if group.size() > 1:
+        items = replicated_state(model, optimizer)
+        sums = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for _, t in items]).to(device)
+        gathered = [torch.empty_like(sums) for _ in range(group.size())]
+        dist.all_gather(gathered, sums, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        differing = [rank for rank, other in zip(ranks, gathered) if not torch.equal(other, gathered[0])]
+        if differing:
+            first = next(i for i in range(len(items)) if any(not torch.equal(g[i], gathered[0][i]) for g in gathered))
+            message = (f"{when}: the replicas disagree: rank(s) {differing} differ from rank {ranks[0]} (first "
+                       f"differing tensor: {items[first][0]}); replicas of a shard must be identical")
+    failed = torch.tensor([float(message is not None)], device=device)
+    dist.all_reduce(failed)
+    if failed.item():
+        raise RuntimeError(message or f"{when}: the replicas of another shard disagree (their ranks name them)")
