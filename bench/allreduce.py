@@ -4,13 +4,15 @@
 
 Spawns `--world` processes (gloo on CPU; NCCL with one GPU per process when enough GPUs are present) split into
 virtual nodes of `--node-size` ranks (rank = node * node_size + local_rank), builds the same model on each, and
-times forward+backward+exchange for: no exchange (the compute baseline), chunk_stream, chunk_stream_overlap, ddp,
-chunk_stream with the node-sharded optimizer, and hierarchical. With a sharded optimizer the exchange includes
-the owners' parameter broadcast within the node after the step (the step itself is not timed).
+times forward+backward+exchange for: no exchange (the compute baseline), the replicated exchanges chunk_stream,
+chunk_stream_overlap and ddp, and hsdp (FSDP2 over the virtual node, the chunk stream between nodes over each
+rank's gradient shard). Under hsdp the exchange time is the stream between nodes; FSDP2's gathers and
+reduce-scatters inside the node run during forward and backward and are in the step time.
 
 Bytes between nodes are counted, not estimated: every collective the exchange issues (torch.distributed
-all_reduce / reduce / broadcast; DDP's bucket all-reduces go through a comm hook that issues them from Python) is wrapped, and the
-payload bytes of each call whose process group spans more than one virtual node are summed. These are message
+all_reduce / reduce / broadcast, and FSDP2's all_gather_into_tensor / reduce_scatter_tensor; DDP's bucket
+all-reduces go through a comm hook that issues them from Python) is wrapped, and the payload bytes of each call
+whose process group spans more than one virtual node are summed. These are message
 payloads; how many times a collective algorithm moves each byte over the node boundary (a ring all-reduce sends
 about 2 (G-1)/G x payload per rank for G ranks) depends on the library and topology and is the same factor for
 every exchange here, since all inter-node messages are all-reduces.
@@ -34,10 +36,10 @@ import torch.multiprocessing as mp
 
 from huginn_ray.cluster.devices import distributed_backend
 from huginn_ray.model import ModelConfig, RecurrentGPT
-from huginn_ray.train.grad_sync import build_grad_sync
-from huginn_ray.train.sharding import NodeSharding, build_node_layout
+from huginn_ray.train import parallel
+from huginn_ray.train.grad_sync import ChunkStream, build_grad_sync
 
-KINDS = ("none", "chunk_stream", "chunk_stream_overlap", "ddp", "chunk_stream+node", "hierarchical")
+KINDS = ("none", "chunk_stream", "chunk_stream_overlap", "ddp", "hsdp")
 
 
 def sync_device(device):
@@ -73,6 +75,14 @@ class InterNodeCounter:
                 return _original(tensor, *args, **kwargs)
 
             setattr(dist, name, wrapped)
+        for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):  # FSDP2's, called as dist.<name>
+            original = getattr(dist, name)
+
+            def wrapped(output, input, *args, _original=original, **kwargs):
+                self.count(input, kwargs.get("group"))  # what this rank sends
+                return _original(output, input, *args, **kwargs)
+
+            setattr(dist, name, wrapped)
 
     @staticmethod
     def ddp_hook(process_group, bucket):
@@ -95,7 +105,7 @@ def worker(rank: int, args, port: int, out: str) -> None:
     cfg = ModelConfig.from_name(args.model, activation_checkpointing=True)
     generator = torch.Generator().manual_seed(rank)
     inputs = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=generator).to(device)
-    layout = build_node_layout(args.node_size)
+    mesh = parallel.build_mesh(parallel.MeshShape("hsdp", args.world, args.node_size), device.type)
     counter = InterNodeCounter(args.node_size)
     counter.install()
     results = {"backend": dist.get_backend(), "device": str(device), "world": args.world, "rank": rank}
@@ -103,9 +113,13 @@ def worker(rank: int, args, port: int, out: str) -> None:
         torch.manual_seed(0)
         model = RecurrentGPT(cfg).to(device)
         results["grad_mib"] = sum(p.numel() for p in model.parameters()) * 4 / 2**20
-        sharding = NodeSharding(model, layout) if kind in ("chunk_stream+node", "hierarchical") else None
-        sync = None if kind == "none" else build_grad_sync(kind.split("+")[0], model, args.chunk_mib,
-                                                           max_chunks_in_flight=args.max_in_flight, sharding=sharding)
+        if kind == "hsdp":
+            parallel.apply_hsdp(model, mesh)
+            sync = ChunkStream(model, int(args.chunk_mib * 2**20) // 4, group=mesh.get_group("replicate"),
+                               divide_by=args.world)
+        else:
+            sync = None if kind == "none" else build_grad_sync(kind, model, args.chunk_mib,
+                                                               max_chunks_in_flight=args.max_in_flight)
         if kind == "ddp":
             sync.module.register_comm_hook(None, counter.ddp_hook)
         module = model if sync is None else sync.module
@@ -122,8 +136,6 @@ def worker(rank: int, args, port: int, out: str) -> None:
             t1 = time.perf_counter()
             if sync is not None:
                 sync.finish()
-                if sharding is not None:
-                    sharding.broadcast_params()  # the node gathers the owners' updated tensors
             sync_device(device)
             t2 = time.perf_counter()
             if step >= args.warmup:

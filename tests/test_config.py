@@ -1,5 +1,6 @@
 """YAML configs with dotted overrides: every unknown key and wrong type is refused by its dotted name."""
 
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -59,3 +60,19 @@ def test_bad_keys_and_types_are_named(overrides, message):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="nope.yaml"):
         load_config(Run, tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.sharding=node", "optim.sharding was removed: set parallelism.mode=hsdp"),
+    ("grad_sync.node_size=8", "grad_sync.node_size was removed: set parallelism.shard_size"),
+    ("grad_sync.kind=hierarchical", "grad_sync.kind=hierarchical was removed: set parallelism.mode=hsdp"),
+    ("parallelism.shard_size=2", "parallelism.shard_size=2 needs parallelism.mode=hsdp"),
+    ("parallelism.mode=hsdp grad_sync.kind=ddp", "under parallelism.mode=hsdp the exchange between shard groups is "
+                                                 "chunk_stream"),
+    ("parallelism.mode=hsdp parallelism.shard_size=3", "parallelism.shard_size=3 must divide scaling.num_workers=2"),
+])
+def test_removed_sharding_keys_and_bad_layouts_are_refused_pointing_at_parallelism(override, message):
+    from huginn_ray.train.config import load_train_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_train_config(None, ["max_steps=1", *override.split()])

@@ -104,8 +104,8 @@ def save_run_checkpoint(run_dir: Path, step: int) -> Path:
     with torch.no_grad():
         next(model.parameters()).fill_(step)
     state = ckpt.TrainerState(step=step, world_size=WORLD)
-    files = [ckpt.write_rank_files(directory, rank, model, optimizer, state, {"taken": step, "rank": rank}, CPU)
-             for rank in range(WORLD)]
+    files = [ckpt.saved_files(ckpt.start_save(directory, rank, model, optimizer, state, {"taken": step, "rank": rank},
+                                              CPU)) for rank in range(WORLD)]
     ckpt.write_marker(directory, step, files)
     return directory
 
@@ -274,7 +274,7 @@ def test_ranks_agree_to_skip_a_checkpoint_that_only_one_rank_cannot_load(tmp_pat
     model, optimizer = components()  # the same state saved by one process alone, for the byte count
     with torch.no_grad():
         next(model.parameters()).fill_(12)
-    ckpt.write_rank_files(tmp_path / "one_rank", 0, model, optimizer, ckpt.TrainerState(step=12, world_size=1), {}, CPU)
+    ckpt.write(tmp_path / "one_rank", 0, model, optimizer, ckpt.TrainerState(step=12, world_size=1), {}, CPU)
     one_rank = (tmp_path / "one_rank" / "state" / "__0_0.distcp").stat().st_size
     shares = [files["state/__0_0.distcp"], files["state/__1_0.distcp"]]
     assert min(shares) > 0.2 * one_rank and abs(sum(shares) - one_rank) < 0.05 * one_rank, (shares, one_rank)
@@ -286,3 +286,60 @@ def test_ranks_agree_to_skip_a_checkpoint_that_only_one_rank_cannot_load(tmp_pat
                               f"{checkpoint_of(tmp_path, 12) / 'rank_00001.pt'}: cannot be read, truncated")
     assert used == f"[huginn] resumed from {checkpoint_of(tmp_path, 8)} at step 8"
     assert results[1]["messages"] == []  # rank 0 speaks for all
+
+
+def async_two_ranks(rank: int, port: int, run_dir: str) -> None:
+    """An asynchronous save while "training" goes on, then one whose write fails on rank 0 only."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=30))
+    torch.set_num_threads(1)
+    run_dir = Path(run_dir)
+    background = dist.new_group(backend="gloo")
+    model, optimizer = components()
+    saved = {key: value.clone() for key, value in model.state_dict().items()}
+    state = ckpt.TrainerState(step=3, world_size=WORLD)
+    pending = ckpt.start_save(run_dir / "good", rank, model, optimizer, state, {"taken": 3}, CPU, background)
+    with torch.no_grad():  # the next steps change the weights while the save is written
+        for p in model.parameters():
+            p.add_(1.0)
+    complete = ckpt.finish_save(pending, CPU)
+    loaded, loaded_optimizer = components()
+    ckpt.read_tensors(run_dir / "good", loaded, loaded_optimizer)
+    equal = all(torch.equal(value, saved[key]) for key, value in loaded.state_dict().items())
+    if rank == 0:  # a directory where rank 0's tensor file must go: its write fails inside DCP
+        (run_dir / "bad" / "state" / "__0_0.distcp").mkdir(parents=True)
+    dist.barrier()
+    failed = ckpt.finish_save(ckpt.start_save(run_dir / "bad", rank, model, optimizer, state, {}, CPU, background), CPU)
+    (run_dir / f"async_{rank}.json").write_text(json.dumps({"complete": complete, "equal": equal, "failed": failed}))
+    dist.destroy_process_group()
+
+
+def test_an_asynchronous_save_holds_the_state_of_its_start_and_a_failed_one_leaves_no_marker(tmp_path, capfd):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(async_two_ranks, args=(port, str(tmp_path)), nprocs=WORLD, start_method="spawn", join=True)
+    results = [json.loads((tmp_path / f"async_{rank}.json").read_text()) for rank in range(WORLD)]
+    assert results == [{"complete": True, "equal": True, "failed": False}] * WORLD
+    assert ckpt.incomplete(tmp_path / "good") is None
+    assert ckpt.incomplete(tmp_path / "bad") == "no checkpoint_complete.json: the save did not finish"
+    out = capfd.readouterr().out
+    assert "[huginn] the checkpoint of step 3 failed (rank 0: " in out and "IsADirectoryError" in out, out[-2000:]
+    assert "the previous complete checkpoint stays the newest" in out
+
+
+@pytest.mark.parametrize("name", ["ELLISAdam", "AdamW"])
+def test_a_save_before_the_first_step_leaves_the_optimizer_as_it_was(tmp_path, name):
+    """DCP creates a missing optimizer state with a fake step; the state must already exist, unchanged by saving
+    (ELLISAdam's running init must still take the first real gradient; no step may be counted)."""
+    torch.manual_seed(0)
+    model = RecurrentGPT(ModelConfig.from_name("raven-tiny", vocab_size=64))
+    optimizer = build_optimizer(model, OptimConfig(name=name))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    ckpt.write(tmp_path, 0, model, optimizer, ckpt.TrainerState(step=1, world_size=1), {}, CPU)
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+    for state in optimizer.state.values():
+        assert int(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+    loaded = build_optimizer(model, OptimConfig(name=name))
+    ckpt.read_tensors(tmp_path, model, loaded)
+    assert all(int(state["step"]) == 0 for state in loaded.state.values())

@@ -157,8 +157,8 @@ def test_frontier_plan_under_hsdp_and_why_replicate_does_not_fit(capsys):
     local = 445_653_780
     assert plan.bytes_of("gradients (fp32, sharded)") == local * 4
     assert plan.bytes_of("optimizer state (ELLISAdam: 2 fp32 moments)") == local * 8 + 75 * 8  # 75 tensors: 8 blocks x 9 + 3
-    core = 4 * (3 * 5280 * 5280 + 5280 * 5280 + 2 * 17920 * 5280 + 17920 * 5280 + 4 * 5280 + 2 * 96)
-    assert plan.bytes_of("gathered: core block unit, weights + gradients") == 2 * core * 4 == 12_652_738_560
+    block = 395_398_080  # elements of one nebel sandwich block (the core is 4 of them), gathered with its gradient
+    assert plan.bytes_of("gathered: core block unit, weights + gradients") == 2 * 4 * 4 * block
     assert plan.bytes_of("gathered: root unit, weights + gradients (fp32)") == 2 * 4 * (head + 2 * 5280 * 5280 + 5280)
     assert plan.total == 45_349_687_384 and plan.fits
     assert plan.render().splitlines()[-1] == "total per rank: 42.2 GiB of 64.0 GiB device memory"

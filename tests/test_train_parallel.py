@@ -139,6 +139,16 @@ def reshard(rank, world_size, directory):
     saved = whole_state(c)
     ckpt.write(directory, rank, c.model, c.optimizer, ckpt.TrainerState(step=10, world_size=world_size),
                c.reader.state_dict(), cpu)
+    # the trained (sharded) model's logits, for the export test: a forward is collective under hsdp
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 64, (2, 12), generator=generator)
+    states = torch.randn(2, 12, c.model_cfg.n_embd, generator=generator)
+    c.model.eval()
+    with torch.no_grad():
+        logits = {d: c.model(ids, num_steps=(d, 0), input_states=states).logits for d in (1, 4)}
+    c.model.train()
+    if rank == 0:
+        torch.save({"ids": ids, "states": states, "logits": logits}, directory.parent / "trained_logits.pt")
     uninterrupted += [loop.train_step(c, step, cfg, plan, cpu).loss for step in range(11, 21)]
     report = {"uninterrupted": uninterrupted}
     for name, overrides in (("shard 4", ["parallelism.mode=hsdp", "parallelism.shard_size=4"]),
@@ -234,8 +244,15 @@ def test_reference_lr_quirk_in_both_modes(results, variant):
     assert results[0]["replicate+quirk"]["losses"] != results[0]["replicate"]["losses"]
 
 
-def test_an_hsdp_checkpoint_loads_exactly_under_another_shard_size_and_under_replicate(tmp_path):
-    reports = spawn(tmp_path, "reshard")
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    """The resharding run: every rank's report, and the directory with its checkpoint and the trained logits."""
+    directory = tmp_path_factory.mktemp("reshard")
+    return spawn(directory, "reshard"), directory
+
+
+def test_an_hsdp_checkpoint_loads_exactly_under_another_shard_size_and_under_replicate(resharded):
+    reports, tmp_path = resharded
     for rank, report in enumerate(reports):
         assert "error" not in report, f"rank {rank}: {report.get('trace')}"
         for name, layout in (("shard 4", 4), ("replicate", 1)):
@@ -245,7 +262,7 @@ def test_an_hsdp_checkpoint_loads_exactly_under_another_shard_size_and_under_rep
             for step, (a, b) in enumerate(zip(got, expected), start=11):
                 assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} {name}: step {step} loss {a} vs {b}"
     # every rank wrote its own shards of the 2 x 2 checkpoint
-    written = sorted(p.name for p in (Path(tmp_path) / "checkpoint" / "state").glob("*.distcp"))
+    written = sorted(p.name for p in (tmp_path / "checkpoint" / "state").glob("*.distcp"))
     assert written == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"], written
 
 
@@ -258,3 +275,22 @@ def test_memory_plan_gives_each_rank_s_shard_of_parameters_and_optimizer_state(r
     assert abs(planned - measured) <= 0.10 * measured, (planned, measured)  # padding of dim 0 and step counters
     replicate = plan_memory(train_config(["scaling.num_workers=4", "model.overrides.vocab_size=64"]))
     assert replicate.bytes_of("optimizer state (ELLISAdam: 2 fp32 moments)") > 1.8 * planned
+
+
+def test_export_straight_from_an_hsdp_checkpoint_gives_the_trained_model_s_logits(resharded, tmp_path):
+    """The 2 x 2 checkpoint of the resharding run, exported by one process, against the sharded model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from huginn_ray.model import export
+
+    run = resharded[1]
+    out = tmp_path / "hf"
+    assert export.main(["--checkpoint", str(run / "checkpoint"), "--out", str(out)]) == 0
+    assert not list(out.glob("*.distcp")) and (out / "model.safetensors").is_file()  # weights only, one file set
+    trained = torch.load(run / "trained_logits.pt")
+    model = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True).eval()
+    with torch.no_grad():
+        for depth, expected in trained["logits"].items():
+            got = model(trained["ids"], num_steps=depth, input_states=trained["states"]).logits
+            error = float((got - expected).norm() / expected.norm())
+            assert error < 1e-6, (depth, error)

@@ -185,11 +185,11 @@ def test_sigterm_to_the_job_s_process_group_then_resumes_past_a_truncated_checkp
     assert sorted(kept) == [8, 12]
     resumed_line = rf"\[huginn\] resumed from {re.escape(str(out_dir / 'resumed'))}/checkpoint_\S+ at step 1$"
     assert re.search(resumed_line, to_12.stdout + to_12.stderr, re.M), to_12.stdout[-3000:]
-    weights = kept[12] / "model" / "model.safetensors"
+    weights = kept[12] / "state" / "__0_0.distcp"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     last = train(cluster, overrides("resumed", out_dir, dataset, mlflow_server))
     console = last.stdout + last.stderr
-    assert f"[huginn] skipping checkpoint {kept[12]} (model/model.safetensors has" in console, console[-4000:]
+    assert f"[huginn] skipping checkpoint {kept[12]} (state/__0_0.distcp has" in console, console[-4000:]
     assert f"[huginn] resumed from {kept[8]} at step 8" in console
     run_id = run_id_of(last.stdout)
     assert {run_id_of(to_12.stdout), run_id_of(stopped)} == {run_id}
@@ -203,7 +203,7 @@ def test_sigterm_to_the_job_s_process_group_then_resumes_past_a_truncated_checkp
     kept = [p.parent for p in sorted((out_dir / "resumed").glob("checkpoint_*/trainer_state.json"),
                                      key=lambda p: json.loads(p.read_text())["step"])]
     for checkpoint in kept:
-        weights = checkpoint / "model" / "model.safetensors"
+        weights = checkpoint / "state" / "__0_0.distcp"
         weights.write_bytes(weights.read_bytes()[:100])
     failed = run_train(cluster, overrides("resumed", out_dir, dataset, mlflow_server))
     console = failed.stdout + failed.stderr
@@ -235,25 +235,29 @@ def test_killed_worker_is_restarted_from_checkpoint_with_the_same_final_loss(
     assert killed == uninterrupted["losses"]
 
 
-def test_sharded_run_stopped_rerun_and_killed_resumes_exactly(cluster, mlflow_server, dataset, uninterrupted):
-    """optim.sharding=node over Ray Train's node (local world size 2) with the hierarchical exchange: stop at
-    step 7 and rerun; the rerun loses a worker after step 10 and Ray restarts it from the step-8 checkpoint."""
+def test_hsdp_run_stopped_rerun_and_killed_resumes_exactly(cluster, mlflow_server, dataset, uninterrupted):
+    """parallelism.mode=hsdp over Ray Train's node (local world size 2: one shard group of 2), checkpoints written
+    in the background: stop at step 7 and rerun; the rerun loses a worker after step 10 and Ray restarts it from
+    the step-8 checkpoint (or step 4's, if the step-8 save was still in flight)."""
     out_dir = uninterrupted["out_dir"]
-    sharded = ("optim.sharding=node", "grad_sync.kind=hierarchical")
-    first = train(cluster, overrides("sharded", out_dir, dataset, mlflow_server, "max_steps=7", *sharded))
-    shards = sorted(p.name for p in (out_dir / "sharded").glob("checkpoint_*/optimizer*"))
-    assert shards and set(shards) == {"optimizer_shard_00000_of_00002.pt", "optimizer_shard_00001_of_00002.pt"}
-    second = train(cluster, overrides("sharded", out_dir, dataset, mlflow_server, *sharded,
+    hsdp = ("parallelism.mode=hsdp", "checkpoint.async_save=true")
+    first = train(cluster, overrides("hsdp", out_dir, dataset, mlflow_server, "max_steps=7", *hsdp))
+    assert "resumed from" not in first.stdout
+    for checkpoint in (out_dir / "hsdp").glob("checkpoint_*"):  # every rank wrote its own shards
+        assert sorted(p.name for p in (checkpoint / "state").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        assert json.loads((checkpoint / "trainer_state.json").read_text())["layout"] == "hsdp, shard_size 2"
+    second = train(cluster, overrides("hsdp", out_dir, dataset, mlflow_server, *hsdp,
                                       "fault_injection.kill_rank_at_step=10", "fault_injection.kill_rank=1"))
-    assert (out_dir / "sharded" / "fault_injected_rank1_step10").exists()
+    assert (out_dir / "hsdp" / "fault_injected_rank1_step10").exists()
     run_id = run_id_of(second.stdout)
     assert run_id_of(first.stdout) == run_id
     counts = times_logged(mlflow_server, run_id)
     assert all(counts[s] == 1 for s in range(1, 8)) and counts[10] == 2  # resumed at 7, replayed after the kill
+    assert "the previous complete checkpoint stays the newest" not in second.stdout
     got = losses(mlflow_server, run_id)  # a replayed step must log bitwise the same loss
     expected = uninterrupted["losses"]
     assert sorted(got) == sorted(expected)
-    for step, value in expected.items():  # the unsharded run's losses up to summation order
+    for step, value in expected.items():  # the replicated run's losses up to summation order
         assert got[step] == pytest.approx(value, rel=1e-5), step
 
 

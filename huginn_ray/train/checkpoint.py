@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -114,32 +115,84 @@ def model_state(model) -> dict:
     return state
 
 
-def write(directory: Path, rank: int, model, optimizer, state: TrainerState, reader_state: dict, device) -> None:
-    """Write this rank's files, then (rank 0) the marker listing every rank's files. Every rank calls it: DCP's
-    save and the file lists are collectives (without a process group, one process: this rank's files alone)."""
-    files = write_rank_files(directory, rank, model, optimizer, state, reader_state, device)
-    every_rank = all_ranks(files, device)
-    if rank == 0:
-        write_marker(directory, state.step, every_rank)
+@dataclass
+class PendingSave:
+    """A save this rank started: its small files are written, DCP's tensor files may still be in flight."""
+
+    directory: Path
+    step: int
+    rank: int
+    small_files: list[str]
+    """This rank's files other than DCP's (relative paths)."""
+    future: Future
+    """Done when DCP has written this rank's tensor files (at once for a synchronous save)."""
 
 
-def write_rank_files(directory: Path, rank: int, model, optimizer, state: TrainerState, reader_state: dict,
-                     device) -> dict[str, int]:
-    """This rank's part of the checkpoint; returns its files (relative paths) and their sizes in bytes."""
+def write(directory: Path, rank: int, model, optimizer, state: TrainerState, reader_state: dict, device) -> bool:
+    """Save synchronously: every rank writes its files, then rank 0 the marker. True when the checkpoint is complete
+    on every rank (a failed save is reported and leaves no marker). Every rank calls it: DCP's save and the file
+    lists are collectives (without a process group, one process: this rank's files alone)."""
+    return finish_save(start_save(directory, rank, model, optimizer, state, reader_state, device), device)
+
+
+def start_save(directory: Path, rank: int, model, optimizer, state: TrainerState, reader_state: dict, device,
+               background_group=None) -> PendingSave:
+    """Write this rank's small files, then its tensors through DCP: synchronously, or with `background_group` (a
+    gloo group of every rank, used by nothing else) asynchronously: DCP copies the state to host memory here,
+    and writes it from a background thread, whose collectives run on that group so that they never interleave
+    with training's. The caller must pass the result to `finish_save` before the next save."""
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {"model": model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    with_retries(f"writing {directory / TRAINING_STATE_DIR}",
-                 lambda: dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory / TRAINING_STATE_DIR,
-                                                                           overwrite=True)))
-    names = [str(path.relative_to(directory)) for path in (directory / TRAINING_STATE_DIR).glob(f"__{rank}_*")]
-    names.append(rank_file(rank))
+    torch.save({"reader": reader_state, "rng": rng_states(device)}, directory / rank_file(rank))
+    small = [rank_file(rank)]
     if rank == 0:
-        names.append(f"{TRAINING_STATE_DIR}/.metadata")
         (directory / "model").mkdir(exist_ok=True)
         model.config.to_json(directory / "model" / CONFIG_NAME)
         (directory / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
-        names += [f"model/{CONFIG_NAME}", "trainer_state.json"]
-    torch.save({"reader": reader_state, "rng": rng_states(device)}, directory / rank_file(rank))
+        small += [f"model/{CONFIG_NAME}", "trainer_state.json"]
+    tensors = {"model": model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    writer = dcp.FileSystemWriter(directory / TRAINING_STATE_DIR, overwrite=True)
+    future = Future()
+    try:
+        if background_group is None:
+            with_retries(f"writing {directory / TRAINING_STATE_DIR}", lambda: dcp.save(tensors, storage_writer=writer))
+            future.set_result(None)
+        else:
+            saving = dcp.async_save(tensors, storage_writer=writer, process_group=background_group)
+            future = getattr(saving, "upload_completion", saving)  # a Future, or an AsyncSaveResponse holding one
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises on every rank alike; finish_save reports
+        future.set_exception(err)
+    return PendingSave(directory, state.step, rank, small, future)
+
+
+def finish_save(pending: PendingSave, device) -> bool:
+    """Wait for this rank's tensor files, then agree with every rank (one all-gather): when every rank's save
+    succeeded, rank 0 writes the marker listing every rank's files and sizes, and the checkpoint is complete;
+    otherwise rank 0 reports the failure, no marker is written, and the previous checkpoint stays the newest
+    complete one. Returns whether this checkpoint is complete."""
+    rank = pending.rank
+    error, files = None, {}
+    try:
+        files = saved_files(pending)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - any failure of the save: agree, then report
+        error = describe_error(err)
+    every_rank = all_ranks({"files": files, "error": error}, device)
+    failures = [(r, outcome["error"]) for r, outcome in enumerate(every_rank) if outcome["error"] is not None]
+    if failures:
+        if rank == 0:
+            print(f"[huginn] the checkpoint of step {pending.step} failed ({describe(failures, len(every_rank))}); "
+                  "the previous complete checkpoint stays the newest", flush=True)
+        return False
+    if rank == 0:
+        write_marker(pending.directory, pending.step, [outcome["files"] for outcome in every_rank])
+    return True
+
+
+def saved_files(pending: PendingSave) -> dict[str, int]:
+    """Once this rank's save is done (waits for it; raises its error): its files, relative paths, with their sizes."""
+    pending.future.result()
+    directory, rank = pending.directory, pending.rank
+    names = [str(p.relative_to(directory)) for p in (directory / TRAINING_STATE_DIR).glob(f"__{rank}_*")]
+    names += pending.small_files + ([f"{TRAINING_STATE_DIR}/.metadata"] if rank == 0 else [])
     return {name: (directory / name).stat().st_size for name in names}
 
 

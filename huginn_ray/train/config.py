@@ -110,6 +110,10 @@ class CheckpointSection:
     with at least 2."""
     save_last_step: bool = True
     """Save when the run reaches its last step."""
+    async_save: bool | None = None
+    """Write checkpoints in the background: the state is copied to host memory, training goes on while DCP writes
+    it, and the next save waits for it; null: on with GPUs, off on CPU. The last save (last step, a stop) is
+    synchronous."""
 
 
 @dataclass

@@ -337,6 +337,7 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
     window = LogWindow()
     start_step = state.step
     step_seconds = 0.0
+    checkpointer = Checkpointer(async_save_enabled(cfg), rank, device)
 
     while state.step < max_steps:
         state.step += 1
@@ -366,7 +367,8 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
         if (step % cfg.checkpoint.save_step_interval == 0 or (last_step and cfg.checkpoint.save_last_step)
                 or result.stop_requested):
             parallel.check_replicas_agree(model, optimizer, c.mesh, device, f"step {step}")
-            save(model, optimizer, state, reader, rank, device, result.loss, result.stop_reason)
+            checkpointer.save(model, optimizer, state, reader, result.loss, result.stop_reason,
+                              final=last_step or result.stop_requested)
         if result.stop_requested:
             if rank == 0:
                 cause = f"stop requested ({', '.join(map(str, stop_files(cfg)))})" \
@@ -377,6 +379,12 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
                     path.unlink(missing_ok=True)
             return
         inject_fault(cfg, rank, step, start_step)
+    checkpointer.finish()
+
+
+def async_save_enabled(cfg: TrainConfig) -> bool:
+    """checkpoint.async_save, where null means: on with GPUs (the copy to host memory is fast), off on CPU."""
+    return cfg.scaling.use_gpu if cfg.checkpoint.async_save is None else cfg.checkpoint.async_save
 
 
 def time_is_up(stop_at_unix: float | None, now: float, step_seconds: float) -> bool:
@@ -467,17 +475,39 @@ def validate(model, inputs, labels, cfg, plan, device, autocast) -> dict:
     return metrics
 
 
-def save(model, optimizer, state, reader, rank, device, loss, stop_reason: str | None) -> None:
-    """Write this rank's part into a local directory, then let Ray Train upload it in the background
-    (CheckpointUploadMode.ASYNC; Ray deletes the local copy after the upload): ranks do not wait on storage.
-    The files are complete before `report`, so the checkpoint's content, and an exact resume, do not change."""
-    directory = tempfile.mkdtemp(prefix="huginn_ckpt_")
-    ckpt.write(Path(directory), rank, model, optimizer, state, reader.state_dict(), device)
-    ray.train.report(
-        {"step": state.step, "loss": loss, "tokens": state.tokens, "stop_reason": stop_reason or ""},
-        checkpoint=ray.train.Checkpoint.from_directory(directory),
-        checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
-    )
+class Checkpointer:
+    """This rank's saves. Each is written into a local directory, then handed to Ray Train once every rank's part
+    is complete (`ray.train.report`, CheckpointUploadMode.ASYNC: Ray uploads it in the background and deletes the
+    local copy; its registration waits for every rank's upload). With `asynchronous`, DCP copies the state to host
+    memory and writes it while training goes on; the save finishes, and is reported, at the next save or at the
+    end. The last save of a run (its last step, a stop) is always synchronous."""
+
+    def __init__(self, asynchronous: bool, rank: int, device: torch.device):
+        self.rank, self.device = rank, device
+        # DCP's background thread needs a group of its own: its collectives must not interleave with training's
+        self.background_group = dist.new_group(backend="gloo") if asynchronous else None
+        self.pending: ckpt.PendingSave | None = None
+        self.metrics: dict = {}
+
+    def save(self, model, optimizer, state: ckpt.TrainerState, reader, loss: float, stop_reason: str | None,
+             final: bool) -> None:
+        self.finish()
+        directory = Path(tempfile.mkdtemp(prefix="huginn_ckpt_"))
+        self.metrics = {"step": state.step, "loss": loss, "tokens": state.tokens, "stop_reason": stop_reason or ""}
+        self.pending = ckpt.start_save(directory, self.rank, model, optimizer, state, reader.state_dict(),
+                                       self.device, None if final else self.background_group)
+        if final or self.background_group is None:
+            self.finish()
+
+    def finish(self) -> None:
+        """Complete the save in flight, if any, and report it to Ray Train (every rank agrees whether it is
+        complete; an incomplete one is reported by rank 0 and not handed to Ray)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        if ckpt.finish_save(pending, self.device):
+            ray.train.report(self.metrics, checkpoint=ray.train.Checkpoint.from_directory(str(pending.directory)),
+                             checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
 
 
 def inject_fault(cfg: TrainConfig, rank: int, step: int, start_step: int) -> None:

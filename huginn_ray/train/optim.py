@@ -69,6 +69,9 @@ class ELLISAdam(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.foreach = foreach
+        for group in self.param_groups:  # the state exists from the start (see `_init_state`)
+            for p in group["params"]:
+                self._init_state(p)
 
     foreach: bool | None = None
     """True: the multi-tensor step (torch._foreach_* over each group); False: one tensor at a time; None
@@ -101,26 +104,30 @@ class ELLISAdam(torch.optim.Optimizer):
                     self._apply(p, group, clip)
         return loss
 
-    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
-        """State tensors shaped and placed like the parameter (sharded like it under hsdp); `step` on the host."""
-        state = self.state[p]
-        if not state:
-            g = p.grad
-            state["step"] = torch.zeros((), dtype=torch.int64)
-            if group["running_init"]:
-                state["exp_avg"] = g.detach().clone()
-                state["exp_avg_sq"] = g.detach().square()
-            else:
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-        return state
+    def _init_state(self, p: torch.Tensor) -> None:
+        """Zero moments shaped and placed like the parameter (sharded like it under hsdp), `step` 0 on the host.
+
+        Created with the optimizer, not at the first step: a checkpoint (torch.distributed.checkpoint) written or
+        read before the first step then finds the state in place. DCP would otherwise create it with a fake
+        step on zero gradients, which would take ELLISAdam's running init from a zero gradient and count a step.
+        `running_init` is applied at the first real step instead (`_first_moments`)."""
+        self.state[p] = {"step": torch.zeros((), dtype=torch.int64), "exp_avg": torch.zeros_like(p.detach()),
+                         "exp_avg_sq": torch.zeros_like(p.detach())}
+
+    @staticmethod
+    def _first_moments(state: dict, g: torch.Tensor, group: dict) -> None:
+        """`running_init`: before the first update the moments are the first gradient and its square."""
+        if group["running_init"] and int(state["step"]) == 0:  # a host tensor: no device sync
+            local(state["exp_avg"]).copy_(g)
+            torch.mul(g, g, out=local(state["exp_avg_sq"]))
 
     def _moments(self, p: torch.Tensor, group: dict) -> torch.Tensor | None:
         """Single tensor: m and v updated in place (this rank's part); with update clipping, v floored at eps^2
         and the sum of g^2 / v returned as a device scalar (no host sync)."""
         beta1, beta2 = group["betas"]
         g = local(p.grad)
-        state = self._init_state(p, group)
+        state = self.state[p]
+        self._first_moments(state, g, group)
         m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
         m.lerp_(g, 1.0 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
@@ -150,8 +157,10 @@ class ELLISAdam(torch.optim.Optimizer):
     def _moments_group(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor | None]:
         """Multi-tensor `_moments`: the same operations, each over all tensors of the group at once."""
         beta1, beta2 = group["betas"]
-        states = [self._init_state(p, group) for p in params]
+        states = [self.state[p] for p in params]
         grads = [local(p.grad) for p in params]
+        for state, g in zip(states, grads):
+            self._first_moments(state, g, group)
         ms = [local(state["exp_avg"]) for state in states]
         vs = [local(state["exp_avg_sq"]) for state in states]
         torch._foreach_lerp_(ms, grads, 1.0 - beta1)
@@ -253,7 +262,13 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
         )
     if cfg.name == "AdamW":
         # foreach=False: the single-tensor path gives the same bits on every run on CPU.
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=False)
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=False)
+        # the state AdamW's first step would create (see ELLISAdam._init_state for why it must exist from the start)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p.detach()),
+                                      "exp_avg_sq": torch.zeros_like(p.detach())}
+        return optimizer
     raise ValueError(f"optim.name: unknown optimizer {cfg.name!r}")
 
 
