@@ -11,9 +11,9 @@ holds or `num_steps` is reached. The criterion is checked after iteration t when
 by default after every iteration). The prefill exits too, all prompt positions at once, as in the release;
 `exit_in_prefill=False` (the release's `do_not_exit_in_prefill`) runs it at the full depth. Each sequence of
 a batch exits on its own and is left out of further core iterations, so a batch gives every row what batch
-size 1 gives it (the release keeps iterating exited rows until the whole batch exits). Exit when the
-criterion's quantity falls below `exit_threshold` (`argmax-stability`: when the argmax has stayed the same for
-that many consecutive checks); a threshold of 0 turns exits off.
+size 1 gives it from the same initial states (the release keeps iterating exited rows until the whole batch
+exits). Exit when the criterion's quantity falls below `exit_threshold` (`argmax-stability`: when the argmax
+has stayed the same for that many consecutive checks); a threshold of 0 turns exits off.
 
 | criterion          | quantity per sequence, compared with the previous check                     | default |
 |--------------------|------------------------------------------------------------------------------|---------|
