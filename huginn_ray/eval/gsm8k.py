@@ -161,6 +161,7 @@ def plot_sweep(rows: list[SweepRow], path: str | Path, train_depth: int, title: 
     ax.axvline(train_depth, color="gray", linestyle=":", label=f"training mean depth {train_depth}")
     ax.set_xlabel("core iterations at test time")
     ax.set_ylabel("GSM8k CoT accuracy (%)")
+    ax.set_ylim(0, max(10.0, 110 * max(max(r.strict_match, r.flexible_extract) for r in rows)))
     ax.set_title(f"{title} ({rows[0].samples} problems)" if rows else title)
     ax.legend()
     ax.grid(alpha=0.3)

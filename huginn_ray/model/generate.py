@@ -13,7 +13,8 @@ by default after every iteration). The prefill exits too, all prompt positions a
 a batch exits on its own and is left out of further core iterations, so a batch gives every row what batch
 size 1 gives it from the same initial states (the release keeps iterating exited rows until the whole batch
 exits). Exit when the criterion's quantity falls below `exit_threshold` (`argmax-stability`: when the argmax
-has stayed the same for that many consecutive checks); a threshold of 0 turns exits off.
+has stayed the same for that many consecutive checks); a threshold of 0 turns exits off (where the release's
+`argmax-stability` would exit at the first check).
 
 | criterion          | quantity per sequence, compared with the previous check                     | default |
 |--------------------|------------------------------------------------------------------------------|---------|
