@@ -3,8 +3,8 @@
     python bench/generate.py [--checkpoint DIR --data-dir SHARDS] [--num-steps 16] [--rows 4] [--threads 1]
 
 Part 1 (any model; raven-tiny at random init without --checkpoint): greedy decoding tokens/s of
-RecurrentGPT.generate without and with its cache, and of the adaptive generator at a fixed depth (latest and
-ring caches). Part 2 (with --checkpoint and --data-dir: a trained demo checkpoint): at batch size 1, teacher-forced
+RecurrentGPT.generate without and with its cache, and of the adaptive generator at a fixed depth (full, latest
+and ring caches). Part 2 (with --checkpoint and --data-dir: a trained demo checkpoint): at batch size 1, teacher-forced
 on validation rows (prompt 16 tokens, then 48 forced), the mean core iterations per token and the mean
 next-token loss for each exit criterion at its default threshold, against the fixed depth.
 """
@@ -49,7 +49,7 @@ def main() -> None:
     print(f"| decoding | tokens/s |\n|---|---|")
     print(f"| RecurrentGPT.generate, no cache | {timed(lambda: model.generate(prompt, new, depth, use_cache=False), new):.1f} |")
     print(f"| RecurrentGPT.generate, full cache | {timed(lambda: model.generate(prompt, new, depth), new):.1f} |")
-    for cache in ("latest", "ring:4"):
+    for cache in ("full", "latest", "ring:4"):
         rate = timed(lambda: generate(model, prompt, new, depth, cache=cache), new)
         print(f"| adaptive generator at fixed depth, cache {cache} | {rate:.1f} |")
     if not (args.checkpoint and args.data_dir):

@@ -4,12 +4,18 @@
         [--max-rows N] [key=value ...]
     python jobs/evaluate.py --checkpoint DIR --lm-eval TASKS [--include-path YAML_DIR] [--num-steps 32]
         [--limit N] [--out DIR]
+    python jobs/evaluate.py --checkpoint DIR --gsm8k TEST_JSONL [--num-steps 32 | --sweep [4,8,16,32,64]]
+        [--limit N] [--out DIR] [dtype=bfloat16] [max_gen_toks=N]
 
 Depth scaling runs one Ray task per (validation shard, depth) on the cluster in $RAY_ADDRESS, else on a private
 local Ray, and writes a table to the console and depth_scaling.csv + depth_scaling.png into --out (default:
 an eval/ directory beside the checkpoint). lm-eval exports the checkpoint to <out>/hf and runs EleutherAI's
-harness on it through HFLM (pip install -e .[eval]). Both log metrics and files to the checkpoint's MLflow run
-(or a new run when the checkpoint has none). key=value: batch_size, seed, mlflow_uri, experiment, tokenizer.
+harness on it through HFLM (pip install -e .[eval]). --gsm8k runs the paper's GSM8k recipe (huginn_ray/eval/gsm8k.py:
+lm-eval's gsm8k_cot pinned in configs/eval/, chat template, the authors' system prompt, 32 iterations) on a local
+JSONL copy of the test split, offline; with --sweep at each listed depth, writing gsm8k_depth_sweep.csv + .png.
+All log metrics and files to the checkpoint's MLflow run (or a new run when the checkpoint has none).
+key=value: batch_size, seed, mlflow_uri, experiment, tokenizer, dtype (float32 | bfloat16), max_gen_toks (GSM8k:
+overrides the pinned 256 for a model whose block_size cannot hold it; recorded with the results).
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from huginn_ray.eval.gsm8k import GSM8K_RECIPE
 from huginn_ray.model.pretrained import resolve_model_dir
 
-OPTIONS = {"batch_size": int, "seed": int, "mlflow_uri": str, "experiment": str, "tokenizer": str}
+OPTIONS = {"batch_size": int, "seed": int, "mlflow_uri": str, "experiment": str, "tokenizer": str, "dtype": str,
+           "max_gen_toks": int}
 
 
 def find_tracking(model_dir: Path) -> tuple[str | None, str | None]:
@@ -135,7 +143,8 @@ def run_lm_eval(args, model_dir: Path, out: Path, options: dict) -> int:
         raise ValueError("lm-eval needs a tokenizer: pass tokenizer=DIR")
     hf_dir = export(load_pretrained(model_dir), out / "hf", tokenizer)
     results = evaluate_tasks(hf_dir, args.lm_eval.split(","), num_steps=args.num_steps,
-                             include_path=args.include_path, limit=args.limit, batch_size=options.get("batch_size", 1))
+                             include_path=args.include_path, limit=args.limit, batch_size=options.get("batch_size", 1),
+                             dtype=options.get("dtype", "float32"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / "lm_eval_results.json"
     path.write_text(json.dumps(results, indent=2, default=str))
@@ -153,6 +162,49 @@ def run_lm_eval(args, model_dir: Path, out: Path, options: dict) -> int:
     return 0
 
 
+def run_gsm8k(args, model_dir: Path, out: Path, options: dict) -> int:
+    from mlflow.tracking import MlflowClient
+
+    from huginn_ray.eval.gsm8k import evaluate_gsm8k, plot_sweep, sweep_rows, write_sweep_csv
+    from huginn_ray.model.config import ModelConfig
+    from huginn_ray.model.export import export
+    from huginn_ray.model.pretrained import load_pretrained
+
+    depths = [int(d) for d in args.sweep.split(",")] if args.sweep else [args.num_steps]
+    if any(d < 1 for d in depths):
+        raise ValueError(f"depths must be >= 1, got {depths}")
+    tokenizer = tokenizer_for(model_dir, None, options)
+    if tokenizer is None:
+        raise ValueError("the GSM8k recipe needs a tokenizer (its chat template): pass tokenizer=DIR")
+    hf_dir = export(load_pretrained(model_dir), out / "hf", tokenizer)
+    report = evaluate_gsm8k(hf_dir, args.gsm8k, out / "tasks", depths, limit=args.limit,
+                            max_gen_toks=options.get("max_gen_toks"), dtype=options.get("dtype", "float32"))
+    rows = sweep_rows(report)
+    name = "gsm8k_depth_sweep" if args.sweep else "gsm8k"
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(report, indent=2, default=str))
+    uri, run_id = mlflow_run(model_dir, out, options)
+    client = MlflowClient(uri)
+    print(f"{'depth':>6} {'strict-match':>13} {'flexible-extract':>17} {'problems':>9}")
+    for r in rows:
+        print(f"{r.depth:>6} {r.strict_match:>13.4f} {r.flexible_extract:>17.4f} {r.samples:>9}")
+        client.log_metric(run_id, f"gsm8k/strict_match_depth_{r.depth}", r.strict_match)
+        client.log_metric(run_id, f"gsm8k/flexible_extract_depth_{r.depth}", r.flexible_extract)
+    client.log_artifact(run_id, str(path), artifact_path="gsm8k")
+    if args.sweep:
+        config = ModelConfig.from_json(model_dir / "config.json")
+        csv_path = write_sweep_csv(rows, out / f"{name}.csv")
+        png_path = plot_sweep(rows, out / f"{name}.png", config.mean_recurrence, f"{config.name}: GSM8k by depth")
+        client.log_artifact(run_id, str(csv_path), artifact_path="gsm8k")
+        client.log_artifact(run_id, str(png_path), artifact_path="gsm8k")
+        print(f"[huginn] table: {csv_path}")
+        print(f"[huginn] plot: {png_path}")
+    print(f"[huginn] results and settings: {path} ({GSM8K_RECIPE.task}, system prompt, chat template, "
+          f"{report['settings']['samples']} problems)")
+    print(f"[huginn] MLflow: {uri} (run {run_id})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="model dir, training checkpoint, or training out_dir")
@@ -162,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rows", type=int, default=None, help="rows per validation shard")
     parser.add_argument("--lm-eval", help="comma-separated lm-eval task names")
     parser.add_argument("--include-path", help="directory of local lm-eval task YAMLs")
-    parser.add_argument("--num-steps", type=int, default=32, help="core iterations for lm-eval")
+    parser.add_argument("--num-steps", type=int, default=32, help="core iterations for lm-eval and GSM8k")
+    parser.add_argument("--gsm8k", help="JSONL copy of GSM8k's test split: run the paper's GSM8k recipe")
+    parser.add_argument("--sweep", nargs="?", const=",".join(str(d) for d in GSM8K_RECIPE.sweep_depths),
+                        help="GSM8k at each of these depths (default %(const)s)")
     parser.add_argument("--limit", type=int, default=None, help="lm-eval: examples per task")
     parser.add_argument("overrides", nargs="*", help="key=value: " + ", ".join(OPTIONS))
     args = parser.parse_args(argv)
@@ -175,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
             options[key] = OPTIONS[key](value)
         model_dir = resolve_model_dir(args.checkpoint)
         out = Path(args.out) if args.out else model_dir.parent / "eval"
+        if args.sweep and not args.gsm8k:
+            raise ValueError("--sweep needs --gsm8k TEST_JSONL")
+        if args.gsm8k:
+            return run_gsm8k(args, model_dir, out, options)
         if args.lm_eval:
             return run_lm_eval(args, model_dir, out, options)
         if not args.data_dir:

@@ -1,8 +1,8 @@
 """Generate text from a checkpoint, at a fixed depth or with an adaptive exit.
 
     python jobs/generate.py --checkpoint DIR --prompt TEXT [--num-steps 32] [--max-new-tokens 64]
-        [--exit-criterion kl --exit-threshold 1e-3] [--min-steps 1] [--check-every 1] [--warm-start]
-        [--cache latest|ring:16] [--tokenizer DIR] [--temperature 0] [--seed 0]
+        [--exit-criterion kl --exit-threshold 1e-3] [--min-steps 0] [--check-every 1] [--no-exit-in-prefill]
+        [--warm-start] [--cache full|latest|ring:16] [--tokenizer DIR] [--temperature 0] [--seed 0]
 
 Prints the text, then tokens/s, mean core iterations per token, the iterations of each token, FLOPs per token
 and cache bytes per token. DIR is a model directory, a training checkpoint, or a training out_dir (newest
@@ -30,10 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--exit-criterion", choices=[*DEFAULT_THRESHOLDS, "none"], default="none")
     parser.add_argument("--exit-threshold", type=float, default=None, help="default: the criterion's")
-    parser.add_argument("--min-steps", type=int, default=1)
+    parser.add_argument("--min-steps", type=int, default=0, help="iterations before the first check")
     parser.add_argument("--check-every", type=int, default=1)
+    parser.add_argument("--no-exit-in-prefill", action="store_true", help="run the prompt at the full depth")
     parser.add_argument("--warm-start", action="store_true", help="continuous chain-of-thought")
-    parser.add_argument("--cache", default="latest", help="latest or ring:N")
+    parser.add_argument("--cache", default="full", help="full, latest or ring:N")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         result = generate(
             model, torch.tensor([ids]), args.max_new_tokens, num_steps=args.num_steps,
             exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold, min_steps=args.min_steps,
-            check_every=args.check_every, cache=args.cache, warm_start=args.warm_start,
+            check_every=args.check_every, exit_in_prefill=not args.no_exit_in_prefill, cache=args.cache,
+            warm_start=args.warm_start,
             temperature=args.temperature, top_k=args.top_k, eos_token_id=special["eos"],
         )
     except ValueError as err:

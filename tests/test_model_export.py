@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from huginn_ray.data.chat import render
 from huginn_ray.data.tokenizer import train_tokenizer
 from huginn_ray.model import ModelConfig, RecurrentGPT, load_pretrained
 from huginn_ray.model.export import export
@@ -32,6 +33,10 @@ except ImportError:
 else:
     raise SystemExit("huginn_ray is importable: " + huginn_ray.__file__)
 """
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"},
+        {"role": "assistant", "content": "    return x\n"}]
 
 
 def run_isolated(script: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -79,7 +84,9 @@ def test_export_loads_without_huginn_ray_and_matches_logits(exported):
                          for d in (1, 3)}}
         print("RESULT " + json.dumps({{"errors": errors, "generated": generated, "modules": sorted(
             m for m in __import__("sys").modules if m.split(".")[0] == "huginn_ray"),
-            "encoded": tokenizer("def f(x): return x")["input_ids"]}}))
+            "encoded": tokenizer("def f(x): return x")["input_ids"],
+            "chat": dict(tokenizer.apply_chat_template({CHAT!r}, return_dict=True, return_assistant_tokens_mask=True)),
+            "eos": model.generation_config.eos_token_id}}))
     """, root)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.split("RESULT ", 1)[1])
@@ -87,6 +94,11 @@ def test_export_loads_without_huginn_ray_and_matches_logits(exported):
     assert all(error < 1e-5 for error in report["errors"].values()), report["errors"]
     assert report["generated"] == {str(d): tokens for d, tokens in greedy.items()}
     assert len(report["encoded"]) > 3
+    # the exported tokenizer carries the chat template: the ids and assistant mask of huginn_ray.data.chat
+    from tokenizers import Tokenizer
+    ids, mask = render(CHAT, Tokenizer.from_file(str(root / "tokenizer" / "tokenizer.json")))
+    assert (report["chat"]["input_ids"], report["chat"]["assistant_masks"]) == (ids, mask)
+    assert report["eos"] == [4065, 4068]  # <|end_text|> and <|end_turn|>: a chat reply stops at its turn's end
 
 
 def test_export_directory_contents(exported):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 from huginn_ray.model import KVCache, ModelConfig, RecurrentGPT
 from huginn_ray.model.flops import inference_flops_per_token
 from huginn_ray.model.generate import DEFAULT_THRESHOLDS, ExitCriterion, generate
+from huginn_ray.model.model import apply_rope
 
 CRITERIA = list(DEFAULT_THRESHOLDS)
 
@@ -44,81 +44,93 @@ def test_threshold_zero_is_fixed_depth_greedy(model, prompt, criterion):
     assert (result.steps == 8).all()
 
 
-@pytest.mark.parametrize("cache", ["latest", "ring:5", "ring:8"])
+@pytest.mark.parametrize("cache", ["full", "latest", "ring:5", "ring:8"])
 def test_caches_equal_the_full_cache_at_fixed_depth(model, prompt, cache):
     result = generate(model, prompt, 6, num_steps=5, cache=cache)
     assert torch.equal(result.tokens, model.generate(prompt, 6, num_steps=5))
 
 
 def test_ring_cache_bounds_memory(model, prompt):
-    full = generate(model, prompt, 4, num_steps=8, cache="latest").cache_bytes_per_token
+    full = generate(model, prompt, 4, num_steps=8, cache="full").cache_bytes_per_token
+    latest = generate(model, prompt, 4, num_steps=8, cache="latest").cache_bytes_per_token
     ring = generate(model, prompt, 4, num_steps=8, cache="ring:2").cache_bytes_per_token
     cfg = model.config
     entry = 2 * cfg.n_embd * 4  # K and V of one block at one position, fp32
     blocks = cfg.n_layers_in_prelude + cfg.n_layers_in_coda
-    assert full == entry * (blocks + cfg.n_layers_in_recurrent_block * (8 + 1))  # + the latest-iteration copy
+    assert full == entry * (blocks + cfg.n_layers_in_recurrent_block * 8)
+    assert latest == entry * (blocks + cfg.n_layers_in_recurrent_block * (8 + 1))  # + the latest-iteration copy
     assert ring == entry * (blocks + cfg.n_layers_in_recurrent_block * (2 + 1))
 
 
+@pytest.fixture(scope="module")
+def noisy_model():
+    """The released initial state (noise), so that the latent criteria's first comparand is not zero."""
+    torch.manual_seed(0)
+    return RecurrentGPT(ModelConfig.from_name("raven-tiny")).eval()
+
+
 @torch.no_grad()
-def hand_trajectory(model, prompt, depth):
-    """For the second generated token: the latent state and next-token log-probs after each iteration 1..depth,
-    computed with the model's own forward and full KVCache."""
-    cache = KVCache()
-    first = model(prompt, num_steps=(depth, 0), cache=cache).logits[:, -1, : model.config.vocab_size].argmax(-1)
-    states = []
-    hook = model.transformer.core_block[-1].register_forward_hook(lambda m, i, o: states.append(o[:, -1].clone()))
+def prefill_trajectory(model, prompt, initial, depth):
+    """The prefill's latent states s_0..s_depth (batch, positions, D) and its last position's next-token
+    logits after each iteration 1..depth, from the model's own uncached forward."""
+    states = [initial]
+    hook = model.transformer.core_block[-1].register_forward_hook(lambda m, i, o: states.append(o.clone()))
     try:
-        logps = []
-        for t in range(1, depth + 1):
-            states.clear()
-            logits = model(first[:, None], num_steps=(t, 0), cache=copy.deepcopy(cache)).logits
-            logps.append(logits[:, -1, : model.config.vocab_size].log_softmax(-1))
+        model(prompt, num_steps=(depth, 0), input_states=initial)
     finally:
         hook.remove()
-    return [torch.zeros_like(states[0])] + states, logps  # s_0 = 0 (state_init zero) ... s_depth
+    logits = [model(prompt, num_steps=(t, 0), input_states=initial).logits[:, -1, : model.config.vocab_size]
+              for t in range(1, depth + 1)]
+    return states, logits
 
 
-def hand_quantities(name, states, logps, checks):
-    """The criterion's quantity at each checked iteration, written out from its definition."""
-    vocab = logps[0].shape[-1]
-    prev = torch.full_like(logps[0], -math.log(vocab))
-    prev_argmax, stable, values = None, 0, {}
+def released_quantities(name, states, logits, checks, vocab):
+    """The criterion's value at each checked iteration, written out from the released evaluators' definitions:
+    comparand = the previous check (first: the initial state / uniform / entropy 100), minp floor 1/V."""
+    previous_state, previous_entropy = states[0][0], 100.0
+    previous_logp = torch.full((vocab,), math.log(1 / vocab))
+    previous_argmax, stable, values = None, 0, {}
     for t in checks:
-        s, s_prev, logp = states[t][0], states[t - 1][0], logps[t - 1][0]
+        s, z = states[t][0], logits[t - 1][0]
+        p = z.softmax(-1)
         if name == "latent-diff":
-            values[t] = float((s - s_prev).norm() / s.norm())
+            values[t] = float(((s - previous_state).norm(dim=-1) / s.norm(dim=-1)).mean())
+            previous_state = s
         elif name == "cosine":
-            values[t] = float(1 - (s @ s_prev) / (s.norm() * s_prev.norm()))
+            cos = (s * previous_state).sum(-1) / s.norm(dim=-1) / previous_state.norm(dim=-1)
+            values[t] = float(1 - cos.mean())
+            previous_state = s
+        elif name == "entropy-diff":
+            entropy = float(-(p * torch.log(p + 1e-10)).sum())
+            values[t] = abs(entropy - previous_entropy)
+            previous_entropy = entropy
+        elif name in ("kl", "minp-kl"):
+            if name == "minp-kl":
+                p = torch.where(p < 0.1 * p.max(), torch.full_like(p, 1 / vocab), p)
+                p = p / p.sum()
+            logp = p.log()
+            values[t] = float((previous_logp.exp() * (previous_logp - logp)).sum())
+            previous_logp = logp
         else:
-            p, q = prev[0].exp(), logp.exp()
-            if name == "entropy-diff":
-                values[t] = float(abs((q * logp).sum() - (p * prev[0]).sum()))
-            elif name == "kl":
-                values[t] = float((p * (prev[0] - logp)).sum())
-            elif name == "minp-kl":
-                def floor(x):
-                    x = torch.where(x < 0.1 * x.max(), torch.full_like(x, 1e-6), x)
-                    return x / x.sum()
-                a, b = floor(p), floor(q)
-                values[t] = float((a * (a.log() - b.log())).sum())
-            else:
-                argmax = int(logp.argmax())
-                stable = stable + 1 if argmax == prev_argmax else 0
-                prev_argmax = argmax
-                values[t] = float(stable)
-            prev = logp[None]
+            argmax = int(z.argmax())
+            stable = stable + 1 if argmax == previous_argmax else 0
+            previous_argmax = argmax
+            values[t] = float(stable)
     return values
 
 
 @pytest.mark.parametrize("criterion", CRITERIA)
-@pytest.mark.parametrize("check_every", [1, 2])
-def test_each_criterion_exits_where_its_quantity_first_falls_below_threshold(model, prompt, criterion, check_every):
-    depth, min_steps = 12, 2
-    one = prompt[:1]
-    states, logps = hand_trajectory(model, one, depth)
-    checks = [t for t in range(min_steps, depth) if t % check_every == 0]
-    values = hand_quantities(criterion, states, logps, checks)
+@pytest.mark.parametrize("min_steps,check_every", [(0, 1), (1, 3)])
+def test_each_criterion_exits_where_its_released_quantity_first_falls_below_threshold(
+        noisy_model, criterion, min_steps, check_every):
+    depth, model = 14, noisy_model
+    torch.manual_seed(3)
+    one = torch.randint(0, 4000, (1, 5))
+    initial = model._initial_state(model.transformer.wte(one))
+    states, logits = prefill_trajectory(model, one, initial, depth)
+    checks = [t for t in range(1, depth) if t > min_steps and (t - 1 - min_steps) % check_every == 0]
+    assert checks == ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13] if check_every == 1 else [2, 5, 8, 11])
+    values = released_quantities(criterion, states, logits, checks, model.config.vocab_size)
     if criterion == "argmax-stability":
         threshold = max(max(values.values()), 1.0)
         expected = next((t for t in checks if values[t] >= threshold), depth)
@@ -127,24 +139,93 @@ def test_each_criterion_exits_where_its_quantity_first_falls_below_threshold(mod
         threshold = (ordered[0] + ordered[1]) / 2
         expected = next((t for t in checks if values[t] < threshold), depth)
     assert expected < depth or criterion == "argmax-stability"
-    result = generate(model, one, 2, num_steps=depth, exit_criterion=criterion, exit_threshold=threshold,
-                      min_steps=min_steps, check_every=check_every)
-    assert result.steps[0].tolist() == [depth, expected], values
+    result = generate(model, one, 1, num_steps=depth, exit_criterion=criterion, exit_threshold=threshold,
+                      min_steps=min_steps, check_every=check_every, input_states=initial)
+    assert result.steps[0].tolist() == [expected], values
+    assert torch.equal(result.final_states[0], states[expected][:, -1])
 
 
+def test_minp_floor_and_entropy_start_are_the_released_ones():
+    vocab = 8
+    logits = torch.tensor([[4.0, 3.0, 1.0, 0.0, -1.0, -2.0, -3.0, -5.0]])
+    rows, state = torch.arange(1), torch.zeros(1, 1, 4)
+    p = logits[0].softmax(-1)  # entries below 0.1 x max: 1/8 each, then renormalised
+    floored = torch.where(p < 0.1 * p.max(), torch.full_like(p, 1 / vocab), p)
+    floored = floored / floored.sum()
+    minp = ExitCriterion("minp-kl", 1e-5, vocab, state)
+    assert minp.quantity(rows, state, logits).item() == pytest.approx(
+        float((torch.full((vocab,), 1 / vocab) * (math.log(1 / vocab) - floored.log())).sum()), rel=1e-6)
+    entropy = ExitCriterion("entropy-diff", 1e-3, vocab, state)
+    h = float(-(p * torch.log(p + 1e-10)).sum())
+    assert entropy.quantity(rows, state, logits).item() == pytest.approx(100.0 - h, rel=1e-6)
 
-def test_latent_quantities_are_the_specified_formulas():
-    # the exit-position test above cannot tell ||s_t|| from ||s_{t-1}|| in the denominator on a converging
-    # trajectory; this one holds the values themselves
-    g = torch.Generator().manual_seed(0)
-    state, previous = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
-    rows = torch.arange(2)
-    latent = ExitCriterion("latent-diff", 0.03, 16, 2, "cpu").quantity(rows, state, previous, None)
-    cosine = ExitCriterion("cosine", 1e-3, 16, 2, "cpu").quantity(rows, state, previous, None)
-    for r in range(2):
-        s, p = state[r], previous[r]
-        assert latent[r].item() == pytest.approx(float((s - p).norm() / s.norm()), rel=1e-6)
-        assert cosine[r].item() == pytest.approx(float(1 - (s @ p) / (s.norm() * p.norm())), rel=1e-5)
+
+def test_entropy_diff_first_check_compares_with_100(noisy_model):
+    # threshold 50: every later entropy change is below it, the first check's |H_1 - 100| is not (a start at
+    # log V would exit there)
+    depth, model = 6, noisy_model
+    torch.manual_seed(4)
+    one = torch.randint(0, 4000, (1, 5))
+    initial = model._initial_state(model.transformer.wte(one))
+    states, logits = prefill_trajectory(model, one, initial, depth)
+    values = released_quantities("entropy-diff", states, logits, [1, 2], model.config.vocab_size)
+    assert values[1] > 50 > values[2]
+    result = generate(model, one, 1, num_steps=depth, exit_criterion="entropy-diff", exit_threshold=50,
+                      input_states=initial)
+    assert result.steps[0].tolist() == [2]
+
+
+def masked_sandwich(block, x, rope, mask):
+    """A sandwich block written out with an explicit (positions, positions) attention mask."""
+    attn, (batch, length, width) = block.attn, x.shape
+    h = block.norm_1(x)
+    q, k, v = attn.Wqkv(h).view(batch, length, 3, attn.heads, attn.head_dim).unbind(dim=2)
+    q, k = apply_rope(q + attn.qk_bias[0], k + attn.qk_bias[1], rope)
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    x = block.norm_2(attn.proj(y.transpose(1, 2).reshape(batch, length, width)) + x)
+    return block.norm_4(block.mlp(block.norm_3(x)) + x)
+
+
+@torch.no_grad()
+def masked_forward(model, ids, depths):
+    """All positions at once: position p runs depths[p] core iterations, and at iteration i a query attends to
+    the past positions that ran iteration i (itself included); prelude and coda attend causally."""
+    length = ids.shape[1]
+    rope = model.freqs_cis[:, :length]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    x = model.transformer.wte(ids) * model.config.embedding_scale
+    for block in model.transformer.prelude:
+        x = masked_sandwich(block, x, rope, causal)
+    embedded, state = x, torch.zeros_like(x)  # state_init zero
+    for i in range(int(depths.max())):
+        reached = depths > i
+        mask = causal & (reached[None, :] | torch.eye(length, dtype=torch.bool))
+        h = model.transformer.adapter(torch.cat([state, embedded], dim=-1))
+        for block in model.transformer.core_block:
+            h = masked_sandwich(block, h, rope, mask)
+        state = torch.where(reached[None, :, None], h, state)
+    x = model.transformer.ln_f(state)
+    for block in model.transformer.coda:
+        x = masked_sandwich(block, x, rope, causal)
+    return model.lm_head(model.transformer.ln_f(x)).float()[..., : model.config.vocab_size]
+
+
+@pytest.mark.parametrize("exit_in_prefill", [True, False])
+def test_full_cache_attends_exactly_to_the_positions_that_reached_the_iteration(model, prompt, exit_in_prefill):
+    one = prompt[:1]
+    result = generate(model, one, 8, num_steps=10, exit_criterion="kl", exit_threshold=2e-2,
+                      exit_in_prefill=exit_in_prefill)
+    steps = result.steps[0]
+    # depth of each position that was run: the prompt's from the prefill, then each generated token's forward
+    depths = torch.cat([steps[:1].repeat(one.shape[1]), steps[1:]])
+    assert any(depths[p] < depths[q] for p in range(len(depths)) for q in range(p + 1, len(depths)))
+    assert (steps[0] == 10) != exit_in_prefill
+    logits = masked_forward(model, result.tokens[:, :-1], depths)
+    emitted = result.tokens[0, one.shape[1]:]
+    positions = torch.arange(one.shape[1] - 1, result.tokens.shape[1] - 1)
+    hand = logits[0, positions].log_softmax(-1).gather(1, emitted[:, None])[:, 0]
+    assert torch.equal(logits[0, positions].argmax(-1), emitted)
+    assert torch.allclose(result.logprobs[0], hand, atol=1e-5, rtol=0), (result.logprobs[0] - hand).abs().max()
 
 def test_batch_rows_exit_on_their_own(model, prompt):
     together = generate(model, prompt, 6, num_steps=10, exit_criterion="kl", exit_threshold=5e-3)

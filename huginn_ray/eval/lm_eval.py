@@ -1,39 +1,67 @@
 """EleutherAI lm-evaluation-harness on an exported checkpoint (pip install -e .[eval]).
 
 The export (huginn_ray.model.export) is loaded with transformers' AutoModelForCausalLM and handed to lm-eval's
-HFLM class; `num_steps` is bound to the model's forward, so every loglikelihood and generate_until request runs
-that many core iterations. Tasks come from lm-eval's registry or from YAML files under `include_path`.
+HFLM class; the recurrence depth is bound to the model's forward, so every loglikelihood and generate_until
+request runs that many core iterations (what the authors' `mean_recurrence=32` model argument does). Tasks come
+from lm-eval's registry or from YAML files under `include_path`. A `HuginnLM` loads the model once and can be
+evaluated at several depths (the GSM8k depth sweep).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+DTYPES = ("float32", "bfloat16")
+
+
+class HuginnLM:
+    """The export in lm-eval's HFLM; every forward runs `depth` core iterations; `seen` records the depths run."""
+
+    def __init__(self, hf_dir: str | Path, depth: int, batch_size: int = 1, device: str = "cpu",
+                 dtype: str = "float32"):
+        try:
+            from lm_eval.models.huggingface import HFLM
+        except ImportError:
+            raise ValueError("lm-eval is not installed: pip install -e '.[eval]'") from None
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), trust_remote_code=True,
+                                                     dtype=getattr(torch, dtype)).eval().to(device)
+        self.depth, self.seen = depth, set()
+        forward = model.forward
+
+        def forward_at_depth(*args, **kwargs):
+            kwargs.setdefault("num_steps", self.depth)
+            self.seen.add(kwargs["num_steps"])
+            return forward(*args, **kwargs)
+
+        model.forward = forward_at_depth  # what HFLM's loglikelihood and generate calls both reach
+        self.block_size = model.config.block_size
+        tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=True)  # our own export
+        self.lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
+                       max_length=self.block_size)
+
+    def evaluate(self, tasks: list[str], include_path: str | Path | None = None, limit: int | None = None,
+                 **settings) -> dict:
+        """lm_eval.simple_evaluate at the current depth; `settings` go to it unchanged (system_instruction,
+        apply_chat_template, fewshot_as_multiturn, gen_kwargs, ...)."""
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+
+        self.seen.clear()
+        task_manager = TaskManager(include_path=str(include_path)) if include_path else TaskManager()
+        results = lm_eval.simple_evaluate(model=self.lm, tasks=tasks, task_manager=task_manager, limit=limit,
+                                          log_samples=True, **settings)
+        # what lm-eval actually ran: the task configs after overrides, shots, and each task's first prompt
+        prompts = {task: samples[0]["arguments"][0][0] for task, samples in results["samples"].items() if samples}
+        return {"results": results["results"], "num_steps": self.depth, "tasks": tasks,
+                "forward_num_steps": sorted(self.seen), "n_shot": results["n-shot"], "configs": results["configs"],
+                "first_prompts": prompts}
+
 
 def evaluate_tasks(hf_dir: str | Path, tasks: list[str], num_steps: int, include_path: str | None = None,
-                   limit: int | None = None, batch_size: int = 1, device: str = "cpu") -> dict:
-    try:
-        import lm_eval
-        from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager
-    except ImportError:
-        raise ValueError("lm-eval is not installed: pip install -e '.[eval]'") from None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), trust_remote_code=True).eval().to(device)
-    forward, seen = model.forward, set()
-
-    def forward_at_depth(*args, **kwargs):
-        kwargs.setdefault("num_steps", num_steps)
-        seen.add(kwargs["num_steps"])
-        return forward(*args, **kwargs)
-
-    model.forward = forward_at_depth  # what HFLM's loglikelihood and generate calls both reach
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
-              max_length=model.config.block_size)
-    task_manager = TaskManager(include_path=include_path) if include_path else TaskManager()
-    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, limit=limit,
-                                      log_samples=False)
-    return {"results": results["results"], "num_steps": num_steps, "tasks": tasks,
-            "forward_num_steps": sorted(seen)}
+                   limit: int | None = None, batch_size: int = 1, device: str = "cpu", dtype: str = "float32") -> dict:
+    return HuginnLM(hf_dir, num_steps, batch_size, device, dtype).evaluate(tasks, include_path, limit)

@@ -3,8 +3,10 @@
     python -m huginn_ray.model.export --checkpoint DIR --out OUT [--tokenizer TOKENIZER_DIR]
 
 OUT holds config.json (the released Huginn-0125 keys plus model_type, architectures, auto_map,
-num_hidden_layers), model.safetensors (the released key layout, fp32), generation_config.json, the tokenizer
-files, and configuration_huginn_ray.py / modeling_huginn_ray.py, which import only torch and transformers:
+num_hidden_layers), model.safetensors (the released key layout, fp32), generation_config.json (stopping at
+<|end_text|> and <|end_turn|>, as the release's), the tokenizer files with the chat template
+(huginn_ray.data.chat.CHAT_TEMPLATE) in tokenizer_config.json, and configuration_huginn_ray.py /
+modeling_huginn_ray.py, which import only torch and transformers:
 
     model = AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)
     model(input_ids, num_steps=32, input_states=s0); model.generate(input_ids, num_steps=16, max_new_tokens=20)
@@ -38,6 +40,7 @@ def export(model: RecurrentGPT, out: str | Path, tokenizer_dir: str | Path | Non
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     special = _special_ids(tokenizer_dir, cfg.vocab_size)
+    end_turn = _end_turn_id(tokenizer_dir)
     try:
         import transformers
         version = transformers.__version__
@@ -60,6 +63,8 @@ def export(model: RecurrentGPT, out: str | Path, tokenizer_dir: str | Path | Non
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     generation = {"do_sample": False, "transformers_version": version,
                   **{f"{name}_token_id": value for name, value in special.items()}}
+    if end_turn is not None:  # a chat reply ends its turn: stop there too, as the released generation config does
+        generation["eos_token_id"] = [special["eos"], end_turn]
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     # Both tied keys are stored (safetensors refuses shared tensors), as in the released checkpoint.
     tensors = {key: value.detach().to("cpu", torch.float32).contiguous().clone()
@@ -71,7 +76,17 @@ def export(model: RecurrentGPT, out: str | Path, tokenizer_dir: str | Path | Non
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).is_file():
                 shutil.copyfile(Path(tokenizer_dir) / name, out / name)
+        _add_chat_template(out / "tokenizer_config.json")
     return out
+
+
+def _add_chat_template(path: Path) -> None:
+    """The chat template the project's chat data is rendered with (huginn_ray.data.chat), for apply_chat_template."""
+    from huginn_ray.data.chat import CHAT_TEMPLATE
+
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    config["chat_template"] = CHAT_TEMPLATE
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _special_ids(tokenizer_dir, vocab_size: int) -> dict[str, int]:
@@ -82,6 +97,15 @@ def _special_ids(tokenizer_dir, vocab_size: int) -> dict[str, int]:
     check_tokenizer_fits(tokenizer_dir, vocab_size)
     ids = special_token_ids(tokenizer_dir)
     return {"bos": ids["bos"], "eos": ids["eos"], "pad": ids["pad"]}
+
+
+def _end_turn_id(tokenizer_dir) -> int | None:
+    """<|end_turn|>'s id, None without a tokenizer or for one without the chat tokens (plain text only)."""
+    if tokenizer_dir is None:
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json")).token_to_id("<|end_turn|>")
 
 
 def find_tokenizer(checkpoint: Path) -> Path | None:

@@ -1,36 +1,47 @@
-"""Generation with adaptive compute: per-token exits from the recurrence, KV caches across iterations, and
-continuous chain-of-thought.
+"""Generation with adaptive compute, with the semantics of the released `generate_with_adaptive_compute`:
+per-token exits from the recurrence, KV caches across iterations, and continuous chain-of-thought.
 
     result = generate(model, prompt_ids, max_new_tokens=32, num_steps=32, exit_criterion="kl",
-                      exit_threshold=1e-3, cache="ring:16", warm_start=True)
+                      exit_threshold=1e-3, cache="full", warm_start=True)
     result.tokens, result.steps            # (B, prompt + new) ids; (B, new) core iterations each token used
 
-The prompt is prefilled at the full depth `num_steps`; every generated token then iterates the core until its
-exit criterion holds (checked after iteration t when t >= min_steps and t % check_every == 0) or `num_steps`
-is reached. Each sequence of a batch exits on its own; exited sequences are left out of further core
-iterations. Exit when the criterion's quantity falls below `exit_threshold` (for `argmax-stability`: when the
-argmax has stayed the same for that many consecutive checks); a threshold of 0 never exits early.
+Every forward (the prompt's prefill, then one per generated token) iterates the core until its exit criterion
+holds or `num_steps` is reached. The criterion is checked after iteration t when t > min_steps and
+(t - 1 - min_steps) % check_every == 0 (the release's `min_steps` and `check_criterion_every_n_steps`:
+by default after every iteration). The prefill exits too, all prompt positions at once, as in the release;
+`exit_in_prefill=False` (the release's `do_not_exit_in_prefill`) runs it at the full depth. Each sequence of
+a batch exits on its own and is left out of further core iterations, so a batch gives every row what batch
+size 1 gives it from the same initial states (the release keeps iterating exited rows until the whole batch
+exits). Exit when the criterion's quantity falls below `exit_threshold` (`argmax-stability`: when the argmax
+has stayed the same for that many consecutive checks); a threshold of 0 turns exits off (where the release's
+`argmax-stability` would exit at the first check).
 
-| criterion          | quantity (per sequence)                                                      | default |
-|--------------------|-------------------------------------------------------------------------------|---------|
-| `entropy-diff`     | abs(H_t - H_prev) of the next-token distribution (H_prev starts at log V)    | 1e-3    |
-| `latent-diff`      | ||s_t - s_{t-1}|| / ||s_t||                                                  | 0.03    |
-| `kl`               | KL(p_prev || p_t) (p_prev starts uniform)                                    | 1e-3    |
-| `minp-kl`          | the same after probabilities below 0.1 x max are set to 1e-6 (renormalised) | 1e-5    |
+| criterion          | quantity per sequence, compared with the previous check                     | default |
+|--------------------|------------------------------------------------------------------------------|---------|
+| `entropy-diff`     | abs(H - H_prev), H = -sum p log(p + 1e-10) of the next-token distribution;   | 1e-3    |
+|                    | H_prev starts at 100                                                         |         |
+| `latent-diff`      | ||s - s_prev|| / ||s||, averaged over the forward's positions                | 0.03    |
+| `kl`               | KL(p_prev || p), p_prev starts uniform                                       | 1e-3    |
+| `minp-kl`          | the same after probabilities below 0.1 x max are set to 1/V (renormalised)  | 1e-5    |
 | `argmax-stability` | consecutive checks with an unchanged argmax                                  | 5       |
-| `cosine`           | 1 - cos(s_t, s_{t-1})                                                        | 1e-3    |
+| `cosine`           | 1 - cos(s, s_prev), the cosine averaged over the forward's positions         | 1e-3    |
 
-The logit-based criteria (entropy-diff, kl, minp-kl, argmax-stability) run the coda and head at every check;
-`flops_per_token` counts that.
+s_prev is the latent state at the previous check, and at the first check the forward's initial state.
+Logit-based criteria (entropy-diff, kl, minp-kl, argmax-stability) read the last position's logits over the
+V = vocab_size real tokens (the released model has no padding rows: V = 65536 there) and run the coda and head at
+every check; `flops_per_token` counts that.
 
 KV caches (`cache=`): a token that exited after t iterations has no keys/values for later iterations, which a
 later, deeper token attends to.
-- `latest`: keep every iteration; a missing entry is read from the latest iteration that position reached
-  for the same core block (block index modulo the core's layer count). With a fixed depth this is the full cache.
-- `ring:N`: keep at most N iterations per position; iteration i of core block j lives in slot (i mod N, j).
-  Memory is bounded by N whatever the depth; with N >= depth and a fixed depth it equals the full cache.
+- `full` (default, the release's): a token at iteration i attends only to the past positions that reached
+  iteration i (and to every position in the prelude and coda).
+- `latest`: a missing entry is read from the latest iteration that position reached for the same core block
+  (block index modulo the core's layer count; the release's `latest-m4`).
+- `ring:N`: keep at most N iterations per position; iteration i of core block j lives in slot (i mod N, j), a
+  missing one is read as in `latest`. Memory is bounded by N whatever the depth.
+At a fixed depth (no exits) all three equal the model's full cache (`ring:N` with N >= depth).
 `warm_start=True` starts each generated token's latent state from the previous token's final state instead of
-noise (continuous chain-of-thought).
+noise (continuous chain-of-thought, the release's `continuous_compute`).
 """
 
 from __future__ import annotations
@@ -40,7 +51,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from huginn_ray.model.flops import inference_flops_per_token
@@ -55,7 +65,8 @@ DEFAULT_THRESHOLDS = {
     "cosine": 1e-3,
 }
 LOGIT_CRITERIA = {"entropy-diff", "kl", "minp-kl", "argmax-stability"}
-MINP_RATIO, MINP_FLOOR = 0.1, 1e-6
+MINP_RATIO = 0.1
+ENTROPY_START, ENTROPY_EPS = 100.0, 1e-10
 
 
 @dataclass
@@ -63,7 +74,7 @@ class GenerationResult:
     tokens: Tensor
     """(batch, prompt + generated) token ids."""
     steps: Tensor
-    """(batch, generated) core iterations each generated token used (the first comes from the prefill)."""
+    """(batch, generated) core iterations of the forward that produced each generated token (the first: the prefill)."""
     flops_per_token: float
     """Mean forward FLOPs per token decoded after the prefill (the prefill's per-position FLOPs when there is
     none), the coda + head of logit-based criteria's checks included."""
@@ -71,9 +82,9 @@ class GenerationResult:
     """Bytes of keys/values held per cached position at the end."""
     seconds: float
     initial_states: list[Tensor] = field(default_factory=list)
-    """(batch, D) latent state each generated token's recurrence started from (index 0: the prefill's last position)."""
+    """(batch, D) latent state each forward's recurrence started from at its last position (index 0: the prefill)."""
     final_states: list[Tensor] = field(default_factory=list)
-    """(batch, D) final latent state of each generated token."""
+    """(batch, D) final latent state of each forward's last position."""
     logprobs: Tensor | None = None
     """(batch, generated) log-probability of each emitted token under the distribution it was drawn from."""
 
@@ -83,19 +94,19 @@ class GenerationResult:
 
 
 class IterationKVCache:
-    """Keys/values per block and position for generation with per-token depth (strategies `latest`, `ring:N`).
+    """Keys/values per block and position for generation with per-token depth (strategies `full`, `latest`, `ring:N`).
 
-    Duck-types the model's KVCache (`past_length`, `update`). Storage is preallocated per slot as
-    (batch, max_len, heads, head_dim); `rows` selects the batch rows of the next updates (exited sequences
-    are not computed) and `length` is the number of committed positions."""
+    Duck-types the model's KVCache (`past_length`, `update`, `attendable`). Storage is preallocated per slot as
+    (batch, max_len, heads, head_dim) with a `present` flag per (row, position); `rows` selects the batch rows
+    of the next updates (exited sequences are not computed) and `length` is the number of committed positions."""
 
-    def __init__(self, model: RecurrentGPT, batch: int, max_len: int, strategy: str = "latest"):
+    def __init__(self, model: RecurrentGPT, batch: int, max_len: int, strategy: str = "full"):
         cfg = model.config
         self.prelude, self.core = cfg.n_layers_in_prelude, cfg.n_layers_in_recurrent_block
         self.batch, self.max_len = batch, max_len
         self.shape = (cfg.num_attention_heads, cfg.head_dim)
-        self.ring = parse_cache(strategy)
-        self.length = 0
+        self.strategy, self.ring = strategy, parse_cache(strategy)
+        self.length = self.end = 0
         self.rows: Tensor | None = None
         self.slots: dict[tuple, list[Tensor]] = {}   # key -> [K, V, present (batch, max_len)]
         self.latest: dict[int, list[Tensor]] = {}    # core block j -> [K, V] of the deepest iteration written
@@ -114,24 +125,38 @@ class IterationKVCache:
             kv.append(torch.zeros(self.batch, self.max_len, dtype=torch.bool, device=like.device))
         return kv
 
+    def _rows(self, device) -> Tensor:
+        return self.rows if self.rows is not None else torch.arange(self.batch, device=device)
+
     def past_length(self, index: int) -> int:
         return self.length
 
     def update(self, index: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        rows = self.rows if self.rows is not None else torch.arange(self.batch, device=k.device)
+        rows = self._rows(k.device)
         start, end = self.length, self.length + k.shape[1]
+        self.end = end  # the positions `attendable` covers, read right after this update
         key = self._key(index)
         entry = self.slots.get(key) or self.slots.setdefault(key, self._alloc(k, with_present=True))
         entry[0][rows, start:end], entry[1][rows, start:end] = k, v
         entry[2][rows, start:end] = True
         keys, values = entry[0][rows, :end], entry[1][rows, :end]
-        if key[0] == "core":
+        if key[0] == "core" and self.strategy != "full":
             latest = self.latest.get(key[2]) or self.latest.setdefault(key[2], self._alloc(k, with_present=False))
             latest[0][rows, start:end], latest[1][rows, start:end] = k, v
             present = entry[2][rows, :end, None, None]
             keys = torch.where(present, keys, latest[0][rows, :end])
             values = torch.where(present, values, latest[1][rows, :end])
         return keys, values
+
+    def attendable(self, index: int) -> Tensor | None:
+        """(rows, positions) which cached positions the queries of block `index` may attend to; None for all.
+        Only the `full` strategy leaves positions out: those that did not reach this core iteration."""
+        key = self._key(index)
+        if self.strategy != "full" or key[0] != "core":
+            return None
+        flags = self.slots[key][2]
+        present = flags[self._rows(flags.device), : self.end]
+        return None if bool(present.all()) else present
 
     def bytes_per_token(self) -> float:
         """Bytes of the key/value entries held (present ones, plus the latest-iteration copies) per position."""
@@ -144,44 +169,61 @@ class IterationKVCache:
 
 
 def parse_cache(strategy: str) -> int | None:
-    if strategy == "latest":
+    """The ring size of `ring:N`; None for `full` and `latest`."""
+    if strategy in ("full", "latest"):
         return None
     if strategy.startswith("ring:") and strategy[5:].isdigit() and int(strategy[5:]) > 0:
         return int(strategy[5:])
-    raise ValueError(f"cache must be 'latest' or 'ring:N' with N >= 1, got {strategy!r}")
+    raise ValueError(f"cache must be 'full', 'latest' or 'ring:N' with N >= 1, got {strategy!r}")
 
 
 class ExitCriterion:
-    """The running quantity of one criterion, per sequence; `check` returns which active rows exit."""
+    """One forward's running quantity of a criterion, per sequence; `check` returns which of the given rows exit.
 
-    def __init__(self, name: str, threshold: float, vocab_size: int, batch: int, device):
+    Made anew for every forward (the prefill and each generated token), from that forward's initial state."""
+
+    def __init__(self, name: str, threshold: float, vocab_size: int, initial_state: Tensor):
         if name not in DEFAULT_THRESHOLDS:
             raise ValueError(f"unknown exit criterion {name!r}; known: {', '.join(DEFAULT_THRESHOLDS)}, none")
-        self.name, self.threshold = name, threshold
+        self.name, self.threshold, self.vocab_size = name, threshold, vocab_size
         self.uses_logits = name in LOGIT_CRITERIA
-        self.prev_logp = torch.full((batch, vocab_size), -math.log(vocab_size), device=device)  # uniform
-        self.prev_argmax = torch.full((batch,), -1, dtype=torch.long, device=device)
-        self.stable = torch.zeros(batch, dtype=torch.long, device=device)
+        batch, device = initial_state.shape[0], initial_state.device
+        if name in ("latent-diff", "cosine"):
+            self.previous_state = initial_state.float().clone()
+        elif name == "entropy-diff":
+            self.previous_entropy = torch.full((batch,), ENTROPY_START, device=device)
+        elif name == "argmax-stability":
+            self.previous_argmax = torch.full((batch,), -1, dtype=torch.long, device=device)
+            self.stable = torch.zeros(batch, dtype=torch.long, device=device)
+        else:  # kl, minp-kl: uniform
+            self.previous_logp = torch.full((batch, vocab_size), -math.log(vocab_size), device=device)
 
-    def quantity(self, rows: Tensor, state: Tensor, previous: Tensor, logits: Tensor | None) -> Tensor:
-        if self.name == "latent-diff":
-            return (state - previous).norm(dim=-1) / state.norm(dim=-1).clamp_min(1e-12)
-        if self.name == "cosine":
-            return 1 - F.cosine_similarity(state, previous, dim=-1)
-        logp = logits.float().log_softmax(dim=-1)
-        prev = self.prev_logp[rows]
+    def quantity(self, rows: Tensor, state: Tensor, logits: Tensor | None) -> Tensor:
+        """The criterion's value for `rows`, given their (rows, positions, D) state and last-position logits
+        (rows, V); remembers this check's state / distribution as the next check's comparand."""
+        if self.name in ("latent-diff", "cosine"):
+            state = state.float()
+            previous = self.previous_state[rows]
+            self.previous_state[rows] = state
+            if self.name == "latent-diff":
+                return ((state - previous).norm(dim=-1) / state.norm(dim=-1)).mean(dim=-1)
+            cosine = (state * previous).sum(-1) / (state.norm(dim=-1) * previous.norm(dim=-1)).clamp_min(1e-30)
+            return 1 - cosine.mean(dim=-1)
+        logits = logits.float()
         if self.name == "entropy-diff":
-            value = (entropy(logp) - entropy(prev)).abs()
-        elif self.name == "kl":
-            value = kl(prev, logp)
-        elif self.name == "minp-kl":
-            value = kl(minp(prev), minp(logp))
-        else:  # argmax-stability: consecutive checks with the same argmax
-            argmax = logp.argmax(dim=-1)
-            self.stable[rows] = torch.where(argmax == self.prev_argmax[rows], self.stable[rows] + 1, 0)
-            self.prev_argmax[rows] = argmax
-            value = self.stable[rows].float()
-        self.prev_logp[rows] = logp
+            probs = logits.softmax(dim=-1)
+            value_now = -(probs * (probs + ENTROPY_EPS).log()).sum(dim=-1)
+            value = (value_now - self.previous_entropy[rows]).abs()
+            self.previous_entropy[rows] = value_now
+            return value
+        if self.name == "argmax-stability":
+            argmax = logits.argmax(dim=-1)
+            self.stable[rows] = torch.where(argmax == self.previous_argmax[rows], self.stable[rows] + 1, 0)
+            self.previous_argmax[rows] = argmax
+            return self.stable[rows].float()
+        logp = logits.log_softmax(dim=-1) if self.name == "kl" else minp(logits, self.vocab_size)
+        value = kl(self.previous_logp[rows], logp)
+        self.previous_logp[rows] = logp
         return value
 
     def exits(self, value: Tensor) -> Tensor:
@@ -192,20 +234,21 @@ class ExitCriterion:
         return value < self.threshold
 
 
-def entropy(logp: Tensor) -> Tensor:
-    return -(logp.exp() * logp).sum(-1)
-
-
 def kl(logp: Tensor, logq: Tensor) -> Tensor:
     """KL(p || q) from log-probabilities."""
     return (logp.exp() * (logp - logq)).sum(-1)
 
 
-def minp(logp: Tensor) -> Tensor:
-    """Probabilities below MINP_RATIO x max set to MINP_FLOOR, renormalised; returned as log-probabilities."""
-    p = logp.exp()
-    p = torch.where(p < MINP_RATIO * p.max(dim=-1, keepdim=True).values, torch.full_like(p, MINP_FLOOR), p)
+def minp(logits: Tensor, vocab_size: int) -> Tensor:
+    """Probabilities below MINP_RATIO x max set to 1/vocab_size, renormalised; returned as log-probabilities."""
+    p = logits.softmax(dim=-1)
+    p = torch.where(p < MINP_RATIO * p.max(dim=-1, keepdim=True).values, torch.full_like(p, 1 / vocab_size), p)
     return (p / p.sum(-1, keepdim=True)).log()
+
+
+def is_check(iteration: int, min_steps: int, check_every: int) -> bool:
+    """Whether the criterion is checked after `iteration` (1-based) core iterations."""
+    return iteration > min_steps and (iteration - 1 - min_steps) % check_every == 0
 
 
 @torch.no_grad()
@@ -216,9 +259,10 @@ def generate(
     num_steps: int | None = None,
     exit_criterion: str | None = None,
     exit_threshold: float | None = None,
-    min_steps: int = 1,
+    min_steps: int = 0,
     check_every: int = 1,
-    cache: str = "latest",
+    exit_in_prefill: bool = True,
+    cache: str = "full",
     warm_start: bool = False,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -232,8 +276,9 @@ def generate(
     loss of adaptive compute); `logprobs` holds each emitted token's log-probability either way."""
     cfg = model.config
     max_steps = cfg.mean_recurrence if num_steps is None else int(num_steps)
-    if max_steps < 1 or min_steps < 1 or check_every < 1:
-        raise ValueError(f"num_steps, min_steps and check_every must be >= 1, got {max_steps}, {min_steps}, {check_every}")
+    if max_steps < 1 or min_steps < 0 or check_every < 1:
+        raise ValueError(f"num_steps and check_every must be >= 1 and min_steps >= 0, got {max_steps}, "
+                         f"{check_every}, {min_steps}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     batch, prompt_len = input_ids.shape
@@ -243,34 +288,39 @@ def generate(
     criterion_name = None if exit_criterion in (None, "none") else exit_criterion
     if criterion_name is not None and criterion_name not in DEFAULT_THRESHOLDS:
         raise ValueError(f"unknown exit criterion {criterion_name!r}; known: {', '.join(DEFAULT_THRESHOLDS)}, none")
+    threshold = None
+    if criterion_name is not None:
+        threshold = DEFAULT_THRESHOLDS[criterion_name] if exit_threshold is None else exit_threshold
     parse_cache(cache)
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
     try:
-        kv = IterationKVCache(model, batch, total, cache)
+        kv = IterationKVCache(model, batch, total - 1, cache)  # the last token is emitted, never run
         device = input_ids.device
-        criterion = None
-        tokens, steps, flops, initial_states, final_states, logprobs = input_ids, [], [], [], [], []
-
-        # prefill: the whole prompt at the full depth
-        embedded = _prelude(model, input_ids, kv)
-        state = model._initial_state(embedded) if input_states is None else input_states
-        initial_states.append(state[:, -1].clone())
-        injected = model._inject(embedded)
-        for iteration in range(max_steps):
-            state = model._core(state, injected, _rope(model, kv, prompt_len), kv, iteration)
-        logits = _coda_head(model, state, kv)
-        kv.length += prompt_len
-        steps.append(torch.full((batch,), max_steps, dtype=torch.long, device=device))
-        flops.append(inference_flops_per_token(cfg, max_steps, prompt_len))
-        final_states.append(state[:, -1].clone())
+        tokens, forward_ids = input_ids, input_ids
+        steps, flops, initial_states, final_states, logprobs = [], [], [], [], []
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        for index in range(max_new_tokens):
+            embedded = _prelude(model, forward_ids, kv)
+            if index == 0:
+                state = model._initial_state(embedded) if input_states is None else input_states.clone()
+            else:
+                state = final_states[-1][:, None].clone() if warm_start else model._initial_state(embedded)
+            initial_states.append(state[:, -1].clone())
+            criterion = None
+            if criterion_name is not None and (index > 0 or exit_in_prefill):
+                criterion = ExitCriterion(criterion_name, threshold, cfg.vocab_size, state)
+            state, used, coda_rows = _recur(model, kv, embedded, state, max_steps, criterion, min_steps, check_every)
+            logits = _coda_head(model, state, kv)
+            kv.length += forward_ids.shape[1]
+            steps.append(used)
+            final_states.append(state[:, -1].clone())
+            flops.append(inference_flops_per_token(cfg, float(used.float().mean()), kv.length, 1 + coda_rows / batch))
 
-        for position in range(prompt_len, total):
             last = logits[:, -1, : cfg.vocab_size]
             if force_tokens is not None:
-                next_token = force_tokens[:, position - prompt_len]
+                next_token = force_tokens[:, index]
             else:
                 next_token = model._pick(last, temperature, top_k, generator)
             logprobs.append(last.log_softmax(-1).gather(1, next_token[:, None])[:, 0])
@@ -278,52 +328,48 @@ def generate(
                 next_token = torch.where(finished, torch.full_like(next_token, eos_token_id), next_token)
                 finished |= next_token == eos_token_id
             tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-            if position == total - 1 or (eos_token_id is not None and bool(finished.all())):
+            forward_ids = next_token[:, None]
+            if eos_token_id is not None and bool(finished.all()):
                 break
-            if criterion_name is not None:
-                threshold = DEFAULT_THRESHOLDS[criterion_name] if exit_threshold is None else exit_threshold
-                criterion = ExitCriterion(criterion_name, threshold, cfg.vocab_size, batch, device)
-
-            embedded = _prelude(model, next_token[:, None], kv)
-            state = final_states[-1][:, None].clone() if warm_start else model._initial_state(embedded)
-            initial_states.append(state[:, 0].clone())
-            injected = model._inject(embedded)
-            used = torch.full((batch,), max_steps, dtype=torch.long, device=device)
-            active = torch.arange(batch, device=device)
-            rope = _rope(model, kv, 1)
-            checks = 0
-            for iteration in range(max_steps):
-                kv.rows = active
-                previous = state[active]
-                new = model._core(previous, injected[active], rope, kv, iteration)
-                state[active] = new
-                done = iteration + 1
-                if criterion is None or done < min_steps or done % check_every or done == max_steps:
-                    continue
-                check_logits = _coda_head(model, new, kv) if criterion.uses_logits else None
-                checks += int(criterion.uses_logits) * len(active)
-                value = criterion.quantity(active, new[:, 0].float(), previous[:, 0].float(),
-                                           None if check_logits is None else check_logits[:, -1, : cfg.vocab_size])
-                exiting = criterion.exits(value)
-                used[active[exiting]] = done
-                active = active[~exiting]
-                if not len(active):
-                    break
-            kv.rows = None
-            logits = _coda_head(model, state, kv)
-            kv.length += 1
-            steps.append(used)
-            final_states.append(state[:, 0].clone())
-            flops.append(inference_flops_per_token(cfg, float(used.float().mean()), position + 1,
-                                                   1 + checks / batch))
+        decoded = flops[1:] or flops
         return GenerationResult(
-            tokens=tokens, steps=torch.stack(steps[: tokens.shape[1] - prompt_len], dim=1),
-            flops_per_token=sum(flops[1:]) / len(flops[1:]) if len(flops) > 1 else flops[0], cache_bytes_per_token=kv.bytes_per_token(),
-            seconds=time.perf_counter() - t0, initial_states=initial_states, final_states=final_states,
-            logprobs=torch.stack(logprobs, dim=1),
+            tokens=tokens, steps=torch.stack(steps, dim=1), flops_per_token=sum(decoded) / len(decoded),
+            cache_bytes_per_token=kv.bytes_per_token(), seconds=time.perf_counter() - t0,
+            initial_states=initial_states, final_states=final_states, logprobs=torch.stack(logprobs, dim=1),
         )
     finally:
         model.train(was_training)
+
+
+def _recur(model: RecurrentGPT, kv: IterationKVCache, embedded: Tensor, state: Tensor, max_steps: int,
+           criterion: ExitCriterion | None, min_steps: int, check_every: int) -> tuple[Tensor, Tensor, int]:
+    """Iterate the core from `state` (batch, positions, D) until each row exits or max_steps. Returns the final
+    states (an exited row keeps its state at the exit), the iterations each row used, and the number of
+    (row, check) pairs that ran the coda + head for a logit-based criterion."""
+    batch = state.shape[0]
+    injected = model._inject(embedded)
+    rope = _rope(model, kv, state.shape[1])
+    used = torch.full((batch,), max_steps, dtype=torch.long, device=state.device)
+    active = torch.arange(batch, device=state.device)
+    coda_rows = 0
+    for iteration in range(max_steps):
+        kv.rows = active
+        new = model._core(state[active], injected[active], rope, kv, iteration)
+        state[active] = new
+        done = iteration + 1
+        if criterion is None or done == max_steps or not is_check(done, min_steps, check_every):
+            continue  # an exit after the last iteration changes nothing
+        logits = None
+        if criterion.uses_logits:
+            logits = _coda_head(model, new, kv)[:, -1, : model.config.vocab_size]
+            coda_rows += len(active)
+        exiting = criterion.exits(criterion.quantity(active, new, logits))
+        used[active[exiting]] = done
+        active = active[~exiting]
+        if not len(active):
+            break
+    kv.rows = None
+    return state, used, coda_rows
 
 
 def _rope(model: RecurrentGPT, kv: IterationKVCache, length: int) -> Tensor:

@@ -86,6 +86,11 @@ class KVCache:
         self.entries[index] = (k, v)
         return k, v
 
+    def attendable(self, index: int) -> Tensor | None:
+        """(batch, positions) which cached positions block `index` may attend to, None for all: every position
+        here. Generation with per-token depth (generate.IterationKVCache) leaves out positions that exited."""
+        return None
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -107,8 +112,11 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             past = cache.past_length(block_index)
             k, v = cache.update(block_index, k, v)
-            if past:  # queries sit at positions past..past+length-1: SDPA's is_causal would align them at 0
+            attendable = cache.attendable(block_index)
+            if past or attendable is not None:  # queries sit at past..past+length-1: is_causal would align them at 0
                 mask = torch.ones(length, past + length, dtype=torch.bool, device=x.device).tril(diagonal=past)
+                if attendable is not None:
+                    mask = mask & attendable[:, None, None, :]
                 causal = False
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal
