@@ -343,3 +343,36 @@ def test_a_save_before_the_first_step_leaves_the_optimizer_as_it_was(tmp_path, n
     loaded = build_optimizer(model, OptimConfig(name=name))
     ckpt.read_tensors(tmp_path, model, loaded)
     assert all(int(state["step"]) == 0 for state in loaded.state.values())
+
+
+def test_io_errors_are_retried_and_other_errors_are_not(monkeypatch):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    monkeypatch.setattr(ckpt.time, "sleep", lambda seconds: None)
+    calls = []
+
+    def flaky():  # DCP's report of an I/O error on rank 1, twice, then success
+        calls.append(1)
+        if len(calls) < 3:
+            raise CheckpointException("read", {1: (OSError("Input/output error"), None)})
+        return "loaded"
+
+    assert ckpt.with_retries("reading", flaky) == "loaded" and len(calls) == 3
+    calls.clear()
+
+    def wrong_model():
+        calls.append(1)
+        raise CheckpointException("plan", {0: (RuntimeError("Missing key in checkpoint state_dict: x"), None)})
+
+    with pytest.raises(CheckpointException):
+        ckpt.with_retries("reading", wrong_model)
+    assert len(calls) == 1
+    calls.clear()
+
+    def always_failing():
+        calls.append(1)
+        raise OSError("Stale file handle")
+
+    with pytest.raises(OSError, match="Stale file handle"):
+        ckpt.with_retries("reading", always_failing)
+    assert len(calls) == ckpt.IO_ATTEMPTS

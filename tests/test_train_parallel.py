@@ -125,8 +125,8 @@ def whole_state(c) -> dict:
 
 
 def reshard(rank, world_size, directory):
-    """Train 2 x 2 hsdp for 10 steps, save, go on to 20; then load that checkpoint as hsdp with one shard group
-    of 4 and as replicate, compare every tensor with the saved one, and train steps 11-20 again."""
+    """Train 2 x 2 hsdp for 10 steps, save, go on to 20; then load that checkpoint as 2 x 2 again, as hsdp with
+    one shard group of 4 and as replicate, compare every tensor with the saved one, and train steps 11-20 again."""
     from huginn_ray.train import checkpoint as ckpt
     from huginn_ray.train import loop
 
@@ -151,7 +151,7 @@ def reshard(rank, world_size, directory):
         torch.save({"ids": ids, "states": states, "logits": logits}, directory.parent / "trained_logits.pt")
     uninterrupted += [loop.train_step(c, step, cfg, plan, cpu).loss for step in range(11, 21)]
     report = {"uninterrupted": uninterrupted}
-    for name, overrides in (("shard 4", ["parallelism.mode=hsdp", "parallelism.shard_size=4"]),
+    for name, overrides in (("2 x 2", HSDP), ("shard 4", ["parallelism.mode=hsdp", "parallelism.shard_size=4"]),
                             ("replicate", ["parallelism.mode=replicate"])):
         cfg = train_config(overrides)
         c = loop.build_components(cfg, plan, rank, cpu)
@@ -251,10 +251,12 @@ def resharded(tmp_path_factory):
     return spawn(directory, "reshard"), directory
 
 
-def test_an_hsdp_checkpoint_loads_exactly_under_another_shard_size_and_under_replicate(resharded):
+def test_an_hsdp_checkpoint_resumes_bitwise_in_its_layout_and_exactly_under_another_shard_size_and_replicate(resharded):
     reports, tmp_path = resharded
     for rank, report in enumerate(reports):
         assert "error" not in report, f"rank {rank}: {report.get('trace')}"
+        # the same layout resumes exactly: bitwise the losses of the run that went on
+        assert report["2 x 2"]["differing"] == [] and report["2 x 2"]["losses"] == report["uninterrupted"][10:]
         for name, layout in (("shard 4", 4), ("replicate", 1)):
             assert report[name]["layout"] == layout
             assert report[name]["keys_equal"] and report[name]["differing"] == [], (name, report[name]["differing"])
