@@ -243,7 +243,9 @@ def test_hsdp_run_stopped_rerun_and_killed_resumes_exactly(cluster, mlflow_serve
     hsdp = ("parallelism.mode=hsdp", "checkpoint.async_save=true")
     first = train(cluster, overrides("hsdp", out_dir, dataset, mlflow_server, "max_steps=7", *hsdp))
     assert "resumed from" not in first.stdout
-    for checkpoint in (out_dir / "hsdp").glob("checkpoint_*"):  # every rank wrote its own shards
+    checkpoints = [p for p in (out_dir / "hsdp").glob("checkpoint_*") if p.is_dir()]
+    assert len(checkpoints) == 2  # steps 4 (written in the background, reported at 7) and 7
+    for checkpoint in checkpoints:  # every rank wrote its own shards
         assert sorted(p.name for p in (checkpoint / "state").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
         assert json.loads((checkpoint / "trainer_state.json").read_text())["layout"] == "hsdp, shard_size 2"
     second = train(cluster, overrides("hsdp", out_dir, dataset, mlflow_server, *hsdp,
