@@ -23,7 +23,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-import ray.train
 import torch
 import torch.distributed as dist
 
@@ -32,14 +31,11 @@ from huginn_ray.config import from_dict
 from huginn_ray.data.shards import shard_path
 from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, sample_recurrence, training_flops_per_token
 from huginn_ray.train import checkpoint as ckpt
-from huginn_ray.train import tracking
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.grad_sync import build_grad_sync
 from huginn_ray.train.optim import build_optimizer, set_lr, trapezoid_lr
 from huginn_ray.train import parallel
-from huginn_ray.eval.depth_scaling import log_validation_plot
 from huginn_ray.train.shard_reader import ShardReader, collate, validation_rows
-from huginn_ray.train.tracking import MetricsLogger
 from huginn_ray.train.warmup import register_node, warmup_allreduce
 
 
@@ -96,6 +92,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             stopped_file(cfg).parent.mkdir(parents=True, exist_ok=True)
             stopped_file(cfg).write_text(str(stop) + "\n")
     finally:
+        from huginn_ray.train import tracking
+
         # rank 0's metrics still buffered (a tracking outage) get their last chance, bounded by flush_timeout_s
         tracking.close_loggers()
 
@@ -291,6 +289,11 @@ def clip_gradients(c: Components, max_norm: float) -> torch.Tensor:
 
 
 def _train(cfg: TrainConfig, plan: dict) -> None:
+    import ray.train  # here, not at the top: build_components and train_step run where Ray and MLflow are not installed
+
+    from huginn_ray.eval.depth_scaling import log_validation_plot
+    from huginn_ray.train.tracking import MetricsLogger
+
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     device = training_device()
@@ -504,6 +507,8 @@ class Checkpointer:
         complete; an incomplete one is reported by rank 0 and not handed to Ray)."""
         if self.pending is None:
             return
+        import ray.train
+
         pending, self.pending = self.pending, None
         if ckpt.finish_save(pending, self.device):
             ray.train.report(self.metrics, checkpoint=ray.train.Checkpoint.from_directory(str(pending.directory)),
