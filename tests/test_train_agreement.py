@@ -26,11 +26,21 @@ from test_train_parallel import MemoryReader, plan_for, train_config
 
 
 def flags_agreed(rank, world_size):
-    """Step 1: rank 1 alone asks to stop; step 2: rank 1 alone runs out of time; step 3: rank 1's shard breaks."""
+    """Step 1: rank 1 alone asks to stop; step 2: rank 1 alone runs out of time; step 4: rank 1's shard breaks."""
     loop.ShardReader = MemoryReader
     cfg = train_config([])
     plan = plan_for(cfg)
     c = loop.build_components(cfg, plan, rank, torch.device("cpu"))
+    if rank == 1:  # rank 1's 4th read fails: step 4's rows, read ahead while step 3 runs
+        read, reads = c.reader.reader.next_rows, []
+
+        def breaks_at_the_fourth_read(count):
+            reads.append(count)
+            if len(reads) == 4:
+                raise OSError("Unexpected end of stream: page was 12 bytes, expected 4096")
+            return read(count)
+        c.reader.reader.next_rows = breaks_at_the_fourth_read
+        c.reader.reader.path = "/data/train/00001.parquet"
     cpu = torch.device("cpu")
     report = {
         "request": loop.train_step(c, 1, cfg, plan, cpu, stop_here=rank == 1).stop_reason,
@@ -38,11 +48,6 @@ def flags_agreed(rank, world_size):
         "none": loop.train_step(c, 3, cfg, plan, cpu).stop_reason,
     }
     before = [p.detach().clone() for p in c.model.parameters()]
-    if rank == 1:
-        def broken(count):
-            raise OSError("Unexpected end of stream: page was 12 bytes, expected 4096")
-        c.reader.next_rows = broken
-        c.reader.path = "/data/train/00001.parquet"
     try:
         loop.train_step(c, 4, cfg, plan, cpu)
         report["stop"] = None

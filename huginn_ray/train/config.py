@@ -199,6 +199,11 @@ class TrainConfig:
     reference's way)."""
     precision: Literal["auto", "bf16-mixed", "fp32"] = "auto"
     """auto: bf16 autocast on GPU, fp32 on CPU (bitwise-reproducible)."""
+    attention_backend: Literal["auto", "math"] = "auto"
+    """auto: attention runs in a fused kernel (flash, else memory-efficient; probed at the training shape when
+    the worker starts, and logged); when neither takes the shape the math kernel serves sequences of up to 1024
+    tokens and a longer one is refused, naming the shape. math: the math kernel on purpose (it materialises
+    micro-batch x heads x block_size^2 scores per call)."""
     log_step_interval: int = 4
     """Log metrics every this many steps."""
     eval_step_interval: int = 128

@@ -30,12 +30,14 @@ from huginn_ray.cluster.devices import training_device
 from huginn_ray.config import from_dict
 from huginn_ray.data.shards import shard_path
 from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, sample_recurrence, training_flops_per_token
+from huginn_ray.model.model import (AttentionBackendError, AttentionShape, choose_attention_backend,
+                                    probe_attention_backends, restrict_attention)
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.grad_sync import build_grad_sync
 from huginn_ray.train.optim import build_optimizer, set_lr, trapezoid_lr
 from huginn_ray.train import parallel
-from huginn_ray.train.shard_reader import ShardReader, collate, validation_rows
+from huginn_ray.train.shard_reader import ShardReader, StepPrefetcher, collate, validation_rows
 from huginn_ray.train.warmup import register_node, warmup_allreduce
 
 
@@ -107,7 +109,7 @@ class Components:
     """The model (FSDP2-sharded under hsdp; DDP, if chosen, wraps it in `sync.module`)."""
     sync: object
     optimizer: torch.optim.Optimizer
-    reader: ShardReader
+    reader: StepPrefetcher
     autocast: object
     mesh: object
     """The ("replicate", "shard") DeviceMesh (huginn_ray.train.parallel)."""
@@ -133,6 +135,15 @@ def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.devi
         model = RecurrentGPT(model_cfg)
     model.materialize(device)  # whole, on every rank: hsdp then keeps each rank's slice
     model.check_token_ids = False  # collate checks every batch on the host
+    attention = AttentionShape(cfg.micro_batch_size, model_cfg.num_attention_heads, cfg.block_size, model_cfg.head_dim,
+                               torch.bfloat16 if plan["precision"] == "bf16-mixed" else torch.float32)
+    try:
+        backend = choose_attention_backend(probe_attention_backends(attention, device), attention, cfg.attention_backend)
+    except AttentionBackendError as err:
+        raise Stop(f"attention: {err}", reporter=rank == 0) from None
+    restrict_attention(model, backend)
+    if rank == 0:
+        print(f"[huginn] attention: {backend} kernel ({attention.describe()}, {device.type})", flush=True)
     model.loss_chunk_tokens = cfg.loss_chunk_tokens
     if cfg.compile:
         compile_blocks(model, **cfg.compile_options)
@@ -145,7 +156,10 @@ def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.devi
                                find_unused_parameters=cfg.grad_sync.ddp_find_unused_parameters,
                                max_chunks_in_flight=cfg.grad_sync.max_chunks_in_flight)
     optimizer = build_optimizer(model, cfg.optim)
-    reader = ShardReader(shard_path(cfg.data.data_dir, "train", rank), cfg.seed + rank, cfg.block_size + 1)
+    reader = StepPrefetcher(
+        ShardReader(shard_path(cfg.data.data_dir, "train", rank), cfg.seed + rank, cfg.block_size + 1),
+        cfg.micro_batch_size, plan["grad_accum"],
+        lambda rows: collate(rows, plan["pad_id"], plan["eos_id"], model_cfg.vocab_size), pin=device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if plan["precision"] == "bf16-mixed" else nullcontext()
     return Components(model_cfg, model, sync, optimizer, reader, autocast, mesh, shape)
 
@@ -188,7 +202,7 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
     `stop_here` / `time_up`: this rank asks every rank to save and stop after this step (the STOP file, the time
     budget). Losses and the gradient norm stay on the device until the step's one all-reduce is read."""
     grad_accum = plan["grad_accum"]
-    batches, data_error = read_batches(c, cfg, plan, grad_accum)
+    batches, data_error = read_batches(c, cfg, grad_accum)
     telemetry = None
     local_loss = torch.zeros((), dtype=torch.float64, device=device)
     depths = []
@@ -197,7 +211,7 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
         n, k = sample_recurrence(micro_step(step, micro, grad_accum), c.model_cfg.mean_recurrence,
                                  c.model_cfg.mean_backprop_depth)
         depths.append((n, k))
-        inputs, labels = inputs.to(device), labels.to(device)
+        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # pinned on GPUs
         last = micro == grad_accum - 1
         with c.sync.micro_batch(last=last):
             with c.autocast:
@@ -245,14 +259,14 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
     return StepResult(loss, lr, grad_norm, (n, k), telemetry, stop_reason, depths)
 
 
-def read_batches(c: Components, cfg: TrainConfig, plan: dict, grad_accum: int) -> tuple[list, str | None]:
-    """The step's micro-batches (inputs, labels), read and checked on the host before any compute.
+def read_batches(c: Components, cfg: TrainConfig, grad_accum: int) -> tuple[list, str | None]:
+    """The step's micro-batches (inputs, labels), read and checked on the host (during the previous step: the
+    StepPrefetcher) before any compute.
 
     A rank that cannot read its data trains this one step on zeros, so that every collective of the step still
     meets, and reports the error (rank and file) through the step's all-reduce."""
     try:
-        return [collate(c.reader.next_rows(cfg.micro_batch_size), plan["pad_id"], plan["eos_id"],
-                        c.model_cfg.vocab_size) for _ in range(grad_accum)], None
+        return c.reader.next_step(), None
     except DATA_ERRORS as err:
         zeros = torch.zeros(cfg.micro_batch_size, cfg.block_size, dtype=torch.long)
         return [(zeros, zeros)] * grad_accum, f"{c.reader.path}: {type(err).__name__}: {err}"

@@ -8,11 +8,18 @@ The reader's state is (row group in the buffer, RNG state before that row group'
 Loading it re-reads and re-shuffles that row group and drops the rows already taken, then continues with the
 next row group, so a resumed run reads exactly the rows an uninterrupted run reads (the reference re-read the
 current row group once more after a resume).
+
+Training reads through a `StepPrefetcher`: while step s runs, one background thread reads, checks and collates
+step s + 1's micro-batches (and pins them on a GPU, so their copies to the device can be asynchronous). The rows
+and their order are the reader's, unchanged; its `state_dict` describes the rows the loop has consumed, not the
+ones read ahead, so a checkpoint resumes exactly.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +103,62 @@ class ShardReader:
         for _ in range(state["taken"]):
             self.order.pop()
         self.taken = state["taken"]
+
+
+class StepPrefetcher:
+    """A training step's micro-batches from `reader`, the next step's read in a background thread meanwhile.
+
+    `next_step()` returns `micro_batches` collated (inputs, labels) pairs of `micro_batch_size` rows each, pinned
+    when `pin` (a CUDA device trains on them), then starts reading the step after. Reading is pyarrow, numpy and
+    torch work that releases the GIL for its bulk, so it overlaps the step's compute. A read error (pyarrow's,
+    collate's ValueError, StopIteration at the shard's end) is raised by the `next_step()` that would have
+    returned those rows, so a bad row group stops the step that reaches it, as a synchronous read would.
+
+    `state_dict()` is the reader's state right after the rows of the last step returned: the rows consumed. The
+    read-ahead rows are read again after a resume, as they were never trained on."""
+
+    def __init__(self, reader, micro_batch_size: int, micro_batches: int,
+                 collate_rows: Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]], pin: bool):
+        self.reader = reader
+        self.micro_batch_size = micro_batch_size
+        self.micro_batches = micro_batches
+        self.collate_rows = collate_rows
+        self.pin = pin
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="huginn-prefetch")
+        self.pending: Future | None = None
+        """The read of the next step, in flight or done; None before the first step and after a failed read."""
+        self.consumed_state: dict | None = None
+        """reader.state_dict() after the last step returned (valid while `pending` is not None)."""
+
+    @property
+    def path(self):
+        """The shard being read (error messages name it)."""
+        return self.reader.path
+
+    def _read_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        batches = [self.collate_rows(self.reader.next_rows(self.micro_batch_size)) for _ in range(self.micro_batches)]
+        if self.pin:
+            batches = [(inputs.pin_memory(), labels.pin_memory()) for inputs, labels in batches]
+        return batches
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        pending = self.pending or self.executor.submit(self._read_step)
+        self.pending = None
+        batches = pending.result()  # raises the read's error, if any; then nothing is read ahead
+        # nothing is in flight here, so the reader stands right after the rows just returned
+        self.consumed_state = self.reader.state_dict()
+        self.pending = self.executor.submit(self._read_step)
+        return batches
+
+    def state_dict(self) -> dict:
+        return self.consumed_state if self.pending is not None else self.reader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Drop what was read ahead (its error too) and continue from `state`."""
+        if self.pending is not None:
+            self.pending.exception()  # waits for the read to end; its rows and error are dropped
+            self.pending = None
+        self.reader.load_state_dict(state)
 
 
 def _as_state(state) -> tuple:
