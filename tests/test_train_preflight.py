@@ -34,7 +34,7 @@ def tiny(dataset, tmp_path, *extra):
     data_dir, tokenizer = dataset
     return load_train_config(TINY, [f"out_dir={tmp_path}", f"data.data_dir={data_dir}",
                                     f"data.tokenizer_path={tokenizer}", "block_size=32",
-                                    "model.overrides.vocab_size=64", *extra])
+                                    "model.overrides.vocab_size=64", "max_steps=20", *extra])  # the data's 20 steps
 
 
 def train_main():
@@ -45,10 +45,9 @@ def train_main():
 
 
 def test_valid_input_gives_a_plan(dataset, tmp_path):
-    plan = preflight(tiny(dataset, tmp_path, "micro_batch_size=2", "max_steps=50"))
+    plan = preflight(tiny(dataset, tmp_path, "micro_batch_size=2"))
     assert plan["world_size"] == 2 and plan["grad_accum"] == 1
-    assert plan["max_steps"] == 20  # 40 rows per shard / 2 rows per step: the data ends first
-    assert plan["schedule_steps"] == 50
+    assert plan["max_steps"] == plan["schedule_steps"] == 20  # 40 rows per shard / 2 rows per step: all the data
     assert plan["precision"] == "fp32"
     assert (plan["pad_id"], plan["eos_id"]) == (37, 33)
 

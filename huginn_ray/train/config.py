@@ -52,6 +52,10 @@ class ScheduleConfig:
     """Linear cooldown to min_lr over the last steps before max_steps."""
     min_lr: float = 0.0
     """Floor of the cooldown."""
+    fit_to_data: bool = False
+    """When the shards hold fewer steps than max_steps / max_tokens asks for: false refuses the run at preflight
+    (it would stop at the data's end at peak lr, with no cooldown); true lays the schedule over the steps the data
+    allows (warmup and cooldown keep their lengths, the cooldown ends at the data's last step)."""
     reference_lr_quirk: bool = False
     """Forensic only: reproduce the reference's LR bug (weight matrices at the constant peak lr from step 1,
     every group frozen after a resume) instead of the intended schedule."""

@@ -107,15 +107,6 @@ def preflight(cfg: TrainConfig) -> dict:
             f"data.tokenizer_path: {tokenizer_file} is not the tokenizer the shards in {data_dir} were made with "
             f"(manifest tokenizer_sha256 {manifest['tokenizer_sha256'][:12]}..., file {file_sha256(tokenizer_file)[:12]}...)"
         )
-    # the one check that opens 2 x world_size files: after every check that reads only the config and the manifest
-    try:
-        shards = check_shards(data_dir, manifest, world_size, model_cfg.vocab_size)
-    except ShardCheckError as err:
-        raise PreflightError(str(err)) from None
-    print(f"[huginn] shards checked: {shards.files} footers in {shards.seconds:.1f} s ({shards.threads} threads)"
-          + (f"; {shards.row_groups_without_statistics} row groups carry no id statistics (their ids are "
-             "range-checked by collate during training only)" if shards.row_groups_without_statistics else ""), flush=True)
-
     grad_accum, schedule_steps = batch_arithmetic(cfg)
     rows = manifest["rows_per_shard"]["train"]  # every shard holds the same number of rows
     data_steps = rows // (cfg.micro_batch_size * grad_accum)
@@ -127,21 +118,46 @@ def preflight(cfg: TrainConfig) -> dict:
             f"{data_dir}: validation shards hold {manifest['rows_per_shard']['val']} rows, "
             f"eval_iters x micro_batch_size = {val_rows}"
         )
-    if data_steps < schedule_steps:
-        print(f"[huginn] the shards hold {data_steps} steps of data; the run ends there "
-              f"(the schedule is laid out for {schedule_steps} steps)", flush=True)
+    schedule_steps = fit_schedule_to_data(cfg, data_dir, schedule_steps, data_steps, rows, grad_accum)
+
+    # the one check that opens 2 x world_size files: after every check that reads only the config and the manifest
+    try:
+        shards = check_shards(data_dir, manifest, world_size, model_cfg.vocab_size)
+    except ShardCheckError as err:
+        raise PreflightError(str(err)) from None
+    print(f"[huginn] shards checked: {shards.files} footers in {shards.seconds:.1f} s ({shards.threads} threads)"
+          + (f"; {shards.row_groups_without_statistics} row groups carry no id statistics (their ids are "
+             "range-checked by collate during training only)" if shards.row_groups_without_statistics else ""), flush=True)
     precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if cfg.scaling.use_gpu else "fp32")
     return {
         "stop_at_unix": stop_at_unix(cfg, time.time(), os.environ),
         "world_size": world_size,
         "grad_accum": grad_accum,
         "schedule_steps": schedule_steps,
-        "max_steps": min(schedule_steps, data_steps),
+        "max_steps": schedule_steps,
         "pad_id": ids["pad"],
         "eos_id": ids["eos"],
         "precision": precision,
         "model_config": model_cfg.to_hf_dict(),
     }
+
+
+def fit_schedule_to_data(cfg: TrainConfig, data_dir: Path, schedule_steps: int, data_steps: int, rows: int,
+                         grad_accum: int) -> int:
+    """The steps the run and its schedule span: `schedule_steps` when the shards hold that many; else the run is
+    refused, or with schedule.fit_to_data the schedule is laid over the `data_steps` the shards hold."""
+    if data_steps >= schedule_steps:
+        return schedule_steps
+    shortfall = (f"{data_dir}: a shard holds {rows} train rows, {data_steps} steps of micro_batch_size "
+                 f"{cfg.micro_batch_size} x {grad_accum} micro-batches, but the schedule is laid out for "
+                 f"{schedule_steps} steps (max_steps / max_tokens)")
+    if not cfg.schedule.fit_to_data:
+        raise PreflightError(f"{shortfall}: the run would stop at the data's end at peak lr, without its cooldown. "
+                             f"Set schedule.fit_to_data=true to lay the schedule over the {data_steps} steps, "
+                             f"or max_steps={data_steps}")
+    print(f"[huginn] {shortfall}; schedule.fit_to_data: the schedule (warmup {cfg.schedule.warmup_steps}, cooldown "
+          f"{cfg.schedule.cooldown_steps} micro-batch steps) is laid over {data_steps} steps", flush=True)
+    return data_steps
 
 
 JOB_END_TIME_ENV = "HUGINN_JOB_END_TIME"
