@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STEPS ?= 150
 
-.PHONY: test demo install clean
+.PHONY: test demo install clean gpu-check
 
 install: $(STAMP)
 
@@ -41,6 +41,13 @@ demo: $(STAMP)
 	@echo "[demo] depth-scaling plot: out/demo/eval/depth_scaling.png (table: out/demo/eval/depth_scaling.csv)"
 	@echo "[demo] Hugging Face export: out/demo/hf (AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True))"
 	@echo "[demo] MLflow UI: $(PY) -m mlflow ui --backend-store-uri sqlite:///$(CURDIR)/$(DEMO_CKPT)/mlflow/mlflow.db --port 5000"
+
+# The GPU path end to end on the device present, a few minutes (bench/gpu_check.py; figures go to BENCHMARKS.md).
+# It needs torch, numpy, pyarrow, safetensors and pyyaml only, so a machine without this venv (a lent GPU machine
+# with no Ray or MLflow) runs it with its own python3.
+GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_CHECK_PY) bench/gpu_check.py --out out/gpu_check.json
 
 clean:
 	rm -rf $(VENV)

@@ -1,0 +1,492 @@
+"""First contact with a GPU: the GPU path of training checked end to end, in one run of a few minutes.
+
+    make gpu-check                                    # the device present (cuda if torch sees one), JSON in out/
+    python bench/gpu_check.py --device cpu --quick    # tiny shapes in seconds: tests/test_gpu_check.py runs this
+
+On the device present it measures and prints, as a table, and writes as JSON (--out):
+1. peak: the best bf16 matmul FLOP/s (fp32 on CPU) and a device-to-device copy's bandwidth (bytes read + written);
+2. model step: forward+backward under bf16 autocast (fp32 on CPU), eager and compiled blocks, at the anchor,
+   raven-small, raven-medium and a nebel-width model (nebel's D = 5280, 55 heads of 96, I = 17920, V = 65536)
+   cut to fit the device: tokens/s, MFU against (1), and the attention kernel chosen at the training shape;
+3. memory: the training memory plan (huginn_ray.train.memory) of that nebel-width configuration, item by item,
+   against torch.cuda.memory_allocated / max_memory_allocated measured on the device (CPU: the plan only);
+4. training: the project's own build_components/train_step on one device, with a world-size-1 process group
+   (NCCL on GPUs, gloo on CPU) and no Ray: the loss falls, the host reads a device tensor once per step, a
+   checkpoint saved mid-run resumes to the same losses;
+5. generation at batch 1: tokens/s of an adaptive exit (kl) against the fixed depth, on the trained model.
+
+What the GPU machine needs: torch and what this package's training modules import at import time (numpy,
+pyarrow, safetensors, pyyaml); not Ray, not MLflow (huginn_ray.train.loop imports them inside the functions that
+run under Ray Train). The lent H100/H200 image holds all four, so no wheel has to be carried there; on a machine
+without them, carry those four wheels. Run it from the repository root (the script puts the root on sys.path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import platform
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch._dynamo
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model_step import CUSTOM, matmul_flops_per_second, step_seconds, synchronize  # noqa: E402
+
+from huginn_ray.cluster.devices import distributed_backend  # noqa: E402
+from huginn_ray.config import from_dict  # noqa: E402
+from huginn_ray.data.shards import shard_path  # noqa: E402
+from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, training_flops_per_token  # noqa: E402
+from huginn_ray.model.generate import DEFAULT_THRESHOLDS, generate  # noqa: E402
+from huginn_ray.model.model import (AttentionBackendError, AttentionShape, choose_attention_backend,  # noqa: E402
+                                    probe_attention_backends, restrict_attention)
+from huginn_ray.train import checkpoint as ckpt  # noqa: E402
+from huginn_ray.train import loop  # noqa: E402
+from huginn_ray.train.config import TrainConfig  # noqa: E402
+from huginn_ray.train.memory import GIB, plan_memory  # noqa: E402
+
+NEBEL_WIDTH = dict(n_embd=5280, num_attention_heads=55, intermediate_size=17920, vocab_size=65536,
+                   padding_multiple=4096, mean_recurrence=8, mean_backprop_depth=4, activation_checkpointing=True)
+NEBEL_CUTS = [(2, 4, 2, 4096), (1, 2, 1, 4096), (1, 1, 1, 4096), (1, 1, 1, 2048), (1, 1, 1, 1024)]
+"""(prelude, core, coda layers, seq_len), tried in order: the first whose training memory plan fits in
+FIT_FRACTION of the device is the nebel-width model."""
+FIT_FRACTION = 0.6
+TINY = dict(n_embd=64, num_attention_heads=4, intermediate_size=128, vocab_size=256, padding_multiple=64,
+            block_size=64, n_layers_in_prelude=1, n_layers_in_recurrent_block=1, n_layers_in_coda=1,
+            mean_recurrence=4, mean_backprop_depth=2)
+"""--quick: every shape at this size (seq_len 32), the nebel-width one through the same cut."""
+
+
+@dataclass
+class Setup:
+    device: torch.device
+    quick: bool
+    steps: int
+    """Timed fwd+bwd steps per variant."""
+    train_steps: int
+    save_at: int
+    new_tokens: int
+    depth: int
+    """Generation depth (the adaptive exit's maximum)."""
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def compile(self, model: RecurrentGPT) -> RecurrentGPT:
+        # --quick: dynamo traces the blocks (the path a GPU compiles) without inductor's code generation
+        return compile_blocks(model, backend="eager") if self.quick else compile_blocks(model, dynamic=False)
+
+
+def model_config(name: str, setup: Setup, **overrides) -> ModelConfig:
+    if setup.quick:
+        return ModelConfig(name=name, **{**TINY, **overrides})
+    if name in CUSTOM:
+        return ModelConfig(name=name, **{**CUSTOM[name], **overrides})
+    if name == "nebel-width":
+        return ModelConfig(name=name, **{**NEBEL_WIDTH, **overrides})
+    return ModelConfig.from_name(name, **overrides)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. peak
+# ---------------------------------------------------------------------------------------------------------
+def measure_peak(setup: Setup) -> dict:
+    dtype = torch.bfloat16 if setup.on_gpu else torch.float32
+    shapes = [(8192, 8192, 8192), (4096, 4096, 4096)] if setup.on_gpu else [(256, 256, 256)]
+    flops, shape = matmul_flops_per_second(setup.device, dtype, shapes, repeats=10 if setup.on_gpu else 3)
+    copy_bytes = 2**30 if setup.on_gpu else 2**23
+    source = torch.ones(copy_bytes // 4, device=setup.device)
+    target = torch.empty_like(source)
+    fastest = float("inf")
+    for _ in range(10):
+        synchronize(setup.device)
+        start = time.perf_counter()
+        target.copy_(source)
+        synchronize(setup.device)
+        fastest = min(fastest, time.perf_counter() - start)
+    return {"matmul_flops": flops, "matmul_dtype": str(dtype).removeprefix("torch."), "matmul_shape": list(shape),
+            "copy_bytes": copy_bytes, "copy_bytes_per_s": 2 * copy_bytes / fastest}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. model step
+# ---------------------------------------------------------------------------------------------------------
+def nebel_cut(setup: Setup) -> tuple[ModelConfig, int, TrainConfig]:
+    """The nebel-width model that fits: (model config, seq_len, its world-size-1 training config)."""
+    device_bytes = device_memory(setup.device)
+    for prelude, core, coda, seq_len in NEBEL_CUTS:
+        seq_len = 32 if setup.quick else seq_len
+        config = model_config("nebel-width", setup, n_layers_in_prelude=prelude, n_layers_in_recurrent_block=core,
+                              n_layers_in_coda=coda, block_size=seq_len, activation_checkpointing=True)
+        cfg = train_config(config, seq_len, micro_batch_size=1, setup=setup, steps=4, data_dir="")
+        plan = plan_memory(cfg, config)
+        if plan.total <= FIT_FRACTION * device_bytes:
+            return config, seq_len, cfg
+    raise RuntimeError(f"no nebel-width cut fits {FIT_FRACTION} x {device_bytes / GIB:.1f} GiB: {NEBEL_CUTS}")
+
+
+def model_steps(setup: Setup, peak: float) -> list[dict]:
+    shapes = [("anchor", 8, 256), ("raven-small", 16, 1024), ("raven-medium", 8, 1024)]
+    if setup.quick:
+        shapes = [(name, 2, 32) for name, _, _ in shapes]
+    rows = []
+    for name, batch, seq_len in shapes:
+        rows.append(model_step(setup, peak, model_config(name, setup), name, batch, seq_len))
+    config, seq_len, _ = nebel_cut(setup)
+    label = (f"nebel-width {config.n_layers_in_prelude}/{config.n_layers_in_recurrent_block}/"
+             f"{config.n_layers_in_coda} layers, activation checkpointing")
+    rows.append(model_step(setup, peak, config, label, 1, seq_len))
+    return rows
+
+
+def model_step(setup: Setup, peak: float, config: ModelConfig, label: str, batch: int, seq_len: int) -> dict:
+    num_steps = (1, 2) if setup.quick else (4, 4)
+    dtype = torch.bfloat16 if setup.on_gpu else torch.float32
+    shape = AttentionShape(batch, config.num_attention_heads, seq_len, config.head_dim, dtype)
+    probe = probe_attention_backends(shape, setup.device)
+    row = {"shape": label, "batch": batch, "seq_len": seq_len, "num_steps": list(num_steps),
+           "n_embd": config.n_embd, "heads": config.num_attention_heads, "attention_probe": probe}
+    try:
+        backend = choose_attention_backend(probe, shape, "auto")
+    except AttentionBackendError as err:
+        return {**row, "attention_backend": None, "error": str(err)}
+    torch._dynamo.reset()  # every shape compiles its own static graphs
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        eager = RecurrentGPT(config)
+    models = {"eager": restrict_attention(eager.materialize(setup.device), backend)}
+    with torch.device("meta"):
+        compiled = RecurrentGPT(config)
+    compiled.materialize(setup.device).load_state_dict(models["eager"].state_dict())
+    models["compiled"] = setup.compile(restrict_attention(compiled, backend))
+    for model in models.values():
+        model.loss_chunk_tokens = 1024
+    seconds = step_seconds(models, batch, seq_len, num_steps, setup.device, autocast=setup.on_gpu, steps=setup.steps)
+    flops_per_token = training_flops_per_token(config, num_steps, seq_len)
+    row.update(attention_backend=backend, params=sum(p.numel() for p in eager.parameters()))
+    for variant, median in seconds.items():
+        tokens_per_s = batch * seq_len / median
+        row[variant] = {"seconds": median, "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak}
+    row["compiled_over_eager"] = seconds["eager"] / seconds["compiled"]
+    del models, eager, compiled
+    free_device_memory(setup.device)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. memory plan against the allocator
+# ---------------------------------------------------------------------------------------------------------
+def device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def allocated(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def free_device_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def difference(after: int | None, before: int | None) -> int | None:
+    return None if after is None or before is None else after - before
+
+
+def memory_check(setup: Setup, root: Path) -> dict:
+    """The plan of the nebel-width training configuration, then the same configuration built by build_components
+    on the device: allocated bytes after building (parameters), after the forward inside autocast (activations +
+    bf16 weight casts) and after leaving it (activations), after backward (gradients), after the optimizer's
+    first step (its state); then the peak of a whole train_step."""
+    config, seq_len, cfg = nebel_cut(setup)
+    plan = plan_memory(cfg, config)
+    cfg.data.data_dir = str(write_shard(root / "memory", config.vocab_size, seq_len, rows=8))
+    run_plan = train_plan(cfg, config, setup)
+    device = setup.device
+    free_device_memory(device)
+    c = loop.build_components(cfg, run_plan, 0, device)
+    params = allocated(device)
+    inputs, labels = (t.to(device) for t in c.reader.next_step()[0])
+    k = config.mean_backprop_depth
+    with c.autocast:
+        loss = c.sync.module(inputs, labels=labels, num_steps=(1, k)).loss
+        forward_with_casts = allocated(device)
+    forward = allocated(device)
+    loss.backward()
+    c.sync.finish()
+    del loss
+    gradients = allocated(device)
+    c.optimizer.step()
+    c.optimizer.zero_grad(set_to_none=True)
+    after_step = allocated(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    loop.train_step(c, 2, cfg, run_plan, device)
+    synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    def planned(prefix: str) -> int:
+        return next(size for name, size in [*(row[:2] for row in plan.rows), *plan.transients] if name.startswith(prefix))
+
+    items = [
+        ("parameters + buffers", planned("parameters + buffers"), params),
+        ("gradients", planned("gradients"), difference(gradients, params)),
+        ("optimizer state", planned("optimizer state"), difference(after_step, params)),
+        ("activations saved for backward (end of forward, outside autocast)", planned("activations saved"),
+         difference(forward, params)),
+        ("weight casts at the end of the forward (plan: + one loss chunk)", planned("end of forward"),
+         difference(forward_with_casts, forward)),
+        ("total: the peak of a whole train_step", plan.total, peak),
+    ]
+    del c, inputs, labels
+    free_device_memory(device)
+    return {"config": f"{config.name} {config.n_layers_in_prelude}/{config.n_layers_in_recurrent_block}/"
+                      f"{config.n_layers_in_coda} layers, D={config.n_embd}, micro-batch 1 x {seq_len}, k={k}",
+            "plan": plan.render().splitlines(),
+            "items": [{"item": item, "planned_bytes": planned, "measured_bytes": measured}
+                      for item, planned, measured in items]}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. training through the project's loop, without Ray
+# ---------------------------------------------------------------------------------------------------------
+def write_shard(data_dir: Path, vocab: int, seq_len: int, rows: int) -> Path:
+    """Rank 0's train shard of counting sequences mod (vocab - 2) from random starts: learnable, so the loss falls."""
+    rng = np.random.default_rng(0)
+    ids = (rng.integers(0, vocab - 2, size=(rows, 1)) + np.arange(seq_len + 1)) % (vocab - 2)
+    path = shard_path(data_dir, "train", 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"input_ids": pa.array(list(ids.astype(np.int32)), type=pa.list_(pa.int32()))}), path,
+                   row_group_size=64)
+    return data_dir
+
+
+def train_config(config: ModelConfig, seq_len: int, micro_batch_size: int, setup: Setup, steps: int,
+                 data_dir: str) -> TrainConfig:
+    return from_dict(TrainConfig, {
+        "max_steps": steps, "block_size": seq_len, "micro_batch_size": micro_batch_size,
+        "model": {"name": "nebel-raven-3.5b" if config.name == "nebel-width" else "raven-tiny"},
+        "optim": {"lr": 3e-3}, "schedule": {"warmup_steps": 2, "cooldown_steps": 0},
+        "data": {"data_dir": data_dir}, "scaling": {"num_workers": 1, "use_gpu": setup.on_gpu},
+        "activation_checkpointing": config.activation_checkpointing,
+        "device_memory_gib": device_memory(setup.device) / GIB,
+    })
+
+
+def train_plan(cfg: TrainConfig, config: ModelConfig, setup: Setup) -> dict:
+    """What preflight hands the workers, for this one-rank run."""
+    return {"grad_accum": 1, "schedule_steps": cfg.max_steps, "max_steps": cfg.max_steps,
+            "pad_id": config.vocab_size - 1, "eos_id": config.vocab_size - 2,
+            "precision": "bf16-mixed" if setup.on_gpu else "fp32", "model_config": config.to_hf_dict()}
+
+
+@contextmanager
+def counting_host_reads(device: torch.device):
+    """Counts reads of tensor values by the host (item, bool, float, int, tolist): `sites` by file:function:method
+    in this package's training files, `device` those of tensors not on the CPU (each one a device sync)."""
+    names = ("item", "__bool__", "__float__", "__int__", "tolist")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+    counts = {"sites": collections.Counter(), "device": 0}
+    project = ("loop.py", "model.py", "optim.py", "grad_sync.py", "sharding.py", "shard_reader.py")
+
+    def counting(name):
+        def read(self, *args, **kwargs):
+            frame = traceback.extract_stack(limit=2)[0]
+            file = Path(frame.filename).name
+            if file in project:
+                counts["sites"][f"{file}:{frame.name}:{name}"] += 1
+            if self.device.type != "cpu":
+                counts["device"] += 1
+            return originals[name](self, *args, **kwargs)
+        return read
+
+    for name in names:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def save_and_resume(c: loop.Components, step: int, cfg: TrainConfig, plan: dict, device: torch.device,
+                    directory: Path) -> loop.Components:
+    """Save `c` after `step` with the project's checkpoint functions and resume from it into newly built
+    components (model, optimizer, reader and RNG states). The one place this check touches the checkpoint API."""
+    tokens = step * cfg.micro_batch_size * plan["grad_accum"] * cfg.block_size
+    ckpt.write(directory, 0, c.model, c.optimizer, ckpt.TrainerState(step=step, tokens=tokens, world_size=1),
+               c.reader.state_dict(), device)
+    resumed = loop.build_components(cfg, plan, 0, device)
+    state, reader_state = ckpt.read(directory, 0, 1, resumed.model, resumed.optimizer, device)
+    assert state.step == step, (state.step, step)
+    resumed.reader.load_state_dict(reader_state)
+    resumed.resumed = True
+    return resumed
+
+
+def training_check(setup: Setup, root: Path) -> tuple[dict, RecurrentGPT]:
+    """A reference run of train_steps steps, host reads counted from step 3 on (the optimizer state exists), then
+    a second run that saves after save_at steps, resumes into new components and goes on to the end."""
+    config = model_config("anchor", setup)
+    seq_len, micro_batch = (32, 2) if setup.quick else (256, 8)
+    steps = setup.train_steps
+    data_dir = write_shard(root / "train", config.vocab_size, seq_len, rows=micro_batch * (steps + 2))
+    cfg = train_config(config, seq_len, micro_batch, setup, steps, str(data_dir))
+    plan = train_plan(cfg, config, setup)
+    device = setup.device
+    c = loop.build_components(cfg, plan, 0, device)
+    reference = [loop.train_step(c, step, cfg, plan, device).loss for step in (1, 2)]
+    with counting_host_reads(device) as reads:
+        reference += [loop.train_step(c, step, cfg, plan, device).loss for step in range(3, steps + 1)]
+    counted = steps - 2
+    del c
+    c = loop.build_components(cfg, plan, 0, device)
+    second = [loop.train_step(c, step, cfg, plan, device).loss for step in range(1, setup.save_at + 1)]
+    with tempfile.TemporaryDirectory(dir=root) as directory:
+        c = save_and_resume(c, setup.save_at, cfg, plan, device, Path(directory))
+    second += [loop.train_step(c, step, cfg, plan, device).loss for step in range(setup.save_at + 1, steps + 1)]
+    third = len(reference) // 3
+    result = {
+        "model": f"{config.name} D={config.n_embd}, micro-batch {micro_batch} x {seq_len}",
+        "steps": steps, "losses": reference,
+        "loss_falls": sum(reference[-third:]) < sum(reference[:third]),
+        "host_reads_per_step": {site: n / counted for site, n in sorted(reads["sites"].items())},
+        "device_reads_per_step": reads["device"] / counted,
+        "resume": {"saved_after_step": setup.save_at, "losses": second,
+                   "max_abs_loss_difference": max(abs(a - b) for a, b in zip(reference, second)),
+                   "bitwise": reference == second},
+    }
+    return result, restrict_attention(c.model, None)  # generation: torch's own kernel choice
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. generation
+# ---------------------------------------------------------------------------------------------------------
+def generation_check(setup: Setup, model: RecurrentGPT) -> dict:
+    model.eval()
+    prompt = (torch.arange(16, device=setup.device) % (model.config.vocab_size - 2))[None]
+    result = {}
+    for label, criterion in (("fixed depth", None), ("adaptive (kl)", "kl")):
+        generate(model, prompt, 2, setup.depth, exit_criterion=criterion)  # warm-up
+        synchronize(setup.device)
+        start = time.perf_counter()
+        out = generate(model, prompt, setup.new_tokens, setup.depth, exit_criterion=criterion)
+        synchronize(setup.device)
+        seconds = time.perf_counter() - start
+        result[label] = {"tokens_per_s": setup.new_tokens / seconds,
+                         "mean_steps_per_token": float(out.steps[:, 1:].float().mean()),
+                         "threshold": DEFAULT_THRESHOLDS.get(criterion)}
+    return {"depth": setup.depth, "new_tokens": setup.new_tokens, "batch": 1, **result}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------------------
+def init_one_rank(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(distributed_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1, timeout=timedelta(seconds=120))
+
+
+def render(report: dict) -> str:
+    mib = lambda b: "-" if b is None else f"{b / 2**20:,.1f}"  # noqa: E731
+    peak = report["peak"]
+    lines = [f"device: {report['device']['name']} ({report['device']['type']}), torch {report['device']['torch']}"
+             f"{', --quick' if report['device']['quick'] else ''}",
+             f"peak: matmul {peak['matmul_flops'] / 1e12:.1f} TFLOP/s ({peak['matmul_dtype']}, "
+             f"{'x'.join(map(str, peak['matmul_shape']))}); device-to-device copy "
+             f"{peak['copy_bytes_per_s'] / 1e9:.0f} GB/s (read + written)", "",
+             f"{'shape':<58}{'B x T':>10}{'attention':>10}{'eager tok/s':>13}{'MFU':>7}{'compiled tok/s':>16}"
+             f"{'MFU':>7}{'ratio':>7}"]
+    for row in report["model_step"]:
+        if "error" in row:
+            lines.append(f"{row['shape']:<58}{row['batch']:>4} x {row['seq_len']:<5}  refused: {row['error']}")
+            continue
+        lines.append(f"{row['shape']:<58}{row['batch']:>4} x {row['seq_len']:<5}{row['attention_backend']:>10}"
+                     f"{row['eager']['tokens_per_s']:>13.0f}{row['eager']['mfu']:>7.1%}"
+                     f"{row['compiled']['tokens_per_s']:>16.0f}{row['compiled']['mfu']:>7.1%}"
+                     f"{row['compiled_over_eager']:>6.2f}x")
+    memory = report["memory"]
+    lines += ["", f"memory: {memory['config']}", f"{'item':<70}{'planned MiB':>12}{'measured MiB':>14}"]
+    lines += [f"{i['item']:<70}{mib(i['planned_bytes']):>12}{mib(i['measured_bytes']):>14}" for i in memory["items"]]
+    train = report["training"]
+    lines += ["", f"training ({train['model']}, {train['steps']} steps, world size 1, no Ray): loss "
+              f"{train['losses'][0]:.4f} -> {train['losses'][-1]:.4f} ({'falls' if train['loss_falls'] else 'DOES NOT FALL'}); "
+              f"device reads per step {train['device_reads_per_step']:g}; resumed after step "
+              f"{train['resume']['saved_after_step']}: max |loss difference| {train['resume']['max_abs_loss_difference']:.3g}"
+              f"{' (bitwise)' if train['resume']['bitwise'] else ''}",
+              "host reads per step by site: " + ", ".join(f"{s} {n:g}" for s, n in train["host_reads_per_step"].items())]
+    gen = report["generation"]
+    lines += ["", f"generation, batch 1, depth {gen['depth']}, {gen['new_tokens']} tokens: " + "; ".join(
+        f"{label} {gen[label]['tokens_per_s']:.1f} tok/s ({gen[label]['mean_steps_per_token']:.2f} iterations/token)"
+        for label in ("fixed depth", "adaptive (kl)")), f"total {report['seconds']:.0f} s"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, a few seconds (the test suite's run)")
+    parser.add_argument("--out", default="out/gpu_check.json", help="where the JSON goes")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type != "cuda" and not args.quick:
+        parser.error(f"--device {args.device}: the full check is for a GPU; on a CPU run --quick "
+                     "(bench/model_step.py measures CPU shapes)")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if args.quick:
+        setup = Setup(device, quick=True, steps=2, train_steps=8, save_at=4, new_tokens=6, depth=4)
+    else:
+        setup = Setup(device, quick=False, steps=10, train_steps=40, save_at=20, new_tokens=64, depth=16)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the fp32 CPU run is bitwise reproducible with one thread
+    started = time.perf_counter()
+    name = torch.cuda.get_device_name(device) if setup.on_gpu else platform.processor() or platform.machine()
+    report = {"device": {"type": device.type, "name": name, "torch": torch.__version__, "quick": setup.quick,
+                         "memory_bytes": device_memory(device), "command": " ".join(sys.argv)}}
+    report["peak"] = measure_peak(setup)
+    report["model_step"] = model_steps(setup, report["peak"]["matmul_flops"])
+    init_one_rank(device)
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            report["memory"] = memory_check(setup, Path(root))
+            report["training"], trained = training_check(setup, Path(root))
+        report["generation"] = generation_check(setup, trained)
+    finally:
+        dist.destroy_process_group()
+    report["seconds"] = time.perf_counter() - started
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(render(report))
+    print(f"JSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

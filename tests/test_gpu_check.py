@@ -1,0 +1,57 @@
+"""`python bench/gpu_check.py --device cpu --quick`: every part of the GPU check runs on every change, at tiny
+shapes on the CPU (a GPU session runs `make gpu-check`, the same code at full size; BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from huginn_ray.model.generate import DEFAULT_THRESHOLDS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--device", "cpu", "--quick",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert list(report) == ["device", "peak", "model_step", "memory", "training", "generation", "seconds"]
+    assert (report["device"]["type"], report["device"]["quick"]) == ("cpu", True)
+    assert report["peak"]["matmul_flops"] > 0 and report["peak"]["copy_bytes_per_s"] > 0
+
+    steps = report["model_step"]
+    assert [row["shape"] for row in steps] == ["anchor", "raven-small", "raven-medium",
+                                               "nebel-width 2/4/2 layers, activation checkpointing"]
+    for row in steps:  # this CPU: torch's flash kernel takes the shapes, there is no memory-efficient one
+        assert row["attention_backend"] == "flash" and row["attention_probe"]["flash"] is None
+        assert row["attention_probe"]["efficient"].startswith("No viable backend")
+        assert row["eager"]["tokens_per_s"] > 0 and row["compiled"]["tokens_per_s"] > 0
+
+    memory = report["memory"]
+    assert [item["item"] for item in memory["items"]] == [
+        "parameters + buffers", "gradients", "optimizer state",
+        "activations saved for backward (end of forward, outside autocast)",
+        "weight casts at the end of the forward (plan: + one loss chunk)", "total: the peak of a whole train_step"]
+    params, grads = memory["items"][0]["planned_bytes"], memory["items"][1]["planned_bytes"]
+    assert params - grads == 32 * 16 * 4  # the RoPE table: seq_len 32 x head_dim 16, fp32
+    assert all(item["measured_bytes"] is None for item in memory["items"])  # the allocator's counts are CUDA's
+    assert memory["plan"][-1].startswith("total per rank: ")
+
+    training = report["training"]
+    assert training["loss_falls"] and training["losses"][-1] < training["losses"][0]
+    assert training["resume"] == {"saved_after_step": 4, "losses": training["losses"],
+                                  "max_abs_loss_difference": 0.0, "bitwise": True}  # fp32, one thread: exact
+    reads = training["host_reads_per_step"]
+    assert reads["loop.py:train_step:tolist"] == 1.0  # the step's one read of the agreed vector
+    assert reads["model.py:sample_recurrence:item"] == 1.0  # the depth, drawn on the CPU
+    assert training["device_reads_per_step"] == 0.0
+
+    generation = report["generation"]
+    assert generation["fixed depth"]["mean_steps_per_token"] == 4.0
+    assert generation["adaptive (kl)"]["threshold"] == DEFAULT_THRESHOLDS["kl"]
+    assert 1.0 <= generation["adaptive (kl)"]["mean_steps_per_token"] <= 4.0
+    assert "total per rank" not in run.stdout and "JSON: " + str(out) in run.stdout
