@@ -346,7 +346,8 @@ def save_and_resume(c: loop.Components, step: int, cfg: TrainConfig, plan: dict,
 
 def training_check(setup: Setup, root: Path) -> tuple[dict, RecurrentGPT]:
     """A reference run of train_steps steps, host reads counted from step 3 on (the optimizer state exists), then
-    a second run that saves after save_at steps, resumes into new components and goes on to the end."""
+    a second run that saves after save_at steps, resumes into new components and goes on to the end (its device
+    reads counted too: optimizer step counters loaded onto the device would show there)."""
     config = model_config("anchor", setup)
     seq_len, micro_batch = (32, 2) if setup.quick else (256, 8)
     steps = setup.train_steps
@@ -364,7 +365,8 @@ def training_check(setup: Setup, root: Path) -> tuple[dict, RecurrentGPT]:
     second = [loop.train_step(c, step, cfg, plan, device).loss for step in range(1, setup.save_at + 1)]
     with tempfile.TemporaryDirectory(dir=root) as directory:
         c = save_and_resume(c, setup.save_at, cfg, plan, device, Path(directory))
-    second += [loop.train_step(c, step, cfg, plan, device).loss for step in range(setup.save_at + 1, steps + 1)]
+    with counting_host_reads(device) as reads_after_resume:
+        second += [loop.train_step(c, step, cfg, plan, device).loss for step in range(setup.save_at + 1, steps + 1)]
     third = len(reference) // 3
     result = {
         "model": f"{config.name} D={config.n_embd}, micro-batch {micro_batch} x {seq_len}",
@@ -374,7 +376,8 @@ def training_check(setup: Setup, root: Path) -> tuple[dict, RecurrentGPT]:
         "device_reads_per_step": reads["device"] / counted,
         "resume": {"saved_after_step": setup.save_at, "losses": second,
                    "max_abs_loss_difference": max(abs(a - b) for a, b in zip(reference, second)),
-                   "bitwise": reference == second},
+                   "bitwise": reference == second,
+                   "device_reads_per_step": reads_after_resume["device"] / (steps - setup.save_at)},
     }
     return result, restrict_attention(c.model, None)  # generation: torch's own kernel choice
 
@@ -438,7 +441,8 @@ def render(report: dict) -> str:
               f"{train['losses'][0]:.4f} -> {train['losses'][-1]:.4f} ({'falls' if train['loss_falls'] else 'DOES NOT FALL'}); "
               f"device reads per step {train['device_reads_per_step']:g}; resumed after step "
               f"{train['resume']['saved_after_step']}: max |loss difference| {train['resume']['max_abs_loss_difference']:.3g}"
-              f"{' (bitwise)' if train['resume']['bitwise'] else ''}",
+              f"{' (bitwise)' if train['resume']['bitwise'] else ''}, device reads per step after the resume "
+              f"{train['resume']['device_reads_per_step']:g}",
               "host reads per step by site: " + ", ".join(f"{s} {n:g}" for s, n in train["host_reads_per_step"].items())]
     gen = report["generation"]
     lines += ["", f"generation, batch 1, depth {gen['depth']}, {gen['new_tokens']} tokens: " + "; ".join(

@@ -44,7 +44,8 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
     training = report["training"]
     assert training["loss_falls"] and training["losses"][-1] < training["losses"][0]
     assert training["resume"] == {"saved_after_step": 4, "losses": training["losses"],
-                                  "max_abs_loss_difference": 0.0, "bitwise": True}  # fp32, one thread: exact
+                                  "max_abs_loss_difference": 0.0, "bitwise": True,  # fp32, one thread: exact
+                                  "device_reads_per_step": 0.0}
     reads = training["host_reads_per_step"]
     assert reads["loop.py:train_step:tolist"] == 1.0  # the step's one read of the agreed vector
     assert reads["model.py:sample_recurrence:item"] == 1.0  # the depth, drawn on the CPU
