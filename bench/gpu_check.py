@@ -330,16 +330,17 @@ def counting_host_reads(device: torch.device):
 
 
 def save_and_resume(c: loop.Components, step: int, cfg: TrainConfig, plan: dict, device: torch.device,
-                    directory: Path) -> loop.Components:
-    """Save `c` after `step` with the project's checkpoint functions and resume from it into newly built
-    components (model, optimizer, reader and RNG states). The one place this check touches the checkpoint API."""
+                    run_dir: Path) -> loop.Components:
+    """Save `c` after `step` into `run_dir` with the project's checkpoint functions and resume from it, as a
+    rerun of the job does, into newly built components (model, optimizer, reader and RNG states). The one place
+    this check touches the checkpoint API."""
     tokens = step * cfg.micro_batch_size * plan["grad_accum"] * cfg.block_size
-    ckpt.write(directory, 0, c.model, c.optimizer, ckpt.TrainerState(step=step, tokens=tokens, world_size=1),
-               c.reader.state_dict(), device)
+    ckpt.write(run_dir / f"checkpoint_{step:06d}", 0, c.model, c.optimizer,
+               ckpt.TrainerState(step=step, tokens=tokens, world_size=1), c.reader.state_dict(), device)
     resumed = loop.build_components(cfg, plan, 0, device)
-    state, reader_state = ckpt.read(directory, 0, 1, resumed.model, resumed.optimizer, device)
-    assert state.step == step, (state.step, step)
-    resumed.reader.load_state_dict(reader_state)
+    found = ckpt.resume(None, run_dir, 0, 1, resumed.model, resumed.optimizer, device)
+    assert found is not None and found.state.step == step, found
+    resumed.reader.load_state_dict(found.reader_state)
     resumed.resumed = True
     return resumed
 
@@ -363,8 +364,8 @@ def training_check(setup: Setup, root: Path) -> tuple[dict, RecurrentGPT]:
     del c
     c = loop.build_components(cfg, plan, 0, device)
     second = [loop.train_step(c, step, cfg, plan, device).loss for step in range(1, setup.save_at + 1)]
-    with tempfile.TemporaryDirectory(dir=root) as directory:
-        c = save_and_resume(c, setup.save_at, cfg, plan, device, Path(directory))
+    with tempfile.TemporaryDirectory(dir=root) as run_dir:
+        c = save_and_resume(c, setup.save_at, cfg, plan, device, Path(run_dir))
     with counting_host_reads(device) as reads_after_resume:
         second += [loop.train_step(c, step, cfg, plan, device).loss for step in range(setup.save_at + 1, steps + 1)]
     third = len(reference) // 3

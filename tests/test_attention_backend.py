@@ -20,7 +20,7 @@ from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.model.model import (AttentionBackendError, AttentionShape, choose_attention_backend,
                                     probe_attention_backends, restrict_attention)
 from huginn_ray.train import loop
-from test_train_sharding import MemoryReader, plan_for, train_config
+from test_train_parallel import MemoryReader, plan_for, train_config
 
 NEBEL = AttentionShape(batch=1, heads=55, seq_len=4096, head_dim=96, dtype=torch.bfloat16)
 FLASH_REFUSES = "Flash attention kernel not used because: head_dim 96 is not supported on this device"
@@ -93,7 +93,7 @@ def one_rank():
 
 def test_a_worker_logs_the_kernel_it_trains_with_and_stops_on_a_long_math_only_shape(one_rank, monkeypatch, capsys):
     monkeypatch.setattr(loop, "ShardReader", MemoryReader)
-    cfg = train_config(["grad_sync.node_size=0"])
+    cfg = train_config([])
     c = loop.build_components(cfg, plan_for(cfg), 0, torch.device("cpu"))
     assert capsys.readouterr().out == ("[huginn] attention: flash kernel (micro-batch 2 x 4 heads x seq_len 16 x "
                                        "head_dim 16, float32, cpu)\n")
@@ -103,13 +103,13 @@ def test_a_worker_logs_the_kernel_it_trains_with_and_stops_on_a_long_math_only_s
     # stands in for a GPU whose fused kernels do not take the shape
     monkeypatch.setattr(loop, "probe_attention_backends",
                         lambda shape, device: {"flash": FLASH_REFUSES, "efficient": EFFICIENT_REFUSES})
-    long = train_config(["grad_sync.node_size=0", "block_size=2048"])
+    long = train_config(["block_size=2048"])
     plan = {**plan_for(long), "model_config": ModelConfig.from_name(
         "raven-tiny", vocab_size=64, block_size=2048).to_hf_dict()}
     with pytest.raises(loop.Stop, match=r"^attention: only the math attention kernel takes the training shape "
                                         r"\(micro-batch 2 x 4 heads x seq_len 2048 x head_dim 16, float32\)"):
         loop.build_components(long, plan, 0, torch.device("cpu"))
-    on_purpose = train_config(["grad_sync.node_size=0", "block_size=2048", "attention_backend=math"])
+    on_purpose = train_config(["block_size=2048", "attention_backend=math"])
     c = loop.build_components(on_purpose, plan, 0, torch.device("cpu"))
     assert "[huginn] attention: math kernel (micro-batch 2 x 4 heads x seq_len 2048" in capsys.readouterr().out
     assert c.model.transformer.coda[0].attn.sdpa_backends == [SDPBackend.MATH]
