@@ -216,17 +216,19 @@ def difference(after: int | None, before: int | None) -> int | None:
 
 def memory_check(setup: Setup, root: Path) -> dict:
     """The plan of the nebel-width training configuration, then the same configuration built by build_components
-    on the device: allocated bytes after building (parameters), after the forward inside autocast (activations +
-    bf16 weight casts) and after leaving it (activations), after backward (gradients), after the optimizer's
-    first step (its state); then the peak of a whole train_step."""
+    on the device, allocated bytes measured from before the build: after it (parameters, buffers and the
+    optimizer state, which the optimizer allocates at construction), after one micro-batch's forward inside
+    autocast (+ activations and bf16 weight casts) and after leaving it (+ activations), after its backward
+    (+ gradients); then the peak of a whole train_step."""
     config, seq_len, cfg = nebel_cut(setup)
     plan = plan_memory(cfg, config)
     cfg.data.data_dir = str(write_shard(root / "memory", config.vocab_size, seq_len, rows=8))
     run_plan = train_plan(cfg, config, setup)
     device = setup.device
     free_device_memory(device)
+    before = allocated(device)
     c = loop.build_components(cfg, run_plan, 0, device)
-    params = allocated(device)
+    built = allocated(device)
     inputs, labels = (t.to(device) for t in c.reader.next_step()[0])
     k = config.mean_backprop_depth
     with c.autocast:
@@ -237,26 +239,25 @@ def memory_check(setup: Setup, root: Path) -> dict:
     c.sync.finish()
     del loss
     gradients = allocated(device)
-    c.optimizer.step()
     c.optimizer.zero_grad(set_to_none=True)
-    after_step = allocated(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     loop.train_step(c, 2, cfg, run_plan, device)
     synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
     def planned(prefix: str) -> int:
         return next(size for name, size in [*(row[:2] for row in plan.rows), *plan.transients] if name.startswith(prefix))
 
     items = [
-        ("parameters + buffers", planned("parameters + buffers"), params),
-        ("gradients", planned("gradients"), difference(gradients, params)),
-        ("optimizer state", planned("optimizer state"), difference(after_step, params)),
+        ("parameters + buffers + optimizer state", planned("parameters") + planned("optimizer state"),
+         difference(built, before)),
+        ("gradients", planned("gradients"), difference(gradients, built)),
         ("activations saved for backward (end of forward, outside autocast)", planned("activations saved"),
-         difference(forward, params)),
+         difference(forward, built)),
         ("weight casts at the end of the forward (plan: + one loss chunk)", planned("end of forward"),
          difference(forward_with_casts, forward)),
-        ("total: the peak of a whole train_step", plan.total, peak),
+        ("total: the peak of a whole train_step", plan.total, difference(peak, before)),
     ]
     del c, inputs, labels
     free_device_memory(device)

@@ -8,9 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.model.generate import DEFAULT_THRESHOLDS
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.append(str(REPO / "bench"))  # appended: bench/ must not shadow any module
+from gpu_check import TINY  # noqa: E402
 
 
 def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates(tmp_path):
@@ -33,11 +38,16 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
 
     memory = report["memory"]
     assert [item["item"] for item in memory["items"]] == [
-        "parameters + buffers", "gradients", "optimizer state",
+        "parameters + buffers + optimizer state", "gradients",
         "activations saved for backward (end of forward, outside autocast)",
         "weight casts at the end of the forward (plan: + one loss chunk)", "total: the peak of a whole train_step"]
-    params, grads = memory["items"][0]["planned_bytes"], memory["items"][1]["planned_bytes"]
-    assert params - grads == 32 * 16 * 4  # the RoPE table: seq_len 32 x head_dim 16, fp32
+    fixed, grads = memory["items"][0]["planned_bytes"], memory["items"][1]["planned_bytes"]
+    with torch.device("meta"):
+        model = RecurrentGPT(ModelConfig(name="nebel-width", **{**TINY, "n_layers_in_prelude": 2,
+                                                                "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2}))
+    tensors = len(list(model.parameters()))
+    # fp32 parameters + the RoPE table (seq_len 32 x head_dim 16), two fp32 moments and an int64 step per tensor
+    assert fixed == grads + 32 * 16 * 4 + 2 * grads + 8 * tensors
     assert all(item["measured_bytes"] is None for item in memory["items"])  # the allocator's counts are CUDA's
     assert memory["plan"][-1].startswith("total per rank: ")
 
