@@ -145,13 +145,17 @@ def model_steps(setup: Setup, peak: float) -> list[dict]:
     shapes = [("anchor", 8, 256), ("raven-small", 16, 1024), ("raven-medium", 8, 1024)]
     if setup.quick:
         shapes = [(name, 2, 32) for name, _, _ in shapes]
-    rows = []
-    for name, batch, seq_len in shapes:
-        rows.append(model_step(setup, peak, model_config(name, setup), name, batch, seq_len))
     config, seq_len, _ = nebel_cut(setup)
     label = (f"nebel-width {config.n_layers_in_prelude}/{config.n_layers_in_recurrent_block}/"
              f"{config.n_layers_in_coda} layers, activation checkpointing")
-    rows.append(model_step(setup, peak, config, label, 1, seq_len))
+    rows = []
+    for config, label, batch, seq_len in [*((model_config(name, setup), name, batch, seq_len)
+                                             for name, batch, seq_len in shapes), (config, label, 1, seq_len)]:
+        try:
+            rows.append(model_step(setup, peak, config, label, batch, seq_len))
+        except Exception as err:  # noqa: BLE001 - a first GPU run shows every shape it can (a compile error, OOM)
+            rows.append({"shape": label, "batch": batch, "seq_len": seq_len, "error": failure(err)})
+            free_device_memory(setup.device)
     return rows
 
 
@@ -417,40 +421,59 @@ def init_one_rank(device: torch.device) -> None:
                             world_size=1, timeout=timedelta(seconds=120))
 
 
+def failure(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err)[:2000]}"
+
+
 def render(report: dict) -> str:
+    """The table; a section that failed shows its error in its place."""
     mib = lambda b: "-" if b is None else f"{b / 2**20:,.1f}"  # noqa: E731
-    peak = report["peak"]
-    lines = [f"device: {report['device']['name']} ({report['device']['type']}), torch {report['device']['torch']}"
-             f"{', --quick' if report['device']['quick'] else ''}",
-             f"peak: matmul {peak['matmul_flops'] / 1e12:.1f} TFLOP/s ({peak['matmul_dtype']}, "
-             f"{'x'.join(map(str, peak['matmul_shape']))}); device-to-device copy "
-             f"{peak['copy_bytes_per_s'] / 1e9:.0f} GB/s (read + written)", "",
-             f"{'shape':<58}{'B x T':>10}{'attention':>10}{'eager tok/s':>13}{'MFU':>7}{'compiled tok/s':>16}"
-             f"{'MFU':>7}{'ratio':>7}"]
-    for row in report["model_step"]:
-        if "error" in row:
-            lines.append(f"{row['shape']:<58}{row['batch']:>4} x {row['seq_len']:<5}  refused: {row['error']}")
+    device = report["device"]
+    lines = [f"device: {device['name']} ({device['type']}), torch {device['torch']}{', --quick' if device['quick'] else ''}"]
+    for section in SECTIONS:
+        result = report[section]
+        if isinstance(result, dict) and "error" in result:
+            lines += ["", f"{section}: FAILED: {result['error']}"]
             continue
-        lines.append(f"{row['shape']:<58}{row['batch']:>4} x {row['seq_len']:<5}{row['attention_backend']:>10}"
-                     f"{row['eager']['tokens_per_s']:>13.0f}{row['eager']['mfu']:>7.1%}"
-                     f"{row['compiled']['tokens_per_s']:>16.0f}{row['compiled']['mfu']:>7.1%}"
-                     f"{row['compiled_over_eager']:>6.2f}x")
-    memory = report["memory"]
-    lines += ["", f"memory: {memory['config']}", f"{'item':<70}{'planned MiB':>12}{'measured MiB':>14}"]
-    lines += [f"{i['item']:<70}{mib(i['planned_bytes']):>12}{mib(i['measured_bytes']):>14}" for i in memory["items"]]
-    train = report["training"]
-    lines += ["", f"training ({train['model']}, {train['steps']} steps, world size 1, no Ray): loss "
-              f"{train['losses'][0]:.4f} -> {train['losses'][-1]:.4f} ({'falls' if train['loss_falls'] else 'DOES NOT FALL'}); "
-              f"device reads per step {train['device_reads_per_step']:g}; resumed after step "
-              f"{train['resume']['saved_after_step']}: max |loss difference| {train['resume']['max_abs_loss_difference']:.3g}"
-              f"{' (bitwise)' if train['resume']['bitwise'] else ''}, device reads per step after the resume "
-              f"{train['resume']['device_reads_per_step']:g}",
-              "host reads per step by site: " + ", ".join(f"{s} {n:g}" for s, n in train["host_reads_per_step"].items())]
-    gen = report["generation"]
-    lines += ["", f"generation, batch 1, depth {gen['depth']}, {gen['new_tokens']} tokens: " + "; ".join(
-        f"{label} {gen[label]['tokens_per_s']:.1f} tok/s ({gen[label]['mean_steps_per_token']:.2f} iterations/token)"
-        for label in ("fixed depth", "adaptive (kl)")), f"total {report['seconds']:.0f} s"]
+        if section == "peak":
+            lines += [f"peak: matmul {result['matmul_flops'] / 1e12:.1f} TFLOP/s ({result['matmul_dtype']}, "
+                      f"{'x'.join(map(str, result['matmul_shape']))}); device-to-device copy "
+                      f"{result['copy_bytes_per_s'] / 1e9:.0f} GB/s (read + written)"]
+        elif section == "model_step":
+            lines += ["", f"{'shape':<58}{'B x T':>10}{'attention':>10}{'eager tok/s':>13}{'MFU':>7}"
+                          f"{'compiled tok/s':>16}{'MFU':>7}{'ratio':>7}"]
+            for row in result:
+                where = f"{row['shape']:<58}{row['batch']:>4} x {row['seq_len']:<5}"
+                if "error" in row:
+                    lines.append(f"{where}  FAILED: {row['error']}")
+                    continue
+                lines.append(f"{where}{row['attention_backend']:>10}{row['eager']['tokens_per_s']:>13.0f}"
+                             f"{row['eager']['mfu']:>7.1%}{row['compiled']['tokens_per_s']:>16.0f}"
+                             f"{row['compiled']['mfu']:>7.1%}{row['compiled_over_eager']:>6.2f}x")
+        elif section == "memory":
+            lines += ["", f"memory: {result['config']}", f"{'item':<70}{'planned MiB':>12}{'measured MiB':>14}"]
+            lines += [f"{i['item']:<70}{mib(i['planned_bytes']):>12}{mib(i['measured_bytes']):>14}"
+                      for i in result["items"]]
+        elif section == "training":
+            resume = result["resume"]
+            lines += ["", f"training ({result['model']}, {result['steps']} steps, world size 1, no Ray): loss "
+                          f"{result['losses'][0]:.4f} -> {result['losses'][-1]:.4f} "
+                          f"({'falls' if result['loss_falls'] else 'DOES NOT FALL'}); device reads per step "
+                          f"{result['device_reads_per_step']:g}; resumed after step {resume['saved_after_step']}: max "
+                          f"|loss difference| {resume['max_abs_loss_difference']:.3g}"
+                          f"{' (bitwise)' if resume['bitwise'] else ''}, device reads per step after the resume "
+                          f"{resume['device_reads_per_step']:g}",
+                      "host reads per step by site: " + ", ".join(f"{site} {n:g}" for site, n in
+                                                                  result["host_reads_per_step"].items())]
+        elif section == "generation":
+            lines += ["", f"generation, batch 1, depth {result['depth']}, {result['new_tokens']} tokens: " + "; ".join(
+                f"{label} {result[label]['tokens_per_s']:.1f} tok/s ({result[label]['mean_steps_per_token']:.2f} "
+                f"iterations/token)" for label in ("fixed depth", "adaptive (kl)"))]
+    lines.append(f"total {report['seconds']:.0f} s")
     return "\n".join(lines)
+
+
+SECTIONS = ("peak", "model_step", "memory", "training", "generation")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -475,14 +498,30 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if setup.on_gpu else platform.processor() or platform.machine()
     report = {"device": {"type": device.type, "name": name, "torch": torch.__version__, "quick": setup.quick,
                          "memory_bytes": device_memory(device), "command": " ".join(sys.argv)}}
-    report["peak"] = measure_peak(setup)
-    report["model_step"] = model_steps(setup, report["peak"]["matmul_flops"])
     init_one_rank(device)
+    trained = None
     try:
         with tempfile.TemporaryDirectory() as root:
-            report["memory"] = memory_check(setup, Path(root))
-            report["training"], trained = training_check(setup, Path(root))
-        report["generation"] = generation_check(setup, trained)
+            # every section runs whatever happened in the others: a first GPU run shows all that it can
+            for section in SECTIONS:
+                try:
+                    if section == "peak":
+                        report[section] = measure_peak(setup)
+                    elif section == "model_step":
+                        peak = report["peak"].get("matmul_flops")
+                        report[section] = model_steps(setup, peak) if peak else {"error": "no measured peak"}
+                    elif section == "memory":
+                        report[section] = memory_check(setup, Path(root))
+                    elif section == "training":
+                        report[section], trained = training_check(setup, Path(root))
+                    elif trained is None:
+                        report[section] = {"error": "no trained model (the training section failed)"}
+                    else:
+                        report[section] = generation_check(setup, trained)
+                except Exception as err:  # noqa: BLE001 - recorded in the report, and the exit status says so
+                    traceback.print_exc()
+                    report[section] = {"error": failure(err)}
+                    free_device_memory(device)
     finally:
         dist.destroy_process_group()
     report["seconds"] = time.perf_counter() - started
@@ -491,7 +530,11 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(render(report))
     print(f"JSON: {out}")
-    return 0
+    failed = [section for section in SECTIONS if "error" in report[section]] + \
+        [row["shape"] for row in report["model_step"] if isinstance(report["model_step"], list) and "error" in row]
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
