@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# the demo shards hold about 150 steps (153 with Python 3.11's standard library); fit_to_data ends the
+# schedule with the data where another Python's sources give fewer
 DEMO_STEPS ?= 150
 
 .PHONY: test demo install clean gpu-check
@@ -30,7 +32,7 @@ DEMO_PROMPT := def main(
 demo: $(STAMP)
 	$(PY) jobs/train_tokenizer.py --config configs/data/demo.yaml
 	$(PY) jobs/prepare_data.py --config configs/data/demo.yaml
-	$(PY) jobs/train.py --config configs/train/tiny_cpu.yaml max_steps=$(DEMO_STEPS)
+	$(PY) jobs/train.py --config configs/train/tiny_cpu.yaml max_steps=$(DEMO_STEPS) schedule.fit_to_data=true
 	$(PY) jobs/evaluate.py --checkpoint $(DEMO_CKPT) --data-dir out/data_demo/shards --out out/demo/eval \
 		--depths 1,2,4,8,16,32 --max-rows 8
 	$(PY) jobs/generate.py --checkpoint $(DEMO_CKPT) --tokenizer $(DEMO_TOK) --prompt "$(DEMO_PROMPT)" \
