@@ -98,10 +98,11 @@ def format_table(rows: list[DepthRow]) -> str:
     return "\n".join(lines)
 
 
-def write_csv(rows: list[DepthRow], path: str | Path) -> Path:
+def write_csv(rows: list, path: str | Path, columns: list[str] = COLUMNS) -> Path:
+    """One row per dataclass in `rows` (DepthRow by default; the GSM8k sweep passes its own columns)."""
     path = Path(path)
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for r in rows:
             writer.writerow(asdict(r))

@@ -20,7 +20,6 @@ against test-time compute, as in the paper's figures) with the model loaded once
 
 from __future__ import annotations
 
-import csv
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -136,13 +135,9 @@ def sweep_rows(report: dict) -> list[SweepRow]:
 
 
 def write_sweep_csv(rows: list[SweepRow], path: str | Path) -> Path:
-    path = Path(path)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=SWEEP_COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow(asdict(row))
-    return path
+    from huginn_ray.eval.depth_scaling import write_csv
+
+    return write_csv(rows, path, SWEEP_COLUMNS)
 
 
 def plot_sweep(rows: list[SweepRow], path: str | Path, train_depth: int, title: str) -> Path:
