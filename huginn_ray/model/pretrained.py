@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -85,7 +86,9 @@ def _load_training_checkpoint(state_dir: Path, config: ModelConfig, device, dtyp
     tensors = {key: value for key, value in model.state_dict().items()
                if not (config.tie_embeddings and key == "lm_head.weight")}
     try:
-        dcp.load({"model": tensors}, storage_reader=dcp.FileSystemReader(state_dir), no_dist=True)
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": tensors}, storage_reader=dcp.FileSystemReader(state_dir), no_dist=True)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps the file system's and planner's errors
         failures = getattr(err, "failures", {0: (err, None)})
         raise ValueError(f"{state_dir}: the training checkpoint's model cannot be read ("
