@@ -190,4 +190,5 @@ def test_hub_released_data_records_commit_and_hashes(tokenizer, tmp_path):
     assert {f["path"]: f["hash"] for f in source["files"]} == {
         rel: hashlib.sha256(data).hexdigest() for rel, data in files.items() if rel.endswith(".parquet")}
     assert manifest["rows_per_shard"] == {"train": 36, "val": 6}
+    assert manifest["provenance"]["source_commits"] == {"huginn-dataset": repo.commit}
     assert not (tmp_path / "out" / "download" / "huginn-dataset" / "README.md").exists()

@@ -43,8 +43,8 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.tokens import (DTYPES, check_ids, fixed_rows, numpy_dtype, parquet_options, row_schema,
-                                    rows_to_arrow)
+from huginn_ray.data.tokens import (DTYPES, MAX_LIST_IDS, check_ids, fixed_rows, numpy_dtype, parquet_options,
+                                    row_schema, rows_to_arrow)
 
 TRAIN, VAL = 0, 1
 SPLITS = {"train": TRAIN, "val": VAL}
@@ -189,40 +189,61 @@ def _map_group(index: int, files: list[dict], offsets: dict, plans: dict, seed: 
             rows = rows[order]
             bounds = np.searchsorted(position // plan["rows_per_shard"], np.arange(plan["num_shards"] + 1))
             data_path, index_path = _map_paths(work_dir, name, index)
+            # large_list: a map file holds ~map_mib of rows, more ids than 32-bit list offsets address at >= 4 GiB
             table = pa.table({"position": pa.array(position, pa.int64()),
-                              "input_ids": rows_to_arrow(rows, dtype)})
+                              "input_ids": rows_to_arrow(rows, dtype, large=True)})
             del rows
-            tmp = data_path.with_name(data_path.name + ".tmp")
+            tmp = layout.temp_path(data_path)
             with ipc.new_file(tmp, table.schema) as writer:
                 writer.write_table(table)
-            tmp.rename(data_path)
+            layout.commit_file(tmp, data_path)
             written += data_path.stat().st_size
-            tmp = index_path.with_name(index_path.name + ".tmp")
+            tmp = layout.temp_path(index_path)
             with open(tmp, "wb") as f:
                 np.save(f, bounds.astype(np.int64))
-            tmp.rename(index_path)  # the index is the commit mark of this map file
+            layout.commit_file(tmp, index_path)  # the index is the commit mark of this map file
     if hash_inputs and not todo:  # resumed: the hashes were recorded next to the committed map files
         hashes = json.loads((work_dir / "map" / f"{index:06d}.sha256.json").read_text())
     return {"bytes_written": written, "skipped": not todo, "peak_rss_mib": _peak_rss_mib(), "sha256": hashes}
 
 
-def _reduce(split: str, reducer: int, plan: dict, work: str, num_maps: int, row_len: int, dtype: str,
-            row_group_size: int) -> dict:
-    """Ray task: read this reducer's row range from every map file of the split, order by position, write."""
+def _split_index_path(work: Path, split: str) -> Path:
+    return work / "map" / split / "index.npy"
+
+
+def write_split_index(work: Path, split: str, num_maps: int, num_shards: int) -> None:
+    """Gather the split's per-map indexes into one (num_shards + 1, num_maps) int64 array, `map/<split>/index.npy`.
+
+    Row s holds where shard s's rows start in every map file, so a reducer reads two rows of it (once) and then
+    opens only the map files whose range for it is not empty. Written through a memory map: the driver's heap
+    does not grow with num_shards x num_maps."""
+    final = _split_index_path(work, split)
+    tmp = layout.temp_path(final)
+    index = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(num_shards + 1, num_maps))
+    for m in range(num_maps):
+        index[:, m] = np.load(_map_paths(work, split, m)[1])
+    index.flush()
+    del index
+    layout.commit_file(tmp, final)
+
+
+def _reduce(split: str, reducer: int, plan: dict, work: str, row_len: int, dtype: str, row_group_size: int) -> dict:
+    """Ray task: read this reducer's row range from the map files that hold rows for it, order by position, write."""
     work_dir = Path(work)
     first = reducer * plan["shards_per_reducer"]
     shards = [s for s in range(first, min(plan["num_shards"], first + plan["shards_per_reducer"]))
               if not shard_path(work_dir / "out", split, s).exists()]
-    read = written = 0
+    read = written = opened = 0
     if shards:
         lo_shard, hi_shard = shards[0], shards[-1] + 1
+        index = np.load(_split_index_path(work_dir, split), mmap_mode="r")
+        starts, ends = np.array(index[lo_shard]), np.array(index[hi_shard])
+        del index
         positions, blocks = [], []
-        for m in range(num_maps):
-            data_path, index_path = _map_paths(work_dir, split, m)
-            bounds = np.load(index_path, mmap_mode="r")
-            lo, hi = int(bounds[lo_shard]), int(bounds[hi_shard])
-            if hi == lo:
-                continue
+        for m in np.flatnonzero(ends > starts):
+            lo, hi = int(starts[m]), int(ends[m])
+            data_path = _map_paths(work_dir, split, int(m))[0]
+            opened += 1
             with pa.memory_map(str(data_path)) as source:
                 part = ipc.open_file(source).read_all().slice(lo, hi - lo)
                 positions.append(np.array(part.column("position").to_numpy()))
@@ -240,12 +261,13 @@ def _reduce(split: str, reducer: int, plan: dict, work: str, num_maps: int, row_
             if hi - lo != rps or (hi > lo and (position[lo] != shard * rps or position[hi - 1] != (shard + 1) * rps - 1)):
                 raise RuntimeError(f"{split} shard {shard}: {hi - lo} rows, expected {rps}")
             path = shard_path(work_dir / "out", split, shard)
-            tmp = path.with_name(path.name + ".tmp")
+            tmp = layout.temp_path(path)
             table = pa.table({"input_ids": rows_to_arrow(rows[lo:hi], dtype)}, schema=row_schema(dtype))
             pq.write_table(table, tmp, row_group_size=row_group_size, **parquet_options(table))
-            tmp.rename(path)
+            layout.commit_file(tmp, path)
             written += path.stat().st_size
-    return {"bytes_read": read, "bytes_written": written, "shards": len(shards), "peak_rss_mib": _peak_rss_mib()}
+    return {"bytes_read": read, "bytes_written": written, "shards": len(shards), "map_files_opened": opened,
+            "peak_rss_mib": _peak_rss_mib()}
 
 
 def _node_memory_cap() -> int:
@@ -308,6 +330,11 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
     row_bytes = row_len * itemsize + 8
     plans = {name: plan_split(sum(f[f"{name}_rows"] for f in files), num_shards, row_bytes,
                               reducer_mib << 20, name) for name in SPLITS}
+    for name, plan in plans.items():
+        if plan["rows_per_shard"] * row_len > MAX_LIST_IDS:  # a shard's input_ids column is one list<> array
+            raise ValueError(f"num_shards={num_shards}: a {name} shard would hold {plan['rows_per_shard']} rows of "
+                             f"{row_len} ids, more than the {MAX_LIST_IDS} ids a parquet list column addresses; "
+                             f"raise num_shards")
     groups = _group_files(files, row_bytes, map_mib << 20)
     work_plan = {"fingerprint": fingerprint, "map_mib": map_mib, "reducer_mib": reducer_mib,
                  "groups": [[str(f["path"]) for f in g] for g in groups], "token_dtype": token_dtype}
@@ -318,6 +345,8 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         done_shards = sum(1 for _ in (work / "out").glob("*/*.parquet"))
         print(f"[shuffle] resuming {work}: {done_maps}/{2 * len(groups)} map files and "
               f"{done_shards}/{2 * num_shards} shards already written are kept", flush=True)
+        for stale in work.glob("*/*/*.tmp"):  # half-written by a crashed attempt: never read, removed
+            stale.unlink()
     else:
         if work.exists():
             print(f"[shuffle] removing {work}: left by a run with other inputs or settings", flush=True)
@@ -346,6 +375,8 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
                 running[name] += f[f"{name}_rows"]
     map_results = run_bounded(calls, limit, "map tasks")
     map_s = time.time() - started
+    for name in SPLITS:
+        write_split_index(work, name, len(groups), num_shards)
 
     calls = []
     for name, plan in plans.items():
@@ -353,7 +384,7 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         reduce_task = ray.remote(_reduce).options(memory=_memory_request(3 * reducer_bytes + _TASK_OVERHEAD, cap))
         for r in range(plan["reducers"]):
             calls.append(lambda n=name, r=r, p=plan, t=reduce_task: t.remote(
-                n, r, p, str(work), len(groups), row_len, token_dtype, row_group_size))
+                n, r, p, str(work), row_len, token_dtype, row_group_size))
     reduce_results = run_bounded(calls, limit, "reducers")
 
     for name in SPLITS:
@@ -366,6 +397,7 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         intermediate_bytes_written=sum(r["bytes_written"] for r in map_results),
         intermediate_bytes_read=sum(r["bytes_read"] for r in reduce_results),
         shard_bytes_written=sum(r["bytes_written"] for r in reduce_results),
+        map_files_opened=sum(r["map_files_opened"] for r in reduce_results),
         max_task_peak_rss_mib=max(r["peak_rss_mib"] for r in map_results + reduce_results))
 
     if hash_inputs:  # local packed inputs: record the sha256 of every file read (Hub files carry theirs)

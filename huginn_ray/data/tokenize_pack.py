@@ -112,9 +112,9 @@ def tokenize_and_pack(task: dict, *, tokenizer_file: str, row_len: int, seed: in
              "train_rows": int((split_col == TRAIN).sum()), "val_rows": int((split_col == VAL).sum())}
     schema = packed_schema(dtype).with_metadata({STATS_KEY: json.dumps(stats, sort_keys=True).encode()})
     table = pa.table({"input_ids": rows_to_arrow(rows, dtype), "split": pa.array(split_col)}, schema=schema)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = layout.temp_path(out)
     pq.write_table(table, tmp, **parquet_options(table))
-    tmp.rename(out)
+    layout.commit_file(tmp, out)
     return {**stats, "file": task["name"], "source_index": task["source_index"], "reused": False}
 
 
