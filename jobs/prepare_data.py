@@ -18,7 +18,7 @@ import time
 
 from huginn_ray.config import ConfigError
 from huginn_ray.data.config import load_data_config
-from huginn_ray.data.pipeline import STAGES, init_ray, root_error, run
+from huginn_ray.data.pipeline import STAGES, init_ray, packed_only, root_error, run
 from huginn_ray.data.plan import build_plan, format_plan
 from huginn_ray.data.sources import load_sources
 from huginn_ray.train.runlock import RunLock, RunLockError
@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.plan:
         try:
-            plan = build_plan(cfg, load_sources(cfg.sources))
+            sources = load_sources(cfg.sources)
+            packed_only(sources)  # refuses a list mixing packed and document sources
+            plan = build_plan(cfg, sources)
         except Exception as err:
             print(f"prepare_data: error: {root_error(err)}", file=sys.stderr)
             return 1

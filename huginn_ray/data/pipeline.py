@@ -292,6 +292,7 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     """Run the given stages in order; returns the shard manifest when the shuffle stage ran."""
     sources = load_sources(cfg.sources)
     check_supported(sources)
+    packed_only(sources)  # a mixed list is refused before the plan samples its files
     plan = build_plan(cfg, sources)  # refuses a run whose peak disk does not fit output_dir's free space
     print(f"[plan] about {plan['estimated_tokens']:,d} packed tokens, peak disk "
           f"{plan['peak_disk_bytes'] / 2**30:.2f} GiB ({plan['free_bytes'] / 2**30:.1f} GiB free)", flush=True)
