@@ -591,3 +591,35 @@ def test_plan_refuses_a_run_whose_peak_disk_exceeds_the_free_space(prepared, tmp
     assert prepare_data.main(args) == 1  # a real run checks the same before its first stage
     err = capsys.readouterr().err
     assert "GiB are free on its file system" in err and not (tmp_path / "full" / "staging").exists()
+
+
+def test_a_map_task_stays_under_the_memory_it_declares(ray_instance, tmp_path):
+    """int64 input files (like the released data's: 4x the uint16 width): a fresh worker's peak RSS, worker
+    footprint included, is below the task's memory= declaration."""
+    import ray
+
+    from huginn_ray.data import shards as shards_mod
+    from huginn_ray.data.tokens import rows_to_arrow
+
+    row_len, per_file = 4097, 2048  # 2 files of 2,048 rows: 64 MiB as int64 each, 16 MiB each as uint16
+    (tmp_path / "in").mkdir()
+    files = []
+    for i in range(2):
+        ids = np.random.default_rng(i).integers(0, 65000, size=(per_file, row_len)).astype(np.int64)
+        offsets = pa.array(np.arange(0, (per_file + 1) * row_len, row_len, dtype=np.int32))
+        pq.write_table(pa.table({"input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids.reshape(-1)))}),
+                       tmp_path / "in" / f"{i}.parquet")
+        files.append({"path": str(tmp_path / "in" / f"{i}.parquet"), "train_rows": per_file, "val_rows": 0})
+    plans = {"train": shards_mod.plan_split(2 * per_file, 4, 1, 1 << 30, "train"),
+             "val": {"rows": 0, "kept": 0, "rows_per_shard": 1, "num_shards": 4}}
+    for name in shards_mod.SPLITS:
+        (tmp_path / "work" / "map" / name).mkdir(parents=True)
+    declared = shards_mod.map_task_memory(files, row_len, "uint16", 8, False)
+    # a worker of its own (another runtime env: no pooled worker that ran earlier tests' tasks), so that its
+    # peak RSS is this task's
+    task = ray.remote(max_calls=1, memory=declared, runtime_env={"env_vars": {"HUGINN_FRESH_WORKER": "1"}})(
+        shards_mod._map_group)
+    result = ray.get(task.remote(0, files, {"train": 0, "val": 0}, plans, 1, row_len, "uint16", 65536,
+                                 str(tmp_path / "work")))
+    assert result["bytes_written"] > 2 * per_file * row_len * 2  # it did the work: all rows in the map file
+    assert result["peak_rss_mib"] * 2**20 < declared, (result["peak_rss_mib"], declared / 2**20)

@@ -15,7 +15,8 @@ Estimates, all per split-less total (train + validation together):
 - `estimated_tokens`: packed training tokens after weighting (rows x (seq_len + 1));
 - peak disk per stage: what is on disk under output_dir at the end of each stage (nothing is deleted before the
   shuffle ends; its map files live until the last shard is written): download + staging + packed + map + shards;
-- memory per task: the `memory=` the stages declare (the formulas in tokenize_pack.py and shards.py);
+- memory per task: the `memory=` the stages declare (tokenize_pack.py; shards.map_task_memory and
+  reduce_task_memory), for the largest task of each kind;
 - time: input volumes over the throughputs of THROUGHPUT (BENCHMARKS.md figures where measured, marked assumed
   where not), at the CPUs of `local_ray.num_cpus` (or this machine's).
 
@@ -40,8 +41,8 @@ from huginn_ray.data import layout
 from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError, iter_documents
 from huginn_ray.data.hub_download import PROVENANCE
-from huginn_ray.data.packing import copy_fractions, pack_row_starts
-from huginn_ray.data.shards import _TASK_OVERHEAD, _group_files, plan_split
+from huginn_ray.data.packing import pack_row_starts
+from huginn_ray.data.shards import map_task_memory, plan_split, reduce_task_memory
 from huginn_ray.data.sources import Source
 from huginn_ray.data.staging import STAGING_SCHEMA, list_local_files
 from huginn_ray.data.tokens import parquet_options, rows_to_arrow, token_dtype
@@ -253,8 +254,9 @@ def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
     val_share = 0.0 if entries and all(e.get("packed") for e in entries if e["files"]) else cfg.val_fraction
     map_tasks = max(1, math.ceil(map_bytes / (cfg.shuffle.map_mib << 20)))
     splits = {"train": rows * (1 - val_share), "val": rows * val_share}
-    reducers = {name: plan_split(max(int(n), cfg.num_shards), cfg.num_shards, row_bytes,
-                                 cfg.shuffle.reducer_mib << 20, name)["reducers"] for name, n in splits.items()}
+    split_plans = {name: plan_split(max(int(n), cfg.num_shards), cfg.num_shards, row_bytes,
+                                    cfg.shuffle.reducer_mib << 20, name) for name, n in splits.items()}
+    reducers = {name: plan["reducers"] for name, plan in split_plans.items()}
     shard_bytes = shard_token_bytes + 2 * cfg.num_shards * fallback.parquet_file_bytes  # same rows, same encoding
     hub_bytes = sum(e["hub_bytes"] for e in entries)
     disk = {"download": hub_bytes}
@@ -273,10 +275,13 @@ def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
         "pack": doc_tokens / (THROUGHPUT["pack_tokens_per_s_per_cpu"][0] * cpus),
         "shuffle": packed_file_bytes / (THROUGHPUT["shuffle_bytes_per_s_per_cpu"][0] * cpus),
     }
+    # the largest map group, taken as one file (an upper bound); released files are read as int64 (8 bytes)
+    group_rows = int(min(rows, (cfg.shuffle.map_mib << 20) // row_bytes + 1))
+    input_width = 8 if val_share == 0.0 else itemsize
     memory = {
         "pack_task": int(256 * 2**20 + 24 * worst_pack_chars),
-        "map_task": int(3 * min(map_bytes, cfg.shuffle.map_mib << 20) + _TASK_OVERHEAD),
-        "reduce_task": int(3 * min(map_bytes, cfg.shuffle.reducer_mib << 20) + _TASK_OVERHEAD),
+        "map_task": map_task_memory([{"train_rows": group_rows, "val_rows": 0}], row_len, dtype, input_width, False),
+        "reduce_task": max(reduce_task_memory(p, row_len, dtype) for p in split_plans.values()),
     }
     counts = {
         "input_files": sum(e["files"] for e in entries),

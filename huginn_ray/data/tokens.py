@@ -74,8 +74,10 @@ def rows_to_arrow(rows: np.ndarray, dtype: str, large: bool = False) -> pa.ListA
     return (pa.LargeListArray if large else pa.ListArray).from_arrays(offsets, values)
 
 
-def fixed_rows(column: pa.ChunkedArray | pa.Array, row_len: int, where: str) -> np.ndarray:
-    """A list column of ids -> (rows, row_len) numpy array in the column's value type; refuses other lengths."""
+def fixed_rows(column: pa.ChunkedArray | pa.Array, row_len: int, where: str, first_row: int = 0) -> np.ndarray:
+    """A list column of ids -> (rows, row_len) numpy array in the column's value type; refuses other lengths.
+
+    `first_row`: the column's first row number in its file, for the error message."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
     if len(column) == 0:
@@ -84,6 +86,7 @@ def fixed_rows(column: pa.ChunkedArray | pa.Array, row_len: int, where: str) -> 
     lengths = np.diff(offsets)
     if (lengths != row_len).any():
         bad = int(np.flatnonzero(lengths != row_len)[0])
-        raise TokenRangeError(f"{where}: row {bad} has {int(lengths[bad])} ids, expected {row_len} (seq_len + 1)")
+        raise TokenRangeError(f"{where}: row {first_row + bad} has {int(lengths[bad])} ids, expected {row_len} "
+                              "(seq_len + 1)")
     values = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
     return values.to_numpy(zero_copy_only=False).reshape(-1, row_len)
