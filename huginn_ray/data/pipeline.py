@@ -20,7 +20,8 @@ from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_sources, downloaded_files
 from huginn_ray.data.plan import build_plan
-from huginn_ray.data.shards import run_shuffle
+from huginn_ray.data.dedup import find_val_duplicates
+from huginn_ray.data.shards import MANIFEST, run_shuffle
 from huginn_ray.data.sources import Source, load_sources
 from huginn_ray.data.staging import list_local_files, stage_source
 from huginn_ray.data.tokenize_pack import pack_fingerprint, run_pack
@@ -228,6 +229,29 @@ def run_provenance(cfg: DataConfig, sources: list[Source]) -> dict:
             "source_commits": commits}
 
 
+def drop_val_duplicates(cfg: DataConfig, per_source: dict, provenance: dict, vocab_size: int) -> dict:
+    """Count (and with cfg.drop_val_duplicates leave out) validation rows that also occur in train, per source.
+
+    Marks the rows to skip in the validation file entries (`skip_rows`, val_rows lowered) and records the counts
+    in `provenance`; returns the totals for the manifest."""
+    train = [f for v in per_source.values() for f in v["train"]]
+    val = [f for v in per_source.values() for f in v["val"]]
+    duplicates = find_val_duplicates(train, val, cfg.seq_len + 1, token_dtype(vocab_size), vocab_size)
+    found = 0
+    for name, split_files in per_source.items():
+        count = sum(len(duplicates[f["path"]]) for f in split_files["val"])
+        found += count
+        provenance[name]["val_rows_also_in_train"] = count
+        if cfg.drop_val_duplicates:
+            for f in split_files["val"]:
+                f["skip_rows"] = duplicates[f["path"]]
+                f["val_rows"] -= len(f["skip_rows"])
+            provenance[name]["val_rows"] -= count
+        print(f"[dedup] {name}: {count} validation rows also occur in train"
+              f"{', dropped from validation' if cfg.drop_val_duplicates and count else ''}", flush=True)
+    return {"found": found, "dropped": found if cfg.drop_val_duplicates else 0}
+
+
 def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
     """Already packed sources (e.g. the released Huginn data) straight into N + N shards."""
     facts = tokenizer_facts(cfg)
@@ -251,10 +275,14 @@ def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
                    for name, v in per_source.items()},
         "tokenizer": facts["tokenizer_sha256"], "seq_len": cfg.seq_len})
     fingerprint = layout.fingerprint({"packed": input_fingerprint, "num_shards": cfg.num_shards, "seed": cfg.seed,
-                                      "row_group_size": cfg.shuffle.row_group_size})
+                                      "row_group_size": cfg.shuffle.row_group_size,
+                                      "drop_val_duplicates": cfg.drop_val_duplicates})
     extra = {key: facts[key] for key in ("tokenizer_sha256", "vocab_size", "bos_id", "eos_id", "pad_id")}
     extra.update(input_fingerprint=input_fingerprint, sources=provenance, empty_sources=[], staged_documents={},
                  provenance=run_provenance(cfg, sources))
+    existing = layout.read_marker(cfg.root / "shards", MANIFEST)
+    if existing is None or existing.get("fingerprint") != fingerprint:  # else run_shuffle reports it complete
+        extra["val_duplicates"] = drop_val_duplicates(cfg, per_source, provenance, facts["vocab_size"])
     manifest = run_shuffle(files, cfg.seq_len + 1, cfg.root / "shards", num_shards=cfg.num_shards, seed=cfg.seed,
                            row_group_size=cfg.shuffle.row_group_size, reducer_mib=cfg.shuffle.reducer_mib,
                            map_mib=cfg.shuffle.map_mib, token_dtype=token_dtype(facts["vocab_size"]),

@@ -138,8 +138,11 @@ def _read_input(entry: dict, row_len: int, dtype: str, vocab_size: int, hashes: 
     """Yield (split, rows) blocks of one input file: (n, row_len) arrays of the storage type, checked.
 
     Decoded READ_BATCH_ROWS at a time, so a task holds one file's compressed column chunk and a batch, not the
-    file decoded. With `hashes` not None, the file's sha256 is recorded in it (read once: hashed and parsed)."""
+    file decoded. With `hashes` not None, the file's sha256 is recorded in it (read once: hashed and parsed).
+    Row numbers (in the file) listed in `entry["skip_rows"]` are left out (validation rows that also occur in train,
+    huginn_ray/data/dedup.py); the entry's row counts are those of the rows kept."""
     path = entry["path"]
+    skip = np.asarray(entry.get("skip_rows", []), np.int64)
     if hashes is not None:
         data = pa.py_buffer(Path(path).read_bytes())
         hashes[path] = hashlib.sha256(data).hexdigest()
@@ -158,10 +161,14 @@ def _read_input(entry: dict, row_len: int, dtype: str, vocab_size: int, hashes: 
         rows = fixed_rows(batch.column(0), row_len, str(path), first_row=row)
         check_ids(rows, vocab_size, dtype, str(path))
         rows = rows.astype(numpy_dtype(dtype), copy=False)
-        row += len(rows)
+        codes = batch.column(1).to_numpy(zero_copy_only=False) if has_split else None
+        if len(skip):
+            keep = ~np.isin(np.arange(row, row + len(rows)), skip)
+            rows, codes = rows[keep], codes[keep] if has_split else None
+        row += len(keep) if len(skip) else len(rows)
         for name, code in SPLITS.items():
             if has_split:
-                part = rows[batch.column(1).to_numpy(zero_copy_only=False) == code]
+                part = rows[codes == code]
             else:
                 part = rows if entry[f"{name}_rows"] else rows[:0]
             seen[name] += len(part)
@@ -423,7 +430,8 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
     calls, running = [], {name: 0 for name in SPLITS}
     for index, group in enumerate(groups):
         offsets = dict(running)
-        entries = [{"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]} for f in group]
+        entries = [{"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"],
+                    "skip_rows": f.get("skip_rows", [])} for f in group]
         memory = _memory_request(map_task_memory(entries, row_len, token_dtype, input_width, hash_inputs), cap)
         calls.append(lambda i=index, e=entries, o=offsets, mem=memory: map_task.options(memory=mem).remote(
             i, e, o, plans, seed, row_len, token_dtype, vocab_size, str(work), hash_inputs))
