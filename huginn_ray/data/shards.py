@@ -14,13 +14,15 @@ and nothing the driver or a task holds grows with N (huginn_ray/data/README.md h
    surplus, sorts its rows by position (hence by destination shard) and writes one Arrow IPC file per split,
    `map/<split>/MMMMMM.arrow` (columns `position`, `input_ids`), plus `MMMMMM.idx.npy`: N + 1 row offsets, row
    range [idx[s], idx[s+1]) of the file holds the rows bound for shard s.
-2. reduce: one Ray task per range of consecutive shards holding ~`shuffle.reducer_mib` of rows memory-maps
-   every map file of its split, reads only its row range (two index entries + those rows' bytes), merges by
-   position and writes its shards `<split>/RRRRR.parquet` (column `input_ids`, list<uint16|int32>, row groups of
+2. reduce: the driver gathers a split's per-map indexes into one `map/<split>/index.npy` ((N + 1) x M); one Ray
+   task per range of consecutive shards holding ~`shuffle.reducer_mib` of rows reads the two rows of it that bound
+   its shards, memory-maps only the map files holding rows for it, reads only its row ranges, merges by position
+   and writes its shards `<split>/RRRRR.parquet` (column `input_ids`, list<uint16|int32>, row groups of
    `shuffle.row_group_size`).
 
-Tasks return only a few integers; map tasks and reducers declare `memory=` to Ray from their data size, so Ray
-does not start more of them on a node than its memory holds. Every file is written under a temporary name and
+Tasks return only a few integers; map tasks and reducers declare `memory=` to Ray from their data size and the
+input's id width (map_task_memory, reduce_task_memory), so Ray does not start more of them on a node than its
+memory holds. Every file is written under a temporary name and
 renamed when complete, in `<shard_dir>.partial/` with the plan's fingerprint: a rerun after a crash keeps the
 committed map files and shards and redoes only the rest.
 """
