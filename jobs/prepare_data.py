@@ -1,21 +1,27 @@
 """Prepare training data: download -> staging -> tokenize/pack -> global shuffle into per-rank shards.
 
     python jobs/prepare_data.py --config configs/data/demo.yaml [--stage pack ...] [key=value ...]
+    python jobs/prepare_data.py --config configs/data/huginn.yaml --plan [--json]   # nothing is written
     ray job submit --working-dir . -- python jobs/prepare_data.py --config configs/data/huginn.yaml
 
 Started directly it runs on a private local Ray; under `ray job submit` it uses that cluster (output_dir must
-then be on storage every node sees). Outputs are described in huginn_ray/data/README.md.
+then be on storage every node sees). `<output_dir>/LOCK` (huginn_ray/train/runlock.py, as for a training run)
+refuses a second driver on the same output_dir while the first is alive. Outputs are described in huginn_ray/data/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
 from huginn_ray.config import ConfigError
 from huginn_ray.data.config import load_data_config
-from huginn_ray.data.pipeline import STAGES, init_ray, root_error, run
+from huginn_ray.data.pipeline import STAGES, init_ray, packed_only, root_error, run
+from huginn_ray.data.plan import build_plan, format_plan
+from huginn_ray.data.sources import load_sources
+from huginn_ray.train.runlock import RunLock, RunLockError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="data config YAML (see configs/data/)")
     parser.add_argument("--stage", choices=STAGES, action="append",
                         help="run only this stage (repeatable); default: all stages in order")
+    parser.add_argument("--plan", action="store_true",
+                        help="print what the run means (files, bytes, tokens, disk, memory, time) and exit; "
+                             "nothing is downloaded or written")
+    parser.add_argument("--json", action="store_true", help="with --plan: one JSON object instead of the table")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. num_shards=8")
     args = parser.parse_args(argv)
     try:
@@ -30,7 +40,25 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"prepare_data: config error: {err}", file=sys.stderr)
         return 2
+    if args.plan:
+        try:
+            sources = load_sources(cfg.sources)
+            packed_only(sources)  # refuses a list mixing packed and document sources
+            plan = build_plan(cfg, sources)
+        except Exception as err:
+            print(f"prepare_data: error: {root_error(err)}", file=sys.stderr)
+            return 1
+        print(json.dumps(plan, sort_keys=True) if args.json else format_plan(plan), flush=True)
+        return 0
     start = time.time()
+    lock = RunLock(cfg.root)  # one driver per output_dir, checked before Ray starts
+    try:
+        message = lock.acquire()
+    except RunLockError as err:
+        print(f"prepare_data: error: {err}", file=sys.stderr)
+        return 1
+    if message:
+        print(f"prepare_data: {message}", flush=True)
     stop_ray = None
     try:
         stop_ray = init_ray(cfg)
@@ -42,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if stop_ray is not None:
             stop_ray()
+        lock.release()
     if not args.stage or "shuffle" in args.stage:
         print(f"prepare_data: {manifest['num_shards']} train + {manifest['num_shards']} val shards in "
               f"{cfg.root / 'shards'} ({manifest['rows_per_shard']['train']} / {manifest['rows_per_shard']['val']} "

@@ -213,3 +213,37 @@ def test_hub_source_whose_patterns_match_no_file_is_an_error(tmp_path, monkeypat
         with pytest.raises(DownloadError, match=r"source 'algebra': no file of acme/mix@\w+ matches "
                                                 r"\['algebraic-stack/\*.jsonl.zst'\]"):
             download_sources([source], tmp_path / "download", DownloadConfig(max_attempts=1))
+
+
+def test_plan_of_the_113_huginn_sources_offline_against_the_local_hub(tmp_path, monkeypatch, capsys):
+    """--plan lists every Hub source (metadata only: nothing downloaded or written) and sums the served sizes."""
+    import fnmatch
+    import importlib.util
+
+    from huginn_ray.data.sources import load_sources
+
+    sources = load_sources(ROOT / "configs" / "data" / "huginn_sources.yaml")
+    repos: dict[str, dict[str, bytes]] = {}
+    expected_files = expected_bytes = 0
+    for i, s in enumerate(sources):
+        if s.requires_software_heritage_aws_download or s.weight == 0:
+            continue
+        path = s.file_patterns[0].replace("*", f"part-{i}")
+        assert any(fnmatch.fnmatch(path, p) for p in s.file_patterns), path
+        repos.setdefault(s.address, {})[path] = b"x" * (1000 + i)
+        expected_files += 1
+        expected_bytes += 1000 + i
+    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "jobs" / "prepare_data.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    with FakeHub([HubRepo(address, files) for address, files in repos.items()]) as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        capsys.readouterr()
+        assert job.main(["--config", str(ROOT / "configs" / "data" / "huginn.yaml"), "--plan", "--json",
+                         f"output_dir={tmp_path / 'out'}", f"tokenizer.path={tmp_path / 'no_tokenizer'}"]) == 0
+        assert not any("/resolve/" in p for _, p, _ in hub.log)  # listings only
+    plan = json.loads(capsys.readouterr().out)
+    assert len(plan["sources"]) == 113 and plan["counts"]["input_files"] == expected_files
+    assert plan["input_bytes"] == expected_bytes
+    assert plan["estimated_tokens"] > 0 and plan["peak_disk_bytes"] > expected_bytes
+    assert plan["counts"]["shard_files"] == 2 * 4096 and not (tmp_path / "out").exists()

@@ -464,3 +464,162 @@ def test_pack_resumes_keeping_committed_batches_and_cleans_stale_tmp_dirs(prepar
     assert not (out / "staging" / "prose.tmp-999999").exists()
     assert {p.name: p.read_bytes() for p in (out / "packed").glob("*.parquet")} == reference
     assert all((out / "packed" / name).stat().st_mtime_ns == m for name, m in mtimes.items())
+
+
+def test_second_driver_on_the_same_output_dir_is_refused_before_ray_starts(tmp_path, capsys):
+    """<output_dir>/LOCK is the training run's lock (huginn_ray/train/runlock.py); a live holder is named."""
+    import socket
+
+    from huginn_ray.train.runlock import _process_start
+
+    config = _config(tmp_path, tmp_path / "sources.yaml")
+    holder = subprocess.Popen(["sleep", "60"])  # stands in for another prepare_data driver
+    try:
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "LOCK").write_text(json.dumps({
+            "host": socket.gethostname(), "pid": holder.pid, "start": _process_start(holder.pid),
+            "since": "2026-01-01T00:00:00Z"}))
+        assert prepare_data.main(["--config", str(config)]) == 1
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert f"another job is writing run directory {tmp_path / 'out'}" in err and f"PID {holder.pid}" in err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["LOCK"]
+
+
+def test_reducers_open_only_the_map_files_holding_rows_for_them(ray_instance, tmp_path):
+    """Map groups of train-only and val-only files: each reducer opens only the map files of its own split."""
+    from huginn_ray.data import shards as shards_mod
+    from huginn_ray.data.tokenize_pack import packed_schema
+    from huginn_ray.data.tokens import rows_to_arrow
+
+    (tmp_path / "packed").mkdir()
+    files = []
+    for i in range(6):  # 130 rows of 8 KiB: one file per 1 MiB map group; files 0-2 train, 3-5 validation
+        rows = (np.arange(130 * 4096).reshape(130, 4096) + i) % 60000
+        split = np.full(130, i >= 3, np.uint8)
+        path = tmp_path / "packed" / f"{i:04d}.parquet"
+        pq.write_table(pa.table({"input_ids": rows_to_arrow(rows, "uint16"), "split": pa.array(split)},
+                                schema=packed_schema("uint16")), path)
+        files.append({"path": str(path), "train_rows": 0 if i >= 3 else 130, "val_rows": 130 if i >= 3 else 0})
+    manifest = _shuffle(files, tmp_path / "shards", num_shards=3, reducer_mib=1, map_mib=1)
+    assert manifest["rows_per_shard"] == {"train": 130, "val": 130}
+    stats = shards_mod.last_run_stats
+    assert (stats["map_tasks"], stats["reducers"]) == (6, 6)
+    # 3 train reducers x 3 train map files + 3 val reducers x 3 val map files (not 6 x 6)
+    assert stats["map_files_opened"] == 18
+
+
+def test_map_files_use_64_bit_list_offsets_and_a_list_array_refuses_overflow(tmp_path):
+    """Map files hold ~map_mib of rows (>= 4 GiB overflows list<> offsets): large_list; a list<> array refuses."""
+    import pyarrow.ipc as ipc
+
+    from huginn_ray.data import shards as shards_mod
+    from huginn_ray.data.tokens import rows_to_arrow
+
+    too_many = np.broadcast_to(np.zeros(1, np.uint16), (2**21, 1025))  # 2.15e9 ids, no memory behind them
+    with pytest.raises(ValueError, match=r"2097152 rows of 1025 ids do not fit one list array \(2147483647 ids"):
+        rows_to_arrow(too_many, "uint16")
+    files = _synthetic_packed(tmp_path / "packed", n_files=1)  # 32 train + 8 val rows of 1024 ids
+    plans = {name: shards_mod.plan_split(rows, 2, 2056, 1 << 20, name) for name, rows in (("train", 32), ("val", 8))}
+    for name in shards_mod.SPLITS:
+        (tmp_path / "work" / "map" / name).mkdir(parents=True)
+    shards_mod._map_group(0, files, {"train": 0, "val": 0}, plans, 5, 1024, "uint16", 65536, str(tmp_path / "work"))
+    with pa.memory_map(str(tmp_path / "work" / "map" / "train" / "000000.arrow")) as source:
+        table = ipc.open_file(source).read_all()
+    assert table.schema.field("input_ids").type == pa.large_list(pa.uint16()) and table.num_rows == 32
+    assert sorted(p.name for p in (tmp_path / "work" / "map" / "train").iterdir()) == ["000000.arrow",
+                                                                                        "000000.idx.npy"]
+
+
+def test_manifest_records_versions_config_hash_and_source_commits(prepared):
+    import dataclasses
+    import importlib.metadata
+
+    from huginn_ray.data import layout
+    from huginn_ray.data.config import load_data_config
+
+    root, config = prepared
+    provenance = read_manifest(root / "out" / "shards")["provenance"]
+    assert provenance["versions"] == {name: importlib.metadata.version(name)
+                                      for name in ("huginn_ray", "ray", "pyarrow", "tokenizers", "numpy")}
+    cfg = dataclasses.asdict(load_data_config(config))
+    assert provenance["config"] == json.loads(json.dumps(cfg))
+    assert provenance["config_sha256"] == layout.fingerprint(cfg)
+    assert provenance["source_commits"] == {"prose": None, "chat": None, "notes": None, "empty": None}  # local
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert provenance["huginn_ray_git"].split("+")[0] == head.strip()
+
+
+def test_plan_of_the_demo_config_is_within_20_percent_of_what_the_run_measures(prepared, tmp_path, capsys):
+    from huginn_ray.data import shards as shards_mod
+
+    root, _ = prepared
+    out = tmp_path / "demo"
+    args = ["--config", str(ROOT / "configs" / "data" / "demo.yaml"), f"output_dir={out}",
+            f"tokenizer.path={root / 'out' / 'tokenizer'}"]
+    capsys.readouterr()
+    assert prepare_data.main([*args, "--plan", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert not out.exists()  # the plan writes nothing
+    assert prepare_data.main(args) == 0
+    from huginn_ray.data.config import load_data_config
+    from huginn_ray.data.sources import load_sources
+    from huginn_ray.data.staging import list_local_files
+
+    sources = load_sources(load_data_config(args[1]).sources)
+    assert plan["input_bytes"] == sum(p.stat().st_size for s in sources for p in list_local_files(s))
+    marker = json.loads((out / "packed" / "_COMPLETE.json").read_text())
+    tokens = (marker["train_rows"] + marker["val_rows"]) * 257
+    on_disk = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    peak = on_disk + shards_mod.last_run_stats["intermediate_bytes_written"]  # map files live until the end
+    assert 0.8 * tokens <= plan["estimated_tokens"] <= 1.2 * tokens
+    assert 0.8 * peak <= plan["peak_disk_bytes"] <= 1.2 * peak
+    assert plan["counts"]["input_files"] == plan["counts"]["staged_files"] == 110
+    assert plan["counts"]["shard_files"] == 4 and plan["unsampled_sources"] == []
+
+
+def test_plan_refuses_a_run_whose_peak_disk_exceeds_the_free_space(prepared, tmp_path, capsys, monkeypatch):
+    import shutil as shutil_mod
+
+    root, config = prepared
+    monkeypatch.setattr(shutil_mod, "disk_usage", lambda path: shutil_mod._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
+    args = ["--config", str(config), f"output_dir={tmp_path / 'full'}", f"tokenizer.path={root / 'out' / 'tokenizer'}"]
+    assert prepare_data.main([*args, "--plan"]) == 1
+    assert f"output_dir {tmp_path / 'full'}: the run needs" in capsys.readouterr().err
+    assert prepare_data.main(args) == 1  # a real run checks the same before its first stage
+    err = capsys.readouterr().err
+    assert "GiB are free on its file system" in err and not (tmp_path / "full" / "staging").exists()
+
+
+def test_a_map_task_stays_under_the_memory_it_declares(ray_instance, tmp_path):
+    """int64 input files (like the released data's: 4x the uint16 width): a fresh worker's peak RSS, worker
+    footprint included, is below the task's memory= declaration."""
+    import ray
+
+    from huginn_ray.data import shards as shards_mod
+    from huginn_ray.data.tokens import rows_to_arrow
+
+    row_len, per_file = 4097, 2048  # 2 files of 2,048 rows: 64 MiB as int64 each, 16 MiB each as uint16
+    (tmp_path / "in").mkdir()
+    files = []
+    for i in range(2):
+        ids = np.random.default_rng(i).integers(0, 65000, size=(per_file, row_len)).astype(np.int64)
+        offsets = pa.array(np.arange(0, (per_file + 1) * row_len, row_len, dtype=np.int32))
+        pq.write_table(pa.table({"input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids.reshape(-1)))}),
+                       tmp_path / "in" / f"{i}.parquet")
+        files.append({"path": str(tmp_path / "in" / f"{i}.parquet"), "train_rows": per_file, "val_rows": 0})
+    plans = {"train": shards_mod.plan_split(2 * per_file, 4, 1, 1 << 30, "train"),
+             "val": {"rows": 0, "kept": 0, "rows_per_shard": 1, "num_shards": 4}}
+    for name in shards_mod.SPLITS:
+        (tmp_path / "work" / "map" / name).mkdir(parents=True)
+    declared = shards_mod.map_task_memory(files, row_len, "uint16", 8, False)
+    # a worker of its own (another runtime env: no pooled worker that ran earlier tests' tasks), so that its
+    # peak RSS is this task's
+    task = ray.remote(max_calls=1, memory=declared, runtime_env={"env_vars": {"HUGINN_FRESH_WORKER": "1"}})(
+        shards_mod._map_group)
+    result = ray.get(task.remote(0, files, {"train": 0, "val": 0}, plans, 1, row_len, "uint16", 65536,
+                                 str(tmp_path / "work")))
+    assert result["bytes_written"] > 2 * per_file * row_len * 2  # it did the work: all rows in the map file
+    assert result["peak_rss_mib"] * 2**20 < declared, (result["peak_rss_mib"], declared / 2**20)

@@ -190,4 +190,31 @@ def test_hub_released_data_records_commit_and_hashes(tokenizer, tmp_path):
     assert {f["path"]: f["hash"] for f in source["files"]} == {
         rel: hashlib.sha256(data).hexdigest() for rel, data in files.items() if rel.endswith(".parquet")}
     assert manifest["rows_per_shard"] == {"train": 36, "val": 6}
+    assert manifest["provenance"]["source_commits"] == {"huginn-dataset": repo.commit}
     assert not (tmp_path / "out" / "download" / "huginn-dataset" / "README.md").exists()
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_validation_rows_that_also_occur_in_train_are_counted_and_dropped(ray_instance, tokenizer, tmp_path, capsys,
+                                                                           drop):
+    files = _released_files()
+    # 3 new rows, then the first 5 rows of train/002_00000.parquet
+    rows = [pq.read_table(io.BytesIO(_file_bytes(first, n))) for first, n in ((3000, 3), (200, 5))]
+    buf = io.BytesIO()
+    pq.write_table(pa.concat_tables(rows), buf)
+    files["val/009_00000.parquet"] = buf.getvalue()
+    _write_local(tmp_path, files)
+    config = _config(tmp_path, tokenizer, LOCAL)
+    assert prepare_data.main(["--config", str(config), f"drop_val_duplicates={str(drop).lower()}"]) == 0
+    shards = tmp_path / "out" / "shards"
+    manifest = read_manifest(shards)
+    assert manifest["val_duplicates"] == {"found": 5, "dropped": 5 if drop else 0}
+    assert manifest["sources"]["released"]["val_rows_also_in_train"] == 5
+    assert manifest["sources"]["released"]["val_rows"] == (36 if drop else 41)
+    assert manifest["rows_per_shard"]["val"] == (36 if drop else 41) // 4
+    shared = set(_shard_rows(shards, "train")) | {tuple(r) for r in pq.read_table(
+        io.BytesIO(files["train/002_00000.parquet"])).column(0).to_pylist()[:5]}
+    in_val = set(_shard_rows(shards, "val")) & shared
+    assert (len(in_val) == 0) if drop else (0 < len(in_val) <= 5)
+    out = capsys.readouterr().out
+    assert "[dedup] released: 5 validation rows also occur in train" in out

@@ -82,6 +82,9 @@ class DataConfig:
     """Share of documents held out for validation (chosen by a seeded hash of the document text)."""
     docs_per_pack_batch: int = 4096
     """Documents tokenised and packed together (leftovers shorter than a row are dropped per batch)."""
+    drop_val_duplicates: bool = True
+    """Packed sources: validation rows whose bytes also occur in a training row are counted and left out of the
+    validation shards (false: counted and kept)."""
     download: DownloadConfig = field(default_factory=DownloadConfig)
     """How Hub files are fetched."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)

@@ -14,6 +14,11 @@ A stage writes into `<dir>.tmp-<pid>` (staging) or `<dir>.partial` (pack, shuffl
 stage's fingerprint) and renames it into place when done, so a directory that exists is complete; its marker
 records a fingerprint of everything it was built from, and a stage whose recorded fingerprint matches is skipped
 on the next run. `.tmp-<pid>` directories of processes that are gone are removed, with a message.
+
+Every file is written under a name unique to its writer (`temp_path`: a task attempt that Ray retries while the
+first attempt still runs, e.g. on a node it lost contact with, never writes into the other's file) and committed
+with `commit_file`: fsync the file, rename it, fsync the directory, so a file that exists under its final name
+holds all of its bytes even after the node crashes.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 COMPLETE = "_COMPLETE.json"
@@ -72,6 +78,14 @@ def tmp_dir_for(final: Path) -> Path:
     return tmp
 
 
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def replace_dir(tmp: Path, final: Path) -> None:
     """Move a finished directory into place; an older version is deleted only after the swap."""
     old = None
@@ -79,14 +93,33 @@ def replace_dir(tmp: Path, final: Path) -> None:
         old = final.with_name(f"{final.name}.old-{os.getpid()}")
         final.rename(old)
     tmp.rename(final)
+    _fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old)
 
 
+def temp_path(final: Path) -> Path:
+    """Where one writer (one task attempt) writes `final` before commit_file: `<name>.<random>.tmp`.
+
+    Names ending in `.tmp` are never read; a resumed stage deletes them."""
+    return final.with_name(f"{final.name}.{uuid.uuid4().hex[:12]}.tmp")
+
+
+def commit_file(tmp: Path, final: Path) -> None:
+    """fsync `tmp`, rename it to `final` (atomic), fsync the directory: `final` is complete or absent."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
 def write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temp_path(path)
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    tmp.rename(path)
+    commit_file(tmp, path)
 
 
 def read_marker(directory: Path, name: str = COMPLETE) -> dict | None:

@@ -19,7 +19,9 @@ from huginn_ray.data import layout
 from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_sources, downloaded_files
-from huginn_ray.data.shards import run_shuffle
+from huginn_ray.data.plan import build_plan
+from huginn_ray.data.dedup import find_val_duplicates
+from huginn_ray.data.shards import MANIFEST, run_shuffle
 from huginn_ray.data.sources import Source, load_sources
 from huginn_ray.data.staging import list_local_files, stage_source
 from huginn_ray.data.tokenize_pack import pack_fingerprint, run_pack
@@ -194,6 +196,62 @@ def packed_source_files(cfg: DataConfig, source: Source) -> dict[str, list[dict]
     return out
 
 
+def run_provenance(cfg: DataConfig, sources: list[Source]) -> dict:
+    """What produced these shards besides the data: library versions, the config (and its hash), source commits.
+
+    `huginn_ray_git` is the commit of this package's checkout (None outside a git checkout; `+dirty` when it has
+    uncommitted changes); a source's commit is the Hub commit its files were downloaded at (None for local_dir)."""
+    import dataclasses
+    import importlib.metadata
+    import subprocess
+
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(Path(__file__).parent), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    config = dataclasses.asdict(cfg)
+    commits = {}
+    for source in sources:
+        marker = None if source.is_local else layout.read_marker(cfg.root / "download" / source.name, PROVENANCE)
+        commits[source.name] = marker["commit"] if marker else None
+    return {"versions": {name: version(name) for name in ("huginn_ray", "ray", "pyarrow", "tokenizers", "numpy")},
+            "huginn_ray_git": commit, "config": config, "config_sha256": layout.fingerprint(config),
+            "source_commits": commits}
+
+
+def drop_val_duplicates(cfg: DataConfig, per_source: dict, provenance: dict, vocab_size: int) -> dict:
+    """Count (and with cfg.drop_val_duplicates leave out) validation rows that also occur in train, per source.
+
+    Marks the rows to skip in the validation file entries (`skip_rows`, val_rows lowered) and records the counts
+    in `provenance`; returns the totals for the manifest."""
+    train = [f for v in per_source.values() for f in v["train"]]
+    val = [f for v in per_source.values() for f in v["val"]]
+    duplicates = find_val_duplicates(train, val, cfg.seq_len + 1, token_dtype(vocab_size), vocab_size)
+    found = 0
+    for name, split_files in per_source.items():
+        count = sum(len(duplicates[f["path"]]) for f in split_files["val"])
+        found += count
+        provenance[name]["val_rows_also_in_train"] = count
+        if cfg.drop_val_duplicates:
+            for f in split_files["val"]:
+                f["skip_rows"] = duplicates[f["path"]]
+                f["val_rows"] -= len(f["skip_rows"])
+            provenance[name]["val_rows"] -= count
+        print(f"[dedup] {name}: {count} validation rows also occur in train"
+              f"{', dropped from validation' if cfg.drop_val_duplicates and count else ''}", flush=True)
+    return {"found": found, "dropped": found if cfg.drop_val_duplicates else 0}
+
+
 def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
     """Already packed sources (e.g. the released Huginn data) straight into N + N shards."""
     facts = tokenizer_facts(cfg)
@@ -217,9 +275,14 @@ def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
                    for name, v in per_source.items()},
         "tokenizer": facts["tokenizer_sha256"], "seq_len": cfg.seq_len})
     fingerprint = layout.fingerprint({"packed": input_fingerprint, "num_shards": cfg.num_shards, "seed": cfg.seed,
-                                      "row_group_size": cfg.shuffle.row_group_size})
+                                      "row_group_size": cfg.shuffle.row_group_size,
+                                      "drop_val_duplicates": cfg.drop_val_duplicates})
     extra = {key: facts[key] for key in ("tokenizer_sha256", "vocab_size", "bos_id", "eos_id", "pad_id")}
-    extra.update(input_fingerprint=input_fingerprint, sources=provenance, empty_sources=[], staged_documents={})
+    extra.update(input_fingerprint=input_fingerprint, sources=provenance, empty_sources=[], staged_documents={},
+                 provenance=run_provenance(cfg, sources))
+    existing = layout.read_marker(cfg.root / "shards", MANIFEST)
+    if existing is None or existing.get("fingerprint") != fingerprint:  # else run_shuffle reports it complete
+        extra["val_duplicates"] = drop_val_duplicates(cfg, per_source, provenance, facts["vocab_size"])
     manifest = run_shuffle(files, cfg.seq_len + 1, cfg.root / "shards", num_shards=cfg.num_shards, seed=cfg.seed,
                            row_group_size=cfg.shuffle.row_group_size, reducer_mib=cfg.shuffle.reducer_mib,
                            map_mib=cfg.shuffle.map_mib, token_dtype=token_dtype(facts["vocab_size"]),
@@ -242,7 +305,8 @@ def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:
                                       "seed": cfg.seed, "row_group_size": cfg.shuffle.row_group_size})
     extra = {key: pack_marker[key] for key in ("tokenizer_sha256", "vocab_size", "bos_id", "eos_id", "pad_id")}
     extra.update(input_fingerprint=pack_marker["fingerprint"], sources=pack_marker["sources"],
-                 empty_sources=empty, staged_documents={n: m["rows"] for n, m in markers.items()})
+                 empty_sources=empty, staged_documents={n: m["rows"] for n, m in markers.items()},
+                 provenance=run_provenance(cfg, sources))
     files = [{"path": str(cfg.root / "packed" / f["file"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]}
              for f in pack_marker["files"]]
     return run_shuffle(files, pack_marker["seq_len"] + 1, cfg.root / "shards", num_shards=cfg.num_shards,
@@ -256,6 +320,10 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     """Run the given stages in order; returns the shard manifest when the shuffle stage ran."""
     sources = load_sources(cfg.sources)
     check_supported(sources)
+    packed_only(sources)  # a mixed list is refused before the plan samples its files
+    plan = build_plan(cfg, sources)  # refuses a run whose peak disk does not fit output_dir's free space
+    print(f"[plan] about {plan['estimated_tokens']:,d} packed tokens, peak disk "
+          f"{plan['peak_disk_bytes'] / 2**30:.2f} GiB ({plan['free_bytes'] / 2**30:.1f} GiB free)", flush=True)
     layout.clean_stale_under(cfg.root)
     steps = {"download": run_stage_download, "staging": run_stage_staging,
              "pack": run_stage_pack, "shuffle": run_stage_shuffle}

@@ -14,13 +14,15 @@ and nothing the driver or a task holds grows with N (huginn_ray/data/README.md h
    surplus, sorts its rows by position (hence by destination shard) and writes one Arrow IPC file per split,
    `map/<split>/MMMMMM.arrow` (columns `position`, `input_ids`), plus `MMMMMM.idx.npy`: N + 1 row offsets, row
    range [idx[s], idx[s+1]) of the file holds the rows bound for shard s.
-2. reduce: one Ray task per range of consecutive shards holding ~`shuffle.reducer_mib` of rows memory-maps
-   every map file of its split, reads only its row range (two index entries + those rows' bytes), merges by
-   position and writes its shards `<split>/RRRRR.parquet` (column `input_ids`, list<uint16|int32>, row groups of
+2. reduce: the driver gathers a split's per-map indexes into one `map/<split>/index.npy` ((N + 1) x M); one Ray
+   task per range of consecutive shards holding ~`shuffle.reducer_mib` of rows reads the two rows of it that bound
+   its shards, memory-maps only the map files holding rows for it, reads only its row ranges, merges by position
+   and writes its shards `<split>/RRRRR.parquet` (column `input_ids`, list<uint16|int32>, row groups of
    `shuffle.row_group_size`).
 
-Tasks return only a few integers; map tasks and reducers declare `memory=` to Ray from their data size, so Ray
-does not start more of them on a node than its memory holds. Every file is written under a temporary name and
+Tasks return only a few integers; map tasks and reducers declare `memory=` to Ray from their data size and the
+input's id width (map_task_memory, reduce_task_memory), so Ray does not start more of them on a node than its
+memory holds. Every file is written under a temporary name and
 renamed when complete, in `<shard_dir>.partial/` with the plan's fingerprint: a rerun after a crash keeps the
 committed map files and shards and redoes only the rest.
 """
@@ -30,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import resource
 import shutil
 import time
@@ -38,13 +39,12 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.tokens import (DTYPES, check_ids, fixed_rows, numpy_dtype, parquet_options, row_schema,
-                                    rows_to_arrow)
+from huginn_ray.data.tokens import (DTYPES, MAX_LIST_IDS, arrow_type, check_ids, fixed_rows, numpy_dtype,
+                                    parquet_options, row_schema, rows_to_arrow)
 
 TRAIN, VAL = 0, 1
 SPLITS = {"train": TRAIN, "val": VAL}
@@ -132,36 +132,90 @@ def _map_paths(work: Path, split: str, index: int) -> tuple[Path, Path]:
     return work / "map" / split / f"{index:06d}.arrow", work / "map" / split / f"{index:06d}.idx.npy"
 
 
-def _read_input(entry: dict, row_len: int, dtype: str, vocab_size: int, hashes: dict) -> dict[str, np.ndarray]:
-    """One input file's rows per split, as (rows, row_len) arrays of the storage type, checked.
+READ_BATCH_ROWS = 1024
+"""Rows decoded at a time from an input file (parquet still reads a whole column chunk, compressed, at once)."""
 
-    With `hashes` not None, the file's sha256 is recorded in it (read once: the bytes are hashed and parsed)."""
+
+def _read_input(entry: dict, row_len: int, dtype: str, vocab_size: int, hashes: dict):
+    """Yield (split, rows) blocks of one input file: (n, row_len) arrays of the storage type, checked.
+
+    Decoded READ_BATCH_ROWS at a time, so a task holds one file's compressed column chunk and a batch, not the
+    file decoded. With `hashes` not None, the file's sha256 is recorded in it (read once: hashed and parsed).
+    Row numbers (in the file) listed in `entry["skip_rows"]` are left out (validation rows that also occur in train,
+    huginn_ray/data/dedup.py); the entry's row counts are those of the rows kept."""
     path = entry["path"]
+    skip = np.asarray(entry.get("skip_rows", []), np.int64)
     if hashes is not None:
         data = pa.py_buffer(Path(path).read_bytes())
         hashes[path] = hashlib.sha256(data).hexdigest()
         source = pa.BufferReader(data)
     else:
         source = path
-    pf = pq.ParquetFile(source)
+    pf = pq.ParquetFile(source, pre_buffer=False)
     names = pf.schema_arrow.names
     if "input_ids" not in names:
         raise ValueError(f"{path}: no column 'input_ids' (columns: {', '.join(names)})")
     has_split = "split" in names
-    table = pf.read(columns=["input_ids", "split"] if has_split else ["input_ids"])
-    out = {}
-    for name, code in SPLITS.items():
-        if has_split:
-            part = table.filter(pc.equal(table.column("split"), code)).column("input_ids")
-        else:
-            part = table.column("input_ids") if entry[f"{name}_rows"] else table.column("input_ids").slice(0, 0)
-        rows = fixed_rows(part, row_len, str(path))
-        if len(rows) != entry[f"{name}_rows"]:
-            raise ValueError(f"{path}: {len(rows)} {name} rows, the plan expected {entry[f'{name}_rows']} "
-                             "(the file changed since it was listed)")
+    seen = dict.fromkeys(SPLITS, 0)
+    row = 0
+    for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS, columns=["input_ids", "split"] if has_split else
+                                 ["input_ids"], use_threads=False):
+        rows = fixed_rows(batch.column(0), row_len, str(path), first_row=row)
         check_ids(rows, vocab_size, dtype, str(path))
-        out[name] = rows.astype(numpy_dtype(dtype), copy=False)
-    return out
+        rows = rows.astype(numpy_dtype(dtype), copy=False)
+        codes = batch.column(1).to_numpy(zero_copy_only=False) if has_split else None
+        if len(skip):
+            keep = ~np.isin(np.arange(row, row + len(rows)), skip)
+            rows, codes = rows[keep], codes[keep] if has_split else None
+        row += len(keep) if len(skip) else len(rows)
+        for name, code in SPLITS.items():
+            if has_split:
+                part = rows[codes == code]
+            else:
+                part = rows if entry[f"{name}_rows"] else rows[:0]
+            seen[name] += len(part)
+            if seen[name] > entry[f"{name}_rows"]:
+                break
+            yield name, part
+    for name in SPLITS:
+        if seen[name] != entry[f"{name}_rows"]:
+            raise ValueError(f"{path}: {'more than ' if seen[name] > entry[f'{name}_rows'] else ''}{seen[name]} "
+                             f"{name} rows, the plan expected {entry[f'{name}_rows']} (the file changed since it "
+                             "was listed)")
+
+
+WRITE_CHUNK_BYTES = 32 << 20
+"""Rows are gathered into sorted order and written this many bytes at a time (map files and shards), so a task
+never holds a second full copy of its rows."""
+
+
+READ_FACTOR = 3
+"""A task reading a parquet file holding B bytes of ids in their physical type (parquet has no 16-bit integers:
+uint16 ids are stored as int32) holds up to ~READ_FACTOR x B while it does (the whole column chunk is read at once,
+then decoded batch by batch). Measured up to 2.6x (a map group of two 64 MiB int64 files like the released data's;
+fresh process, ru_maxrss growth less the group's rows and write chunks) and 1.5x for packed uint16 files; +1 B
+when the file is hashed (its bytes are held while parsed)."""
+
+
+def map_task_memory(group: list[dict], row_len: int, dtype: str, input_width: int, hashed: bool) -> int:
+    """The memory a map task uses, declared to Ray as `memory=`: its rows once in the storage type, 24 bytes per
+    row of positions and sort order, reading its largest input file (READ_FACTOR), one write chunk twice (the
+    gathered rows and their Arrow copy), and the worker's own footprint."""
+    width = np.dtype(numpy_dtype(dtype)).itemsize
+    rows = sum(f["train_rows"] + f["val_rows"] for f in group)
+    largest = max((f["train_rows"] + f["val_rows"] for f in group), default=0) * row_len * max(4, input_width)
+    return (rows * (row_len * width + 24) + largest * (READ_FACTOR + hashed) + 2 * WRITE_CHUNK_BYTES
+            + _TASK_OVERHEAD)
+
+
+def reduce_task_memory(plan: dict, row_len: int, dtype: str) -> int:
+    """The memory a reducer uses, declared as `memory=`: its rows once in the storage type plus the same again for
+    the memory-mapped map-file ranges it copies from (resident while read), 24 bytes per row of positions and
+    order, one shard's rows and one write chunk, and the worker's own footprint."""
+    width = np.dtype(numpy_dtype(dtype)).itemsize
+    rows = plan["shards_per_reducer"] * plan["rows_per_shard"]
+    return (rows * (2 * row_len * width + 24) + plan["rows_per_shard"] * row_len * width + 2 * WRITE_CHUNK_BYTES
+            + _TASK_OVERHEAD)
 
 
 def _map_group(index: int, files: list[dict], offsets: dict, plans: dict, seed: int, row_len: int, dtype: str,
@@ -172,80 +226,111 @@ def _map_group(index: int, files: list[dict], offsets: dict, plans: dict, seed: 
     written = 0
     hashes: dict | None = {} if hash_inputs else None
     if todo:
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in SPLITS}
+        # every input file is read, converted and copied into one array per split, then dropped
+        counts = {name: sum(f[f"{name}_rows"] for f in files) for name in SPLITS}
+        rows = {name: np.empty((counts[name], row_len), numpy_dtype(dtype)) for name in todo}
+        filled = dict.fromkeys(SPLITS, 0)
         for entry in files:
-            for name, rows in _read_input(entry, row_len, dtype, vocab_size, hashes).items():
-                parts[name].append(rows)
+            for name, part in _read_input(entry, row_len, dtype, vocab_size, hashes):
+                if name in rows:
+                    rows[name][filled[name]:filled[name] + len(part)] = part
+                filled[name] += len(part)
         if hash_inputs:  # before any map file is committed, so a resumed task finds them
             layout.write_json(work_dir / "map" / f"{index:06d}.sha256.json", hashes)
         for name in todo:
             plan, code = plans[name], SPLITS[name]
-            rows = np.concatenate(parts[name]) if parts[name] else np.zeros((0, row_len), np.uint16)
-            parts[name] = []
-            position = FeistelPermutation(plan["rows"], seed, code)(offsets[name] + np.arange(len(rows)))
+            position = FeistelPermutation(plan["rows"], seed, code)(offsets[name] + np.arange(counts[name]))
             kept = np.flatnonzero(position < plan["kept"])
             order = kept[np.argsort(position[kept], kind="stable")]
             position = position[order]
-            rows = rows[order]
             bounds = np.searchsorted(position // plan["rows_per_shard"], np.arange(plan["num_shards"] + 1))
             data_path, index_path = _map_paths(work_dir, name, index)
-            table = pa.table({"position": pa.array(position, pa.int64()),
-                              "input_ids": rows_to_arrow(rows, dtype)})
-            del rows
-            tmp = data_path.with_name(data_path.name + ".tmp")
-            with ipc.new_file(tmp, table.schema) as writer:
-                writer.write_table(table)
-            tmp.rename(data_path)
+            # large_list: a map file holds ~map_mib of rows, more ids than 32-bit list offsets address at >= 4 GiB
+            schema = pa.schema([("position", pa.int64()), ("input_ids", pa.large_list(arrow_type(dtype)))])
+            chunk = max(1, WRITE_CHUNK_BYTES // (row_len * rows[name].itemsize))
+            tmp = layout.temp_path(data_path)
+            with ipc.new_file(tmp, schema) as writer:
+                for start in range(0, len(order), chunk):
+                    writer.write_batch(pa.record_batch(
+                        [pa.array(position[start:start + chunk], pa.int64()),
+                         rows_to_arrow(rows[name][order[start:start + chunk]], dtype, large=True)], schema=schema))
+            del rows[name]
+            layout.commit_file(tmp, data_path)
             written += data_path.stat().st_size
-            tmp = index_path.with_name(index_path.name + ".tmp")
+            tmp = layout.temp_path(index_path)
             with open(tmp, "wb") as f:
                 np.save(f, bounds.astype(np.int64))
-            tmp.rename(index_path)  # the index is the commit mark of this map file
+            layout.commit_file(tmp, index_path)  # the index is the commit mark of this map file
     if hash_inputs and not todo:  # resumed: the hashes were recorded next to the committed map files
         hashes = json.loads((work_dir / "map" / f"{index:06d}.sha256.json").read_text())
     return {"bytes_written": written, "skipped": not todo, "peak_rss_mib": _peak_rss_mib(), "sha256": hashes}
 
 
-def _reduce(split: str, reducer: int, plan: dict, work: str, num_maps: int, row_len: int, dtype: str,
-            row_group_size: int) -> dict:
-    """Ray task: read this reducer's row range from every map file of the split, order by position, write."""
+def _split_index_path(work: Path, split: str) -> Path:
+    return work / "map" / split / "index.npy"
+
+
+def write_split_index(work: Path, split: str, num_maps: int, num_shards: int) -> None:
+    """Gather the split's per-map indexes into one (num_shards + 1, num_maps) int64 array, `map/<split>/index.npy`.
+
+    Row s holds where shard s's rows start in every map file, so a reducer reads two rows of it (once) and then
+    opens only the map files whose range for it is not empty. Written through a memory map: the driver's heap
+    does not grow with num_shards x num_maps."""
+    final = _split_index_path(work, split)
+    tmp = layout.temp_path(final)
+    index = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(num_shards + 1, num_maps))
+    for m in range(num_maps):
+        index[:, m] = np.load(_map_paths(work, split, m)[1])
+    index.flush()
+    del index
+    layout.commit_file(tmp, final)
+
+
+def _reduce(split: str, reducer: int, plan: dict, work: str, row_len: int, dtype: str, row_group_size: int) -> dict:
+    """Ray task: read this reducer's row range from the map files that hold rows for it, order by position, write."""
     work_dir = Path(work)
     first = reducer * plan["shards_per_reducer"]
     shards = [s for s in range(first, min(plan["num_shards"], first + plan["shards_per_reducer"]))
               if not shard_path(work_dir / "out", split, s).exists()]
-    read = written = 0
+    read = written = opened = 0
     if shards:
         lo_shard, hi_shard = shards[0], shards[-1] + 1
-        positions, blocks = [], []
-        for m in range(num_maps):
-            data_path, index_path = _map_paths(work_dir, split, m)
-            bounds = np.load(index_path, mmap_mode="r")
-            lo, hi = int(bounds[lo_shard]), int(bounds[hi_shard])
-            if hi == lo:
-                continue
+        index = np.load(_split_index_path(work_dir, split), mmap_mode="r")
+        starts, ends = np.array(index[lo_shard]), np.array(index[hi_shard])
+        del index
+        holding = np.flatnonzero(ends > starts)
+        total = int((ends[holding] - starts[holding]).sum())
+        rows = np.empty((total, row_len), numpy_dtype(dtype))  # this reducer's rows, copied in once
+        position = np.empty(total, np.int64)
+        filled = 0
+        for m in holding:
+            lo, hi = int(starts[m]), int(ends[m])
+            data_path = _map_paths(work_dir, split, int(m))[0]
+            opened += 1
             with pa.memory_map(str(data_path)) as source:
                 part = ipc.open_file(source).read_all().slice(lo, hi - lo)
-                positions.append(np.array(part.column("position").to_numpy()))
-                blocks.append(np.array(fixed_rows(part.column("input_ids"), row_len, str(data_path))))
-                del part
-            read += (hi - lo) * (row_len * blocks[-1].itemsize + 8)
-        position = np.concatenate(positions) if positions else np.zeros(0, np.int64)
+                position[filled:filled + hi - lo] = part.column("position").to_numpy()
+                for chunk in part.column("input_ids").chunks:  # record batches of the map file: no combined copy
+                    block = fixed_rows(chunk, row_len, str(data_path))
+                    rows[filled:filled + len(block)] = block
+                    filled += len(block)
+                del part, block
+        read = total * (row_len * rows.itemsize + 8)
         order = np.argsort(position, kind="stable")
         position = position[order]
-        rows = np.concatenate(blocks)[order] if blocks else np.zeros((0, row_len), np.uint16)
-        del blocks
         rps = plan["rows_per_shard"]
         for shard in shards:
             lo, hi = np.searchsorted(position, [shard * rps, (shard + 1) * rps])
             if hi - lo != rps or (hi > lo and (position[lo] != shard * rps or position[hi - 1] != (shard + 1) * rps - 1)):
                 raise RuntimeError(f"{split} shard {shard}: {hi - lo} rows, expected {rps}")
             path = shard_path(work_dir / "out", split, shard)
-            tmp = path.with_name(path.name + ".tmp")
-            table = pa.table({"input_ids": rows_to_arrow(rows[lo:hi], dtype)}, schema=row_schema(dtype))
+            tmp = layout.temp_path(path)
+            table = pa.table({"input_ids": rows_to_arrow(rows[order[lo:hi]], dtype)}, schema=row_schema(dtype))
             pq.write_table(table, tmp, row_group_size=row_group_size, **parquet_options(table))
-            tmp.rename(path)
+            layout.commit_file(tmp, path)
             written += path.stat().st_size
-    return {"bytes_read": read, "bytes_written": written, "shards": len(shards), "peak_rss_mib": _peak_rss_mib()}
+    return {"bytes_read": read, "bytes_written": written, "shards": len(shards), "map_files_opened": opened,
+            "peak_rss_mib": _peak_rss_mib()}
 
 
 def _node_memory_cap() -> int:
@@ -308,6 +393,11 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
     row_bytes = row_len * itemsize + 8
     plans = {name: plan_split(sum(f[f"{name}_rows"] for f in files), num_shards, row_bytes,
                               reducer_mib << 20, name) for name in SPLITS}
+    for name, plan in plans.items():
+        if plan["rows_per_shard"] * row_len > MAX_LIST_IDS:  # a shard's input_ids column is one list<> array
+            raise ValueError(f"num_shards={num_shards}: a {name} shard would hold {plan['rows_per_shard']} rows of "
+                             f"{row_len} ids, more than the {MAX_LIST_IDS} ids a parquet list column addresses; "
+                             f"raise num_shards")
     groups = _group_files(files, row_bytes, map_mib << 20)
     work_plan = {"fingerprint": fingerprint, "map_mib": map_mib, "reducer_mib": reducer_mib,
                  "groups": [[str(f["path"]) for f in g] for g in groups], "token_dtype": token_dtype}
@@ -318,6 +408,8 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         done_shards = sum(1 for _ in (work / "out").glob("*/*.parquet"))
         print(f"[shuffle] resuming {work}: {done_maps}/{2 * len(groups)} map files and "
               f"{done_shards}/{2 * num_shards} shards already written are kept", flush=True)
+        for stale in work.glob("*/*/*.tmp"):  # half-written by a crashed attempt: never read, removed
+            stale.unlink()
     else:
         if work.exists():
             print(f"[shuffle] removing {work}: left by a run with other inputs or settings", flush=True)
@@ -333,27 +425,33 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
     cap = _node_memory_cap()
     started = time.time()
 
-    biggest = max(sum((f["train_rows"] + f["val_rows"]) for f in g) for g in groups) * row_bytes
-    map_task = ray.remote(_map_group).options(memory=_memory_request(3 * biggest + _TASK_OVERHEAD, cap))
+    # every input comes from one producer (the pack stage, or one released dataset): the first file's id width
+    # stands for all of them in the map tasks' memory
+    input_width = pq.read_schema(files[0]["path"]).field("input_ids").type.value_type.bit_width // 8
+    map_task = ray.remote(_map_group)
     calls, running = [], {name: 0 for name in SPLITS}
     for index, group in enumerate(groups):
         offsets = dict(running)
-        entries = [{"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]} for f in group]
-        calls.append(lambda i=index, e=entries, o=offsets: map_task.remote(
+        entries = [{"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"],
+                    "skip_rows": f.get("skip_rows", [])} for f in group]
+        memory = _memory_request(map_task_memory(entries, row_len, token_dtype, input_width, hash_inputs), cap)
+        calls.append(lambda i=index, e=entries, o=offsets, mem=memory: map_task.options(memory=mem).remote(
             i, e, o, plans, seed, row_len, token_dtype, vocab_size, str(work), hash_inputs))
         for f in group:
             for name in SPLITS:
                 running[name] += f[f"{name}_rows"]
     map_results = run_bounded(calls, limit, "map tasks")
     map_s = time.time() - started
+    for name in SPLITS:
+        write_split_index(work, name, len(groups), num_shards)
 
     calls = []
     for name, plan in plans.items():
-        reducer_bytes = plan["shards_per_reducer"] * plan["rows_per_shard"] * row_bytes
-        reduce_task = ray.remote(_reduce).options(memory=_memory_request(3 * reducer_bytes + _TASK_OVERHEAD, cap))
+        reduce_task = ray.remote(_reduce).options(
+            memory=_memory_request(reduce_task_memory(plan, row_len, token_dtype), cap))
         for r in range(plan["reducers"]):
             calls.append(lambda n=name, r=r, p=plan, t=reduce_task: t.remote(
-                n, r, p, str(work), len(groups), row_len, token_dtype, row_group_size))
+                n, r, p, str(work), row_len, token_dtype, row_group_size))
     reduce_results = run_bounded(calls, limit, "reducers")
 
     for name in SPLITS:
@@ -366,6 +464,7 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         intermediate_bytes_written=sum(r["bytes_written"] for r in map_results),
         intermediate_bytes_read=sum(r["bytes_read"] for r in reduce_results),
         shard_bytes_written=sum(r["bytes_written"] for r in reduce_results),
+        map_files_opened=sum(r["map_files_opened"] for r in reduce_results),
         max_task_peak_rss_mib=max(r["peak_rss_mib"] for r in map_results + reduce_results))
 
     if hash_inputs:  # local packed inputs: record the sha256 of every file read (Hub files carry theirs)

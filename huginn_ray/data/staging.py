@@ -87,8 +87,9 @@ def _stage_file(batch: dict, source: Source, out_dir: str) -> dict:
     """Ray Data UDF: format one input file and stream its documents into its staging parquet file."""
     index, path = int(batch["index"][0]), str(batch["path"][0])
     output = Path(out_dir) / f"{index:05d}.parquet"
+    tmp = layout.temp_path(output)
     rows = chars = 0
-    with pq.ParquetWriter(output, STAGING_SCHEMA) as writer:
+    with pq.ParquetWriter(tmp, STAGING_SCHEMA) as writer:
         for texts in iter_documents(path, source):
             writer.write_table(pa.table({
                 "text": pa.array(texts, pa.large_string()),
@@ -97,6 +98,7 @@ def _stage_file(batch: dict, source: Source, out_dir: str) -> dict:
             }))
             rows += len(texts)
             chars += sum(len(t) for t in texts)
+    layout.commit_file(tmp, output)
     return {"index": [index], "path": [path], "output": [output.name], "rows": [rows], "chars": [chars]}
 
 

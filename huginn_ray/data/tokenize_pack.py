@@ -21,7 +21,6 @@ import functools
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.formatting import DataError
 from huginn_ray.data.packing import copy_fractions, copy_order, pack, unit_hash
 from huginn_ray.data.shards import TRAIN, VAL, run_bounded
 from huginn_ray.data.sources import Source
@@ -112,9 +110,9 @@ def tokenize_and_pack(task: dict, *, tokenizer_file: str, row_len: int, seed: in
              "train_rows": int((split_col == TRAIN).sum()), "val_rows": int((split_col == VAL).sum())}
     schema = packed_schema(dtype).with_metadata({STATS_KEY: json.dumps(stats, sort_keys=True).encode()})
     table = pa.table({"input_ids": rows_to_arrow(rows, dtype), "split": pa.array(split_col)}, schema=schema)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = layout.temp_path(out)
     pq.write_table(table, tmp, **parquet_options(table))
-    tmp.rename(out)
+    layout.commit_file(tmp, out)
     return {**stats, "file": task["name"], "source_index": task["source_index"], "reused": False}
 
 
@@ -172,17 +170,21 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
         stale.unlink()
 
     tasks = pack_tasks(sources, staging_root, markers, docs_per_batch)
-    # memory= per task: the batch's text plus its encodings (~100 bytes per token alive per encode chunk) and
-    # packed rows; estimated from each source's mean document size.
+    # memory= per task, from its own batch: the batch's text plus its encodings (~100 bytes per token alive per
+    # encode chunk) and packed rows, estimated from its source's mean document size (a batch of short documents
+    # does not wait for the memory a batch of books needs).
     mean_chars = {s.name: markers[s.name]["chars"] / max(1, markers[s.name]["rows"]) for s in sources}
-    worst = max((mean_chars[t["source"]] * t["count"] for t in tasks), default=0)
     cap = _node_memory_cap()
-    memory = int(min(256 * 2**20 + 24 * worst, cap)) if cap else int(256 * 2**20 + 24 * worst)
-    remote = ray.remote(tokenize_and_pack).options(memory=memory)
+    remote = ray.remote(tokenize_and_pack)
     kwargs = {"tokenizer_file": str(tokenizer_file), "row_len": seq_len + 1, "seed": seed,
               "val_fraction": val_fraction, "vocab_size": vocab_size, "dtype": dtype, "out_dir": str(work)}
+
+    def call(task: dict):
+        memory = int(256 * 2**20 + 24 * mean_chars[task["source"]] * task["count"])
+        return remote.options(memory=min(memory, cap) if cap else memory).remote(task, **kwargs)
+
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    results = run_bounded([lambda t=t: remote.remote(t, **kwargs) for t in tasks], 2 * cpus, "batches", "pack")
+    results = run_bounded([lambda t=t: call(t) for t in tasks], 2 * cpus, "batches", "pack")
 
     per_source = {s.name: {**{k: 0 for k in _STAT_KEYS}, "weight": s.weight,
                            "every_token_is_sacred": s.every_token_is_sacred} for s in sources}

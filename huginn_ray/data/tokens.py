@@ -59,16 +59,25 @@ def check_ids(ids: np.ndarray, vocab_size: int, dtype: str, where: str) -> None:
                               f"stored as {dtype} (valid ids: 0..{limit - 1})")
 
 
-def rows_to_arrow(rows: np.ndarray, dtype: str) -> pa.ListArray:
-    """(n, width) array -> list<dtype> array without a Python loop (ids must already be checked)."""
+MAX_LIST_IDS = 2**31 - 1  # a list<> array's 32-bit offsets address at most this many ids
+
+
+def rows_to_arrow(rows: np.ndarray, dtype: str, large: bool = False) -> pa.ListArray | pa.LargeListArray:
+    """(n, width) array -> list<dtype> array without a Python loop (ids must already be checked).
+
+    `large`: large_list<dtype> (64-bit offsets), for arrays that may hold more than MAX_LIST_IDS ids."""
     n, width = rows.shape
-    offsets = pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32))
-    return pa.ListArray.from_arrays(offsets, pa.array(rows.reshape(-1).astype(numpy_dtype(dtype), copy=False),
-                                                      arrow_type(dtype)))
+    if not large and n * width > MAX_LIST_IDS:
+        raise ValueError(f"{n} rows of {width} ids do not fit one list array ({MAX_LIST_IDS} ids at most)")
+    offsets = pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int64 if large else np.int32))
+    values = pa.array(rows.reshape(-1).astype(numpy_dtype(dtype), copy=False), arrow_type(dtype))
+    return (pa.LargeListArray if large else pa.ListArray).from_arrays(offsets, values)
 
 
-def fixed_rows(column: pa.ChunkedArray | pa.Array, row_len: int, where: str) -> np.ndarray:
-    """A list column of ids -> (rows, row_len) numpy array in the column's value type; refuses other lengths."""
+def fixed_rows(column: pa.ChunkedArray | pa.Array, row_len: int, where: str, first_row: int = 0) -> np.ndarray:
+    """A list column of ids -> (rows, row_len) numpy array in the column's value type; refuses other lengths.
+
+    `first_row`: the column's first row number in its file, for the error message."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
     if len(column) == 0:
@@ -77,6 +86,7 @@ def fixed_rows(column: pa.ChunkedArray | pa.Array, row_len: int, where: str) -> 
     lengths = np.diff(offsets)
     if (lengths != row_len).any():
         bad = int(np.flatnonzero(lengths != row_len)[0])
-        raise TokenRangeError(f"{where}: row {bad} has {int(lengths[bad])} ids, expected {row_len} (seq_len + 1)")
+        raise TokenRangeError(f"{where}: row {first_row + bad} has {int(lengths[bad])} ids, expected {row_len} "
+                              "(seq_len + 1)")
     values = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
     return values.to_numpy(zero_copy_only=False).reshape(-1, row_len)

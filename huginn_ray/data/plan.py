@@ -1,0 +1,375 @@
+"""What a data config means before it runs: bytes, tokens, disk, memory, counts and time (`--plan`).
+
+    python jobs/prepare_data.py --config configs/data/huginn.yaml --plan [--json]
+
+Nothing is downloaded or written. Per source the files and their bytes come from the local files, the download
+stage's provenance when the source is already downloaded, or else the Hub's listing (file sizes from
+`dataset_info(files_metadata=True)`, the same call the download stage makes). A source whose files are on this
+machine is *sampled*: up to SAMPLE_BYTES of its input files, in file order, are formatted exactly as staging does,
+encoded with the run's tokenizer (when it exists) and packed with the run's packing rule, which gives its text
+bytes per input byte, tokens per text byte, packed tokens per document token, staged and packed bytes on disk per
+token. A source that cannot be sampled (Hub files not downloaded, or no tokenizer yet) takes the mean of the
+sampled sources, or the DEFAULTS below when none was sampled; the report says which sources were estimated so.
+
+Estimates, all per split-less total (train + validation together):
+- `estimated_tokens`: packed training tokens after weighting (rows x (seq_len + 1));
+- peak disk per stage: what is on disk under output_dir at the end of each stage (nothing is deleted before the
+  shuffle ends; its map files live until the last shard is written): download + staging + packed + map + shards;
+- memory per task: the `memory=` the stages declare (tokenize_pack.py; shards.map_task_memory and
+  reduce_task_memory), for the largest task of each kind;
+- time: input volumes over the throughputs of THROUGHPUT (BENCHMARKS.md figures where measured, marked assumed
+  where not), at the CPUs of `local_ray.num_cpus` (or this machine's).
+
+The free space of output_dir's file system must hold the peak minus what output_dir already holds; otherwise the
+plan (and a real run, which checks the same at its start) is refused naming the figures.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from huginn_ray.data import layout
+from huginn_ray.data.config import DataConfig
+from huginn_ray.data.formatting import DataError, iter_documents
+from huginn_ray.data.hub_download import PROVENANCE
+from huginn_ray.data.packing import pack_row_starts
+from huginn_ray.data.shards import map_task_memory, plan_split, reduce_task_memory
+from huginn_ray.data.sources import Source
+from huginn_ray.data.staging import STAGING_SCHEMA, list_local_files
+from huginn_ray.data.tokens import parquet_options, rows_to_arrow, token_dtype
+
+SAMPLE_BYTES = 8 << 20
+"""Input bytes per source read to measure its ratios (whole files, in file order, at least one)."""
+
+
+@dataclass(frozen=True)
+class Ratios:
+    """What one source's sample measured (or the defaults for a source that was not sampled)."""
+
+    text_per_input_byte: float
+    """UTF-8 bytes of document text per byte of input file (compressed formats > 1)."""
+    tokens_per_text_byte: float
+    """Token ids (BOS/EOS included) per byte of text."""
+    packed_per_token: float
+    """Packed row tokens per document token for one copy (what incineration and batch leftovers keep)."""
+    chars_per_text_byte: float
+    """Characters per UTF-8 byte (the pack task's memory formula counts characters)."""
+    staged_per_text_byte: float
+    """Bytes of the staging parquet files (one per input file, footers included) per byte of text."""
+    packed_file_per_token: float
+    """Bytes of packed parquet per token (BYTE_STREAM_SPLIT + zstd, one batch's rows per file), less the
+    per-file part."""
+    shard_per_token: float
+    """Bytes of shard parquet per token (row groups of shuffle.row_group_size), less the per-file part."""
+    parquet_file_bytes: float
+    """The per-file part of a packed or shard parquet file (footer, schema, statistics)."""
+    docs_per_text_byte: float
+    """Documents per byte of text."""
+
+
+DEFAULTS = Ratios(text_per_input_byte=1.0, tokens_per_text_byte=0.25, packed_per_token=0.9,
+                  chars_per_text_byte=1.0, staged_per_text_byte=0.5, packed_file_per_token=1.8,
+                  shard_per_token=1.8, parquet_file_bytes=1500, docs_per_text_byte=1 / 4096)
+"""Used when no source could be sampled: ~4 bytes per token (English BPE), 2 bytes per uint16 id x 0.9."""
+
+EMPTY = Ratios(*([0.0] * len(Ratios.__dataclass_fields__)))
+"""A sampled source whose files hold no document."""
+
+TEXT_PER_INPUT_BYTE = {".parquet": 2.5, ".gz": 3.5, ".zst": 4.0}
+"""Text bytes per compressed input byte for unsampled sources (typical zstd/snappy/gzip ratios on text)."""
+
+THROUGHPUT = {
+    "download_bytes_per_s": (100e6, "assumed: 100 MB/s aggregate from the Hub"),
+    "staging_text_bytes_per_s_per_cpu": (20e6, "assumed"),
+    "pack_tokens_per_s_per_cpu": (750e3, "measured, BENCHMARKS.md: 4k vocabulary on code, 1 CPU"),
+    "shuffle_bytes_per_s_per_cpu": (11e6, "measured, BENCHMARKS.md: ~22 MiB/s of packed bytes on 2 CPUs"),
+}
+"""Rates the time estimate uses, with where each figure comes from."""
+
+
+def _input_files(cfg: DataConfig, source: Source, listing: dict) -> tuple[list[tuple[str, int]], bool, str | None]:
+    """(path, bytes) of a source's input files, whether they are on this machine, and the Hub commit if known."""
+    if source.is_local:
+        return [(str(p), p.stat().st_size) for p in list_local_files(source)], True, None
+    marker = layout.read_marker(cfg.root / "download" / source.name, PROVENANCE)
+    if marker is not None:
+        root = cfg.root / "download" / source.name
+        return [(str(root / f["path"]), int(f["size"])) for f in marker["files"]], True, marker["commit"]
+    commit, files = listing[source.name]
+    return [(f.path, f.size) for f in files], False, commit
+
+
+def _hub_listings(cfg: DataConfig, sources: list[Source]) -> dict:
+    """The Hub's file listing of every source not on this machine (metadata only, with the download's retries)."""
+    from huggingface_hub import constants, get_token
+
+    from huginn_ray.data.hub_download import list_repo_files
+
+    todo = [s for s in sources if not s.is_local and (s.weight > 0 or s.is_packed)
+            and not s.requires_software_heritage_aws_download and layout.read_marker(cfg.root / "download" / s.name, PROVENANCE) is None]
+    token = get_token() if todo else None
+    return {s.name: list_repo_files(s, constants.ENDPOINT, token, cfg.download) for s in todo}
+
+
+def _sample(source: Source, files: list[tuple[str, int]], tokenizer, row_len: int, docs_per_batch: int,
+            dtype: str, row_group_size: int) -> Ratios | None:
+    """Format, encode and pack the first SAMPLE_BYTES of a source's files as the pipeline does (None: no text)."""
+    texts: list[str] = []
+    input_bytes = staged_bytes = 0
+    for path, size in files:
+        if input_bytes and input_bytes + size > SAMPLE_BYTES:
+            break
+        docs = [t for batch in iter_documents(path, source) for t in batch]
+        staged = io.BytesIO()  # one staging file per input file, as staging writes them
+        pq.write_table(pa.table({"text": pa.array(docs, pa.large_string()), "source": [source.name] * len(docs),
+                                 "doc_id": pa.array(range(len(docs)), pa.int64())}, schema=STAGING_SCHEMA), staged)
+        staged_bytes += staged.tell()
+        texts += docs
+        input_bytes += size
+    text_bytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    if not text_bytes:
+        return None
+    lengths = [len(e.ids) for e in tokenizer.encode_batch_fast(texts)]
+    tokens = sum(lengths)
+    rows = sum(len(pack_row_starts(lengths[i:i + docs_per_batch], [source.every_token_is_sacred] * len(
+        lengths[i:i + docs_per_batch]), row_len)) for i in range(0, len(lengths), docs_per_batch))
+    ids = np.concatenate([np.asarray(e.ids) for e in tokenizer.encode_batch_fast(texts[:256])])
+    sample_rows = np.resize(ids, (max(1, len(ids) // row_len), row_len))  # real ids in rows, as packing cuts them
+
+    def written_size(rows: np.ndarray, **options) -> int:
+        table = pa.table({"input_ids": rows_to_arrow(rows, dtype), "split": pa.array(np.zeros(len(rows), np.uint8))})
+        buf = io.BytesIO()
+        pq.write_table(table, buf, **parquet_options(table), **options)
+        return buf.tell()
+
+    # zstd's gain depends on how many rows a file (packed: one batch) or row group (shards) holds, so the sample
+    # is written in those units; the per-file part is what an empty file takes
+    per_file = written_size(sample_rows[:0])
+    batch_rows = max(1, round(docs_per_batch * tokens / len(texts) * rows * row_len / max(1, tokens) / row_len))
+    chunks = [sample_rows[i:i + batch_rows] for i in range(0, len(sample_rows), batch_rows)]
+    per_token = sum(written_size(c) - per_file for c in chunks) / sample_rows.size
+    shard_per_token = (written_size(sample_rows, row_group_size=row_group_size) - per_file) / sample_rows.size
+    return Ratios(text_per_input_byte=text_bytes / max(1, input_bytes), tokens_per_text_byte=tokens / text_bytes,
+                  packed_per_token=rows * row_len / max(1, tokens),
+                  chars_per_text_byte=sum(len(t) for t in texts) / text_bytes,
+                  staged_per_text_byte=staged_bytes / text_bytes, packed_file_per_token=per_token,
+                  shard_per_token=shard_per_token, parquet_file_bytes=per_file,
+                  docs_per_text_byte=len(texts) / text_bytes)
+
+
+def _mean(ratios: list[Ratios]) -> Ratios:
+    if not ratios:
+        return DEFAULTS
+    return Ratios(*(float(np.mean([getattr(r, f) for r in ratios])) for f in Ratios.__dataclass_fields__))
+
+
+def _tokenizer(cfg: DataConfig):
+    from tokenizers import Tokenizer
+
+    from huginn_ray.data.tokenizer import TOKENIZER_FILE, special_token_ids
+
+    path = cfg.tokenizer_dir / TOKENIZER_FILE
+    if not path.is_file():
+        return None, cfg.tokenizer.vocab_size
+    return Tokenizer.from_file(str(path)), special_token_ids(cfg.tokenizer_dir)["vocab_size"]
+
+
+def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
+    """The plan of a run (see the module docstring); raises DataError when its peak disk does not fit."""
+    tokenizer, vocab_size = _tokenizer(cfg)
+    dtype = token_dtype(vocab_size)
+    itemsize = 2 if dtype == "uint16" else 4
+    row_len = cfg.seq_len + 1
+    listing = _hub_listings(cfg, sources)
+    entries, sampled = [], []
+    for source in sources:
+        unsupported = source.requires_software_heritage_aws_download  # refused by a run (check_supported)
+        if (source.weight == 0 or unsupported) and not source.is_packed:
+            entries.append({"name": source.name, "files": 0, "input_bytes": 0, "weight": 0.0, "estimated_tokens": 0,
+                            "hub_bytes": 0, "ratios": None, "sampled": False, "commit": None})
+            continue
+        files, here, commit = _input_files(cfg, source, listing)
+        ratios = None
+        if here and tokenizer is not None and not source.is_packed and files:
+            ratios = _sample(source, files, tokenizer, row_len, cfg.docs_per_pack_batch, dtype,
+                             cfg.shuffle.row_group_size)
+            if ratios is None:  # no document in the sampled files: staging will report the source as empty
+                ratios = EMPTY
+            else:
+                sampled.append(ratios)
+        entries.append({"name": source.name, "files": len(files), "input_bytes": sum(s for _, s in files),
+                        "hub_bytes": 0 if source.is_local else sum(s for _, s in files), "weight": source.weight,
+                        "ratios": ratios, "sampled": ratios is not None, "commit": commit,
+                        "paths": [p for p, _ in files], "packed": source.is_packed, "here": here})
+    fallback = _mean(sampled)
+
+    staged_bytes = packed_tokens = packed_file_bytes = shard_token_bytes = pack_tasks = 0.0
+    worst_pack_chars = 0.0
+    per_source = []
+    for e in entries:
+        if not e["files"] or e["ratios"] is EMPTY:
+            per_source.append({k: e[k] for k in ("name", "files", "input_bytes")}
+                              | {"estimated_tokens": 0, "sampled": e["ratios"] is EMPTY})
+            continue
+        if e["packed"]:  # released rows: exact from the parquet footers when the files are here
+            tokens = (sum(pq.ParquetFile(p).metadata.num_rows for p in e["paths"]) * row_len if e["here"]
+                      else e["input_bytes"] / DEFAULTS.packed_file_per_token)
+            packed_tokens += tokens
+            packed_file_bytes += e["input_bytes"]
+            shard_token_bytes += e["input_bytes"]
+            per_source.append({"name": e["name"], "files": e["files"], "input_bytes": e["input_bytes"],
+                               "estimated_tokens": int(tokens), "sampled": False, "commit": e["commit"]})
+            continue
+        r = e["ratios"] or fallback
+        text_per_byte = r.text_per_input_byte if e["ratios"] else next(
+            (ratio for suffix, ratio in TEXT_PER_INPUT_BYTE.items()
+             if all(p.endswith(suffix) for p in e["paths"])), fallback.text_per_input_byte)
+        text = e["input_bytes"] * text_per_byte
+        tokens = text * r.tokens_per_text_byte * e["weight"] * r.packed_per_token
+        staged_bytes += text * r.staged_per_text_byte
+        packed_tokens += tokens
+        docs = text * r.docs_per_text_byte
+        batches = max(e["files"], math.ceil(docs / cfg.docs_per_pack_batch))
+        pack_tasks += batches
+        packed_file_bytes += tokens * r.packed_file_per_token + batches * r.parquet_file_bytes
+        shard_token_bytes += tokens * r.shard_per_token
+        chars_per_doc = r.chars_per_text_byte / r.docs_per_text_byte
+        worst_pack_chars = max(worst_pack_chars, chars_per_doc * min(docs, cfg.docs_per_pack_batch))
+        per_source.append({"name": e["name"], "files": e["files"], "input_bytes": e["input_bytes"],
+                           "text_bytes": int(text), "estimated_tokens": int(tokens), "sampled": e["sampled"],
+                           "commit": e["commit"]})
+
+    rows = packed_tokens / row_len
+    row_bytes = row_len * itemsize + 8
+    map_bytes = rows * row_bytes
+    val_share = 0.0 if entries and all(e.get("packed") for e in entries if e["files"]) else cfg.val_fraction
+    map_tasks = max(1, math.ceil(map_bytes / (cfg.shuffle.map_mib << 20)))
+    splits = {"train": rows * (1 - val_share), "val": rows * val_share}
+    split_plans = {name: plan_split(max(int(n), cfg.num_shards), cfg.num_shards, row_bytes,
+                                    cfg.shuffle.reducer_mib << 20, name) for name, n in splits.items()}
+    reducers = {name: plan["reducers"] for name, plan in split_plans.items()}
+    shard_bytes = shard_token_bytes + 2 * cfg.num_shards * fallback.parquet_file_bytes  # same rows, same encoding
+    hub_bytes = sum(e["hub_bytes"] for e in entries)
+    disk = {"download": hub_bytes}
+    disk["staging"] = disk["download"] + staged_bytes
+    disk["pack"] = disk["staging"] + packed_file_bytes
+    disk["shuffle"] = disk["pack"] + map_bytes + 8 * (cfg.num_shards + 1) * 2 * map_tasks + shard_bytes
+    disk = {k: int(v) for k, v in disk.items()}
+    peak = max(disk.values())
+
+    cpus = cfg.local_ray.num_cpus or os.cpu_count() or 1
+    text_total = sum(p.get("text_bytes", 0) for p in per_source)
+    doc_tokens = packed_tokens  # the encoder's work is about the packed tokens (copies are encoded once)
+    seconds = {
+        "download": hub_bytes / THROUGHPUT["download_bytes_per_s"][0],
+        "staging": text_total / (THROUGHPUT["staging_text_bytes_per_s_per_cpu"][0] * cpus),
+        "pack": doc_tokens / (THROUGHPUT["pack_tokens_per_s_per_cpu"][0] * cpus),
+        "shuffle": packed_file_bytes / (THROUGHPUT["shuffle_bytes_per_s_per_cpu"][0] * cpus),
+    }
+    # the largest map group, taken as one file (an upper bound); released files are read as int64 (8 bytes)
+    group_rows = int(min(rows, (cfg.shuffle.map_mib << 20) // row_bytes + 1))
+    input_width = 8 if val_share == 0.0 else itemsize
+    memory = {
+        "pack_task": int(256 * 2**20 + 24 * worst_pack_chars),
+        "map_task": map_task_memory([{"train_rows": group_rows, "val_rows": 0}], row_len, dtype, input_width, False),
+        "reduce_task": max(reduce_task_memory(p, row_len, dtype) for p in split_plans.values()),
+    }
+    counts = {
+        "input_files": sum(e["files"] for e in entries),
+        "staged_files": sum(e["files"] for e in entries if not e.get("packed")),
+        "pack_tasks": int(pack_tasks),
+        "map_tasks": map_tasks,
+        "map_files": 4 * map_tasks,  # per split: data + index
+        "reducers": sum(reducers.values()),
+        "shard_files": 2 * cfg.num_shards,
+        "ray_tasks": int(sum(e["files"] for e in entries) + pack_tasks + map_tasks + sum(reducers.values())),
+    }
+    plan = {
+        "sources": per_source,
+        "input_bytes": int(sum(e["input_bytes"] for e in entries)),
+        "estimated_tokens": int(packed_tokens),
+        "estimated_rows": int(rows),
+        "token_dtype": dtype,
+        "peak_disk_bytes": peak,
+        "disk_after_stage_bytes": disk,
+        "memory_per_task_bytes": memory,
+        "object_store_bytes_per_task": 4096,  # tasks return a few integers; data moves through files
+        "counts": counts,
+        "estimated_seconds": {k: round(v, 1) for k, v in seconds.items()},
+        "cpus": cpus,
+        "throughputs": {k: {"value": v, "source": why} for k, (v, why) in THROUGHPUT.items()},
+        "unsampled_sources": [p["name"] for p in per_source if p["files"] and not p["sampled"]],
+    }
+    plan.update(check_disk(cfg, peak))
+    return plan
+
+
+def _bytes_under(path: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def check_disk(cfg: DataConfig, peak: int) -> dict:
+    """Refuse a run whose peak disk, less what output_dir already holds, exceeds the free space there."""
+    existing = _bytes_under(cfg.root) if cfg.root.is_dir() else 0
+    probe = cfg.root
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    needed = max(0, peak - existing)
+    if needed > free:
+        raise DataError(f"output_dir {cfg.root}: the run needs {needed / 2**30:.2f} GiB more disk at its peak "
+                        f"({peak / 2**30:.2f} GiB in all, {existing / 2**30:.2f} GiB already there) but "
+                        f"{free / 2**30:.2f} GiB are free on its file system")
+    return {"output_dir_bytes": existing, "free_bytes": free}
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min" if seconds >= 60 \
+        else f"{seconds:.0f} s"
+
+
+def format_plan(plan: dict) -> str:
+    lines = [f"{'source':32} {'files':>7} {'input':>11} {'est. tokens':>17}  sampled"]
+    for s in plan["sources"]:
+        lines.append(f"{s['name'][:32]:32} {s['files']:7d} {_size(s['input_bytes']):>11} "
+                     f"{s['estimated_tokens']:17,d}  {'yes' if s['sampled'] else 'no'}")
+    lines.append(f"{'total':32} {plan['counts']['input_files']:7d} {_size(plan['input_bytes']):>11} "
+                 f"{plan['estimated_tokens']:17,d}  (packed tokens after weighting, train + val, "
+                 f"{plan['token_dtype']})")
+    lines.append("disk under output_dir after each stage: " + ", ".join(
+        f"{k} {_size(v)}" for k, v in plan["disk_after_stage_bytes"].items()) +
+        f"; peak {_size(plan['peak_disk_bytes'])}, free {_size(plan['free_bytes'])}")
+    lines.append("memory per task: " + ", ".join(
+        f"{k} {_size(v)}" for k, v in plan["memory_per_task_bytes"].items()) +
+        f"; object store per task: {_size(plan['object_store_bytes_per_task'])} (results only)")
+    lines.append("counts: " + ", ".join(f"{k} {v:,d}" for k, v in plan["counts"].items()))
+    total = sum(plan["estimated_seconds"].values())
+    lines.append(f"estimated time at {plan['cpus']} CPUs: " + ", ".join(
+        f"{k} {_duration(v)}" for k, v in plan["estimated_seconds"].items()) + f"; total {_duration(total)}")
+    if plan["unsampled_sources"]:
+        lines.append(f"{len(plan['unsampled_sources'])} source(s) not sampled (files not on this machine or no "
+                     "tokenizer yet): estimated from the sampled sources' mean or defaults")
+    return "\n".join(lines)
