@@ -52,3 +52,20 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = (f"{item.nodeid} must not skip under CI=true (tests/conftest.py MUST_RUN), "
                            f"but skipped: {reason}")
+
+
+@pytest.fixture
+def single_rank_group():
+    """A gloo process group of this process alone (the loop's collectives run; nothing to exchange with)."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()

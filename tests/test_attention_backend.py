@@ -8,12 +8,9 @@ CPU, where torch has a flash kernel and no memory-efficient one.
 
 from __future__ import annotations
 
-import socket
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.attention import SDPBackend
 
 from huginn_ray.model import ModelConfig, RecurrentGPT
@@ -80,18 +77,7 @@ def test_a_restricted_model_fails_instead_of_falling_back_and_computes_what_the_
     assert torch.equal(model(ids, labels=ids, num_steps=(1, 2), input_states=state).loss, free)
 
 
-@pytest.fixture
-def one_rank():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
-
-
-def test_a_worker_logs_the_kernel_it_trains_with_and_stops_on_a_long_math_only_shape(one_rank, monkeypatch, capsys):
+def test_a_worker_logs_the_kernel_it_trains_with_and_stops_on_a_long_math_only_shape(single_rank_group, monkeypatch, capsys):
     monkeypatch.setattr(loop, "ShardReader", MemoryReader)
     cfg = train_config([])
     c = loop.build_components(cfg, plan_for(cfg), 0, torch.device("cpu"))

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import gc
-import socket
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from huginn_ray.config import load_config
 from huginn_ray.model import ModelConfig, RecurrentGPT
@@ -105,17 +102,6 @@ def live_tensor_bytes(extra) -> int:
             s = t.untyped_storage()
             storages[s._cdata] = s.nbytes()
     return sum(storages.values())
-
-
-@pytest.fixture
-def single_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("kind", ["chunk_stream", "chunk_stream_overlap"])

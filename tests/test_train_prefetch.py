@@ -10,23 +10,14 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from huginn_ray.train.shard_reader import ShardReader, StepPrefetcher, collate
-from test_train_data import write_shard
+from test_train_data import shard, write_shard  # noqa: F401 - shard: 50 rows of 5 ids, 7 row groups
 
 MICRO_BATCH, MICRO_BATCHES = 3, 2  # 6 rows per step: 8 whole steps in a shard of 50 rows
 PAD, EOS = 7, 3
-
-
-@pytest.fixture
-def shard(tmp_path):
-    rows = np.arange(50 * 5, dtype=np.int32).reshape(50, 5)  # row i = [5i .. 5i+4]: identity by first id
-    path = tmp_path / "00000.parquet"
-    write_shard(path, rows, row_group_size=8)  # 7 row groups, the last one with 2 rows
-    return path
 
 
 def prefetcher(path) -> StepPrefetcher:
