@@ -313,10 +313,13 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
     device = training_device()
     register_node()
     placement = {"node_rank": ctx.get_node_rank(), "local_rank": ctx.get_local_rank(),
-                 "local_world_size": ctx.get_local_world_size()}
+                 "local_world_size": ctx.get_local_world_size(), "node_ip": ray.util.get_node_ip_address()}
     c = build_components(cfg, plan, rank, device, local_world_size=ctx.get_local_world_size())
     # always checked: shard groups are consecutive ranks, which must be one node's (or part of one)
-    parallel.check_node_layout(c.shape, ckpt.all_ranks(placement, device))
+    placements = ckpt.all_ranks(placement, device)
+    parallel.check_node_layout(c.shape, placements)
+    if rank == 0:
+        print(f"[huginn] {parallel.describe_layout(c.shape, placements)}", flush=True)
     parallel.warm_mesh(c.mesh, device)
     model, optimizer, reader = c.model, c.optimizer, c.reader
     read_error = None

@@ -77,6 +77,19 @@ def check_node_layout(shape: MeshShape, placements: list[dict]) -> None:
                            "a node: a shard group would span nodes")
 
 
+def describe_layout(shape: MeshShape, placements: list[dict]) -> str:
+    """One line for the console: which node (Ray's node rank and address) runs which ranks, and the mesh.
+    `placements`: every rank's placement as `check_node_layout` takes it, plus its node's address (`node_ip`)."""
+    nodes: dict[int, list[int]] = {}
+    for rank, p in enumerate(placements):
+        nodes.setdefault(p["node_rank"], []).append(rank)
+    where = ", ".join(f"node {node} ({placements[ranks[0]]['node_ip']}) ranks {ranks[0]}-{ranks[-1]}"
+                      for node, ranks in sorted(nodes.items()))
+    mesh = ("replicate" if shape.mode == "replicate"
+            else f"hsdp: {shape.replicas} shard group(s) of {shape.shard_size} ranks")
+    return f"{shape.world_size} workers on {len(nodes)} node(s): {where}; {mesh}"
+
+
 def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
     """The ("replicate", "shard") mesh; creates the process group of every row and column on every rank."""
     return init_device_mesh(device_type, (shape.replicas, shape.shard_size), mesh_dim_names=("replicate", "shard"))
