@@ -57,7 +57,7 @@ def worker(rank: int, args, port: int, root: str, out: str) -> None:
                                 num_attention_heads=max(1, args.width // 64))
     results = {}
     for mode, asynchronous in MODES:
-        shape = parallel.mesh_shape(mode, args.shard_size, args.world, args.world)
+        shape = parallel.mesh_shape(mode, args.world, args.shard_size)
         mesh = parallel.build_mesh(shape, "cpu")
         torch.manual_seed(0)
         model = RecurrentGPT(cfg)

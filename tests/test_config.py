@@ -64,12 +64,12 @@ def test_missing_file_is_named(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("optim.sharding=node", "optim.sharding was removed: set parallelism.mode=hsdp"),
-    ("grad_sync.node_size=8", "grad_sync.node_size was removed: set parallelism.shard_size"),
+    ("grad_sync.node_size=8", "grad_sync.node_size was removed: set parallelism.mode=hsdp"),
     ("grad_sync.kind=hierarchical", "grad_sync.kind=hierarchical was removed: set parallelism.mode=hsdp"),
-    ("parallelism.shard_size=2", "parallelism.shard_size=2 needs parallelism.mode=hsdp"),
+    ("parallelism.shard_size=2", "parallelism.shard_size was removed: a shard group of parallelism.mode=hsdp is "
+                                 "one Ray node"),
     ("parallelism.mode=hsdp grad_sync.kind=ddp", "under parallelism.mode=hsdp the exchange between shard groups is "
                                                  "chunk_stream"),
-    ("parallelism.mode=hsdp parallelism.shard_size=3", "parallelism.shard_size=3 must divide scaling.num_workers=2"),
 ])
 def test_removed_sharding_keys_and_bad_layouts_are_refused_pointing_at_parallelism(override, message):
     from huginn_ray.train.config import load_train_config

@@ -1,7 +1,8 @@
 """hsdp (FSDP2 inside a shard group, the chunk stream between shard groups) trains like replicate (real gloo groups).
 
 Four processes run `huginn_ray.train.loop.train_step` (the training loop's step) on raven-tiny for 20 steps, as 2
-virtual nodes x 2 ranks (parallelism.shard_size=2), with rank-dependent data from an in-memory reader. Every hsdp
+nodes x 2 ranks (the local world size Ray Train would report is given to `build_components`; the node ranks Ray
+itself assigns are tested in test_train_multinode.py), with rank-dependent data from an in-memory reader. Every hsdp
 variant must log the same losses as replicate + chunk_stream (fp32 on CPU: equal up to summation order), with
 activation checkpointing on, with ELLISAdam and AdamW, and compiled; a rank must hold about half the parameter and
 optimizer bytes; the replicas of a shard must hold identical shards.
@@ -23,7 +24,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 STEPS = 20
-HSDP = ["parallelism.mode=hsdp", "parallelism.shard_size=2"]
+HSDP = ["parallelism.mode=hsdp"]
+NODE_SIZE = 2
+"""Ranks per node (Ray Train's local world size): hsdp's shard size."""
 VARIANTS = {
     "replicate": ["grad_sync.kind=chunk_stream"],
     "hsdp": HSDP,
@@ -88,7 +91,7 @@ def run_variants(rank, world_size, variants):
     for name in variants:
         cfg = train_config(VARIANTS[name])
         plan = plan_for(cfg)
-        c = loop.build_components(cfg, plan, rank, torch.device("cpu"))
+        c = loop.build_components(cfg, plan, rank, torch.device("cpu"), local_world_size=NODE_SIZE)
         losses = []
         t0 = time.perf_counter()
         for step in range(1, STEPS + 1):
@@ -134,7 +137,7 @@ def reshard(rank, world_size, directory):
     cpu = torch.device("cpu")
     cfg = train_config(VARIANTS["hsdp"])
     plan = plan_for(cfg)
-    c = loop.build_components(cfg, plan, rank, cpu)
+    c = loop.build_components(cfg, plan, rank, cpu, local_world_size=NODE_SIZE)
     uninterrupted = [loop.train_step(c, step, cfg, plan, cpu).loss for step in range(1, 11)]
     saved = whole_state(c)
     ckpt.write(directory, rank, c.model, c.optimizer, ckpt.TrainerState(step=10, world_size=world_size),
@@ -151,10 +154,10 @@ def reshard(rank, world_size, directory):
         torch.save({"ids": ids, "states": states, "logits": logits}, directory.parent / "trained_logits.pt")
     uninterrupted += [loop.train_step(c, step, cfg, plan, cpu).loss for step in range(11, 21)]
     report = {"uninterrupted": uninterrupted}
-    for name, overrides in (("2 x 2", HSDP), ("shard 4", ["parallelism.mode=hsdp", "parallelism.shard_size=4"]),
-                            ("replicate", ["parallelism.mode=replicate"])):
+    for name, overrides, node_size in (("2 x 2", HSDP, NODE_SIZE), ("shard 4", HSDP, 4),
+                                       ("replicate", ["parallelism.mode=replicate"], NODE_SIZE)):
         cfg = train_config(overrides)
-        c = loop.build_components(cfg, plan, rank, cpu)
+        c = loop.build_components(cfg, plan, rank, cpu, local_world_size=node_size)
         ckpt.read_tensors(directory, c.model, c.optimizer)
         c.reader.load_state_dict(ckpt.read_rank_file(directory, rank, cpu))
         c.resumed = True
@@ -271,11 +274,12 @@ def test_an_hsdp_checkpoint_resumes_bitwise_in_its_layout_and_exactly_under_anot
 def test_memory_plan_gives_each_rank_s_shard_of_parameters_and_optimizer_state(results):
     from huginn_ray.train.memory import plan_memory
 
-    plan = plan_memory(train_config([*HSDP, "scaling.num_workers=4", "model.overrides.vocab_size=64"]))
+    # CPU workers: the plan takes every worker as one node, so 2 workers plan the 2-rank shard groups measured
+    plan = plan_memory(train_config([*HSDP, "scaling.num_workers=2", "model.overrides.vocab_size=64"]))
     measured = max(report["hsdp"]["state_bytes"] for report in results)
     planned = plan.bytes_of("optimizer state (ELLISAdam: 2 fp32 moments)")
     assert abs(planned - measured) <= 0.10 * measured, (planned, measured)  # padding of dim 0 and step counters
-    replicate = plan_memory(train_config(["scaling.num_workers=4", "model.overrides.vocab_size=64"]))
+    replicate = plan_memory(train_config(["scaling.num_workers=2", "model.overrides.vocab_size=64"]))
     assert replicate.bytes_of("optimizer state (ELLISAdam: 2 fp32 moments)") > 1.8 * planned
 
 

@@ -79,10 +79,8 @@ class ParallelismSection:
     mode: Literal["replicate", "hsdp"] = "replicate"
     """replicate: every rank holds the whole model, grad_sync.kind exchanges the gradients (the reference's way);
     hsdp: FSDP2 shards parameters, gradients and optimizer state over the ranks of a shard group, the chunk
-    stream runs between shard groups (huginn_ray.train.parallel)."""
-    shard_size: int = 0
-    """hsdp: ranks per shard group; 0: one node (Ray Train's local world size). Set it only to split one machine
-    into virtual nodes (tests: 4 workers, shard_size=2)."""
+    stream runs between shard groups (huginn_ray.train.parallel). A shard group is one Ray node (Ray Train's
+    local world size)."""
 
 
 @dataclass
@@ -275,7 +273,8 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
 
 REMOVED_KEYS = {
     "optim.sharding": "set parallelism.mode=hsdp to shard the optimizer state (and parameters and gradients)",
-    "grad_sync.node_size": "set parallelism.shard_size (0: one node)",
+    "grad_sync.node_size": "set parallelism.mode=hsdp (its shard groups are Ray's nodes)",
+    "parallelism.shard_size": "a shard group of parallelism.mode=hsdp is one Ray node (Ray Train's local world size)",
     "grad_sync.kind=hierarchical": "set parallelism.mode=hsdp (FSDP2 inside the node, the chunk stream between nodes)",
 }
 
@@ -285,11 +284,6 @@ def check_sharding_config(cfg: TrainConfig) -> None:
     if par.mode == "hsdp" and cfg.grad_sync.kind != "chunk_stream":
         raise ConfigError(f"grad_sync.kind={cfg.grad_sync.kind}: under parallelism.mode=hsdp the exchange between "
                           "shard groups is chunk_stream")
-    if par.mode == "replicate" and par.shard_size:
-        raise ConfigError(f"parallelism.shard_size={par.shard_size} needs parallelism.mode=hsdp")
-    if par.shard_size and cfg.scaling.num_workers % par.shard_size:
-        raise ConfigError(f"parallelism.shard_size={par.shard_size} must divide scaling.num_workers="
-                          f"{cfg.scaling.num_workers}")
 
 
 # ---- allowed ranges of the numeric fields (checked by load_train_config; a new numeric field belongs here) -----
@@ -331,7 +325,6 @@ TRAIN_RANGES: dict[str, Range] = {
     "fault_injection.kill_rank": NON_NEGATIVE,
     "fault_injection.hang_rank_at_step": AT_LEAST_1,
     "fault_injection.hang_rank": NON_NEGATIVE,
-    "parallelism.shard_size": NON_NEGATIVE,  # 0: Ray Train's local world size
     "grad_sync.max_chunks_in_flight": AT_LEAST_1,
     "device_memory_gib": POSITIVE,
     "memory_headroom": Range(0, 1, lo_open=True),

@@ -120,13 +120,12 @@ class Components:
 
 def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.device,
                      local_world_size: int | None = None) -> Components:
-    """`local_world_size`: ranks on this node (Ray Train's); it is the shard size of hsdp unless
-    parallelism.shard_size sets one. None: every rank on one node."""
+    """`local_world_size`: ranks on this node (Ray Train's); it is the shard size of hsdp. None: every rank on
+    one node."""
     if device.type == "cpu":
         torch.set_num_threads(cfg.cpu_threads)
     world_size = dist.get_world_size()
-    shape = parallel.mesh_shape(cfg.parallelism.mode, cfg.parallelism.shard_size, world_size,
-                                local_world_size or world_size)
+    shape = parallel.mesh_shape(cfg.parallelism.mode, world_size, local_world_size or world_size)
     mesh = parallel.build_mesh(shape, device.type)
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     random.seed(cfg.seed)

@@ -58,7 +58,7 @@ GIB = 2**30
 MI250X_GCD_GIB = 64.0
 """Device memory assumed for GPU configurations when none is configured or detected (an MI250X GCD)."""
 GPU_NODE_SIZE = 8
-"""Ranks per node assumed for GPU configurations without parallelism.shard_size (Frontier: 8 GCDs)."""
+"""Ranks per node (hsdp's shard size) assumed for GPU configurations (Frontier: 8 GCDs)."""
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -271,11 +271,9 @@ def device_memory_bytes(cfg) -> int:
 
 
 def plan_shard_size(cfg) -> int:
-    """Ranks per shard group: parallelism.shard_size, else one node (8 GPUs, or every CPU worker)."""
+    """Ranks per shard group: one node (8 GPUs, or every CPU worker)."""
     if cfg.parallelism.mode == "replicate":
         return 1
-    if cfg.parallelism.shard_size:
-        return cfg.parallelism.shard_size
     return min(cfg.scaling.num_workers, GPU_NODE_SIZE) if cfg.scaling.use_gpu else cfg.scaling.num_workers
 
 

@@ -48,14 +48,13 @@ class MeshShape:
         return self.world_size // self.shard_size
 
 
-def mesh_shape(mode: str, shard_size: int, world_size: int, local_world_size: int) -> MeshShape:
-    """`shard_size` 0 means one node (Ray Train's local world size)."""
+def mesh_shape(mode: str, world_size: int, local_world_size: int) -> MeshShape:
+    """hsdp: a shard group is one node of `local_world_size` ranks (Ray Train's local world size)."""
     if mode == "replicate":
         return MeshShape(mode, world_size, 1)
-    size = shard_size or local_world_size
-    if world_size % size:
-        raise ValueError(f"parallelism.shard_size={size} does not divide the world size {world_size}")
-    return MeshShape(mode, world_size, size)
+    if world_size % local_world_size:
+        raise ValueError(f"{local_world_size} ranks per node do not divide the world size {world_size}")
+    return MeshShape(mode, world_size, local_world_size)
 
 
 def check_node_layout(shape: MeshShape, placements: list[dict]) -> None:
@@ -73,8 +72,8 @@ def check_node_layout(shape: MeshShape, placements: list[dict]) -> None:
             raise RuntimeError(f"rank {rank} is local rank {p['local_rank']} on node {p['node_rank']} "
                                f"({local_size} workers per node): ranks are not numbered node by node")
     if local_size % shape.shard_size:
-        raise RuntimeError(f"parallelism.shard_size={shape.shard_size} does not divide the {local_size} workers of "
-                           "a node: a shard group would span nodes")
+        raise RuntimeError(f"a shard group of {shape.shard_size} ranks does not divide the {local_size} workers of "
+                           "a node: it would span nodes")
 
 
 def describe_layout(shape: MeshShape, placements: list[dict]) -> str:
