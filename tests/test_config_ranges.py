@@ -41,10 +41,23 @@ TINY = REPO / "configs" / "train" / "tiny_cpu.yaml"
     ("fault_injection.kill_rank=2", r"fault_injection.kill_rank: must be in \[0, 1\] \(scaling.num_workers=2\)"),
     ("fault_injection.hang_rank=2", r"fault_injection.hang_rank: must be in \[0, 1\] \(scaling.num_workers=2\)"),
     ("fault_injection.hang_rank_at_step=0", r"fault_injection.hang_rank_at_step: must be in \[1, inf\)"),
+    ("scaling.num_workers=[0, 4]", r"scaling.num_workers\[0\]: must be in \[1, inf\), got 0"),
+    ("scaling.num_workers=[4, 2]", r"scaling.num_workers: a worker count or \[min, max\] with min <= max, got \[4, 2\]"),
+    ("scaling.num_workers=[2, 3, 4]", r"scaling.num_workers: a worker count or \[min, max\]"),
+    # a rank that an elastic group of min workers lacks
+    (("scaling.num_workers=[2, 4]", "fault_injection.kill_rank=2"),
+     r"fault_injection.kill_rank: must be in \[0, 1\] \(scaling.num_workers=\[2, 4\]\)"),
 ])
 def test_out_of_range_train_values_are_refused_by_dotted_key(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_train_config(str(TINY), [override])
+        load_train_config(str(TINY), [override] if isinstance(override, str) else override)
+
+
+def test_an_elastic_worker_range_loads_as_min_and_max():
+    scaling = load_train_config(str(TINY), ["scaling.num_workers=[2, 4]"]).scaling
+    assert (scaling.num_workers, scaling.min_workers, scaling.max_workers) == ([2, 4], 2, 4)
+    scaling = load_train_config(str(TINY), ["scaling.num_workers=3"]).scaling
+    assert (scaling.num_workers, scaling.min_workers, scaling.max_workers) == (3, 3, 3)
 
 
 def test_every_numeric_train_field_has_a_range():

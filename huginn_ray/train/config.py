@@ -93,14 +93,24 @@ class DataSection:
 
 @dataclass
 class ScalingSection:
-    num_workers: int = 2
-    """Ray Train workers = data-parallel ranks."""
+    num_workers: int | list[int] = 2
+    """Ray Train workers = data-parallel ranks; [min, max]: elastic (Ray Train starts as many as the cluster can
+    place, at most max; after a node is lost it restarts on the workers it can get, at least min, and grows back
+    when capacity returns; huginn_ray/train/README.md "Elastic runs")."""
     use_gpu: bool = False
     """One GPU per worker (NCCL/RCCL); otherwise CPU workers with gloo."""
     cpus_per_worker: float = 1.0
     """CPUs Ray reserves per worker."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How Ray places the workers on nodes."""
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, list) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, list) else self.num_workers
 
 
 @dataclass
@@ -258,14 +268,15 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
     if cfg.data.tokenizer_path:
         cfg.data.tokenizer_path = str(Path(cfg.data.tokenizer_path).resolve())
     check_ranges(cfg, TRAIN_RANGES)
+    check_worker_range(cfg.scaling.num_workers)
     if cfg.max_steps is None and cfg.max_tokens is None:
         raise ConfigError("set max_steps or max_tokens")
     if not cfg.eval_depths:
         raise ConfigError("eval_depths: needs at least one depth")
     for key in ("kill_rank", "hang_rank"):
         rank = getattr(cfg.fault_injection, key)
-        if rank >= cfg.scaling.num_workers:
-            raise ConfigError(f"fault_injection.{key}: must be in [0, {cfg.scaling.num_workers - 1}] "
+        if rank >= cfg.scaling.min_workers:  # a rank every worker group has
+            raise ConfigError(f"fault_injection.{key}: must be in [0, {cfg.scaling.min_workers - 1}] "
                               f"(scaling.num_workers={cfg.scaling.num_workers}), got {rank}")
     check_sharding_config(cfg)
     return cfg
@@ -277,6 +288,12 @@ REMOVED_KEYS = {
     "parallelism.shard_size": "a shard group of parallelism.mode=hsdp is one Ray node (Ray Train's local world size)",
     "grad_sync.kind=hierarchical": "set parallelism.mode=hsdp (FSDP2 inside the node, the chunk stream between nodes)",
 }
+
+
+def check_worker_range(num_workers: int | list[int]) -> None:
+    """scaling.num_workers as a list is [min, max] with min <= max (each >= 1: TRAIN_RANGES)."""
+    if isinstance(num_workers, list) and (len(num_workers) != 2 or num_workers[0] > num_workers[1]):
+        raise ConfigError(f"scaling.num_workers: a worker count or [min, max] with min <= max, got {num_workers}")
 
 
 def check_sharding_config(cfg: TrainConfig) -> None:

@@ -211,7 +211,8 @@ def run_training(cfg: TrainConfig, plan: dict, ray_train_log_level: str = "INFO"
         train_loop_config={"cfg": to_dict(cfg), "plan": plan, "log_level": ray_train_log_level},
         torch_config=TorchConfig(backend=backend, timeout_s=cfg.pg_timeout_s),
         scaling_config=ScalingConfig(
-            num_workers=cfg.scaling.num_workers,
+            num_workers=(cfg.scaling.min_workers, cfg.scaling.max_workers) if isinstance(cfg.scaling.num_workers, list)
+            else cfg.scaling.num_workers,
             use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
             placement_strategy=cfg.scaling.placement_strategy,

@@ -344,6 +344,10 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
         state.layout = layout_name(c.shape)
         reader.load_state_dict(resumed.reader_state)
         c.resumed = True
+    # an elastic group restarted on another worker count (scaling.num_workers: [min, max]); the next checkpoint
+    # records the new count
+    resized_from = state.world_size if state.world_size != world_size else None
+    state.world_size = world_size
     parallel.check_replicas_agree(model, optimizer, c.mesh, device, "at startup")
 
     if cfg.warmup_allreduce_mib > 0:
@@ -351,6 +355,11 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
 
     logger = MetricsLogger(plan["mlflow_uri"], state.mlflow_run_id, max_pending=cfg.mlflow.max_pending_metrics,
                            flush_timeout_s=cfg.mlflow.flush_timeout_s) if rank == 0 else None
+    if rank == 0:
+        # every start of a worker group, at the step it starts from: the history shows each resize (and restart)
+        logger.log({"num_workers": world_size}, state.step)
+        if resized_from is not None:
+            print(f"[huginn] resize at step {state.step}: {resized_from} -> {world_size} workers", flush=True)
     max_steps = plan["max_steps"]
     tokens_per_step = world_size * cfg.micro_batch_size * plan["grad_accum"] * cfg.block_size
     window = LogWindow()

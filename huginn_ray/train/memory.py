@@ -267,14 +267,14 @@ def device_memory_bytes(cfg) -> int:
     import os
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return ram // max(1, cfg.scaling.num_workers)
+    return ram // max(1, cfg.scaling.max_workers)
 
 
 def plan_shard_size(cfg) -> int:
     """Ranks per shard group: one node (8 GPUs, or every CPU worker)."""
     if cfg.parallelism.mode == "replicate":
         return 1
-    return min(cfg.scaling.num_workers, GPU_NODE_SIZE) if cfg.scaling.use_gpu else cfg.scaling.num_workers
+    return min(cfg.scaling.max_workers, GPU_NODE_SIZE) if cfg.scaling.use_gpu else cfg.scaling.max_workers
 
 
 def shard_numel(shape: torch.Size, shards: int) -> int:
@@ -298,7 +298,7 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-    workers = cfg.scaling.num_workers
+    workers = cfg.scaling.max_workers
     shards = plan_shard_size(cfg)
     hsdp = cfg.parallelism.mode == "hsdp"
 
