@@ -395,8 +395,11 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
         if (step % cfg.checkpoint.save_step_interval == 0 or (last_step and cfg.checkpoint.save_last_step)
                 or result.stop_requested):
             parallel.check_replicas_agree(model, optimizer, c.mesh, device, f"step {step}")
+            save_start = time.perf_counter()
             checkpointer.save(model, optimizer, state, reader, result.loss, result.stop_reason,
                               final=last_step or result.stop_requested)
+            if rank == 0:  # how long the save (and its report to Ray Train) held the loop
+                logger.log({"checkpoint_seconds": time.perf_counter() - save_start}, step)
         if result.stop_requested:
             if rank == 0:
                 cause = f"stop requested ({', '.join(map(str, stop_files(cfg)))})" \
