@@ -1,15 +1,16 @@
 """Training on a Ray cluster of several real Ray nodes on this machine, through jobs/train.py.
 
-`ray.cluster_utils.Cluster` starts a head node (127.0.0.1, no CPUs: it hosts the driver and Ray Train's
-controller) and two raylets, each its own Ray node with 2 CPUs at its own loopback address (127.0.0.2 and
-127.0.0.3). Ray Train numbers nodes by address, so node ranks, local ranks and the local world size (the shard
-size of `hsdp`) come from Ray itself, not from any override.
+`ray.cluster_utils.Cluster` starts two Ray nodes with 2 CPUs each, each at its own loopback address: the head
+(127.0.0.1, where the driver and Ray Train's controller run) and a raylet at 127.0.0.2. Ray Train tells nodes
+apart by address and numbers the ranks node by node (the nodes in the order their workers were placed), so node
+ranks, local ranks and the local world size (the shard size of `hsdp`) come from Ray itself, not from any
+override.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import re
 import subprocess
 import sys
 import shutil
@@ -25,14 +26,14 @@ from test_train_data import make_dataset
 from test_train_ray import REPO, env, run_id_of, times_logged
 
 pytestmark = pytest.mark.slow
-NODE_ADDRESSES = ("127.0.0.2", "127.0.0.3")
-STEPS = 8
+HEAD, WORKER_NODE = "127.0.0.1", "127.0.0.2"
 CPUS_PER_NODE = 2
+STEPS = 8
 
 
 @pytest.fixture(scope="module")
 def nodes():
-    """A head node and one raylet per NODE_ADDRESSES; yields (cluster, {address: node})."""
+    """The head and one more Ray node; yields (cluster, the second node)."""
     problem = private_namespace_problem()
     if problem:
         pytest.skip(f"starts Ray nodes that must stay private: {problem}")
@@ -44,12 +45,12 @@ def nodes():
     with pytest.MonkeyPatch.context() as patch:
         for key, value in {**env(), "RAY_TMPDIR": temp_dir}.items():
             patch.setenv(key, value)
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1"})
+        cluster = Cluster(initialize_head=True,
+                          head_node_args={"num_cpus": CPUS_PER_NODE, "node_ip_address": HEAD})
         try:
-            raylets = {address: cluster.add_node(num_cpus=CPUS_PER_NODE, node_ip_address=address)
-                       for address in NODE_ADDRESSES}
+            second = cluster.add_node(num_cpus=CPUS_PER_NODE, node_ip_address=WORKER_NODE)
             cluster.wait_for_nodes()
-            yield cluster, raylets
+            yield cluster, second
         finally:
             cluster.shutdown()  # the processes this cluster started; never a machine-wide `ray stop`
             shutil.rmtree(temp_dir, ignore_errors=True)
@@ -76,13 +77,12 @@ def overrides(name, out_dir, dataset, mlflow_uri, *extra):
 
 
 def test_hsdp_over_ray_s_nodes_loses_a_node_and_finishes_on_the_rest(nodes, mlflow_server, tmp_path):
-    """`scaling.num_workers: [2, 4]` under hsdp on two 2-CPU Ray nodes: Ray Train puts ranks 0-1 on 127.0.0.2 and
-    2-3 on 127.0.0.3, and the shard groups (Ray's local world size) are those nodes. After the step-4 checkpoint
-    rank 1 stops answering (fault injection: the group is frozen at step 5's first collective) and the test
-    removes the raylet of 127.0.0.3 for good. Ray Train restarts the group on the 2 workers it can get, one
-    shard group on the surviving node, from the step-4 checkpoint; the run ends at max_steps, in one MLflow run,
-    and says so: `resize at step 4: 4 -> 2 workers`."""
-    cluster, raylets = nodes
+    """`scaling.num_workers: [2, 4]` under hsdp on two 2-CPU Ray nodes: Ray Train puts two ranks on each node and
+    hsdp's shard groups (Ray's local world size) are the nodes. After the step-4 checkpoint rank 1 stops answering
+    (fault injection: the group is frozen at step 5's first collective) and the test removes the second Ray node
+    for good. Ray Train restarts the group on the 2 workers it can get, one shard group on the head node, from the
+    step-4 checkpoint; the run ends at max_steps, in one MLflow run, and says `resize at step 4: 4 -> 2 workers`."""
+    cluster, second = nodes
     out_dir = tmp_path / "runs"
     dataset = make_dataset(tmp_path / "data", num_shards=4, rows_per_shard=64, seq_len=32)
     args = overrides("elastic", out_dir, dataset, mlflow_server, f"max_steps={STEPS}", "scaling.num_workers=[2, 4]",
@@ -90,35 +90,36 @@ def test_hsdp_over_ray_s_nodes_loses_a_node_and_finishes_on_the_rest(nodes, mlfl
                      "fault_injection.hang_rank_at_step=4", "fault_injection.hang_rank=1")
     console_path = tmp_path / "console.txt"
     with open(console_path, "w") as console_file:
-        # a restart first asks for the 4 workers that Ray's resource view (refreshed every 20 s) may still count:
-        # a short startup timeout lets it fall back to the 2 it can get sooner (Ray Train passes the variable on)
+        # the restart first asks for the 4 workers that Ray's view of the cluster (refreshed every 20 s) may still
+        # count; a short wait for their placement group lets it retry sooner (Ray Train passes the variable on)
         driver = subprocess.Popen(
             [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(REPO / "configs/train/tiny_cpu.yaml"),
-             *args], env={**env(), "RAY_ADDRESS": cluster.address, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"},
+             *args], env={**env(), "RAY_ADDRESS": cluster.address, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "2"},
             stdout=console_file, stderr=subprocess.STDOUT, text=True, cwd=REPO)
         try:
-            # the group is frozen at step 5 and Ray Train has the step-4 checkpoint complete (the ranks upload
-            # their parts in the background): now the node goes
+            # the group is frozen at step 5 and the step-4 checkpoint is complete (the ranks upload their parts
+            # in the background): now the node goes
             deadline = time.monotonic() + 240
             while not (step_4_saved(out_dir / "elastic") and (out_dir / "elastic" / "fault_injected_rank1_step4").exists()):
                 assert driver.poll() is None and time.monotonic() < deadline, console_path.read_text()[-5000:]
                 time.sleep(0.2)
-            cluster.remove_node(raylets["127.0.0.3"], allow_graceful=False)
+            cluster.remove_node(second, allow_graceful=False)
             driver.wait(timeout=240)
         finally:
             driver.kill()
     console = console_path.read_text()
     assert driver.returncode == 0, console[-5000:]
-    # before: Ray's two nodes, one shard group each; the step-4 checkpoint written by 4 ranks
-    assert ("[huginn] 4 workers on 2 node(s): node 0 (127.0.0.2) ranks 0-1, node 1 (127.0.0.3) ranks 2-3; "
-            "hsdp: 2 shard group(s) of 2 ranks") in console, console[-5000:]
+    # before: two ranks on each of Ray's nodes (in the order Ray placed them), one shard group each
+    before = re.search(r"\[huginn\] 4 workers on 2 node\(s\): node 0 \((\S+)\) ranks 0-1, node 1 \((\S+)\) ranks 2-3; "
+                       r"hsdp: 2 shard group\(s\) of 2 ranks$", console, re.M)
+    assert before and sorted(before.groups()) == [HEAD, WORKER_NODE], console[-5000:]
     saved = {state["step"]: (directory, state) for directory, state in registered_checkpoints(out_dir / "elastic")}
     assert sorted((step, state["world_size"], state["layout"]) for step, (_, state) in saved.items()) == \
         [(4, 4, "hsdp, shard_size 2"), (STEPS, 2, "hsdp, shard_size 2")]
     assert sorted(p.name for p in (saved[4][0] / "state").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
-    # after: the survivors, one shard group on the remaining node, resumed from step 4
+    # after: the survivors, one shard group on the head node, resumed from step 4
     assert "[huginn] resize at step 4: 4 -> 2 workers" in console, console[-5000:]
-    assert ("[huginn] 2 workers on 1 node(s): node 0 (127.0.0.2) ranks 0-1; hsdp: 1 shard group(s) of 2 ranks"
+    assert (f"[huginn] 2 workers on 1 node(s): node 0 ({HEAD}) ranks 0-1; hsdp: 1 shard group(s) of 2 ranks"
             in console), console[-5000:]
     assert f"[huginn] finished at step {STEPS}" in console
     # one MLflow run, every step logged, steps 1-4 once (the restart went on from the step-4 checkpoint)
