@@ -38,14 +38,16 @@ TINY = REPO / "configs" / "train" / "tiny_cpu.yaml"
     ("checkpoint.keep=0", r"checkpoint.keep"),
     ("mlflow.max_pending_metrics=0", r"mlflow.max_pending_metrics"),
     ("peak_flops_per_device=0", r"peak_flops_per_device"),
-    ("fault_injection.kill_rank=2", r"fault_injection.kill_rank: must be in \[0, 1\] \(scaling.num_workers=2\)"),
-    ("fault_injection.hang_rank=2", r"fault_injection.hang_rank: must be in \[0, 1\] \(scaling.num_workers=2\)"),
+    (("fault_injection.kill_rank=2", "fault_injection.kill_rank_at_step=1"),
+     r"fault_injection.kill_rank: must be in \[0, 1\] \(scaling.num_workers=2\)"),
+    (("fault_injection.hang_rank=2", "fault_injection.hang_rank_at_step=1"),
+     r"fault_injection.hang_rank: must be in \[0, 1\] \(scaling.num_workers=2\)"),
     ("fault_injection.hang_rank_at_step=0", r"fault_injection.hang_rank_at_step: must be in \[1, inf\)"),
     ("scaling.num_workers=[0, 4]", r"scaling.num_workers\[0\]: must be in \[1, inf\), got 0"),
     ("scaling.num_workers=[4, 2]", r"scaling.num_workers: a worker count or \[min, max\] with min <= max, got \[4, 2\]"),
     ("scaling.num_workers=[2, 3, 4]", r"scaling.num_workers: a worker count or \[min, max\]"),
     # a rank that an elastic group of min workers lacks
-    (("scaling.num_workers=[2, 4]", "fault_injection.kill_rank=2"),
+    (("scaling.num_workers=[2, 4]", "fault_injection.kill_rank=2", "fault_injection.kill_rank_at_step=1"),
      r"fault_injection.kill_rank: must be in \[0, 1\] \(scaling.num_workers=\[2, 4\]\)"),
 ])
 def test_out_of_range_train_values_are_refused_by_dotted_key(override, message):
