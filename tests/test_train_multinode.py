@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from isolation import MlflowServer, private_namespace_problem
+from huginn_ray.train.tracking import tracking_uri
+from isolation import private_namespace_problem
 from test_train_data import make_dataset
 from test_train_ray import REPO, env, run_id_of, times_logged
 
@@ -56,27 +57,19 @@ def nodes():
             shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow_server"), env=env()).start()
-    try:
-        yield server.uri
-    finally:
-        server.stop()
-
-
-def overrides(name, out_dir, dataset, mlflow_uri, *extra):
+def overrides(name, out_dir, dataset, *extra):
+    """The run's MLflow store is the embedded SQLite one under out_dir (rank 0 runs on this machine too)."""
     data_dir, tokenizer = dataset
     return [
         f"run_name={name}", f"out_dir={out_dir}", f"data.data_dir={data_dir}", f"data.tokenizer_path={tokenizer}",
-        f"mlflow.tracking_uri={mlflow_uri}", "block_size=32", "model.overrides.vocab_size=64",
+        "block_size=32", "model.overrides.vocab_size=64",
         "micro_batch_size=2", "log_step_interval=1", "eval_step_interval=100", "eval_depths=[4]",
         "warmup_allreduce_mib=1", "optim.lr=3e-3", "schedule.warmup_steps=3", "schedule.cooldown_steps=0",
         "pg_timeout_s=60", "parallelism.mode=hsdp", *extra,
     ]
 
 
-def test_hsdp_over_ray_s_nodes_loses_a_node_and_finishes_on_the_rest(nodes, mlflow_server, tmp_path):
+def test_hsdp_over_ray_s_nodes_loses_a_node_and_finishes_on_the_rest(nodes, tmp_path):
     """`scaling.num_workers: [2, 4]` under hsdp on two 2-CPU Ray nodes: Ray Train puts two ranks on each node and
     hsdp's shard groups (Ray's local world size) are the nodes. After the step-4 checkpoint rank 1 stops answering
     (fault injection: the group is frozen at step 5's first collective) and the test removes the second Ray node
@@ -85,7 +78,7 @@ def test_hsdp_over_ray_s_nodes_loses_a_node_and_finishes_on_the_rest(nodes, mlfl
     cluster, second = nodes
     out_dir = tmp_path / "runs"
     dataset = make_dataset(tmp_path / "data", num_shards=4, rows_per_shard=64, seq_len=32)
-    args = overrides("elastic", out_dir, dataset, mlflow_server, f"max_steps={STEPS}", "scaling.num_workers=[2, 4]",
+    args = overrides("elastic", out_dir, dataset, f"max_steps={STEPS}", "scaling.num_workers=[2, 4]",
                      "checkpoint.save_step_interval=4", "checkpoint.keep=3", "max_failures=1",
                      "fault_injection.hang_rank_at_step=4", "fault_injection.hang_rank=1")
     console_path = tmp_path / "console.txt"
@@ -123,11 +116,12 @@ def test_hsdp_over_ray_s_nodes_loses_a_node_and_finishes_on_the_rest(nodes, mlfl
             in console), console[-5000:]
     assert f"[huginn] finished at step {STEPS}" in console
     # one MLflow run, every step logged, steps 1-4 once (the restart went on from the step-4 checkpoint)
-    client = MlflowClient(mlflow_server)
+    mlflow_uri = tracking_uri(None, str(out_dir))
+    client = MlflowClient(mlflow_uri)
     runs = client.search_runs([client.get_experiment_by_name("huginn_ray").experiment_id],
                               filter_string="attributes.run_name = 'elastic'")
     assert len(runs) == 1 and runs[0].info.status == "FINISHED" and runs[0].info.run_id == run_id_of(console)
-    counts = times_logged(mlflow_server, runs[0].info.run_id)
+    counts = times_logged(mlflow_uri, runs[0].info.run_id)
     assert sorted(counts) == list(range(1, STEPS + 1)) and all(counts[s] == 1 for s in range(1, 5)), counts
     workers = [(m.step, m.value) for m in sorted(client.get_metric_history(runs[0].info.run_id, "num_workers"),
                                                   key=lambda m: m.timestamp)]
