@@ -14,6 +14,7 @@ import pytest
 
 MUST_RUN = (
     "tests/test_train_ray.py",
+    "tests/test_train_multinode.py",
     "tests/test_train_tracking.py::test_metrics_survive_an_mlflow_server_restart",
     "tests/test_data_job_submit.py::test_prepare_data_under_ray_job_submit",
     "tests/test_cluster_env.py::test_frontier_environment_reaches_ray_train_workers",
