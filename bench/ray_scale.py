@@ -65,7 +65,7 @@ def run_once(workers: int, root: Path) -> dict:
     outcome = run_training(cfg, plan, ray_train_log_level="ERROR")
     if not outcome.ok:
         raise RuntimeError(f"{workers} workers: {outcome.message}")
-    client = MlflowClient(plan["mlflow_uri"])
+    client = MlflowClient(plan.mlflow_uri)
     history = lambda key: sorted(client.get_metric_history(outcome.mlflow_run_id, key),  # noqa: E731
                                  key=lambda m: m.timestamp)
     losses = history("loss")
