@@ -228,7 +228,8 @@ def run_training(cfg: TrainConfig, plan: RunPlan, ray_train_log_level: str = "IN
         train_loop_config={"cfg": to_dict(cfg), "plan": plan, "log_level": ray_train_log_level},
         torch_config=TorchConfig(backend=backend, timeout_s=cfg.pg_timeout_s),
         scaling_config=ScalingConfig(
-            num_workers=(cfg.scaling.min_workers, cfg.scaling.max_workers) if isinstance(cfg.scaling.num_workers, list)
+            # [min, max]: Ray Train's elastic worker group
+            num_workers=tuple(cfg.scaling.num_workers) if isinstance(cfg.scaling.num_workers, list)
             else cfg.scaling.num_workers,
             use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
