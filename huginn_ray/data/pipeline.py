@@ -21,9 +21,10 @@ from huginn_ray.data.formatting import DataError
 from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_sources, downloaded_files
 from huginn_ray.data.plan import build_plan
 from huginn_ray.data.dedup import find_val_duplicates
+from huginn_ray.data.execution import original_error
 from huginn_ray.data.shards import MANIFEST, run_shuffle
 from huginn_ray.data.sources import Source, load_sources
-from huginn_ray.data.staging import list_local_files, stage_source
+from huginn_ray.data.staging import list_local_files, stage_sources
 from huginn_ray.data.tokenize_pack import pack_fingerprint, run_pack
 from huginn_ray.data.tokens import TokenRangeError, token_dtype
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, file_sha256, special_token_ids
@@ -31,8 +32,10 @@ from huginn_ray.data.tokenizer import TOKENIZER_FILE, file_sha256, special_token
 STAGES = ("download", "staging", "pack", "shuffle")
 
 
-def init_ray(cfg: DataConfig) -> Callable[[], None]:
+def init_ray(cfg: DataConfig, quiet: bool = False) -> Callable[[], None]:
     """Connect to the cluster in RAY_ADDRESS (set by `ray job submit`), else start a private local Ray.
+
+    Ray Data shows its progress bars (one per stage's operator: rows, throughput, ETA) unless `quiet`.
 
     Returns what stops the local Ray this call started and removes the temp dir it made for it (a no-op
     when it started none: a cluster, or a Ray the caller had already initialised)."""
@@ -56,8 +59,8 @@ def init_ray(cfg: DataConfig) -> Callable[[], None]:
                            object_store_memory=store << 20 if store else None)
             started = True
     ctx = DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # staging results in input order (packing no longer relies on it)
-    ctx.enable_progress_bars = False  # the stages print their own progress lines
+    ctx.enable_progress_bars = not quiet
+    ctx.print_on_execution_start = not quiet
     return stop if started else (lambda: None)
 
 
@@ -108,7 +111,7 @@ def run_stage_staging(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]
     if packed_only(sources):
         print("[staging] packed sources: nothing to stage", flush=True)
         return {}
-    return {s.name: stage_source(s, source_inputs(cfg, s), cfg.root / "staging") for s in sources}
+    return stage_sources([(s, source_inputs(cfg, s)) for s in sources], cfg.root / "staging")
 
 
 def staging_markers(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]:
@@ -339,15 +342,5 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
 
 
 def root_error(err: BaseException) -> BaseException:
-    """The DataError / DownloadError / ValueError behind Ray's wrappers (task errors, user-code errors)."""
-    seen, todo = set(), [err]
-    while todo:
-        current = todo.pop(0)
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, (DataError, DownloadError, TokenRangeError)) and \
-                getattr(current, "cause", None) is None:  # Ray's task errors wrap the original in .cause
-            return current
-        todo += [getattr(current, "cause", None), current.__cause__, current.__context__]
-    return err
+    """The DataError / DownloadError / TokenRangeError behind Ray's wrappers (task errors, user-code errors)."""
+    return original_error(err, (DataError, DownloadError, TokenRangeError))

@@ -10,19 +10,20 @@ Train and validation rows are shuffled separately and never mixed.
 Execution: a two-pass external shuffle through files, so that no intermediate data lives in Ray's object store
 and nothing the driver or a task holds grows with N (huginn_ray/data/README.md has the cost model):
 
-1. map: one Ray task per group of ~`shuffle.map_mib` of input files computes every row's position, drops the
+1. map (Ray Data operator `shuffle_map`): one task per group of ~`shuffle.map_mib` of input files computes every row's position, drops the
    surplus, sorts its rows by position (hence by destination shard) and writes one Arrow IPC file per split,
    `map/<split>/MMMMMM.arrow` (columns `position`, `input_ids`), plus `MMMMMM.idx.npy`: N + 1 row offsets, row
    range [idx[s], idx[s+1]) of the file holds the rows bound for shard s.
 2. reduce: the driver gathers a split's per-map indexes into one `map/<split>/index.npy` ((N + 1) x M); one Ray
    task per range of consecutive shards holding ~`shuffle.reducer_mib` of rows reads the two rows of it that bound
    its shards, memory-maps only the map files holding rows for it, reads only its row ranges, merges by position
-   and writes its shards `<split>/RRRRR.parquet` (column `input_ids`, list<uint16|int32>, row groups of
+   and writes its shards (Ray Data operator `shuffle_reduce`) `<split>/RRRRR.parquet` (column `input_ids`, list<uint16|int32>, row groups of
    `shuffle.row_group_size`).
 
-Tasks return only a few integers; map tasks and reducers declare `memory=` to Ray from their data size and the
-input's id width (map_task_memory, reduce_task_memory), so Ray does not start more of them on a node than its
-memory holds. Every file is written under a temporary name and
+Both passes run on Ray Data's streaming executor (huginn_ray/data/execution.py: progress bars, retries of tasks
+whose worker died). Tasks return only a few integers; map tasks and reducers declare `memory=` to Ray from their
+data size and the input's id width (map_task_memory, reduce_task_memory), so Ray does not start more of them on a
+node than its memory holds. Every file is written under a temporary name and
 renamed when complete, in `<shard_dir>.partial/` with the plan's fingerprint: a rerun after a crash keeps the
 committed map files and shards and redoes only the rest.
 """
@@ -43,6 +44,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
+from huginn_ray.data.execution import run_tasks
 from huginn_ray.data.tokens import (DTYPES, MAX_LIST_IDS, arrow_type, check_ids, fixed_rows, numpy_dtype,
                                     parquet_options, row_schema, rows_to_arrow)
 
@@ -52,7 +54,6 @@ MANIFEST = "manifest.json"
 PLAN = "_PLAN.json"
 _MASK64 = np.uint64(2**64 - 1)
 _TASK_OVERHEAD = 256 << 20  # a worker's own footprint (interpreter, pyarrow, numpy), added to memory= requests
-MAX_IN_FLIGHT_PER_CPU = 2
 
 
 def shard_path(shard_dir: str | Path, split: str, rank: int) -> Path:
@@ -333,42 +334,6 @@ def _reduce(split: str, reducer: int, plan: dict, work: str, row_len: int, dtype
             "peak_rss_mib": _peak_rss_mib()}
 
 
-def _node_memory_cap() -> int:
-    import ray
-
-    sizes = [n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")]
-    return int(max(sizes)) if sizes else 0
-
-
-def _memory_request(estimate: int, cap: int) -> int:
-    """memory= for a task: its estimate, but never more than the largest node offers (the task would never run)."""
-    return int(min(estimate, cap)) if cap else int(estimate)
-
-
-def run_bounded(calls: list, limit: int, label: str, stage: str = "shuffle") -> list:
-    """Submit `calls` (functions returning an ObjectRef) with at most `limit` in flight; results in call order.
-
-    Only small results come back, and the driver holds at most `limit` pending references at a time."""
-    import ray
-
-    results: list = [None] * len(calls)
-    pending: dict = {}
-    next_call = done = 0
-    last_print = 0.0
-    while next_call < len(calls) or pending:
-        while next_call < len(calls) and len(pending) < limit:
-            pending[calls[next_call]()] = next_call
-            next_call += 1
-        ready, _ = ray.wait(list(pending), num_returns=1)
-        for ref in ready:
-            results[pending.pop(ref)] = ray.get(ref)
-            done += 1
-        if time.time() - last_print > 5 or done == len(calls):
-            last_print = time.time()
-            print(f"[{stage}] {label}: {done}/{len(calls)}", flush=True)
-    return results
-
-
 last_run_stats: dict = {}
 """Figures of the latest run_shuffle in this process (tasks, bytes, task peak RSS), for bench/shuffle_scale.py."""
 
@@ -379,8 +344,6 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
     """Shuffle rows of `files` ({path, train_rows, val_rows}, in global order) into shards; returns the manifest.
 
     Skipped when `shard_root` holds a manifest of the same fingerprint; resumes from `<shard_root>.partial`."""
-    import ray
-
     shard_root = Path(shard_root)
     existing = layout.read_marker(shard_root, MANIFEST)
     work = shard_root.with_name(shard_root.name + ".partial")
@@ -420,39 +383,33 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         layout.write_json(work / PLAN, {"id": work_id, "fingerprint": fingerprint,
                                         "map_tasks": len(groups), "num_shards": num_shards})
 
-    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    limit = MAX_IN_FLIGHT_PER_CPU * cpus
-    cap = _node_memory_cap()
     started = time.time()
-
     # every input comes from one producer (the pack stage, or one released dataset): the first file's id width
     # stands for all of them in the map tasks' memory
     input_width = pq.read_schema(files[0]["path"]).field("input_ids").type.value_type.bit_width // 8
-    map_task = ray.remote(_map_group)
-    calls, running = [], {name: 0 for name in SPLITS}
+    calls, memory, running = [], [], {name: 0 for name in SPLITS}
     for index, group in enumerate(groups):
-        offsets = dict(running)
         entries = [{"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"],
                     "skip_rows": f.get("skip_rows", [])} for f in group]
-        memory = _memory_request(map_task_memory(entries, row_len, token_dtype, input_width, hash_inputs), cap)
-        calls.append(lambda i=index, e=entries, o=offsets, mem=memory: map_task.options(memory=mem).remote(
-            i, e, o, plans, seed, row_len, token_dtype, vocab_size, str(work), hash_inputs))
+        calls.append((index, entries, dict(running), plans, seed, row_len, token_dtype, vocab_size, str(work),
+                      hash_inputs))
+        memory.append(map_task_memory(entries, row_len, token_dtype, input_width, hash_inputs))
         for f in group:
             for name in SPLITS:
                 running[name] += f[f"{name}_rows"]
-    map_results = run_bounded(calls, limit, "map tasks")
+    map_results = run_tasks(_map_group, calls, name="shuffle_map", memory=memory)
     map_s = time.time() - started
     for name in SPLITS:
         write_split_index(work, name, len(groups), num_shards)
 
-    calls = []
+    calls, memory = [], []
     for name, plan in plans.items():
-        reduce_task = ray.remote(_reduce).options(
-            memory=_memory_request(reduce_task_memory(plan, row_len, token_dtype), cap))
         for r in range(plan["reducers"]):
-            calls.append(lambda n=name, r=r, p=plan, t=reduce_task: t.remote(
-                n, r, p, str(work), row_len, token_dtype, row_group_size))
-    reduce_results = run_bounded(calls, limit, "reducers")
+            calls.append((name, r, plan, str(work), row_len, token_dtype, row_group_size))
+            memory.append(reduce_task_memory(plan, row_len, token_dtype))
+    reduce_results = run_tasks(_reduce, calls, name="shuffle_reduce", memory=memory)
+    for stale in work.glob("out/*/*.tmp"):  # left by an attempt whose worker died (its retry committed the file)
+        stale.unlink()
 
     for name in SPLITS:
         written = sorted(p.name for p in (work / "out" / name).glob("*.parquet"))
