@@ -13,6 +13,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -227,6 +228,47 @@ def test_same_bytes_from_a_separate_ray_with_one_cpu(prepared, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for path in sorted((root / "out" / "shards").glob("*/*.parquet")):
         assert (tmp_path / "one_cpu" / "shards" / path.parent.name / path.name).read_bytes() == path.read_bytes()
+
+
+def _killed_once(fn, flag: Path):
+    """fn, except that the first attempt of the first call SIGKILLs its own worker process in the middle of the
+    task: after its first output is fully written under its temp name, before that output is committed."""
+
+    def first_attempt_dies(*args, **kwargs):
+        try:
+            os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:  # a later call, or the retry of the killed attempt: the real task
+            return fn(*args, **kwargs)
+        from huginn_ray.data import layout
+
+        layout.commit_file = lambda tmp, final: os.kill(os.getpid(), signal.SIGKILL)  # this worker only
+        return fn(*args, **kwargs)
+
+    return first_attempt_dies
+
+
+def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(prepared, tmp_path, monkeypatch):
+    """One worker process dies (SIGKILL) in the middle of a tokenize+pack task and one in the middle of a shuffle
+    map task; Ray Data retries both tasks and the run writes the same packed files and shards, byte for byte, as
+    the undisturbed run, with no temp file left behind."""
+    from huginn_ray.data import shards as shards_mod
+    from huginn_ray.data import tokenize_pack as pack_mod
+
+    root, config = prepared
+    monkeypatch.setattr(pack_mod, "tokenize_and_pack", _killed_once(pack_mod.tokenize_and_pack, tmp_path / "pack"))
+    monkeypatch.setattr(shards_mod, "_map_group", _killed_once(shards_mod._map_group, tmp_path / "map"))
+    out = tmp_path / "killed"
+    assert prepare_data.main(["--quiet", "--config", str(config), f"output_dir={out}",
+                              f"tokenizer.path={root / 'out' / 'tokenizer'}"]) == 0
+    assert (tmp_path / "pack").exists() and (tmp_path / "map").exists()  # both kills happened
+
+    def outputs(base: Path) -> dict:
+        return {p.relative_to(base).as_posix(): p.read_bytes()
+                for p in sorted(base.glob("packed/*.parquet")) + sorted(base.glob("shards/*/*.parquet"))}
+
+    expected = outputs(root / "out")
+    assert len(expected) > 2 * N_SHARDS and outputs(out) == expected
+    assert not [p for p in out.rglob("*.tmp")]
 
 
 def test_rerun_skips_complete_stages(prepared, capsys):
