@@ -78,7 +78,7 @@ def tmp_dir_for(final: Path) -> Path:
     return tmp
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -93,7 +93,7 @@ def replace_dir(tmp: Path, final: Path) -> None:
         old = final.with_name(f"{final.name}.old-{os.getpid()}")
         final.rename(old)
     tmp.rename(final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old)
 
@@ -113,7 +113,7 @@ def commit_file(tmp: Path, final: Path) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 def write_json(path: Path, data: dict) -> None:

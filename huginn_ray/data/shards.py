@@ -30,9 +30,11 @@ committed map files and shards and redoes only the rest.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
+import os
 import resource
 import shutil
 import time
@@ -424,13 +426,9 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         map_files_opened=sum(r["map_files_opened"] for r in reduce_results),
         max_task_peak_rss_mib=max(r["peak_rss_mib"] for r in map_results + reduce_results))
 
-    if hash_inputs:  # local packed inputs: record the sha256 of every file read (Hub files carry theirs)
-        digests = {path: digest for r in map_results for path, digest in (r["sha256"] or {}).items()}
-        for info in manifest_extra.get("sources", {}).values():
-            for f in info.get("files", []):
-                root = info.get("local_dir")
-                if root and f.get("hash") is None:
-                    f["hash"] = digests.get(str(Path(root) / f["path"]))
+    if hash_inputs:
+        _record_local_hashes(manifest_extra, {path: digest for r in map_results
+                                              for path, digest in (r["sha256"] or {}).items()})
     manifest = {
         "format": "huginn_ray.shards/2",
         "fingerprint": fingerprint,
@@ -444,6 +442,7 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         "tokens_per_shard": {name: plans[name]["rows_per_shard"] * row_len for name in SPLITS},
         "total_rows": {name: plans[name]["kept"] for name in SPLITS},
         "dropped_surplus_rows": {name: plans[name]["dropped"] for name in SPLITS},
+        "reshard_method": "shuffle",
         **manifest_extra,
     }
     layout.write_json(work / "out" / MANIFEST, manifest)
@@ -452,6 +451,104 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
     for name in SPLITS:
         print(f"[shuffle] {name}: {num_shards} shards x {plans[name]['rows_per_shard']} rows "
               f"({plans[name]['dropped']} surplus rows dropped)", flush=True)
+    return manifest
+
+
+def _record_local_hashes(manifest_extra: dict, digests: dict[str, str]) -> None:
+    """Local packed inputs: the sha256 of every file read goes into the manifest's file list (Hub files carry the
+    hash the download verified)."""
+    for info in manifest_extra.get("sources", {}).values():
+        for f in info.get("files", []):
+            root = info.get("local_dir")
+            if root and f.get("hash") is None:
+                f["hash"] = digests.get(str(Path(root) / f["path"]))
+
+
+def link_blocker(files: dict[str, list[dict]], num_shards: int, row_len: int, token_dtype: str) -> str | None:
+    """Why already packed files cannot become the shards as they are (None: they can), from their footers.
+
+    They can when each split has exactly `num_shards` files, all of one row count, each holding the column
+    `input_ids` only, as list<token_dtype> (what the training preflight, huginn_ray/train/shard_check.py, asks
+    of a shard)."""
+    wanted = pa.list_(arrow_type(token_dtype))
+    for name in SPLITS:
+        if len(files[name]) != num_shards:
+            return f"{len(files[name])} {name} files for num_shards={num_shards}"
+        counts = {f[f"{name}_rows"] for f in files[name]}
+        if len(counts) > 1:
+            return f"the {name} files hold {min(counts)} to {max(counts)} rows, shards hold one count"
+        for f in files[name]:
+            schema = pq.read_schema(f["path"])
+            if schema.names != ["input_ids"] or schema.field("input_ids").type != wanted:
+                return (f"{f['path']} holds {schema}, shards hold input_ids: {wanted} only "
+                        f"(row_len {row_len})").replace("\n", ", ")
+    return None
+
+
+def _verify_file(entry: dict, row_len: int, dtype: str, vocab_size: int, hash_input: bool) -> dict:
+    """Task: read every row of a file to be linked as a shard (row length and id range checked, as the shuffle's
+    map tasks do) and, for a local file, hash it."""
+    hashes: dict | None = {} if hash_input else None
+    rows = sum(len(part) for _, part in _read_input(entry, row_len, dtype, vocab_size, hashes))
+    return {"rows": rows, "sha256": hashes}
+
+
+def link_shards(files: dict[str, list[dict]], row_len: int, shard_root: Path, *, seed: int, token_dtype: str,
+                vocab_size: int, fingerprint: str, manifest_extra: dict, hash_inputs: bool = False) -> dict:
+    """Already packed files that pass `link_blocker` become the shards as they are: every file is verified (each
+    row read: row length, id range; local files hashed), then hard-linked as `<split>/RRRRR.parquet`, rank r =
+    the split's r-th file in name order, and nothing is shuffled again. Returns the manifest.
+
+    A hard link, not a symlink: the shard is an ordinary file inside `shard_root` that stays valid when the
+    download directory is removed, and costs no bytes. Where the inputs are on another file system than
+    `shard_root` (a local_dir source elsewhere; a link cannot cross file systems), the file is copied instead."""
+    entries = [{"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]}
+               for name in SPLITS for f in files[name]]
+    results = run_tasks(_verify_file, [(e, row_len, token_dtype, vocab_size, hash_inputs) for e in entries],
+                        name="verify_released")
+    work = shard_root.with_name(shard_root.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    linked: dict[str, list[str]] = {}
+    for name in SPLITS:
+        (work / "out" / name).mkdir(parents=True)
+        linked[name] = []
+        for rank, f in enumerate(files[name]):
+            target = shard_path(work / "out", name, rank)
+            try:
+                os.link(f["path"], target)
+            except OSError as err:
+                if err.errno != errno.EXDEV:
+                    raise
+                tmp = layout.temp_path(target)
+                shutil.copyfile(f["path"], tmp)
+                layout.commit_file(tmp, target)
+            linked[name].append(f["rel"])
+        layout.fsync_dir(work / "out" / name)
+    if hash_inputs:
+        _record_local_hashes(manifest_extra, {p: d for r in results for p, d in (r["sha256"] or {}).items()})
+    rows = {name: files[name][0][f"{name}_rows"] for name in SPLITS}
+    manifest = {
+        "format": "huginn_ray.shards/2",
+        "fingerprint": fingerprint,
+        "num_shards": len(files["train"]),
+        "seq_len": row_len - 1,
+        "row_len": row_len,
+        "token_dtype": token_dtype,
+        "seed": seed,
+        "rows_per_shard": rows,
+        "tokens_per_shard": {name: rows[name] * row_len for name in SPLITS},
+        "total_rows": {name: rows[name] * len(files[name]) for name in SPLITS},
+        "dropped_surplus_rows": {name: 0 for name in SPLITS},
+        "reshard_method": "hard_link",
+        "linked_files": linked,
+        **manifest_extra,
+    }
+    layout.write_json(work / "out" / MANIFEST, manifest)
+    layout.replace_dir(work / "out", shard_root)
+    shutil.rmtree(work)
+    for name in SPLITS:
+        print(f"[shuffle] {name}: {len(files[name])} released files verified and hard-linked as the shards "
+              f"({rows[name]} rows each), not shuffled again", flush=True)
     return manifest
 
 
