@@ -10,15 +10,15 @@ Train and validation rows are shuffled separately and never mixed.
 Execution: a two-pass external shuffle through files, so that no intermediate data lives in Ray's object store
 and nothing the driver or a task holds grows with N (huginn_ray/data/README.md has the cost model):
 
-1. map (Ray Data operator `shuffle_map`): one task per group of ~`shuffle.map_mib` of input files computes every row's position, drops the
-   surplus, sorts its rows by position (hence by destination shard) and writes one Arrow IPC file per split,
-   `map/<split>/MMMMMM.arrow` (columns `position`, `input_ids`), plus `MMMMMM.idx.npy`: N + 1 row offsets, row
-   range [idx[s], idx[s+1]) of the file holds the rows bound for shard s.
-2. reduce: the driver gathers a split's per-map indexes into one `map/<split>/index.npy` ((N + 1) x M); one Ray
-   task per range of consecutive shards holding ~`shuffle.reducer_mib` of rows reads the two rows of it that bound
-   its shards, memory-maps only the map files holding rows for it, reads only its row ranges, merges by position
-   and writes its shards (Ray Data operator `shuffle_reduce`) `<split>/RRRRR.parquet` (column `input_ids`, list<uint16|int32>, row groups of
-   `shuffle.row_group_size`).
+1. map (Ray Data operator `shuffle_map`): one task per group of ~`shuffle.map_mib` of input files computes every
+   row's position, drops the surplus, sorts its rows by position (hence by destination shard) and writes one Arrow
+   IPC file per split, `map/<split>/MMMMMM.arrow` (columns `position`, `input_ids`), plus `MMMMMM.idx.npy`: N + 1
+   row offsets, row range [idx[s], idx[s+1]) of the file holds the rows bound for shard s.
+2. reduce (Ray Data operator `shuffle_reduce`): the driver gathers a split's per-map indexes into one
+   `map/<split>/index.npy` ((N + 1) x M); one task per range of consecutive shards holding ~`shuffle.reducer_mib`
+   of rows reads the two rows of it that bound its shards, memory-maps only the map files holding rows for it,
+   reads only its row ranges, merges by position and writes its shards `<split>/RRRRR.parquet` (column
+   `input_ids`, list<uint16|int32>, row groups of `shuffle.row_group_size`).
 
 Both passes run on Ray Data's streaming executor (huginn_ray/data/execution.py: progress bars, retries of tasks
 whose worker died). Tasks return only a few integers; map tasks and reducers declare `memory=` to Ray from their
