@@ -480,7 +480,7 @@ def test_packing_does_not_depend_on_the_cluster_size_with_many_files(prepared, t
     assert len([k for k in two if k.startswith("packed/")]) > 60 and two == one
 
 
-def test_pack_resumes_keeping_committed_batches_and_cleans_stale_tmp_dirs(prepared, tmp_path, capsys):
+def test_staging_and_pack_resume_keeping_committed_files_and_clean_stale_tmp_dirs(prepared, tmp_path, capsys):
     root, config = prepared
     out = tmp_path / "resume"
     args = ["--config", str(config), f"output_dir={out}", f"tokenizer.path={root / 'out' / 'tokenizer'}"]
@@ -498,9 +498,24 @@ def test_pack_resumes_keeping_committed_batches_and_cleans_stale_tmp_dirs(prepar
     (out / "packed.partial" / "0000-half.parquet.tmp").write_bytes(b"half")
     mtimes = {p.name: p.stat().st_mtime_ns for p in kept}
     (out / "staging" / "prose.tmp-999999").mkdir()
+    # staging of one source interrupted: every other staged file committed, the rest not yet
+    staged = {p.name: p.read_bytes() for p in (out / "staging" / "notes").glob("*.parquet")}
+    staged_marker = json.loads((out / "staging" / "notes" / "_COMPLETE.json").read_text())
+    partial = out / "staging" / "notes.partial"
+    (out / "staging" / "notes").rename(partial)
+    (partial / "_COMPLETE.json").unlink()
+    (partial / "_PLAN.json").write_text(json.dumps({"fingerprint": staged_marker["fingerprint"]}))
+    for p in sorted(partial.glob("*.parquet"))[1::2]:
+        p.unlink()
+    staged_mtimes = {p.name: p.stat().st_mtime_ns for p in partial.glob("*.parquet")}
     capsys.readouterr()
     assert prepare_data.main(args) == 0
     printed = capsys.readouterr().out
+    assert f"[staging] resuming {partial}: {len(staged_mtimes)}/{len(staged)} staged files" in printed
+    assert {p.name: p.read_bytes() for p in (out / "staging" / "notes").glob("*.parquet")} == staged
+    assert json.loads((out / "staging" / "notes" / "_COMPLETE.json").read_text()) == staged_marker
+    assert all((out / "staging" / "notes" / n).stat().st_mtime_ns == m for n, m in staged_mtimes.items())
+    assert not partial.exists()
     assert f"[pack] {len(kept)}/" in printed and "already packed by an earlier run" in printed
     assert "removing" in printed and "prose.tmp-999999" in printed
     assert not (out / "staging" / "prose.tmp-999999").exists()
