@@ -271,6 +271,28 @@ def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(pre
     assert not [p for p in out.rglob("*.tmp")]
 
 
+def test_progress_shows_on_the_console_unless_quiet(prepared, tmp_path):
+    """Ray Data reports the progress of each stage's operator (on a console that is not a terminal, as here and
+    under `ray job submit`, as log lines on stderr); --quiet reports none."""
+    import logging
+
+    _, config = prepared
+    records: list[str] = []
+    collect = logging.Handler()
+    collect.emit = lambda record: records.append(record.getMessage())
+    progress = logging.getLogger("ray.data._internal.progress")
+    progress.addHandler(collect)
+    try:
+        assert prepare_data.main(["--stage", "staging", "--config", str(config), f"output_dir={tmp_path / 'a'}"]) == 0
+        shown, records[:] = list(records), []
+        assert prepare_data.main(["--quiet", "--stage", "staging", "--config", str(config),
+                                  f"output_dir={tmp_path / 'b'}"]) == 0
+    finally:
+        progress.removeHandler(collect)
+    assert any("Running Dataset" in line for line in shown) and any("MapBatches(staging)" in line for line in shown)
+    assert records == []
+
+
 def test_rerun_skips_complete_stages(prepared, capsys):
     root, config = prepared
     before = {p: p.stat().st_mtime_ns for p in (root / "out" / "shards").rglob("*.parquet")}

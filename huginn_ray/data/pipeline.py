@@ -7,6 +7,7 @@ and `--stage NAME` runs one stage alone.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -35,7 +36,8 @@ STAGES = ("download", "staging", "pack", "shuffle")
 def init_ray(cfg: DataConfig, quiet: bool = False) -> Callable[[], None]:
     """Connect to the cluster in RAY_ADDRESS (set by `ray job submit`), else start a private local Ray.
 
-    Ray Data shows its progress bars (one per stage's operator: rows, throughput, ETA) unless `quiet`.
+    Ray Data shows its progress bars (one per stage's operator: rows, throughput, ETA; on a console that is not a
+    terminal, progress lines every 10 s) unless `quiet`.
 
     Returns what stops the local Ray this call started and removes the temp dir it made for it (a no-op
     when it started none: a cluster, or a Ray the caller had already initialised)."""
@@ -61,6 +63,9 @@ def init_ray(cfg: DataConfig, quiet: bool = False) -> Callable[[], None]:
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = not quiet
     ctx.print_on_execution_start = not quiet
+    # on a console that is not a terminal (`ray job submit`, a log file) Ray Data logs the progress instead, every
+    # RAY_DATA_NON_TTY_PROGRESS_LOG_INTERVAL seconds (10), through a logger that quiet_local_ray sets to ERROR
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR if quiet else logging.INFO)
     return stop if started else (lambda: None)
 
 
