@@ -38,8 +38,10 @@ TINY = REPO / "configs" / "train" / "tiny_cpu.yaml"
     ("checkpoint.keep=0", r"checkpoint.keep"),
     ("mlflow.max_pending_metrics=0", r"mlflow.max_pending_metrics"),
     ("peak_flops_per_device=0", r"peak_flops_per_device"),
-    ("fault_injection.kill_rank=2", r"fault_injection.kill_rank: must be in \[0, 1\] \(scaling.num_workers=2\)"),
-    ("fault_injection.hang_rank=2", r"fault_injection.hang_rank: must be in \[0, 1\] \(scaling.num_workers=2\)"),
+    ("fault_injection={kill_rank_at_step: 3, kill_rank: 2}",
+     r"fault_injection.kill_rank: must be in \[0, 1\] \(scaling.num_workers=2\)"),
+    ("fault_injection={hang_rank_at_step: 3, hang_rank: 2}",
+     r"fault_injection.hang_rank: must be in \[0, 1\] \(scaling.num_workers=2\)"),
     ("fault_injection.hang_rank_at_step=0", r"fault_injection.hang_rank_at_step: must be in \[1, inf\)"),
 ])
 def test_out_of_range_train_values_are_refused_by_dotted_key(override, message):
