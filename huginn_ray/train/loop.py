@@ -30,6 +30,7 @@ from huginn_ray.cluster.devices import training_device
 from huginn_ray.config import from_dict
 from huginn_ray.data.shards import shard_path
 from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, sample_recurrence, training_flops_per_token
+from huginn_ray.model.pretrained import load_weights_into
 from huginn_ray.model.model import (AttentionBackendError, AttentionShape, choose_attention_backend,
                                     probe_attention_backends, restrict_attention)
 from huginn_ray.train import checkpoint as ckpt
@@ -119,9 +120,14 @@ class Components:
 
 
 def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.device,
-                     local_world_size: int | None = None) -> Components:
+                     local_world_size: int | None = None, load_init_from: bool = True) -> Components:
     """`local_world_size`: ranks on this node (Ray Train's); it is the shard size of hsdp unless
-    parallelism.shard_size sets one. None: every rank on one node."""
+    parallelism.shard_size sets one. None: every rank on one node.
+
+    The weights: random (the seed's, identical on every rank) or, with plan["init_from"], the trained model's,
+    each rank reading only the part it holds (under hsdp the model is sharded on the meta device first, then
+    its shards are allocated and filled). `load_init_from=False` leaves those weights unread (allocated, not
+    initialised) for a caller that may resume from a checkpoint instead (`load_initial_weights`)."""
     if device.type == "cpu":
         torch.set_num_threads(cfg.cpu_threads)
     world_size = dist.get_world_size()
@@ -133,7 +139,8 @@ def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.devi
     model_cfg = ModelConfig.from_hf_dict(plan["model_config"])
     with torch.device("meta"):  # no CPU copy of the model: allocate and initialise on the training device
         model = RecurrentGPT(model_cfg)
-    model.materialize(device)  # whole, on every rank: hsdp then keeps each rank's slice
+    if not plan.get("init_from"):
+        model.materialize(device)  # whole, on every rank: hsdp then keeps each rank's slice
     model.check_token_ids = False  # collate checks every batch on the host
     attention = AttentionShape(cfg.micro_batch_size, model_cfg.num_attention_heads, cfg.block_size, model_cfg.head_dim,
                                torch.bfloat16 if plan["precision"] == "bf16-mixed" else torch.float32)
@@ -149,6 +156,11 @@ def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.devi
         compile_blocks(model, **cfg.compile_options)
     if shape.mode == "hsdp":
         parallel.apply_hsdp(model, mesh)
+    if plan.get("init_from"):
+        model.to_empty(device=device)  # this rank's part only (its shards under hsdp)
+        if load_init_from:
+            load_initial_weights(model, plan, rank)
+    if shape.mode == "hsdp":
         sync = build_grad_sync("chunk_stream", model, cfg.grad_sync.chunk_mib, group=mesh.get_group("replicate"),
                                divide_by=world_size)
     else:
@@ -162,6 +174,16 @@ def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.devi
         lambda rows: collate(rows, plan["pad_id"], plan["eos_id"], model_cfg.vocab_size), pin=device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if plan["precision"] == "bf16-mixed" else nullcontext()
     return Components(model_cfg, model, sync, optimizer, reader, autocast, mesh, shape)
+
+
+def load_initial_weights(model: RecurrentGPT, plan: dict, rank: int) -> None:
+    """The trained model of plan["init_from"] into this rank's (allocated) parameters; every rank calls it."""
+    source = plan["init_from"]
+    start = time.perf_counter()
+    load_weights_into(model, source["path"])
+    if rank == 0:
+        print(f"[huginn] weights from {source['path']} ({Path(source['hashed']).name} sha256 "
+              f"{source['sha256'][:12]}...) in {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def layout_name(shape: parallel.MeshShape) -> str:
@@ -314,7 +336,7 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
     register_node()
     placement = {"node_rank": ctx.get_node_rank(), "local_rank": ctx.get_local_rank(),
                  "local_world_size": ctx.get_local_world_size()}
-    c = build_components(cfg, plan, rank, device, local_world_size=ctx.get_local_world_size())
+    c = build_components(cfg, plan, rank, device, local_world_size=ctx.get_local_world_size(), load_init_from=False)
     # always checked: shard groups are consecutive ranks, which must be one node's (or part of one)
     parallel.check_node_layout(c.shape, ckpt.all_ranks(placement, device))
     parallel.warm_mesh(c.mesh, device)
@@ -342,6 +364,15 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
         state.layout = layout_name(c.shape)
         reader.load_state_dict(resumed.reader_state)
         c.resumed = True
+    elif plan.get("init_from"):  # a fresh run: the trained model's weights (a resumed one has its own)
+        error = None
+        try:
+            load_initial_weights(model, plan, rank)
+        except ValueError as err:
+            error = str(err)
+        errors = [e for e in ckpt.all_ranks(error, device) if e is not None]  # every rank stops alike
+        if errors:
+            raise Stop(f"init_from: {errors[0]}", reporter=rank == 0)
     parallel.check_replicas_agree(model, optimizer, c.mesh, device, "at startup")
 
     if cfg.warmup_allreduce_mib > 0:
