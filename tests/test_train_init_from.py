@@ -217,3 +217,26 @@ def test_one_step_at_lr_0_from_the_released_layout_exports_the_directory_s_logit
                 got = exported(ids, num_steps=(depth, 0), input_states=states).logits
                 error = float((got - want).norm() / want.norm())
                 assert error < 1e-6, (name, depth, error)
+
+
+def test_preflight_records_the_source_and_refuses_the_released_ids_with_another_tokenizer(tmp_path):
+    from test_train_data import make_dataset
+    from test_train_preflight import tiny
+
+    from huginn_ray.data.tokenizer import special_token_ids
+    from huginn_ray.train.launch import PreflightError, preflight
+
+    dataset = make_dataset(tmp_path / "data", num_shards=2, rows_per_shard=40, seq_len=32)
+    released = write_released_layout(tiny_model(), tmp_path / "huginn")
+    with pytest.raises(PreflightError, match=r"data.tokenizer_path: its bos id is \d+, the model in .*huginn was "
+                                             r"trained with bos_token_id=65504"):
+        preflight(tiny(dataset, tmp_path, f"init_from={released}"))
+    ids = special_token_ids(dataset[1])
+    config_json = json.loads((released / "config.json").read_text())
+    config_json.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+    (released / "config.json").write_text(json.dumps(config_json))
+    plan = preflight(tiny(dataset, tmp_path, f"init_from={released}"))
+    assert plan["init_from"]["path"] == str(released)
+    assert plan["init_from"]["sha256"] == __import__("hashlib").sha256(
+        (released / "model.safetensors.index.json").read_bytes()).hexdigest()
+    assert ModelConfig.from_hf_dict(plan["model_config"]).mean_recurrence == 4
