@@ -1,10 +1,14 @@
 """The per-worker training loop that Ray Train runs on every rank (reference §3.3-§3.4, §3.9-§3.11).
 
-One step: read and check the step's micro-batches on the host, sample the depth (n, k) from the step (the same on
-every rank), forward+backward every micro-batch, exchange gradients (fp32 mean), clip, set the scheduled lr in
-every group, step (not the first one), then log, validate and checkpoint on their intervals.
+One step: read and check the step's micro-batches on the host, count their supervised labels over every rank (one
+small all-reduce, read by the host), sample the depth (n, k) from the step (the same on every rank),
+forward+backward every micro-batch, exchange gradients (fp32 mean), clip, set the scheduled lr in every group,
+step (not the first one), then log, validate and checkpoint on their intervals. The loss is the sum of the token
+losses of the whole global batch over its supervised tokens, divided by their count, on every layout and
+gradient accumulation.
 
-All ranks decide alike with one small all-reduce per step, read once by the host (the step's only host sync):
+All ranks decide alike with one small all-reduce per step, read once by the host (with the count's, the step's two
+host syncs):
 the loss, whether the loss or gradient norm is non-finite, a stop request (SIGTERM, the Slurm signal), the time
 budget running out, and a rank that could not read its data. A data error therefore stops every rank at the same
 step, within seconds, instead of leaving 4095 ranks waiting for the process-group timeout.
@@ -193,7 +197,8 @@ def layout_name(shape: parallel.MeshShape) -> str:
 @dataclass
 class StepResult:
     loss: float
-    """Mean loss over ranks and micro-batches."""
+    """The step's loss: the token losses of the global batch (every micro-batch of every rank) summed over the
+    supervised tokens, divided by their count."""
     lr: float
     grad_norm: float
     """Global L2 norm of the averaged gradients before clipping."""
@@ -225,8 +230,11 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
     budget). Losses and the gradient norm stay on the device until the step's one all-reduce is read."""
     grad_accum = plan["grad_accum"]
     batches, data_error = read_batches(c, cfg, grad_accum)
+    counts, global_count = supervised_counts(batches, device)
     telemetry = None
     local_loss = torch.zeros((), dtype=torch.float64, device=device)
+    if global_count == 0:  # no supervised token in the whole step: a non-finite step (on_nonfinite decides)
+        local_loss += float("nan")
     depths = []
     for micro, (inputs, labels) in enumerate(batches):
         # every micro-batch draws its own depth from its micro-batch step (the same on every rank)
@@ -238,8 +246,14 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
         with c.sync.micro_batch(last=last):
             with c.autocast:
                 out = c.sync.module(inputs, labels=labels, num_steps=(n, k), return_telemetry=want_telemetry and last)
-            (out.loss / grad_accum).backward()
-        local_loss += out.loss.detach().double() / grad_accum
+            if counts[micro]:
+                # out.loss is this micro-batch's mean over its supervised tokens; the gradient exchange divides
+                # by the world size: out.loss / (N / (W n)) makes the step's loss sum / N over the global batch
+                divisor = global_count / (dist.get_world_size() * counts[micro])  # = grad_accum when all are full
+                (out.loss / divisor).backward()
+                local_loss += out.loss.detach().double() / divisor
+            else:  # nothing supervised: its mean is 0/0; a zero gradient keeps every collective of the step
+                (out.loss * 0.0).backward()
         telemetry = out.telemetry or telemetry
     c.sync.finish()
 
@@ -279,6 +293,19 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
     c.optimizer.zero_grad(set_to_none=True)
     stop_reason = "request" if stop_ranks else "time limit" if time_up_ranks else None
     return StepResult(loss, lr, grad_norm, (n, k), telemetry, stop_reason, depths)
+
+
+IGNORE_INDEX = -100
+"""A label the loss skips (the model's default ignore_index): a token that is not a target."""
+
+
+def supervised_counts(batches: list, device: torch.device) -> tuple[list[int], int]:
+    """Supervised labels (not IGNORE_INDEX) of each of this rank's micro-batches, counted on the host (the
+    batches are still there), and of the whole step over every rank: one small all-reduce, read at once."""
+    counts = [int((labels != IGNORE_INDEX).sum()) for _, labels in batches]
+    total = torch.tensor([sum(counts)], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return counts, int(total.item())
 
 
 def read_batches(c: Components, cfg: TrainConfig, grad_accum: int) -> tuple[list, str | None]:
