@@ -74,7 +74,7 @@ def worker(rank: int, args, port: int, root: str, out: str) -> None:
             mine, merged = base / f"rank_{rank}", base / "merged"
             dist.barrier()
             t0 = time.perf_counter()
-            pending = ckpt.start_save(mine, rank, model, optimizer, state, {"row_group": 0}, CPU,
+            pending = ckpt.start_save(mine, rank, model, optimizer, state, CPU,
                                       background if asynchronous else None)
             held.append(time.perf_counter() - t0)
             ckpt.finish_save(pending, CPU)

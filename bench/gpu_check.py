@@ -59,6 +59,7 @@ from huginn_ray.train import checkpoint as ckpt  # noqa: E402
 from huginn_ray.train import loop  # noqa: E402
 from huginn_ray.train.config import TrainConfig  # noqa: E402
 from huginn_ray.train.memory import GIB, plan_memory  # noqa: E402
+from huginn_ray.train.run_plan import RunPlan  # noqa: E402
 
 NEBEL_WIDTH = dict(n_embd=5280, num_attention_heads=55, intermediate_size=17920, vocab_size=65536,
                    padding_multiple=4096, mean_recurrence=8, mean_backprop_depth=4, activation_checkpointing=True)
@@ -233,7 +234,8 @@ def memory_check(setup: Setup, root: Path) -> dict:
     before = allocated(device)
     c = loop.build_components(cfg, run_plan, 0, device)
     built = allocated(device)
-    inputs, labels = (t.to(device) for t in c.reader.next_step()[0])
+    batch = c.reader.next_step()[0]
+    inputs, labels = batch.inputs.to(device), batch.labels.to(device)
     k = config.mean_backprop_depth
     with c.autocast:
         loss = c.sync.module(inputs, labels=labels, num_steps=(1, k)).loss
@@ -298,11 +300,11 @@ def train_config(config: ModelConfig, seq_len: int, micro_batch_size: int, setup
     })
 
 
-def train_plan(cfg: TrainConfig, config: ModelConfig, setup: Setup) -> dict:
-    """What preflight hands the workers, for this one-rank run."""
-    return {"grad_accum": 1, "schedule_steps": cfg.max_steps, "max_steps": cfg.max_steps,
-            "pad_id": config.vocab_size - 1, "eos_id": config.vocab_size - 2,
-            "precision": "bf16-mixed" if setup.on_gpu else "fp32", "model_config": config.to_hf_dict()}
+def train_plan(cfg: TrainConfig, config: ModelConfig, setup: Setup) -> RunPlan:
+    """What preflight hands the workers, for this one-rank run (one shard)."""
+    return RunPlan(global_batch_rows=cfg.micro_batch_size, num_streams=1, schedule_steps=cfg.max_steps,
+                   pad_id=config.vocab_size - 1, eos_id=config.vocab_size - 2,
+                   precision="bf16-mixed" if setup.on_gpu else "fp32", model_config=config.to_hf_dict())
 
 
 @contextmanager
@@ -312,7 +314,7 @@ def counting_host_reads(device: torch.device):
     names = ("item", "__bool__", "__float__", "__int__", "tolist")
     originals = {name: getattr(torch.Tensor, name) for name in names}
     counts = {"sites": collections.Counter(), "device": 0}
-    project = ("loop.py", "model.py", "optim.py", "grad_sync.py", "sharding.py", "shard_reader.py")
+    project = ("loop.py", "model.py", "optim.py", "grad_sync.py", "parallel.py", "shard_reader.py")
 
     def counting(name):
         def read(self, *args, **kwargs):
@@ -334,18 +336,20 @@ def counting_host_reads(device: torch.device):
             setattr(torch.Tensor, name, original)
 
 
-def save_and_resume(c: loop.Components, step: int, cfg: TrainConfig, plan: dict, device: torch.device,
+def save_and_resume(c: loop.Components, step: int, cfg: TrainConfig, plan: RunPlan, device: torch.device,
                     run_dir: Path) -> loop.Components:
     """Save `c` after `step` into `run_dir` with the project's checkpoint functions and resume from it, as a
-    rerun of the job does, into newly built components (model, optimizer, reader and RNG states). The one place
-    this check touches the checkpoint API."""
-    tokens = step * cfg.micro_batch_size * plan["grad_accum"] * cfg.block_size
+    rerun of the job does, into newly built components (model, optimizer, data position). The one place this
+    check touches the checkpoint API."""
+    rows = step * c.order.rows_per_stream_per_step
     ckpt.write(run_dir / f"checkpoint_{step:06d}", 0, c.model, c.optimizer,
-               ckpt.TrainerState(step=step, tokens=tokens, world_size=1), c.reader.state_dict(), device)
+               ckpt.TrainerState(step=step, tokens=step * plan.global_batch_rows * cfg.block_size, world_size=1,
+                                 num_streams=1, global_batch_rows=plan.global_batch_rows, rows_per_stream=rows),
+               device)
     resumed = loop.build_components(cfg, plan, 0, device)
-    found = ckpt.resume(None, run_dir, 0, 1, resumed.model, resumed.optimizer, device)
+    found = ckpt.resume(None, run_dir, 0, resumed.model, resumed.optimizer, device)
     assert found is not None and found.state.step == step, found
-    resumed.reader.load_state_dict(found.reader_state)
+    resumed.reader.seek(found.state.rows_per_stream)
     resumed.resumed = True
     return resumed
 

@@ -60,10 +60,11 @@ def main() -> None:
                 shutil.copyfile(template, shard_path(data_dir, split, rank))
             print(f"{split}: {args.files} shards of {count} rows, {-(-count // args.row_group_size)} row groups, "
                   f"{template.stat().st_size} bytes, footer {footer} bytes", flush=True)
-        manifest = {"seq_len": args.seq_len, "token_dtype": "uint16", "vocab_size": VOCAB, "rows_per_shard": rows}
+        manifest = {"seq_len": args.seq_len, "token_dtype": "uint16", "vocab_size": VOCAB, "num_shards": args.files,
+                    "rows_per_shard": rows}
         print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}", flush=True)
         for threads in (int(t) for t in args.threads.split(",")):
-            summary = check_shards(data_dir, manifest, args.files, VOCAB, threads=threads)
+            summary = check_shards(data_dir, manifest, VOCAB, threads=threads)
             print(f"threads {summary.threads:3d}: {summary.files} files in {summary.seconds:.2f} s = "
                   f"{summary.files / summary.seconds:,.0f} files/s", flush=True)
 

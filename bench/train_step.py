@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,7 @@ from huginn_ray.model import ModelConfig
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.data.shards import shard_path
 from huginn_ray.train.loop import build_components, train_step
+from huginn_ray.train.run_plan import RunPlan
 
 
 def make_shards(root: Path, workers: int, rows: int, seq_len: int, vocab: int) -> None:
@@ -57,12 +59,13 @@ def timed_steps(spec: dict) -> None:
     rank = dist.get_rank()
     # the same device on both launchers: the worker's GPU (Ray Train and torchrun both set it) or the CPU
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.scaling.use_gpu else torch.device("cpu")
-    components = build_components(cfg, spec["plan"], rank, device)
+    plan = RunPlan(**spec["plan"])
+    components = build_components(cfg, plan, rank, device)
     times = []
     for step in range(1, spec["warmup"] + spec["steps"] + 1):
         dist.barrier()
         t0 = time.perf_counter()
-        train_step(components, step, cfg, spec["plan"], device)
+        train_step(components, step, cfg, plan, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if step > spec["warmup"]:
@@ -122,7 +125,8 @@ def count_host_syncs(spec: dict) -> None:
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     device = torch.device("cpu")
-    components = build_components(cfg, spec["plan"], 0, device)
+    plan = RunPlan(**spec["plan"])
+    components = build_components(cfg, plan, 0, device)
     sites: collections.Counter = collections.Counter()
     counting = False
     originals = {name: getattr(torch.Tensor, name) for name in ("item", "__bool__", "__float__", "__int__", "tolist")}
@@ -140,17 +144,17 @@ def count_host_syncs(spec: dict) -> None:
     for name in originals:
         setattr(torch.Tensor, name, patched(name))
     try:
-        train_step(components, 1, cfg, spec["plan"], device)  # the first step (state init) is not counted
+        train_step(components, 1, cfg, plan, device)  # the first step (state init) is not counted
         counting = True
         for step in range(2, spec["steps"] + 2):
-            train_step(components, step, cfg, spec["plan"], device, want_telemetry=False)
+            train_step(components, step, cfg, plan, device, want_telemetry=False)
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
         dist.destroy_process_group()
     steps = spec["steps"]
     print(f"host reads of tensor values per training step (mean of {steps} steps, grad_accum "
-          f"{spec['plan']['grad_accum']}): {sum(sites.values()) / steps:.1f}")
+          f"{components.order.grad_accum}): {sum(sites.values()) / steps:.1f}")
     for site, count in sites.most_common():
         print(f"  {count / steps:6.1f}  {site}")
 
@@ -185,10 +189,13 @@ def main() -> None:
     cfg.scaling.use_gpu = use_gpu
     cfg.data.data_dir = str(root / "data")
     cfg.cpu_threads = 1
-    plan = {"grad_accum": args.grad_accum if args.count_syncs else 1, "schedule_steps": 10**6, "pad_id": model_cfg.vocab_size - 1,
-            "eos_id": model_cfg.vocab_size - 2, "precision": "bf16-mixed" if use_gpu else "fp32",
-            "model_config": model_cfg.to_hf_dict()}
-    spec = {"cfg": to_dict(cfg), "plan": plan, "steps": args.steps, "warmup": args.warmup,
+    # --count-syncs: one rank, one shard, grad_accum micro-batches; else one shard per worker, no accumulation
+    streams = 1 if args.count_syncs else args.workers
+    plan = RunPlan(global_batch_rows=args.micro_batch * (args.grad_accum if args.count_syncs else args.workers),
+                   num_streams=streams, schedule_steps=10**6, pad_id=model_cfg.vocab_size - 1,
+                   eos_id=model_cfg.vocab_size - 2, precision="bf16-mixed" if use_gpu else "fp32",
+                   model_config=model_cfg.to_hf_dict())
+    spec = {"cfg": to_dict(cfg), "plan": asdict(plan), "steps": args.steps, "warmup": args.warmup,
             "result": str(root / "times.json"), "storage": str(root / "ray")}
     if args.count_syncs:
         make_shards(root / "data", 1, rows * args.grad_accum + args.micro_batch, args.seq_len, model_cfg.vocab_size)

@@ -87,9 +87,10 @@ def _run(cfg, verbose: bool) -> int:
                   f"run fails (--verbose shows them here)", flush=True)
     stop_file(cfg).unlink(missing_ok=True)  # left by an earlier attempt that this rerun resumes
     signal.signal(signal.SIGTERM, lambda signum, frame: request_stop(cfg))
-    print(f"[huginn] training {cfg.run_name}: {plan['max_steps']} steps, {cfg.scaling.num_workers} workers, "
-          f"model {plan['model_config']['name']}"
-          f"{' from ' + plan['init_from']['path'] if plan['init_from'] else ''}, {plan['precision']}{', compiled blocks' if cfg.compile else ''}", flush=True)
+    print(f"[huginn] training {cfg.run_name}: {plan.schedule_steps} steps of {plan.global_batch_rows} rows, "
+          f"{cfg.scaling.num_workers} workers, model {plan.model_config['name']}"
+          f"{' from ' + plan.init_from['path'] if plan.init_from else ''}, {plan.precision}"
+          f"{', compiled blocks' if cfg.compile else ''}", flush=True)
     outcome = None
     try:
         outcome = run_training(cfg, plan, ray_train_log_level="INFO" if verbose else "ERROR")

@@ -32,15 +32,15 @@ def flags_agreed(rank, world_size):
     plan = plan_for(cfg)
     c = loop.build_components(cfg, plan, rank, torch.device("cpu"))
     if rank == 1:  # rank 1's 4th read fails: step 4's rows, read ahead while step 3 runs
-        read, reads = c.reader.reader.next_rows, []
+        read, reads = c.reader.reader.next_micro_batch, []
 
-        def breaks_at_the_fourth_read(count):
-            reads.append(count)
+        def breaks_at_the_fourth_read():
+            reads.append(1)
             if len(reads) == 4:
                 raise OSError("Unexpected end of stream: page was 12 bytes, expected 4096")
-            return read(count)
-        c.reader.reader.next_rows = breaks_at_the_fourth_read
-        c.reader.reader.path = "/data/train/00001.parquet"
+            return read()
+        c.reader.reader.next_micro_batch = breaks_at_the_fourth_read
+        c.reader.reader.streams[1].path = "/data/train/00001.parquet"
     cpu = torch.device("cpu")
     report = {
         "request": loop.train_step(c, 1, cfg, plan, cpu, stop_here=rank == 1).stop_reason,
@@ -139,5 +139,7 @@ def test_a_training_step_reads_the_device_once():
         dist.destroy_process_group()
     project = {site: n for site, n in sites.items() if site.split(":")[0] in (
         "loop.py", "model.py", "optim.py", "grad_sync.py", "parallel.py")}
-    # 3 steps of 2 micro-batches: one agreed-vector read per step, one CPU depth draw per micro-batch
-    assert project == {"loop.py:train_step:tolist": 3, "model.py:sample_recurrence:item": 6}, sites
+    # 3 steps of 2 micro-batches: one agreed-vector read per step; per micro-batch one CPU depth draw and one read
+    # of the row keys (a host tensor from the reader) that seed the rows' noise generators
+    assert project == {"loop.py:train_step:tolist": 3, "model.py:sample_recurrence:item": 6,
+                       "model.py:keyed_initial_state:tolist": 6}, sites

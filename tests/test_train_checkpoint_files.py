@@ -1,5 +1,5 @@
-"""A truncated or foreign DCP state file or rank file gives an error naming the file or the state directory, not a
-raw torch error; resume passes over incomplete or unloadable checkpoints to the newest one that loads on every
+"""A truncated or foreign DCP state file or trainer state gives an error naming the file or the state directory, not
+a raw torch error; a checkpoint continues only its own data order; resume passes over incomplete or unloadable checkpoints to the newest one that loads on every
 rank; replicated tensors are written once, spread over the ranks."""
 
 import json
@@ -34,21 +34,22 @@ def saved(tmp_path) -> Path:
     torch.manual_seed(0)
     model(torch.randint(0, 64, (1, 8)), labels=torch.randint(0, 64, (1, 8)), num_steps=(1, 1)).loss.backward()
     optimizer.step()
-    ckpt.write(tmp_path, 0, model, optimizer, ckpt.TrainerState(step=3, world_size=1), {"taken": 5}, CPU)
+    ckpt.write(tmp_path, 0, model, optimizer, ckpt.TrainerState(step=3, world_size=1, num_streams=2,
+                                                                global_batch_rows=8, rows_per_stream=12), CPU)
     return tmp_path
 
 
 def read(directory, n_layers_in_recurrent_block=1):
     model, optimizer = components(n_layers_in_recurrent_block)
-    state = ckpt.read_trainer_state(directory, 1)
+    state = ckpt.read_trainer_state(directory)
     ckpt.read_tensors(directory, model, optimizer)
-    return state, ckpt.read_rank_file(directory, 0, CPU), model, optimizer
+    return state, model, optimizer
 
 
 def test_intact_checkpoint_reads_back_every_tensor_exactly(saved):
     model, _ = components()
-    state, reader, loaded, loaded_optimizer = read(saved)
-    assert state.step == 3 and reader == {"taken": 5}
+    state, loaded, loaded_optimizer = read(saved)
+    assert (state.step, state.num_streams, state.global_batch_rows, state.rows_per_stream) == (3, 2, 8, 12)
     stepped, stepped_optimizer = components()  # what the fixture saved: the same seed, batch and step
     torch.manual_seed(0)
     stepped(torch.randint(0, 64, (1, 8)), labels=torch.randint(0, 64, (1, 8)), num_steps=(1, 1)).loss.backward()
@@ -64,7 +65,7 @@ def test_intact_checkpoint_reads_back_every_tensor_exactly(saved):
 
 @pytest.mark.parametrize("name, error", [
     ("state/__0_0.distcp", "state: cannot be loaded into this model and optimizer"),
-    ("rank_00000.pt", "rank_00000.pt: cannot be read, truncated")])
+    ("trainer_state.json", "trainer_state.json: cannot be read")])
 def test_truncated_file_is_named(saved, name, error):
     path = saved / name
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -72,16 +73,12 @@ def test_truncated_file_is_named(saved, name, error):
         read(saved)
 
 
-def test_foreign_rank_file_is_named(saved):
-    torch.save({"something": torch.zeros(2)}, saved / "rank_00000.pt")
-    with pytest.raises(ckpt.CheckpointError, match=rf"{saved / 'rank_00000.pt'}: not a file this code wrote"):
-        read(saved)
-
-
-def test_missing_rank_file_is_named(saved):
-    (saved / "rank_00000.pt").unlink()
-    with pytest.raises(ckpt.CheckpointError, match=rf"{saved / 'rank_00000.pt'}: missing"):
-        read(saved)
+def test_a_checkpoint_continues_only_its_own_data_order(saved):
+    state = ckpt.read_trainer_state(saved)
+    ckpt.check_data_position(state, saved, 2, 8)
+    with pytest.raises(ValueError, match=rf"^checkpoint {saved} was written with 2 train shards and a global batch "
+                                         r"of 8 rows, this run has 2 shards and 16 rows \(world_batch_size\)"):
+        ckpt.check_data_position(state, saved, 2, 16)
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_missing_tensor(saved):
@@ -98,14 +95,13 @@ WORLD = 2
 
 def save_run_checkpoint(run_dir: Path, step: int) -> Path:
     """A two-rank checkpoint as Ray Train leaves it (both ranks' files merged into one directory), with its
-    marker; the model's first parameter, reader state and trainer state say which step it is."""
+    marker; the model's first parameter, data position and trainer state say which step it is."""
     directory = run_dir / f"checkpoint_2026-11-23_11-00-{step:02d}.000000"
     model, optimizer = components()
     with torch.no_grad():
         next(model.parameters()).fill_(step)
-    state = ckpt.TrainerState(step=step, world_size=WORLD)
-    files = [ckpt.saved_files(ckpt.start_save(directory, rank, model, optimizer, state, {"taken": step, "rank": rank},
-                                              CPU)) for rank in range(WORLD)]
+    state = ckpt.TrainerState(step=step, world_size=WORLD, rows_per_stream=step)
+    files = [ckpt.saved_files(ckpt.start_save(directory, rank, model, optimizer, state, CPU)) for rank in range(WORLD)]
     ckpt.write_marker(directory, step, files)
     return directory
 
@@ -122,17 +118,16 @@ def checkpoint_of(run_dir: Path, step: int) -> Path:
     return run_dir / f"checkpoint_2026-11-23_11-00-{step:02d}.000000"
 
 
-def resume(run_dir: Path, registered_step: int | None = 12, rank: int = 0):
+def resume(run_dir: Path, registered_step: int | None = 12):
     model, optimizer = components()
     messages = []
     registered = checkpoint_of(run_dir, registered_step) if registered_step is not None else None
-    resumed = ckpt.resume(registered, run_dir, rank, WORLD, model, optimizer, CPU, log=messages.append)
+    resumed = ckpt.resume(registered, run_dir, 0, model, optimizer, CPU, log=messages.append)
     return resumed, model, messages
 
 
-def assert_resumed_at(resumed, model, step: int, rank: int = 0):
-    assert resumed.state.step == step and resumed.state.world_size == WORLD
-    assert resumed.reader_state == {"taken": step, "rank": rank}
+def assert_resumed_at(resumed, model, step: int):
+    assert resumed.state.step == resumed.state.rows_per_stream == step and resumed.state.world_size == WORLD
     assert resumed.directory == checkpoint_of(resumed.directory.parent, step)
     assert torch.equal(next(model.parameters()), torch.full_like(next(model.parameters()), step))
 
@@ -143,11 +138,6 @@ def test_resume_takes_the_registered_checkpoint_when_it_is_complete(run_dir):
     assert messages == [f"[huginn] resumed from {checkpoint_of(run_dir, 12)} at step 12"]
 
 
-def test_every_rank_reads_its_own_rank_file(run_dir):
-    resumed, model, _ = resume(run_dir, rank=1)
-    assert_resumed_at(resumed, model, 12, rank=1)
-
-
 def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
@@ -156,9 +146,9 @@ BROKEN = {
     "truncated state/__0_0.distcp": (
         lambda d: truncate(d / "state/__0_0.distcp"),
         r"state/__0_0.distcp has \d+ bytes, checkpoint_complete.json lists \d+: truncated"),
-    "missing rank_00001.pt": (
-        lambda d: (d / "rank_00001.pt").unlink(),
-        r"rank_00001.pt is missing \(checkpoint_complete.json lists it with \d+ bytes\)"),
+    "missing state/.metadata": (
+        lambda d: (d / "state/.metadata").unlink(),
+        r"state/.metadata is missing \(checkpoint_complete.json lists it with \d+ bytes\)"),
     "no marker (half-written)": (
         lambda d: (d / "checkpoint_complete.json").unlink(),
         r"no checkpoint_complete.json: the save did not finish"),
@@ -185,7 +175,7 @@ def test_a_broken_newest_checkpoint_is_skipped_for_the_previous_one(run_dir, cas
 
 
 def test_two_broken_checkpoints_fall_back_two_steps_and_newer_unregistered_saves_are_ignored(run_dir):
-    (checkpoint_of(run_dir, 12) / "rank_00001.pt").unlink()
+    (checkpoint_of(run_dir, 12) / "state/.metadata").unlink()
     truncate(checkpoint_of(run_dir, 8) / "state/__0_0.distcp")
     save_run_checkpoint(run_dir, 16)  # complete, but Ray never registered it: not a candidate
     resumed, model, messages = resume(run_dir)
@@ -231,13 +221,13 @@ def test_the_marker_lists_every_file_of_every_rank_with_its_size(run_dir):
     on_disk = {str(p.relative_to(directory)): p.stat().st_size for p in directory.rglob("*")
                if p.is_file() and p.name != "checkpoint_complete.json"}
     assert listed == {"step": 12, "files": on_disk}
-    assert sorted(on_disk) == ["model/config.json", "rank_00000.pt", "rank_00001.pt", "state/.metadata",
-                               "state/__0_0.distcp", "trainer_state.json"]
+    assert sorted(on_disk) == ["model/config.json", "state/.metadata", "state/__0_0.distcp", "trainer_state.json"]
 
 
 def two_gloo_ranks(rank: int, port: int, run_dir: str) -> None:
     """Both ranks save steps 8 and 12 with the real collective (the marker gathers rank 1's file list), then
-    rank 1's own file of step 12 is unreadable at its listed size: only rank 1 fails to load it."""
+    rank 1 does not see rank 1's tensor file of step 12 (a stand-in for a shared file system that shows one node
+    a file later than another): only rank 1 finds that checkpoint incomplete."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=30))
     torch.set_num_threads(1)
@@ -246,18 +236,18 @@ def two_gloo_ranks(rank: int, port: int, run_dir: str) -> None:
         model, optimizer = components()
         with torch.no_grad():
             next(model.parameters()).fill_(step)
-        ckpt.write(checkpoint_of(run_dir, step), rank, model, optimizer, ckpt.TrainerState(step=step, world_size=WORLD),
-                   {"taken": step, "rank": rank}, CPU)
+        ckpt.write(checkpoint_of(run_dir, step), rank, model, optimizer,
+                   ckpt.TrainerState(step=step, world_size=WORLD, rows_per_stream=step), CPU)
     dist.barrier()
     if rank == 1:
-        broken = checkpoint_of(run_dir, 12) / "rank_00001.pt"
-        broken.write_bytes(bytes(broken.stat().st_size))
-    dist.barrier()
+        sees_everything = ckpt.incomplete
+        ckpt.incomplete = lambda d: ("state/__1_0.distcp is missing (checkpoint_complete.json lists it)"
+                                     if d == checkpoint_of(run_dir, 12) else sees_everything(d))
     model, optimizer = components()
     messages = []
-    resumed = ckpt.resume(checkpoint_of(run_dir, 12), run_dir, rank, WORLD, model, optimizer, CPU, log=messages.append)
+    resumed = ckpt.resume(checkpoint_of(run_dir, 12), run_dir, rank, model, optimizer, CPU, log=messages.append)
     (run_dir / f"result_{rank}.json").write_text(json.dumps(
-        {"step": resumed.state.step, "reader": resumed.reader_state, "directory": str(resumed.directory),
+        {"step": resumed.state.step, "rows": resumed.state.rows_per_stream, "directory": str(resumed.directory),
          "first_param": next(model.parameters()).flatten()[0].item(), "messages": messages}))
     dist.destroy_process_group()
 
@@ -269,21 +259,22 @@ def test_ranks_agree_to_skip_a_checkpoint_that_only_one_rank_cannot_load(tmp_pat
     mp.start_processes(two_gloo_ranks, args=(port, str(tmp_path)), nprocs=WORLD, start_method="spawn", join=True)
     results = [json.loads((tmp_path / f"result_{rank}.json").read_text()) for rank in range(WORLD)]
     files = json.loads((checkpoint_of(tmp_path, 12) / "checkpoint_complete.json").read_text())["files"]
-    assert files.keys() >= {"rank_00000.pt", "rank_00001.pt", "state/.metadata", "model/config.json"}
+    assert files.keys() == {"state/__0_0.distcp", "state/__1_0.distcp", "state/.metadata", "model/config.json",
+                            "trainer_state.json"}
     # the model is replicated on both ranks: each tensor is written once, and both ranks write a share of them
     model, optimizer = components()  # the same state saved by one process alone, for the byte count
     with torch.no_grad():
         next(model.parameters()).fill_(12)
-    ckpt.write(tmp_path / "one_rank", 0, model, optimizer, ckpt.TrainerState(step=12, world_size=1), {}, CPU)
+    ckpt.write(tmp_path / "one_rank", 0, model, optimizer, ckpt.TrainerState(step=12, world_size=1), CPU)
     one_rank = (tmp_path / "one_rank" / "state" / "__0_0.distcp").stat().st_size
     shares = [files["state/__0_0.distcp"], files["state/__1_0.distcp"]]
     assert min(shares) > 0.2 * one_rank and abs(sum(shares) - one_rank) < 0.05 * one_rank, (shares, one_rank)
     for rank, result in enumerate(results):
         assert result["step"] == 8 and result["first_param"] == 8.0
-        assert result["reader"] == {"taken": 8, "rank": rank} and result["directory"] == str(checkpoint_of(tmp_path, 8))
+        assert result["rows"] == 8 and result["directory"] == str(checkpoint_of(tmp_path, 8))
     skipped, used = results[0]["messages"]
-    assert skipped.startswith(f"[huginn] skipping checkpoint {checkpoint_of(tmp_path, 12)} (rank 1: "
-                              f"{checkpoint_of(tmp_path, 12) / 'rank_00001.pt'}: cannot be read, truncated")
+    assert skipped == (f"[huginn] skipping checkpoint {checkpoint_of(tmp_path, 12)} (rank 1: state/__1_0.distcp is "
+                       "missing (checkpoint_complete.json lists it))")
     assert used == f"[huginn] resumed from {checkpoint_of(tmp_path, 8)} at step 8"
     assert results[1]["messages"] == []  # rank 0 speaks for all
 
@@ -298,7 +289,7 @@ def async_two_ranks(rank: int, port: int, run_dir: str) -> None:
     model, optimizer = components()
     saved = {key: value.clone() for key, value in model.state_dict().items()}
     state = ckpt.TrainerState(step=3, world_size=WORLD)
-    pending = ckpt.start_save(run_dir / "good", rank, model, optimizer, state, {"taken": 3}, CPU, background)
+    pending = ckpt.start_save(run_dir / "good", rank, model, optimizer, state, CPU, background)
     with torch.no_grad():  # the next steps change the weights while the save is written
         for p in model.parameters():
             p.add_(1.0)
@@ -309,7 +300,7 @@ def async_two_ranks(rank: int, port: int, run_dir: str) -> None:
     if rank == 0:  # a directory where rank 0's tensor file must go: its write fails inside DCP
         (run_dir / "bad" / "state" / "__0_0.distcp").mkdir(parents=True)
     dist.barrier()
-    failed = ckpt.finish_save(ckpt.start_save(run_dir / "bad", rank, model, optimizer, state, {}, CPU, background), CPU)
+    failed = ckpt.finish_save(ckpt.start_save(run_dir / "bad", rank, model, optimizer, state, CPU, background), CPU)
     (run_dir / f"async_{rank}.json").write_text(json.dumps({"complete": complete, "equal": equal, "failed": failed}))
     dist.destroy_process_group()
 
@@ -336,7 +327,7 @@ def test_a_save_before_the_first_step_leaves_the_optimizer_as_it_was(tmp_path, n
     model = RecurrentGPT(ModelConfig.from_name("raven-tiny", vocab_size=64))
     optimizer = build_optimizer(model, OptimConfig(name=name))
     before = {key: value.clone() for key, value in model.state_dict().items()}
-    ckpt.write(tmp_path, 0, model, optimizer, ckpt.TrainerState(step=1, world_size=1), {}, CPU)
+    ckpt.write(tmp_path, 0, model, optimizer, ckpt.TrainerState(step=1, world_size=1), CPU)
     assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
     for state in optimizer.state.values():
         assert int(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()

@@ -1,4 +1,6 @@
-"""Per-rank shard reading: shuffle per row group with Random(seed + rank), pop from the end, exact resume, collate.
+"""The data order and the training reader: every shard a stream shuffled per row group with Random(seed + stream),
+popped from the end; a rank's slices of every micro-batch (huginn_ray.train.data_order); seek for an exact resume on
+any allowed worker count; collate with and without a loss mask.
 
 `make_dataset` (also used by the Ray tests) writes shards in the layout of the data contract and a real
 Hugging Face tokenizer.json with the Huginn special tokens.
@@ -20,7 +22,8 @@ from tokenizers.models import WordLevel
 
 from huginn_ray.data.tokenizer import SPECIAL_TOKENS, file_sha256
 from huginn_ray.data.shards import shard_path
-from huginn_ray.train.shard_reader import ShardReader, collate, validation_rows
+from huginn_ray.train.data_order import DataOrder, DataOrderError, StreamSlice, allowed_worker_counts
+from huginn_ray.train.shard_reader import RankReader, Rows, ShardReader, collate, validation_rows
 
 DATA_TOKENS = 32  # ids 0..31 carry data, 32..63 are the special tokens
 
@@ -81,11 +84,11 @@ def shard(tmp_path):
 
 
 def first_ids(reader, count):
-    return [int(reader.next_row()[0]) // 5 for _ in range(count)]
+    return [int(row[0]) // 5 for row in reader.next_rows(count).ids] if count else []
 
 
 def test_rows_are_shuffled_per_row_group_and_popped_from_the_end(shard):
-    reader = ShardReader(shard, seed=233 + 1, row_length=5)
+    reader = ShardReader(shard, stream=1, seed=233, row_length=5)
     got = first_ids(reader, 50)
     rng = random.Random(233 + 1)
     expected = []
@@ -96,37 +99,112 @@ def test_rows_are_shuffled_per_row_group_and_popped_from_the_end(shard):
     assert got == expected
     assert sorted(got) == list(range(50))
     with pytest.raises(StopIteration):
-        reader.next_row()
+        reader.next_rows(1)
 
 
-@pytest.mark.parametrize("stop_after", [0, 3, 8, 13, 49])
-def test_resumed_reader_reads_exactly_the_remaining_rows(shard, stop_after):
-    uninterrupted = first_ids(ShardReader(shard, seed=7, row_length=5), 50)
-    first = ShardReader(shard, seed=7, row_length=5)
-    head = first_ids(first, stop_after)
-    state = json.loads(json.dumps(first.state_dict()))  # survives a text round trip
-    resumed = ShardReader(shard, seed=7, row_length=5)
-    resumed.load_state_dict(state)
-    assert head + first_ids(resumed, 50 - stop_after) == uninterrupted
+def test_row_keys_are_the_stream_and_the_row_index_in_the_file(shard):
+    rows = ShardReader(shard, stream=3, seed=0, row_length=5).next_rows(20)
+    assert rows.keys.tolist() == [3 * 2**32 + int(first) // 5 for first in rows.ids[:, 0]]
+    assert rows.loss_mask is None
 
 
-def test_reader_refuses_state_of_another_shard(shard, tmp_path):
-    other = tmp_path / "00001.parquet"
-    write_shard(other, np.zeros((10, 5), dtype=np.int32), row_group_size=4)
-    state = ShardReader(other, seed=1, row_length=5).state_dict()
-    with pytest.raises(ValueError, match="00001.parquet"):
-        ShardReader(shard, seed=1, row_length=5).load_state_dict(state)
+@pytest.mark.parametrize("position", [0, 3, 8, 13, 49, 50])
+def test_seek_stands_where_an_uninterrupted_read_stands(shard, position):
+    uninterrupted = first_ids(ShardReader(shard, stream=2, seed=7, row_length=5), 50)
+    resumed = ShardReader(shard, stream=2, seed=7, row_length=5)
+    resumed.next_rows(5)  # a seek forgets what was read before
+    resumed.seek(position)
+    assert resumed.position == position
+    assert first_ids(resumed, 50 - position) == uninterrupted[position:]
+
+
+def test_seek_past_the_shard_names_it(shard):
+    with pytest.raises(ValueError, match=r"00000.parquet: cannot resume at row 51, the shard holds 50 rows"):
+        ShardReader(shard, stream=0, seed=1, row_length=5).seek(51)
 
 
 def test_reader_refuses_rows_of_the_wrong_length(shard):
     with pytest.raises(ValueError, match="expected 6"):
-        ShardReader(shard, seed=1, row_length=6).next_row()
+        ShardReader(shard, stream=0, seed=1, row_length=6).next_rows(1)
+
+
+# ---- the data order ---------------------------------------------------------------------------------------------
+
+def test_rank_slices_of_the_data_order():
+    # one stream per rank (the Huginn layout): rank k reads stream k alone
+    assert DataOrder(4, 8, 2, 4).slices(1) == [StreamSlice(1, 0, 2)]
+    # fewer ranks than streams: whole streams
+    assert DataOrder(4, 8, 4, 2).slices(1) == [StreamSlice(2, 0, 2), StreamSlice(3, 0, 2)]
+    # more ranks than streams: two ranks share a stream's rows of a micro-batch
+    assert DataOrder(2, 8, 1, 4).slices(3) == [StreamSlice(1, 1, 2)]
+    # a rank's rows across a stream boundary: 4 streams x r = 3 rows per micro-batch, ranks of 4 rows
+    order = DataOrder(4, 12, 4, 3)
+    assert order.rows_per_stream_per_micro_batch == 3 and order.grad_accum == 1
+    assert order.slices(1) == [StreamSlice(1, 1, 3), StreamSlice(2, 0, 2)]
+
+
+def test_a_worker_count_the_rule_forbids_is_refused_naming_the_allowed_ones():
+    assert allowed_worker_counts(4, 8, 2, up_to=16) == [2, 4]
+    assert DataOrder(4, 8, 2, 2).check().grad_accum == 2
+    with pytest.raises(DataOrderError, match=r"^3 workers x micro_batch_size 2 = 6 rows per micro-batch cannot serve "
+                                             r"the data order of 4 shards and a global batch of 8 rows: .* \(8 % 6 = "
+                                             r"2\) .* \(6 % 4 = 2\); with micro_batch_size 2 the allowed worker "
+                                             r"counts are \[2, 4\]"):
+        DataOrder(4, 8, 2, 3).check()
+    with pytest.raises(DataOrderError, match=r"\(8 % 1 = 0\) .* \(1 % 4 = 1\)"):
+        DataOrder(4, 8, 1, 1).check()  # one row per micro-batch cannot take a row of every shard
+
+
+def stream_dir(tmp_path, num_streams=4, rows=48):
+    """Shards whose row i of shard s is [1000 s + i, ...]: identity by first id."""
+    for s in range(num_streams):
+        ids = (1000 * s + np.arange(rows, dtype=np.int32))[:, None] + np.zeros((1, 5), dtype=np.int32)
+        write_shard(shard_path(tmp_path, "train", s), ids, row_group_size=7)
+    return tmp_path
+
+
+def global_micro_batches(data_dir, order: DataOrder, steps: int) -> list[list[list[int]]]:
+    """Per step, per micro-batch: the rows of every rank's micro-batch, concatenated in rank order."""
+    readers = [RankReader(order, rank, lambda s: ShardReader(shard_path(data_dir, "train", s), s, 5, 5))
+               for rank in range(order.world_size)]
+    return [[[int(row[0]) for rank in readers for row in rank.next_micro_batch().ids]
+             for _ in range(order.grad_accum)] for _ in range(steps)]
+
+
+def test_the_rows_of_every_step_do_not_depend_on_the_worker_count(tmp_path):
+    data_dir = stream_dir(tmp_path)
+    reference = global_micro_batches(data_dir, DataOrder(4, 8, 1, 4), 5)  # 4 ranks, GA 2
+    assert {row // 1000 for row in reference[0][0]} == {0, 1, 2, 3}  # every stream in every micro-batch
+    for world_size, micro in ((2, 2), (1, 4), (8, 1)):
+        order = DataOrder(4, 8 if world_size < 8 else 16, micro, world_size)
+        if world_size == 8:  # 16 rows per step: GA 2 of 8 ranks; compare with 4 ranks at the same global batch
+            assert global_micro_batches(data_dir, order, 5) == global_micro_batches(data_dir, DataOrder(4, 16, 2, 4), 5)
+            continue
+        assert global_micro_batches(data_dir, order, 5) == reference, world_size
+    # another accumulation (GA 1, micro-batches of 4 x 2 rows): the same rows per step, grouped otherwise
+    regrouped = global_micro_batches(data_dir, DataOrder(4, 8, 2, 4), 5)
+    assert [sorted(sum(step, [])) for step in regrouped] == [sorted(sum(step, [])) for step in reference]
+    assert regrouped[0] != [sum(reference[0], [])]
+
+
+def test_a_rank_reader_resumes_on_another_worker_count(tmp_path):
+    data_dir = stream_dir(tmp_path)
+    uninterrupted = global_micro_batches(data_dir, DataOrder(4, 8, 1, 4), 6)
+    order = DataOrder(4, 8, 2, 2)
+    readers = [RankReader(order, rank, lambda s: ShardReader(shard_path(data_dir, "train", s), s, 5, 5))
+               for rank in range(2)]
+    for reader in readers:
+        reader.seek(3 * order.rows_per_stream_per_step)  # after step 3
+    resumed = [[[int(row[0]) for rank in readers for row in rank.next_micro_batch().ids] for _ in range(2)]
+               for _ in range(3)]
+    assert resumed == uninterrupted[3:]
 
 
 def test_collate_shifts_and_replaces_pad_by_eos_in_inputs_only():
     rows = np.array([[1, 2, 9, 3, 9], [4, 9, 5, 6, 7]], dtype=np.int32)
-    inputs, labels = collate(rows, pad_id=9, eos_id=8)
-    assert inputs.dtype == labels.dtype == torch.int64
+    batch = collate(Rows(rows, None, np.array([5, 6])), pad_id=9, eos_id=8)
+    inputs, labels = batch.inputs, batch.labels
+    assert inputs.dtype == labels.dtype == torch.int64 and batch.keys.tolist() == [5, 6]
     assert inputs.tolist() == [[1, 2, 8, 3], [4, 8, 5, 6]]
     assert labels.tolist() == [[2, 9, 3, 9], [9, 5, 6, 7]]
 
@@ -134,17 +212,37 @@ def test_collate_shifts_and_replaces_pad_by_eos_in_inputs_only():
 def test_collate_checks_labels_too_and_replaces_pad_in_inputs_only_with_high_special_ids():
     """Special ids >= 32 (pad 40, eos 33, vocabulary 64); the last id of a row is a label and never an input."""
     rows = np.array([[1, 40, 2, 50, 40], [40, 33, 63, 3, 4]], dtype=np.int32)
-    inputs, labels = collate(rows, pad_id=40, eos_id=33, vocab_size=64)
+    batch = collate(Rows(rows, None, np.zeros(2)), pad_id=40, eos_id=33, vocab_size=64)
+    inputs, labels = batch.inputs, batch.labels
     assert inputs.tolist() == [[1, 33, 2, 50], [33, 33, 63, 3]]
     assert labels.tolist() == [[40, 2, 50, 40], [33, 63, 3, 4]]
     rows[1, 4] = 64  # only ever a label
     with pytest.raises(ValueError, match=r"^token id 64 at \(row 1, position 4\) of the batch is outside the "
                                          r"model's vocabulary \[0, 64\)"):
-        collate(rows, pad_id=40, eos_id=33, vocab_size=64)
+        collate(Rows(rows, None, np.zeros(2)), pad_id=40, eos_id=33, vocab_size=64)
 
 
-def test_validation_rows_are_the_first_rows_of_the_rank_s_val_shard(tmp_path):
+def test_a_loss_mask_column_is_read_and_unsupervised_labels_become_the_ignored_pad_id(tmp_path):
+    ids = np.arange(12, dtype=np.int32).reshape(2, 6)
+    mask = np.array([[0, 0, 1, 1, 0, 1], [1, 1, 0, 0, 0, 0]], dtype=np.uint8)
+    path = tmp_path / "00000.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array(list(ids), type=pa.list_(pa.int32())),
+                             "loss_mask": pa.array(list(mask), type=pa.list_(pa.uint8()))}), path)
+    rows = ShardReader(path, stream=0, seed=0, row_length=6).next_rows(2)
+    order = np.argsort(rows.keys)
+    assert rows.loss_mask[order].tolist() == mask.tolist() and rows.ids[order].tolist() == ids.tolist()
+    batch = collate(rows[order], pad_id=40, eos_id=33)
+    # label j is token j + 1, a target where mask[j + 1] is 1
+    assert batch.labels.tolist() == [[40, 2, 3, 40, 5], [7, 40, 40, 40, 40]]
+    assert batch.inputs.tolist() == [[0, 1, 2, 3, 4], [6, 7, 8, 9, 10]]
+
+
+def test_validation_rows_are_the_first_rows_of_the_val_shards_sliced_like_training(tmp_path):
     data_dir, _ = make_dataset(tmp_path, num_shards=2, rows_per_shard=20, val_rows=40, row_group_size=16)
-    rows = validation_rows(data_dir, rank=1, count=20, row_length=33)
-    table = pq.read_table(shard_path(data_dir, "val", 1)).column("input_ids").to_pylist()
-    assert rows.tolist() == table[:20]
+    tables = [pq.read_table(shard_path(data_dir, "val", s)).column("input_ids").to_pylist() for s in (0, 1)]
+    rows = validation_rows(data_dir, DataOrder(2, 4, 2, 2), rank=1, eval_iters=10, row_length=33)
+    assert rows.ids.tolist() == tables[1][:20]  # one shard per rank: the first rows of its own
+    assert rows.keys.tolist() == [2**32 + i for i in range(20)]
+    # one rank, micro-batches of 2 rows from each shard: validation micro-batch e holds rows 2e, 2e + 1 of both
+    rows = validation_rows(data_dir, DataOrder(2, 4, 4, 1), rank=0, eval_iters=10, row_length=33)
+    assert rows.ids.tolist() == [row for e in range(10) for s in (0, 1) for row in tables[s][2 * e:2 * e + 2]]

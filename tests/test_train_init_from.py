@@ -10,6 +10,7 @@ tokenizer and missing weights by name.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -140,7 +141,7 @@ def test_missing_or_misshapen_weights_and_another_tokenizer_are_refused_before_r
 def one_step_runs(rank, world_size, directory: Path):
     """Replicate and hsdp 2 x 2 from the released layout, hsdp 2 x 2 from the replicate run's training checkpoint:
     one step at lr 0 each, then a checkpoint. Reports the loss and the bytes of parameters a rank holds."""
-    from test_train_parallel import MemoryReader
+    from test_train_parallel import MemoryReader, plan_for
 
     from huginn_ray.train import checkpoint as ckpt
     from huginn_ray.train import loop
@@ -156,13 +157,12 @@ def one_step_runs(rank, world_size, directory: Path):
         cfg = config(f"init_from={directory / source}", "optim.name=AdamW", "optim.lr=0", "skip_first_optimizer_step=false",
                      "micro_batch_size=2", "grad_sync.chunk_mib=0.05", f"scaling.num_workers={world_size}", *layout)
         model_cfg = init_from.model_config(cfg)
-        plan = {"grad_accum": 1, "schedule_steps": 1, "max_steps": 1, "pad_id": 0, "eos_id": 1, "precision": "fp32",
-                "model_config": model_cfg.to_hf_dict(), "init_from": describe_source(cfg.init_from, model_cfg)}
+        plan = dataclasses.replace(plan_for(cfg), model_config=model_cfg.to_hf_dict(),
+                                   init_from=describe_source(cfg.init_from, model_cfg))
         c = loop.build_components(cfg, plan, rank, cpu)
         result = loop.train_step(c, 1, cfg, plan, cpu)
         out = directory / f"{name}_checkpoint".replace(" ", "_")
-        ckpt.write(out, rank, c.model, c.optimizer, ckpt.TrainerState(step=1, world_size=world_size),
-                   c.reader.state_dict(), cpu)
+        ckpt.write(out, rank, c.model, c.optimizer, ckpt.TrainerState(step=1, world_size=world_size), cpu)
         report[name] = {"loss": result.loss, "grad_norm": result.grad_norm,
                         "param_bytes": sum(local(p).numel() * 4 for p in c.model.parameters())}
         if hasattr(c.sync, "remove_hooks"):

@@ -15,7 +15,7 @@ from huginn_ray.train.optim import trapezoid_lr
 from test_train_parallel import MemoryReader, plan_for, train_config
 
 
-def test_grad_accumulation_3_draws_depth_and_lr_per_micro_batch_step(monkeypatch):
+def test_grad_accumulation_3_draws_depth_per_micro_batch_step_and_lr_per_optimizer_step(monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -30,7 +30,7 @@ def test_grad_accumulation_3_draws_depth_and_lr_per_micro_batch_step(monkeypatch
             return sample_recurrence(step, mean, backprop)
 
         monkeypatch.setattr(loop, "sample_recurrence", recording_sampler)
-        cfg = train_config(["max_steps=4", "schedule.warmup_steps=6", "schedule.cooldown_steps=3",
+        cfg = train_config(["max_steps=4", "schedule.warmup_steps=2", "schedule.cooldown_steps=1",
                             "skip_first_optimizer_step=false"])
         plan = plan_for(cfg, grad_accum=3)
         c = loop.build_components(cfg, plan, 0, torch.device("cpu"))
@@ -40,7 +40,7 @@ def test_grad_accumulation_3_draws_depth_and_lr_per_micro_batch_step(monkeypatch
     assert drawn == list(range(1, 13))  # micro-batch steps 1..12, one depth each
     assert results[1].depths == [sample_recurrence(m, 4, 2) for m in (4, 5, 6)]
     assert len(set(d for r in results for d in r.depths)) > 1
-    # warmup over 6 micro-batch steps: optimizer step 1 ends at micro step 3 (half way), step 2 at 6 (peak);
-    # cooldown over the last 3 of 12 micro steps: step 3 ends at micro step 9 (peak), step 4 at 12 (min_lr)
+    # the schedule counts optimizer steps, whatever the accumulation: warmup over 2 (step 1 half way, step 2 at the
+    # peak), cooldown over the last 1 of 4 (step 4 at min_lr)
     assert [r.lr for r in results] == pytest.approx([1.5e-3, 3e-3, 3e-3, 3e-4], rel=1e-12)
-    assert [r.lr for r in results] == [trapezoid_lr(3 * s, 3e-3, 6, 3, 12, 3e-4) for s in range(1, 5)]
+    assert [r.lr for r in results] == [trapezoid_lr(s, 3e-3, 2, 1, 4, 3e-4) for s in range(1, 5)]

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from huginn_ray.train.shard_reader import Rows
+
 STEPS = 20
 HSDP = ["parallelism.mode=hsdp", "parallelism.shard_size=2"]
 VARIANTS = {
@@ -36,22 +38,25 @@ VARIANTS = {
 
 
 class MemoryReader:
-    """Stands in for the shard reader: rank-dependent random rows, the same on every run."""
+    """Stands in for a shard's reader (huginn_ray.train.shard_reader.ShardReader): stream-dependent random rows,
+    the same on every run, keyed like a shard's rows."""
 
-    def __init__(self, path, seed, row_length):
-        self.rng = np.random.default_rng(seed)
-        self.row_length = row_length
+    def __init__(self, path, stream, seed, row_length):
+        self.path, self.stream, self.seed, self.row_length = path, stream, seed, row_length
+        self.seek(0)
 
-    def state_dict(self):
-        return {"rng": self.rng.bit_generator.state}
-
-    def load_state_dict(self, state):
-        self.rng.bit_generator.state = state["rng"]
+    def seek(self, position):
+        self.rng = np.random.default_rng(self.seed + self.stream)
+        self.position = 0
+        if position:
+            self.next_rows(position)
 
     def next_rows(self, count):
         # counting sequences mod 62 from a random start: learnable, so the loss falls
         start = self.rng.integers(0, 62, size=(count, 1))
-        return 2 + (start + np.arange(self.row_length)) % 62
+        keys = self.stream * 2**32 + self.position + np.arange(count, dtype=np.int64)
+        self.position += count
+        return Rows(2 + (start + np.arange(self.row_length)) % 62, None, keys)
 
 
 def train_config(extra):
@@ -65,12 +70,16 @@ def train_config(extra):
     ])
 
 
-def plan_for(cfg, grad_accum=1):
+def plan_for(cfg, grad_accum=1, world_size=None):
+    """The run plan of `world_size` ranks (default: the process group's) reading one stream each."""
     from huginn_ray.model import ModelConfig
+    from huginn_ray.train.run_plan import RunPlan
 
+    world_size = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
     model_cfg = ModelConfig.from_name("raven-tiny", vocab_size=64, activation_checkpointing=True)
-    return {"grad_accum": grad_accum, "schedule_steps": cfg.max_steps, "max_steps": cfg.max_steps, "pad_id": 0,
-            "eos_id": 1, "precision": "fp32", "model_config": model_cfg.to_hf_dict()}
+    return RunPlan(global_batch_rows=cfg.micro_batch_size * world_size * grad_accum, num_streams=world_size,
+                   schedule_steps=cfg.max_steps, pad_id=0, eos_id=1, precision="fp32",
+                   model_config=model_cfg.to_hf_dict())
 
 
 def local_bytes(tensors) -> int:
@@ -124,9 +133,26 @@ def whole_state(c) -> dict:
     return state
 
 
+SAVED_AT, RESUMED_TO = 6, 12
+"""The resharding runs: 4 ranks save after step 6; every resume trains steps 7-12."""
+
+
+def recording_keys(c) -> list:
+    """The row keys of every micro-batch the loop trains on, step by step (wraps the components' reader)."""
+    steps, next_step = [], c.reader.next_step
+
+    def next_step_recorded():
+        batches = next_step()
+        steps.append([batch.keys.tolist() for batch in batches])
+        return batches
+
+    c.reader.next_step = next_step_recorded
+    return steps
+
+
 def reshard(rank, world_size, directory):
-    """Train 2 x 2 hsdp for 10 steps, save, go on to 20; then load that checkpoint as 2 x 2 again, as hsdp with
-    one shard group of 4 and as replicate, compare every tensor with the saved one, and train steps 11-20 again."""
+    """Train 2 x 2 hsdp for 6 steps, save, go on to 12; then load that checkpoint as 2 x 2 again, as hsdp with
+    one shard group of 4 and as replicate, compare every tensor with the saved one, and train steps 7-12 again."""
     from huginn_ray.train import checkpoint as ckpt
     from huginn_ray.train import loop
 
@@ -135,10 +161,12 @@ def reshard(rank, world_size, directory):
     cfg = train_config(VARIANTS["hsdp"])
     plan = plan_for(cfg)
     c = loop.build_components(cfg, plan, rank, cpu)
-    uninterrupted = [loop.train_step(c, step, cfg, plan, cpu).loss for step in range(1, 11)]
+    keys = recording_keys(c)
+    uninterrupted = [loop.train_step(c, step, cfg, plan, cpu).loss for step in range(1, SAVED_AT + 1)]
     saved = whole_state(c)
-    ckpt.write(directory, rank, c.model, c.optimizer, ckpt.TrainerState(step=10, world_size=world_size),
-               c.reader.state_dict(), cpu)
+    ckpt.write(directory, rank, c.model, c.optimizer,
+               ckpt.TrainerState(step=SAVED_AT, world_size=world_size, num_streams=plan.num_streams,
+                                 global_batch_rows=plan.global_batch_rows, rows_per_stream=c.reader.position), cpu)
     # the trained (sharded) model's logits, for the export test: a forward is collective under hsdp
     generator = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 64, (2, 12), generator=generator)
@@ -149,22 +177,51 @@ def reshard(rank, world_size, directory):
     c.model.train()
     if rank == 0:
         torch.save({"ids": ids, "states": states, "logits": logits}, directory.parent / "trained_logits.pt")
-    uninterrupted += [loop.train_step(c, step, cfg, plan, cpu).loss for step in range(11, 21)]
-    report = {"uninterrupted": uninterrupted}
+    uninterrupted += [loop.train_step(c, step, cfg, plan, cpu).loss for step in range(SAVED_AT + 1, RESUMED_TO + 1)]
+    report = {"uninterrupted": uninterrupted, "keys": keys}
     for name, overrides in (("2 x 2", HSDP), ("shard 4", ["parallelism.mode=hsdp", "parallelism.shard_size=4"]),
                             ("replicate", ["parallelism.mode=replicate"])):
         cfg = train_config(overrides)
         c = loop.build_components(cfg, plan, rank, cpu)
-        ckpt.read_tensors(directory, c.model, c.optimizer)
-        c.reader.load_state_dict(ckpt.read_rank_file(directory, rank, cpu))
-        c.resumed = True
+        c.resumed = resume(c, directory, plan, rank)
         loaded = whole_state(c)
         report[name] = {
             "layout": c.shape.shard_size,
             "keys_equal": sorted(loaded) == sorted(saved),
             "differing": [key for key in saved if not torch.equal(saved[key], loaded.get(key))],
-            "losses": [loop.train_step(c, step, cfg, plan, cpu).loss for step in range(11, 21)],
+            "losses": [loop.train_step(c, step, cfg, plan, cpu).loss for step in range(SAVED_AT + 1, RESUMED_TO + 1)],
         }
+    return report
+
+
+def resume(c, directory, plan, rank) -> bool:
+    """What the loop does with a checkpoint: load model and optimizer, check the data order, seek the reader."""
+    from huginn_ray.train import checkpoint as ckpt
+
+    resumed = ckpt.resume(directory, directory.parent, rank, c.model, c.optimizer, torch.device("cpu"),
+                          log=lambda message: None)
+    ckpt.check_data_position(resumed.state, directory, plan.num_streams, plan.global_batch_rows)
+    c.reader.seek(resumed.state.rows_per_stream)
+    return True
+
+
+def resume_on_two_ranks(rank, world_size, directory):
+    """The 4-rank checkpoint of `reshard` resumed by 2 ranks (hsdp, one shard group of 2): with micro-batches of
+    twice the rows (the same accumulation), and with the same micro-batches and twice the accumulation."""
+    from huginn_ray.train import loop
+
+    loop.ShardReader = MemoryReader
+    cpu = torch.device("cpu")
+    plan = plan_for(train_config(VARIANTS["hsdp"]), world_size=4)  # the run's data order: 4 shards, 8 rows a step
+    report = {}
+    for name, micro_batch_size in (("micro-batch x 2", 4), ("accumulation x 2", 2)):
+        cfg = train_config(["parallelism.mode=hsdp", f"micro_batch_size={micro_batch_size}"])
+        c = loop.build_components(cfg, plan, rank, cpu)
+        resume(c, directory, plan, rank)
+        keys = recording_keys(c)
+        report[name] = {"grad_accum": c.order.grad_accum, "layout": c.shape.shard_size, "keys": keys,
+                        "losses": [loop.train_step(c, step, cfg, plan, cpu).loss
+                                   for step in range(SAVED_AT + 1, RESUMED_TO + 1)]}
     return report
 
 
@@ -173,8 +230,11 @@ def _run(rank, world_size, port, out_dir, variants):
                             timeout=timedelta(seconds=120))
     torch.set_num_threads(1)
     try:
-        result = (reshard(rank, world_size, Path(out_dir) / "checkpoint") if variants == "reshard"
-                  else run_variants(rank, world_size, variants))
+        if variants in ("reshard", "two ranks"):
+            task = reshard if variants == "reshard" else resume_on_two_ranks
+            result = task(rank, world_size, Path(out_dir) / "checkpoint")
+        else:
+            result = run_variants(rank, world_size, variants)
     except Exception as err:
         result = {"error": type(err).__name__, "trace": traceback.format_exc()}
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
@@ -183,7 +243,8 @@ def _run(rank, world_size, port, out_dir, variants):
 
 
 def spawn(tmp_path, variants, world_size=4):
-    """Run `variants` (a list of VARIANTS names, or "reshard") on `world_size` gloo ranks; every rank's report."""
+    """Run `variants` (a list of VARIANTS names, "reshard" or "two ranks") on `world_size` gloo ranks; every rank's
+    report."""
     import socket
 
     with socket.socket() as s:
@@ -251,17 +312,47 @@ def resharded(tmp_path_factory):
     return spawn(directory, "reshard"), directory
 
 
+def global_keys(reports, step_reports_key, name=None) -> list:
+    """Per step, per micro-batch: every rank's row keys in rank order (the global micro-batch)."""
+    per_rank = [report[name]["keys"] if name else report[step_reports_key] for report in reports]
+    return [[sum((rank[step][micro] for rank in per_rank), []) for micro in range(len(per_rank[0][step]))]
+            for step in range(len(per_rank[0]))]
+
+
+def test_a_4_rank_run_resumes_on_2_ranks_with_the_same_rows_and_losses(resharded):
+    """Issue 18: stopped at step 6 by 4 ranks, resumed by 2 with micro-batches twice as large: steps 7-12 train on
+    the same rows, micro-batch by micro-batch, and log the uninterrupted run's losses (fp32: up to summation
+    order); with twice the accumulation instead, every step consumes the same rows."""
+    reports, directory = resharded
+    two = spawn(directory, "two ranks", world_size=2)
+    for rank, report in enumerate(two):
+        assert "error" not in report, f"rank {rank}: {report.get('trace')}"
+    uninterrupted = global_keys(reports, "keys")
+    assert len(uninterrupted) == RESUMED_TO and all(len(step) == 1 and len(step[0]) == 8 for step in uninterrupted)
+    doubled = global_keys(two, None, "micro-batch x 2")
+    assert two[0]["micro-batch x 2"]["grad_accum"] == 1 and two[0]["micro-batch x 2"]["layout"] == 2
+    assert doubled == uninterrupted[SAVED_AT:]
+    accumulated = global_keys(two, None, "accumulation x 2")
+    assert two[0]["accumulation x 2"]["grad_accum"] == 2
+    assert [sorted(sum(step, [])) for step in accumulated] == [sorted(step[0]) for step in uninterrupted[SAVED_AT:]]
+    for rank, report in enumerate(two):
+        got, expected = report["micro-batch x 2"]["losses"], reports[0]["uninterrupted"][SAVED_AT:]
+        for step, (a, b) in enumerate(zip(got, expected), start=SAVED_AT + 1):
+            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank}: step {step} loss {a} vs 4 ranks {b}"
+        assert len(report["accumulation x 2"]["losses"]) == RESUMED_TO - SAVED_AT
+
+
 def test_an_hsdp_checkpoint_resumes_bitwise_in_its_layout_and_exactly_under_another_shard_size_and_replicate(resharded):
     reports, tmp_path = resharded
     for rank, report in enumerate(reports):
         assert "error" not in report, f"rank {rank}: {report.get('trace')}"
         # the same layout resumes exactly: bitwise the losses of the run that went on
-        assert report["2 x 2"]["differing"] == [] and report["2 x 2"]["losses"] == report["uninterrupted"][10:]
+        assert report["2 x 2"]["differing"] == [] and report["2 x 2"]["losses"] == report["uninterrupted"][SAVED_AT:]
         for name, layout in (("shard 4", 4), ("replicate", 1)):
             assert report[name]["layout"] == layout
             assert report[name]["keys_equal"] and report[name]["differing"] == [], (name, report[name]["differing"])
-            got, expected = report[name]["losses"], report["uninterrupted"][10:]
-            for step, (a, b) in enumerate(zip(got, expected), start=11):
+            got, expected = report[name]["losses"], report["uninterrupted"][SAVED_AT:]
+            for step, (a, b) in enumerate(zip(got, expected), start=SAVED_AT + 1):
                 assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} {name}: step {step} loss {a} vs {b}"
     # every rank wrote its own shards of the 2 x 2 checkpoint
     written = sorted(p.name for p in (tmp_path / "checkpoint" / "state").glob("*.distcp"))

@@ -17,7 +17,8 @@ from huginn_ray.config import ConfigError
 from huginn_ray.data.shards import shard_path
 from huginn_ray.data.tokens import parquet_options, row_schema, rows_to_arrow
 from huginn_ray.train.config import load_train_config
-from huginn_ray.train.launch import PreflightError, batch_arithmetic, preflight
+from huginn_ray.train import checkpoint as ckpt
+from huginn_ray.train.launch import PreflightError, data_order, preflight, schedule_steps
 from huginn_ray.train.shard_check import check_shards
 from test_train_data import make_dataset, make_tokenizer, write_shard
 
@@ -46,15 +47,38 @@ def train_main():
 
 def test_valid_input_gives_a_plan(dataset, tmp_path):
     plan = preflight(tiny(dataset, tmp_path, "micro_batch_size=2"))
-    assert plan["world_size"] == 2 and plan["grad_accum"] == 1
-    assert plan["max_steps"] == plan["schedule_steps"] == 20  # 40 rows per shard / 2 rows per step: all the data
-    assert plan["precision"] == "fp32"
-    assert (plan["pad_id"], plan["eos_id"]) == (37, 33)
+    assert (plan.global_batch_rows, plan.num_streams) == (4, 2)
+    assert plan.schedule_steps == 20  # 40 rows per shard / 2 rows of every shard per step: all the data
+    assert plan.precision == "fp32"
+    assert (plan.pad_id, plan.eos_id) == (37, 33)
 
 
-def test_shard_count_not_fitting_world_size_is_refused(dataset, tmp_path):
-    with pytest.raises(PreflightError, match=r"2 shards but the run has 3 workers"):
-        preflight(tiny(dataset, tmp_path, "scaling.num_workers=3"))
+def test_a_worker_count_the_data_order_forbids_is_refused_naming_the_allowed_ones(dataset, tmp_path):
+    with pytest.raises(PreflightError, match=r"^scaling.num_workers=3: 3 workers x micro_batch_size 2 = 6 rows per "
+                                             r"micro-batch cannot serve the data order of 2 shards and a global batch "
+                                             r"of 8 rows: .* the allowed worker counts are \[1, 2, 4\]"):
+        preflight(tiny(dataset, tmp_path, "scaling.num_workers=3", "world_batch_size=8"))
+    # 3 workers serve 2 shards when the global batch allows it: every shard gives 3 rows to each micro-batch
+    assert preflight(tiny(dataset, tmp_path, "scaling.num_workers=3", "max_steps=13")).global_batch_rows == 6
+
+
+def checkpoint_in(run_dir: Path, step: int, global_batch_rows: int) -> None:
+    """A complete checkpoint as far as the preflight looks: its trainer state and marker."""
+    directory = run_dir / f"checkpoint_2026-11-24_05-00-{step:02d}.000000"
+    directory.mkdir(parents=True)
+    state = ckpt.TrainerState(step=step, num_streams=2, global_batch_rows=global_batch_rows, rows_per_stream=step * 2)
+    (directory / "trainer_state.json").write_text(json.dumps(state.__dict__))
+    ckpt.write_marker(directory, step, [{"trainer_state.json": (directory / "trainer_state.json").stat().st_size}])
+
+
+def test_a_resumed_run_keeps_its_checkpoint_s_global_batch_on_another_worker_count(dataset, tmp_path):
+    cfg = tiny(dataset, tmp_path, "scaling.num_workers=1", "micro_batch_size=4")
+    checkpoint_in(cfg.run_dir, 6, global_batch_rows=4)
+    plan = preflight(cfg)  # 1 worker, micro-batches of 4: the 2-worker run's 4 rows per step
+    assert (plan.global_batch_rows, plan.num_streams) == (4, 2)
+    with pytest.raises(PreflightError, match=r"^world_batch_size=8, but the run's newest checkpoint \(step 6\) was "
+                                             r"trained with a global batch of 4 rows"):
+        preflight(tiny(dataset, tmp_path, "scaling.num_workers=1", "micro_batch_size=4", "world_batch_size=8"))
 
 
 def test_tokenizer_larger_than_model_vocabulary_is_refused(dataset, tmp_path):
@@ -80,7 +104,7 @@ def test_sequence_length_mismatch_is_refused(dataset, tmp_path):
 
 
 def test_world_batch_size_must_divide(dataset, tmp_path):
-    with pytest.raises(PreflightError, match="world_batch_size=5"):
+    with pytest.raises(PreflightError, match="a global batch of 5 rows"):
         preflight(tiny(dataset, tmp_path, "world_batch_size=5", "micro_batch_size=1"))
 
 
@@ -96,7 +120,7 @@ def test_unknown_key_or_wrong_type_is_refused_naming_it(override, named):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("scaling.num_workers=3", "3 workers"),
+    ("world_batch_size=7", "a global batch of 7 rows"),
     ("optim.bogus=1", "optim.bogus"),
 ])
 def test_train_job_exits_before_starting_ray(dataset, tmp_path, capsys, monkeypatch, override, expected):
@@ -118,7 +142,8 @@ def test_frontier_config_holds_the_original_run():
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas) == (4e-5, 4e-5, [0.9, 0.95])
     assert (cfg.schedule.warmup_steps, cfg.schedule.cooldown_steps) == (4096, 4096)
     assert cfg.checkpoint.save_step_interval == 128 and cfg.eval_step_interval == 128
-    assert batch_arithmetic(cfg) == (1, 238_418)  # §3.2
+    assert data_order(cfg, 4096, None).grad_accum == 1  # one shard per rank, micro-batch 1
+    assert schedule_steps(cfg, 4096) == 238_418  # §3.2
 
 
 # Bad shards: every shard's footer is held to the manifest before Ray starts (huginn_ray/train/shard_check.py).
@@ -222,6 +247,7 @@ def test_shards_of_the_project_s_own_writer_pass(tmp_path):
     for split in ("train", "val"):
         shard_path(tmp_path, split, 0).parent.mkdir(parents=True)
         pq.write_table(table, shard_path(tmp_path, split, 0), row_group_size=10, **parquet_options(table))
-    manifest = {"seq_len": 8, "token_dtype": "uint16", "vocab_size": 300, "rows_per_shard": {"train": 24, "val": 24}}
-    summary = check_shards(tmp_path, manifest, world_size=1, model_vocab_size=320)
+    manifest = {"seq_len": 8, "token_dtype": "uint16", "vocab_size": 300, "num_shards": 1,
+                "rows_per_shard": {"train": 24, "val": 24}}
+    summary = check_shards(tmp_path, manifest, model_vocab_size=320)
     assert (summary.files, summary.row_groups_without_statistics) == (2, 0)

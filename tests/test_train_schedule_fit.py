@@ -35,7 +35,7 @@ def test_data_shorter_than_the_schedule_is_refused_naming_both_and_the_switch(da
     with pytest.raises(PreflightError) as refused:
         preflight(config(dataset, tmp_path))
     assert str(refused.value) == (
-        f"{dataset[0]}: a shard holds 40 train rows, 20 steps of micro_batch_size 2 x 1 micro-batches, but the "
+        f"{dataset[0]}: a shard holds 40 train rows, 20 steps of 2 rows from every shard, but the "
         "schedule is laid out for 50 steps (max_steps / max_tokens): the run would stop at the data's end at peak "
         "lr, without its cooldown. Set schedule.fit_to_data=true to lay the schedule over the 20 steps, or "
         "max_steps=20")
@@ -44,17 +44,17 @@ def test_data_shorter_than_the_schedule_is_refused_naming_both_and_the_switch(da
 def test_fit_to_data_lays_the_schedule_over_the_data_and_the_loop_cools_down_to_its_end(dataset, tmp_path, capsys):
     cfg = config(dataset, tmp_path, "schedule.fit_to_data=true", "skip_first_optimizer_step=false")
     plan = preflight(cfg)
-    assert f"{dataset[0]}: a shard holds 40 train rows, 20 steps of micro_batch_size 2 x 1 micro-batches, but the " \
+    assert f"{dataset[0]}: a shard holds 40 train rows, 20 steps of 2 rows from every shard, but the " \
            "schedule is laid out for 50 steps (max_steps / max_tokens); schedule.fit_to_data: the schedule (warmup " \
-           "5, cooldown 10 micro-batch steps) is laid over 20 steps" in capsys.readouterr().out
-    assert (plan["schedule_steps"], plan["max_steps"]) == (20, 20)
+           "5, cooldown 10 steps) is laid over 20 steps" in capsys.readouterr().out
+    assert plan.schedule_steps == 20
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                             timeout=timedelta(seconds=30))
-    try:  # rank 0 of the 2-rank plan alone: its own shard, the real reader, all 20 steps of it
+    try:  # the 2-rank plan on 1 rank (the data order allows it): both shards, the real reader, all 20 steps
         c = loop.build_components(cfg, plan, 0, torch.device("cpu"))
         lrs = [loop.train_step(c, step, cfg, plan, torch.device("cpu")).lr for step in range(1, 21)]
         applied = [group["lr"] for group in c.optimizer.param_groups]

@@ -5,17 +5,19 @@ import pytest
 
 from huginn_ray.config import ConfigError
 from huginn_ray.train.config import load_train_config
-from huginn_ray.train.shard_reader import collate
+from huginn_ray.train.shard_reader import Rows, collate
 
 
 def test_collate_checks_token_ids_once_per_batch_on_the_host():
-    rows = np.array([[1, 2, 3, 9], [4, 5, 6, 7]], dtype=np.int32)
-    inputs, labels = collate(rows, pad_id=9, eos_id=8, vocab_size=10)
+    ids = np.array([[1, 2, 3, 9], [4, 5, 6, 7]], dtype=np.int32)
+    rows = Rows(ids, None, np.zeros(2))
+    batch = collate(rows, pad_id=9, eos_id=8, vocab_size=10)
+    inputs, labels = batch.inputs, batch.labels
     assert inputs.tolist() == [[1, 2, 3], [4, 5, 6]] and labels.tolist() == [[2, 3, 9], [5, 6, 7]]
-    rows[1, 2] = 10
+    ids[1, 2] = 10
     with pytest.raises(ValueError, match=r"token id 10 at \(row 1, position 2\).*vocabulary \[0, 10\)"):
         collate(rows, pad_id=9, eos_id=8, vocab_size=10)
-    rows[1, 2] = -1
+    ids[1, 2] = -1
     with pytest.raises(ValueError, match="token id -1"):
         collate(rows, pad_id=9, eos_id=8, vocab_size=10)
     collate(rows, pad_id=9, eos_id=8)  # without a vocabulary size nothing is checked

@@ -10,6 +10,7 @@ equality where a step must leave them alone.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from datetime import timedelta
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from huginn_ray.train import loop
-from huginn_ray.train.shard_reader import collate
+from huginn_ray.train.shard_reader import Rows, collate
 from test_train_grad_sync import free_port, spawn
 from test_train_parallel import MemoryReader, plan_for, train_config
 
@@ -34,8 +35,8 @@ def config(*extra):
 
 def validation_batch(rank, cfg, plan):
     """Rank `rank`'s fixed validation rows: eval_iters micro-batches, unlike its training rows."""
-    rows = MemoryReader(None, 1000 + rank, cfg.block_size + 1).next_rows(cfg.eval_iters * cfg.micro_batch_size)
-    return collate(rows, plan["pad_id"], plan["eos_id"], 64)
+    rows = MemoryReader(None, 1000 + rank, 0, cfg.block_size + 1).next_rows(cfg.eval_iters * cfg.micro_batch_size)
+    return collate(rows, plan.pad_id, plan.eos_id, 64)
 
 
 def weights(model):
@@ -110,12 +111,15 @@ class FixedStep:
 
 
 def masked_batches(rank: int, counts=None) -> list:
-    """Rank `rank`'s micro-batches, the first `count` labels of each (row-major) supervised, the others ignored."""
+    """Rank `rank`'s micro-batches of rows with a loss mask whose first `count` target positions (row-major)
+    are 1, collated as the loop collates them (the pad id, 0 here, on every label that is not a target)."""
     batches = []
     for micro, count in enumerate(counts or SUPERVISED[rank]):
-        inputs, labels = collate(MemoryReader(None, 500 + 10 * rank + micro, 17).next_rows(2), 0, 1, 64)
-        labels.view(-1)[count:] = loop.IGNORE_INDEX
-        batches.append((inputs, labels))
+        rows = MemoryReader(None, 10 * rank + micro, 500, 17).next_rows(2)
+        targets = np.zeros(rows.ids[:, 1:].size, dtype=np.uint8)
+        targets[:count] = 1
+        mask = np.concatenate([np.zeros((len(rows.ids), 1), np.uint8), targets.reshape(len(rows.ids), -1)], axis=1)
+        batches.append(collate(Rows(rows.ids, mask, rows.keys), 0, 1, 64))
     return batches
 
 
@@ -124,8 +128,8 @@ def masked_plan(cfg, grad_accum):
     from huginn_ray.model import ModelConfig
 
     plan = plan_for(cfg, grad_accum=grad_accum)
-    plan["model_config"] = ModelConfig.from_hf_dict(plan["model_config"]).replace(state_init="zero").to_hf_dict()
-    return plan
+    state_init_zero = ModelConfig.from_hf_dict(plan.model_config).replace(state_init="zero").to_hf_dict()
+    return dataclasses.replace(plan, model_config=state_init_zero)
 
 
 def masked_step(rank: int, batches_by_rank) -> dict:
@@ -147,11 +151,11 @@ def hand_loss_and_grad_norm(batches_by_rank: dict) -> tuple[float, float, float]
     for micro in range(2):
         n, k = loop.sample_recurrence(loop.micro_step(1, micro, 2), 4, 2)
         for batches in batches_by_rank.values():
-            inputs, labels = batches[micro]
-            logits = c.model(inputs, num_steps=(n, k)).logits.double()
+            labels = batches[micro].labels
+            logits = c.model(batches[micro].inputs, num_steps=(n, k)).logits.double()
             token = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1),
-                                                      ignore_index=loop.IGNORE_INDEX, reduction="sum")
-            supervised = int((labels != loop.IGNORE_INDEX).sum())
+                                                      ignore_index=0, reduction="sum")
+            supervised = int((labels != 0).sum())
             total, count = total + token, count + supervised
             if supervised:
                 means.append(token.item() / supervised)
@@ -165,7 +169,7 @@ def rank_report(rank: int, world_size: int) -> dict:
     cfg = config()
     plan = plan_for(cfg, grad_accum=2)
     c = loop.build_components(cfg, plan, rank, CPU)
-    validation = loop.validate(c.model, *validation_batch(rank, cfg, plan), cfg, plan, CPU, c.autocast)
+    validation = loop.validate(c.model, validation_batch(rank, cfg, plan), cfg, plan, CPU, c.autocast)
     return {
         "validation": validation,
         "loss": loop.train_step(c, 1, cfg, plan, CPU).loss,
@@ -183,11 +187,13 @@ def two_ranks(tmp_path_factory):
     return reports
 
 
-def test_two_rank_loss_is_the_mean_of_the_rank_local_losses(one_rank, two_ranks):
+def test_two_rank_loss_is_the_mean_of_the_rank_local_losses(one_rank, two_ranks, monkeypatch):
     cfg = config()
     plan = plan_for(cfg, grad_accum=2)
-    # each rank's data alone: same seed, same depth, 1 rank; its reader is the one of rank r
-    local = [loop.train_step(loop.build_components(cfg, plan, r, CPU), 1, cfg, plan, CPU).loss for r in (0, 1)]
+    local = []
+    for r in (0, 1):  # each rank's data alone: same seed, same depth, 1 rank reading rank r's stream
+        monkeypatch.setattr(loop, "ShardReader", lambda path, stream, seed, length: MemoryReader(path, r, seed, length))
+        local.append(loop.train_step(loop.build_components(cfg, plan, 0, CPU), 1, cfg, plan, CPU).loss)
     mean = (local[0] + local[1]) / 2
     # the ranks' losses differ enough that a sum over ranks (2 x mean) or no averaging (each rank its own
     # loss, off by |l0 - l1| / 2 from the mean) is far outside the tolerance
@@ -200,7 +206,7 @@ def test_two_rank_validation_is_the_mean_of_each_ranks_own_validation(one_rank, 
     cfg = config()
     plan = plan_for(cfg, grad_accum=2)
     c = loop.build_components(cfg, plan, 0, CPU)
-    local = [loop.validate(c.model, *validation_batch(r, cfg, plan), cfg, plan, CPU, c.autocast) for r in (0, 1)]
+    local = [loop.validate(c.model, validation_batch(r, cfg, plan), cfg, plan, CPU, c.autocast) for r in (0, 1)]
     for depth in (1, 3):
         key = f"val_loss_{depth}"
         mean = (local[0][key] + local[1][key]) / 2
@@ -282,8 +288,9 @@ class RowsWithPads:
     """Rows of ids 2..31 with pad at input positions 3 (every row) and 7 (row 0), eos at position 5, and pad as
     the last id, which is only ever a label."""
 
-    def __init__(self, path, seed, row_length):
+    def __init__(self, path, stream, seed, row_length):
         self.row_length = row_length
+        self.position = 0
 
     def next_rows(self, count):
         rows = 2 + (5 * np.arange(count)[:, None] + np.arange(self.row_length)) % 30
@@ -291,16 +298,13 @@ class RowsWithPads:
         rows[0, 7] = PAD
         rows[:, 5] = EOS
         rows[:, -1] = PAD
-        return rows
-
-    def state_dict(self):
-        return {}  # every call returns the same rows
+        return Rows(rows, None, np.arange(count))  # every call returns the same rows
 
 
 def test_the_model_gets_pad_replaced_by_eos_in_the_inputs_and_pad_kept_in_the_labels(one_rank, monkeypatch):
     monkeypatch.setattr(loop, "ShardReader", RowsWithPads)
     cfg = config()
-    plan = {**plan_for(cfg), "pad_id": PAD, "eos_id": EOS}
+    plan = dataclasses.replace(plan_for(cfg), pad_id=PAD, eos_id=EOS)
     c = loop.build_components(cfg, plan, 0, CPU)
     seen = []
     forward = c.model.forward
@@ -311,7 +315,7 @@ def test_the_model_gets_pad_replaced_by_eos_in_the_inputs_and_pad_kept_in_the_la
 
     c.model.forward = recording_forward
     loop.train_step(c, 1, cfg, plan, CPU)
-    rows = RowsWithPads(None, 0, cfg.block_size + 1).next_rows(cfg.micro_batch_size)
+    rows = RowsWithPads(None, 0, 0, cfg.block_size + 1).next_rows(cfg.micro_batch_size).ids
     inputs = rows[:, :-1].copy()
     inputs[:, 3] = EOS
     inputs[0, 7] = EOS

@@ -600,6 +600,19 @@ class RecurrentGPT(nn.Module):
         std = self.config.init_std
         return trunc_normal_no_sync(torch.empty_like(embedded), std) * self.config.embedding_scale
 
+    def keyed_initial_state(self, keys: Tensor, seq_len: int, seed: int, device: torch.device) -> Tensor:
+        """The initial latent state of rows with these keys (training's row keys, huginn_ray.train.shard_reader),
+        drawn like the forward's own but row i from a generator seeded with `seed x 2^50 + keys[i]`: a row gets
+        the same noise on whichever rank, in whichever micro-batch it is trained (the forward's own draw comes
+        from the rank's global RNG)."""
+        state = torch.empty(len(keys), seq_len, self.config.n_embd, device=device)
+        if self.config.state_init == "zero":
+            return state.zero_()
+        for row, key in enumerate(keys.tolist()):
+            generator = torch.Generator(device=device).manual_seed(seed * 2**50 + key)
+            trunc_normal_no_sync(state[row], self.config.init_std, generator)
+        return state * self.config.embedding_scale
+
     def _resolve_num_steps(self, num_steps: int | tuple[int, int] | None) -> tuple[int, int]:
         backprop = self.config.mean_backprop_depth
         if num_steps is None:
@@ -714,7 +727,7 @@ class RecurrentGPT(nn.Module):
 
 
 @torch.no_grad()
-def trunc_normal_no_sync(tensor: Tensor, std: float) -> Tensor:
+def trunc_normal_no_sync(tensor: Tensor, std: float, generator: torch.Generator | None = None) -> Tensor:
     """Fill with N(0, std^2) truncated to [-3 std, 3 std] by the inverse CDF, in place.
 
     This is how torch's `nn.init.trunc_normal_` sampled up to torch 2.5 (the reference's). Newer torch versions
@@ -724,7 +737,7 @@ def trunc_normal_no_sync(tensor: Tensor, std: float) -> Tensor:
         return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
 
     low, high = normal_cdf(-3.0), normal_cdf(3.0)
-    tensor.uniform_(2 * low - 1, 2 * high - 1)
+    tensor.uniform_(2 * low - 1, 2 * high - 1, generator=generator)
     tensor.erfinv_()
     tensor.mul_(std * math.sqrt(2.0))
     return tensor.clamp_(min=-3 * std, max=3 * std)

@@ -9,8 +9,8 @@ Every worker reports one directory to Ray Train, which merges them into one chec
                                its pieces, so any layout reads it back (resharding)
     model/config.json          the model's shape (rank 0): `load_pretrained` and the export read a checkpoint as a
                                model directory, whatever layout wrote it
-    trainer_state.json         step, tokens seen, MLflow run id, world size, layout (rank 0)
-    rank_{r:05d}.pt            rank r's reader state and RNG states (every rank)
+    trainer_state.json         step, tokens seen, MLflow run id, the data position (rows consumed per stream, with
+                               the shard count and global batch that define it), world size and layout (rank 0)
     checkpoint_complete.json   every file above of every rank with its size in bytes, and the step (rank 0,
                                written last, after gathering every rank's list)
 
@@ -22,7 +22,6 @@ truncated file is a save that did not finish, and `resume` passes over it to the
 from __future__ import annotations
 
 import json
-import random
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -46,28 +45,16 @@ class TrainerState:
     """Tokens trained on, all ranks together."""
     mlflow_run_id: str | None = None
     """The MLflow run this training run logs to."""
+    num_streams: int = 0
+    """Train shards of the data order (huginn_ray.train.data_order)."""
+    global_batch_rows: int = 0
+    """Rows per optimizer step of the data order."""
+    rows_per_stream: int = 0
+    """The data position: rows every stream has given (step x global_batch_rows / num_streams)."""
     world_size: int = 0
-    """Ranks that wrote the checkpoint."""
+    """Ranks that wrote the checkpoint; informative: any allowed worker count resumes from it."""
     layout: str = ""
     """parallelism of the run that wrote it (`replicate` or `hsdp, shard_size S`); informative: any layout reads it."""
-
-
-def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
-
-
-def rng_states(device: torch.device) -> dict:
-    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return states
-
-
-def set_rng_states(states: dict, device: torch.device) -> None:
-    torch.set_rng_state(states["torch"])
-    random.setstate(states["python"])
-    if device.type == "cuda" and "cuda" in states:
-        torch.cuda.set_rng_state(states["cuda"], device)
 
 
 MARKER = "checkpoint_complete.json"
@@ -128,22 +115,21 @@ class PendingSave:
     """Done when DCP has written this rank's tensor files (at once for a synchronous save)."""
 
 
-def write(directory: Path, rank: int, model, optimizer, state: TrainerState, reader_state: dict, device) -> bool:
+def write(directory: Path, rank: int, model, optimizer, state: TrainerState, device) -> bool:
     """Save synchronously: every rank writes its files, then rank 0 the marker. True when the checkpoint is complete
     on every rank (a failed save is reported and leaves no marker). Every rank calls it: DCP's save and the file
     lists are collectives (without a process group, one process: this rank's files alone)."""
-    return finish_save(start_save(directory, rank, model, optimizer, state, reader_state, device), device)
+    return finish_save(start_save(directory, rank, model, optimizer, state, device), device)
 
 
-def start_save(directory: Path, rank: int, model, optimizer, state: TrainerState, reader_state: dict, device,
+def start_save(directory: Path, rank: int, model, optimizer, state: TrainerState, device,
                background_group=None) -> PendingSave:
     """Write this rank's small files, then its tensors through DCP: synchronously, or with `background_group` (a
     gloo group of every rank, used by nothing else) asynchronously: DCP copies the state to host memory here,
     and writes it from a background thread, whose collectives run on that group so that they never interleave
     with training's. The caller must pass the result to `finish_save` before the next save."""
     directory.mkdir(parents=True, exist_ok=True)
-    torch.save({"reader": reader_state, "rng": rng_states(device)}, directory / rank_file(rank))
-    small = [rank_file(rank)]
+    small = []
     if rank == 0:
         (directory / "model").mkdir(exist_ok=True)
         model.config.to_json(directory / "model" / CONFIG_NAME)
@@ -260,19 +246,21 @@ def load_file(path: Path, expected_keys: tuple[str, ...], **kwargs) -> dict:
     return data
 
 
-def read_trainer_state(directory: Path, world_size: int) -> TrainerState:
-    """trainer_state.json; a checkpoint of another world size is refused (the reader states are per rank)."""
+def read_trainer_state(directory: Path) -> TrainerState:
     try:
-        state = TrainerState(**json.loads((directory / "trainer_state.json").read_text()))
+        return TrainerState(**json.loads((directory / "trainer_state.json").read_text()))
     except (OSError, ValueError, TypeError) as err:
         raise CheckpointError(f"{directory / 'trainer_state.json'}: cannot be read "
                               f"({type(err).__name__}: {err})") from None
-    if state.world_size != world_size:
+
+
+def check_data_position(state: TrainerState, directory: Path, num_streams: int, global_batch_rows: int) -> None:
+    """A checkpoint continues only the data order it was written in: the same shard count and global batch."""
+    if (state.num_streams, state.global_batch_rows) != (num_streams, global_batch_rows):
         raise ValueError(
-            f"checkpoint {directory} was written by {state.world_size} ranks, this run has {world_size}: "
-            "the per-rank reader states do not carry over"
-        )
-    return state
+            f"checkpoint {directory} was written with {state.num_streams} train shards and a global batch of "
+            f"{state.global_batch_rows} rows, this run has {num_streams} shards and {global_batch_rows} rows "
+            "(world_batch_size): its data position does not carry over")
 
 
 def read_tensors(directory: Path, model, optimizer) -> None:
@@ -289,23 +277,14 @@ def read_tensors(directory: Path, model, optimizer) -> None:
     set_optimizer_state_dict(model, optimizer, tensors["optim"])
 
 
-def read_rank_file(directory: Path, rank: int, device) -> dict:
-    """Restore this rank's RNGs; returns its reader state."""
-    per_rank = load_file(directory / rank_file(rank), ("reader", "rng"))
-    set_rng_states(per_rank["rng"], device)
-    return per_rank["reader"]
-
-
 @dataclass
 class Resumed:
     state: TrainerState
-    reader_state: dict
-    """This rank's reader state (ShardReader.load_state_dict)."""
     directory: Path
     """The checkpoint the run resumed from."""
 
 
-def resume(registered: Path | None, run_dir: Path, rank: int, world_size: int, model, optimizer, device,
+def resume(registered: Path | None, run_dir: Path, rank: int, model, optimizer, device,
            log=None) -> Resumed | None:
     """Load the newest checkpoint that is complete and loads on every rank; None when there is none to resume.
 
@@ -326,7 +305,7 @@ def resume(registered: Path | None, run_dir: Path, rank: int, world_size: int, m
         complete = why is None
         if complete:
             try:
-                state = read_trainer_state(directory, world_size)
+                state = read_trainer_state(directory)
             except CheckpointError as err:
                 why = str(err)
         outcomes = all_ranks({"complete": complete, "why": why}, device)
@@ -334,7 +313,6 @@ def resume(registered: Path | None, run_dir: Path, rank: int, world_size: int, m
         if all(outcome["why"] is None for outcome in outcomes):
             try:
                 read_tensors(directory, model, optimizer)
-                reader_state = read_rank_file(directory, rank, device)
             except CheckpointError as err:
                 why = str(err)
             outcomes = all_ranks({"why": why}, device)
@@ -342,7 +320,7 @@ def resume(registered: Path | None, run_dir: Path, rank: int, world_size: int, m
         if not failures:
             if rank == 0:
                 log(f"[huginn] resumed from {directory} at step {state.step}")
-            return Resumed(state, reader_state, directory)
+            return Resumed(state, directory)
         skipped.append(f"{directory} ({describe(failures, len(outcomes))})")
         if rank == 0:
             log(f"[huginn] skipping checkpoint {skipped[-1]}")

@@ -48,9 +48,9 @@ class OptimConfig:
 @dataclass
 class ScheduleConfig:
     warmup_steps: int = 4096
-    """Linear warmup length in steps."""
+    """Linear warmup length in optimizer steps."""
     cooldown_steps: int = 4096
-    """Linear cooldown to min_lr over the last steps before max_steps."""
+    """Linear cooldown to min_lr over the last optimizer steps before max_steps."""
     min_lr: float = 0.0
     """Floor of the cooldown."""
     fit_to_data: bool = False
@@ -155,9 +155,10 @@ class TrainConfig:
     out_dir: str = "/tmp/huginn_runs"
     """Everything a run writes: Ray Train checkpoints, the embedded MLflow store, logs."""
     seed: int = 233
-    """Model-init seed on every rank; rank r's data order uses seed + r."""
+    """Model-init seed on every rank; train shard i is shuffled with seed + i, a row's latent noise is keyed by
+    seed and the row."""
     max_tokens: float | None = None
-    """Token budget; gives max_steps = max_tokens // world_size // (micro_batch_size * block_size) if set."""
+    """Token budget; gives max_steps = max_tokens // (global batch rows * block_size) if set."""
     max_steps: int | None = None
     """Number of steps (wins over max_tokens); the run also ends when a rank's shard is exhausted."""
     block_size: int = 256
@@ -165,7 +166,9 @@ class TrainConfig:
     micro_batch_size: int = 1
     """Sequences per rank per forward."""
     world_batch_size: int | None = None
-    """Sequences per optimizer step over all ranks; gives the gradient accumulation. None: no accumulation."""
+    """Sequences per optimizer step over all ranks (the global batch), fixed for the whole run; the gradient
+    accumulation is world_batch_size / (micro_batch_size x workers). None: micro_batch_size x workers at the
+    run's first start (a resumed run keeps its checkpoint's)."""
     model: ModelSection | None = None
     """Architecture; left out: raven-tiny, or with init_from the directory's (a model section given with
     init_from must agree with the directory, field by field)."""
@@ -276,7 +279,7 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
         raise ConfigError("eval_depths: needs at least one depth")
     for key in ("kill_rank", "hang_rank"):
         rank = getattr(cfg.fault_injection, key)
-        if rank >= cfg.scaling.num_workers:
+        if getattr(cfg.fault_injection, f"{key}_at_step") is not None and rank >= cfg.scaling.num_workers:
             raise ConfigError(f"fault_injection.{key}: must be in [0, {cfg.scaling.num_workers - 1}] "
                               f"(scaling.num_workers={cfg.scaling.num_workers}), got {rank}")
     check_sharding_config(cfg)

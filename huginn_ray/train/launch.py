@@ -1,6 +1,6 @@
 """Driver side of a training run: check everything cheap first, then start Ray Train workers.
 
-`preflight` refuses bad input (missing data, shard count != world size, tokenizer larger than the model's
+`preflight` refuses bad input (missing data, a worker count the data order does not allow, tokenizer larger than the model's
 vocabulary, sequence length mismatch, impossible batch arithmetic, a shard whose footer does not match the
 manifest: huginn_ray/train/shard_check.py) before any Ray worker starts, and derives
 the run plan the workers share. `run_training` opens the MLflow run and runs the TorchTrainer.
@@ -23,30 +23,52 @@ from huginn_ray.data.shards import read_manifest
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, check_tokenizer_fits, file_sha256, special_token_ids
 from huginn_ray.model import ModelConfig
 from huginn_ray.train import init_from, tracking
+from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig
+from huginn_ray.train.data_order import DataOrder, DataOrderError
 from huginn_ray.train.memory import GIB, plan_memory
 from huginn_ray.train.shard_check import ShardCheckError, check_shards
 from huginn_ray.train.loop import stopped_file, train_loop_per_worker
+from huginn_ray.train.run_plan import RunPlan
 
 
 class PreflightError(ValueError):
     """Input that would make the run fail; raised before any worker starts."""
 
 
-def batch_arithmetic(cfg: TrainConfig) -> tuple[int, int]:
-    """(gradient accumulation steps, steps the schedule is laid out for) (reference §3.2)."""
-    per_step = cfg.micro_batch_size * cfg.scaling.num_workers
-    if cfg.world_batch_size is None:
-        grad_accum = 1
-    elif cfg.world_batch_size % per_step:
+def newest_checkpoint_state(run_dir: Path) -> ckpt.TrainerState | None:
+    """The trainer state of the run's newest complete checkpoint (the one a rerun resumes from), or None."""
+    for directory in ckpt.resume_candidates(None, run_dir):
+        if ckpt.incomplete(directory) is None:
+            try:
+                return ckpt.read_trainer_state(directory)
+            except ckpt.CheckpointError:
+                continue
+    return None
+
+
+def data_order(cfg: TrainConfig, num_streams: int, resumed: ckpt.TrainerState | None) -> DataOrder:
+    """The run's data order on scaling.num_workers ranks: the global batch is world_batch_size, else the
+    checkpoint's, else micro_batch_size x workers; a resumed run keeps its checkpoint's (the data position counts
+    rows of that batch)."""
+    world_size = cfg.scaling.num_workers
+    if resumed is not None and cfg.world_batch_size is not None and cfg.world_batch_size != resumed.global_batch_rows:
         raise PreflightError(
-            f"world_batch_size={cfg.world_batch_size} is not a multiple of micro_batch_size x workers = {per_step}"
-        )
-    else:
-        grad_accum = cfg.world_batch_size // per_step
+            f"world_batch_size={cfg.world_batch_size}, but the run's newest checkpoint (step {resumed.step}) was "
+            f"trained with a global batch of {resumed.global_batch_rows} rows: a run keeps its global batch (set "
+            f"world_batch_size={resumed.global_batch_rows}, or a new run_name to start over)")
+    rows = cfg.world_batch_size or (resumed.global_batch_rows if resumed else cfg.micro_batch_size * world_size)
+    try:
+        return DataOrder(num_streams, rows, cfg.micro_batch_size, world_size).check()
+    except DataOrderError as err:
+        raise PreflightError(f"scaling.num_workers={world_size}: {err}") from None
+
+
+def schedule_steps(cfg: TrainConfig, global_batch_rows: int) -> int:
+    """Optimizer steps of the schedule: max_steps, or max_tokens // (global batch x block_size)."""
     if cfg.max_steps is not None:
-        return grad_accum, cfg.max_steps
-    return grad_accum, int(cfg.max_tokens // cfg.scaling.num_workers) // (cfg.micro_batch_size * grad_accum * cfg.block_size)
+        return cfg.max_steps
+    return int(cfg.max_tokens) // (global_batch_rows * cfg.block_size)
 
 
 def check_memory(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
@@ -61,9 +83,8 @@ def check_memory(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
         )
 
 
-def preflight(cfg: TrainConfig) -> dict:
-    """The plan every worker gets: derived sizes, token ids, the resolved model config."""
-    world_size = cfg.scaling.num_workers
+def preflight(cfg: TrainConfig) -> RunPlan:
+    """The plan every worker gets: the data order's batch, the schedule, token ids, the resolved model config."""
     try:
         check_ray_train_gpu_environment(cfg.scaling.use_gpu)
     except DeviceSelectionError as err:
@@ -77,11 +98,7 @@ def preflight(cfg: TrainConfig) -> dict:
         manifest = read_manifest(data_dir)
     except ValueError as err:
         raise PreflightError(f"data.data_dir: {err}") from None
-    if manifest["num_shards"] != world_size:
-        raise PreflightError(
-            f"{data_dir} holds {manifest['num_shards']} shards but the run has {world_size} workers "
-            f"(scaling.num_workers): every rank reads exactly one shard"
-        )
+    order = data_order(cfg, manifest["num_shards"], newest_checkpoint_state(cfg.run_dir))
     if manifest["seq_len"] != cfg.block_size:
         raise PreflightError(f"block_size={cfg.block_size} but the shards in {data_dir} hold seq_len={manifest['seq_len']}")
 
@@ -114,57 +131,48 @@ def preflight(cfg: TrainConfig) -> dict:
             f"data.tokenizer_path: {tokenizer_file} is not the tokenizer the shards in {data_dir} were made with "
             f"(manifest tokenizer_sha256 {manifest['tokenizer_sha256'][:12]}..., file {file_sha256(tokenizer_file)[:12]}...)"
         )
-    grad_accum, schedule_steps = batch_arithmetic(cfg)
     rows = manifest["rows_per_shard"]["train"]  # every shard holds the same number of rows
-    data_steps = rows // (cfg.micro_batch_size * grad_accum)
+    per_step = order.rows_per_stream_per_step
+    data_steps = rows // per_step
     if data_steps < 1:
-        raise PreflightError(f"{data_dir}: a shard holds {rows} rows, one step needs {cfg.micro_batch_size * grad_accum}")
-    val_rows = cfg.eval_iters * cfg.micro_batch_size
+        raise PreflightError(f"{data_dir}: a shard holds {rows} rows, one step needs {per_step} of every shard")
+    val_rows = cfg.eval_iters * order.rows_per_stream_per_micro_batch
     if manifest["rows_per_shard"]["val"] < val_rows:
         raise PreflightError(
-            f"{data_dir}: validation shards hold {manifest['rows_per_shard']['val']} rows, "
-            f"eval_iters x micro_batch_size = {val_rows}"
+            f"{data_dir}: validation shards hold {manifest['rows_per_shard']['val']} rows, eval_iters x rows per "
+            f"shard and micro-batch = {cfg.eval_iters} x {order.rows_per_stream_per_micro_batch} = {val_rows}"
         )
-    schedule_steps = fit_schedule_to_data(cfg, data_dir, schedule_steps, data_steps, rows, grad_accum)
+    steps = fit_schedule_to_data(cfg, data_dir, schedule_steps(cfg, order.global_batch_rows), data_steps, rows,
+                                 per_step)
 
-    # the one check that opens 2 x world_size files: after every check that reads only the config and the manifest
+    # the one check that opens 2 x num_shards files: after every check that reads only the config and the manifest
     try:
-        shards = check_shards(data_dir, manifest, world_size, model_cfg.vocab_size)
+        shards = check_shards(data_dir, manifest, model_cfg.vocab_size)
     except ShardCheckError as err:
         raise PreflightError(str(err)) from None
     print(f"[huginn] shards checked: {shards.files} footers in {shards.seconds:.1f} s ({shards.threads} threads)"
           + (f"; {shards.row_groups_without_statistics} row groups carry no id statistics (their ids are "
              "range-checked by collate during training only)" if shards.row_groups_without_statistics else ""), flush=True)
     precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if cfg.scaling.use_gpu else "fp32")
-    return {
-        "stop_at_unix": stop_at_unix(cfg, time.time(), os.environ),
-        "world_size": world_size,
-        "grad_accum": grad_accum,
-        "schedule_steps": schedule_steps,
-        "max_steps": schedule_steps,
-        "pad_id": ids["pad"],
-        "eos_id": ids["eos"],
-        "precision": precision,
-        "model_config": model_cfg.to_hf_dict(),
-        "init_from": source,
-    }
+    return RunPlan(global_batch_rows=order.global_batch_rows, num_streams=order.num_streams, schedule_steps=steps,
+                   pad_id=ids["pad"], eos_id=ids["eos"], precision=precision, model_config=model_cfg.to_hf_dict(),
+                   stop_at_unix=stop_at_unix(cfg, time.time(), os.environ), init_from=source)
 
 
 def fit_schedule_to_data(cfg: TrainConfig, data_dir: Path, schedule_steps: int, data_steps: int, rows: int,
-                         grad_accum: int) -> int:
+                         rows_per_step: int) -> int:
     """The steps the run and its schedule span: `schedule_steps` when the shards hold that many; else the run is
     refused, or with schedule.fit_to_data the schedule is laid over the `data_steps` the shards hold."""
     if data_steps >= schedule_steps:
         return schedule_steps
-    shortfall = (f"{data_dir}: a shard holds {rows} train rows, {data_steps} steps of micro_batch_size "
-                 f"{cfg.micro_batch_size} x {grad_accum} micro-batches, but the schedule is laid out for "
-                 f"{schedule_steps} steps (max_steps / max_tokens)")
+    shortfall = (f"{data_dir}: a shard holds {rows} train rows, {data_steps} steps of {rows_per_step} rows from "
+                 f"every shard, but the schedule is laid out for {schedule_steps} steps (max_steps / max_tokens)")
     if not cfg.schedule.fit_to_data:
         raise PreflightError(f"{shortfall}: the run would stop at the data's end at peak lr, without its cooldown. "
                              f"Set schedule.fit_to_data=true to lay the schedule over the {data_steps} steps, "
                              f"or max_steps={data_steps}")
     print(f"[huginn] {shortfall}; schedule.fit_to_data: the schedule (warmup {cfg.schedule.warmup_steps}, cooldown "
-          f"{cfg.schedule.cooldown_steps} micro-batch steps) is laid over {data_steps} steps", flush=True)
+          f"{cfg.schedule.cooldown_steps} steps) is laid over {data_steps} steps", flush=True)
     return data_steps
 
 
@@ -203,15 +211,15 @@ class RunOutcome:
     metrics: dict
 
 
-def run_training(cfg: TrainConfig, plan: dict, ray_train_log_level: str = "INFO") -> RunOutcome:
+def run_training(cfg: TrainConfig, plan: RunPlan, ray_train_log_level: str = "INFO") -> RunOutcome:
     """MLflow run and TorchTrainer for a plan from `preflight`; Ray must be initialised (see jobs/train.py).
 
     `ray_train_log_level` is the console level of Ray Train's own controller and worker loggers (its log
     files under the Ray session keep everything)."""
     run_dir = str(cfg.run_dir)
     uri = tracking.tracking_uri(cfg.mlflow.tracking_uri, cfg.out_dir)
-    plan["mlflow_uri"] = uri
-    plan["mlflow_run_id"] = tracking.open_run(cfg, uri, run_dir, plan["init_from"])
+    plan.mlflow_uri = uri
+    plan.mlflow_run_id = tracking.open_run(cfg, uri, run_dir, plan.init_from)
 
     backend = distributed_backend(torch.device("cuda" if cfg.scaling.use_gpu else "cpu"))
     trainer = TorchTrainer(
@@ -255,5 +263,5 @@ def run_training(cfg: TrainConfig, plan: dict, ray_train_log_level: str = "INFO"
         status = "KILLED"
         raise
     finally:
-        tracking.close_run(uri, plan["mlflow_run_id"], status)
-    return RunOutcome(ok, message, checkpoint_path, tracking.redact_uri(uri), plan["mlflow_run_id"], run_dir, metrics)
+        tracking.close_run(uri, plan.mlflow_run_id, status)
+    return RunOutcome(ok, message, checkpoint_path, tracking.redact_uri(uri), plan.mlflow_run_id, run_dir, metrics)

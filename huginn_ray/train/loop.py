@@ -42,7 +42,9 @@ from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.grad_sync import build_grad_sync
 from huginn_ray.train.optim import build_optimizer, set_lr, trapezoid_lr
 from huginn_ray.train import parallel
-from huginn_ray.train.shard_reader import ShardReader, StepPrefetcher, collate, validation_rows
+from huginn_ray.train.data_order import DataOrder, DataOrderError
+from huginn_ray.train.run_plan import RunPlan
+from huginn_ray.train.shard_reader import Batch, RankReader, ShardReader, StepPrefetcher, collate, validation_rows
 from huginn_ray.train.warmup import register_node, warmup_allreduce
 
 
@@ -115,6 +117,8 @@ class Components:
     sync: object
     optimizer: torch.optim.Optimizer
     reader: StepPrefetcher
+    order: DataOrder
+    """Which rows this rank reads at every step (huginn_ray.train.data_order)."""
     autocast: object
     mesh: object
     """The ("replicate", "shard") DeviceMesh (huginn_ray.train.parallel)."""
@@ -123,31 +127,33 @@ class Components:
     """Model, optimizer and reader were loaded from a checkpoint."""
 
 
-def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.device,
+def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.device,
                      local_world_size: int | None = None, load_init_from: bool = True) -> Components:
     """`local_world_size`: ranks on this node (Ray Train's); it is the shard size of hsdp unless
-    parallelism.shard_size sets one. None: every rank on one node.
+    parallelism.shard_size sets one. None: every rank on one node. Raises DataOrderError when the data order
+    does not allow this world size (every rank raises it, before any collective).
 
-    The weights: random (the seed's, identical on every rank) or, with plan["init_from"], the trained model's,
+    The weights: random (the seed's, identical on every rank) or, with plan.init_from, the trained model's,
     each rank reading only the part it holds (under hsdp the model is sharded on the meta device first, then
     its shards are allocated and filled). `load_init_from=False` leaves those weights unread (allocated, not
     initialised) for a caller that may resume from a checkpoint instead (`load_initial_weights`)."""
     if device.type == "cpu":
         torch.set_num_threads(cfg.cpu_threads)
     world_size = dist.get_world_size()
+    order = plan.data_order(cfg.micro_batch_size, world_size)
     shape = parallel.mesh_shape(cfg.parallelism.mode, cfg.parallelism.shard_size, world_size,
                                 local_world_size or world_size)
     mesh = parallel.build_mesh(shape, device.type)
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     random.seed(cfg.seed)
-    model_cfg = ModelConfig.from_hf_dict(plan["model_config"])
+    model_cfg = ModelConfig.from_hf_dict(plan.model_config)
     with torch.device("meta"):  # no CPU copy of the model: allocate and initialise on the training device
         model = RecurrentGPT(model_cfg)
-    if not plan.get("init_from"):
+    if not plan.init_from:
         model.materialize(device)  # whole, on every rank: hsdp then keeps each rank's slice
     model.check_token_ids = False  # collate checks every batch on the host
     attention = AttentionShape(cfg.micro_batch_size, model_cfg.num_attention_heads, cfg.block_size, model_cfg.head_dim,
-                               torch.bfloat16 if plan["precision"] == "bf16-mixed" else torch.float32)
+                               torch.bfloat16 if plan.precision == "bf16-mixed" else torch.float32)
     try:
         backend = choose_attention_backend(probe_attention_backends(attention, device), attention, cfg.attention_backend)
     except AttentionBackendError as err:
@@ -160,7 +166,7 @@ def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.devi
         compile_blocks(model, **cfg.compile_options)
     if shape.mode == "hsdp":
         parallel.apply_hsdp(model, mesh)
-    if plan.get("init_from"):
+    if plan.init_from:
         model.to_empty(device=device)  # this rank's part only (its shards under hsdp)
         if load_init_from:
             load_initial_weights(model, plan, rank)
@@ -173,16 +179,17 @@ def build_components(cfg: TrainConfig, plan: dict, rank: int, device: torch.devi
                                max_chunks_in_flight=cfg.grad_sync.max_chunks_in_flight)
     optimizer = build_optimizer(model, cfg.optim)
     reader = StepPrefetcher(
-        ShardReader(shard_path(cfg.data.data_dir, "train", rank), cfg.seed + rank, cfg.block_size + 1),
-        cfg.micro_batch_size, plan["grad_accum"],
-        lambda rows: collate(rows, plan["pad_id"], plan["eos_id"], model_cfg.vocab_size), pin=device.type == "cuda")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if plan["precision"] == "bf16-mixed" else nullcontext()
-    return Components(model_cfg, model, sync, optimizer, reader, autocast, mesh, shape)
+        RankReader(order, rank, lambda stream: ShardReader(shard_path(cfg.data.data_dir, "train", stream), stream,
+                                                           cfg.seed, cfg.block_size + 1)),
+        order.grad_accum, lambda rows: collate(rows, plan.pad_id, plan.eos_id, model_cfg.vocab_size),
+        pin=device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if plan.precision == "bf16-mixed" else nullcontext()
+    return Components(model_cfg, model, sync, optimizer, reader, order, autocast, mesh, shape)
 
 
-def load_initial_weights(model: RecurrentGPT, plan: dict, rank: int) -> None:
-    """The trained model of plan["init_from"] into this rank's (allocated) parameters; every rank calls it."""
-    source = plan["init_from"]
+def load_initial_weights(model: RecurrentGPT, plan: RunPlan, rank: int) -> None:
+    """The trained model of plan.init_from into this rank's (allocated) parameters; every rank calls it."""
+    source = plan.init_from
     start = time.perf_counter()
     load_weights_into(model, source["path"])
     if rank == 0:
@@ -218,34 +225,37 @@ class StepResult:
 
 def micro_step(step: int, micro: int, grad_accum: int) -> int:
     """1-based micro-batch step of micro-batch `micro` (0-based) of optimizer step `step` (reference §3.4:
-    `microbatch_step`): the depth sampler and the LR schedule are indexed by it."""
+    `microbatch_step`): the depth sampler is seeded with it."""
     return (step - 1) * grad_accum + micro + 1
 
 
-def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: torch.device,
+def train_step(c: Components, step: int, cfg: TrainConfig, plan: RunPlan, device: torch.device,
                want_telemetry: bool = False, stop_here: bool = False, time_up: bool = False) -> StepResult:
     """One optimizer step (reference §3.4): identical depth on all ranks, micro-batches, exchange, clip, step.
 
     `stop_here` / `time_up`: this rank asks every rank to save and stop after this step (the STOP file, the time
     budget). Losses and the gradient norm stay on the device until the step's one all-reduce is read."""
-    grad_accum = plan["grad_accum"]
-    batches, data_error = read_batches(c, cfg, grad_accum)
-    counts, global_count = supervised_counts(batches, device)
+    grad_accum = c.order.grad_accum
+    batches, data_error = read_batches(c, cfg)
+    counts, global_count = supervised_counts(batches, plan.pad_id, device)
     telemetry = None
     local_loss = torch.zeros((), dtype=torch.float64, device=device)
     if global_count == 0:  # no supervised token in the whole step: a non-finite step (on_nonfinite decides)
         local_loss += float("nan")
     depths = []
-    for micro, (inputs, labels) in enumerate(batches):
+    for micro, batch in enumerate(batches):
         # every micro-batch draws its own depth from its micro-batch step (the same on every rank)
         n, k = sample_recurrence(micro_step(step, micro, grad_accum), c.model_cfg.mean_recurrence,
                                  c.model_cfg.mean_backprop_depth)
         depths.append((n, k))
-        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # pinned on GPUs
+        inputs = batch.inputs.to(device, non_blocking=True)  # pinned on GPUs
+        labels = batch.labels.to(device, non_blocking=True)
+        states = c.model.keyed_initial_state(batch.keys, cfg.block_size, cfg.seed, device)
         last = micro == grad_accum - 1
         with c.sync.micro_batch(last=last):
             with c.autocast:
-                out = c.sync.module(inputs, labels=labels, num_steps=(n, k), return_telemetry=want_telemetry and last)
+                out = c.sync.module(inputs, labels=labels, num_steps=(n, k), input_states=states,
+                                    ignore_index=plan.pad_id, return_telemetry=want_telemetry and last)
             if counts[micro]:
                 # out.loss is this micro-batch's mean over its supervised tokens; the gradient exchange divides
                 # by the world size: out.loss / (N / (W n)) makes the step's loss sum / N over the global batch
@@ -257,10 +267,9 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
         telemetry = out.telemetry or telemetry
     c.sync.finish()
 
-    # the schedule runs in micro-batch steps: evaluated at the step's last micro-batch, laid out over
-    # schedule_steps x grad_accum micro-batch steps (warmup_steps and cooldown_steps count micro-batch steps)
-    lr = trapezoid_lr(step * grad_accum, cfg.optim.lr, cfg.schedule.warmup_steps, cfg.schedule.cooldown_steps,
-                      plan["schedule_steps"] * grad_accum, cfg.schedule.min_lr)
+    # a function of the optimizer step alone, so a resume on another worker count or accumulation keeps it
+    lr = trapezoid_lr(step, cfg.optim.lr, cfg.schedule.warmup_steps, cfg.schedule.cooldown_steps,
+                      plan.schedule_steps, cfg.schedule.min_lr)
     set_lr(c.optimizer, lr, cfg.schedule.reference_lr_quirk, c.resumed)
     grad_norm = clip_gradients(c, cfg.grad_clip)
 
@@ -295,21 +304,18 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: dict, device: t
     return StepResult(loss, lr, grad_norm, (n, k), telemetry, stop_reason, depths)
 
 
-IGNORE_INDEX = -100
-"""A label the loss skips (the model's default ignore_index): a token that is not a target."""
-
-
-def supervised_counts(batches: list, device: torch.device) -> tuple[list[int], int]:
-    """Supervised labels (not IGNORE_INDEX) of each of this rank's micro-batches, counted on the host (the
-    batches are still there), and of the whole step over every rank: one small all-reduce, read at once."""
-    counts = [int((labels != IGNORE_INDEX).sum()) for _, labels in batches]
+def supervised_counts(batches: list[Batch], pad_id: int, device: torch.device) -> tuple[list[int], int]:
+    """Supervised labels of each of this rank's micro-batches (collate gives the pad id to every label that is
+    padding or, with a loss mask, not a target; the loss ignores it), counted on the host (the batches are still
+    there), and of the whole step over every rank: one small all-reduce, read at once."""
+    counts = [int((batch.labels != pad_id).sum()) for batch in batches]
     total = torch.tensor([sum(counts)], dtype=torch.float64, device=device)
     dist.all_reduce(total)
     return counts, int(total.item())
 
 
-def read_batches(c: Components, cfg: TrainConfig, grad_accum: int) -> tuple[list, str | None]:
-    """The step's micro-batches (inputs, labels), read and checked on the host (during the previous step: the
+def read_batches(c: Components, cfg: TrainConfig) -> tuple[list[Batch], str | None]:
+    """The step's micro-batches, read and checked on the host (during the previous step: the
     StepPrefetcher) before any compute.
 
     A rank that cannot read its data trains this one step on zeros, so that every collective of the step still
@@ -318,7 +324,8 @@ def read_batches(c: Components, cfg: TrainConfig, grad_accum: int) -> tuple[list
         return c.reader.next_step(), None
     except DATA_ERRORS as err:
         zeros = torch.zeros(cfg.micro_batch_size, cfg.block_size, dtype=torch.long)
-        return [(zeros, zeros)] * grad_accum, f"{c.reader.path}: {type(err).__name__}: {err}"
+        keys = torch.zeros(cfg.micro_batch_size, dtype=torch.long)
+        return [Batch(zeros, zeros, keys)] * c.order.grad_accum, f"{c.reader.path}: {type(err).__name__}: {err}"
 
 
 def stop_if_a_rank_cannot_read(error: str | None, device: torch.device) -> None:
@@ -351,7 +358,7 @@ def clip_gradients(c: Components, max_norm: float) -> torch.Tensor:
     return parallel.clip_grad_norm_([p for p in c.model.parameters() if p.requires_grad], max_norm)
 
 
-def _train(cfg: TrainConfig, plan: dict) -> None:
+def _train(cfg: TrainConfig, plan: RunPlan) -> None:
     import ray.train  # here, not at the top: build_components and train_step run where Ray and MLflow are not installed
 
     from huginn_ray.eval.depth_scaling import log_validation_plot
@@ -363,35 +370,40 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
     register_node()
     placement = {"node_rank": ctx.get_node_rank(), "local_rank": ctx.get_local_rank(),
                  "local_world_size": ctx.get_local_world_size()}
-    c = build_components(cfg, plan, rank, device, local_world_size=ctx.get_local_world_size(), load_init_from=False)
+    try:
+        c = build_components(cfg, plan, rank, device, local_world_size=ctx.get_local_world_size(),
+                             load_init_from=False)
+    except DataOrderError as err:  # the same on every rank, before any collective
+        raise Stop(f"data order: {err}", reporter=rank == 0) from None
     # always checked: shard groups are consecutive ranks, which must be one node's (or part of one)
     parallel.check_node_layout(c.shape, ckpt.all_ranks(placement, device))
     parallel.warm_mesh(c.mesh, device)
     model, optimizer, reader = c.model, c.optimizer, c.reader
     read_error = None
     try:
-        val_inputs, val_labels = collate(
-            validation_rows(cfg.data.data_dir, rank, cfg.eval_iters * cfg.micro_batch_size, cfg.block_size + 1),
-            plan["pad_id"], plan["eos_id"], c.model_cfg.vocab_size,
-        )
+        val_batch = collate(validation_rows(cfg.data.data_dir, c.order, rank, cfg.eval_iters, cfg.block_size + 1),
+                            plan.pad_id, plan.eos_id, c.model_cfg.vocab_size)
     except DATA_ERRORS as err:
         read_error = f"validation data: {type(err).__name__}: {err}"
     stop_if_a_rank_cannot_read(read_error, device)
 
-    state = ckpt.TrainerState(mlflow_run_id=plan["mlflow_run_id"], world_size=world_size,
-                              layout=layout_name(c.shape))
+    state = ckpt.TrainerState(mlflow_run_id=plan.mlflow_run_id, world_size=world_size, layout=layout_name(c.shape),
+                              num_streams=plan.num_streams, global_batch_rows=plan.global_batch_rows)
     checkpoint = ray.train.get_checkpoint()  # out_dir is a filesystem every node sees: the path is the directory
     registered = Path(checkpoint.path) if checkpoint is not None else None
     try:
-        resumed = ckpt.resume(registered, cfg.run_dir, rank, world_size, model, optimizer, device)
+        resumed = ckpt.resume(registered, cfg.run_dir, rank, model, optimizer, device)
+        if resumed is not None:
+            ckpt.check_data_position(resumed.state, resumed.directory, plan.num_streams, plan.global_batch_rows)
+            reader.seek(resumed.state.rows_per_stream)
     except ValueError as err:  # CheckpointError included: every rank read the same files and agreed
         raise Stop(f"cannot resume: {err}", reporter=rank == 0) from None
     if resumed is not None:
         state = resumed.state
         state.layout = layout_name(c.shape)
-        reader.load_state_dict(resumed.reader_state)
+        state.world_size = world_size
         c.resumed = True
-    elif plan.get("init_from"):  # a fresh run: the trained model's weights (a resumed one has its own)
+    elif plan.init_from:  # a fresh run: the trained model's weights (a resumed one has its own)
         error = None
         try:
             load_initial_weights(model, plan, rank)
@@ -405,10 +417,10 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
     if cfg.warmup_allreduce_mib > 0:
         warmup_allreduce(device, cfg.warmup_allreduce_mib, timeout_s=cfg.warmup_timeout_s)
 
-    logger = MetricsLogger(plan["mlflow_uri"], state.mlflow_run_id, max_pending=cfg.mlflow.max_pending_metrics,
+    logger = MetricsLogger(plan.mlflow_uri, state.mlflow_run_id, max_pending=cfg.mlflow.max_pending_metrics,
                            flush_timeout_s=cfg.mlflow.flush_timeout_s) if rank == 0 else None
-    max_steps = plan["max_steps"]
-    tokens_per_step = world_size * cfg.micro_batch_size * plan["grad_accum"] * cfg.block_size
+    max_steps = plan.schedule_steps
+    tokens_per_step = plan.global_batch_rows * cfg.block_size
     window = LogWindow()
     start_step = state.step
     step_seconds = 0.0
@@ -421,7 +433,7 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
         step_start = time.time()
         result = train_step(c, step, cfg, plan, device, want_telemetry=cfg.telemetry and log_step,
                             stop_here=rank == 0 and any(path.exists() for path in stop_files(cfg)),
-                            time_up=rank == 0 and time_is_up(plan.get("stop_at_unix"), step_start, step_seconds))
+                            time_up=rank == 0 and time_is_up(plan.stop_at_unix, step_start, step_seconds))
         step_seconds = time.time() - step_start
         state.tokens += tokens_per_step
         flops = sum(training_flops_per_token(c.model_cfg, depth, cfg.block_size) for depth in result.depths)
@@ -434,15 +446,19 @@ def _train(cfg: TrainConfig, plan: dict) -> None:
             window = LogWindow()
         last_step = step == max_steps
         if step % cfg.eval_step_interval == 0 or last_step:
-            val = validate(model, val_inputs, val_labels, cfg, plan, device, c.autocast)
+            val = validate(model, val_batch, cfg, plan, device, c.autocast)
             if rank == 0:
                 logger.log(val, step)
-                log_validation_plot(plan["mlflow_uri"], state.mlflow_run_id, val, step, c.model_cfg.mean_recurrence)
+                log_validation_plot(plan.mlflow_uri, state.mlflow_run_id, val, step, c.model_cfg.mean_recurrence)
                 print(f"[huginn] step {step} validation " + " ".join(f"{k}={v:.4f}" for k, v in val.items()), flush=True)
         if (step % cfg.checkpoint.save_step_interval == 0 or (last_step and cfg.checkpoint.save_last_step)
                 or result.stop_requested):
             parallel.check_replicas_agree(model, optimizer, c.mesh, device, f"step {step}")
-            checkpointer.save(model, optimizer, state, reader, result.loss, result.stop_reason,
+            state.rows_per_stream = c.order.rows_per_stream_per_step * step
+            if reader.position != state.rows_per_stream:  # the data order's invariant; a bug if it fails
+                raise RuntimeError(f"rank {rank}: the reader stands at row {reader.position} of its streams, "
+                                   f"step {step} ends at row {state.rows_per_stream}")
+            checkpointer.save(model, optimizer, state, result.loss, result.stop_reason,
                               final=last_step or result.stop_requested)
         if result.stop_requested:
             if rank == 0:
@@ -521,23 +537,23 @@ def eta(seconds: float) -> str:
 
 
 @torch.no_grad()
-def validate(model, inputs, labels, cfg, plan, device, autocast) -> dict:
+def validate(model, batch: Batch, cfg: TrainConfig, plan: RunPlan, device, autocast) -> dict:
     """Loss at every eval depth on the rank's fixed rows, averaged over ranks.
 
-    The initial latent noise is drawn from a fixed seed inside a forked RNG, so validation neither depends on
-    nor changes the training RNG stream (a resumed run stays bitwise identical)."""
+    The initial latent noise is keyed by row (RecurrentGPT.keyed_initial_state), so validation neither depends
+    on nor changes any RNG stream, and a row's noise does not depend on the worker count."""
     model.eval()
-    inputs, labels = inputs.to(device), labels.to(device)
+    inputs, labels = batch.inputs.to(device), batch.labels.to(device)
     losses = torch.zeros(len(cfg.eval_depths), dtype=torch.float64, device=device)
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, device_type=device.type):
-        torch.manual_seed(cfg.seed)
-        for i, depth in enumerate(cfg.eval_depths):
-            for b in range(cfg.eval_iters):
-                rows = slice(b * cfg.micro_batch_size, (b + 1) * cfg.micro_batch_size)
-                with autocast:
-                    out = model(inputs[rows], labels=labels[rows], num_steps=(depth, 0), ignore_index=plan["pad_id"])
-                losses[i] += out.loss.double() / cfg.eval_iters
+    states = model.keyed_initial_state(batch.keys, cfg.block_size, cfg.seed, device)
+    micro_batch = len(batch.keys) // cfg.eval_iters
+    for i, depth in enumerate(cfg.eval_depths):
+        for b in range(cfg.eval_iters):
+            rows = slice(b * micro_batch, (b + 1) * micro_batch)
+            with autocast:
+                out = model(inputs[rows], labels=labels[rows], num_steps=(depth, 0), input_states=states[rows],
+                            ignore_index=plan.pad_id)
+            losses[i] += out.loss.double() / cfg.eval_iters
     dist.all_reduce(losses)
     losses /= dist.get_world_size()
     model.train()
@@ -564,13 +580,13 @@ class Checkpointer:
         self.pending: ckpt.PendingSave | None = None
         self.metrics: dict = {}
 
-    def save(self, model, optimizer, state: ckpt.TrainerState, reader, loss: float, stop_reason: str | None,
+    def save(self, model, optimizer, state: ckpt.TrainerState, loss: float, stop_reason: str | None,
              final: bool) -> None:
         self.finish()
         directory = Path(tempfile.mkdtemp(prefix="huginn_ckpt_"))
         self.metrics = {"step": state.step, "loss": loss, "tokens": state.tokens, "stop_reason": stop_reason or ""}
-        self.pending = ckpt.start_save(directory, self.rank, model, optimizer, state, reader.state_dict(),
-                                       self.device, None if final else self.background_group)
+        self.pending = ckpt.start_save(directory, self.rank, model, optimizer, state, self.device,
+                                       None if final else self.background_group)
         if final or self.background_group is None:
             self.finish()
 

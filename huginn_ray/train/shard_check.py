@@ -53,9 +53,9 @@ class ShardCheckSummary:
     """Row groups whose id column carries no min/max, so their id range could not be checked."""
 
 
-def check_shards(data_dir: str | Path, manifest: dict, world_size: int, model_vocab_size: int,
+def check_shards(data_dir: str | Path, manifest: dict, model_vocab_size: int,
                  threads: int = DEFAULT_THREADS) -> ShardCheckSummary:
-    """Check the footers of all 2 x `world_size` shards against `manifest` (see the module docstring)."""
+    """Check the footers of all 2 x num_shards shards against `manifest` (see the module docstring)."""
     started = time.perf_counter()
     vocab_size = manifest["vocab_size"]
     if vocab_size > model_vocab_size:
@@ -68,7 +68,7 @@ def check_shards(data_dir: str | Path, manifest: dict, world_size: int, model_vo
         "value_type": arrow_type(manifest["token_dtype"]),
         "vocab_size": vocab_size,
     }
-    files = [(split, rank) for split in SPLITS for rank in range(world_size)]
+    files = [(split, rank) for split in SPLITS for rank in range(manifest["num_shards"])]
     with ThreadPoolExecutor(max_workers=threads) as pool:
         futures = [pool.submit(check_shard, shard_path(data_dir, split, rank), rank,
                                manifest["rows_per_shard"][split], **expected) for split, rank in files]

@@ -1,0 +1,35 @@
+"""What the driver's preflight derives once and every worker of every attempt receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from huginn_ray.train.data_order import DataOrder
+
+
+@dataclass
+class RunPlan:
+    global_batch_rows: int
+    """Rows per optimizer step, all ranks and micro-batches together: `world_batch_size`, or a checkpoint's, or
+    micro_batch_size x workers at the run's first start. Fixed for the whole run, whatever the worker count."""
+    num_streams: int
+    """Train shards in the data directory (huginn_ray.train.data_order)."""
+    schedule_steps: int
+    """Optimizer steps the LR schedule spans; the run ends there."""
+    pad_id: int
+    eos_id: int
+    precision: str
+    """"fp32" or "bf16-mixed"."""
+    model_config: dict
+    """The model's config in its Hugging Face form (ModelConfig.to_hf_dict)."""
+    init_from: dict | None = None
+    """The trained model a fresh run starts from (huginn_ray.train.init_from.describe_source: path, hashed,
+    sha256); None: random weights."""
+    stop_at_unix: float | None = None
+    """When the workers must have saved and stopped (the time budget); None: no budget."""
+    mlflow_uri: str = ""
+    mlflow_run_id: str = ""
+
+    def data_order(self, micro_batch_size: int, world_size: int) -> DataOrder:
+        """The data order on `world_size` ranks; DataOrderError when the rule does not allow it."""
+        return DataOrder(self.num_streams, self.global_batch_rows, micro_batch_size, world_size).check()
