@@ -236,7 +236,7 @@ def test_preflight_records_the_source_and_refuses_the_released_ids_with_another_
     config_json.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
     (released / "config.json").write_text(json.dumps(config_json))
     plan = preflight(tiny(dataset, tmp_path, f"init_from={released}"))
-    assert plan["init_from"]["path"] == str(released)
-    assert plan["init_from"]["sha256"] == __import__("hashlib").sha256(
+    assert plan.init_from["path"] == str(released)
+    assert plan.init_from["sha256"] == __import__("hashlib").sha256(
         (released / "model.safetensors.index.json").read_bytes()).hexdigest()
-    assert ModelConfig.from_hf_dict(plan["model_config"]).mean_recurrence == 4
+    assert ModelConfig.from_hf_dict(plan.model_config).mean_recurrence == 4

@@ -1,14 +1,13 @@
 """The per-worker training loop that Ray Train runs on every rank (reference §3.3-§3.4, §3.9-§3.11).
 
 One step: read and check the step's micro-batches on the host, count their supervised labels over every rank (one
-small all-reduce, read by the host), sample the depth (n, k) from the step (the same on every rank),
+small all-reduce, used on the device), sample the depth (n, k) from the step (the same on every rank),
 forward+backward every micro-batch, exchange gradients (fp32 mean), clip, set the scheduled lr in every group,
 step (not the first one), then log, validate and checkpoint on their intervals. The loss is the sum of the token
 losses of the whole global batch over its supervised tokens, divided by their count, on every layout and
 gradient accumulation.
 
-All ranks decide alike with one small all-reduce per step, read once by the host (with the count's, the step's two
-host syncs):
+All ranks decide alike with one small all-reduce per step, read once by the host (the step's only host sync):
 the loss, whether the loss or gradient norm is non-finite, a stop request (SIGTERM, the Slurm signal), the time
 budget running out, and a rank that could not read its data. A data error therefore stops every rank at the same
 step, within seconds, instead of leaving 4095 ranks waiting for the process-group timeout.
@@ -239,9 +238,8 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: RunPlan, device
     batches, data_error = read_batches(c, cfg)
     counts, global_count = supervised_counts(batches, plan.pad_id, device)
     telemetry = None
-    local_loss = torch.zeros((), dtype=torch.float64, device=device)
-    if global_count == 0:  # no supervised token in the whole step: a non-finite step (on_nonfinite decides)
-        local_loss += float("nan")
+    # no supervised token in the whole step: a non-finite step (on_nonfinite decides)
+    local_loss = torch.zeros((), dtype=torch.float64, device=device).masked_fill(global_count == 0, math.nan)
     depths = []
     for micro, batch in enumerate(batches):
         # every micro-batch draws its own depth from its micro-batch step (the same on every rank)
@@ -260,7 +258,7 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: RunPlan, device
                 # out.loss is this micro-batch's mean over its supervised tokens; the gradient exchange divides
                 # by the world size: out.loss / (N / (W n)) makes the step's loss sum / N over the global batch
                 divisor = global_count / (dist.get_world_size() * counts[micro])  # = grad_accum when all are full
-                (out.loss / divisor).backward()
+                (out.loss / divisor.float()).backward()
                 local_loss += out.loss.detach().double() / divisor
             else:  # nothing supervised: its mean is 0/0; a zero gradient keeps every collective of the step
                 (out.loss * 0.0).backward()
@@ -304,14 +302,15 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: RunPlan, device
     return StepResult(loss, lr, grad_norm, (n, k), telemetry, stop_reason, depths)
 
 
-def supervised_counts(batches: list[Batch], pad_id: int, device: torch.device) -> tuple[list[int], int]:
+def supervised_counts(batches: list[Batch], pad_id: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
     """Supervised labels of each of this rank's micro-batches (collate gives the pad id to every label that is
-    padding or, with a loss mask, not a target; the loss ignores it), counted on the host (the batches are still
-    there), and of the whole step over every rank: one small all-reduce, read at once."""
+    padding or, with a loss mask, not a target; the loss ignores it), counted on the host where the batches are,
+    and of the whole step over every rank as an fp64 device scalar: one small all-reduce, which the forwards'
+    loss scaling waits for on the device; the host never reads it."""
     counts = [int((batch.labels != pad_id).sum()) for batch in batches]
-    total = torch.tensor([sum(counts)], dtype=torch.float64, device=device)
+    total = torch.tensor([sum(counts)], dtype=torch.float64).to(device, non_blocking=True)
     dist.all_reduce(total)
-    return counts, int(total.item())
+    return counts, total[0]
 
 
 def read_batches(c: Components, cfg: TrainConfig) -> tuple[list[Batch], str | None]:
