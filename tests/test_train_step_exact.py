@@ -345,3 +345,41 @@ def test_two_ranks_with_different_supervised_counts_weigh_every_token_alike(one_
 def test_a_step_without_any_supervised_token_is_non_finite(one_rank):
     with pytest.raises(loop.Stop, match=r"step 1: non-finite loss \(nan\)"):
         masked_step(0, {0: masked_batches(0, counts=(0, 0))})
+
+
+def test_a_fine_tune_on_masked_shards_resumes_bitwise(one_rank, monkeypatch, tmp_path):
+    """The real shard reader on a shard with a loss_mask column (targets: a different stretch of every row, some
+    rows without any), 6 steps straight, and 3 steps, a checkpoint, new components resumed from it, 3 more."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from huginn_ray.data.shards import shard_path
+    from huginn_ray.train import checkpoint as ckpt
+    from huginn_ray.train.shard_reader import ShardReader
+
+    monkeypatch.setattr(loop, "ShardReader", ShardReader)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(2, 64, size=(48, 17), dtype=np.int32)
+    starts = rng.integers(0, 17, size=(48, 1))
+    mask = ((np.arange(17) >= starts) & (np.arange(17) < starts + 6)).astype(np.uint8)
+    mask[::7] = 0  # rows without a target
+    path = shard_path(tmp_path, "train", 0)
+    path.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"input_ids": pa.array(list(ids), type=pa.list_(pa.int32())),
+                             "loss_mask": pa.array(list(mask), type=pa.list_(pa.uint8()))}), path, row_group_size=8)
+    cfg = config(f"data.data_dir={tmp_path}", "skip_first_optimizer_step=false")
+    plan = plan_for(cfg, grad_accum=2)
+    straight = loop.build_components(cfg, plan, 0, CPU)
+    expected = [loop.train_step(straight, step, cfg, plan, CPU).loss for step in range(1, 7)]
+    first = loop.build_components(cfg, plan, 0, CPU)
+    losses = [loop.train_step(first, step, cfg, plan, CPU).loss for step in range(1, 4)]
+    state = ckpt.TrainerState(step=3, world_size=1, num_streams=1, global_batch_rows=plan.global_batch_rows,
+                              rows_per_stream=3 * first.order.rows_per_stream_per_step)
+    ckpt.write(tmp_path / "run" / "checkpoint_000003", 0, first.model, first.optimizer, state, CPU)
+    second = loop.build_components(cfg, plan, 0, CPU)
+    resumed = ckpt.resume(None, tmp_path / "run", 0, second.model, second.optimizer, CPU)
+    second.reader.seek(resumed.state.rows_per_stream)
+    second.resumed = True
+    losses += [loop.train_step(second, step, cfg, plan, CPU).loss for step in range(4, 7)]
+    assert losses == expected
+    assert len(set(expected)) == 6
