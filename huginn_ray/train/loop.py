@@ -307,10 +307,15 @@ def supervised_counts(batches: list[Batch], pad_id: int, device: torch.device) -
     padding or, with a loss mask, not a target; the loss ignores it), counted on the host where the batches are,
     and of the whole step over every rank as an fp64 device scalar: one small all-reduce, which the forwards'
     loss scaling waits for on the device; the host never reads it."""
-    counts = [int((batch.labels != pad_id).sum()) for batch in batches]
+    counts = [host_count(batch.labels != pad_id) for batch in batches]
     total = torch.tensor([sum(counts)], dtype=torch.float64).to(device, non_blocking=True)
     dist.all_reduce(total)
     return counts, total[0]
+
+
+def host_count(flags: torch.Tensor) -> int:
+    """The true flags of a host tensor (a read of a CPU tensor: no device sync)."""
+    return int(flags.sum())
 
 
 def read_batches(c: Components, cfg: TrainConfig) -> tuple[list[Batch], str | None]:
