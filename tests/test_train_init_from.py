@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import traceback
 from datetime import timedelta
@@ -32,12 +33,9 @@ from huginn_ray.train.config import TrainConfig
 VOCAB = 64  # test_train_parallel's in-memory reader emits ids below 64
 
 
-def write_released_layout(model: RecurrentGPT, directory: Path, shards: int = 3) -> Path:
-    """`model` as the release stores huginn-0125: bf16 tensors (both tied keys) in `shards` files named
-    model-0000i-of-0000n.safetensors, model.safetensors.index.json, config.json with the released keys."""
-    cfg = model.config
-    directory.mkdir(parents=True, exist_ok=True)
-    config = {
+def released_config(cfg: ModelConfig) -> dict:
+    """The released huginn-0125 config.json's keys, with the values of `cfg`."""
+    return {
         "architectures": ["RavenForCausalLM"], "architecture_class_name": "RecurrentGPT",
         "auto_map": {"AutoConfig": "raven_config_minimal.RavenConfig",
                      "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM"},
@@ -57,7 +55,13 @@ def write_released_layout(model: RecurrentGPT, directory: Path, shards: int = 3)
         "test_time_noise": 0, "test_time_noise_type": "fixed", "tie_embeddings": True, "vocab_size": cfg.vocab_size,
         "bos_token_id": 65504, "eos_token_id": 65505, "pad_token_id": 65509,
     }
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_released_layout(model: RecurrentGPT, directory: Path, shards: int = 3) -> Path:
+    """`model` as the release stores huginn-0125: bf16 tensors (both tied keys) in `shards` files named
+    model-0000i-of-0000n.safetensors, model.safetensors.index.json, config.json with the released keys."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(released_config(model.config), indent=2))
     tensors = {k: v.to(torch.bfloat16).clone() for k, v in model.state_dict().items() if k != "freqs_cis"}
     keys = sorted(tensors)
     names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
@@ -240,3 +244,28 @@ def test_preflight_records_the_source_and_refuses_the_released_ids_with_another_
     assert plan.init_from["sha256"] == __import__("hashlib").sha256(
         (released / "model.safetensors.index.json").read_bytes()).hexdigest()
     assert ModelConfig.from_hf_dict(plan.model_config).mean_recurrence == 4
+
+
+# ---- the recipes -------------------------------------------------------------------------------------------
+RECIPES = Path(__file__).resolve().parents[1] / "configs" / "train"
+
+
+@pytest.mark.parametrize("name", ["finetune_huginn_chat", "continue_huginn"])
+def test_the_recipes_load_agree_with_the_released_config_and_plan_within_80_gib(name, tmp_path, capsys):
+    from huginn_ray.train import memory
+    from huginn_ray.train.config import load_train_config
+
+    path = RECIPES / f"{name}.yaml"
+    cfg = load_train_config(str(path))
+    assert cfg.parallelism.mode == "hsdp" and cfg.scaling.num_workers == 8 and cfg.precision == "bf16-mixed"
+    if name == "finetune_huginn_chat":  # the original example's optimizer and schedule
+        assert (cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.eps) == ("AdamW", 5e-7, 0.0, 1e-8)
+        assert cfg.schedule.min_lr == pytest.approx(1e-3 * cfg.optim.lr)
+    # its model section is the released huginn-0125's config.json (the preflight would refuse it otherwise)
+    released = tmp_path / "huginn-0125"
+    released.mkdir()
+    (released / "config.json").write_text(json.dumps(released_config(ModelConfig.from_name("nebel-raven-3.5b"))))
+    assert init_from.model_config(load_train_config(str(path), [f"init_from={released}"])).n_embd == 5280
+    assert memory.main(["--config", str(path)]) == 0
+    total = re.search(r"total per rank: ([0-9.]+) GiB of 80.0 GiB", capsys.readouterr().out)
+    assert total and float(total.group(1)) < 72.0, total
