@@ -168,7 +168,10 @@ def one_step_runs(rank, world_size, directory: Path):
         out = directory / f"{name}_checkpoint".replace(" ", "_")
         ckpt.write(out, rank, c.model, c.optimizer, ckpt.TrainerState(step=1, world_size=world_size), cpu)
         report[name] = {"loss": result.loss, "grad_norm": result.grad_norm,
-                        "param_bytes": sum(local(p).numel() * 4 for p in c.model.parameters())}
+                        "param_bytes": sum(local(p).numel() * 4 for p in c.model.parameters()),
+                        "tied": c.model.lm_head.weight is c.model.transformer.wte.weight,
+                        "optimized": sum(len(group["params"]) for group in c.optimizer.param_groups),
+                        "parameters": len(list(c.model.parameters()))}
         if hasattr(c.sync, "remove_hooks"):
             c.sync.remove_hooks()
     return report
@@ -202,6 +205,9 @@ def test_one_step_at_lr_0_from_the_released_layout_exports_the_directory_s_logit
     for name in ("hsdp", "hsdp from a checkpoint"):
         assert reports[0][name]["loss"] == pytest.approx(reports[0]["replicate"]["loss"], rel=1e-6)
     assert reports[0]["replicate"]["grad_norm"] > 0
+    for name in ("replicate", "hsdp", "hsdp from a checkpoint"):  # the head is the embedding, as in training
+        assert reports[0][name]["tied"], name
+        assert reports[0][name]["optimized"] == reports[0][name]["parameters"] == len(list(model.parameters()))
     whole = reports[0]["replicate"]["param_bytes"]
     for report in reports:  # under hsdp a rank allocated and read its half only
         assert abs(report["hsdp"]["param_bytes"] - whole / 2) <= 0.1 * whole / 2

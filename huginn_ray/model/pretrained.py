@@ -141,17 +141,15 @@ def load_pretrained(directory: str | Path, device: str | torch.device = "cpu",
 
 @torch.no_grad()
 def load_weights_into(model: RecurrentGPT, directory: str | Path) -> None:
-    """Fill `model`'s parameters (allocated, e.g. `to_empty`, possibly FSDP2-sharded) from the model directory
-    `directory` (any layout load_pretrained reads), each rank reading only what it holds.
+    """Fill `model`'s parameters (given storage by `RecurrentGPT.allocate`, possibly FSDP2-sharded) from the model
+    directory `directory` (any layout load_pretrained reads), each rank reading only what it holds.
 
     safetensors (one file or index + shards): every parameter's slice this rank holds (the whole tensor, or its
     DTensor shard's rows) is read from the memory-mapped file and copied in, cast to the parameter's dtype; one
     tensor slice is in host memory at a time. A training checkpoint: DCP reads the pieces of every tensor this
-    rank holds (a collective: every rank calls it). The RoPE table is recomputed; a tied head is the embedding.
+    rank holds (a collective: every rank calls it). A tied head is the embedding (stored heads are not read).
     Raises ValueError naming the file and key for a missing, unexpected or differently shaped tensor."""
     directory = Path(directory)
-    config = model.config
-    model.freqs_cis = rope_table(config.head_dim, config.block_size, config.rope_base).to(model.freqs_cis.device)
     params = dict(model.named_parameters())  # a tied head is listed once, as transformer.wte.weight
     if (state_dir := _training_state(directory)) is not None:
         _load_dcp_model(state_dir, {key: p for key, p in params.items()})

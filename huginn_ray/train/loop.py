@@ -166,7 +166,7 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
     if shape.mode == "hsdp":
         parallel.apply_hsdp(model, mesh)
     if plan.init_from:
-        model.to_empty(device=device)  # this rank's part only (its shards under hsdp)
+        model.allocate(device)  # this rank's part only (its shards under hsdp)
         if load_init_from:
             load_initial_weights(model, plan, rank)
     if shape.mode == "hsdp":
