@@ -275,3 +275,20 @@ def test_the_recipes_load_agree_with_the_released_config_and_plan_within_80_gib(
     assert memory.main(["--config", str(path)]) == 0
     total = re.search(r"total per rank: ([0-9.]+) GiB of 80.0 GiB", capsys.readouterr().out)
     assert total and float(total.group(1)) < 72.0, total
+
+
+def test_mlflow_records_where_the_weights_came_from(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from huginn_ray.train import tracking
+
+    released = write_released_layout(tiny_model(), tmp_path / "huginn")
+    cfg = config(f"init_from={released}", f"out_dir={tmp_path}")
+    source = init_from.describe_source(cfg.init_from, init_from.model_config(cfg))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = tracking.open_run(cfg, uri, str(cfg.run_dir), source)
+    params = MlflowClient(uri).get_run(run_id).data.params
+    assert params["init_from.path"] == str(released)
+    assert params["init_from.hashed"] == str(released / "model.safetensors.index.json")
+    assert params["init_from.sha256"] == __import__("hashlib").sha256(
+        (released / "model.safetensors.index.json").read_bytes()).hexdigest()
