@@ -77,10 +77,7 @@ def _load_training_checkpoint(state_dir: Path, config: ModelConfig, device, dtyp
     layout: replicate or hsdp, any world size); the optimizer state is not read."""
     with torch.device("meta"):
         model = RecurrentGPT(config)
-    model.to_empty(device=device)
-    model.freqs_cis = rope_table(config.head_dim, config.block_size, config.rope_base).to(device)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.transformer.wte.weight
+    model.allocate(device)
     tensors = {key: value for key, value in model.state_dict().items()
                if not (config.tie_embeddings and key == "lm_head.weight")}
     _load_dcp_model(state_dir, tensors, one_process=True)
