@@ -257,6 +257,10 @@ class SandwichBlock(nn.Module):
         return self.norm_4(self.mlp(self.norm_3(x)) + x)
 
 
+CHECKPOINT_OPTIONS = dict(use_reentrant=False, preserve_rng_state=False, determinism_check="none")
+"""Activation checkpointing without RNG bookkeeping: nothing inside a block draws random numbers."""
+
+
 class RecurrentCore(nn.ModuleList):
     """The core block: its sandwich blocks, applied once per recurrence iteration.
 
@@ -288,13 +292,23 @@ class RecurrentCore(nn.ModuleList):
                                                       block_offset + len(self) * iteration)
         for iteration in range(n, n + k):
             previous = state
-            first = block_offset + len(self) * iteration
             if checkpointing:
-                state = checkpoint(self.iterate, state, injected, adapter_weight, rope, cache, first,
-                                   use_reentrant=False, preserve_rng_state=False, determinism_check="none")
+                state = self._iterate_checkpointed(state, injected, adapter_weight, rope)
             else:
-                state = self.iterate(state, injected, adapter_weight, rope, cache, first)
+                state = self.iterate(state, injected, adapter_weight, rope, cache, block_offset + len(self) * iteration)
         return state, previous
+
+    def _iterate_checkpointed(self, state: Tensor, injected: Tensor, adapter_weight: Tensor, rope: Tensor) -> Tensor:
+        """One iteration with every block checkpointed on its own (the adapter with the first block): backward
+        recomputes one block at a time, so its transient is one block's activations, for one saved input per
+        block (training only: no KV cache)."""
+        def adapter_and_first_block(state: Tensor) -> Tensor:
+            return self[0](F.linear(state, adapter_weight) + injected, rope)
+
+        x = checkpoint(adapter_and_first_block, state, **CHECKPOINT_OPTIONS)
+        for block in self[1:]:
+            x = checkpoint(block, x, rope, **CHECKPOINT_OPTIONS)
+        return x
 
 
 def compile_blocks(model: "RecurrentGPT", **compile_kwargs) -> "RecurrentGPT":
@@ -485,14 +499,21 @@ class RecurrentGPT(nn.Module):
         """Allocate a model built on the meta device on `device` and initialise it there, drawing exactly the
         random numbers a model constructed on `device` draws (the default inits of nn.Linear / nn.Embedding in
         construction order, then `reset_parameters`): bitwise the same model, without a CPU copy first."""
-        self.to_empty(device=device)
-        if self.config.tie_embeddings:
-            self.lm_head.weight = self.transformer.wte.weight
-        self.freqs_cis = rope_table(self.config.head_dim, self.config.block_size, self.config.rope_base).to(device)
+        self.allocate(device)
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.reset_parameters()
         self.reset_parameters()
+        return self
+
+    def allocate(self, device: torch.device | str) -> "RecurrentGPT":
+        """Give a model built on the meta device (possibly FSDP2-sharded: each rank its shards) uninitialised
+        storage on `device`, the tied head re-tied (`to_empty` gives every module a tensor of its own) and the
+        RoPE table computed; the weights are then initialised or loaded."""
+        self.to_empty(device=device)
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.freqs_cis = rope_table(self.config.head_dim, self.config.block_size, self.config.rope_base).to(device)
         return self
 
     # ---- initialisation (takase, training-code variant: both halves of mlp.fc at the base std) -----------

@@ -158,9 +158,9 @@ def saved_activation_bytes(model: RecurrentGPT, input_ids: torch.Tensor, num_ste
                            bf16: bool = False, device_type: str = "cpu") -> dict:
     """Bytes autograd keeps for backward over one forward+loss of `model` (meta or real tensors).
 
-    Returns {"activations", "recompute_iteration", "weight_casts", "loss_forward", "loss_backward"}: the saved
-    storages of the whole forward, of one core iteration without checkpointing (what its recomputation holds
-    in backward), and of the bf16 weight casts alive at the end of the forward that are not among the saved
+    Returns {"activations", "recompute_block", "weight_casts", "loss_forward", "loss_backward"}: the saved
+    storages of the whole forward, of the core's largest checkpointed segment (the adapter and the first block)
+    without checkpointing (what its recomputation holds in backward), and of the bf16 weight casts alive at the end of the forward that are not among the saved
     storages; with `model.loss_chunk_tokens` the peaks of the chunked loss's own allocations in its forward
     (one chunk's logits) and in its backward, which runs first in backward while every activation is alive
     (the fp32 accumulator of the head weight's gradient, the weight in the matmul dtype, hidden's gradient,
@@ -189,7 +189,7 @@ def saved_activation_bytes(model: RecurrentGPT, input_ids: torch.Tensor, num_ste
                                         dtype)
         loss_forward, loss_backward = forward_peak.peak, backward_peak.peak
     del out
-    # one iteration as its checkpoint recomputes it in backward
+    # the core's largest checkpointed segment (the adapter and the first block) as backward recomputes it
     recompute = SavedBytes(exclude)
     with torch.no_grad():
         x = model.transformer.wte(input_ids) * model.config.embedding_scale
@@ -197,9 +197,10 @@ def saved_activation_bytes(model: RecurrentGPT, input_ids: torch.Tensor, num_ste
     state = torch.zeros_like(embedded).requires_grad_()
     rope = model.freqs_cis[:, : input_ids.shape[1]]
     emulation = AutocastOnMeta(bf16, device_type) if input_ids.device.type == "meta" else None
+    core = model.transformer.core_block
     with recompute.hooks(), (emulation or torch.enable_grad()):
-        model._core(state, embedded, rope, None, 0)
-    return {"activations": activations, "recompute_iteration": recompute.total, "weight_casts": casts,
+        core[0](F.linear(state, model._adapter_state_weight()) + model._inject(embedded), rope)
+    return {"activations": activations, "recompute_block": recompute.total, "weight_casts": casts,
             "loss_forward": loss_forward, "loss_backward": loss_backward}
 
 
@@ -285,11 +286,18 @@ def shard_numel(shape: torch.Size, shards: int) -> int:
     return math.ceil(rows / shards) * (math.prod(shape[1:]) if len(shape) > 1 else 1)
 
 
+def model_name(cfg, model_cfg: ModelConfig) -> str:
+    """The registry name, or with init_from the directory's model."""
+    return f"{model_cfg.name} from {cfg.init_from}" if cfg.init_from else model_cfg.name
+
+
 def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
     """The per-rank memory plan of a TrainConfig (huginn_ray.train.config)."""
     if model_cfg is None:
-        model_cfg = ModelConfig.from_name(
-            cfg.model.name, **{"activation_checkpointing": cfg.activation_checkpointing, **cfg.model.overrides})
+        from huginn_ray.train.init_from import model_config, section_config
+
+        # a recipe with init_from and a model section plans without the weights directory (preflight checks both agree)
+        model_cfg = section_config(cfg) if cfg.model is not None else model_config(cfg)
     precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if cfg.scaling.use_gpu else "fp32")
     bf16 = precision == "bf16-mixed"
     device_type = "cuda" if cfg.scaling.use_gpu else "cpu"
@@ -306,7 +314,7 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
 
     plan = MemoryPlan(device_bytes=device_memory_bytes(cfg), headroom=cfg.memory_headroom)
     layout = f"hsdp, {workers // shards} shard groups x {shards}" if hsdp else "replicate"
-    plan.header = (f"memory plan per rank: {cfg.model.name}, {workers} ranks ({layout}), "
+    plan.header = (f"memory plan per rank: {model_name(cfg, model_cfg)}, {workers} ranks ({layout}), "
                    f"micro-batch {cfg.micro_batch_size} x {cfg.block_size} tokens, {precision}, "
                    f"grad_sync.kind={cfg.grad_sync.kind}")
     step_bytes = 8 if cfg.optim.name == "ELLISAdam" else 4
@@ -352,14 +360,14 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
     k = model_cfg.mean_backprop_depth
     ids = torch.zeros(cfg.micro_batch_size, cfg.block_size, dtype=torch.long, device="meta")
     measured = saved_activation_bytes(model, ids, (1, k), bf16=bf16, device_type=device_type)
-    checkpointing = "per-iteration checkpointing" if model_cfg.activation_checkpointing else "no checkpointing"
+    checkpointing = "per-block checkpointing in the core" if model_cfg.activation_checkpointing else "no checkpointing"
     plan.rows.append((f"activations saved for backward (k={k})", measured["activations"],
                       f"meta forward+loss under saved_tensors_hooks, {checkpointing}"))
 
     vocab = model_cfg.padded_vocab_size
     tokens = cfg.micro_batch_size * cfg.block_size
     if model_cfg.activation_checkpointing:
-        plan.transients.append(("recompute of one iteration", measured["recompute_iteration"]))
+        plan.transients.append(("recompute of one core block", measured["recompute_block"]))
     if cfg.loss_chunk_tokens:
         chunk = min(cfg.loss_chunk_tokens, tokens)
         plan.transients.append((f"chunked loss backward, chunk {chunk}", measured["loss_backward"]))
