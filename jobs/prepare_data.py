@@ -1,6 +1,6 @@
 """Prepare training data: download -> staging -> tokenize/pack -> global shuffle into per-rank shards.
 
-    python jobs/prepare_data.py --config configs/data/demo.yaml [--stage pack ...] [key=value ...]
+    python jobs/prepare_data.py --config configs/data/demo.yaml [--stage pack ...] [--quiet] [key=value ...]
     python jobs/prepare_data.py --config configs/data/huginn.yaml --plan [--json]   # nothing is written
     ray job submit --working-dir . -- python jobs/prepare_data.py --config configs/data/huginn.yaml
 
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="print what the run means (files, bytes, tokens, disk, memory, time) and exit; "
                              "nothing is downloaded or written")
     parser.add_argument("--json", action="store_true", help="with --plan: one JSON object instead of the table")
+    parser.add_argument("--quiet", action="store_true", help="no Ray Data progress bars (the stages' own lines stay)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. num_shards=8")
     args = parser.parse_args(argv)
     try:
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepare_data: {message}", flush=True)
     stop_ray = None
     try:
-        stop_ray = init_ray(cfg)
+        stop_ray = init_ray(cfg, quiet=args.quiet)
         manifest = run(cfg, tuple(args.stage) if args.stage else STAGES)
     except Exception as err:
         cause = root_error(err)

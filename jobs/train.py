@@ -88,7 +88,8 @@ def _run(cfg, verbose: bool) -> int:
     stop_file(cfg).unlink(missing_ok=True)  # left by an earlier attempt that this rerun resumes
     signal.signal(signal.SIGTERM, lambda signum, frame: request_stop(cfg))
     print(f"[huginn] training {cfg.run_name}: {plan.schedule_steps} steps of {plan.global_batch_rows} rows, "
-          f"{cfg.scaling.num_workers} workers, model {cfg.model.name}, {plan.precision}"
+          f"{cfg.scaling.num_workers} workers, model {plan.model_config['name']}"
+          f"{' from ' + plan.init_from['path'] if plan.init_from else ''}, {plan.precision}"
           f"{', compiled blocks' if cfg.compile else ''}", flush=True)
     outcome = None
     try:

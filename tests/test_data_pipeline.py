@@ -13,6 +13,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -229,6 +230,69 @@ def test_same_bytes_from_a_separate_ray_with_one_cpu(prepared, tmp_path):
         assert (tmp_path / "one_cpu" / "shards" / path.parent.name / path.name).read_bytes() == path.read_bytes()
 
 
+def _killed_once(fn, flag: Path):
+    """fn, except that the first attempt of the first call SIGKILLs its own worker process in the middle of the
+    task: after its first output is fully written under its temp name, before that output is committed."""
+
+    def first_attempt_dies(*args, **kwargs):
+        try:
+            os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:  # a later call, or the retry of the killed attempt: the real task
+            return fn(*args, **kwargs)
+        from huginn_ray.data import layout
+
+        layout.commit_file = lambda tmp, final: os.kill(os.getpid(), signal.SIGKILL)  # this worker only
+        return fn(*args, **kwargs)
+
+    return first_attempt_dies
+
+
+def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(prepared, tmp_path, monkeypatch):
+    """One worker process dies (SIGKILL) in the middle of a tokenize+pack task and one in the middle of a shuffle
+    map task; Ray Data retries both tasks and the run writes the same packed files and shards, byte for byte, as
+    the undisturbed run, with no temp file left behind."""
+    from huginn_ray.data import shards as shards_mod
+    from huginn_ray.data import tokenize_pack as pack_mod
+
+    root, config = prepared
+    monkeypatch.setattr(pack_mod, "tokenize_and_pack", _killed_once(pack_mod.tokenize_and_pack, tmp_path / "pack"))
+    monkeypatch.setattr(shards_mod, "_map_group", _killed_once(shards_mod._map_group, tmp_path / "map"))
+    out = tmp_path / "killed"
+    assert prepare_data.main(["--quiet", "--config", str(config), f"output_dir={out}",
+                              f"tokenizer.path={root / 'out' / 'tokenizer'}"]) == 0
+    assert (tmp_path / "pack").exists() and (tmp_path / "map").exists()  # both kills happened
+
+    def outputs(base: Path) -> dict:
+        return {p.relative_to(base).as_posix(): p.read_bytes()
+                for p in sorted(base.glob("packed/*.parquet")) + sorted(base.glob("shards/*/*.parquet"))}
+
+    expected = outputs(root / "out")
+    assert len(expected) > 2 * N_SHARDS and outputs(out) == expected
+    assert not [p for p in out.rglob("*.tmp")]
+
+
+def test_progress_shows_on_the_console_unless_quiet(prepared, tmp_path):
+    """Ray Data reports the progress of each stage's operator (on a console that is not a terminal, as here and
+    under `ray job submit`, as log lines on stderr); --quiet reports none."""
+    import logging
+
+    _, config = prepared
+    records: list[str] = []
+    collect = logging.Handler()
+    collect.emit = lambda record: records.append(record.getMessage())
+    progress = logging.getLogger("ray.data._internal.progress")
+    progress.addHandler(collect)
+    try:
+        assert prepare_data.main(["--stage", "staging", "--config", str(config), f"output_dir={tmp_path / 'a'}"]) == 0
+        shown, records[:] = list(records), []
+        assert prepare_data.main(["--quiet", "--stage", "staging", "--config", str(config),
+                                  f"output_dir={tmp_path / 'b'}"]) == 0
+    finally:
+        progress.removeHandler(collect)
+    assert any("Running Dataset" in line for line in shown) and any("MapBatches(staging)" in line for line in shown)
+    assert records == []
+
+
 def test_rerun_skips_complete_stages(prepared, capsys):
     root, config = prepared
     before = {p: p.stat().st_mtime_ns for p in (root / "out" / "shards").rglob("*.parquet")}
@@ -438,7 +502,7 @@ def test_packing_does_not_depend_on_the_cluster_size_with_many_files(prepared, t
     assert len([k for k in two if k.startswith("packed/")]) > 60 and two == one
 
 
-def test_pack_resumes_keeping_committed_batches_and_cleans_stale_tmp_dirs(prepared, tmp_path, capsys):
+def test_staging_and_pack_resume_keeping_committed_files_and_clean_stale_tmp_dirs(prepared, tmp_path, capsys):
     root, config = prepared
     out = tmp_path / "resume"
     args = ["--config", str(config), f"output_dir={out}", f"tokenizer.path={root / 'out' / 'tokenizer'}"]
@@ -456,9 +520,24 @@ def test_pack_resumes_keeping_committed_batches_and_cleans_stale_tmp_dirs(prepar
     (out / "packed.partial" / "0000-half.parquet.tmp").write_bytes(b"half")
     mtimes = {p.name: p.stat().st_mtime_ns for p in kept}
     (out / "staging" / "prose.tmp-999999").mkdir()
+    # staging of one source interrupted: every other staged file committed, the rest not yet
+    staged = {p.name: p.read_bytes() for p in (out / "staging" / "notes").glob("*.parquet")}
+    staged_marker = json.loads((out / "staging" / "notes" / "_COMPLETE.json").read_text())
+    partial = out / "staging" / "notes.partial"
+    (out / "staging" / "notes").rename(partial)
+    (partial / "_COMPLETE.json").unlink()
+    (partial / "_PLAN.json").write_text(json.dumps({"fingerprint": staged_marker["fingerprint"]}))
+    for p in sorted(partial.glob("*.parquet"))[1::2]:
+        p.unlink()
+    staged_mtimes = {p.name: p.stat().st_mtime_ns for p in partial.glob("*.parquet")}
     capsys.readouterr()
     assert prepare_data.main(args) == 0
     printed = capsys.readouterr().out
+    assert f"[staging] resuming {partial}: {len(staged_mtimes)}/{len(staged)} staged files" in printed
+    assert {p.name: p.read_bytes() for p in (out / "staging" / "notes").glob("*.parquet")} == staged
+    assert json.loads((out / "staging" / "notes" / "_COMPLETE.json").read_text()) == staged_marker
+    assert all((out / "staging" / "notes" / n).stat().st_mtime_ns == m for n, m in staged_mtimes.items())
+    assert not partial.exists()
     assert f"[pack] {len(kept)}/" in printed and "already packed by an earlier run" in printed
     assert "removing" in printed and "prose.tmp-999999" in printed
     assert not (out / "staging" / "prose.tmp-999999").exists()

@@ -56,13 +56,14 @@ def tokenizer(tmp_path_factory) -> Path:
     return train_tokenizer(texts, VOCAB, tmp_path_factory.mktemp("tok") / "tokenizer")
 
 
-def _file_bytes(first_row: int, rows: int, row_len: int = SEQ_LEN + 1, bad_id: int | None = None) -> bytes:
+def _file_bytes(first_row: int, rows: int, row_len: int = SEQ_LEN + 1, bad_id: int | None = None,
+                value_type: pa.DataType = pa.int64()) -> bytes:
     ids = (np.arange(rows * row_len).reshape(rows, row_len) * 7 + first_row) % VOCAB
     ids[:, 0] = first_row + np.arange(rows)  # identity of the row
     if bad_id is not None:
         ids[2, 5] = bad_id
     buf = io.BytesIO()
-    pq.write_table(pa.table({"input_ids": pa.array(list(ids), pa.list_(pa.int64()))}), buf)
+    pq.write_table(pa.table({"input_ids": pa.array(list(ids), pa.list_(value_type))}), buf)
     return buf.getvalue()
 
 
@@ -218,3 +219,48 @@ def test_validation_rows_that_also_occur_in_train_are_counted_and_dropped(ray_in
     assert (len(in_val) == 0) if drop else (0 < len(in_val) <= 5)
     out = capsys.readouterr().out
     assert "[dedup] released: 5 validation rows also occur in train" in out
+
+
+def test_as_many_released_files_as_shards_are_verified_and_hard_linked(ray_instance, tokenizer, tmp_path, capsys):
+    """4 + 4 files of list<uint16> rows, one row count per split, for num_shards=4: each file is read through
+    (row length, id range), hard-linked as its shard and recorded so in the manifest; the shards pass the training
+    preflight. The same files stored as int64 (as the release stores them) are re-sharded by the shuffle, saying
+    why."""
+    from huginn_ray.train.shard_check import check_shards
+
+    def released_files(value_type: pa.DataType) -> dict[str, bytes]:
+        return {f"{split}/{i:03d}_00000.parquet": _file_bytes(first + 100 * i, rows, value_type=value_type)
+                for split, first, rows in (("train", 0, 30), ("val", 1000, 11)) for i in range(4)}
+
+    files = released_files(pa.uint16())
+    released = _write_local(tmp_path, files)
+    capsys.readouterr()
+    assert prepare_data.main(["--quiet", "--config", str(_config(tmp_path, tokenizer, LOCAL))]) == 0
+    shards = tmp_path / "out" / "shards"
+    manifest = read_manifest(shards)
+    assert manifest["reshard_method"] == "hard_link"
+    assert manifest["linked_files"] == {split: [f"{split}/{i:03d}_00000.parquet" for i in range(4)]
+                                        for split in ("train", "val")}
+    assert manifest["rows_per_shard"] == {"train": 30, "val": 11}
+    assert manifest["dropped_surplus_rows"] == {"train": 0, "val": 0}
+    for split, rels in manifest["linked_files"].items():
+        for rank, rel in enumerate(rels):
+            assert os.path.samefile(shards / split / f"{rank:05d}.parquet", released / rel)
+    assert {f["path"]: f["hash"] for f in manifest["sources"]["released"]["files"]} == {
+        rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}
+    assert check_shards(shards, manifest, VOCAB).files == 8  # the training preflight takes them
+    assert "hard-linked as the shards" in capsys.readouterr().out
+
+    wide = tmp_path / "wide"
+    _write_local(wide, released_files(pa.int64()))
+    assert prepare_data.main(["--quiet", "--config", str(_config(wide, tokenizer, LOCAL))]) == 0
+    assert read_manifest(wide / "out" / "shards")["reshard_method"] == "shuffle"
+    assert "equals the released file count, but the files cannot be linked" in capsys.readouterr().out
+
+    bad = tmp_path / "bad"  # linkable by their footers, but one id is outside the vocabulary: refused, nothing linked
+    _write_local(bad, {**files, "val/002_00000.parquet": _file_bytes(1200, 11, bad_id=VOCAB + 3,
+                                                                      value_type=pa.uint16())})
+    assert prepare_data.main(["--quiet", "--config", str(_config(bad, tokenizer, LOCAL))]) == 1
+    err = capsys.readouterr().err
+    assert "val/002_00000.parquet" in err and "token id 4099 does not fit" in err
+    assert not (bad / "out" / "shards").exists()

@@ -139,7 +139,8 @@ def test_a_training_step_reads_the_device_once():
         dist.destroy_process_group()
     project = {site: n for site, n in sites.items() if site.split(":")[0] in (
         "loop.py", "model.py", "optim.py", "grad_sync.py", "parallel.py")}
-    # 3 steps of 2 micro-batches: one agreed-vector read per step; per micro-batch one CPU depth draw and one read
-    # of the row keys (a host tensor from the reader) that seed the rows' noise generators
+    # 3 steps of 2 micro-batches: one agreed-vector read per step; per micro-batch one CPU depth draw, one read
+    # of the row keys (a host tensor from the reader) that seed the rows' noise generators and one count of its
+    # supervised labels (host tensors too)
     assert project == {"loop.py:train_step:tolist": 3, "model.py:sample_recurrence:item": 6,
-                       "model.py:keyed_initial_state:tolist": 6}, sites
+                       "model.py:keyed_initial_state:tolist": 6, "loop.py:host_count:__int__": 6}, sites

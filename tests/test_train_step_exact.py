@@ -95,6 +95,75 @@ def poisoned_run(rank: int, on_nonfinite: str) -> dict:
     return run
 
 
+# ---- masked rows: the loss is sum over supervised tokens / their count over the global batch -----------------
+SUPERVISED = {0: (32, 5), 1: (0, 19)}
+"""Supervised labels of each rank's two micro-batches (of 2 x 16): rank 1's first one has none."""
+
+
+class FixedStep:
+    """Stands in for the StepPrefetcher: the same collated micro-batches at every step."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def next_step(self):
+        return self.batches
+
+
+def masked_batches(rank: int, counts=None) -> list:
+    """Rank `rank`'s micro-batches of rows with a loss mask whose first `count` target positions (row-major)
+    are 1, collated as the loop collates them (the pad id, 0 here, on every label that is not a target)."""
+    batches = []
+    for micro, count in enumerate(counts or SUPERVISED[rank]):
+        rows = MemoryReader(None, 10 * rank + micro, 500, 17).next_rows(2)
+        targets = np.zeros(rows.ids[:, 1:].size, dtype=np.uint8)
+        targets[:count] = 1
+        mask = np.concatenate([np.zeros((len(rows.ids), 1), np.uint8), targets.reshape(len(rows.ids), -1)], axis=1)
+        batches.append(collate(Rows(rows.ids, mask, rows.keys), 0, 1, 64))
+    return batches
+
+
+def masked_plan(cfg, grad_accum):
+    """plan_for's, with a zero initial latent state: the forward is a function of the weights alone."""
+    from huginn_ray.model import ModelConfig
+
+    plan = plan_for(cfg, grad_accum=grad_accum)
+    state_init_zero = ModelConfig.from_hf_dict(plan.model_config).replace(state_init="zero").to_hf_dict()
+    return dataclasses.replace(plan, model_config=state_init_zero)
+
+
+def masked_step(rank: int, batches_by_rank) -> dict:
+    """Step 1 of this rank on its masked micro-batches: loss and gradient norm."""
+    cfg = config()
+    plan = masked_plan(cfg, grad_accum=len(batches_by_rank[rank]))
+    c = loop.build_components(cfg, plan, rank, CPU)
+    c.reader = FixedStep(batches_by_rank[rank])
+    result = loop.train_step(c, 1, cfg, plan, CPU)
+    return {"loss": result.loss, "grad_norm": result.grad_norm}
+
+
+def hand_loss_and_grad_norm(batches_by_rank: dict) -> tuple[float, float, float]:
+    """By hand, in fp64 from the model's fp32 logits: (sum of every supervised token's cross-entropy over every
+    rank's micro-batches / their count, the global norm of its gradient, the mean of the micro-batches' own means)."""
+    cfg = config()
+    c = loop.build_components(cfg, masked_plan(cfg, 2), 0, CPU)
+    total, count, means = 0.0, 0, []
+    for micro in range(2):
+        n, k = loop.sample_recurrence(loop.micro_step(1, micro, 2), 4, 2)
+        for batches in batches_by_rank.values():
+            labels = batches[micro].labels
+            logits = c.model(batches[micro].inputs, num_steps=(n, k)).logits.double()
+            token = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1),
+                                                      ignore_index=0, reduction="sum")
+            supervised = int((labels != 0).sum())
+            total, count = total + token, count + supervised
+            if supervised:
+                means.append(token.item() / supervised)
+    loss = total / count
+    loss.backward()
+    return loss.item(), global_norm([p.grad for p in c.model.parameters()]), sum(means) / len(means)
+
+
 def rank_report(rank: int, world_size: int) -> dict:
     loop.ShardReader = MemoryReader  # this spawned process's own loop module
     cfg = config()
@@ -106,6 +175,7 @@ def rank_report(rank: int, world_size: int) -> dict:
         "loss": loop.train_step(c, 1, cfg, plan, CPU).loss,
         "skip": poisoned_run(rank, "skip"),
         "stop": poisoned_run(rank, "stop"),
+        "masked": masked_step(rank, {r: masked_batches(r) for r in SUPERVISED}),
     }
 
 
@@ -253,3 +323,63 @@ def test_the_model_gets_pad_replaced_by_eos_in_the_inputs_and_pad_kept_in_the_la
     assert torch.equal(seen[0][0], torch.from_numpy(inputs).long())
     assert torch.equal(seen[0][1], torch.from_numpy(rows[:, 1:]).long())
     assert (seen[0][1] == PAD).sum().item() == 2 + 1 + 2  # position 2 (x2), 6 (row 0), the last (x2)
+
+
+def test_masked_loss_with_accumulation_is_the_sum_over_supervised_tokens_over_their_count(one_rank):
+    batches = {0: masked_batches(0)}
+    loss, grad_norm, mean_of_means = hand_loss_and_grad_norm(batches)
+    assert abs(loss - mean_of_means) > 1e-2 * loss  # a per-micro-batch mean would be far off
+    got = masked_step(0, batches)
+    assert got["loss"] == pytest.approx(loss, rel=1e-6)
+    assert got["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+
+
+def test_two_ranks_with_different_supervised_counts_weigh_every_token_alike(one_rank, two_ranks):
+    loss, grad_norm, mean_of_means = hand_loss_and_grad_norm({r: masked_batches(r) for r in SUPERVISED})
+    assert abs(loss - mean_of_means) > 5e-3 * loss
+    for rank, report in enumerate(two_ranks):
+        assert report["masked"]["loss"] == pytest.approx(loss, rel=1e-6), rank
+        assert report["masked"]["grad_norm"] == pytest.approx(grad_norm, rel=1e-5), rank
+
+
+def test_a_step_without_any_supervised_token_is_non_finite(one_rank):
+    with pytest.raises(loop.Stop, match=r"step 1: non-finite loss \(nan\)"):
+        masked_step(0, {0: masked_batches(0, counts=(0, 0))})
+
+
+def test_a_fine_tune_on_masked_shards_resumes_bitwise(one_rank, monkeypatch, tmp_path):
+    """The real shard reader on a shard with a loss_mask column (targets: a different stretch of every row, some
+    rows without any), 6 steps straight, and 3 steps, a checkpoint, new components resumed from it, 3 more."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from huginn_ray.data.shards import shard_path
+    from huginn_ray.train import checkpoint as ckpt
+    from huginn_ray.train.shard_reader import ShardReader
+
+    monkeypatch.setattr(loop, "ShardReader", ShardReader)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(2, 64, size=(48, 17), dtype=np.int32)
+    starts = rng.integers(0, 17, size=(48, 1))
+    mask = ((np.arange(17) >= starts) & (np.arange(17) < starts + 6)).astype(np.uint8)
+    mask[::7] = 0  # rows without a target
+    path = shard_path(tmp_path, "train", 0)
+    path.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"input_ids": pa.array(list(ids), type=pa.list_(pa.int32())),
+                             "loss_mask": pa.array(list(mask), type=pa.list_(pa.uint8()))}), path, row_group_size=8)
+    cfg = config(f"data.data_dir={tmp_path}", "skip_first_optimizer_step=false")
+    plan = plan_for(cfg, grad_accum=2)
+    straight = loop.build_components(cfg, plan, 0, CPU)
+    expected = [loop.train_step(straight, step, cfg, plan, CPU).loss for step in range(1, 7)]
+    first = loop.build_components(cfg, plan, 0, CPU)
+    losses = [loop.train_step(first, step, cfg, plan, CPU).loss for step in range(1, 4)]
+    state = ckpt.TrainerState(step=3, world_size=1, num_streams=1, global_batch_rows=plan.global_batch_rows,
+                              rows_per_stream=3 * first.order.rows_per_stream_per_step)
+    ckpt.write(tmp_path / "run" / "checkpoint_000003", 0, first.model, first.optimizer, state, CPU)
+    second = loop.build_components(cfg, plan, 0, CPU)
+    resumed = ckpt.resume(None, tmp_path / "run", 0, second.model, second.optimizer, CPU)
+    second.reader.seek(resumed.state.rows_per_stream)
+    second.resumed = True
+    losses += [loop.train_step(second, step, cfg, plan, CPU).loss for step in range(4, 7)]
+    assert losses == expected
+    assert len(set(expected)) == 6

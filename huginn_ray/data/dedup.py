@@ -2,11 +2,12 @@
 
 The released tomg-group-umd/huginn-dataset split its validation files off after whole files had been duplicated
 for up-weighting, so a validation row can be byte-identical to a training row. Before the shuffle, two passes of
-Ray tasks (one per file) find them:
+tasks (one per file, Ray Data operators `dedup_hash_val` and `dedup_match_train`: huginn_ray/data/execution.py)
+find them:
 
 1. every validation file: a 64-bit hash (blake2b) of each row in the storage type;
-2. every training file: which of those hashes its rows have (the validation hashes go to the tasks once, through
-   the object store: 8 bytes per validation row).
+2. every training file: which of those hashes its rows have (the validation hashes go to the tasks once, with
+   the operator's function, through the object store: 8 bytes per validation row).
 
 The result is, per validation file, the row numbers that also occur in train. They are counted (manifest and
 console) and, with `drop_val_duplicates: true` (the default), left out of the validation shards: the shuffle's map
@@ -20,7 +21,8 @@ import hashlib
 
 import numpy as np
 
-from huginn_ray.data.shards import _read_input, run_bounded
+from huginn_ray.data.execution import run_tasks
+from huginn_ray.data.shards import _read_input
 
 
 def row_hashes(rows: np.ndarray) -> np.ndarray:
@@ -46,16 +48,9 @@ def _train_file_matches(entry: dict, row_len: int, dtype: str, vocab_size: int, 
 def find_val_duplicates(train: list[dict], val: list[dict], row_len: int, dtype: str,
                         vocab_size: int) -> dict[str, list[int]]:
     """Per validation file path, the row numbers (in the file) whose bytes also occur in a training row."""
-    import ray
-
-    limit = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
-    hash_task = ray.remote(_val_file_hashes)
-    per_file = run_bounded([lambda e=e: hash_task.remote(e, row_len, dtype, vocab_size) for e in val], limit,
-                           "validation files hashed", "dedup")
+    per_file = run_tasks(_val_file_hashes, [(e, row_len, dtype, vocab_size) for e in val], name="dedup_hash_val")
     all_val = np.unique(np.concatenate(per_file)) if per_file else np.zeros(0, np.uint64)
-    shared = ray.put(all_val)
-    match_task = ray.remote(_train_file_matches)
-    found = run_bounded([lambda e=e: match_task.remote(e, row_len, dtype, vocab_size, shared) for e in train], limit,
-                        "training files checked", "dedup")
+    found = run_tasks(_train_file_matches, [(e, row_len, dtype, vocab_size) for e in train],
+                      name="dedup_match_train", common={"val_hashes": all_val})
     in_train = np.unique(np.concatenate(found)) if found else np.zeros(0, np.uint64)
     return {e["path"]: np.flatnonzero(np.isin(h, in_train)).tolist() for e, h in zip(val, per_file)}

@@ -1,9 +1,10 @@
-"""Downloading Hub dataset files: parallel Ray tasks, retries, verification, provenance.
+"""Downloading Hub dataset files: parallel tasks on Ray Data, retries, verification, provenance.
 
 The driver resolves the requested revision to a commit and lists the repo's files with their sizes and hashes
-(`dataset_info(files_metadata=True)`), then keeps at most `download.max_in_flight` Ray tasks running, one per
-file. A task calls `hf_hub_download` for that commit and verifies the result against the Hub's size and hash
-(sha256 for LFS files, the git blob sha1 otherwise). Transient failures (429 honouring Retry-After, 5xx, 408,
+(`dataset_info(files_metadata=True)`), then maps the files with the Ray Data operator `download`
+(huginn_ray/data/execution.py: one task per file, at most `download.max_in_flight` at a time). A task calls
+`hf_hub_download` for that commit and verifies the result against the Hub's size and hash (sha256 for LFS files,
+the git blob sha1 otherwise). Transient failures (429 honouring Retry-After, 5xx, 408,
 dropped connections, truncated bodies, hash mismatches) are retried with exponential backoff and full jitter;
 a file still failing after `download.max_attempts` fails the run with its name. Files already present and
 verified are skipped; a partial file is resumed or refetched (a mismatching one is deleted first).
@@ -25,6 +26,7 @@ from pathlib import Path, PurePosixPath
 from huginn_ray.data import layout
 from huginn_ray.redact import redact_uri
 from huginn_ray.data.config import DownloadConfig
+from huginn_ray.data.execution import original_error, run_tasks
 from huginn_ray.data.sources import Source
 
 PROVENANCE = "_provenance.json"
@@ -157,10 +159,9 @@ def check_inside(local_dir: Path, name: str, repo: str) -> None:
 
 
 def download_sources(sources: list[Source], download_root: Path, cfg: DownloadConfig) -> dict[str, dict]:
-    """Fetch Hub sources into `download_root/<name>`, all at once: one queue of files across sources and at most
+    """Fetch Hub sources into `download_root/<name>`, all at once: one dataset of files across sources and at most
     `download.max_in_flight` downloads in flight in total. Sources whose provenance matches are skipped; a
     source's provenance is written when all of its files are verified. Returns {name: provenance}."""
-    import ray
     from huggingface_hub import constants, get_token
 
     endpoint, token = constants.ENDPOINT, get_token()
@@ -182,13 +183,8 @@ def download_sources(sources: list[Source], download_root: Path, cfg: DownloadCo
                                 f"{source.file_patterns}")
         listed.append((source, request, commit, files))
 
-    queue = [(i, f) for i, (_, _, _, files) in enumerate(listed) for f in files]
     remaining = [len(files) for _, _, _, files in listed]
-    total_bytes = sum(f.size for _, f in queue)
-    task = ray.remote(fetch_file).options(num_cpus=0.25, max_retries=0)
-    pending: dict = {}
-    done_bytes = done = skipped = 0
-    total = len(queue)
+    total_bytes = sum(f.size for _, _, _, files in listed for f in files)
 
     def finish(i: int) -> None:
         source, request, commit, files = listed[i]
@@ -198,35 +194,28 @@ def download_sources(sources: list[Source], download_root: Path, cfg: DownloadCo
         provenance[source.name] = record
         print(f"[download] {source.name}: {len(files)} files verified at {commit[:12]}", flush=True)
 
-    for i, (source, _, _, files) in enumerate(listed):
+    calls, owner = [], []
+    for i, (source, _, commit, files) in enumerate(listed):
         (download_root / source.name).mkdir(parents=True, exist_ok=True)
-        if not files:
-            finish(i)
-    queue.reverse()
-    while queue or pending:
-        while queue and len(pending) < cfg.max_in_flight:
-            i, hub_file = queue.pop()
-            source = listed[i][0]
-            ref = task.remote(source.address, listed[i][2], hub_file, str(download_root / source.name), endpoint,
-                              token, cfg)
-            pending[ref] = i
-        ready, _ = ray.wait(list(pending), num_returns=1)
-        i = pending.pop(ready[0])
-        try:
-            result = ray.get(ready[0])
-        except Exception as err:
-            for ref in pending:
-                ray.cancel(ref)
-            cause = getattr(err, "cause", None)
-            raise DownloadError(str(cause) if isinstance(cause, DownloadError) else str(err)) from None
-        done += 1
-        skipped += result["skipped"]
-        done_bytes += result["size"]
-        print(f"[download] {done}/{total} files of {len(listed)} source(s), {done_bytes / 2**20:.1f}/"
-              f"{total_bytes / 2**20:.1f} MiB ({skipped} already complete)", flush=True)
+        for hub_file in files:
+            calls.append((source.address, commit, hub_file, str(download_root / source.name), endpoint, token, cfg))
+            owner.append(i)
+
+    def done(call: int, result: dict) -> None:
+        i = owner[call]
         remaining[i] -= 1
-        if remaining[i] == 0:
+        if remaining[i] == 0:  # a source's provenance is written as soon as all of its files are verified
             finish(i)
+
+    try:
+        results = run_tasks(fetch_file, calls, name="download", num_cpus=0.25, max_concurrent=cfg.max_in_flight,
+                            on_result=done)
+    except Exception as err:  # the task's DownloadError names the file; anything else becomes one
+        cause = original_error(err, (DownloadError,))
+        raise (cause if isinstance(cause, DownloadError) else DownloadError(str(err))) from None
+    if results:
+        print(f"[download] {len(results)} files of {len(listed)} source(s), {total_bytes / 2**20:.1f} MiB "
+              f"({sum(r['skipped'] for r in results)} already complete)", flush=True)
     return provenance
 
 

@@ -2,7 +2,7 @@
 
     <output_dir>/download/<source>/...             raw Hub files, + _provenance.json once all are verified
     <output_dir>/download/manifest.json            provenance of every Hub source (repo, commit, files, hashes)
-    <output_dir>/staging/<source>/NNNNN.parquet    one file per input file: columns text, source
+    <output_dir>/staging/<source>/NNNNN.parquet    one file per input file: columns text, source, doc_id
     <output_dir>/staging/<source>/_COMPLETE.json   rows per file + the fingerprint of the inputs
     <output_dir>/tokenizer/                        tokenizer.json + tokenizer_config.json
     <output_dir>/packed/SSSS-DDDDDDDDDDDDDDDD.parquet  packed rows (input_ids, split) per batch, before the shuffle
@@ -10,10 +10,10 @@
     <output_dir>/shards/{train,val}/RRRRR.parquet  one file per training rank
     <output_dir>/shards/manifest.json
 
-A stage writes into `<dir>.tmp-<pid>` (staging) or `<dir>.partial` (pack, shuffle: resumable, keyed by the
-stage's fingerprint) and renames it into place when done, so a directory that exists is complete; its marker
-records a fingerprint of everything it was built from, and a stage whose recorded fingerprint matches is skipped
-on the next run. `.tmp-<pid>` directories of processes that are gone are removed, with a message.
+A stage writes into `<dir>.partial` (staging per source, pack, shuffle: resumable, keyed by the stage's
+fingerprint) or `<dir>.tmp-<pid>` (the tokenizer) and renames it into place when done, so a directory that
+exists is complete; its marker records a fingerprint of everything it was built from, and a stage whose recorded
+fingerprint matches is skipped on the next run. `.tmp-<pid>` directories of processes that are gone are removed, with a message.
 
 Every file is written under a name unique to its writer (`temp_path`: a task attempt that Ray retries while the
 first attempt still runs, e.g. on a node it lost contact with, never writes into the other's file) and committed
@@ -78,7 +78,7 @@ def tmp_dir_for(final: Path) -> Path:
     return tmp
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -93,7 +93,7 @@ def replace_dir(tmp: Path, final: Path) -> None:
         old = final.with_name(f"{final.name}.old-{os.getpid()}")
         final.rename(old)
     tmp.rename(final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old)
 
@@ -113,7 +113,7 @@ def commit_file(tmp: Path, final: Path) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 def write_json(path: Path, data: dict) -> None:

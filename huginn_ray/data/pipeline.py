@@ -7,6 +7,7 @@ and `--stage NAME` runs one stage alone.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -21,9 +22,10 @@ from huginn_ray.data.formatting import DataError
 from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_sources, downloaded_files
 from huginn_ray.data.plan import build_plan
 from huginn_ray.data.dedup import find_val_duplicates
-from huginn_ray.data.shards import MANIFEST, run_shuffle
+from huginn_ray.data.execution import original_error
+from huginn_ray.data.shards import MANIFEST, link_blocker, link_shards, run_shuffle
 from huginn_ray.data.sources import Source, load_sources
-from huginn_ray.data.staging import list_local_files, stage_source
+from huginn_ray.data.staging import list_local_files, stage_sources
 from huginn_ray.data.tokenize_pack import pack_fingerprint, run_pack
 from huginn_ray.data.tokens import TokenRangeError, token_dtype
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, file_sha256, special_token_ids
@@ -31,8 +33,11 @@ from huginn_ray.data.tokenizer import TOKENIZER_FILE, file_sha256, special_token
 STAGES = ("download", "staging", "pack", "shuffle")
 
 
-def init_ray(cfg: DataConfig) -> Callable[[], None]:
+def init_ray(cfg: DataConfig, quiet: bool = False) -> Callable[[], None]:
     """Connect to the cluster in RAY_ADDRESS (set by `ray job submit`), else start a private local Ray.
+
+    Ray Data shows its progress bars (one per stage's operator: rows, throughput, ETA; on a console that is not a
+    terminal, progress lines every 10 s) unless `quiet`.
 
     Returns what stops the local Ray this call started and removes the temp dir it made for it (a no-op
     when it started none: a cluster, or a Ray the caller had already initialised)."""
@@ -56,8 +61,11 @@ def init_ray(cfg: DataConfig) -> Callable[[], None]:
                            object_store_memory=store << 20 if store else None)
             started = True
     ctx = DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # staging results in input order (packing no longer relies on it)
-    ctx.enable_progress_bars = False  # the stages print their own progress lines
+    ctx.enable_progress_bars = not quiet
+    ctx.print_on_execution_start = not quiet
+    # on a console that is not a terminal (`ray job submit`, a log file) Ray Data logs the progress instead, every
+    # RAY_DATA_NON_TTY_PROGRESS_LOG_INTERVAL seconds (10), through a logger that quiet_local_ray sets to ERROR
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR if quiet else logging.INFO)
     return stop if started else (lambda: None)
 
 
@@ -108,7 +116,7 @@ def run_stage_staging(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]
     if packed_only(sources):
         print("[staging] packed sources: nothing to stage", flush=True)
         return {}
-    return {s.name: stage_source(s, source_inputs(cfg, s), cfg.root / "staging") for s in sources}
+    return stage_sources([(s, source_inputs(cfg, s)) for s in sources], cfg.root / "staging")
 
 
 def staging_markers(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]:
@@ -253,7 +261,8 @@ def drop_val_duplicates(cfg: DataConfig, per_source: dict, provenance: dict, voc
 
 
 def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
-    """Already packed sources (e.g. the released Huginn data) straight into N + N shards."""
+    """Already packed sources (e.g. the released Huginn data) straight into N + N shards: hard-linked as they are
+    when they already are N + N files that meet the shard contract (shards.link_blocker), else shuffled."""
     facts = tokenizer_facts(cfg)
     per_source, files, provenance = {}, [], {}
     for source in sources:
@@ -281,8 +290,22 @@ def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
     extra.update(input_fingerprint=input_fingerprint, sources=provenance, empty_sources=[], staged_documents={},
                  provenance=run_provenance(cfg, sources))
     existing = layout.read_marker(cfg.root / "shards", MANIFEST)
-    if existing is None or existing.get("fingerprint") != fingerprint:  # else run_shuffle reports it complete
-        extra["val_duplicates"] = drop_val_duplicates(cfg, per_source, provenance, facts["vocab_size"])
+    if existing is not None and existing.get("fingerprint") == fingerprint:
+        print(f"[shuffle] complete ({cfg.num_shards} + {cfg.num_shards} shards), skipped", flush=True)
+        return existing
+    extra["val_duplicates"] = drop_val_duplicates(cfg, per_source, provenance, facts["vocab_size"])
+    by_split = {split: [f for v in per_source.values() for f in v[split]] for split in ("train", "val")}
+    dtype = token_dtype(facts["vocab_size"])
+    blocker = link_blocker(by_split, cfg.num_shards, cfg.seq_len + 1, dtype)
+    if blocker is None and extra["val_duplicates"]["dropped"]:
+        blocker = f"{extra['val_duplicates']['dropped']} validation rows are left out"
+    if blocker is None:
+        return link_shards(by_split, cfg.seq_len + 1, cfg.root / "shards", seed=cfg.seed, token_dtype=dtype,
+                           vocab_size=facts["vocab_size"], fingerprint=fingerprint, manifest_extra=extra,
+                           hash_inputs=any(s.is_local for s in sources))
+    if all(len(by_split[split]) == cfg.num_shards for split in by_split):
+        print(f"[shuffle] num_shards={cfg.num_shards} equals the released file count, but the files cannot be "
+              f"linked as shards ({blocker}): re-sharding them through the shuffle", flush=True)
     manifest = run_shuffle(files, cfg.seq_len + 1, cfg.root / "shards", num_shards=cfg.num_shards, seed=cfg.seed,
                            row_group_size=cfg.shuffle.row_group_size, reducer_mib=cfg.shuffle.reducer_mib,
                            map_mib=cfg.shuffle.map_mib, token_dtype=token_dtype(facts["vocab_size"]),
@@ -339,15 +362,5 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
 
 
 def root_error(err: BaseException) -> BaseException:
-    """The DataError / DownloadError / ValueError behind Ray's wrappers (task errors, user-code errors)."""
-    seen, todo = set(), [err]
-    while todo:
-        current = todo.pop(0)
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, (DataError, DownloadError, TokenRangeError)) and \
-                getattr(current, "cause", None) is None:  # Ray's task errors wrap the original in .cause
-            return current
-        todo += [getattr(current, "cause", None), current.__cause__, current.__context__]
-    return err
+    """The DataError / DownloadError / TokenRangeError behind Ray's wrappers (task errors, user-code errors)."""
+    return original_error(err, (DataError, DownloadError, TokenRangeError))

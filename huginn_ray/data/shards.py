@@ -10,28 +10,31 @@ Train and validation rows are shuffled separately and never mixed.
 Execution: a two-pass external shuffle through files, so that no intermediate data lives in Ray's object store
 and nothing the driver or a task holds grows with N (huginn_ray/data/README.md has the cost model):
 
-1. map: one Ray task per group of ~`shuffle.map_mib` of input files computes every row's position, drops the
-   surplus, sorts its rows by position (hence by destination shard) and writes one Arrow IPC file per split,
-   `map/<split>/MMMMMM.arrow` (columns `position`, `input_ids`), plus `MMMMMM.idx.npy`: N + 1 row offsets, row
-   range [idx[s], idx[s+1]) of the file holds the rows bound for shard s.
-2. reduce: the driver gathers a split's per-map indexes into one `map/<split>/index.npy` ((N + 1) x M); one Ray
-   task per range of consecutive shards holding ~`shuffle.reducer_mib` of rows reads the two rows of it that bound
-   its shards, memory-maps only the map files holding rows for it, reads only its row ranges, merges by position
-   and writes its shards `<split>/RRRRR.parquet` (column `input_ids`, list<uint16|int32>, row groups of
-   `shuffle.row_group_size`).
+1. map (Ray Data operator `shuffle_map`): one task per group of ~`shuffle.map_mib` of input files computes every
+   row's position, drops the surplus, sorts its rows by position (hence by destination shard) and writes one Arrow
+   IPC file per split, `map/<split>/MMMMMM.arrow` (columns `position`, `input_ids`), plus `MMMMMM.idx.npy`: N + 1
+   row offsets, row range [idx[s], idx[s+1]) of the file holds the rows bound for shard s.
+2. reduce (Ray Data operator `shuffle_reduce`): the driver gathers a split's per-map indexes into one
+   `map/<split>/index.npy` ((N + 1) x M); one task per range of consecutive shards holding ~`shuffle.reducer_mib`
+   of rows reads the two rows of it that bound its shards, memory-maps only the map files holding rows for it,
+   reads only its row ranges, merges by position and writes its shards `<split>/RRRRR.parquet` (column
+   `input_ids`, list<uint16|int32>, row groups of `shuffle.row_group_size`).
 
-Tasks return only a few integers; map tasks and reducers declare `memory=` to Ray from their data size and the
-input's id width (map_task_memory, reduce_task_memory), so Ray does not start more of them on a node than its
-memory holds. Every file is written under a temporary name and
+Both passes run on Ray Data's streaming executor (huginn_ray/data/execution.py: progress bars, retries of tasks
+whose worker died). Tasks return only a few integers; map tasks and reducers declare `memory=` to Ray from their
+data size and the input's id width (map_task_memory, reduce_task_memory), so Ray does not start more of them on a
+node than its memory holds. Every file is written under a temporary name and
 renamed when complete, in `<shard_dir>.partial/` with the plan's fingerprint: a rerun after a crash keeps the
 committed map files and shards and redoes only the rest.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
+import os
 import resource
 import shutil
 import time
@@ -43,6 +46,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
+from huginn_ray.data.execution import run_tasks
 from huginn_ray.data.tokens import (DTYPES, MAX_LIST_IDS, arrow_type, check_ids, fixed_rows, numpy_dtype,
                                     parquet_options, row_schema, rows_to_arrow)
 
@@ -52,7 +56,6 @@ MANIFEST = "manifest.json"
 PLAN = "_PLAN.json"
 _MASK64 = np.uint64(2**64 - 1)
 _TASK_OVERHEAD = 256 << 20  # a worker's own footprint (interpreter, pyarrow, numpy), added to memory= requests
-MAX_IN_FLIGHT_PER_CPU = 2
 
 
 def shard_path(shard_dir: str | Path, split: str, rank: int) -> Path:
@@ -333,42 +336,6 @@ def _reduce(split: str, reducer: int, plan: dict, work: str, row_len: int, dtype
             "peak_rss_mib": _peak_rss_mib()}
 
 
-def _node_memory_cap() -> int:
-    import ray
-
-    sizes = [n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")]
-    return int(max(sizes)) if sizes else 0
-
-
-def _memory_request(estimate: int, cap: int) -> int:
-    """memory= for a task: its estimate, but never more than the largest node offers (the task would never run)."""
-    return int(min(estimate, cap)) if cap else int(estimate)
-
-
-def run_bounded(calls: list, limit: int, label: str, stage: str = "shuffle") -> list:
-    """Submit `calls` (functions returning an ObjectRef) with at most `limit` in flight; results in call order.
-
-    Only small results come back, and the driver holds at most `limit` pending references at a time."""
-    import ray
-
-    results: list = [None] * len(calls)
-    pending: dict = {}
-    next_call = done = 0
-    last_print = 0.0
-    while next_call < len(calls) or pending:
-        while next_call < len(calls) and len(pending) < limit:
-            pending[calls[next_call]()] = next_call
-            next_call += 1
-        ready, _ = ray.wait(list(pending), num_returns=1)
-        for ref in ready:
-            results[pending.pop(ref)] = ray.get(ref)
-            done += 1
-        if time.time() - last_print > 5 or done == len(calls):
-            last_print = time.time()
-            print(f"[{stage}] {label}: {done}/{len(calls)}", flush=True)
-    return results
-
-
 last_run_stats: dict = {}
 """Figures of the latest run_shuffle in this process (tasks, bytes, task peak RSS), for bench/shuffle_scale.py."""
 
@@ -379,8 +346,6 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
     """Shuffle rows of `files` ({path, train_rows, val_rows}, in global order) into shards; returns the manifest.
 
     Skipped when `shard_root` holds a manifest of the same fingerprint; resumes from `<shard_root>.partial`."""
-    import ray
-
     shard_root = Path(shard_root)
     existing = layout.read_marker(shard_root, MANIFEST)
     work = shard_root.with_name(shard_root.name + ".partial")
@@ -420,39 +385,33 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         layout.write_json(work / PLAN, {"id": work_id, "fingerprint": fingerprint,
                                         "map_tasks": len(groups), "num_shards": num_shards})
 
-    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    limit = MAX_IN_FLIGHT_PER_CPU * cpus
-    cap = _node_memory_cap()
     started = time.time()
-
     # every input comes from one producer (the pack stage, or one released dataset): the first file's id width
     # stands for all of them in the map tasks' memory
     input_width = pq.read_schema(files[0]["path"]).field("input_ids").type.value_type.bit_width // 8
-    map_task = ray.remote(_map_group)
-    calls, running = [], {name: 0 for name in SPLITS}
+    calls, memory, running = [], [], {name: 0 for name in SPLITS}
     for index, group in enumerate(groups):
-        offsets = dict(running)
         entries = [{"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"],
                     "skip_rows": f.get("skip_rows", [])} for f in group]
-        memory = _memory_request(map_task_memory(entries, row_len, token_dtype, input_width, hash_inputs), cap)
-        calls.append(lambda i=index, e=entries, o=offsets, mem=memory: map_task.options(memory=mem).remote(
-            i, e, o, plans, seed, row_len, token_dtype, vocab_size, str(work), hash_inputs))
+        calls.append((index, entries, dict(running), plans, seed, row_len, token_dtype, vocab_size, str(work),
+                      hash_inputs))
+        memory.append(map_task_memory(entries, row_len, token_dtype, input_width, hash_inputs))
         for f in group:
             for name in SPLITS:
                 running[name] += f[f"{name}_rows"]
-    map_results = run_bounded(calls, limit, "map tasks")
+    map_results = run_tasks(_map_group, calls, name="shuffle_map", memory=memory)
     map_s = time.time() - started
     for name in SPLITS:
         write_split_index(work, name, len(groups), num_shards)
 
-    calls = []
+    calls, memory = [], []
     for name, plan in plans.items():
-        reduce_task = ray.remote(_reduce).options(
-            memory=_memory_request(reduce_task_memory(plan, row_len, token_dtype), cap))
         for r in range(plan["reducers"]):
-            calls.append(lambda n=name, r=r, p=plan, t=reduce_task: t.remote(
-                n, r, p, str(work), row_len, token_dtype, row_group_size))
-    reduce_results = run_bounded(calls, limit, "reducers")
+            calls.append((name, r, plan, str(work), row_len, token_dtype, row_group_size))
+            memory.append(reduce_task_memory(plan, row_len, token_dtype))
+    reduce_results = run_tasks(_reduce, calls, name="shuffle_reduce", memory=memory)
+    for stale in work.glob("out/*/*.tmp"):  # left by an attempt whose worker died (its retry committed the file)
+        stale.unlink()
 
     for name in SPLITS:
         written = sorted(p.name for p in (work / "out" / name).glob("*.parquet"))
@@ -467,13 +426,9 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         map_files_opened=sum(r["map_files_opened"] for r in reduce_results),
         max_task_peak_rss_mib=max(r["peak_rss_mib"] for r in map_results + reduce_results))
 
-    if hash_inputs:  # local packed inputs: record the sha256 of every file read (Hub files carry theirs)
-        digests = {path: digest for r in map_results for path, digest in (r["sha256"] or {}).items()}
-        for info in manifest_extra.get("sources", {}).values():
-            for f in info.get("files", []):
-                root = info.get("local_dir")
-                if root and f.get("hash") is None:
-                    f["hash"] = digests.get(str(Path(root) / f["path"]))
+    if hash_inputs:
+        _record_local_hashes(manifest_extra, {path: digest for r in map_results
+                                              for path, digest in (r["sha256"] or {}).items()})
     manifest = {
         "format": "huginn_ray.shards/2",
         "fingerprint": fingerprint,
@@ -487,6 +442,7 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         "tokens_per_shard": {name: plans[name]["rows_per_shard"] * row_len for name in SPLITS},
         "total_rows": {name: plans[name]["kept"] for name in SPLITS},
         "dropped_surplus_rows": {name: plans[name]["dropped"] for name in SPLITS},
+        "reshard_method": "shuffle",
         **manifest_extra,
     }
     layout.write_json(work / "out" / MANIFEST, manifest)
@@ -495,6 +451,104 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
     for name in SPLITS:
         print(f"[shuffle] {name}: {num_shards} shards x {plans[name]['rows_per_shard']} rows "
               f"({plans[name]['dropped']} surplus rows dropped)", flush=True)
+    return manifest
+
+
+def _record_local_hashes(manifest_extra: dict, digests: dict[str, str]) -> None:
+    """Local packed inputs: the sha256 of every file read goes into the manifest's file list (Hub files carry the
+    hash the download verified)."""
+    for info in manifest_extra.get("sources", {}).values():
+        for f in info.get("files", []):
+            root = info.get("local_dir")
+            if root and f.get("hash") is None:
+                f["hash"] = digests.get(str(Path(root) / f["path"]))
+
+
+def link_blocker(files: dict[str, list[dict]], num_shards: int, row_len: int, token_dtype: str) -> str | None:
+    """Why already packed files cannot become the shards as they are (None: they can), from their footers.
+
+    They can when each split has exactly `num_shards` files, all of one row count, each holding the column
+    `input_ids` only, as list<token_dtype> (what the training preflight, huginn_ray/train/shard_check.py, asks
+    of a shard)."""
+    wanted = pa.list_(arrow_type(token_dtype))
+    for name in SPLITS:
+        if len(files[name]) != num_shards:
+            return f"{len(files[name])} {name} files for num_shards={num_shards}"
+        counts = {f[f"{name}_rows"] for f in files[name]}
+        if len(counts) > 1:
+            return f"the {name} files hold {min(counts)} to {max(counts)} rows, shards hold one count"
+        for f in files[name]:
+            schema = pq.read_schema(f["path"])
+            if schema.names != ["input_ids"] or schema.field("input_ids").type != wanted:
+                return (f"{f['path']} holds {schema}, shards hold input_ids: {wanted} only "
+                        f"(row_len {row_len})").replace("\n", ", ")
+    return None
+
+
+def _verify_file(entry: dict, row_len: int, dtype: str, vocab_size: int, hash_input: bool) -> dict:
+    """Task: read every row of a file to be linked as a shard (row length and id range checked, as the shuffle's
+    map tasks do) and, for a local file, hash it."""
+    hashes: dict | None = {} if hash_input else None
+    rows = sum(len(part) for _, part in _read_input(entry, row_len, dtype, vocab_size, hashes))
+    return {"rows": rows, "sha256": hashes}
+
+
+def link_shards(files: dict[str, list[dict]], row_len: int, shard_root: Path, *, seed: int, token_dtype: str,
+                vocab_size: int, fingerprint: str, manifest_extra: dict, hash_inputs: bool = False) -> dict:
+    """Already packed files that pass `link_blocker` become the shards as they are: every file is verified (each
+    row read: row length, id range; local files hashed), then hard-linked as `<split>/RRRRR.parquet`, rank r =
+    the split's r-th file in name order, and nothing is shuffled again. Returns the manifest.
+
+    A hard link, not a symlink: the shard is an ordinary file inside `shard_root` that stays valid when the
+    download directory is removed, and costs no bytes. Where the inputs are on another file system than
+    `shard_root` (a local_dir source elsewhere; a link cannot cross file systems), the file is copied instead."""
+    entries = [{"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]}
+               for name in SPLITS for f in files[name]]
+    results = run_tasks(_verify_file, [(e, row_len, token_dtype, vocab_size, hash_inputs) for e in entries],
+                        name="verify_released")
+    work = shard_root.with_name(shard_root.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    linked: dict[str, list[str]] = {}
+    for name in SPLITS:
+        (work / "out" / name).mkdir(parents=True)
+        linked[name] = []
+        for rank, f in enumerate(files[name]):
+            target = shard_path(work / "out", name, rank)
+            try:
+                os.link(f["path"], target)
+            except OSError as err:
+                if err.errno != errno.EXDEV:
+                    raise
+                tmp = layout.temp_path(target)
+                shutil.copyfile(f["path"], tmp)
+                layout.commit_file(tmp, target)
+            linked[name].append(f["rel"])
+        layout.fsync_dir(work / "out" / name)
+    if hash_inputs:
+        _record_local_hashes(manifest_extra, {p: d for r in results for p, d in (r["sha256"] or {}).items()})
+    rows = {name: files[name][0][f"{name}_rows"] for name in SPLITS}
+    manifest = {
+        "format": "huginn_ray.shards/2",
+        "fingerprint": fingerprint,
+        "num_shards": len(files["train"]),
+        "seq_len": row_len - 1,
+        "row_len": row_len,
+        "token_dtype": token_dtype,
+        "seed": seed,
+        "rows_per_shard": rows,
+        "tokens_per_shard": {name: rows[name] * row_len for name in SPLITS},
+        "total_rows": {name: rows[name] * len(files[name]) for name in SPLITS},
+        "dropped_surplus_rows": {name: 0 for name in SPLITS},
+        "reshard_method": "hard_link",
+        "linked_files": linked,
+        **manifest_extra,
+    }
+    layout.write_json(work / "out" / MANIFEST, manifest)
+    layout.replace_dir(work / "out", shard_root)
+    shutil.rmtree(work)
+    for name in SPLITS:
+        print(f"[shuffle] {name}: {len(files[name])} released files verified and hard-linked as the shards "
+              f"({rows[name]} rows each), not shuffled again", flush=True)
     return manifest
 
 

@@ -1,27 +1,35 @@
 """Staging: every source's raw files become parquet files with columns `text`, `source` and `doc_id` (§6.3).
 
-One Ray Data task per input file reads it in batches (huginn_ray/data/formatting.py) and streams the documents
-into `staging/<source>/<index>.parquet`, where index is the input file's position in the sorted file list, so the
-staged data does not depend on task scheduling. `doc_id` = index * 2^32 + row number in the file: a stable
+One Ray Data operator (`staging`, huginn_ray/data/execution.py) maps every (source, input file) pair of every
+source at once; a task reads its file in batches (huginn_ray/data/formatting.py) and streams the documents into
+`staging/<source>.partial/<index>.parquet`, where index is the input file's position in the sorted file list, so
+the staged data does not depend on task scheduling. Each file is committed on its own (temp name, fsync, rename;
+its counts in the parquet footer), so a rerun after a crash keeps the staged files of the interrupted run (the
+`.partial` directory is keyed by the source's input fingerprint) and stages only the rest. A source's directory
+is renamed to `staging/<source>/` with its marker when all of its files are staged. `doc_id` = index * 2^32 + row number in the file: a stable
 identity that later names packed files and seeds their document order.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
-import time
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
+from huginn_ray.data.execution import run_tasks
 from huginn_ray.data.formatting import DataError, iter_documents
 from huginn_ray.data.sources import Source
 
 STAGING_SCHEMA = pa.schema([("text", pa.large_string()), ("source", pa.string()), ("doc_id", pa.int64())])
 FORMAT_VERSION = 1  # bump when formatting rules change, so staged data is rebuilt
+STATS_KEY = b"huginn_ray.staging"  # a staged file's row and character counts, in its parquet footer
+PLAN = "_PLAN.json"
 
 
 def list_local_files(source: Source) -> list[Path]:
@@ -45,48 +53,75 @@ def input_fingerprint(source: Source, files: list[Path]) -> str:
     })
 
 
-def stage_source(source: Source, files: list[Path], staging_root: Path) -> dict:
-    """Stage one source unless its output is complete; returns the source's staging marker."""
-    import ray.data
+def stage_sources(inputs: list[tuple[Source, list[Path]]], staging_root: Path) -> dict[str, dict]:
+    """Stage every source whose output is not complete, all in one Ray Data operator; returns {name: marker}.
 
-    final = staging_root / source.name
-    expected = input_fingerprint(source, files)
-    if layout.is_complete(final, expected):
-        marker = layout.read_marker(final)
-        print(f"[staging] {source.name}: complete ({marker['rows']} documents), skipped", flush=True)
-        return marker
+    `inputs` holds each source with its sorted input files. A source's marker is written, and its directory
+    renamed into place, as soon as all of its files are staged."""
+    markers: dict[str, dict] = {}
+    todo, calls = [], []
+    for source, files in inputs:
+        final = staging_root / source.name
+        expected = input_fingerprint(source, files)
+        if layout.is_complete(final, expected):
+            markers[source.name] = layout.read_marker(final)
+            print(f"[staging] {source.name}: complete ({markers[source.name]['rows']} documents), skipped", flush=True)
+            continue
+        work = final.with_name(final.name + ".partial")
+        previous = layout.read_marker(work, PLAN)
+        if previous is not None and previous.get("fingerprint") == expected:
+            print(f"[staging] resuming {work}: {sum(1 for _ in work.glob('*.parquet'))}/{len(files)} staged files "
+                  "already written are kept", flush=True)
+            for stale in work.glob("*.tmp"):
+                stale.unlink()
+        else:
+            if work.exists():
+                print(f"[staging] removing {work}: left by a run with other inputs", flush=True)
+                shutil.rmtree(work)
+            work.mkdir(parents=True)
+            layout.write_json(work / PLAN, {"fingerprint": expected})
+        todo.append({"source": source, "files": files, "work": work, "final": final, "fingerprint": expected,
+                     "results": [None] * len(files), "remaining": len(files)})
+        calls += [(source, i, str(p), str(work)) for i, p in enumerate(files)]
+    owner = [(t, i) for t in todo for i in range(len(t["files"]))]
 
-    tmp = layout.tmp_dir_for(final)
-    items = [{"index": i, "path": str(p)} for i, p in enumerate(files)]
-    results = []
-    if items:
-        ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-            _stage_file, fn_kwargs={"source": source, "out_dir": str(tmp)}, batch_size=1)
-        last_print = 0.0
-        for row in ds.iter_rows():
-            results.append(row)
-            if time.time() - last_print > 5 or len(results) == len(items):
-                last_print = time.time()
-                print(f"[staging] {source.name}: {len(results)}/{len(items)} files, "
-                      f"{sum(r['rows'] for r in results)} documents", flush=True)
-    results.sort(key=lambda r: r["index"])
-    rows = sum(r["rows"] for r in results)
-    marker = {
-        "source": source.name, "fingerprint": expected, "rows": rows,
-        "chars": sum(r["chars"] for r in results),
-        "files": [{"input": r["path"], "output": r["output"], "rows": r["rows"]} for r in results],
-    }
-    layout.write_json(tmp / layout.COMPLETE, marker)
-    layout.replace_dir(tmp, final)
-    note = "  WARNING: no rows" if rows == 0 else ""
-    print(f"[staging] {source.name}: {len(files)} files -> {rows} documents{note}", flush=True)
-    return marker
+    def finish(task: dict) -> None:
+        source, results = task["source"], task["results"]
+        rows = sum(r["rows"] for r in results)
+        marker = {
+            "source": source.name, "fingerprint": task["fingerprint"], "rows": rows,
+            "chars": sum(r["chars"] for r in results),
+            "files": [{"input": str(p), "output": r["output"], "rows": r["rows"]} for p, r in zip(task["files"], results)],
+        }
+        (task["work"] / PLAN).unlink()
+        for stale in task["work"].glob("*.tmp"):  # left by an attempt whose worker died (its retry committed)
+            stale.unlink()
+        layout.write_json(task["work"] / layout.COMPLETE, marker)
+        layout.replace_dir(task["work"], task["final"])
+        markers[source.name] = marker
+        note = "  WARNING: no rows" if rows == 0 else ""
+        print(f"[staging] {source.name}: {len(task['files'])} files -> {rows} documents{note}", flush=True)
+
+    def done(call: int, result: dict) -> None:
+        task, index = owner[call]
+        task["results"][index] = result
+        task["remaining"] -= 1
+        if task["remaining"] == 0:
+            finish(task)
+
+    for task in todo:
+        if not task["files"]:
+            finish(task)
+    run_tasks(stage_file, calls, name="staging", on_result=done)
+    return markers
 
 
-def _stage_file(batch: dict, source: Source, out_dir: str) -> dict:
-    """Ray Data UDF: format one input file and stream its documents into its staging parquet file."""
-    index, path = int(batch["index"][0]), str(batch["path"][0])
+def stage_file(source: Source, index: int, path: str, out_dir: str) -> dict:
+    """Format one input file and stream its documents into `out_dir/<index>.parquet` (kept when committed by an
+    earlier, interrupted run: its counts are read back from the file's metadata)."""
     output = Path(out_dir) / f"{index:05d}.parquet"
+    if output.exists():
+        return {**json.loads(pq.read_metadata(output).metadata[STATS_KEY]), "output": output.name}
     tmp = layout.temp_path(output)
     rows = chars = 0
     with pq.ParquetWriter(tmp, STAGING_SCHEMA) as writer:
@@ -98,8 +133,9 @@ def _stage_file(batch: dict, source: Source, out_dir: str) -> dict:
             }))
             rows += len(texts)
             chars += sum(len(t) for t in texts)
+        writer.add_key_value_metadata({STATS_KEY: json.dumps({"rows": rows, "chars": chars})})
     layout.commit_file(tmp, output)
-    return {"index": [index], "path": [path], "output": [output.name], "rows": [rows], "chars": [chars]}
+    return {"rows": rows, "chars": chars, "output": output.name}
 
 
 def staged_files(staging_root: Path, source_name: str) -> list[Path]:

@@ -1,7 +1,8 @@
 """Tokenise + pack: staged documents -> rows of seq_len + 1 ids in `packed/`, independent of the cluster.
 
-Work is cut by document identity, not by how a reader happens to split files into blocks: one Ray task per
-(staged file, run of `docs_per_pack_batch` consecutive documents of that file). A task reads exactly that row
+Work is cut by document identity, not by how a reader happens to split files into blocks: one task of the Ray
+Data operator `tokenize_pack` (huginn_ray/data/execution.py) per (staged file, run of `docs_per_pack_batch`
+consecutive documents of that file). A task reads exactly that row
 range of the staged parquet file, encodes it with the Rust `tokenizers` batch encoder (the post-processor adds
 BOS/EOS per document), splits held-out validation documents from training documents (a seeded hash of the text,
 so a document and all its up-weighted copies are on one side), up-weights, packs (huginn_ray/data/packing.py),
@@ -28,8 +29,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
+from huginn_ray.data.execution import run_tasks
 from huginn_ray.data.packing import copy_fractions, copy_order, pack, unit_hash
-from huginn_ray.data.shards import TRAIN, VAL, run_bounded
+from huginn_ray.data.shards import TRAIN, VAL
 from huginn_ray.data.sources import Source
 from huginn_ray.data.tokens import (TokenRangeError, arrow_type, check_ids, parquet_options, rows_to_arrow,
                                     token_dtype)
@@ -147,8 +149,6 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
              out_root: Path, *, seq_len: int, seed: int, val_fraction: float, docs_per_batch: int, vocab_size: int,
              fingerprint: str, extra_marker: dict) -> dict:
     """Tokenise and pack every source into `out_root` (skipped when complete); returns the pack marker."""
-    import ray
-
     if layout.is_complete(out_root, fingerprint):
         marker = layout.read_marker(out_root)
         print(f"[pack] complete ({marker['train_rows']} train + {marker['val_rows']} val rows), skipped", flush=True)
@@ -172,19 +172,15 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
     tasks = pack_tasks(sources, staging_root, markers, docs_per_batch)
     # memory= per task, from its own batch: the batch's text plus its encodings (~100 bytes per token alive per
     # encode chunk) and packed rows, estimated from its source's mean document size (a batch of short documents
-    # does not wait for the memory a batch of books needs).
+    # does not wait for the memory a batch of books needs)
     mean_chars = {s.name: markers[s.name]["chars"] / max(1, markers[s.name]["rows"]) for s in sources}
-    cap = _node_memory_cap()
-    remote = ray.remote(tokenize_and_pack)
+    memory = [int(256 * 2**20 + 24 * mean_chars[t["source"]] * t["count"]) for t in tasks]
     kwargs = {"tokenizer_file": str(tokenizer_file), "row_len": seq_len + 1, "seed": seed,
               "val_fraction": val_fraction, "vocab_size": vocab_size, "dtype": dtype, "out_dir": str(work)}
-
-    def call(task: dict):
-        memory = int(256 * 2**20 + 24 * mean_chars[task["source"]] * task["count"])
-        return remote.options(memory=min(memory, cap) if cap else memory).remote(task, **kwargs)
-
-    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    results = run_bounded([lambda t=t: call(t) for t in tasks], 2 * cpus, "batches", "pack")
+    results = run_tasks(tokenize_and_pack, [(t,) for t in tasks], name="tokenize_pack", common=kwargs,
+                        memory=memory)
+    for stale in work.glob("*.tmp"):  # left by an attempt whose worker died (its retry committed the file)
+        stale.unlink()
 
     per_source = {s.name: {**{k: 0 for k in _STAT_KEYS}, "weight": s.weight,
                            "every_token_is_sacred": s.every_token_is_sacred} for s in sources}
@@ -213,9 +209,3 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
               f"{stats['doc_tokens']} tokens -> "
               f"{stats['train_rows']} train + {stats['val_rows']} val rows", flush=True)
     return marker
-
-
-def _node_memory_cap() -> int:
-    from huginn_ray.data.shards import _node_memory_cap as cap
-
-    return cap()

@@ -499,14 +499,21 @@ class RecurrentGPT(nn.Module):
         """Allocate a model built on the meta device on `device` and initialise it there, drawing exactly the
         random numbers a model constructed on `device` draws (the default inits of nn.Linear / nn.Embedding in
         construction order, then `reset_parameters`): bitwise the same model, without a CPU copy first."""
-        self.to_empty(device=device)
-        if self.config.tie_embeddings:
-            self.lm_head.weight = self.transformer.wte.weight
-        self.freqs_cis = rope_table(self.config.head_dim, self.config.block_size, self.config.rope_base).to(device)
+        self.allocate(device)
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.reset_parameters()
         self.reset_parameters()
+        return self
+
+    def allocate(self, device: torch.device | str) -> "RecurrentGPT":
+        """Give a model built on the meta device (possibly FSDP2-sharded: each rank its shards) uninitialised
+        storage on `device`, the tied head re-tied (`to_empty` gives every module a tensor of its own) and the
+        RoPE table computed; the weights are then initialised or loaded."""
+        self.to_empty(device=device)
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.freqs_cis = rope_table(self.config.head_dim, self.config.block_size, self.config.rope_base).to(device)
         return self
 
     # ---- initialisation (takase, training-code variant: both halves of mlp.fc at the base std) -----------

@@ -8,6 +8,7 @@ and the head is re-tied on load.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -15,7 +16,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from huginn_ray.model.config import ModelConfig
@@ -74,29 +75,32 @@ def _training_state(directory: Path) -> Path | None:
 def _load_training_checkpoint(state_dir: Path, config: ModelConfig, device, dtype) -> RecurrentGPT:
     """The model of a training checkpoint, read by this one process from the pieces every rank wrote (any
     layout: replicate or hsdp, any world size); the optimizer state is not read."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
     with torch.device("meta"):
         model = RecurrentGPT(config)
-    model.to_empty(device=device)
-    model.freqs_cis = rope_table(config.head_dim, config.block_size, config.rope_base).to(device)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.transformer.wte.weight
+    model.allocate(device)
     tensors = {key: value for key, value in model.state_dict().items()
                if not (config.tie_embeddings and key == "lm_head.weight")}
-    try:
-        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": tensors}, storage_reader=dcp.FileSystemReader(state_dir), no_dist=True)
-    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps the file system's and planner's errors
-        failures = getattr(err, "failures", {0: (err, None)})
-        raise ValueError(f"{state_dir}: the training checkpoint's model cannot be read ("
-                         + "; ".join(f"{type(e).__name__}: {e}" for e, _ in failures.values())[:400] + ")") from None
+    _load_dcp_model(state_dir, tensors, one_process=True)
     if dtype is not None:
         model.to(dtype)
         model.freqs_cis = model.freqs_cis.float()
     return model
+
+
+def _load_dcp_model(state_dir: Path, tensors: dict, one_process: bool = False) -> None:
+    """Read a training checkpoint's model tensors in place into `tensors` (name -> tensor or DTensor): by this one
+    process, or (one_process=False) collectively, every rank reading the pieces of what it holds."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": tensors}, storage_reader=dcp.FileSystemReader(state_dir), no_dist=one_process)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps the file system's and planner's errors
+        failures = getattr(err, "failures", {0: (err, None)})
+        raise ValueError(f"{state_dir}: the training checkpoint's model cannot be read ("
+                         + "; ".join(f"{type(e).__name__}: {e}" for e, _ in failures.values())[:400] + ")") from None
 
 
 def load_pretrained(directory: str | Path, device: str | torch.device = "cpu",
@@ -130,6 +134,120 @@ def load_pretrained(directory: str | Path, device: str | torch.device = "cpu",
     if config.tie_embeddings:
         model.lm_head.weight = model.transformer.wte.weight
     return model
+
+
+@torch.no_grad()
+def load_weights_into(model: RecurrentGPT, directory: str | Path) -> None:
+    """Fill `model`'s parameters (given storage by `RecurrentGPT.allocate`, possibly FSDP2-sharded) from the model
+    directory `directory` (any layout load_pretrained reads), each rank reading only what it holds.
+
+    safetensors (one file or index + shards): every parameter's slice this rank holds (the whole tensor, or its
+    DTensor shard's rows) is read from the memory-mapped file and copied in, cast to the parameter's dtype; one
+    tensor slice is in host memory at a time. A training checkpoint: DCP reads the pieces of every tensor this
+    rank holds (a collective: every rank calls it). A tied head is the embedding (stored heads are not read).
+    Raises ValueError naming the file and key for a missing, unexpected or differently shaped tensor."""
+    directory = Path(directory)
+    params = dict(model.named_parameters())  # a tied head is listed once, as transformer.wte.weight
+    if (state_dir := _training_state(directory)) is not None:
+        _load_dcp_model(state_dir, {key: p for key, p in params.items()})
+        return
+    location = _tensor_locations(directory)
+    missing = sorted(set(params) - set(location))
+    unexpected = sorted(set(location) - set(params) - {"freqs_cis", "lm_head.weight"})
+    if missing or unexpected:
+        raise ValueError(f"{directory}: the weights do not match the model of its {CONFIG_NAME}"
+                         + (f"; missing: {', '.join(missing[:5])}" if missing else "")
+                         + (f"; unexpected: {', '.join(unexpected[:5])}" if unexpected else ""))
+    handles = {}
+    try:
+        for key, param in params.items():
+            file = location[key]
+            if file not in handles:
+                handles[file] = safe_open(str(file), framework="pt", device="cpu")
+            stored = handles[file].get_slice(key)
+            if list(stored.get_shape()) != list(param.shape):
+                raise ValueError(f"{file}: {key} has shape {stored.get_shape()}, the model's is {list(param.shape)}")
+            target, rows = _local_rows(param)
+            target.copy_(stored[rows.start:rows.stop] if rows is not None else stored[:])
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{directory}: a weights file cannot be read: {err}") from None
+    finally:
+        handles.clear()
+
+
+def check_weights(directory: str | Path, config: ModelConfig) -> None:
+    """Raise ValueError unless `directory` holds every parameter of a model of `config` with its shape, reading
+    only the files' headers (the safetensors headers, a training checkpoint's DCP metadata)."""
+    directory = Path(directory)
+    with torch.device("meta"):
+        shapes = {key: list(p.shape) for key, p in RecurrentGPT(config).named_parameters()}
+    if (state_dir := _training_state(directory)) is not None:
+        import torch.distributed.checkpoint as dcp
+
+        metadata = dcp.FileSystemReader(state_dir).read_metadata().state_dict_metadata
+        stored = {key.removeprefix("model."): list(getattr(meta, "size", [])) for key, meta in metadata.items()
+                  if key.startswith("model.")}
+        where = state_dir
+    else:
+        stored = {}
+        for file in _weight_files(directory):
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    stored.update({key: list(f.get_slice(key).get_shape()) for key in f.keys()})
+            except (SafetensorError, OSError) as err:
+                raise ValueError(f"{file} is not a readable safetensors file: {err}") from None
+        where = directory
+    missing = sorted(set(shapes) - set(stored))
+    if missing:
+        raise ValueError(f"{where}: no {', '.join(missing[:5])} (the model of its {CONFIG_NAME} has them)")
+    for key, shape in shapes.items():
+        if stored[key] != shape:
+            raise ValueError(f"{where}: {key} has shape {stored[key]}, the model of its {CONFIG_NAME} has {shape}")
+
+
+def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, slice | None]:
+    """This rank's part of a parameter and the rows of the whole tensor it holds (None: all of it). FSDP2 shards
+    dim 0 (Shard(0) on the shard-group mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param.data, None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if any(offset[1:]):
+        raise ValueError(f"a parameter sharded on another dimension than 0 ({param.placements}) cannot be loaded")
+    return param.to_local(), slice(offset[0], offset[0] + shape[0])
+
+
+def _tensor_locations(directory: Path) -> dict[str, Path]:
+    """Every stored tensor's name -> the safetensors file that holds it."""
+    location = {}
+    for file in _weight_files(directory):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                location.update({key: file for key in f.keys()})
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{file} is not a readable safetensors file: {err}") from None
+    return location
+
+
+def weights_digest(directory: str | Path) -> tuple[str, str]:
+    """(what was hashed, its sha256) identifying the weights of a model directory cheaply: the index of a
+    sharded layout (it names every shard and tensor), the weights file of a single-file one, the DCP `.metadata`
+    of a training checkpoint (its tensors' layout; the checkpoint's path and step identify it)."""
+    directory = Path(directory)
+    if (state_dir := _training_state(directory)) is not None:
+        file = state_dir / ".metadata"
+    elif (directory / WEIGHTS_NAME).is_file():
+        file = directory / WEIGHTS_NAME
+    else:
+        file = directory / INDEX_NAME
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return str(file), digest.hexdigest()
 
 
 def _atomic_write(target: Path, write) -> None:

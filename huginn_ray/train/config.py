@@ -22,7 +22,8 @@ class OptimConfig:
     name: Literal["ELLISAdam", "AdamW"] = "ELLISAdam"
     """Optimizer class: the reference's ELLISAdam or torch AdamW."""
     lr: float = 4e-5
-    """Peak learning rate (ELLISAdam also uses it as init_lr in the decoupled weight decay)."""
+    """Peak learning rate (ELLISAdam also uses it as init_lr in the decoupled weight decay, so it must be
+    positive there; AdamW takes 0: a run that changes no weight)."""
     weight_decay: float = 4e-5
     """Weight decay of the weight and embedding groups."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -176,8 +177,14 @@ class TrainConfig:
     """Sequences per optimizer step over all ranks (the global batch), fixed for the whole run; the gradient
     accumulation is world_batch_size / (micro_batch_size x workers). None: micro_batch_size x workers at the
     run's first start (a resumed run keeps its checkpoint's)."""
-    model: ModelSection = field(default_factory=ModelSection)
-    """Architecture."""
+    model: ModelSection | None = None
+    """Architecture; left out: raven-tiny, or with init_from the directory's (a model section given with
+    init_from must agree with the directory, field by field)."""
+    init_from: str | None = None
+    """Start from a trained model instead of random weights: a Hugging Face model directory (the released
+    Huginn-0125 layout, an export), a training checkpoint, or a training output directory (its newest
+    checkpoint). Optimizer, schedule and data start fresh; a resumed run reads its own checkpoints instead
+    (huginn_ray.train.init_from)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -270,8 +277,11 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
         cfg.data.data_dir = str(Path(cfg.data.data_dir).resolve())
     if cfg.data.tokenizer_path:
         cfg.data.tokenizer_path = str(Path(cfg.data.tokenizer_path).resolve())
+    cfg.init_from = str(Path(cfg.init_from).resolve()) if cfg.init_from else None
     check_ranges(cfg, TRAIN_RANGES)
     check_worker_range(cfg.scaling.num_workers)
+    if cfg.optim.lr == 0 and cfg.optim.name == "ELLISAdam":
+        raise ConfigError("optim.lr=0: ELLISAdam divides by its lr (init_lr); use optim.name=AdamW")
     if cfg.max_steps is None and cfg.max_tokens is None:
         raise ConfigError("set max_steps or max_tokens")
     if not cfg.eval_depths:
@@ -315,7 +325,7 @@ TRAIN_RANGES: dict[str, Range] = {
     "block_size": AT_LEAST_1,
     "micro_batch_size": AT_LEAST_1,
     "world_batch_size": AT_LEAST_1,
-    "optim.lr": POSITIVE,
+    "optim.lr": NON_NEGATIVE,
     "optim.weight_decay": NON_NEGATIVE,
     "optim.betas": Range(0, 1, hi_open=True),
     "optim.eps": POSITIVE,

@@ -18,11 +18,11 @@ from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig,
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from huginn_ray.cluster.devices import DeviceSelectionError, check_ray_train_gpu_environment, distributed_backend
-from huginn_ray.config import to_dict
+from huginn_ray.config import ConfigError, to_dict
 from huginn_ray.data.shards import read_manifest
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, check_tokenizer_fits, file_sha256, special_token_ids
 from huginn_ray.model import ModelConfig
-from huginn_ray.train import tracking
+from huginn_ray.train import init_from, tracking
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.data_order import DataOrder, DataOrderError, allowed_worker_counts
@@ -111,9 +111,9 @@ def preflight(cfg: TrainConfig) -> RunPlan:
         raise PreflightError(f"block_size={cfg.block_size} but the shards in {data_dir} hold seq_len={manifest['seq_len']}")
 
     try:
-        model_cfg = ModelConfig.from_name(
-            cfg.model.name, **{"activation_checkpointing": cfg.activation_checkpointing, **cfg.model.overrides}
-        )
+        model_cfg = init_from.model_config(cfg)
+    except ConfigError as err:
+        raise PreflightError(str(err)) from None
     except (KeyError, TypeError, ValueError) as err:
         raise PreflightError(f"model: {err}") from None
     if cfg.block_size > model_cfg.block_size:
@@ -126,6 +126,13 @@ def preflight(cfg: TrainConfig) -> RunPlan:
         ids = special_token_ids(cfg.data.tokenizer_path)
     except ValueError as err:
         raise PreflightError(f"data.tokenizer_path: {err}") from None
+    source = None
+    if cfg.init_from:
+        try:
+            init_from.check_tokenizer(init_from.source_dir(cfg.init_from), cfg.data.tokenizer_path, ids)
+            source = init_from.describe_source(cfg.init_from, model_cfg)
+        except ConfigError as err:
+            raise PreflightError(str(err)) from None
     tokenizer_file = Path(cfg.data.tokenizer_path) / TOKENIZER_FILE
     if manifest["tokenizer_sha256"] != file_sha256(tokenizer_file):
         raise PreflightError(
@@ -157,7 +164,7 @@ def preflight(cfg: TrainConfig) -> RunPlan:
     precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if cfg.scaling.use_gpu else "fp32")
     return RunPlan(global_batch_rows=order.global_batch_rows, num_streams=order.num_streams, schedule_steps=steps,
                    pad_id=ids["pad"], eos_id=ids["eos"], precision=precision, model_config=model_cfg.to_hf_dict(),
-                   stop_at_unix=stop_at_unix(cfg, time.time(), os.environ))
+                   stop_at_unix=stop_at_unix(cfg, time.time(), os.environ), init_from=source)
 
 
 def fit_schedule_to_data(cfg: TrainConfig, data_dir: Path, schedule_steps: int, data_steps: int, rows: int,
@@ -220,7 +227,7 @@ def run_training(cfg: TrainConfig, plan: RunPlan, ray_train_log_level: str = "IN
     run_dir = str(cfg.run_dir)
     uri = tracking.tracking_uri(cfg.mlflow.tracking_uri, cfg.out_dir)
     plan.mlflow_uri = uri
-    plan.mlflow_run_id = tracking.open_run(cfg, uri, run_dir)
+    plan.mlflow_run_id = tracking.open_run(cfg, uri, run_dir, plan.init_from)
 
     backend = distributed_backend(torch.device("cuda" if cfg.scaling.use_gpu else "cpu"))
     trainer = TorchTrainer(

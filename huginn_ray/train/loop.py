@@ -1,8 +1,11 @@
 """The per-worker training loop that Ray Train runs on every rank (reference §3.3-§3.4, §3.9-§3.11).
 
-One step: read and check the step's micro-batches on the host, sample the depth (n, k) from the step (the same on
-every rank), forward+backward every micro-batch, exchange gradients (fp32 mean), clip, set the scheduled lr in
-every group, step (not the first one), then log, validate and checkpoint on their intervals.
+One step: read and check the step's micro-batches on the host, count their supervised labels over every rank (one
+small all-reduce, used on the device), sample the depth (n, k) from the step (the same on every rank),
+forward+backward every micro-batch, exchange gradients (fp32 mean), clip, set the scheduled lr in every group,
+step (not the first one), then log, validate and checkpoint on their intervals. The loss is the sum of the token
+losses of the whole global batch over its supervised tokens, divided by their count, on every layout and
+gradient accumulation.
 
 All ranks decide alike with one small all-reduce per step, read once by the host (the step's only host sync):
 the loss, whether the loss or gradient norm is non-finite, a stop request (SIGTERM, the Slurm signal), the time
@@ -30,6 +33,7 @@ from huginn_ray.cluster.devices import training_device
 from huginn_ray.config import from_dict
 from huginn_ray.data.shards import shard_path
 from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, sample_recurrence, training_flops_per_token
+from huginn_ray.model.pretrained import load_weights_into
 from huginn_ray.model.model import (AttentionBackendError, AttentionShape, choose_attention_backend,
                                     probe_attention_backends, restrict_attention)
 from huginn_ray.train import checkpoint as ckpt
@@ -123,10 +127,15 @@ class Components:
 
 
 def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.device,
-                     local_world_size: int | None = None) -> Components:
+                     local_world_size: int | None = None, load_init_from: bool = True) -> Components:
     """`local_world_size`: ranks on this node (Ray Train's); it is the shard size of hsdp. None: every rank on
     one node. Raises DataOrderError when the data order does not allow this world size (every rank raises it,
-    before any collective)."""
+    before any collective).
+
+    The weights: random (the seed's, identical on every rank) or, with plan.init_from, the trained model's,
+    each rank reading only the part it holds (under hsdp the model is sharded on the meta device first, then
+    its shards are allocated and filled). `load_init_from=False` leaves those weights unread (allocated, not
+    initialised) for a caller that may resume from a checkpoint instead (`load_initial_weights`)."""
     if device.type == "cpu":
         torch.set_num_threads(cfg.cpu_threads)
     world_size = dist.get_world_size()
@@ -138,7 +147,8 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
     model_cfg = ModelConfig.from_hf_dict(plan.model_config)
     with torch.device("meta"):  # no CPU copy of the model: allocate and initialise on the training device
         model = RecurrentGPT(model_cfg)
-    model.materialize(device)  # whole, on every rank: hsdp then keeps each rank's slice
+    if not plan.init_from:
+        model.materialize(device)  # whole, on every rank: hsdp then keeps each rank's slice
     model.check_token_ids = False  # collate checks every batch on the host
     attention = AttentionShape(cfg.micro_batch_size, model_cfg.num_attention_heads, cfg.block_size, model_cfg.head_dim,
                                torch.bfloat16 if plan.precision == "bf16-mixed" else torch.float32)
@@ -154,6 +164,11 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
         compile_blocks(model, **cfg.compile_options)
     if shape.mode == "hsdp":
         parallel.apply_hsdp(model, mesh)
+    if plan.init_from:
+        model.allocate(device)  # this rank's part only (its shards under hsdp)
+        if load_init_from:
+            load_initial_weights(model, plan, rank)
+    if shape.mode == "hsdp":
         sync = build_grad_sync("chunk_stream", model, cfg.grad_sync.chunk_mib, group=mesh.get_group("replicate"),
                                divide_by=world_size)
     else:
@@ -170,6 +185,16 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
     return Components(model_cfg, model, sync, optimizer, reader, order, autocast, mesh, shape)
 
 
+def load_initial_weights(model: RecurrentGPT, plan: RunPlan, rank: int) -> None:
+    """The trained model of plan.init_from into this rank's (allocated) parameters; every rank calls it."""
+    source = plan.init_from
+    start = time.perf_counter()
+    load_weights_into(model, source["path"])
+    if rank == 0:
+        print(f"[huginn] weights from {source['path']} ({Path(source['hashed']).name} sha256 "
+              f"{source['sha256'][:12]}...) in {time.perf_counter() - start:.1f} s", flush=True)
+
+
 def layout_name(shape: parallel.MeshShape) -> str:
     return "replicate" if shape.mode == "replicate" else f"hsdp, shard_size {shape.shard_size}"
 
@@ -177,7 +202,8 @@ def layout_name(shape: parallel.MeshShape) -> str:
 @dataclass
 class StepResult:
     loss: float
-    """Mean loss over ranks and micro-batches."""
+    """The step's loss: the token losses of the global batch (every micro-batch of every rank) summed over the
+    supervised tokens, divided by their count."""
     lr: float
     grad_norm: float
     """Global L2 norm of the averaged gradients before clipping."""
@@ -209,8 +235,10 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: RunPlan, device
     budget). Losses and the gradient norm stay on the device until the step's one all-reduce is read."""
     grad_accum = c.order.grad_accum
     batches, data_error = read_batches(c, cfg)
+    counts, global_count = supervised_counts(batches, plan.pad_id, device)
     telemetry = None
-    local_loss = torch.zeros((), dtype=torch.float64, device=device)
+    # no supervised token in the whole step: a non-finite step (on_nonfinite decides)
+    local_loss = torch.zeros((), dtype=torch.float64, device=device).masked_fill(global_count == 0, math.nan)
     depths = []
     for micro, batch in enumerate(batches):
         # every micro-batch draws its own depth from its micro-batch step (the same on every rank)
@@ -224,9 +252,15 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: RunPlan, device
         with c.sync.micro_batch(last=last):
             with c.autocast:
                 out = c.sync.module(inputs, labels=labels, num_steps=(n, k), input_states=states,
-                                    return_telemetry=want_telemetry and last)
-            (out.loss / grad_accum).backward()
-        local_loss += out.loss.detach().double() / grad_accum
+                                    ignore_index=plan.pad_id, return_telemetry=want_telemetry and last)
+            if counts[micro]:
+                # out.loss is this micro-batch's mean over its supervised tokens; the gradient exchange divides
+                # by the world size: out.loss / (N / (W n)) makes the step's loss sum / N over the global batch
+                divisor = global_count / (dist.get_world_size() * counts[micro])  # = grad_accum when all are full
+                (out.loss / divisor.float()).backward()
+                local_loss += out.loss.detach().double() / divisor
+            else:  # nothing supervised: its mean is 0/0; a zero gradient keeps every collective of the step
+                (out.loss * 0.0).backward()
         telemetry = out.telemetry or telemetry
     c.sync.finish()
 
@@ -265,6 +299,22 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: RunPlan, device
     c.optimizer.zero_grad(set_to_none=True)
     stop_reason = "request" if stop_ranks else "time limit" if time_up_ranks else None
     return StepResult(loss, lr, grad_norm, (n, k), telemetry, stop_reason, depths)
+
+
+def supervised_counts(batches: list[Batch], pad_id: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """Supervised labels of each of this rank's micro-batches (collate gives the pad id to every label that is
+    padding or, with a loss mask, not a target; the loss ignores it), counted on the host where the batches are,
+    and of the whole step over every rank as an fp64 device scalar: one small all-reduce, which the forwards'
+    loss scaling waits for on the device; the host never reads it."""
+    counts = [host_count(batch.labels != pad_id) for batch in batches]
+    total = torch.tensor([sum(counts)], dtype=torch.float64).to(device, non_blocking=True)
+    dist.all_reduce(total)
+    return counts, total[0]
+
+
+def host_count(flags: torch.Tensor) -> int:
+    """The true flags of a host tensor (a read of a CPU tensor: no device sync)."""
+    return int(flags.sum())
 
 
 def read_batches(c: Components, cfg: TrainConfig) -> tuple[list[Batch], str | None]:
@@ -324,7 +374,8 @@ def _train(cfg: TrainConfig, plan: RunPlan) -> None:
     placement = {"node_rank": ctx.get_node_rank(), "local_rank": ctx.get_local_rank(),
                  "local_world_size": ctx.get_local_world_size(), "node_ip": ray.util.get_node_ip_address()}
     try:
-        c = build_components(cfg, plan, rank, device, local_world_size=ctx.get_local_world_size())
+        c = build_components(cfg, plan, rank, device, local_world_size=ctx.get_local_world_size(),
+                             load_init_from=False)
     except DataOrderError as err:  # the same on every rank, before any collective
         raise Stop(f"data order: {err}", reporter=rank == 0) from None
     # always checked: shard groups are consecutive ranks, which must be one node's (or part of one)
@@ -357,6 +408,15 @@ def _train(cfg: TrainConfig, plan: RunPlan) -> None:
         state = resumed.state
         state.layout = layout_name(c.shape)
         c.resumed = True
+    elif plan.init_from:  # a fresh run: the trained model's weights (a resumed one has its own)
+        error = None
+        try:
+            load_initial_weights(model, plan, rank)
+        except ValueError as err:
+            error = str(err)
+        errors = [e for e in ckpt.all_ranks(error, device) if e is not None]  # every rank stops alike
+        if errors:
+            raise Stop(f"init_from: {errors[0]}", reporter=rank == 0)
     # an elastic group restarted on another worker count (scaling.num_workers: [min, max]); the next checkpoint
     # records the new count
     resized_from = state.world_size if state.world_size != world_size else None

@@ -284,11 +284,18 @@ def shard_numel(shape: torch.Size, shards: int) -> int:
     return math.ceil(rows / shards) * (math.prod(shape[1:]) if len(shape) > 1 else 1)
 
 
+def model_name(cfg, model_cfg: ModelConfig) -> str:
+    """The registry name, or with init_from the directory's model."""
+    return f"{model_cfg.name} from {cfg.init_from}" if cfg.init_from else model_cfg.name
+
+
 def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
     """The per-rank memory plan of a TrainConfig (huginn_ray.train.config)."""
     if model_cfg is None:
-        model_cfg = ModelConfig.from_name(
-            cfg.model.name, **{"activation_checkpointing": cfg.activation_checkpointing, **cfg.model.overrides})
+        from huginn_ray.train.init_from import model_config, section_config
+
+        # a recipe with init_from and a model section plans without the weights directory (preflight checks both agree)
+        model_cfg = section_config(cfg) if cfg.model is not None else model_config(cfg)
     precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if cfg.scaling.use_gpu else "fp32")
     bf16 = precision == "bf16-mixed"
     device_type = "cuda" if cfg.scaling.use_gpu else "cpu"
@@ -305,7 +312,7 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
 
     plan = MemoryPlan(device_bytes=device_memory_bytes(cfg), headroom=cfg.memory_headroom)
     layout = f"hsdp, {workers // shards} shard groups x {shards}" if hsdp else "replicate"
-    plan.header = (f"memory plan per rank: {cfg.model.name}, {workers} ranks ({layout}), "
+    plan.header = (f"memory plan per rank: {model_name(cfg, model_cfg)}, {workers} ranks ({layout}), "
                    f"micro-batch {cfg.micro_batch_size} x {cfg.block_size} tokens, {precision}, "
                    f"grad_sync.kind={cfg.grad_sync.kind}")
     step_bytes = 8 if cfg.optim.name == "ELLISAdam" else 4

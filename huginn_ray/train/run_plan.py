@@ -22,6 +22,9 @@ class RunPlan:
     """"fp32" or "bf16-mixed"."""
     model_config: dict
     """The model's config in its Hugging Face form (ModelConfig.to_hf_dict)."""
+    init_from: dict | None = None
+    """The trained model a fresh run starts from (huginn_ray.train.init_from.describe_source: path, hashed,
+    sha256); None: random weights."""
     stop_at_unix: float | None = None
     """When the workers must have saved and stopped (the time budget); None: no budget."""
     mlflow_uri: str = ""

@@ -52,8 +52,10 @@ def loggable_params(cfg) -> dict[str, str]:
     return params
 
 
-def open_run(cfg, uri: str, run_dir: str) -> str:
-    """The MLflow run id of this training run: the existing one for run_dir, else a new one with params."""
+def open_run(cfg, uri: str, run_dir: str, init_source: dict | None = None) -> str:
+    """The MLflow run id of this training run: the existing one for run_dir, else a new one with params (and,
+    for a run that starts from a trained model, `init_from.path`, `init_from.hashed`, `init_from.sha256`:
+    huginn_ray.train.init_from.describe_source)."""
     if uri.startswith("sqlite:"):
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     client = MlflowClient(uri)
@@ -69,7 +71,8 @@ def open_run(cfg, uri: str, run_dir: str) -> str:
         client.update_run(run_id, status="RUNNING")
         return run_id
     run = client.create_run(experiment_id, run_name=cfg.run_name, tags={RUN_DIR_TAG: run_dir})
-    params = [Param(k, v) for k, v in loggable_params(cfg).items()]
+    params = {**loggable_params(cfg), **{f"init_from.{k}": v for k, v in (init_source or {}).items()}}
+    params = [Param(k, v) for k, v in params.items()]
     for start in range(0, len(params), 100):
         client.log_batch(run.info.run_id, params=params[start : start + 100])
     return run.info.run_id

@@ -1,0 +1,100 @@
+"""How every stage runs its tasks: as Ray Data operators on the streaming executor.
+
+    results = run_tasks(fetch_file, [(repo, commit, f, ...) for f in files], name="download",
+                        num_cpus=0.25, max_concurrent=8)
+
+A stage hands `run_tasks` a function and one tuple of arguments per task. Each task is one row of a dataset
+(`from_items`, one row per block: the arguments pickled) and `map_batches(batch_size=1)` calls the function on
+it, so one Ray task runs one call and returns its (small) result as one row. Ray Data's streaming executor then
+does what the stages used to do with hand-written loops: it keeps as many tasks in flight as the cluster's CPUs
+and memory (and `max_concurrent`) allow, retries a task whose worker process died (Ray Data's map tasks have
+`max_retries=-1`; an exception the function raises is not retried and fails the stage), shows progress bars
+(rows, throughput, ETA; off under `prepare_data.py --quiet`) and per-operator metrics in the dashboard.
+
+Memory: tasks declare `memory=` to Ray. Calls with different declarations go to different operators (one per
+declaration, rounded up to an eighth of its power of two so that a few operators cover every size), unioned into
+one dataset; a declaration is capped at the largest node's memory, so every task can be scheduled.
+
+The functions write their outputs themselves (unique temp name, fsync, rename: huginn_ray/data/layout.py), so a
+retried attempt rewrites what a dead one left half-done, and the stage's output does not depend on which attempt
+or which worker ran a call.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Callable
+
+
+def original_error(err: BaseException, types: tuple[type, ...]) -> BaseException:
+    """The first exception of `types` behind Ray's wrappers (RayTaskError, UserCodeException, ...), else `err`."""
+    seen, todo = set(), [err]
+    while todo:
+        current = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, types) and getattr(current, "cause", None) is None:  # Ray's task errors subclass
+            return current                                                     # the original, wrapping it in .cause
+        todo += [getattr(current, "cause", None), current.__cause__, current.__context__]
+    return err
+
+
+def node_memory_cap() -> int:
+    """The memory Ray offers on its largest live node (0 when it reports none)."""
+    import ray
+
+    sizes = [n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")]
+    return int(max(sizes)) if sizes else 0
+
+
+def declared_memory(estimate: int | None, cap: int) -> int | None:
+    """`estimate` rounded up to an eighth of its power of two (≤ 12.5 % more), at most `cap` (when known)."""
+    if not estimate:
+        return None
+    step = max(1, (1 << (int(estimate).bit_length() - 1)) // 8)
+    rounded = -(-int(estimate) // step) * step
+    return min(rounded, cap) if cap else rounded
+
+
+def _one_call(fn: Callable, common: dict, name: str) -> Callable:
+    """The map_batches function: one row = one call of fn; named `name` in progress bars and the dashboard."""
+
+    def call(batch: dict) -> dict:
+        args = pickle.loads(batch["args"][0])
+        return {"call": [int(batch["call"][0])], "result": [pickle.dumps(fn(*args, **common))]}
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def run_tasks(fn: Callable, calls: list[tuple], *, name: str, common: dict | None = None,
+              memory: list[int] | int | None = None, num_cpus: float = 1.0, max_concurrent: int | None = None,
+              on_result: Callable[[int, object], None] | None = None) -> list:
+    """fn(*call, **common) for every call, one Ray task each, on Ray Data's streaming executor.
+
+    `memory`: one declaration for all calls or one per call. `on_result(i, result)` is called on the driver as
+    results arrive (any order); the results are returned in call order."""
+    import ray.data
+
+    if not calls:
+        return []
+    per_call = memory if isinstance(memory, list) else [memory] * len(calls)
+    cap = node_memory_cap()
+    operators: dict[int | None, list[dict]] = {}
+    for i, (args, estimate) in enumerate(zip(calls, per_call)):
+        operators.setdefault(declared_memory(estimate, cap), []).append({"call": i, "args": pickle.dumps(args)})
+    udf = _one_call(fn, common or {}, name)
+    datasets = []
+    for declared, rows in operators.items():
+        remote_args = {"num_cpus": num_cpus} | ({"memory": declared} if declared else {})
+        datasets.append(ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
+            udf, batch_size=1, compute=ray.data.TaskPoolStrategy(size=max_concurrent), **remote_args))
+    dataset = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
+    results: list = [None] * len(calls)
+    for row in dataset.iter_rows():
+        i = int(row["call"])
+        results[i] = pickle.loads(row["result"])
+        if on_result is not None:
+            on_result(i, results[i])
+    return results
