@@ -155,7 +155,7 @@ def one_step_runs(rank, world_size, directory: Path):
     loop.ShardReader = MemoryReader
     cpu = torch.device("cpu")
     report = {}
-    hsdp = ["parallelism.mode=hsdp", "parallelism.shard_size=2"]
+    hsdp = ["parallelism.mode=hsdp"]  # nodes of 2 ranks: the local world size given to build_components
     for name, source, layout in (("replicate", "huginn", []), ("hsdp", "huginn", hsdp),
                                  ("hsdp from a checkpoint", "replicate_checkpoint", hsdp)):
         cfg = config(f"init_from={directory / source}", "optim.name=AdamW", "optim.lr=0", "skip_first_optimizer_step=false",
@@ -163,7 +163,7 @@ def one_step_runs(rank, world_size, directory: Path):
         model_cfg = init_from.model_config(cfg)
         plan = dataclasses.replace(plan_for(cfg), model_config=model_cfg.to_hf_dict(),
                                    init_from=describe_source(cfg.init_from, model_cfg))
-        c = loop.build_components(cfg, plan, rank, cpu)
+        c = loop.build_components(cfg, plan, rank, cpu, local_world_size=2)
         result = loop.train_step(c, 1, cfg, plan, cpu)
         out = directory / f"{name}_checkpoint".replace(" ", "_")
         ckpt.write(out, rank, c.model, c.optimizer, ckpt.TrainerState(step=1, world_size=world_size), cpu)
