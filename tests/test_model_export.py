@@ -19,6 +19,7 @@ from huginn_ray.data.chat import render
 from huginn_ray.data.tokenizer import train_tokenizer
 from huginn_ray.model import ModelConfig, RecurrentGPT, load_pretrained
 from huginn_ray.model.export import export
+from test_train_init_from import released_config
 
 # Run in a python where huginn_ray cannot be imported: -I drops the cwd and PYTHONPATH, and the editable
 # install's import hook is removed before anything else runs.
@@ -123,24 +124,7 @@ def test_load_pretrained_reads_the_released_layout(tmp_path):
     torch.manual_seed(2)
     model = RecurrentGPT(ModelConfig.from_name("raven-tiny")).eval()
     cfg = model.config
-    config = {  # the released config.json's keys, with tiny shapes
-        "architectures": ["RavenForCausalLM"], "architecture_class_name": "RecurrentGPT",
-        "auto_map": {"AutoConfig": "raven_config_minimal.RavenConfig",
-                     "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM"},
-        "model_type": "huginn_raven", "torch_dtype": "bfloat16", "transformers_version": "4.44.2",
-        "activation_checkpoint_impl": "per-iteration", "bias": False, "block_class_name": "SandwichBlock",
-        "block_size": cfg.block_size, "effective_expected_depth": cfg.effective_expected_depth,
-        "head_dim": cfg.head_dim, "init_orthogonal": False, "init_strategy": "takase", "injection_type": "linear",
-        "intermediate_size": cfg.intermediate_size, "mean_backprop_depth": cfg.mean_backprop_depth,
-        "mean_recurrence": cfg.mean_recurrence, "mlp_class_name": "GatedMLP", "n_embd": cfg.n_embd,
-        "n_heads": cfg.num_attention_heads, "n_layers": 4, "n_layers_in_coda": 1, "n_layers_in_prelude": 1,
-        "n_layers_in_recurrent_block": 2, "nonlin_name": "SiLU", "norm_class_name": "RMSNorm_llama",
-        "norm_eps": 1e-6, "num_key_value_heads": cfg.num_attention_heads, "padded_vocab_size": cfg.padded_vocab_size,
-        "padding_multiple": cfg.padding_multiple, "qk_bias": True, "rope_base": 50000,
-        "sampling_scheme": "poisson-lognormal-filling", "state_init": "like-init", "test_time_noise": 0,
-        "test_time_noise_type": "fixed", "tie_embeddings": True, "vocab_size": cfg.vocab_size,
-        "bos_token_id": 65504, "eos_token_id": 65505, "pad_token_id": 65509,
-    }
+    config = released_config(cfg)  # the released config.json's keys, with tiny shapes
     (tmp_path / "config.json").write_text(json.dumps(config))
     tensors = {k: v.to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
     keys = sorted(tensors)

@@ -135,3 +135,41 @@ def read_marker(directory: Path, name: str = COMPLETE) -> dict | None:
 def is_complete(directory: Path, expected_fingerprint: str, name: str = COMPLETE) -> bool:
     marker = read_marker(directory, name)
     return marker is not None and marker.get("fingerprint") == expected_fingerprint
+
+
+PLAN = "_PLAN.json"
+"""Marks a stage's work directory in progress: the fingerprint of the inputs its committed files are for."""
+
+
+def resumable_work_dir(final: Path, fingerprint: str, stage: str, noun: str, total: int | None = None) -> Path:
+    """`final`.partial, where a stage commits its output files one by one: kept, with the files that an
+    interrupted run with the same inputs committed (its temp files removed), or else made anew."""
+    work = final.with_name(final.name + ".partial")
+    previous = read_marker(work, PLAN)
+    if previous is not None and previous.get("fingerprint") == fingerprint:
+        done = sum(1 for _ in work.glob("*.parquet"))
+        print(f"[{stage}] resuming {work}: {done}{f'/{total}' if total is not None else ''} {noun} already "
+              "written are kept", flush=True)
+        remove_temp_files(work)
+    else:
+        if work.exists():
+            print(f"[{stage}] removing {work}: left by a run with other inputs or settings", flush=True)
+            shutil.rmtree(work)
+        work.mkdir(parents=True)
+        write_json(work / PLAN, {"fingerprint": fingerprint})
+    return work
+
+
+def remove_temp_files(work: Path) -> None:
+    """Temp files left by attempts whose worker died (a retry committed the file)."""
+    for stale in work.glob("*.tmp"):
+        stale.unlink()
+
+
+def commit_work_dir(work: Path, final: Path, marker: dict) -> None:
+    """A resumable work directory whose files are all committed becomes `final`, with its completeness marker."""
+    (work / PLAN).unlink()
+    remove_temp_files(work)
+    write_json(work / COMPLETE, marker)
+    replace_dir(work, final)
+

@@ -53,7 +53,6 @@ from huginn_ray.data.tokens import (DTYPES, MAX_LIST_IDS, arrow_type, check_ids,
 TRAIN, VAL = 0, 1
 SPLITS = {"train": TRAIN, "val": VAL}
 MANIFEST = "manifest.json"
-PLAN = "_PLAN.json"
 _MASK64 = np.uint64(2**64 - 1)
 _TASK_OVERHEAD = 256 << 20  # a worker's own footprint (interpreter, pyarrow, numpy), added to memory= requests
 
@@ -367,7 +366,7 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
     work_plan = {"fingerprint": fingerprint, "map_mib": map_mib, "reducer_mib": reducer_mib,
                  "groups": [[str(f["path"]) for f in g] for g in groups], "token_dtype": token_dtype}
     work_id = layout.fingerprint(work_plan)
-    previous = layout.read_marker(work, PLAN)
+    previous = layout.read_marker(work, layout.PLAN)
     if previous is not None and previous.get("id") == work_id:
         done_maps = sum(1 for _ in (work / "map").glob("*/*.idx.npy"))
         done_shards = sum(1 for _ in (work / "out").glob("*/*.parquet"))
@@ -382,7 +381,7 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         for name in SPLITS:
             (work / "map" / name).mkdir(parents=True)
             (work / "out" / name).mkdir(parents=True)
-        layout.write_json(work / PLAN, {"id": work_id, "fingerprint": fingerprint,
+        layout.write_json(work / layout.PLAN, {"id": work_id, "fingerprint": fingerprint,
                                         "map_tasks": len(groups), "num_shards": num_shards})
 
     started = time.time()
@@ -445,9 +444,7 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         "reshard_method": "shuffle",
         **manifest_extra,
     }
-    layout.write_json(work / "out" / MANIFEST, manifest)
-    layout.replace_dir(work / "out", shard_root)
-    shutil.rmtree(work)
+    publish(work, shard_root, manifest)
     for name in SPLITS:
         print(f"[shuffle] {name}: {num_shards} shards x {plans[name]['rows_per_shard']} rows "
               f"({plans[name]['dropped']} surplus rows dropped)", flush=True)
@@ -543,9 +540,7 @@ def link_shards(files: dict[str, list[dict]], row_len: int, shard_root: Path, *,
         "linked_files": linked,
         **manifest_extra,
     }
-    layout.write_json(work / "out" / MANIFEST, manifest)
-    layout.replace_dir(work / "out", shard_root)
-    shutil.rmtree(work)
+    publish(work, shard_root, manifest)
     for name in SPLITS:
         print(f"[shuffle] {name}: {len(files[name])} released files verified and hard-linked as the shards "
               f"({rows[name]} rows each), not shuffled again", flush=True)
@@ -588,3 +583,11 @@ def read_manifest(shard_dir: str | Path) -> dict:
         if manifest["tokens_per_shard"][split] != manifest["rows_per_shard"][split] * (manifest["seq_len"] + 1):
             raise ValueError(f"{path}: tokens_per_shard.{split} != rows_per_shard.{split} * (seq_len + 1)")
     return manifest
+
+
+def publish(work: Path, shard_root: Path, manifest: dict) -> None:
+    """The shards written under `work`/out become `shard_root`, with their manifest; the work directory goes."""
+    layout.write_json(work / "out" / MANIFEST, manifest)
+    layout.replace_dir(work / "out", shard_root)
+    shutil.rmtree(work)
+

@@ -15,7 +15,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -29,7 +28,6 @@ from huginn_ray.data.sources import Source
 STAGING_SCHEMA = pa.schema([("text", pa.large_string()), ("source", pa.string()), ("doc_id", pa.int64())])
 FORMAT_VERSION = 1  # bump when formatting rules change, so staged data is rebuilt
 STATS_KEY = b"huginn_ray.staging"  # a staged file's row and character counts, in its parquet footer
-PLAN = "_PLAN.json"
 
 
 def list_local_files(source: Source) -> list[Path]:
@@ -67,19 +65,7 @@ def stage_sources(inputs: list[tuple[Source, list[Path]]], staging_root: Path) -
             markers[source.name] = layout.read_marker(final)
             print(f"[staging] {source.name}: complete ({markers[source.name]['rows']} documents), skipped", flush=True)
             continue
-        work = final.with_name(final.name + ".partial")
-        previous = layout.read_marker(work, PLAN)
-        if previous is not None and previous.get("fingerprint") == expected:
-            print(f"[staging] resuming {work}: {sum(1 for _ in work.glob('*.parquet'))}/{len(files)} staged files "
-                  "already written are kept", flush=True)
-            for stale in work.glob("*.tmp"):
-                stale.unlink()
-        else:
-            if work.exists():
-                print(f"[staging] removing {work}: left by a run with other inputs", flush=True)
-                shutil.rmtree(work)
-            work.mkdir(parents=True)
-            layout.write_json(work / PLAN, {"fingerprint": expected})
+        work = layout.resumable_work_dir(final, expected, "staging", "staged files", len(files))
         todo.append({"source": source, "files": files, "work": work, "final": final, "fingerprint": expected,
                      "results": [None] * len(files), "remaining": len(files)})
         calls += [(source, i, str(p), str(work)) for i, p in enumerate(files)]
@@ -93,11 +79,7 @@ def stage_sources(inputs: list[tuple[Source, list[Path]]], staging_root: Path) -
             "chars": sum(r["chars"] for r in results),
             "files": [{"input": str(p), "output": r["output"], "rows": r["rows"]} for p, r in zip(task["files"], results)],
         }
-        (task["work"] / PLAN).unlink()
-        for stale in task["work"].glob("*.tmp"):  # left by an attempt whose worker died (its retry committed)
-            stale.unlink()
-        layout.write_json(task["work"] / layout.COMPLETE, marker)
-        layout.replace_dir(task["work"], task["final"])
+        layout.commit_work_dir(task["work"], task["final"], marker)
         markers[source.name] = marker
         note = "  WARNING: no rows" if rows == 0 else ""
         print(f"[staging] {source.name}: {len(task['files'])} files -> {rows} documents{note}", flush=True)

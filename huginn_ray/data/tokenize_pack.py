@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +38,6 @@ from huginn_ray.data.tokens import (TokenRangeError, arrow_type, check_ids, parq
 PACK_VERSION = 2
 ENCODE_CHUNK = 256
 STATS_KEY = b"huginn_ray.pack"
-PLAN = "_PLAN.json"
 _STAT_KEYS = ("docs", "copied_docs", "doc_tokens", "train_rows", "val_rows")
 
 
@@ -155,19 +153,7 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
         return marker
 
     dtype = token_dtype(vocab_size)
-    work = out_root.with_name(out_root.name + ".partial")
-    previous = layout.read_marker(work, PLAN)
-    if previous is not None and previous.get("fingerprint") == fingerprint:
-        print(f"[pack] resuming {work}: {sum(1 for _ in work.glob('*.parquet'))} packed files already written "
-              "are kept", flush=True)
-    else:
-        if work.exists():
-            print(f"[pack] removing {work}: left by a run with other inputs or settings", flush=True)
-            shutil.rmtree(work)
-        work.mkdir(parents=True)
-        layout.write_json(work / PLAN, {"fingerprint": fingerprint})
-    for stale in work.glob("*.tmp"):
-        stale.unlink()
+    work = layout.resumable_work_dir(out_root, fingerprint, "pack", "packed files")
 
     tasks = pack_tasks(sources, staging_root, markers, docs_per_batch)
     # memory= per task, from its own batch: the batch's text plus its encodings (~100 bytes per token alive per
@@ -179,8 +165,6 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
               "val_fraction": val_fraction, "vocab_size": vocab_size, "dtype": dtype, "out_dir": str(work)}
     results = run_tasks(tokenize_and_pack, [(t,) for t in tasks], name="tokenize_pack", common=kwargs,
                         memory=memory)
-    for stale in work.glob("*.tmp"):  # left by an attempt whose worker died (its retry committed the file)
-        stale.unlink()
 
     per_source = {s.name: {**{k: 0 for k in _STAT_KEYS}, "weight": s.weight,
                            "every_token_is_sacred": s.every_token_is_sacred} for s in sources}
@@ -201,9 +185,7 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
         "train_rows": sum(f["train_rows"] for f in files), "val_rows": sum(f["val_rows"] for f in files),
         **extra_marker,
     }
-    (work / PLAN).unlink()
-    layout.write_json(work / layout.COMPLETE, marker)
-    layout.replace_dir(work, out_root)
+    layout.commit_work_dir(work, out_root, marker)
     for name, stats in per_source.items():
         print(f"[pack] {name}: {stats['docs']} docs ({stats['copied_docs']} after weighting), "
               f"{stats['doc_tokens']} tokens -> "
