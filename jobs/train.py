@@ -67,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         lock.release()
 
 
+def startup_line(cfg, plan) -> str:
+    return (f"[huginn] training {cfg.run_name}: {plan.schedule_steps} steps of {plan.global_batch_rows} rows, "
+            f"{cfg.scaling.num_workers} workers, model {plan.model_config['name']}"
+            f"{' from ' + plan.init_from.path if plan.init_from else ''}, {plan.precision}"
+            f"{', compiled blocks' if cfg.compile else ''}")
+
+
 def _run(cfg, verbose: bool) -> int:
     try:
         plan = preflight(cfg)  # bad input is refused before Ray starts
@@ -87,10 +94,7 @@ def _run(cfg, verbose: bool) -> int:
                   f"run fails (--verbose shows them here)", flush=True)
     stop_file(cfg).unlink(missing_ok=True)  # left by an earlier attempt that this rerun resumes
     signal.signal(signal.SIGTERM, lambda signum, frame: request_stop(cfg))
-    print(f"[huginn] training {cfg.run_name}: {plan.schedule_steps} steps of {plan.global_batch_rows} rows, "
-          f"{cfg.scaling.num_workers} workers, model {plan.model_config['name']}"
-          f"{' from ' + plan.init_from['path'] if plan.init_from else ''}, {plan.precision}"
-          f"{', compiled blocks' if cfg.compile else ''}", flush=True)
+    print(startup_line(cfg, plan), flush=True)
     outcome = None
     try:
         outcome = run_training(cfg, plan, ray_train_log_level="INFO" if verbose else "ERROR")

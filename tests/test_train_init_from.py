@@ -11,6 +11,7 @@ tokenizer and missing weights by name.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -109,7 +110,7 @@ def test_missing_or_misshapen_weights_and_another_tokenizer_are_refused_before_r
     released = write_released_layout(tiny_model(), tmp_path / "huginn")
     shape = init_from.model_config(config(f"init_from={released}"))
     source = init_from.describe_source(str(released), shape)
-    assert source["hashed"].endswith("model.safetensors.index.json") and len(source["sha256"]) == 64
+    assert source.hashed.endswith("model.safetensors.index.json") and len(source.sha256) == 64
     with pytest.raises(ConfigError, match=r"transformer.wte.weight has shape \[64, 64\], the model of its "
                                           r"config.json has \[64, 32\]"):
         init_from.describe_source(str(released), shape.replace(n_embd=32, num_attention_heads=2))
@@ -246,14 +247,19 @@ def test_preflight_records_the_source_and_refuses_the_released_ids_with_another_
     config_json.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
     (released / "config.json").write_text(json.dumps(config_json))
     plan = preflight(tiny(dataset, tmp_path, f"init_from={released}"))
-    assert plan.init_from["path"] == str(released)
-    assert plan.init_from["sha256"] == __import__("hashlib").sha256(
+    assert plan.init_from.path == str(released)
+    assert plan.init_from.sha256 == __import__("hashlib").sha256(
         (released / "model.safetensors.index.json").read_bytes()).hexdigest()
     assert ModelConfig.from_hf_dict(plan.model_config).mean_recurrence == 4
+    job = importlib.util.module_from_spec(importlib.util.spec_from_file_location("train_job", JOBS / "train.py"))
+    job.__spec__.loader.exec_module(job)
+    assert job.startup_line(tiny(dataset, tmp_path, f"init_from={released}"), plan) == (
+        f"[huginn] training tiny_cpu: 20 steps of 4 rows, 2 workers, model custom from {released}, fp32")
 
 
 # ---- the recipes -------------------------------------------------------------------------------------------
 RECIPES = Path(__file__).resolve().parents[1] / "configs" / "train"
+JOBS = Path(__file__).resolve().parents[1] / "jobs"
 
 
 @pytest.mark.parametrize("name", ["finetune_huginn_chat", "continue_huginn"])

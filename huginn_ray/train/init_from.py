@@ -20,6 +20,7 @@ from huginn_ray.config import ConfigError
 from huginn_ray.data.tokenizer import TOKENIZER_FILE
 from huginn_ray.model import ModelConfig
 from huginn_ray.model.pretrained import CONFIG_NAME, check_weights, resolve_model_dir, weights_digest
+from huginn_ray.train.run_plan import WeightsSource
 
 # ModelConfig fields that are training choices of this run, not the shape of the weights
 RUN_FIELDS = ("name", "activation_checkpointing")
@@ -98,7 +99,7 @@ def check_tokenizer(directory: Path, tokenizer_path: str, tokenizer_ids: dict) -
                               f"{token!r} -> {index}: another tokenizer")
 
 
-def describe_source(init_from: str, model_cfg: ModelConfig) -> dict:
+def describe_source(init_from: str, model_cfg: ModelConfig) -> WeightsSource:
     """What the plan carries and MLflow records: the model directory, and a sha256 of its index or weights; the
     weights are checked first (every parameter there with its shape: the files' headers only)."""
     directory = source_dir(init_from)
@@ -107,4 +108,4 @@ def describe_source(init_from: str, model_cfg: ModelConfig) -> dict:
     except ValueError as err:
         raise ConfigError(f"init_from: {err}") from None
     hashed, sha256 = weights_digest(directory)
-    return {"path": str(directory), "hashed": hashed, "sha256": sha256}
+    return WeightsSource(str(directory), hashed, sha256)

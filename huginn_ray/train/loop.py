@@ -189,10 +189,10 @@ def load_initial_weights(model: RecurrentGPT, plan: RunPlan, rank: int) -> None:
     """The trained model of plan.init_from into this rank's (allocated) parameters; every rank calls it."""
     source = plan.init_from
     start = time.perf_counter()
-    load_weights_into(model, source["path"])
+    load_weights_into(model, source.path)
     if rank == 0:
-        print(f"[huginn] weights from {source['path']} ({Path(source['hashed']).name} sha256 "
-              f"{source['sha256'][:12]}...) in {time.perf_counter() - start:.1f} s", flush=True)
+        print(f"[huginn] weights from {source.path} ({Path(source.hashed).name} sha256 "
+              f"{source.sha256[:12]}...) in {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def layout_name(shape: parallel.MeshShape) -> str:

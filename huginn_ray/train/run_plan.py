@@ -7,6 +7,18 @@ from dataclasses import dataclass
 from huginn_ray.train.data_order import DataOrder
 
 
+@dataclass(frozen=True)
+class WeightsSource:
+    """The trained model a fresh run starts from (`init_from`, huginn_ray.train.init_from.describe_source)."""
+
+    path: str
+    """The model directory (a training checkpoint's `model/`)."""
+    hashed: str
+    """The file whose sha256 identifies the weights: the index of a sharded release, an export's weights file,
+    or a training checkpoint's DCP `.metadata`."""
+    sha256: str
+
+
 @dataclass
 class RunPlan:
     global_batch_rows: int
@@ -22,9 +34,8 @@ class RunPlan:
     """"fp32" or "bf16-mixed"."""
     model_config: dict
     """The model's config in its Hugging Face form (ModelConfig.to_hf_dict)."""
-    init_from: dict | None = None
-    """The trained model a fresh run starts from (huginn_ray.train.init_from.describe_source: path, hashed,
-    sha256); None: random weights."""
+    init_from: WeightsSource | None = None
+    """The trained model a fresh run starts from; None: random weights."""
     stop_at_unix: float | None = None
     """When the workers must have saved and stopped (the time budget); None: no budget."""
     mlflow_uri: str = ""

@@ -10,6 +10,7 @@ KILLED at the end. The run id also goes into every checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ from mlflow.tracking import MlflowClient
 
 from huginn_ray.config import flatten, to_dict
 from huginn_ray.redact import redact, redact_uri  # noqa: F401 - also this module's API
+from huginn_ray.train.run_plan import WeightsSource
 
 RUN_DIR_TAG = "huginn.run_dir"
 SECRET_KEY = re.compile(r"(^|_)(token|secret|password|key)$")  # hf_token, api_key; not tokenizer_path
@@ -52,7 +54,7 @@ def loggable_params(cfg) -> dict[str, str]:
     return params
 
 
-def open_run(cfg, uri: str, run_dir: str, init_source: dict | None = None) -> str:
+def open_run(cfg, uri: str, run_dir: str, init_source: WeightsSource | None = None) -> str:
     """The MLflow run id of this training run: the existing one for run_dir, else a new one with params (and,
     for a run that starts from a trained model, `init_from.path`, `init_from.hashed`, `init_from.sha256`:
     huginn_ray.train.init_from.describe_source)."""
@@ -71,7 +73,8 @@ def open_run(cfg, uri: str, run_dir: str, init_source: dict | None = None) -> st
         client.update_run(run_id, status="RUNNING")
         return run_id
     run = client.create_run(experiment_id, run_name=cfg.run_name, tags={RUN_DIR_TAG: run_dir})
-    params = {**loggable_params(cfg), **{f"init_from.{k}": v for k, v in (init_source or {}).items()}}
+    source = dataclasses.asdict(init_source) if init_source is not None else {}
+    params = {**loggable_params(cfg), **{f"init_from.{k}": v for k, v in source.items()}}
     params = [Param(k, v) for k, v in params.items()]
     for start in range(0, len(params), 100):
         client.log_batch(run.info.run_id, params=params[start : start + 100])
