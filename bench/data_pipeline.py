@@ -1,9 +1,16 @@
 """Data pipeline throughput: tokenize+pack tokens/s per CPU core vs raw `tokenizers` encode_batch, and shuffle MB/s.
 
-    python bench/data_pipeline.py [--mib 64] [--cpus 2] [--vocab 16384] [--seq-len 4096] [--out /tmp/hr_bench]
+    python bench/data_pipeline.py [--text code|web|math] [--mib 64] [--cpus 2] [--vocab 16384] [--seq-len 4096]
+                                  [--tokenizer DIR] [--out /tmp/hr_bench]
 
-Builds a local source of Python standard-library text (each file repeated with a distinct header until --mib
-MiB), stages it, trains a tokenizer on a slice of it, then measures side by side in one run:
+Builds a local source of --text documents (each repeated with a distinct header until --mib MiB; no network):
+  code - the Python standard library's .py files;
+  web  - English prose and markdown from this machine's package documentation (/usr/share/doc, gzip files
+         decompressed, and the installed Python packages' METADATA / README files);
+  math - generated worked problems (seeded): arithmetic, algebra and calculus statements in LaTeX with their
+         solution steps and numbers;
+stages it, trains a tokenizer (huginn_ray.data.tokenizer.train_tokenizer) on 8 MiB of each of the three kinds,
+kept in --tokenizer DIR when given (reused when DIR already holds one), then measures side by side in one run:
   raw   - one process, one thread: Tokenizer.encode_batch_fast over the staged documents in batches;
   pack  - the pack stage on a local Ray with --cpus CPUs (read + encode + hold-out + pack + write);
   shuffle - the shuffle stage over the packed rows (map/reduce into 2*num_shards files).
@@ -13,8 +20,10 @@ Figures are printed; nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import random
 import shutil
 import sys
 import sysconfig
@@ -29,20 +38,59 @@ from huginn_ray.data.pipeline import init_ray, run
 from huginn_ray.data.tokenizer import train_tokenizer
 
 
-def build_corpus(root: Path, mib: int) -> None:
+def code_texts() -> list[str]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [t for path in sorted(stdlib.rglob("*.py")) if (t := _read(path))]
+
+
+def web_texts() -> list[str]:
+    paths = [p for p in sorted(Path("/usr/share/doc").rglob("*")) if p.is_file() and not p.is_symlink()]
+    for site in sorted(Path(p) for p in sys.path if p.endswith("site-packages")):
+        paths += sorted(p for p in site.rglob("*") if p.name == "METADATA" or p.suffix.lower() in (".md", ".rst"))
+    return [t for path in paths if (t := _read(path))]
+
+
+def math_texts(n: int = 40000) -> list[str]:
+    rng = random.Random(0)
     texts = []
-    for path in sorted(stdlib.rglob("*.py")):
-        try:
-            texts.append(path.read_text(encoding="utf-8")[:32768])
-        except (UnicodeDecodeError, OSError):
-            continue
+    for i in range(n):
+        a, b, c, d = (rng.randint(2, 99) for _ in range(4))
+        x = rng.randint(-20, 20)
+        parts = [
+            f"Problem {i}. Let $f(x) = {a}x^2 - {b}x + {c}$. Compute $f({x})$ and $f'({x})$.\n",
+            f"Solution. $f({x}) = {a}\\cdot {x * x} - {b}\\cdot ({x}) + {c} = {a * x * x - b * x + c}$. "
+            f"Since $f'(x) = {2 * a}x - {b}$, we get $f'({x}) = {2 * a * x - b}$.\n",
+            f"A train travels {a * 10} km in {b % 9 + 1} hours and then {c * 5} km in {d % 7 + 1} hours. Its average "
+            f"speed is $\\frac{{{a * 10} + {c * 5}}}{{{b % 9 + 1} + {d % 7 + 1}}} = "
+            f"{(a * 10 + c * 5) / (b % 9 + d % 7 + 2):.4f}$ km/h.\n",
+            f"Theorem. For all integers $n \\geq {c % 5}$, $\\sum_{{k=1}}^{{n}} k^{{{d % 4 + 1}}}$ is a polynomial in $n$ "
+            f"of degree {d % 4 + 2}. Proof. By induction on $n$; the case $n = {c % 5}$ is immediate.\n",
+            f"$$\\int_0^{{{d}}} ({a}t + {b})\\,dt = {a * d * d / 2 + b * d:g}, \\quad "
+            f"\\gcd({a * b}, {c * d}) = {__import__('math').gcd(a * b, c * d)}.$$\n",
+        ]
+        texts.append("".join(parts[: rng.randint(2, 5)]))
+    return texts
+
+
+TEXTS = {"code": code_texts, "web": web_texts, "math": math_texts}
+
+
+def _read(path: Path) -> str:
+    """The file's text (gzip decompressed), at most 32 KiB of it; '' when it is not UTF-8 text."""
+    try:
+        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        return data.decode("utf-8")[:32768]
+    except (UnicodeDecodeError, OSError, EOFError, gzip.BadGzipFile):
+        return ""
+
+
+def build_corpus(root: Path, texts: list[str], mib: int) -> None:
     root.mkdir(parents=True, exist_ok=True)
     target, written, part, rep = mib << 20, 0, 0, 0
     out = open(root / f"part{part:03d}.jsonl", "w")
     while written < target:
         for i, text in enumerate(texts):
-            line = json.dumps({"text": f"# copy {rep} of file {i}\n{text}"}) + "\n"
+            line = json.dumps({"text": f"# copy {rep} of document {i}\n{text}"}) + "\n"
             out.write(line)
             written += len(line)
             if out.tell() > 64 << 20:
@@ -67,6 +115,7 @@ def _first_mib(texts: list[str], mib: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--text", choices=sorted(TEXTS), default="code")
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--cpus", type=int, default=os.cpu_count())
     parser.add_argument("--vocab", type=int, default=16384)
@@ -74,11 +123,12 @@ def main() -> None:
     parser.add_argument("--num-shards", type=int, default=8)
     parser.add_argument("--docs-per-batch", type=int, default=1024)
     parser.add_argument("--object-store-mib", type=int, default=None)
+    parser.add_argument("--tokenizer", default=None, help="keep the trained tokenizer here; reuse one found here")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     root = Path(args.out or tempfile.mkdtemp(prefix="hr_bench_"))
-    build_corpus(root / "corpus", args.mib)
+    build_corpus(root / "corpus", TEXTS[args.text](), args.mib)
     (root / "sources.yaml").write_text(f"- {{name: stdlib, local_dir: {root / 'corpus'}, features: [text]}}\n")
     local_ray = {"num_cpus": args.cpus, "object_store_mib": args.object_store_mib,
                  "temp_dir": tempfile.mkdtemp(prefix="hrb_", dir="/tmp")}
@@ -91,7 +141,13 @@ def main() -> None:
     staged = sorted((root / "out" / "staging" / "stdlib").glob("*.parquet"))
     texts = [t for f in staged for t in pq.read_table(f, columns=["text"]).column("text").to_pylist()]
     corpus_bytes = sum(len(t.encode()) for t in texts)
-    train_tokenizer(_first_mib(texts, 8), args.vocab, cfg.tokenizer_dir)
+    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else cfg.tokenizer_dir
+    if not (tokenizer_dir / "tokenizer.json").exists():
+        start = time.perf_counter()
+        train_tokenizer([t for kind in sorted(TEXTS) for t in _first_mib(TEXTS[kind](), 8)], args.vocab, tokenizer_dir)
+        print(f"tokenizer: vocab {args.vocab} trained in {time.perf_counter() - start:.0f}s", flush=True)
+    if tokenizer_dir != cfg.tokenizer_dir:
+        shutil.copytree(tokenizer_dir, cfg.tokenizer_dir)
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
@@ -115,7 +171,7 @@ def main() -> None:
     raw_rate = raw_tokens / raw_s
     pack_rate = pack_tokens / pack_s / args.cpus
     print("\n=== data pipeline benchmark ===")
-    print(f"corpus: {corpus_bytes / 2**20:.0f} MiB text, {raw_tokens / 1e6:.1f}M tokens, vocab {args.vocab}, "
+    print(f"corpus: {args.text} text, {corpus_bytes / 2**20:.0f} MiB text, {raw_tokens / 1e6:.1f}M tokens, vocab {args.vocab}, "
           f"seq_len {args.seq_len}, {args.cpus} Ray CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"raw encode_batch_fast (1 process, 1 thread): {raw_rate / 1e3:.0f}k tokens/s")
     print(f"pack stage: {pack_tokens / 1e6:.1f}M tokens in {pack_s:.1f}s = {pack_rate / 1e3:.0f}k tokens/s per CPU "
