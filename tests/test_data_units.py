@@ -201,6 +201,48 @@ def test_zstd_jsonl_and_chat_text_columns(tmp_path):
         "<|begin_header|>user<|end_header|>\n\n2+2?<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n4<|end_turn|>"]
 
 
+def test_jsonl_through_arrow_reader_keeps_rows_batches_and_names_bad_lines(tmp_path, monkeypatch):
+    """JSON lines are read by Arrow's reader: chat message lists whose messages use different keys, nulls,
+    blank lines and a line longer than the reader's block stage as json.loads would read them, in batches of
+    exactly ROWS_PER_BATCH rows; a bad line is named by its number."""
+    import json
+
+    from huginn_ray.data import formatting
+    from huginn_ray.data.formatting import DataError, iter_documents
+
+    monkeypatch.setattr(formatting, "JSON_BLOCK_BYTES", 4096)  # many blocks, one line longer than a block
+    monkeypatch.setattr(formatting, "ROWS_PER_BATCH", 40)
+    lines = []
+    for i in range(100):
+        if i % 2:
+            messages = [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f" a{i} ", "w": 1}]
+        else:
+            messages = [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "x" * (9000 if i == 50 else 1)}]
+        lines.append(json.dumps({"messages": None if i in (0, 7) else messages, "id": i if i % 3 else {"k": i}}))
+    lines[10] += "\n  \n"
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    chat = Source(name="chat", features=["messages"], local_dir=str(tmp_path), needs_chat_templating=True)
+    batches = list(iter_documents(path, chat))
+    assert [len(b) for b in batches] == [38, 40, 20]  # rows 0 and 7 are null: no document
+    rows = [json.loads(line.split("\n")[0]) for line in lines]
+    expected = [chat_template(row["messages"]) for row in rows if row["messages"]]
+    assert [t for b in batches for t in b] == expected
+    assert expected[0] == ("<|begin_header|>user<|end_header|>\n\nq1<|end_turn|>"
+                           "<|begin_header|>Huginn<|end_header|>\n\na1<|end_turn|>")
+
+    text = Source(name="prose", features=["title", "body"], local_dir=str(tmp_path))
+    for content, error in [
+        ('{"title": "t", "body": "b"}\n\n{"title": "t", "body": oops}\n', "line 3: invalid JSON"),
+        ('{"title": "t", "body": "b"}\n{"title": "t"}\n', "line 2: no field 'body'"),
+        ('{"title": "t", "body": "b"}\n{"title": "t", "body": 7}\n', "line 2: field 'body' holds int, not text"),
+        ('{"title": "t", "body": "b", "body": "c"}\n', "line 1: field 'body' appears twice"),
+    ]:
+        path.write_text(content)
+        with pytest.raises(DataError, match=f"source 'prose': {path}, {error}"):
+            list(iter_documents(path, text))
+
+
 def test_unsupported_or_unmatched_sources_are_errors_naming_them(tmp_path):
     from huginn_ray.data.config import DataConfig
     from huginn_ray.data.formatting import DataError

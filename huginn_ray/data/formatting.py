@@ -9,13 +9,16 @@ anything else is a text file that becomes a single document (feature `text`). Ru
 - one feature: its value is the document;
 - several features: their values joined by newlines.
 
-Empty documents are skipped. Any problem is a DataError naming the file (and the line or feature).
+Empty documents are skipped. Any problem is a DataError naming the file (and the line or feature). JSON lines
+are read by Arrow's JSON reader: a feature must hold text or null (a chat source's: text, null or a list of
+messages), as json.loads would read it.
 """
 
 from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,8 +41,9 @@ def chat_template(messages: list) -> str:
     for message in messages:
         if not isinstance(message, dict):
             raise TypeError(f"a chat message must be a mapping, got {type(message).__name__}")
-        role = message.get("role", message.get("from"))
-        content = message.get("content", message.get("value"))
+        # a null key counts as absent: Arrow's JSON and parquet readers fill the keys a message lacks with null
+        role = message.get("role") if message.get("role") is not None else message.get("from")
+        content = message.get("content") if message.get("content") is not None else message.get("value")
         if not isinstance(role, str) or not isinstance(content, str):
             raise TypeError("a chat message needs string 'role'/'content' (or 'from'/'value')")
         if role.lower() in ASSISTANT_NAMES:
@@ -106,41 +110,166 @@ def _parquet_documents(path: Path, source: Source) -> Iterator[list[str]]:
 
 
 def _jsonl_documents(path: Path, source: Source) -> Iterator[list[str]]:
-    lower = path.name.lower()
-    if lower.endswith(".gz"):
-        raw = gzip.open(path, "rb")
-    elif lower.endswith(".zst"):  # zstd through pyarrow's codec: no extra dependency
-        import pyarrow as pa
+    """Arrow's streaming JSON reader, reading only the features (typed: text, or chat message lists), in
+    batches of ROWS_PER_BATCH rows. A line it cannot read is found by a second, line-by-line scan that names it
+    (`_json_line_error`); that scan also runs once when a feature held null, since Arrow's reader reads a
+    missing field as null and a line without a feature is an error."""
+    import pyarrow as pa
 
-        raw = pa.input_stream(str(path), compression="zstd")
-    else:
-        raw = open(path, "rb")
-    with raw, io.TextIOWrapper(raw, encoding="utf-8", errors="strict") as lines:
-        rows: list[dict] = []
-        line_no = 0
+    schema = _json_schema(path, source)
+    rows, saw_null = 0, False
+    try:
+        for batch in _rebatched(_json_blocks(path, schema), ROWS_PER_BATCH):
+            saw_null = saw_null or any(column.null_count for column in batch.columns)
+            yield from _formatted(batch, source, path, rows, rows + batch.num_rows)
+            rows += batch.num_rows
+    except pa.ArrowInvalid as err:
+        raise _json_line_error(path, source, schema) or DataError(
+            f"source {source.name!r}: {path}: Arrow's JSON reader failed ({err}) although every line parses "
+            "on its own") from None
+    error = _json_line_error(path, source, schema) if saw_null else None
+    if error is not None:
+        raise error
+
+
+MESSAGE_KEYS = ("role", "content", "from", "value")  # what the chat template reads of a message
+JSON_BLOCK_BYTES = 16 << 20  # the JSON reader's block; one longer line gets a block of its own size (see below)
+
+
+def _message_list_type():
+    import pyarrow as pa
+
+    return pa.list_(pa.struct([(key, pa.string()) for key in MESSAGE_KEYS]))
+
+
+def _json_schema(path: Path, source: Source):
+    """The features' Arrow types: text, except a chat source's feature whose first non-null value among the
+    file's first ROWS_PER_BATCH lines is a list (of messages): that one is read as the message list type
+    (message keys other than role/content/from/value are not read: the chat template uses no others)."""
+    import pyarrow as pa
+
+    types = {f: pa.large_string() for f in source.features}
+    if source.needs_chat_templating:
+        untyped = set(source.features)
+        with _open_text(path) as lines:
+            for line in itertools.islice((line for line in lines if line.strip()), ROWS_PER_BATCH):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # the reader fails on it and the scan names it
+                for f in [f for f in untyped if isinstance(row, dict) and row.get(f) is not None]:
+                    untyped.discard(f)
+                    if isinstance(row[f], list):
+                        types[f] = _message_list_type()
+                if not untyped:
+                    break
+    return pa.schema(list(types.items()))
+
+
+def _json_blocks(path: Path, schema):
+    """Record batches of the features from Arrow's streaming JSON reader (one thread: a task is one CPU).
+
+    A line longer than the block fails Arrow's reader ("straddles two block boundaries"); the file is then
+    read again with a block that holds the longest line, skipping the rows already returned."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    done, block_bytes = 0, JSON_BLOCK_BYTES
+    while True:
+        try:
+            with _open_binary(path) as raw:
+                reader = pj.open_json(raw, read_options=pj.ReadOptions(use_threads=False, block_size=block_bytes),
+                                      parse_options=pj.ParseOptions(explicit_schema=schema,
+                                                                    unexpected_field_behavior="ignore"))
+                skip = done
+                for block in reader:
+                    if skip < block.num_rows:
+                        done += block.num_rows - skip
+                        yield block.slice(skip)
+                    skip = max(0, skip - block.num_rows)
+            return
+        except pa.ArrowInvalid as err:
+            with io.BufferedReader(_open_binary(path)) as raw:
+                longest = max((len(line) for line in raw), default=0) if "straddle" in str(err) else 0
+            if longest < block_bytes:
+                raise
+            block_bytes = 1 << longest.bit_length()
+
+
+def _rebatched(blocks: Iterator, size: int) -> Iterator:
+    """Tables of exactly `size` rows (the last one shorter) from Arrow's blocks, so that the staged row groups
+    do not depend on the reader's block size."""
+    import pyarrow as pa
+
+    rest = None
+    for block in blocks:
+        table = pa.Table.from_batches([block])
+        table = table if rest is None else pa.concat_tables([rest, table])
+        while table.num_rows >= size:
+            yield table.slice(0, size)
+            table = table.slice(size)
+        rest = table
+    if rest is not None and rest.num_rows:
+        yield rest
+
+
+def _json_line_error(path: Path, source: Source, schema) -> DataError | None:
+    """The first line that Arrow's reader cannot read as the features' types, as an error naming the line and
+    what is wrong; None when every line is fine."""
+    lists = {f.name for f in schema if f.type != "large_string"}
+    with _open_text(path) as lines:
         for line_no, line in enumerate(lines, 1):
             if not line.strip():
                 continue
+            where = f"source {source.name!r}: {path}, line {line_no}"
             try:
-                row = json.loads(line)
+                row = json.loads(line, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as err:
-                raise DataError(f"source {source.name!r}: {path}, line {line_no}: invalid JSON: {err}") from None
+                return DataError(f"{where}: invalid JSON: {err}")
+            except KeyError as err:
+                return DataError(f"{where}: field {err.args[0]!r} appears twice")
             missing = [f for f in source.features if not isinstance(row, dict) or f not in row]
             if missing:
-                raise DataError(f"source {source.name!r}: {path}, line {line_no}: no field {missing[0]!r}")
-            rows.append(row)
-            if len(rows) == ROWS_PER_BATCH:
-                yield from _formatted(rows, source, path, line_no)
-                rows = []
-        if rows:
-            yield from _formatted(rows, source, path, line_no)
+                return DataError(f"{where}: no field {missing[0]!r}")
+            for f in source.features:
+                value, expected = row[f], (list if f in lists else str)
+                if value is not None and not isinstance(value, expected):
+                    wanted = "a list of messages (as in the file's first lines)" if expected is list else "text"
+                    return DataError(f"{where}: field {f!r} holds {type(value).__name__}, not {wanted}")
+                if expected is list and not all(isinstance(m, dict) and all(
+                        m.get(k) is None or isinstance(m[k], str) for k in MESSAGE_KEYS) for m in value or []):
+                    return DataError(f"{where}: field {f!r}: a chat message must be a mapping whose "
+                                     f"{'/'.join(MESSAGE_KEYS)} are strings")
+    return None
 
 
-def _formatted(rows: list[dict], source: Source, path: Path, line_no: int) -> Iterator[list[str]]:
+def _unique_keys(pairs: list[tuple]) -> dict:
+    keys = set()
+    for key, _ in pairs:
+        if key in keys:
+            raise KeyError(key)
+        keys.add(key)
+    return dict(pairs)
+
+
+def _open_binary(path: Path):
+    import pyarrow as pa
+
+    lower = path.name.lower()
+    compression = "gzip" if lower.endswith(".gz") else "zstd" if lower.endswith(".zst") else None
+    return pa.input_stream(str(path), compression=compression)
+
+
+def _open_text(path: Path):
+    return io.TextIOWrapper(io.BufferedReader(_open_binary(path)), encoding="utf-8", errors="strict")
+
+
+def _formatted(batch, source: Source, path: Path, first_row: int, end_row: int) -> Iterator[list[str]]:
     try:
-        texts = format_rows({f: [r[f] for r in rows] for f in source.features}, source)
+        texts = format_rows({f: batch.column(f).to_pylist() for f in source.features}, source)
     except TypeError as err:
-        raise DataError(f"source {source.name!r}: {path}, lines up to {line_no}: {err}") from None
+        raise DataError(f"source {source.name!r}: {path}, rows {first_row + 1}-{end_row} (non-blank lines): {err}"
+                        ) from None
     if texts:
         yield texts
 
