@@ -231,6 +231,8 @@ def test_jsonl_through_arrow_reader_keeps_rows_batches_and_names_bad_lines(tmp_p
     assert expected[0] == ("<|begin_header|>user<|end_header|>\n\nq1<|end_turn|>"
                            "<|begin_header|>Huginn<|end_header|>\n\na1<|end_turn|>")
 
+    path.write_text("\n  \n")  # Arrow's reader refuses a stream without a value: no rows
+    assert list(iter_documents(path, chat)) == []
     text = Source(name="prose", features=["title", "body"], local_dir=str(tmp_path))
     for content, error in [
         ('{"title": "t", "body": "b"}\n\n{"title": "t", "body": oops}\n', "line 3: invalid JSON"),

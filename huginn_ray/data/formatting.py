@@ -170,7 +170,8 @@ def _json_blocks(path: Path, schema):
     """Record batches of the features from Arrow's streaming JSON reader (one thread: a task is one CPU).
 
     A line longer than the block fails Arrow's reader ("straddles two block boundaries"); the file is then
-    read again with a block that holds the longest line, skipping the rows already returned."""
+    read again with a block that holds the longest line, skipping the rows already returned. A file of blank
+    lines only, which Arrow's reader refuses ("Empty JSON stream"), has no rows."""
     import pyarrow as pa
     import pyarrow.json as pj
 
@@ -190,10 +191,13 @@ def _json_blocks(path: Path, schema):
             return
         except pa.ArrowInvalid as err:
             with io.BufferedReader(_open_binary(path)) as raw:
-                longest = max((len(line) for line in raw), default=0) if "straddle" in str(err) else 0
-            if longest < block_bytes:
+                lengths = [len(line) for line in raw if line.strip()] if "straddle" in str(err) or (
+                    "Empty JSON stream" in str(err)) else [0]
+            if not lengths:
+                return  # no line but blank ones: no rows
+            if max(lengths) < block_bytes:
                 raise
-            block_bytes = 1 << longest.bit_length()
+            block_bytes = 1 << max(lengths).bit_length()
 
 
 def _rebatched(blocks: Iterator, size: int) -> Iterator:
