@@ -11,7 +11,9 @@ Builds a local source of --text documents (each repeated with a distinct header 
          solution steps and numbers;
 stages it, trains a tokenizer (huginn_ray.data.tokenizer.train_tokenizer) on 8 MiB of each of the three kinds,
 kept in --tokenizer DIR when given (reused when DIR already holds one), then measures side by side in one run:
-  raw   - one process, one thread: Tokenizer.encode_batch_fast over the staged documents in batches;
+  staging - the staging stage (jsonl -> staged parquet), MiB of text per s per CPU;
+  raw   - one process, one thread: Tokenizer.encode_batch_fast over the staged documents in batches, before and
+          after the pack stage (their mean is the reference);
   pack  - the pack stage on a local Ray with --cpus CPUs (read + encode + hold-out + pack + write);
   shuffle - the shuffle stage over the packed rows (map/reduce into 2*num_shards files).
 Figures are printed; nothing is asserted.
@@ -34,7 +36,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from huginn_ray.data.config import load_data_config
-from huginn_ray.data.pipeline import init_ray, run
+from huginn_ray.data.pipeline import init_ray, run_stage_pack, run_stage_shuffle, run_stage_staging
+from huginn_ray.data.sources import load_sources
 from huginn_ray.data.tokenizer import train_tokenizer
 
 
@@ -136,8 +139,12 @@ def main() -> None:
         "output_dir": str(root / "out"), "sources": str(root / "sources.yaml"), "seq_len": args.seq_len,
         "num_shards": args.num_shards, "docs_per_pack_batch": args.docs_per_batch, "local_ray": local_ray}))
     cfg = load_data_config(root / "data.yaml")
+    sources = load_sources(cfg.sources)
     init_ray(cfg)
-    run(cfg, ("staging",))
+    # the stages themselves, timed on their own (pipeline.run would add the plan, which samples the sources)
+    start = time.perf_counter()
+    run_stage_staging(cfg, sources)
+    staging_s = time.perf_counter() - start
     staged = sorted((root / "out" / "staging" / "stdlib").glob("*.parquet"))
     texts = [t for f in staged for t in pq.read_table(f, columns=["text"]).column("text").to_pylist()]
     corpus_bytes = sum(len(t.encode()) for t in texts)
@@ -153,29 +160,37 @@ def main() -> None:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(cfg.tokenizer_dir / "tokenizer.json"))
-    start, raw_tokens = time.perf_counter(), 0
-    for i in range(0, len(texts), cfg.docs_per_pack_batch):
-        raw_tokens += sum(len(e.ids) for e in tok.encode_batch_fast(texts[i:i + cfg.docs_per_pack_batch]))
-    raw_s = time.perf_counter() - start
-    del texts
 
+    def raw_rate() -> float:
+        start, tokens = time.perf_counter(), 0
+        for i in range(0, len(texts), cfg.docs_per_pack_batch):
+            tokens += sum(len(e.ids) for e in tok.encode_batch_fast(texts[i:i + cfg.docs_per_pack_batch]))
+        return tokens / (time.perf_counter() - start)
+
+    # raw before and after the pack stage: load from other processes that changes meanwhile shows as a spread
+    raw_before = raw_rate()
     start = time.perf_counter()
-    marker = run(cfg, ("pack",))
+    marker = run_stage_pack(cfg, sources)
     pack_s = time.perf_counter() - start
+    raw_after = raw_rate()
+    del texts
     packed_bytes = sum(p.stat().st_size for p in (root / "out" / "packed").glob("*.parquet"))
     start = time.perf_counter()
-    run(cfg, ("shuffle",))
+    run_stage_shuffle(cfg, sources)
     shuffle_s = time.perf_counter() - start
 
     pack_tokens = sum(s["doc_tokens"] for s in marker["sources"].values())
-    raw_rate = raw_tokens / raw_s
+    raw = (raw_before + raw_after) / 2
     pack_rate = pack_tokens / pack_s / args.cpus
     print("\n=== data pipeline benchmark ===")
-    print(f"corpus: {args.text} text, {corpus_bytes / 2**20:.0f} MiB text, {raw_tokens / 1e6:.1f}M tokens, vocab {args.vocab}, "
-          f"seq_len {args.seq_len}, {args.cpus} Ray CPUs, load average {os.getloadavg()[0]:.1f}")
-    print(f"raw encode_batch_fast (1 process, 1 thread): {raw_rate / 1e3:.0f}k tokens/s")
+    print(f"corpus: {args.text} text, {corpus_bytes / 2**20:.0f} MiB text, {pack_tokens / 1e6:.1f}M tokens, "
+          f"vocab {args.vocab}, seq_len {args.seq_len}, {args.cpus} Ray CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(f"staging stage: {corpus_bytes / 2**20:.0f} MiB of text in {staging_s:.1f}s = "
+          f"{corpus_bytes / 2**20 / staging_s / args.cpus:.1f} MiB/s per CPU")
+    print(f"raw encode_batch_fast (1 process, 1 thread): {raw / 1e3:.0f}k tokens/s "
+          f"(before the pack stage {raw_before / 1e3:.0f}k, after {raw_after / 1e3:.0f}k)")
     print(f"pack stage: {pack_tokens / 1e6:.1f}M tokens in {pack_s:.1f}s = {pack_rate / 1e3:.0f}k tokens/s per CPU "
-          f"({pack_rate / raw_rate:.0%} of raw)")
+          f"({pack_rate / raw:.0%} of raw)")
     print(f"shuffle stage: {packed_bytes / 2**20:.0f} MiB packed in {shuffle_s:.1f}s = "
           f"{packed_bytes / 2**20 / shuffle_s:.1f} MiB/s")
     import ray
