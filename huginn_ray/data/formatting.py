@@ -16,13 +16,14 @@ messages), as json.loads would read it.
 
 from __future__ import annotations
 
-import gzip
 import io
 import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.json as pj
 import pyarrow.parquet as pq
 
 from huginn_ray.data.sources import Source
@@ -114,8 +115,6 @@ def _jsonl_documents(path: Path, source: Source) -> Iterator[list[str]]:
     batches of ROWS_PER_BATCH rows. A line it cannot read is found by a second, line-by-line scan that names it
     (`_json_line_error`); that scan also runs once when a feature held null, since Arrow's reader reads a
     missing field as null and a line without a feature is an error."""
-    import pyarrow as pa
-
     schema = _json_schema(path, source)
     rows, saw_null = 0, False
     try:
@@ -137,8 +136,6 @@ JSON_BLOCK_BYTES = 16 << 20  # the JSON reader's block; one longer line gets a b
 
 
 def _message_list_type():
-    import pyarrow as pa
-
     return pa.list_(pa.struct([(key, pa.string()) for key in MESSAGE_KEYS]))
 
 
@@ -146,8 +143,6 @@ def _json_schema(path: Path, source: Source):
     """The features' Arrow types: text, except a chat source's feature whose first non-null value among the
     file's first ROWS_PER_BATCH lines is a list (of messages): that one is read as the message list type
     (message keys other than role/content/from/value are not read: the chat template uses no others)."""
-    import pyarrow as pa
-
     types = {f: pa.large_string() for f in source.features}
     if source.needs_chat_templating:
         untyped = set(source.features)
@@ -172,9 +167,6 @@ def _json_blocks(path: Path, schema):
     A line longer than the block fails Arrow's reader ("straddles two block boundaries"); the file is then
     read again with a block that holds the longest line, skipping the rows already returned. A file of blank
     lines only, which Arrow's reader refuses ("Empty JSON stream"), has no rows."""
-    import pyarrow as pa
-    import pyarrow.json as pj
-
     done, block_bytes = 0, JSON_BLOCK_BYTES
     while True:
         try:
@@ -203,8 +195,6 @@ def _json_blocks(path: Path, schema):
 def _rebatched(blocks: Iterator, size: int) -> Iterator:
     """Tables of exactly `size` rows (the last one shorter) from Arrow's blocks, so that the staged row groups
     do not depend on the reader's block size."""
-    import pyarrow as pa
-
     rest = None
     for block in blocks:
         table = pa.Table.from_batches([block])
@@ -257,8 +247,6 @@ def _unique_keys(pairs: list[tuple]) -> dict:
 
 
 def _open_binary(path: Path):
-    import pyarrow as pa
-
     lower = path.name.lower()
     compression = "gzip" if lower.endswith(".gz") else "zstd" if lower.endswith(".zst") else None
     return pa.input_stream(str(path), compression=compression)
