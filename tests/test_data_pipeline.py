@@ -674,7 +674,8 @@ def test_plan_refuses_a_run_whose_peak_disk_exceeds_the_free_space(prepared, tmp
 
 def test_a_map_task_stays_under_the_memory_it_declares(ray_instance, tmp_path):
     """int64 input files (like the released data's: 4x the uint16 width): a fresh worker's peak RSS, worker
-    footprint included, is below the task's memory= declaration."""
+    footprint included, is below the task's memory= declaration, for a map task and for a released file's
+    conversion to a uint16 shard."""
     import ray
 
     from huginn_ray.data import shards as shards_mod
@@ -701,4 +702,17 @@ def test_a_map_task_stays_under_the_memory_it_declares(ray_instance, tmp_path):
     result = ray.get(task.remote(0, files, {"train": 0, "val": 0}, plans, 1, row_len, "uint16", 65536,
                                  str(tmp_path / "work")))
     assert result["bytes_written"] > 2 * per_file * row_len * 2  # it did the work: all rows in the map file
+    assert result["peak_rss_mib"] * 2**20 < declared, (result["peak_rss_mib"], declared / 2**20)
+
+    # converting one such file (row groups of 256 rows) to a uint16 shard streams: it declares a row group's
+    # read, not the file's 64 MiB of int64, and stays under that
+    entry = {"path": str(tmp_path / "in" / "grouped.parquet"), "train_rows": per_file, "val_rows": 0}
+    pq.write_table(pq.read_table(files[0]["path"]), entry["path"], row_group_size=256)
+    declared = shards_mod.convert_task_memory(entry, row_len, "uint16", 64, False)
+    assert declared == (256 * row_len * 8 * shards_mod.CONVERT_READ_FACTOR + shards_mod.CONVERT_READER_BYTES
+                        + 2 * (64 + 256) * row_len * 2 + (256 << 20))
+    task = ray.remote(max_calls=1, memory=declared, runtime_env={"env_vars": {"HUGINN_FRESH_WORKER": "2"}})(
+        shards_mod._convert_file)
+    result = ray.get(task.remote(entry, str(tmp_path / "shard.parquet"), row_len, "uint16", 65536, 64, False))
+    assert result["rows"] == per_file and pq.read_metadata(tmp_path / "shard.parquet").num_rows == per_file
     assert result["peak_rss_mib"] * 2**20 < declared, (result["peak_rss_mib"], declared / 2**20)

@@ -221,11 +221,11 @@ def test_validation_rows_that_also_occur_in_train_are_counted_and_dropped(ray_in
     assert "[dedup] released: 5 validation rows also occur in train" in out
 
 
-def test_as_many_released_files_as_shards_are_verified_and_hard_linked(ray_instance, tokenizer, tmp_path, capsys):
-    """4 + 4 files of list<uint16> rows, one row count per split, for num_shards=4: each file is read through
-    (row length, id range), hard-linked as its shard and recorded so in the manifest; the shards pass the training
-    preflight. The same files stored as int64 (as the release stores them) are re-sharded by the shuffle, saying
-    why."""
+def test_as_many_released_files_as_shards_become_the_shards_one_by_one(ray_instance, tokenizer, tmp_path, capsys):
+    """4 + 4 files, one row count per split, for num_shards=4. As list<uint16> rows: each file is read through
+    (row length, id range), hard-linked as its shard and recorded so in the manifest. As int64 (as the release
+    stores them): each file is converted to list<uint16> on its own, the shard holding exactly the file's rows in
+    its order, in row groups of shuffle.row_group_size. Both pass the training preflight."""
     from huginn_ray.train.shard_check import check_shards
 
     def released_files(value_type: pa.DataType) -> dict[str, bytes]:
@@ -239,11 +239,11 @@ def test_as_many_released_files_as_shards_are_verified_and_hard_linked(ray_insta
     shards = tmp_path / "out" / "shards"
     manifest = read_manifest(shards)
     assert manifest["reshard_method"] == "hard_link"
-    assert manifest["linked_files"] == {split: [f"{split}/{i:03d}_00000.parquet" for i in range(4)]
+    assert manifest["source_files"] == {split: [f"{split}/{i:03d}_00000.parquet" for i in range(4)]
                                         for split in ("train", "val")}
     assert manifest["rows_per_shard"] == {"train": 30, "val": 11}
     assert manifest["dropped_surplus_rows"] == {"train": 0, "val": 0}
-    for split, rels in manifest["linked_files"].items():
+    for split, rels in manifest["source_files"].items():
         for rank, rel in enumerate(rels):
             assert os.path.samefile(shards / split / f"{rank:05d}.parquet", released / rel)
     assert {f["path"]: f["hash"] for f in manifest["sources"]["released"]["files"]} == {
@@ -252,10 +252,33 @@ def test_as_many_released_files_as_shards_are_verified_and_hard_linked(ray_insta
     assert "hard-linked as the shards" in capsys.readouterr().out
 
     wide = tmp_path / "wide"
-    _write_local(wide, released_files(pa.int64()))
+    wide_files = released_files(pa.int64())
+    _write_local(wide, wide_files)
     assert prepare_data.main(["--quiet", "--config", str(_config(wide, tokenizer, LOCAL))]) == 0
-    assert read_manifest(wide / "out" / "shards")["reshard_method"] == "shuffle"
-    assert "equals the released file count, but the files cannot be linked" in capsys.readouterr().out
+    shards = wide / "out" / "shards"
+    manifest = read_manifest(shards)
+    assert manifest["reshard_method"] == "convert_uint16" and manifest["row_group_size"] == 4
+    assert manifest["source_files"] == {split: [f"{split}/{i:03d}_00000.parquet" for i in range(4)]
+                                        for split in ("train", "val")}
+    assert manifest["rows_per_shard"] == {"train": 30, "val": 11}
+    for split, rels in manifest["source_files"].items():
+        for rank, rel in enumerate(rels):
+            shard = pq.ParquetFile(shards / split / f"{rank:05d}.parquet")
+            assert shard.schema_arrow == pa.schema([("input_ids", pa.list_(pa.uint16()))])
+            assert [shard.metadata.row_group(g).num_rows for g in range(shard.num_row_groups)] == (
+                [4] * 7 + [2] if split == "train" else [4, 4, 3])
+            assert shard.read().column(0).to_pylist() == pq.read_table(io.BytesIO(wide_files[rel])).column(0).to_pylist()
+    assert {f["path"]: f["hash"] for f in manifest["sources"]["released"]["files"]} == {
+        rel: hashlib.sha256(data).hexdigest() for rel, data in wide_files.items()}
+    assert check_shards(shards, manifest, VOCAB).files == 8
+    assert "converted to uint16 shards one by one" in capsys.readouterr().out
+
+    bad_wide = tmp_path / "bad_wide"  # convertible, but one row is a id short: refused naming file and row
+    _write_local(bad_wide, {**wide_files, "train/002_00000.parquet": _file_bytes(200, 30, row_len=SEQ_LEN)})
+    assert prepare_data.main(["--quiet", "--config", str(_config(bad_wide, tokenizer, LOCAL))]) == 1
+    err = capsys.readouterr().err
+    assert "train/002_00000.parquet" in err and "row 0 has 32 ids, expected 33" in err
+    assert not (bad_wide / "out" / "shards").exists()
 
     bad = tmp_path / "bad"  # linkable by their footers, but one id is outside the vocabulary: refused, nothing linked
     _write_local(bad, {**files, "val/002_00000.parquet": _file_bytes(1200, 11, bad_id=VOCAB + 3,

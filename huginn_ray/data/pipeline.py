@@ -23,7 +23,7 @@ from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_sou
 from huginn_ray.data.plan import build_plan
 from huginn_ray.data.dedup import find_val_duplicates
 from huginn_ray.data.execution import original_error
-from huginn_ray.data.shards import MANIFEST, link_blocker, link_shards, run_shuffle
+from huginn_ray.data.shards import MANIFEST, per_file_method, run_shuffle, shards_per_file
 from huginn_ray.data.sources import Source, load_sources
 from huginn_ray.data.staging import list_local_files, stage_sources
 from huginn_ray.data.tokenize_pack import pack_fingerprint, run_pack
@@ -261,8 +261,9 @@ def drop_val_duplicates(cfg: DataConfig, per_source: dict, provenance: dict, voc
 
 
 def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
-    """Already packed sources (e.g. the released Huginn data) straight into N + N shards: hard-linked as they are
-    when they already are N + N files that meet the shard contract (shards.link_blocker), else shuffled."""
+    """Already packed sources (e.g. the released Huginn data) straight into N + N shards: when they are N + N files
+    of one row count per split, one file per rank (hard-linked as they are when they meet the shard contract,
+    else converted to the storage type file by file: shards.per_file_method), else shuffled."""
     facts = tokenizer_facts(cfg)
     per_source, files, provenance = {}, [], {}
     for source in sources:
@@ -296,16 +297,17 @@ def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
     extra["val_duplicates"] = drop_val_duplicates(cfg, per_source, provenance, facts["vocab_size"])
     by_split = {split: [f for v in per_source.values() for f in v[split]] for split in ("train", "val")}
     dtype = token_dtype(facts["vocab_size"])
-    blocker = link_blocker(by_split, cfg.num_shards, cfg.seq_len + 1, dtype)
+    method, blocker = per_file_method(by_split, cfg.num_shards, dtype)
     if blocker is None and extra["val_duplicates"]["dropped"]:
-        blocker = f"{extra['val_duplicates']['dropped']} validation rows are left out"
+        method, blocker = "shuffle", f"{extra['val_duplicates']['dropped']} validation rows are left out"
     if blocker is None:
-        return link_shards(by_split, cfg.seq_len + 1, cfg.root / "shards", seed=cfg.seed, token_dtype=dtype,
-                           vocab_size=facts["vocab_size"], fingerprint=fingerprint, manifest_extra=extra,
-                           hash_inputs=any(s.is_local for s in sources))
+        return shards_per_file(by_split, cfg.seq_len + 1, cfg.root / "shards", method=method, seed=cfg.seed,
+                               token_dtype=dtype, vocab_size=facts["vocab_size"],
+                               row_group_size=cfg.shuffle.row_group_size, fingerprint=fingerprint,
+                               manifest_extra=extra, hash_inputs=any(s.is_local for s in sources))
     if all(len(by_split[split]) == cfg.num_shards for split in by_split):
-        print(f"[shuffle] num_shards={cfg.num_shards} equals the released file count, but the files cannot be "
-              f"linked as shards ({blocker}): re-sharding them through the shuffle", flush=True)
+        print(f"[shuffle] num_shards={cfg.num_shards} equals the released file count, but the files cannot become "
+              f"the shards one by one ({blocker}): re-sharding them through the shuffle", flush=True)
     manifest = run_shuffle(files, cfg.seq_len + 1, cfg.root / "shards", num_shards=cfg.num_shards, seed=cfg.seed,
                            row_group_size=cfg.shuffle.row_group_size, reducer_mib=cfg.shuffle.reducer_mib,
                            map_mib=cfg.shuffle.map_mib, token_dtype=token_dtype(facts["vocab_size"]),

@@ -160,7 +160,9 @@ def _read_input(entry: dict, row_len: int, dtype: str, vocab_size: int, hashes: 
     has_split = "split" in names
     seen = dict.fromkeys(SPLITS, 0)
     row = 0
-    for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS, columns=["input_ids", "split"] if has_split else
+    # a batch spanning row groups is decoded from all of them at once: no batch larger than a row group
+    batch_rows = min([READ_BATCH_ROWS] + [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
+    for batch in pf.iter_batches(batch_size=max(1, batch_rows), columns=["input_ids", "split"] if has_split else
                                  ["input_ids"], use_threads=False):
         rows = fixed_rows(batch.column(0), row_len, str(path), first_row=row)
         check_ids(rows, vocab_size, dtype, str(path))
@@ -461,25 +463,31 @@ def _record_local_hashes(manifest_extra: dict, digests: dict[str, str]) -> None:
                 f["hash"] = digests.get(str(Path(root) / f["path"]))
 
 
-def link_blocker(files: dict[str, list[dict]], num_shards: int, row_len: int, token_dtype: str) -> str | None:
-    """Why already packed files cannot become the shards as they are (None: they can), from their footers.
+def per_file_method(files: dict[str, list[dict]], num_shards: int, token_dtype: str) -> tuple[str, str | None]:
+    """How already packed files become the shards one file per rank, from their footers: ("hard_link", None) when
+    they already are shards, ("convert_<token_dtype>", None) when their ids only need the storage type, else
+    ("shuffle", why not per file).
 
-    They can when each split has exactly `num_shards` files, all of one row count, each holding the column
-    `input_ids` only, as list<token_dtype> (what the training preflight, huginn_ray/train/shard_check.py, asks
-    of a shard)."""
+    Per file needs each split to have exactly `num_shards` files, all of one row count, with a column `input_ids`
+    of integer lists. They are linked when every file holds that column only, as list<token_dtype> (what the
+    training preflight, huginn_ray/train/shard_check.py, asks of a shard); otherwise each file is converted (the
+    release stores list<int64>: 4x the uint16 width)."""
     wanted = pa.list_(arrow_type(token_dtype))
+    linkable = True
     for name in SPLITS:
         if len(files[name]) != num_shards:
-            return f"{len(files[name])} {name} files for num_shards={num_shards}"
+            return "shuffle", f"{len(files[name])} {name} files for num_shards={num_shards}"
         counts = {f[f"{name}_rows"] for f in files[name]}
         if len(counts) > 1:
-            return f"the {name} files hold {min(counts)} to {max(counts)} rows, shards hold one count"
+            return "shuffle", f"the {name} files hold {min(counts)} to {max(counts)} rows, shards hold one count"
         for f in files[name]:
             schema = pq.read_schema(f["path"])
-            if schema.names != ["input_ids"] or schema.field("input_ids").type != wanted:
-                return (f"{f['path']} holds {schema}, shards hold input_ids: {wanted} only "
-                        f"(row_len {row_len})").replace("\n", ", ")
-    return None
+            ids = schema.field("input_ids").type if "input_ids" in schema.names else None
+            if ids is None or not (pa.types.is_list(ids) or pa.types.is_large_list(ids)) or not (
+                    pa.types.is_integer(ids.value_type)):
+                return "shuffle", f"{f['path']} has no input_ids column of integer lists ({schema})".replace("\n", ", ")
+            linkable = linkable and schema.names == ["input_ids"] and ids == wanted
+    return ("hard_link" if linkable else f"convert_{token_dtype}"), None
 
 
 def _verify_file(entry: dict, row_len: int, dtype: str, vocab_size: int, hash_input: bool) -> dict:
@@ -490,36 +498,100 @@ def _verify_file(entry: dict, row_len: int, dtype: str, vocab_size: int, hash_in
     return {"rows": rows, "sha256": hashes}
 
 
-def link_shards(files: dict[str, list[dict]], row_len: int, shard_root: Path, *, seed: int, token_dtype: str,
-                vocab_size: int, fingerprint: str, manifest_extra: dict, hash_inputs: bool = False) -> dict:
-    """Already packed files that pass `link_blocker` become the shards as they are: every file is verified (each
-    row read: row length, id range; local files hashed), then hard-linked as `<split>/RRRRR.parquet`, rank r =
-    the split's r-th file in name order, and nothing is shuffled again. Returns the manifest.
+def _convert_file(entry: dict, target: str, row_len: int, dtype: str, vocab_size: int, row_group_size: int,
+                  hash_input: bool) -> dict:
+    """Task: one packed file -> its rank's shard at `target`: every row read (row length and id range checked, as
+    the shuffle's map tasks do), in file order, READ_BATCH_ROWS at a time, and written as list<dtype> in row groups
+    of `row_group_size`, as a reducer writes a shard. Holds one batch and one row group, not the file."""
+    hashes: dict | None = {} if hash_input else None
+    schema = row_schema(dtype)
 
-    A hard link, not a symlink: the shard is an ordinary file inside `shard_root` that stays valid when the
-    download directory is removed, and costs no bytes. Where the inputs are on another file system than
-    `shard_root` (a local_dir source elsewhere; a link cannot cross file systems), the file is copied instead."""
-    entries = [{"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]}
-               for name in SPLITS for f in files[name]]
-    results = run_tasks(_verify_file, [(e, row_len, token_dtype, vocab_size, hash_inputs) for e in entries],
-                        name="verify_released")
+    def write(block: np.ndarray) -> None:
+        writer.write_table(pa.table({"input_ids": rows_to_arrow(block, dtype)}, schema=schema),
+                           row_group_size=row_group_size)
+
+    tmp = layout.temp_path(Path(target))
+    pending, rows = np.empty((0, row_len), numpy_dtype(dtype)), 0
+    with pq.ParquetWriter(tmp, schema, **parquet_options(schema.empty_table())) as writer:
+        for _, part in _read_input(entry, row_len, dtype, vocab_size, hashes):
+            pending, rows = np.concatenate([pending, part]), rows + len(part)
+            whole = len(pending) - len(pending) % row_group_size  # whole row groups go out, the rest waits
+            if whole:
+                write(pending[:whole])
+                pending = pending[whole:]
+        if len(pending):
+            write(pending)
+    layout.commit_file(tmp, Path(target))
+    return {"rows": rows, "sha256": hashes, "peak_rss_mib": _peak_rss_mib()}
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError as err:
+        if err.errno != errno.EXDEV:
+            raise
+        tmp = layout.temp_path(target)
+        shutil.copyfile(source, tmp)
+        layout.commit_file(tmp, target)
+
+
+CONVERT_READ_FACTOR = 8
+CONVERT_READER_BYTES = 96 << 20
+"""A conversion task's growth over its worker's footprint, measured (fresh process, ru_maxrss, int64 files of
+rows of 4,097 ids, row groups of 32 to 2,048 rows): about CONVERT_READER_BYTES (parquet reader and writer state,
+allocator) plus up to CONVERT_READ_FACTOR x the decoded bytes of one read batch (compressed and decompressed
+pages, repetition and definition levels, the decoded ids and their storage-type copy): 96 MiB at 32-row groups,
+150 MiB at 256, 285 MiB at 1,024."""
+
+
+def convert_task_memory(entry: dict, row_len: int, dtype: str, row_group_size: int, hashed: bool) -> int:
+    """The memory a conversion task uses, declared as `memory=`: reading one batch (at most a row group,
+    `_read_input`) at the file's id width (CONVERT_READ_FACTOR, CONVERT_READER_BYTES), the whole file's bytes when
+    it is hashed (held while parsed), one output row group plus one batch twice (the rows and their Arrow copy),
+    and the worker's own footprint. It does not grow with the file."""
+    meta = pq.read_metadata(entry["path"])
+    width = np.dtype(numpy_dtype(dtype)).itemsize
+    input_width = max(4, meta.schema.to_arrow_schema().field("input_ids").type.value_type.bit_width // 8)
+    batch = min([READ_BATCH_ROWS] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+    return (batch * row_len * input_width * CONVERT_READ_FACTOR + CONVERT_READER_BYTES
+            + (os.path.getsize(entry["path"]) if hashed else 0)
+            + 2 * (row_group_size + batch) * row_len * width + _TASK_OVERHEAD)
+
+
+def shards_per_file(files: dict[str, list[dict]], row_len: int, shard_root: Path, *, method: str, seed: int,
+                    token_dtype: str, vocab_size: int, row_group_size: int, fingerprint: str, manifest_extra: dict,
+                    hash_inputs: bool = False) -> dict:
+    """Packed files for which `per_file_method` chose a per-file method become the shards one file per rank
+    (rank r = the split's r-th file in name order), with nothing shuffled again. Returns the manifest.
+
+    hard_link: every file is verified (each row read: row length, id range; local files hashed), then hard-linked
+    as `<split>/RRRRR.parquet`. A hard link, not a symlink: the shard is an ordinary file inside `shard_root` that
+    stays valid when the download directory is removed, and costs no bytes. Where the inputs are on another file
+    system than `shard_root` (a local_dir source elsewhere; a link cannot cross file systems), the file is copied.
+
+    convert_<dtype>: one task per file reads it (the same checks) and writes its rows, in order, as the shard in
+    the storage type (`_convert_file`), streaming: a task's memory is bounded by a row group, not by the file."""
+    entries = {name: [{"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]}
+                      for f in files[name]] for name in SPLITS}
     work = shard_root.with_name(shard_root.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
-    linked: dict[str, list[str]] = {}
     for name in SPLITS:
         (work / "out" / name).mkdir(parents=True)
-        linked[name] = []
-        for rank, f in enumerate(files[name]):
-            target = shard_path(work / "out", name, rank)
-            try:
-                os.link(f["path"], target)
-            except OSError as err:
-                if err.errno != errno.EXDEV:
-                    raise
-                tmp = layout.temp_path(target)
-                shutil.copyfile(f["path"], tmp)
-                layout.commit_file(tmp, target)
-            linked[name].append(f["rel"])
+    if method == "hard_link":
+        calls = [(e, row_len, token_dtype, vocab_size, hash_inputs) for name in SPLITS for e in entries[name]]
+        results = run_tasks(_verify_file, calls, name="verify_released")
+    else:
+        calls = [(e, str(shard_path(work / "out", name, rank)), row_len, token_dtype, vocab_size, row_group_size,
+                  hash_inputs) for name in SPLITS for rank, e in enumerate(entries[name])]
+        results = run_tasks(_convert_file, calls, name="convert_released", memory=[
+            convert_task_memory(c[0], row_len, token_dtype, row_group_size, hash_inputs) for c in calls])
+        last_run_stats.clear()
+        last_run_stats.update(max_task_peak_rss_mib=max(r["peak_rss_mib"] for r in results))
+    for name in SPLITS:
+        if method == "hard_link":
+            for rank, f in enumerate(files[name]):
+                _link_or_copy(Path(f["path"]), shard_path(work / "out", name, rank))
         layout.fsync_dir(work / "out" / name)
     if hash_inputs:
         _record_local_hashes(manifest_extra, {p: d for r in results for p, d in (r["sha256"] or {}).items()})
@@ -532,18 +604,20 @@ def link_shards(files: dict[str, list[dict]], row_len: int, shard_root: Path, *,
         "row_len": row_len,
         "token_dtype": token_dtype,
         "seed": seed,
+        **({} if method == "hard_link" else {"row_group_size": row_group_size}),  # linked: the file's own
         "rows_per_shard": rows,
         "tokens_per_shard": {name: rows[name] * row_len for name in SPLITS},
         "total_rows": {name: rows[name] * len(files[name]) for name in SPLITS},
         "dropped_surplus_rows": {name: 0 for name in SPLITS},
-        "reshard_method": "hard_link",
-        "linked_files": linked,
+        "reshard_method": method,
+        "source_files": {name: [f["rel"] for f in files[name]] for name in SPLITS},
         **manifest_extra,
     }
     publish(work, shard_root, manifest)
+    done = "hard-linked as the shards" if method == "hard_link" else f"converted to {token_dtype} shards one by one"
     for name in SPLITS:
-        print(f"[shuffle] {name}: {len(files[name])} released files verified and hard-linked as the shards "
-              f"({rows[name]} rows each), not shuffled again", flush=True)
+        print(f"[shuffle] {name}: {len(files[name])} released files verified and {done} ({rows[name]} rows each), "
+              "not shuffled again", flush=True)
     return manifest
 
 
