@@ -18,7 +18,7 @@ import time
 
 from huginn_ray.config import ConfigError
 from huginn_ray.data.config import load_data_config
-from huginn_ray.data.pipeline import STAGES, init_ray, packed_only, root_error, run
+from huginn_ray.data.pipeline import STAGES, check_sources, init_ray, root_error, run
 from huginn_ray.data.plan import build_plan, format_plan
 from huginn_ray.data.sources import load_sources
 from huginn_ray.train.runlock import RunLock, RunLockError
@@ -41,14 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"prepare_data: config error: {err}", file=sys.stderr)
         return 2
-    if args.plan:
-        try:
-            sources = load_sources(cfg.sources)
-            packed_only(sources)  # refuses a list mixing packed and document sources
+    try:
+        sources = load_sources(cfg.sources)
+        check_sources(sources)  # mixed lists, unsupported sources: refused before Ray starts
+        if args.plan:
             plan = build_plan(cfg, sources)
-        except Exception as err:
-            print(f"prepare_data: error: {root_error(err)}", file=sys.stderr)
-            return 1
+    except Exception as err:
+        print(f"prepare_data: error: {root_error(err)}", file=sys.stderr)
+        return 1
+    if args.plan:
         print(json.dumps(plan, sort_keys=True) if args.json else format_plan(plan), flush=True)
         return 0
     start = time.time()

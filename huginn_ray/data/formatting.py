@@ -3,7 +3,10 @@
 Formats by file name: `*.parquet`; `*.jsonl` / `*.json` (one JSON object per line, optionally `.gz` or `.zst`);
 anything else is a text file that becomes a single document (feature `text`). Rules for a row:
 
-- chat sources (`needs_chat_templating`): a feature holding a list of messages is rendered with the chat template;
+- `kind: chat` sources: each row is one conversation, kept as JSON (a list of {role, content}, the source's system
+  prompt first) for the pack stage to render with a loss mask (huginn_ray/data/chat.py): from one column holding
+  the messages, or from two text columns, the user's question and Huginn's answer;
+- pretraining chat sources (`needs_chat_templating`): a feature holding a list of messages is rendered with the chat template;
   when all features are text (question, answer, ...), they become one user message each and the last one the
   assistant's (Huginn's) turn, rendered with the same template;
 - one feature: its value is the document;
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from huginn_ray.data.chat import check_messages
 from huginn_ray.data.sources import Source
 
 ASSISTANT_NAMES = {"gpt", "assistant"}  # renamed to Huginn, as in the reference
@@ -48,8 +52,35 @@ def chat_template(messages: list) -> str:
     return "".join(parts)
 
 
+def conversations(columns: dict[str, list], source: Source) -> list[str]:
+    """A chat source's rows as conversations in JSON, [{"role": ..., "content": ...}, ...]; a row the template
+    cannot render is refused naming it (its number in the batch) and the message."""
+    features = source.features
+    out = []
+    for i in range(len(columns[features[0]])):
+        if len(features) == 1:
+            messages = columns[features[0]][i]
+        else:
+            question, answer = (columns[f][i] for f in features)
+            for name, value in zip(features, (question, answer)):
+                if not isinstance(value, str):
+                    raise TypeError(f"row {i}: feature {name!r} holds {type(value).__name__}, not text")
+            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        try:
+            check_messages(messages)
+        except ValueError as err:
+            raise TypeError(f"row {i}: feature {features[0]!r}: {err}") from None
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        if source.system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": source.system_prompt})
+        out.append(json.dumps(messages, ensure_ascii=False))
+    return out
+
+
 def format_rows(columns: dict[str, list], source: Source) -> list[str]:
     """Documents from a batch of rows given as {feature: values}; empty documents are dropped."""
+    if source.is_chat:
+        return conversations(columns, source)
     features = source.features
     n = len(columns[features[0]])
     texts = []
