@@ -41,15 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"prepare_data: config error: {err}", file=sys.stderr)
         return 2
-    try:
-        sources = load_sources(cfg.sources)
-        check_sources(sources)  # mixed lists, unsupported sources: refused before Ray starts
-        if args.plan:
-            plan = build_plan(cfg, sources)
-    except Exception as err:
-        print(f"prepare_data: error: {root_error(err)}", file=sys.stderr)
-        return 1
     if args.plan:
+        try:
+            sources = load_sources(cfg.sources)
+            check_sources(sources)  # refuses lists mixing packed or chat sources with others
+            plan = build_plan(cfg, sources)
+        except Exception as err:
+            print(f"prepare_data: error: {root_error(err)}", file=sys.stderr)
+            return 1
         print(json.dumps(plan, sort_keys=True) if args.json else format_plan(plan), flush=True)
         return 0
     start = time.time()
@@ -63,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepare_data: {message}", flush=True)
     stop_ray = None
     try:
+        check_sources(load_sources(cfg.sources))  # a list the pipeline refuses is refused before Ray starts
         stop_ray = init_ray(cfg, quiet=args.quiet)
         manifest = run(cfg, tuple(args.stage) if args.stage else STAGES)
     except Exception as err:
