@@ -59,6 +59,8 @@ from huginn_ray.data.tokens import (DTYPES, MAX_LIST_IDS, arrow_type, check_ids,
 TRAIN, VAL = 0, 1
 SPLITS = {"train": TRAIN, "val": VAL}
 MANIFEST = "manifest.json"
+MASK = "loss_mask"
+"""The optional column of chat rows: 1 where the token is a training target (huginn_ray/data/chat.py)."""
 _MASK64 = np.uint64(2**64 - 1)
 _TASK_OVERHEAD = 256 << 20  # a worker's own footprint (interpreter, pyarrow, numpy), added to memory= requests
 
@@ -195,10 +197,6 @@ def _read_input(entry: dict, row_len: int, dtype: str, vocab_size: int, hashes: 
             raise ValueError(f"{path}: {'more than ' if seen[name] > entry[f'{name}_rows'] else ''}{seen[name]} "
                              f"{name} rows, the plan expected {entry[f'{name}_rows']} (the file changed since it "
                              "was listed)")
-
-
-MASK = "loss_mask"
-"""The optional column of chat rows: 1 where the token is a training target (huginn_ray/data/chat.py)."""
 
 
 def _mask_rows(column, row_len: int, where: str, first_row: int) -> np.ndarray:

@@ -35,10 +35,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.chat import chat_token_ids, pack_rows, pad_rows, render
+from huginn_ray.data.chat import pack_rows, pad_rows, render
 from huginn_ray.data.execution import run_tasks
 from huginn_ray.data.packing import copy_fractions, copy_order, pack, unit_hash
-from huginn_ray.data.shards import TRAIN, VAL
+from huginn_ray.data.shards import MASK, TRAIN, VAL
 from huginn_ray.data.sources import Source
 from huginn_ray.data.tokens import (TokenRangeError, arrow_type, check_ids, parquet_options, rows_to_arrow,
                                     token_dtype)
@@ -49,13 +49,11 @@ STATS_KEY = b"huginn_ray.pack"
 _STAT_KEYS = ("docs", "copied_docs", "doc_tokens", "train_rows", "val_rows")
 CHAT_STAT_KEYS = ("supervised_tokens", "pad_tokens", "truncated_conversations")
 """A chat source's statistics besides _STAT_KEYS (its docs are conversations)."""
-MASK_TYPE = pa.uint8()
-"""The loss_mask column's value type (packed files, map files, shards)."""
 
 
 def packed_schema(dtype: str, chat: bool = False) -> pa.Schema:
     return pa.schema([("input_ids", pa.list_(arrow_type(dtype))),
-                      *([("loss_mask", pa.list_(MASK_TYPE))] if chat else []), ("split", pa.uint8())])
+                      *([(MASK, pa.list_(pa.uint8()))] if chat else []), ("split", pa.uint8())])
 
 
 @functools.lru_cache(maxsize=2)
@@ -138,7 +136,7 @@ def tokenize_and_pack(task: dict, *, tokenizer_file: str, row_len: int, seed: in
         mask = np.concatenate(masks)
         stats.update(supervised_tokens=int(mask[:, 1:].sum()), pad_tokens=pad_tokens,
                      truncated_conversations=truncated)
-        columns["loss_mask"] = rows_to_arrow(mask, "uint8")
+        columns[MASK] = rows_to_arrow(mask, "uint8")
     columns["split"] = pa.array(split_col)
     schema = packed_schema(dtype, task["chat"] is not None).with_metadata(
         {STATS_KEY: json.dumps(stats, sort_keys=True).encode()})

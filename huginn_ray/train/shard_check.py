@@ -33,11 +33,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from huginn_ray.data.shards import MANIFEST, SPLITS, shard_path
+from huginn_ray.data.shards import MANIFEST, MASK, SPLITS, shard_path
 from huginn_ray.data.tokens import arrow_type
 
 COLUMN = "input_ids"
-MASK_COLUMN = "loss_mask"
 DEFAULT_THREADS = 32  # footer reads mostly wait on the filesystem; this many in flight overlap the waits
 
 
@@ -71,7 +70,7 @@ def check_shards(data_dir: str | Path, manifest: dict, model_vocab_size: int,
         "row_length": manifest["seq_len"] + 1,
         "value_type": arrow_type(manifest["token_dtype"]),
         "vocab_size": vocab_size,
-        "loss_mask": MASK_COLUMN in manifest,
+        "loss_mask": MASK in manifest,
     }
     files = [(split, rank) for split in SPLITS for rank in range(manifest["num_shards"])]
     with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -104,18 +103,18 @@ def check_shard(path: Path, rank: int, num_rows: int, row_length: int, value_typ
     if not pa.types.is_list(found_type) or found_type.value_type != value_type:
         raise ShardCheckError(f"{path}: column {COLUMN!r} is {found_type}, the manifest's token_dtype "
                               f"needs list<{value_type}>")
-    if (MASK_COLUMN in schema.names) != loss_mask:
-        raise ShardCheckError(f"{path}: {'no' if loss_mask else 'a'} column {MASK_COLUMN!r}, the manifest records "
+    if (MASK in schema.names) != loss_mask:
+        raise ShardCheckError(f"{path}: {'no' if loss_mask else 'a'} column {MASK!r}, the manifest records "
                               f"{'a' if loss_mask else 'no'} loss mask")
-    if loss_mask and schema.field(MASK_COLUMN).type != pa.list_(pa.uint8()):
-        raise ShardCheckError(f"{path}: column {MASK_COLUMN!r} is {schema.field(MASK_COLUMN).type}, expected "
+    if loss_mask and schema.field(MASK).type != pa.list_(pa.uint8()):
+        raise ShardCheckError(f"{path}: column {MASK!r} is {schema.field(MASK).type}, expected "
                               "list<uint8>")
     # the columns' leaves (a list of ids, a list of mask entries) among the file's leaf columns
     leaves = {metadata.schema.column(i).path.split(".")[0]: i for i in range(metadata.num_columns)}
     leaf = leaves[COLUMN]
     for index in range(metadata.num_row_groups) if loss_mask else ():
         row_group = metadata.row_group(index)
-        chunk = row_group.column(leaves[MASK_COLUMN])
+        chunk = row_group.column(leaves[MASK])
         stats = chunk.statistics
         if chunk.num_values != row_group.num_rows * row_length or (stats is not None and stats.null_count):
             raise ShardCheckError(f"{path}: row group {index} holds {chunk.num_values} loss-mask entries "
