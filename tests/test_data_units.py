@@ -293,3 +293,10 @@ def test_tokenizer_corpus_reads_only_the_files_it_needs_and_uses_message_content
     assert plain == list(corpus_texts({"plain": files}, 12, 100, seed=3))
     assert plain != list(corpus_texts({"plain": files}, 12, 100, seed=4))
     assert texts[12:] == ["hi\nhello\nthere"]
+    # a kind: chat source's staged conversations (JSON) contribute their message contents too
+    conversation = tmp_path / "conversation.parquet"
+    pq.write_table(pa.table({"text": format_rows({"q": ["hi"], "a": ["hello\nthere"]},
+                                                 Source(name="qa", kind="chat", features=["q", "a"], local_dir="/x",
+                                                        system_prompt="Be brief."))}), conversation)
+    assert list(corpus_texts({"qa": [conversation]}, 12, 100, seed=3, conversation_sources=frozenset({"qa"}))) == [
+        "Be brief.\nhi\nhello\nthere"]
