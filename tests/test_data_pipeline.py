@@ -881,3 +881,25 @@ def test_chat_config_errors_are_named(chat_prepared, tmp_path, capsys):
     assert prepare_data.main([*common, f"sources={mixed}", f"output_dir={tmp_path / 'mixed'}"]) == 1
     assert "mixes chat sources (convs, qa) with other sources (prose)" in capsys.readouterr().err
     assert not (tmp_path / "mixed" / "staging").exists()  # refused before anything ran
+
+
+def test_plan_of_a_chat_config_counts_its_padded_or_packed_rows(chat_prepared):
+    """--plan renders a chat source's conversations and lays them out as the run does: padded rows exactly (one
+    per conversation copy), packed rows within 15 % (the plan packs a batch in file order; the run packs each split
+    of each copy on its own, in a seeded order, and each of those ends in a part-filled row: 4 per batch of qa,
+    noticeable on these few rows)."""
+    from huginn_ray.data.config import load_data_config
+    from huginn_ray.data.plan import build_plan
+    from huginn_ray.data.sources import load_sources
+
+    root, config, common, _ = chat_prepared
+    for layout_name, extra in (("pad", []), ("pack", ["chat.pack=true"])):
+        cfg = load_data_config(config, [*common[2:], f"output_dir={root / layout_name}", *extra])
+        plan = build_plan(cfg, load_sources(cfg.sources))
+        sources = read_manifest(root / layout_name / "shards")["sources"]
+        for name, estimate in ((s["name"], s["estimated_tokens"]) for s in plan["sources"]):
+            made = (sources[name]["train_rows"] + sources[name]["val_rows"]) * (CHAT_SEQ_LEN + 1)
+            if layout_name == "pad":
+                assert estimate == made
+            else:
+                assert made >= estimate > 0.85 * made
