@@ -25,10 +25,13 @@ test: $(STAMP)
 
 # The pipeline end to end on the embedded default (a private local Ray per job): tokenizer, shards, training,
 # then what recurrence buys: loss by test-time depth, generation at a fixed depth and with an adaptive exit,
-# and the Hugging Face export.
+# and the Hugging Face export; last, a chat fine-tune of that model on questions and answers made from the
+# standard library's docstrings, exported and asked a question in the chat template.
 DEMO_CKPT := out/train_tiny_cpu
 DEMO_TOK := out/data_demo/tokenizer
 DEMO_PROMPT := def main(
+DEMO_CHAT_SYSTEM := You are Huginn, a helpful assistant that knows the Python standard library.
+DEMO_CHAT_PROMPT := What does `json.dumps` do?
 demo: $(STAMP)
 	$(PY) jobs/train_tokenizer.py --config configs/data/demo.yaml
 	$(PY) jobs/prepare_data.py --config configs/data/demo.yaml
@@ -40,8 +43,15 @@ demo: $(STAMP)
 	$(PY) jobs/generate.py --checkpoint $(DEMO_CKPT) --tokenizer $(DEMO_TOK) --prompt "$(DEMO_PROMPT)" \
 		--num-steps 16 --max-new-tokens 24 --exit-criterion kl --exit-threshold 1e-3 --cache ring:8
 	$(PY) -m huginn_ray.model.export --checkpoint $(DEMO_CKPT) --out out/demo/hf --tokenizer $(DEMO_TOK)
+	$(PY) -m huginn_ray.data.demo_chat out/demo_chat/conversations
+	$(PY) jobs/prepare_data.py --config configs/data/demo_chat.yaml
+	$(PY) jobs/train.py --config configs/train/finetune_demo_chat.yaml
+	$(PY) -m huginn_ray.model.export --checkpoint out/finetune_demo_chat --out out/demo/hf_chat --tokenizer $(DEMO_TOK)
+	$(PY) jobs/generate.py --checkpoint out/demo/hf_chat --chat --system "$(DEMO_CHAT_SYSTEM)" \
+		--prompt '$(DEMO_CHAT_PROMPT)' --num-steps 16 --max-new-tokens 40
 	@echo "[demo] depth-scaling plot: out/demo/eval/depth_scaling.png (table: out/demo/eval/depth_scaling.csv)"
 	@echo "[demo] Hugging Face export: out/demo/hf (AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True))"
+	@echo "[demo] chat fine-tune: out/demo/hf_chat (its tokenizer_config.json holds the chat template)"
 	@echo "[demo] MLflow UI: $(PY) -m mlflow ui --backend-store-uri sqlite:///$(CURDIR)/$(DEMO_CKPT)/mlflow/mlflow.db --port 5000"
 
 # The GPU path end to end on the device present, a few minutes (bench/gpu_check.py; figures go to BENCHMARKS.md).

@@ -253,7 +253,9 @@ def memory_check(setup: Setup, root: Path) -> dict:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
     def planned(prefix: str) -> int:
-        return next(size for name, size in [*(row[:2] for row in plan.rows), *plan.transients] if name.startswith(prefix))
+        return next(size for name, size, _ in plan.rows if name.startswith(prefix))
+
+    end_of_forward = next(phase for phase in plan.phases if phase.name == "end of forward").transient_bytes
 
     items = [
         ("parameters + buffers + optimizer state", planned("parameters") + planned("optimizer state"),
@@ -261,7 +263,7 @@ def memory_check(setup: Setup, root: Path) -> dict:
         ("gradients", planned("gradients"), difference(gradients, built)),
         ("activations saved for backward (end of forward, outside autocast)", planned("activations saved"),
          difference(forward, built)),
-        ("weight casts at the end of the forward (plan: + one loss chunk)", planned("end of forward"),
+        ("weight casts at the end of the forward (plan: + one loss chunk)", end_of_forward,
          difference(forward_with_casts, forward)),
         ("total: the peak of a whole train_step", plan.total, difference(peak, before)),
     ]

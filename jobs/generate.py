@@ -3,10 +3,15 @@
     python jobs/generate.py --checkpoint DIR --prompt TEXT [--num-steps 32] [--max-new-tokens 64]
         [--exit-criterion kl --exit-threshold 1e-3] [--min-steps 0] [--check-every 1] [--no-exit-in-prefill]
         [--warm-start] [--cache full|latest|ring:16] [--tokenizer DIR] [--temperature 0] [--seed 0]
+        [--chat [--system TEXT]]
 
 Prints the text, then tokens/s, mean core iterations per token, the iterations of each token, FLOPs per token
 and cache bytes per token. DIR is a model directory, a training checkpoint, or a training out_dir (newest
 checkpoint). The tokenizer defaults to one stored beside the model.
+
+With --chat the prompt is the user's message of a conversation (after a system message with --system), rendered
+with the released chat template and Huginn's header (huginn_ray/data/chat.py, add_generation_prompt); generation
+stops at Huginn's <|end_turn|>, and the whole conversation is printed as rendered.
 """
 
 from __future__ import annotations
@@ -38,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat", action="store_true", help="the prompt is a user message, in the chat template")
+    parser.add_argument("--system", default="", help="with --chat: a system message before the prompt")
     args = parser.parse_args(argv)
+    if args.system and not args.chat:
+        parser.error("--system needs --chat")
     try:
         model_dir = resolve_model_dir(args.checkpoint)
         model = load_pretrained(model_dir)
@@ -47,23 +56,34 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"no tokenizer stored with {model_dir}: pass --tokenizer")
         from tokenizers import Tokenizer
 
+        from huginn_ray.data.chat import chat_token_ids, render
         from huginn_ray.data.tokenizer import special_token_ids
         tokenizer = Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json")
         special = special_token_ids(tokenizer_dir)
-        ids = [special["bos"]] + tokenizer.encode(args.prompt, add_special_tokens=False).ids
+        if args.chat:
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            ids, _ = render(messages + [{"role": "user", "content": args.prompt}], tokenizer,
+                            add_generation_prompt=True)
+            stop = chat_token_ids(tokenizer).end_turn
+        else:
+            ids = [special["bos"]] + tokenizer.encode(args.prompt, add_special_tokens=False).ids
+            stop = special["eos"]
         torch.manual_seed(args.seed)
         result = generate(
             model, torch.tensor([ids]), args.max_new_tokens, num_steps=args.num_steps,
             exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold, min_steps=args.min_steps,
             check_every=args.check_every, exit_in_prefill=not args.no_exit_in_prefill, cache=args.cache,
             warm_start=args.warm_start,
-            temperature=args.temperature, top_k=args.top_k, eos_token_id=special["eos"],
+            temperature=args.temperature, top_k=args.top_k, eos_token_id=stop,
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     new = result.tokens[0, len(ids):].tolist()
-    print(args.prompt + tokenizer.decode(new, skip_special_tokens=False))
+    if args.chat:
+        print(tokenizer.decode(ids + new, skip_special_tokens=False))
+    else:
+        print(args.prompt + tokenizer.decode(new, skip_special_tokens=False))
     depth = args.num_steps or model.config.mean_recurrence
     how = "fixed depth" if args.exit_criterion == "none" else f"exit {args.exit_criterion}"
     print(f"[huginn] {len(new)} tokens in {result.seconds:.2f}s: {len(new) / result.seconds:.1f} tokens/s "

@@ -18,7 +18,7 @@ import time
 
 from huginn_ray.config import ConfigError
 from huginn_ray.data.config import load_data_config
-from huginn_ray.data.pipeline import STAGES, init_ray, packed_only, root_error, run
+from huginn_ray.data.pipeline import STAGES, check_sources, init_ray, root_error, run
 from huginn_ray.data.plan import build_plan, format_plan
 from huginn_ray.data.sources import load_sources
 from huginn_ray.train.runlock import RunLock, RunLockError
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         try:
             sources = load_sources(cfg.sources)
-            packed_only(sources)  # refuses a list mixing packed and document sources
+            check_sources(sources)  # refuses lists mixing packed or chat sources with others
             plan = build_plan(cfg, sources)
         except Exception as err:
             print(f"prepare_data: error: {root_error(err)}", file=sys.stderr)
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepare_data: {message}", flush=True)
     stop_ray = None
     try:
+        check_sources(load_sources(cfg.sources))  # a list the pipeline refuses is refused before Ray starts
         stop_ray = init_ray(cfg, quiet=args.quiet)
         manifest = run(cfg, tuple(args.stage) if args.stage else STAGES)
     except Exception as err:

@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         staged = {name: files for name, files in staged.items()
                   if next(s for s in sources if s.name == name).weight > 0}
         texts = corpus_texts(staged, cfg.tokenizer.rows_per_source, cfg.tokenizer.max_chars_per_doc, cfg.seed,
-                             frozenset(s.name for s in sources if s.needs_chat_templating))
+                             frozenset(s.name for s in sources if s.needs_chat_templating),
+                             frozenset(s.name for s in sources if s.is_chat))
         counted = _Counter(texts)
         print(f"==> training BPE (vocab_size={cfg.tokenizer.vocab_size}) with bpeasy", flush=True)
         train_tokenizer(counted, cfg.tokenizer.vocab_size, out_dir, use_manual_tokens=cfg.tokenizer.manual_tokens,

@@ -123,3 +123,32 @@ def test_bad_conversations_are_refused_by_name(tokenizer):
         render([], tokenizer)
     with pytest.raises(ValueError, match="loss_on must be one of assistant, all"):
         render(CONVERSATION, tokenizer, loss_on="user")
+
+
+def test_generate_chat_puts_the_prompt_in_the_template_after_the_system_message(tokenizer_dir, tmp_path, capsys):
+    """jobs/generate.py --chat: the prompt goes in as the user's message after the system message, with Huginn's
+    header (a random raven-tiny stands in for a trained model: only the prompt's form is checked)."""
+    import importlib.util
+
+    import torch
+
+    from huginn_ray.model import ModelConfig, RecurrentGPT
+    from huginn_ray.model.pretrained import save_pretrained
+
+    spec = importlib.util.spec_from_file_location("generate_job", Path(__file__).parents[1] / "jobs" / "generate.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    torch.manual_seed(0)
+    save_pretrained(RecurrentGPT(ModelConfig.from_name("raven-tiny", vocab_size=4096)).eval(), tmp_path / "model")
+    args = ["--checkpoint", str(tmp_path / "model"), "--tokenizer", str(tokenizer_dir), "--prompt", "What is 2 + 3?",
+            "--num-steps", "1", "--max-new-tokens", "3"]
+    assert job.main([*args, "--chat", "--system", "Be brief."]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(
+        "<|begin_text|><|begin_header|>system<|end_header|>\n\nBe brief.<|end_turn|>"
+        "<|begin_header|>user<|end_header|>\n\nWhat is 2 + 3?<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n")
+    assert job.main(args) == 0
+    assert capsys.readouterr().out.startswith("What is 2 + 3?")
+    with pytest.raises(SystemExit):
+        job.main([*args, "--system", "Be brief."])
+    assert "--system needs --chat" in capsys.readouterr().err

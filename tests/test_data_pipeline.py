@@ -213,21 +213,33 @@ def test_same_seed_same_bytes_other_seed_other_order(prepared, tmp_path):
     assert other.keys() == first.keys() and other["shards/train/00000.parquet"] != first["shards/train/00000.parquet"]
 
 
-def test_same_bytes_from_a_separate_ray_with_one_cpu(prepared, tmp_path):
-    """Determinism does not hang on scheduling: a fresh 1-CPU Ray in another process writes the same shards."""
+def test_same_bytes_from_a_separate_ray_with_one_cpu(prepared, chat_prepared, tmp_path):
+    """Determinism does not hang on scheduling: a fresh 1-CPU Ray in another process writes the same shards, for
+    the document sources and for the packed chat sources (loss masks included)."""
     root, config = prepared
+    chat_root, _, chat_args, _ = chat_prepared
+    runs = [["--config", str(config), f"output_dir={tmp_path / 'one_cpu'}", f"tokenizer.path={root / 'out' / 'tokenizer'}"],
+            [*chat_args, f"output_dir={tmp_path / 'chat_one_cpu'}", "chat.pack=true"]]
     temp_dir = tempfile.mkdtemp(prefix="hrd1_", dir="/tmp")
+    # one 1-CPU Ray for both runs (the job connects to a Ray already started in its process)
+    script = (f"import importlib.util, json, sys, ray; ray.init(address='local', num_cpus=1, _temp_dir={temp_dir!r}, "
+              "include_dashboard=False, log_to_driver=False); "
+              f"spec = importlib.util.spec_from_file_location('prepare_data', {str(ROOT / 'jobs' / 'prepare_data.py')!r}); "
+              "job = importlib.util.module_from_spec(spec); spec.loader.exec_module(job); "
+              "sys.exit(max(job.main(args) for args in json.loads(sys.argv[1])))")
     try:
         result = subprocess.run(
-            [sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--config", str(config),
-             f"output_dir={tmp_path / 'one_cpu'}", f"tokenizer.path={root / 'out' / 'tokenizer'}",
-             "local_ray.num_cpus=1", f"local_ray.temp_dir={temp_dir}"],
+            [sys.executable, "-c", script, json.dumps(runs)],
             env={**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert result.returncode == 0, result.stderr[-3000:]
     for path in sorted((root / "out" / "shards").glob("*/*.parquet")):
         assert (tmp_path / "one_cpu" / "shards" / path.parent.name / path.name).read_bytes() == path.read_bytes()
+    chat_files = sorted((chat_root / "pack").glob("packed/*.parquet")) + sorted((chat_root / "pack").glob("shards/*/*.parquet"))
+    assert len(chat_files) == 3 + 4  # 2 + 1 batches of convs and qa; 2 + 2 shards
+    for path in chat_files:
+        assert (tmp_path / "chat_one_cpu" / path.relative_to(chat_root / "pack")).read_bytes() == path.read_bytes()
 
 
 def _killed_once(fn, flag: Path):
@@ -716,3 +728,192 @@ def test_a_map_task_stays_under_the_memory_it_declares(ray_instance, tmp_path):
     result = ray.get(task.remote(entry, str(tmp_path / "shard.parquet"), row_len, "uint16", 65536, 64, False))
     assert result["rows"] == per_file and pq.read_metadata(tmp_path / "shard.parquet").num_rows == per_file
     assert result["peak_rss_mib"] * 2**20 < declared, (result["peak_rss_mib"], declared / 2**20)
+
+
+# ---- chat sources (kind: chat): conversations -> rows with a loss_mask column, through every stage ----
+
+CHAT_SEQ_LEN, CHAT_BATCH, QA_SYSTEM = 64, 32, "QA-SYSTEM quiz"
+
+
+def _write_chat_sources(root: Path) -> tuple[Path, dict[str, list]]:
+    """A JSONL source of messages (system prompts, one or two turns, roles assistant and Huginn, one conversation
+    longer than a row) with the loss on Huginn's turns, and a parquet question/answer source with a system prompt,
+    the loss on every token and weight 2. Returns the sources file and each source's conversations as rendered."""
+    rng = random.Random(2)
+    (root / "convs").mkdir(parents=True)
+    convs = []
+    for i in range(60):
+        messages = [{"role": "system", "content": _text(rng, 2, 6)}] if i % 3 == 0 else []
+        for _ in range(rng.randint(1, 2)):
+            messages += [{"role": "user", "content": _text(rng, 1, 6)},
+                         {"role": "assistant" if i % 2 else "Huginn", "content": _text(rng, 1, 8)}]
+        convs.append(messages)
+    convs.insert(7, [{"role": "user", "content": "long"}, {"role": "assistant", "content": _text(rng, 150, 150)}])
+    with open(root / "convs" / "part0.jsonl", "w") as f:
+        f.writelines(json.dumps({"messages": m, "id": i}) + "\n" for i, m in enumerate(convs))
+    (root / "qa").mkdir()
+    questions, answers = [_text(rng, 2, 6) for _ in range(30)], [_text(rng, 1, 6) for _ in range(30)]
+    pq.write_table(pa.table({"q": questions, "a": answers}), root / "qa" / "qa.parquet")
+    qa = [[{"role": "system", "content": QA_SYSTEM}, {"role": "user", "content": q}, {"role": "assistant", "content": a}]
+          for q, a in zip(questions, answers)]
+    sources = root / "chat_sources.yaml"
+    sources.write_text(f"""
+- {{name: convs, kind: chat, local_dir: convs, features: [messages]}}
+- {{name: qa, kind: chat, local_dir: qa, features: [q, a], system_prompt: {QA_SYSTEM}, loss_on: all, weight: 2.0}}
+""")
+    return sources, {"convs": convs, "qa": qa}
+
+
+@pytest.fixture(scope="module")
+def chat_prepared(prepared, tmp_path_factory):
+    """The chat sources prepared twice with the tokenizer of `prepared`: one conversation per row, and packed."""
+    root = tmp_path_factory.mktemp("chat")
+    sources, conversations = _write_chat_sources(root)
+    config = _config(root, sources)
+    common = ["--config", str(config), f"tokenizer.path={prepared[0] / 'out' / 'tokenizer'}",
+              f"seq_len={CHAT_SEQ_LEN}", "num_shards=2", f"docs_per_pack_batch={CHAT_BATCH}"]
+    assert prepare_data.main([*common, f"output_dir={root / 'pad'}"]) == 0
+    assert prepare_data.main([*common, f"output_dir={root / 'pack'}", "chat.pack=true"]) == 0
+    return root, config, common, conversations
+
+
+def _chat_tokenizer(root: Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(root / "out" / "tokenizer" / "tokenizer.json"))
+
+
+def _assistant_mask(ids: list[int], special, huginn: list[int], newlines: list[int]) -> list[int]:
+    """Written out from the template, token by token: 1 on the content and <|end_turn|> of every Huginn turn."""
+    mask, i = [0] * len(ids), 0
+    while i < len(ids):
+        if ids[i] != special.begin_header:
+            i += 1
+            continue
+        end_header = ids.index(special.end_header, i) if special.end_header in ids[i:] else len(ids)
+        start = end_header + 1 + len(newlines)
+        end = ids.index(special.end_turn, start) + 1 if special.end_turn in ids[start:] else len(ids)
+        if ids[i + 1:end_header] == huginn:
+            mask[start:end] = [1] * (end - start)
+        i = end
+    return mask
+
+
+def test_chat_shards_carry_the_loss_mask_row_aligned_through_the_shuffle(chat_prepared, prepared):
+    """Every shard row's loss mask is the one its ids call for (decoded turn by turn), padding never supervised;
+    the shards' supervised tokens are the manifest's, and the manifest's counts per source are exact."""
+    from huginn_ray.data.chat import chat_token_ids, render
+    from huginn_ray.train.shard_check import ShardCheckError, check_shards
+
+    root, _, _, conversations = chat_prepared
+    tokenizer = _chat_tokenizer(prepared[0])
+    special = chat_token_ids(tokenizer)
+    huginn, newlines = (tokenizer.encode(t, add_special_tokens=False).ids for t in ("Huginn", "\n\n"))
+    row_len = CHAT_SEQ_LEN + 1
+    rendered = {name: [render(m, tokenizer, "all" if name == "qa" else "assistant") for m in convs]
+                for name, convs in conversations.items()}
+    for layout_name in ("pad", "pack"):
+        shards = root / layout_name / "shards"
+        manifest = read_manifest(shards)
+        supervised, qa_rows = {"train": 0, "val": 0}, 0
+        for split in ("train", "val"):
+            for path in sorted((shards / split).glob("*.parquet")):
+                table = pq.read_table(path)
+                assert table.schema == pa.schema([("input_ids", pa.list_(pa.uint16())),
+                                                  ("loss_mask", pa.list_(pa.uint8()))])
+                for ids, mask in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):
+                    assert len(ids) == len(mask) == row_len and ids[0] == special.bos
+                    if QA_SYSTEM in tokenizer.decode(ids, skip_special_tokens=False):  # loss_on: all
+                        qa_rows += 1
+                        assert mask == [int(t != special.pad) for t in ids]
+                    else:
+                        assert mask == _assistant_mask(ids, special, huginn, newlines) and sum(mask) > 0
+                    supervised[split] += sum(mask[1:])
+        assert manifest["loss_mask"] == {"dtype": "uint8", "supervised_tokens": supervised}
+        stats = manifest["sources"]
+        kept = {name: sum(min(len(ids), row_len) for ids, _ in r) * (2 if name == "qa" else 1)
+                for name, r in rendered.items()}
+        rows = {name: stats[name]["train_rows"] + stats[name]["val_rows"] for name in rendered}
+        assert stats["convs"]["supervised_tokens"] == sum(sum(m[1:row_len]) for _, m in rendered["convs"])
+        # loss_on all: every token kept but the first of each row
+        assert stats["qa"]["supervised_tokens"] == kept["qa"] - rows["qa"]
+        for name in rendered:
+            assert stats[name]["kind"] == "chat" and stats[name]["pack"] == (layout_name == "pack")
+            assert stats[name]["docs"] == len(rendered[name])
+            assert stats[name]["pad_tokens"] == rows[name] * row_len - kept[name]
+        assert stats["convs"]["truncated_conversations"] == sum(len(ids) > row_len for ids, _ in rendered["convs"])
+        assert stats["convs"]["truncated_conversations"] >= 1 and stats["qa"]["truncated_conversations"] == 0
+        assert 0 < qa_rows <= rows["qa"]
+        check_shards(shards, manifest, 4096)
+        with pytest.raises(ShardCheckError, match="a column 'loss_mask', the manifest records no loss mask"):
+            check_shards(shards, {k: v for k, v in manifest.items() if k != "loss_mask"}, 4096)
+
+
+def test_padded_rows_are_one_per_conversation_and_packed_rows_follow_the_greedy_rule(chat_prepared, prepared):
+    """Row counts, exact: padded, one row per conversation copy; packed, whole conversations in the pack stage's
+    order (per batch: held-out split by hash, then each copy's seeded order) as many per row as fit."""
+    from huginn_ray.data.chat import render
+    from huginn_ray.data.packing import copy_order, unit_hash
+
+    root, _, _, conversations = chat_prepared
+    tokenizer = _chat_tokenizer(prepared[0])
+    row_len = CHAT_SEQ_LEN + 1
+    pad = read_manifest(root / "pad" / "shards")["sources"]
+    pack = read_manifest(root / "pack" / "shards")["sources"]
+    for name, copies in (("convs", 1), ("qa", 2)):
+        texts = pq.read_table(root / "pad" / "staging" / name / "00000.parquet").column("text").to_pylist()
+        assert [json.loads(t)[-1]["content"] for t in texts] == [c[-1]["content"] for c in conversations[name]]
+        lengths = [len(render(json.loads(t), tokenizer)[0]) for t in texts]
+        held_out = [unit_hash(233, "val", t) < 0.2 for t in texts]
+        expected = {"train": 0, "val": 0}
+        for start in range(0, len(texts), CHAT_BATCH):
+            count = min(CHAT_BATCH, len(texts) - start)
+            for copy in range(copies):
+                order = copy_order(233, copy, start, count)
+                for split, val in (("train", False), ("val", True)):
+                    used, rows = 0, 0
+                    for i in order:
+                        if held_out[start + i] != val:
+                            continue
+                        if rows == 0 or used + lengths[start + i] > row_len:
+                            rows, used = rows + 1, 0
+                        used += lengths[start + i]
+                    expected[split] += rows
+        assert (pad[name]["train_rows"], pad[name]["val_rows"]) == (
+            copies * (len(texts) - sum(held_out)), copies * sum(held_out))
+        assert (pack[name]["train_rows"], pack[name]["val_rows"]) == (expected["train"], expected["val"])
+    assert pack["convs"]["train_rows"] < pad["convs"]["train_rows"]  # qa's conversations do not fit two to a row
+
+
+def test_chat_config_errors_are_named(chat_prepared, tmp_path, capsys):
+    root, config, common, _ = chat_prepared
+    assert prepare_data.main([*common, "chat.pack=yes please"]) == 2
+    assert "chat.pack" in capsys.readouterr().err
+    mixed = tmp_path / "mixed.yaml"
+    mixed.write_text((root / "chat_sources.yaml").read_text() + f"- {{name: prose, local_dir: {root / 'qa'}, "
+                                                               "features: [q]}\n")
+    assert prepare_data.main([*common, f"sources={mixed}", f"output_dir={tmp_path / 'mixed'}"]) == 1
+    assert "mixes chat sources (convs, qa) with other sources (prose)" in capsys.readouterr().err
+    assert not (tmp_path / "mixed" / "staging").exists()  # refused before anything ran
+
+
+def test_plan_of_a_chat_config_counts_its_padded_or_packed_rows(chat_prepared):
+    """--plan renders a chat source's conversations and lays them out as the run does: padded rows exactly (one
+    per conversation copy), packed rows within 15 % (the plan packs a batch in file order; the run packs each split
+    of each copy on its own, in a seeded order, and each of those ends in a part-filled row: 4 per batch of qa,
+    noticeable on these few rows)."""
+    from huginn_ray.data.config import load_data_config
+    from huginn_ray.data.plan import build_plan
+    from huginn_ray.data.sources import load_sources
+
+    root, config, common, _ = chat_prepared
+    for layout_name, extra in (("pad", []), ("pack", ["chat.pack=true"])):
+        cfg = load_data_config(config, [*common[2:], f"output_dir={root / layout_name}", *extra])
+        plan = build_plan(cfg, load_sources(cfg.sources))
+        sources = read_manifest(root / layout_name / "shards")["sources"]
+        for name, estimate in ((s["name"], s["estimated_tokens"]) for s in plan["sources"]):
+            made = (sources[name]["train_rows"] + sources[name]["val_rows"]) * (CHAT_SEQ_LEN + 1)
+            if layout_name == "pad":
+                assert estimate == made
+            else:
+                assert made >= estimate > 0.85 * made

@@ -40,6 +40,12 @@ def test_source_list_parses_fields_and_defaults():
     ("{name: wiki, features: [x]}", "address"),
     ("{name: wiki, address: a/b, features: [x], weight: -1}", "weight"),
     ("{name: 'bad name', address: a/b, features: [x]}", "name"),
+    ("{name: wiki, address: a/b, features: [x], kind: dialogue}", "kind"),
+    ("{name: wiki, address: a/b, features: [m], kind: chat, loss_on: user}", "loss_on"),
+    ("{name: wiki, address: a/b, features: [q, a, b], kind: chat}", "features"),
+    ("{name: wiki, address: a/b, features: [m], kind: chat, needs_chat_templating: true}", "needs_chat_templating"),
+    ("{name: wiki, address: a/b, features: [x], system_prompt: hi}", "system_prompt"),
+    ("{name: wiki, address: a/b, features: [x], loss_on: all}", "loss_on"),
 ])
 def test_bad_source_fields_are_refused_naming_source_and_field(entry, field):
     with pytest.raises(ConfigError) as err:
@@ -245,6 +251,52 @@ def test_jsonl_through_arrow_reader_keeps_rows_batches_and_names_bad_lines(tmp_p
             list(iter_documents(path, text))
 
 
+def test_chat_source_rows_become_json_conversations_and_bad_ones_are_named(tmp_path):
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from huginn_ray.data.formatting import DataError, iter_documents
+
+    qa = Source(name="qa", kind="chat", features=["q", "a"], local_dir="/x", system_prompt="Be brief.")
+    assert [json.loads(t) for t in format_rows({"q": ["2+2?"], "a": [" 4 "]}, qa)] == [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": " 4 "}]]
+    convs = Source(name="convs", kind="chat", features=["messages"], local_dir="/x", system_prompt="Be brief.")
+    own_system = [{"role": "system", "content": "S"}, {"role": "user", "content": "u"},
+                  {"role": "Huginn", "content": "h", "extra": 1}]
+    assert [json.loads(t) for t in format_rows({"messages": [own_system]}, convs)] == [
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}, {"role": "Huginn", "content": "h"}]]
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": own_system}) + "\n" +
+                    json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n")
+    with pytest.raises(DataError, match=r"source 'convs': .*c.jsonl, lines up to 2: row 1: feature 'messages': "
+                                        r"message 0: unknown role 'bot'"):
+        list(iter_documents(path, convs))
+    path.write_text(json.dumps({"conversation": own_system}) + "\n")
+    with pytest.raises(DataError, match=r"source 'convs': .*c.jsonl, line 1: no field 'messages'"):
+        list(iter_documents(path, convs))
+    pq.write_table(pa.table({"conversation": [own_system]}), tmp_path / "c.parquet")
+    with pytest.raises(DataError, match=r"source 'convs': .*c.parquet has no column 'messages' \(columns: "
+                                        r"conversation\)"):
+        list(iter_documents(tmp_path / "c.parquet", convs))
+    pq.write_table(pa.table({"q": ["why?"], "a": [None]}), tmp_path / "qa.parquet")
+    with pytest.raises(DataError, match=r"source 'qa': .*qa.parquet: TypeError: row 0: feature 'a' holds NoneType"):
+        list(iter_documents(tmp_path / "qa.parquet", qa))
+
+
+def test_a_source_list_mixing_chat_with_other_sources_is_refused_by_name():
+    from huginn_ray.data.formatting import DataError
+    from huginn_ray.data.pipeline import check_sources
+
+    chat = Source(name="convs", kind="chat", features=["messages"], local_dir="/x")
+    prose = Source(name="prose", features=["text"], local_dir="/x")
+    check_sources([chat, Source(name="qa", kind="chat", features=["q", "a"], local_dir="/x")])
+    with pytest.raises(DataError, match=r"mixes chat sources \(convs\) with other sources \(prose\)"):
+        check_sources([chat, prose])
+
+
 def test_unsupported_or_unmatched_sources_are_errors_naming_them(tmp_path):
     from huginn_ray.data.config import DataConfig
     from huginn_ray.data.formatting import DataError
@@ -285,3 +337,10 @@ def test_tokenizer_corpus_reads_only_the_files_it_needs_and_uses_message_content
     assert plain == list(corpus_texts({"plain": files}, 12, 100, seed=3))
     assert plain != list(corpus_texts({"plain": files}, 12, 100, seed=4))
     assert texts[12:] == ["hi\nhello\nthere"]
+    # a kind: chat source's staged conversations (JSON) contribute their message contents too
+    conversation = tmp_path / "conversation.parquet"
+    pq.write_table(pa.table({"text": format_rows({"q": ["hi"], "a": ["hello\nthere"]},
+                                                 Source(name="qa", kind="chat", features=["q", "a"], local_dir="/x",
+                                                        system_prompt="Be brief."))}), conversation)
+    assert list(corpus_texts({"qa": [conversation]}, 12, 100, seed=3, conversation_sources=frozenset({"qa"}))) == [
+        "Be brief.\nhi\nhello\nthere"]

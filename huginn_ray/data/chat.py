@@ -148,17 +148,22 @@ def pack_rows(conversations: list[tuple[list[int], list[int]]], row_length: int,
     """Whole conversations, in order, as many per row as fit; the rest of a row that cannot take the next one
     is padded. A conversation is never split across rows (its second half would lose the question); one longer
     than a row gets a row of its own, cut to row_length. Each keeps its own loss mask."""
+    groups = pack_groups([len(ids) for ids, _ in conversations], row_length)
+    return _rows([[conversations[i] for i in group] for group in groups], row_length, pad_id)
+
+
+def pack_groups(lengths: list[int], row_length: int) -> list[list[int]]:
+    """The rows `pack_rows` makes, as lists of conversation indices, from the conversations' lengths."""
     groups, current, used = [], [], 0
-    for conversation in conversations:
-        length = len(conversation[0])
+    for index, length in enumerate(lengths):
         if current and used + length > row_length:
             groups.append(current)
             current, used = [], 0
-        current.append(conversation)
+        current.append(index)
         used += length
     if current:
         groups.append(current)
-    return _rows(groups, row_length, pad_id)
+    return groups
 
 
 def _rows(groups: list[list[tuple[list[int], list[int]]]], row_length: int, pad_id: int) -> ChatRows:

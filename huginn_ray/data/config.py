@@ -57,6 +57,14 @@ class ShuffleConfig:
 
 
 @dataclass
+class ChatRowsConfig:
+    pack: bool = False
+    """How conversations of `kind: chat` sources become rows of seq_len + 1 ids: false, one per row, padded (the
+    reference's layout); true, whole conversations in order, as many per row as fit, each with its own loss mask.
+    Either way a conversation longer than a row is truncated to it (counted in the manifest)."""
+
+
+@dataclass
 class LocalRayConfig:
     num_cpus: int | None = None
     """CPUs of a Ray instance this job starts itself (ignored when connecting to a running cluster)."""
@@ -91,6 +99,8 @@ class DataConfig:
     """Where the tokenizer lives and how jobs/train_tokenizer.py trains it."""
     shuffle: ShuffleConfig = field(default_factory=ShuffleConfig)
     """Global shuffle into per-rank shards."""
+    chat: ChatRowsConfig = field(default_factory=ChatRowsConfig)
+    """Rows of chat sources (`kind: chat`); ignored by other sources."""
     local_ray: LocalRayConfig = field(default_factory=LocalRayConfig)
     """Settings of a Ray instance the job starts itself."""
 

@@ -25,22 +25,25 @@ from huginn_ray.data.execution import run_tasks
 from huginn_ray.data.shards import _read_input
 
 
-def row_hashes(rows: np.ndarray) -> np.ndarray:
-    """A 64-bit blake2b hash of every row (its bytes in the storage type)."""
+def row_hashes(rows: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """A 64-bit blake2b hash of every row (its bytes in the storage type, then its loss mask's when it has one:
+    the same ids trained on other tokens are another row)."""
     rows = np.ascontiguousarray(rows)
-    digests = b"".join(hashlib.blake2b(row.tobytes(), digest_size=8).digest() for row in rows)
+    masks = [b""] * len(rows) if mask is None else [m.tobytes() for m in np.ascontiguousarray(mask)]
+    digests = b"".join(hashlib.blake2b(row.tobytes() + m, digest_size=8).digest() for row, m in zip(rows, masks))
     return np.frombuffer(digests, "<u8").copy()
 
 
 def _val_file_hashes(entry: dict, row_len: int, dtype: str, vocab_size: int) -> np.ndarray:
     """Ray task: the hashes of a validation file's rows, in file order."""
-    parts = [row_hashes(rows) for _, rows in _read_input(entry, row_len, dtype, vocab_size, None) if len(rows)]
+    parts = [row_hashes(rows, mask) for _, rows, mask in _read_input(entry, row_len, dtype, vocab_size, None)
+             if len(rows)]
     return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
 
 
 def _train_file_matches(entry: dict, row_len: int, dtype: str, vocab_size: int, val_hashes: np.ndarray) -> np.ndarray:
     """Ray task: the validation hashes (sorted, unique) that rows of this training file have."""
-    found = [h[np.isin(h, val_hashes)] for h in (row_hashes(rows) for _, rows in
+    found = [h[np.isin(h, val_hashes)] for h in (row_hashes(rows, mask) for _, rows, mask in
                                                _read_input(entry, row_len, dtype, vocab_size, None) if len(rows))]
     return np.unique(np.concatenate(found)) if found else np.zeros(0, np.uint64)
 

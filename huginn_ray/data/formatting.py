@@ -3,7 +3,10 @@
 Formats by file name: `*.parquet`; `*.jsonl` / `*.json` (one JSON object per line, optionally `.gz` or `.zst`);
 anything else is a text file that becomes a single document (feature `text`). Rules for a row:
 
-- chat sources (`needs_chat_templating`): a feature holding a list of messages is rendered with the chat template;
+- `kind: chat` sources: each row is one conversation, kept as JSON (a list of {role, content}, the source's system
+  prompt first) for the pack stage to render with a loss mask (huginn_ray/data/chat.py): from one column holding
+  the messages, or from two text columns, the user's question and Huginn's answer;
+- pretraining chat sources (`needs_chat_templating`): a feature holding a list of messages is rendered with the chat template;
   when all features are text (question, answer, ...), they become one user message each and the last one the
   assistant's (Huginn's) turn, rendered with the same template;
 - one feature: its value is the document;
@@ -26,6 +29,7 @@ import pyarrow as pa
 import pyarrow.json as pj
 import pyarrow.parquet as pq
 
+from huginn_ray.data.chat import check_messages
 from huginn_ray.data.sources import Source
 
 ASSISTANT_NAMES = {"gpt", "assistant"}  # renamed to Huginn, as in the reference
@@ -53,8 +57,35 @@ def chat_template(messages: list) -> str:
     return "".join(parts)
 
 
+def conversations(columns: dict[str, list], source: Source) -> list[str]:
+    """A chat source's rows as conversations in JSON, [{"role": ..., "content": ...}, ...]; a row the template
+    cannot render is refused naming it (its number in the batch) and the message."""
+    features = source.features
+    out = []
+    for i in range(len(columns[features[0]])):
+        if len(features) == 1:
+            messages = columns[features[0]][i]
+        else:
+            question, answer = (columns[f][i] for f in features)
+            for name, value in zip(features, (question, answer)):
+                if not isinstance(value, str):
+                    raise TypeError(f"row {i}: feature {name!r} holds {type(value).__name__}, not text")
+            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        try:
+            check_messages(messages)
+        except ValueError as err:
+            raise TypeError(f"row {i}: feature {features[0]!r}: {err}") from None
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        if source.system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": source.system_prompt})
+        out.append(json.dumps(messages, ensure_ascii=False))
+    return out
+
+
 def format_rows(columns: dict[str, list], source: Source) -> list[str]:
     """Documents from a batch of rows given as {feature: values}; empty documents are dropped."""
+    if source.is_chat:
+        return conversations(columns, source)
     features = source.features
     n = len(columns[features[0]])
     texts = []
@@ -120,7 +151,7 @@ def _jsonl_documents(path: Path, source: Source) -> Iterator[list[str]]:
     try:
         for batch in _rebatched(_json_blocks(path, schema), ROWS_PER_BATCH):
             saw_null = saw_null or any(column.null_count for column in batch.columns)
-            yield from _formatted(batch, source, path, rows, rows + batch.num_rows)
+            yield from _formatted(batch, source, path, schema, rows + batch.num_rows)
             rows += batch.num_rows
     except pa.ArrowInvalid as err:
         raise _json_line_error(path, source, schema) or DataError(
@@ -140,11 +171,11 @@ def _message_list_type():
 
 
 def _json_schema(path: Path, source: Source):
-    """The features' Arrow types: text, except a chat source's feature whose first non-null value among the
-    file's first ROWS_PER_BATCH lines is a list (of messages): that one is read as the message list type
-    (message keys other than role/content/from/value are not read: the chat template uses no others)."""
+    """The features' Arrow types: text, except a chat source's (either kind) feature whose first non-null value
+    among the file's first ROWS_PER_BATCH lines is a list (of messages): that one is read as the message list
+    type (message keys other than role/content/from/value are not read: the chat templates use no others)."""
     types = {f: pa.large_string() for f in source.features}
-    if source.needs_chat_templating:
+    if source.needs_chat_templating or source.is_chat:
         untyped = set(source.features)
         with _open_text(path) as lines:
             for line in itertools.islice((line for line in lines if line.strip()), ROWS_PER_BATCH):
@@ -256,14 +287,25 @@ def _open_text(path: Path):
     return io.TextIOWrapper(io.BufferedReader(_open_binary(path)), encoding="utf-8", errors="strict")
 
 
-def _formatted(batch, source: Source, path: Path, first_row: int, end_row: int) -> Iterator[list[str]]:
+def _formatted(batch, source: Source, path: Path, schema, end_row: int) -> Iterator[list[str]]:
     try:
         texts = format_rows({f: batch.column(f).to_pylist() for f in source.features}, source)
-    except TypeError as err:
-        raise DataError(f"source {source.name!r}: {path}, rows {first_row + 1}-{end_row} (non-blank lines): {err}"
-                        ) from None
+    except TypeError as err:  # a line the scan names (a missing field reads as null) first, else the batch
+        raise _json_line_error(path, source, schema) or DataError(
+            f"source {source.name!r}: {path}, lines up to {_line_of_row(path, end_row)}: {err}") from None
     if texts:
         yield texts
+
+
+def _line_of_row(path: Path, row: int) -> int:
+    """The line number of the `row`-th (1-based) non-blank line."""
+    with _open_text(path) as lines:
+        seen = 0
+        for line_no, line in enumerate(lines, 1):
+            seen += bool(line.strip())
+            if seen == row:
+                return line_no
+    return 0
 
 
 def _text_documents(path: Path, source: Source) -> Iterator[list[str]]:

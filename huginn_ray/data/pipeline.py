@@ -112,6 +112,25 @@ def packed_only(sources: list[Source]) -> bool:
     return bool(packed)
 
 
+def check_chat_not_mixed(sources: list[Source]) -> None:
+    """Refuse a source list that mixes chat sources with others: the shards of one config either all carry a
+    loss mask or none does (pretraining shards stay as they are; the trainer refuses shards of both kinds)."""
+    chat = [s.name for s in sources if s.is_chat]
+    if chat and len(chat) != len(sources):
+        others = [s.name for s in sources if not s.is_chat]
+        raise DataError(f"source list mixes chat sources ({', '.join(chat)}) with other sources "
+                        f"({', '.join(others)}): chat rows carry a loss mask, the others none; prepare them with "
+                        "separate configs")
+
+
+def check_sources(sources: list[Source]) -> None:
+    """What a source list may not be, refused by name before any work: sources this pipeline cannot fetch, packed
+    sources mixed with others, chat sources mixed with others."""
+    check_supported(sources)
+    packed_only(sources)
+    check_chat_not_mixed(sources)
+
+
 def run_stage_staging(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]:
     if packed_only(sources):
         print("[staging] packed sources: nothing to stage", flush=True)
@@ -160,11 +179,19 @@ def run_stage_pack(cfg: DataConfig, sources: list[Source]) -> dict:
     facts = tokenizer_facts(cfg)
     check_document_delimiters(facts["tokenizer_file"], facts["bos_id"], facts["eos_id"])
     fingerprint = pack_fingerprint(sources, markers, facts["tokenizer_sha256"], cfg.seq_len, cfg.seed,
-                                   cfg.val_fraction, cfg.docs_per_pack_batch)
+                                   cfg.val_fraction, cfg.docs_per_pack_batch, cfg.chat.pack)
+    if any(s.is_chat for s in sources):
+        from tokenizers import Tokenizer
+
+        from huginn_ray.data.chat import chat_token_ids
+        try:  # before any task: a tokenizer without the template's special tokens is refused by name
+            chat_token_ids(Tokenizer.from_file(facts["tokenizer_file"]))
+        except ValueError as err:
+            raise DataError(f"{facts['tokenizer_file']}: {err}") from None
     return run_pack(sources, markers, cfg.root / "staging", Path(facts["tokenizer_file"]), cfg.root / "packed",
                     seq_len=cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
                     docs_per_batch=cfg.docs_per_pack_batch, vocab_size=facts["vocab_size"],
-                    fingerprint=fingerprint, extra_marker=facts)
+                    fingerprint=fingerprint, extra_marker=facts, chat_pack=cfg.chat.pack)
 
 
 def packed_source_files(cfg: DataConfig, source: Source) -> dict[str, list[dict]]:
@@ -344,8 +371,7 @@ def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:
 def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     """Run the given stages in order; returns the shard manifest when the shuffle stage ran."""
     sources = load_sources(cfg.sources)
-    check_supported(sources)
-    packed_only(sources)  # a mixed list is refused before the plan samples its files
+    check_sources(sources)  # before the plan samples their files
     plan = build_plan(cfg, sources)  # refuses a run whose peak disk does not fit output_dir's free space
     print(f"[plan] about {plan['estimated_tokens']:,d} packed tokens, peak disk "
           f"{plan['peak_disk_bytes'] / 2**30:.2f} GiB ({plan['free_bytes'] / 2**30:.1f} GiB free)", flush=True)

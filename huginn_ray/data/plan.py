@@ -27,6 +27,7 @@ plan (and a real run, which checks the same at its start) is refused naming the 
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import shutil
@@ -38,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
+from huginn_ray.data.chat import pack_groups, render
 from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError, iter_documents
 from huginn_ray.data.hub_download import PROVENANCE
@@ -121,8 +123,10 @@ def _hub_listings(cfg: DataConfig, sources: list[Source]) -> dict:
 
 
 def _sample(source: Source, files: list[tuple[str, int]], tokenizer, row_len: int, docs_per_batch: int,
-            dtype: str, row_group_size: int) -> Ratios | None:
-    """Format, encode and pack the first SAMPLE_BYTES of a source's files as the pipeline does (None: no text)."""
+            dtype: str, row_group_size: int, chat_pack: bool = False) -> Ratios | None:
+    """Format, encode and pack the first SAMPLE_BYTES of a source's files as the pipeline does (None: no text).
+    A chat source's conversations are rendered with the chat template and laid out one per row or packed
+    (`chat_pack`), in file order (the run lays out each split of a batch in a seeded order)."""
     texts: list[str] = []
     input_bytes = staged_bytes = 0
     for path, size in files:
@@ -138,11 +142,18 @@ def _sample(source: Source, files: list[tuple[str, int]], tokenizer, row_len: in
     text_bytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
     if not text_bytes:
         return None
-    lengths = [len(e.ids) for e in tokenizer.encode_batch_fast(texts)]
+    if source.is_chat:
+        encoded = [render(json.loads(t), tokenizer, source.loss_on)[0] for t in texts]
+        lengths = [len(ids) for ids in encoded]
+        rows = sum(len(pack_groups(lengths[i:i + docs_per_batch], row_len))
+                   for i in range(0, len(lengths), docs_per_batch)) if chat_pack else len(lengths)
+    else:
+        encoded = [e.ids for e in tokenizer.encode_batch_fast(texts[:256])]
+        lengths = [len(e.ids) for e in tokenizer.encode_batch_fast(texts)]
+        rows = sum(len(pack_row_starts(lengths[i:i + docs_per_batch], [source.every_token_is_sacred] * len(
+            lengths[i:i + docs_per_batch]), row_len)) for i in range(0, len(lengths), docs_per_batch))
     tokens = sum(lengths)
-    rows = sum(len(pack_row_starts(lengths[i:i + docs_per_batch], [source.every_token_is_sacred] * len(
-        lengths[i:i + docs_per_batch]), row_len)) for i in range(0, len(lengths), docs_per_batch))
-    ids = np.concatenate([np.asarray(e.ids) for e in tokenizer.encode_batch_fast(texts[:256])])
+    ids = np.concatenate([np.asarray(e) for e in encoded[:256]])
     sample_rows = np.resize(ids, (max(1, len(ids) // row_len), row_len))  # real ids in rows, as packing cuts them
 
     def written_size(rows: np.ndarray, **options) -> int:
@@ -201,7 +212,7 @@ def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
         ratios = None
         if here and tokenizer is not None and not source.is_packed and files:
             ratios = _sample(source, files, tokenizer, row_len, cfg.docs_per_pack_batch, dtype,
-                             cfg.shuffle.row_group_size)
+                             cfg.shuffle.row_group_size, cfg.chat.pack)
             if ratios is None:  # no document in the sampled files: staging will report the source as empty
                 ratios = EMPTY
             else:

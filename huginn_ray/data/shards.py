@@ -12,13 +12,19 @@ and nothing the driver or a task holds grows with N (huginn_ray/data/README.md h
 
 1. map (Ray Data operator `shuffle_map`): one task per group of ~`shuffle.map_mib` of input files computes every
    row's position, drops the surplus, sorts its rows by position (hence by destination shard) and writes one Arrow
-   IPC file per split, `map/<split>/MMMMMM.arrow` (columns `position`, `input_ids`), plus `MMMMMM.idx.npy`: N + 1
+   IPC file per split, `map/<split>/MMMMMM.arrow` (columns `position`, `input_ids`, and `loss_mask` for chat
+   rows), plus `MMMMMM.idx.npy`: N + 1
    row offsets, row range [idx[s], idx[s+1]) of the file holds the rows bound for shard s.
 2. reduce (Ray Data operator `shuffle_reduce`): the driver gathers a split's per-map indexes into one
    `map/<split>/index.npy` ((N + 1) x M); one task per range of consecutive shards holding ~`shuffle.reducer_mib`
    of rows reads the two rows of it that bound its shards, memory-maps only the map files holding rows for it,
    reads only its row ranges, merges by position and writes its shards `<split>/RRRRR.parquet` (column
    `input_ids`, list<uint16|int32>, row groups of `shuffle.row_group_size`).
+
+Chat rows (huginn_ray/data/tokenize_pack.py) carry a `loss_mask` column, list<uint8>, one entry per id: it is read,
+sorted, written and merged with its row's ids in every step, so a shard's `loss_mask` row r belongs to its
+`input_ids` row r, and the manifest records `loss_mask` with the shards' supervised tokens per split. Inputs without
+the column give shards without it, byte for byte as before; a shuffle's inputs all have it or none does.
 
 Both passes run on Ray Data's streaming executor (huginn_ray/data/execution.py: progress bars, retries of tasks
 whose worker died). Tasks return only a few integers; map tasks and reducers declare `memory=` to Ray from their
@@ -53,6 +59,8 @@ from huginn_ray.data.tokens import (DTYPES, MAX_LIST_IDS, arrow_type, check_ids,
 TRAIN, VAL = 0, 1
 SPLITS = {"train": TRAIN, "val": VAL}
 MANIFEST = "manifest.json"
+MASK = "loss_mask"
+"""The optional column of chat rows: 1 where the token is a training target (huginn_ray/data/chat.py)."""
 _MASK64 = np.uint64(2**64 - 1)
 _TASK_OVERHEAD = 256 << 20  # a worker's own footprint (interpreter, pyarrow, numpy), added to memory= requests
 
@@ -139,7 +147,8 @@ READ_BATCH_ROWS = 1024
 
 
 def _read_input(entry: dict, row_len: int, dtype: str, vocab_size: int, hashes: dict):
-    """Yield (split, rows) blocks of one input file: (n, row_len) arrays of the storage type, checked.
+    """Yield (split, rows, mask) blocks of one input file: (n, row_len) arrays of the storage type, checked, and
+    their (n, row_len) uint8 loss mask (None when the file has no `loss_mask` column).
 
     Decoded READ_BATCH_ROWS at a time, so a task holds one file's compressed column chunk and a batch, not the
     file decoded. With `hashes` not None, the file's sha256 is recorded in it (read once: hashed and parsed).
@@ -157,35 +166,47 @@ def _read_input(entry: dict, row_len: int, dtype: str, vocab_size: int, hashes: 
     names = pf.schema_arrow.names
     if "input_ids" not in names:
         raise ValueError(f"{path}: no column 'input_ids' (columns: {', '.join(names)})")
-    has_split = "split" in names
+    has_split, has_mask = "split" in names, MASK in names
     seen = dict.fromkeys(SPLITS, 0)
     row = 0
+    columns = ["input_ids", *([MASK] if has_mask else []), *(["split"] if has_split else [])]
     # a batch spanning row groups is decoded from all of them at once: no batch larger than a row group
     batch_rows = min([READ_BATCH_ROWS] + [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
-    for batch in pf.iter_batches(batch_size=max(1, batch_rows), columns=["input_ids", "split"] if has_split else
-                                 ["input_ids"], use_threads=False):
-        rows = fixed_rows(batch.column(0), row_len, str(path), first_row=row)
+    for batch in pf.iter_batches(batch_size=max(1, batch_rows), columns=columns, use_threads=False):
+        rows = fixed_rows(batch.column("input_ids"), row_len, str(path), first_row=row)
         check_ids(rows, vocab_size, dtype, str(path))
         rows = rows.astype(numpy_dtype(dtype), copy=False)
-        codes = batch.column(1).to_numpy(zero_copy_only=False) if has_split else None
+        mask = _mask_rows(batch.column(MASK), row_len, str(path), row) if has_mask else None
+        codes = batch.column("split").to_numpy(zero_copy_only=False) if has_split else None
         if len(skip):
             keep = ~np.isin(np.arange(row, row + len(rows)), skip)
             rows, codes = rows[keep], codes[keep] if has_split else None
+            mask = mask[keep] if has_mask else None
         row += len(keep) if len(skip) else len(rows)
         for name, code in SPLITS.items():
             if has_split:
-                part = rows[codes == code]
+                chosen = codes == code
+                part, part_mask = rows[chosen], mask[chosen] if has_mask else None
             else:
                 part = rows if entry[f"{name}_rows"] else rows[:0]
+                part_mask = None if mask is None else mask[:len(part)]
             seen[name] += len(part)
             if seen[name] > entry[f"{name}_rows"]:
                 break
-            yield name, part
+            yield name, part, part_mask
     for name in SPLITS:
         if seen[name] != entry[f"{name}_rows"]:
             raise ValueError(f"{path}: {'more than ' if seen[name] > entry[f'{name}_rows'] else ''}{seen[name]} "
                              f"{name} rows, the plan expected {entry[f'{name}_rows']} (the file changed since it "
                              "was listed)")
+
+
+def _mask_rows(column, row_len: int, where: str, first_row: int) -> np.ndarray:
+    """A loss_mask list column -> (rows, row_len) uint8 of 0/1; refuses other lengths and values."""
+    mask = fixed_rows(column, row_len, f"{where}: column {MASK}", first_row=first_row).astype(np.uint8, copy=False)
+    if mask.size and mask.max() > 1:
+        raise ValueError(f"{where}: column {MASK} holds {int(mask.max())}, a loss mask holds 0 or 1")
+    return mask
 
 
 WRITE_CHUNK_BYTES = 32 << 20
@@ -201,30 +222,32 @@ fresh process, ru_maxrss growth less the group's rows and write chunks) and 1.5x
 when the file is hashed (its bytes are held while parsed)."""
 
 
-def map_task_memory(group: list[dict], row_len: int, dtype: str, input_width: int, hashed: bool) -> int:
+def map_task_memory(group: list[dict], row_len: int, dtype: str, input_width: int, hashed: bool,
+                    mask: bool = False) -> int:
     """The memory a map task uses, declared to Ray as `memory=`: its rows once in the storage type, 24 bytes per
     row of positions and sort order, reading its largest input file (READ_FACTOR), one write chunk twice (the
-    gathered rows and their Arrow copy), and the worker's own footprint."""
-    width = np.dtype(numpy_dtype(dtype)).itemsize
+    gathered rows and their Arrow copy), and the worker's own footprint. A loss mask adds one byte per id."""
+    width = np.dtype(numpy_dtype(dtype)).itemsize + mask
     rows = sum(f["train_rows"] + f["val_rows"] for f in group)
     largest = max((f["train_rows"] + f["val_rows"] for f in group), default=0) * row_len * max(4, input_width)
     return (rows * (row_len * width + 24) + largest * (READ_FACTOR + hashed) + 2 * WRITE_CHUNK_BYTES
             + _TASK_OVERHEAD)
 
 
-def reduce_task_memory(plan: dict, row_len: int, dtype: str) -> int:
+def reduce_task_memory(plan: dict, row_len: int, dtype: str, mask: bool = False) -> int:
     """The memory a reducer uses, declared as `memory=`: its rows once in the storage type plus the same again for
     the memory-mapped map-file ranges it copies from (resident while read), 24 bytes per row of positions and
-    order, one shard's rows and one write chunk, and the worker's own footprint."""
-    width = np.dtype(numpy_dtype(dtype)).itemsize
+    order, one shard's rows and one write chunk, and the worker's own footprint. A loss mask adds a byte per id."""
+    width = np.dtype(numpy_dtype(dtype)).itemsize + mask
     rows = plan["shards_per_reducer"] * plan["rows_per_shard"]
     return (rows * (2 * row_len * width + 24) + plan["rows_per_shard"] * row_len * width + 2 * WRITE_CHUNK_BYTES
             + _TASK_OVERHEAD)
 
 
 def _map_group(index: int, files: list[dict], offsets: dict, plans: dict, seed: int, row_len: int, dtype: str,
-               vocab_size: int, work: str, hash_inputs: bool = False) -> dict:
-    """Ray task: sort one group's rows by destination position and write one map file (+ index) per split."""
+               vocab_size: int, work: str, hash_inputs: bool = False, with_mask: bool = False) -> dict:
+    """Ray task: sort one group's rows by destination position and write one map file (+ index) per split.
+    `with_mask`: every input file has a loss_mask column (else none may have one)."""
     work_dir = Path(work)
     todo = [name for name in SPLITS if not _map_paths(work_dir, name, index)[1].exists()]
     written = 0
@@ -233,11 +256,17 @@ def _map_group(index: int, files: list[dict], offsets: dict, plans: dict, seed: 
         # every input file is read, converted and copied into one array per split, then dropped
         counts = {name: sum(f[f"{name}_rows"] for f in files) for name in SPLITS}
         rows = {name: np.empty((counts[name], row_len), numpy_dtype(dtype)) for name in todo}
+        masks = {name: np.empty((counts[name], row_len), np.uint8) for name in todo} if with_mask else {}
         filled = dict.fromkeys(SPLITS, 0)
         for entry in files:
-            for name, part in _read_input(entry, row_len, dtype, vocab_size, hashes):
+            for name, part, part_mask in _read_input(entry, row_len, dtype, vocab_size, hashes):
+                if (part_mask is not None) != with_mask:
+                    raise ValueError(f"{entry['path']}: {'no' if with_mask else 'a'} {MASK} column, the other "
+                                     f"inputs of this shuffle have {'one' if with_mask else 'none'}")
                 if name in rows:
                     rows[name][filled[name]:filled[name] + len(part)] = part
+                    if with_mask:
+                        masks[name][filled[name]:filled[name] + len(part)] = part_mask
                 filled[name] += len(part)
         if hash_inputs:  # before any map file is committed, so a resumed task finds them
             layout.write_json(work_dir / "map" / f"{index:06d}.sha256.json", hashes)
@@ -250,15 +279,20 @@ def _map_group(index: int, files: list[dict], offsets: dict, plans: dict, seed: 
             bounds = np.searchsorted(position // plan["rows_per_shard"], np.arange(plan["num_shards"] + 1))
             data_path, index_path = _map_paths(work_dir, name, index)
             # large_list: a map file holds ~map_mib of rows, more ids than 32-bit list offsets address at >= 4 GiB
-            schema = pa.schema([("position", pa.int64()), ("input_ids", pa.large_list(arrow_type(dtype)))])
+            schema = pa.schema([("position", pa.int64()), ("input_ids", pa.large_list(arrow_type(dtype))),
+                                *([(MASK, pa.large_list(pa.uint8()))] if with_mask else [])])
             chunk = max(1, WRITE_CHUNK_BYTES // (row_len * rows[name].itemsize))
             tmp = layout.temp_path(data_path)
             with ipc.new_file(tmp, schema) as writer:
                 for start in range(0, len(order), chunk):
+                    taken = order[start:start + chunk]
                     writer.write_batch(pa.record_batch(
                         [pa.array(position[start:start + chunk], pa.int64()),
-                         rows_to_arrow(rows[name][order[start:start + chunk]], dtype, large=True)], schema=schema))
+                         rows_to_arrow(rows[name][taken], dtype, large=True),
+                         *([rows_to_arrow(masks[name][taken], "uint8", large=True)] if with_mask else [])],
+                        schema=schema))
             del rows[name]
+            masks.pop(name, None)
             layout.commit_file(tmp, data_path)
             written += data_path.stat().st_size
             tmp = layout.temp_path(index_path)
@@ -290,13 +324,18 @@ def write_split_index(work: Path, split: str, num_maps: int, num_shards: int) ->
     layout.commit_file(tmp, final)
 
 
-def _reduce(split: str, reducer: int, plan: dict, work: str, row_len: int, dtype: str, row_group_size: int) -> dict:
-    """Ray task: read this reducer's row range from the map files that hold rows for it, order by position, write."""
+def _reduce(split: str, reducer: int, plan: dict, work: str, row_len: int, dtype: str, row_group_size: int,
+            with_mask: bool = False) -> dict:
+    """Ray task: read this reducer's row range from the map files that hold rows for it, order by position, write.
+    Returns, with the sizes, the supervised tokens (loss-mask ones after each row's first token) it wrote."""
     work_dir = Path(work)
     first = reducer * plan["shards_per_reducer"]
-    shards = [s for s in range(first, min(plan["num_shards"], first + plan["shards_per_reducer"]))
-              if not shard_path(work_dir / "out", split, s).exists()]
+    mine = range(first, min(plan["num_shards"], first + plan["shards_per_reducer"]))
+    shards = [s for s in mine if not shard_path(work_dir / "out", split, s).exists()]
     read = written = opened = 0
+    # shards an interrupted run already wrote are counted from their files
+    supervised = sum(shard_supervised_tokens(shard_path(work_dir / "out", split, s), row_len)
+                     for s in mine if s not in shards) if with_mask else 0
     if shards:
         lo_shard, hi_shard = shards[0], shards[-1] + 1
         index = np.load(_split_index_path(work_dir, split), mmap_mode="r")
@@ -305,6 +344,7 @@ def _reduce(split: str, reducer: int, plan: dict, work: str, row_len: int, dtype
         holding = np.flatnonzero(ends > starts)
         total = int((ends[holding] - starts[holding]).sum())
         rows = np.empty((total, row_len), numpy_dtype(dtype))  # this reducer's rows, copied in once
+        masks = np.empty((total, row_len), np.uint8) if with_mask else None
         position = np.empty(total, np.int64)
         filled = 0
         for m in holding:
@@ -314,12 +354,18 @@ def _reduce(split: str, reducer: int, plan: dict, work: str, row_len: int, dtype
             with pa.memory_map(str(data_path)) as source:
                 part = ipc.open_file(source).read_all().slice(lo, hi - lo)
                 position[filled:filled + hi - lo] = part.column("position").to_numpy()
+                if with_mask:  # the same record batches as input_ids: row-aligned
+                    at = filled
+                    for chunk in part.column(MASK).chunks:
+                        block = fixed_rows(chunk, row_len, str(data_path))
+                        masks[at:at + len(block)] = block
+                        at += len(block)
                 for chunk in part.column("input_ids").chunks:  # record batches of the map file: no combined copy
                     block = fixed_rows(chunk, row_len, str(data_path))
                     rows[filled:filled + len(block)] = block
                     filled += len(block)
                 del part, block
-        read = total * (row_len * rows.itemsize + 8)
+        read = total * (row_len * (rows.itemsize + with_mask) + 8)
         order = np.argsort(position, kind="stable")
         position = position[order]
         rps = plan["rows_per_shard"]
@@ -329,12 +375,17 @@ def _reduce(split: str, reducer: int, plan: dict, work: str, row_len: int, dtype
                 raise RuntimeError(f"{split} shard {shard}: {hi - lo} rows, expected {rps}")
             path = shard_path(work_dir / "out", split, shard)
             tmp = layout.temp_path(path)
-            table = pa.table({"input_ids": rows_to_arrow(rows[order[lo:hi]], dtype)}, schema=row_schema(dtype))
+            columns = {"input_ids": rows_to_arrow(rows[order[lo:hi]], dtype)}
+            if with_mask:
+                shard_mask = masks[order[lo:hi]]
+                supervised += int(shard_mask[:, 1:].sum())
+                columns[MASK] = rows_to_arrow(shard_mask, "uint8")
+            table = pa.table(columns, schema=row_schema(dtype, with_mask))
             pq.write_table(table, tmp, row_group_size=row_group_size, **parquet_options(table))
             layout.commit_file(tmp, path)
             written += path.stat().st_size
     return {"bytes_read": read, "bytes_written": written, "shards": len(shards), "map_files_opened": opened,
-            "peak_rss_mib": _peak_rss_mib()}
+            "peak_rss_mib": _peak_rss_mib(), "supervised_tokens": supervised}
 
 
 last_run_stats: dict = {}
@@ -355,7 +406,11 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         print(f"[shuffle] complete ({num_shards} + {num_shards} shards), skipped", flush=True)
         return existing
 
-    itemsize = np.dtype(np.uint16 if token_dtype == "uint16" else np.int32).itemsize
+    # every input comes from one producer (the pack stage, or one released dataset): the first file's columns
+    # stand for all of them (the map tasks refuse a file that differs)
+    first_schema = pq.read_schema(files[0]["path"])
+    with_mask = MASK in first_schema.names
+    itemsize = np.dtype(np.uint16 if token_dtype == "uint16" else np.int32).itemsize + with_mask
     row_bytes = row_len * itemsize + 8
     plans = {name: plan_split(sum(f[f"{name}_rows"] for f in files), num_shards, row_bytes,
                               reducer_mib << 20, name) for name in SPLITS}
@@ -387,16 +442,14 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
                                         "map_tasks": len(groups), "num_shards": num_shards})
 
     started = time.time()
-    # every input comes from one producer (the pack stage, or one released dataset): the first file's id width
-    # stands for all of them in the map tasks' memory
-    input_width = pq.read_schema(files[0]["path"]).field("input_ids").type.value_type.bit_width // 8
+    input_width = first_schema.field("input_ids").type.value_type.bit_width // 8
     calls, memory, running = [], [], {name: 0 for name in SPLITS}
     for index, group in enumerate(groups):
         entries = [{"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"],
                     "skip_rows": f.get("skip_rows", [])} for f in group]
         calls.append((index, entries, dict(running), plans, seed, row_len, token_dtype, vocab_size, str(work),
-                      hash_inputs))
-        memory.append(map_task_memory(entries, row_len, token_dtype, input_width, hash_inputs))
+                      hash_inputs, with_mask))
+        memory.append(map_task_memory(entries, row_len, token_dtype, input_width, hash_inputs, with_mask))
         for f in group:
             for name in SPLITS:
                 running[name] += f[f"{name}_rows"]
@@ -408,8 +461,8 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
     calls, memory = [], []
     for name, plan in plans.items():
         for r in range(plan["reducers"]):
-            calls.append((name, r, plan, str(work), row_len, token_dtype, row_group_size))
-            memory.append(reduce_task_memory(plan, row_len, token_dtype))
+            calls.append((name, r, plan, str(work), row_len, token_dtype, row_group_size, with_mask))
+            memory.append(reduce_task_memory(plan, row_len, token_dtype, with_mask))
     reduce_results = run_tasks(_reduce, calls, name="shuffle_reduce", memory=memory)
     for stale in work.glob("out/*/*.tmp"):  # left by an attempt whose worker died (its retry committed the file)
         stale.unlink()
@@ -446,11 +499,20 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         "reshard_method": "shuffle",
         **manifest_extra,
     }
+    if with_mask:
+        manifest[MASK] = {"dtype": "uint8", "supervised_tokens": {
+            name: sum(r["supervised_tokens"] for c, r in zip(calls, reduce_results) if c[0] == name)
+            for name in SPLITS}}
     publish(work, shard_root, manifest)
     for name in SPLITS:
         print(f"[shuffle] {name}: {num_shards} shards x {plans[name]['rows_per_shard']} rows "
               f"({plans[name]['dropped']} surplus rows dropped)", flush=True)
     return manifest
+
+
+def shard_supervised_tokens(path: Path, row_len: int) -> int:
+    """The training targets of a shard with a loss mask: its ones after each row's first token."""
+    return int(_mask_rows(pq.read_table(path, columns=[MASK]).column(MASK), row_len, str(path), 0)[:, 1:].sum())
 
 
 def _record_local_hashes(manifest_extra: dict, digests: dict[str, str]) -> None:
@@ -486,6 +548,8 @@ def per_file_method(files: dict[str, list[dict]], num_shards: int, token_dtype: 
             if ids is None or not (pa.types.is_list(ids) or pa.types.is_large_list(ids)) or not (
                     pa.types.is_integer(ids.value_type)):
                 return "shuffle", f"{f['path']} has no input_ids column of integer lists ({schema})".replace("\n", ", ")
+            if MASK in schema.names:  # the per-file paths write input_ids only
+                return "shuffle", f"{f['path']} has a {MASK} column"
             linkable = linkable and schema.names == ["input_ids"] and ids == wanted
     return ("hard_link" if linkable else f"convert_{token_dtype}"), None
 
@@ -494,7 +558,7 @@ def _verify_file(entry: dict, row_len: int, dtype: str, vocab_size: int, hash_in
     """Task: read every row of a file to be linked as a shard (row length and id range checked, as the shuffle's
     map tasks do) and, for a local file, hash it."""
     hashes: dict | None = {} if hash_input else None
-    rows = sum(len(part) for _, part in _read_input(entry, row_len, dtype, vocab_size, hashes))
+    rows = sum(len(part) for _, part, _ in _read_input(entry, row_len, dtype, vocab_size, hashes))
     return {"rows": rows, "sha256": hashes}
 
 
@@ -513,7 +577,7 @@ def _convert_file(entry: dict, target: str, row_len: int, dtype: str, vocab_size
     tmp = layout.temp_path(Path(target))
     pending, rows = np.empty((0, row_len), numpy_dtype(dtype)), 0
     with pq.ParquetWriter(tmp, schema, **parquet_options(schema.empty_table())) as writer:
-        for _, part in _read_input(entry, row_len, dtype, vocab_size, hashes):
+        for _, part, _ in _read_input(entry, row_len, dtype, vocab_size, hashes):
             pending, rows = np.concatenate([pending, part]), rows + len(part)
             whole = len(pending) - len(pending) % row_group_size  # whole row groups go out, the rest waits
             if whole:

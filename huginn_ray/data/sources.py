@@ -15,6 +15,12 @@ where its files come from, either the Hugging Face Hub or a local directory:
       local_dir: "{stdlib}/json"          # {stdlib} = this Python's standard library directory
       files: ["*.py"]
       features: [text]                    # text files: each file is one document, feature "text"
+    - name: demo-chat                     # kind chat: conversations with a loss mask (huginn_ray/data/chat.py)
+      kind: chat
+      local_dir: chat
+      features: [question, answer]        # two text columns: the user's turn, Huginn's answer ([messages]: one
+      system_prompt: "You are Huginn."    #   column holding a list of {role, content})
+      loss_on: assistant                  # or all
 
 Unknown keys and ill-typed values are refused with an error naming the source and the field.
 """
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from huginn_ray.config import ConfigError, from_dict, parse_yaml
+from huginn_ray.data.chat import LOSS_ON
 
 # What a Hub or local source contributes when it names no `files`; a subset narrows this to `{subset}/`.
 DEFAULT_FILE_PATTERNS = ["*.parquet", "*.jsonl", "*.jsonl.gz", "*.txt"]
@@ -34,7 +41,7 @@ DEFAULT_FILE_PATTERNS = ["*.parquet", "*.jsonl", "*.jsonl.gz", "*.txt"]
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-KINDS = ("documents", "packed")
+KINDS = ("documents", "packed", "chat")
 
 
 @dataclass
@@ -46,7 +53,9 @@ class Source:
     kind: str = "documents"
     """'documents': raw text, staged, tokenised and packed. 'packed': already tokenised and packed rows (parquet
     with an `input_ids` column of seq_len + 1 ids, e.g. the released tomg-group-umd/huginn-dataset), which go
-    straight to the shuffle; their files are selected by `train_files` and `val_files`."""
+    straight to the shuffle; their files are selected by `train_files` and `val_files`. 'chat': conversations
+    (JSONL or parquet), rendered with the released chat template into rows with a `loss_mask` column
+    (huginn_ray/data/chat.py); a source list is all chat or none."""
     train_files: list[str] = field(default_factory=list)
     """kind 'packed': fnmatch patterns of the training files."""
     val_files: list[str] = field(default_factory=list)
@@ -62,7 +71,12 @@ class Source:
     subset: str = ""
     """Dataset config / subdirectory: the default file patterns are looked up below `{subset}/`."""
     needs_chat_templating: bool = False
-    """Features hold chat messages, rendered with the Huginn chat template."""
+    """Features hold chat messages, rendered with the Huginn chat template as pretraining text (no loss mask)."""
+    system_prompt: str = ""
+    """kind 'chat': a system message put before every conversation that has none (empty: none)."""
+    loss_on: str = "assistant"
+    """kind 'chat': the tokens trained on: 'assistant' (Huginn's turns and their end-of-turn marker) or 'all'
+    (every token of the conversation); padding never."""
     weight: float = 1.0
     """Up-weighting: floor(weight) full copies plus a seeded random frac(weight) share of documents."""
     every_token_is_sacred: bool = False
@@ -82,6 +96,10 @@ class Source:
     @property
     def is_packed(self) -> bool:
         return self.kind == "packed"
+
+    @property
+    def is_chat(self) -> bool:
+        return self.kind == "chat"
 
     @property
     def file_patterns(self) -> list[str]:
@@ -149,6 +167,19 @@ def _check(source: Source, origin: str, label: str) -> None:
             fail("train_files" if source.train_files else "val_files", "only a packed source (kind: packed) has it")
         if not source.features or any(not f for f in source.features):
             fail("features", "must list at least one non-empty column name")
+    if source.is_chat:
+        if len(source.features) not in (1, 2):
+            fail("features", f"a chat source names one column holding a list of messages ([messages]) or two text "
+                             f"columns ([question, answer]), got {source.features}")
+        if source.needs_chat_templating or source.every_token_is_sacred:
+            fail("needs_chat_templating" if source.needs_chat_templating else "every_token_is_sacred",
+                 "does not apply to a chat source (its conversations become masked rows)")
+        if source.loss_on not in LOSS_ON:
+            fail("loss_on", f"must be one of {', '.join(LOSS_ON)}, got {source.loss_on!r}")
+    else:
+        for key, default in (("system_prompt", ""), ("loss_on", "assistant")):
+            if getattr(source, key) != default:
+                fail(key, "only a chat source (kind: chat) has it")
     if source.weight < 0:
         fail("weight", f"must be >= 0, got {source.weight}")
     if not source.local_dir and not source.address:

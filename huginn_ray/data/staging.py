@@ -48,6 +48,9 @@ def input_fingerprint(source: Source, files: list[Path]) -> str:
     return layout.fingerprint({
         "format_version": FORMAT_VERSION, "features": source.features,
         "chat": source.needs_chat_templating, "files": stats,
+        # a chat source's staged documents are its conversations (huginn_ray/data/formatting.py); other sources'
+        # fingerprints stay as they were
+        **({"kind": source.kind, "system_prompt": source.system_prompt} if source.is_chat else {}),
     })
 
 

@@ -8,7 +8,14 @@ BOS/EOS per document), splits held-out validation documents from training docume
 so a document and all its up-weighted copies are on one side), up-weights, packs (huginn_ray/data/packing.py),
 and writes `packed/SSSS-DDDDDDDDDDDDDDDD.parquet` (source index, hex doc_id of the batch's first document) with
 columns `input_ids` (list<uint16> for vocabularies <= 65,536 ids, else list<int32>) and `split` (0 train,
-1 val); the batch's statistics are stored in the file's schema metadata. The rows, the files and their names are
+1 val); the batch's statistics are stored in the file's schema metadata.
+
+A chat source's batch (`kind: chat`, staged as one JSON conversation per document) is rendered with the released
+chat template (huginn_ray/data/chat.py) instead of encoded, held out and up-weighted by the same rules, and laid out
+in rows with the data config's `chat.pack`: one conversation per row, padded (the reference's layout), or whole
+conversations packed in order, as many per row as fit. Its file has a third column, `loss_mask` (list<uint8>, 1
+where the token is a training target), row-aligned with `input_ids`; its statistics add the conversations'
+supervised tokens (loss-mask ones after a row's first token, which is never a target), padding and truncations. The rows, the files and their names are
 therefore a function of the staged data, the tokenizer and the settings only, whatever the number of CPUs.
 
 Resumable: files are written under a temporary name and renamed when complete, in `packed.partial/`, keyed by the
@@ -28,9 +35,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
+from huginn_ray.data.chat import pack_rows, pad_rows, render
 from huginn_ray.data.execution import run_tasks
 from huginn_ray.data.packing import copy_fractions, copy_order, pack, unit_hash
-from huginn_ray.data.shards import TRAIN, VAL
+from huginn_ray.data.shards import MASK, TRAIN, VAL
 from huginn_ray.data.sources import Source
 from huginn_ray.data.tokens import (TokenRangeError, arrow_type, check_ids, parquet_options, rows_to_arrow,
                                     token_dtype)
@@ -39,10 +47,13 @@ PACK_VERSION = 2
 ENCODE_CHUNK = 256
 STATS_KEY = b"huginn_ray.pack"
 _STAT_KEYS = ("docs", "copied_docs", "doc_tokens", "train_rows", "val_rows")
+CHAT_STAT_KEYS = ("supervised_tokens", "pad_tokens", "truncated_conversations")
+"""A chat source's statistics besides _STAT_KEYS (its docs are conversations)."""
 
 
-def packed_schema(dtype: str) -> pa.Schema:
-    return pa.schema([("input_ids", pa.list_(arrow_type(dtype))), ("split", pa.uint8())])
+def packed_schema(dtype: str, chat: bool = False) -> pa.Schema:
+    return pa.schema([("input_ids", pa.list_(arrow_type(dtype))),
+                      *([(MASK, pa.list_(pa.uint8()))] if chat else []), ("split", pa.uint8())])
 
 
 @functools.lru_cache(maxsize=2)
@@ -81,19 +92,23 @@ def tokenize_and_pack(task: dict, *, tokenizer_file: str, row_len: int, seed: in
     texts = batch.column("text").to_pylist()
     first_doc_id = int(batch.column("doc_id")[0].as_py())
     tokenizer = _tokenizer(tokenizer_file)
-    docs = []
-    for i in range(0, len(texts), ENCODE_CHUNK):  # Encoding objects cost ~100 bytes per token: keep few alive
-        docs += [np.asarray(e.ids, np.int32) for e in tokenizer.encode_batch_fast(texts[i:i + ENCODE_CHUNK])]
+    if task["chat"] is not None:
+        docs = [np.asarray(render(json.loads(t), tokenizer, task["chat"]["loss_on"]), np.int32) for t in texts]
+    else:
+        docs = []
+        for i in range(0, len(texts), ENCODE_CHUNK):  # Encoding objects cost ~100 bytes per token: keep few alive
+            docs += [np.asarray(e.ids, np.int32) for e in tokenizer.encode_batch_fast(texts[i:i + ENCODE_CHUNK])]
+    ids = [d[0] for d in docs] if task["chat"] is not None else docs  # a chat doc: (2, n) ids and loss mask
     try:
-        check_ids(np.concatenate(docs) if docs else np.zeros(0, np.int32), vocab_size, dtype, "")
+        check_ids(np.concatenate(ids) if ids else np.zeros(0, np.int32), vocab_size, dtype, "")
     except TokenRangeError:  # name the document: nothing of this batch has been written
-        for i, d in enumerate(docs):
+        for i, d in enumerate(ids):
             check_ids(d, vocab_size, dtype, f"source {task['source']!r}: {task['path']}, document "
                                             f"doc_id={first_doc_id + i}")
     held_out = np.array([unit_hash(seed, "val", t) < val_fraction for t in texts])
 
-    parts, splits = [], []
-    copied_docs = 0
+    parts, masks, splits = [], [], []
+    copied_docs = pad_tokens = truncated = 0
     for copy, fraction in enumerate(copy_fractions(task["weight"])):
         member = np.ones(len(texts), bool) if fraction >= 1.0 else \
             np.array([unit_hash(seed, f"copy{copy}", t) < fraction for t in texts])
@@ -101,15 +116,31 @@ def tokenize_and_pack(task: dict, *, tokenizer_file: str, row_len: int, seed: in
         for split in (TRAIN, VAL):
             chosen = [docs[i] for i in order if member[i] and held_out[i] == (split == VAL)]
             copied_docs += len(chosen)
-            rows = pack(chosen, [task["sacred"]] * len(chosen), row_len)
+            if task["chat"] is not None:
+                layout_rows = pack_rows if task["chat"]["pack"] else pad_rows
+                chat = layout_rows([(d[0], d[1]) for d in chosen], row_len, task["chat"]["pad_id"])
+                rows = chat.input_ids
+                masks.append(chat.loss_mask)
+                pad_tokens += chat.pad_tokens
+                truncated += chat.truncated
+            else:
+                rows = pack(chosen, [task["sacred"]] * len(chosen), row_len)
             parts.append(rows)
             splits.append(np.full(len(rows), split, np.uint8))
     rows = np.concatenate(parts)
     split_col = np.concatenate(splits)
-    stats = {"docs": len(texts), "copied_docs": copied_docs, "doc_tokens": int(sum(len(d) for d in docs)),
+    stats = {"docs": len(texts), "copied_docs": copied_docs, "doc_tokens": int(sum(len(d) for d in ids)),
              "train_rows": int((split_col == TRAIN).sum()), "val_rows": int((split_col == VAL).sum())}
-    schema = packed_schema(dtype).with_metadata({STATS_KEY: json.dumps(stats, sort_keys=True).encode()})
-    table = pa.table({"input_ids": rows_to_arrow(rows, dtype), "split": pa.array(split_col)}, schema=schema)
+    columns = {"input_ids": rows_to_arrow(rows, dtype)}
+    if task["chat"] is not None:
+        mask = np.concatenate(masks)
+        stats.update(supervised_tokens=int(mask[:, 1:].sum()), pad_tokens=pad_tokens,
+                     truncated_conversations=truncated)
+        columns[MASK] = rows_to_arrow(mask, "uint8")
+    columns["split"] = pa.array(split_col)
+    schema = packed_schema(dtype, task["chat"] is not None).with_metadata(
+        {STATS_KEY: json.dumps(stats, sort_keys=True).encode()})
+    table = pa.table(columns, schema=schema)
     tmp = layout.temp_path(out)
     pq.write_table(table, tmp, **parquet_options(table))
     layout.commit_file(tmp, out)
@@ -117,21 +148,23 @@ def tokenize_and_pack(task: dict, *, tokenizer_file: str, row_len: int, seed: in
 
 
 def pack_fingerprint(sources: list[Source], staging_markers: dict[str, dict], tokenizer_sha256: str,
-                     seq_len: int, seed: int, val_fraction: float, docs_per_batch: int) -> str:
+                     seq_len: int, seed: int, val_fraction: float, docs_per_batch: int, chat_pack: bool) -> str:
     return layout.fingerprint({
         "version": PACK_VERSION, "tokenizer": tokenizer_sha256, "seq_len": seq_len, "seed": seed,
         "val_fraction": val_fraction, "docs_per_batch": docs_per_batch,
-        "sources": [(s.name, s.weight, s.every_token_is_sacred, staging_markers[s.name]["fingerprint"])
-                    for s in sources],
+        "sources": [(s.name, s.weight, s.every_token_is_sacred, staging_markers[s.name]["fingerprint"],
+                     *([s.loss_on, chat_pack] if s.is_chat else [])) for s in sources],
     })
 
 
-def pack_tasks(sources: list[Source], staging_root: Path, markers: dict[str, dict], docs_per_batch: int) -> list:
+def pack_tasks(sources: list[Source], staging_root: Path, markers: dict[str, dict], docs_per_batch: int,
+               chat_pack: bool = False, pad_id: int | None = None) -> list:
     """Every batch of the pack stage, in the packed data's global order: (source, staged file, row range)."""
     tasks = []
     for index, source in enumerate(sources):
         if source.weight == 0:
             continue
+        chat = {"loss_on": source.loss_on, "pack": chat_pack, "pad_id": pad_id} if source.is_chat else None
         for f in markers[source.name]["files"]:
             file_index = int(Path(f["output"]).stem)
             for start in range(0, f["rows"], docs_per_batch):
@@ -139,13 +172,13 @@ def pack_tasks(sources: list[Source], staging_root: Path, markers: dict[str, dic
                 tasks.append({"name": f"{index:04d}-{first_doc:016x}.parquet", "source_index": index,
                               "source": source.name, "path": str(staging_root / source.name / f["output"]),
                               "start": start, "count": min(docs_per_batch, f["rows"] - start),
-                              "weight": source.weight, "sacred": source.every_token_is_sacred})
+                              "weight": source.weight, "sacred": source.every_token_is_sacred, "chat": chat})
     return tasks
 
 
 def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path, tokenizer_file: Path,
              out_root: Path, *, seq_len: int, seed: int, val_fraction: float, docs_per_batch: int, vocab_size: int,
-             fingerprint: str, extra_marker: dict) -> dict:
+             fingerprint: str, extra_marker: dict, chat_pack: bool = False) -> dict:
     """Tokenise and pack every source into `out_root` (skipped when complete); returns the pack marker."""
     if layout.is_complete(out_root, fingerprint):
         marker = layout.read_marker(out_root)
@@ -155,7 +188,7 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
     dtype = token_dtype(vocab_size)
     work = layout.resumable_work_dir(out_root, fingerprint, "pack", "packed files")
 
-    tasks = pack_tasks(sources, staging_root, markers, docs_per_batch)
+    tasks = pack_tasks(sources, staging_root, markers, docs_per_batch, chat_pack, extra_marker["pad_id"])
     # memory= per task, from its own batch: the batch's text plus its encodings (~100 bytes per token alive per
     # encode chunk) and packed rows, estimated from its source's mean document size (a batch of short documents
     # does not wait for the memory a batch of books needs)
@@ -168,10 +201,14 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
 
     per_source = {s.name: {**{k: 0 for k in _STAT_KEYS}, "weight": s.weight,
                            "every_token_is_sacred": s.every_token_is_sacred} for s in sources}
+    for s in sources:
+        if s.is_chat:
+            per_source[s.name].update({"kind": "chat", "loss_on": s.loss_on, "pack": chat_pack,
+                                       **{k: 0 for k in CHAT_STAT_KEYS}})
     files = []
     for r in results:
         stats = per_source[sources[r["source_index"]].name]
-        for key in _STAT_KEYS:
+        for key in _STAT_KEYS + (CHAT_STAT_KEYS if "supervised_tokens" in r else ()):
             stats[key] += int(r[key])
         if r["train_rows"] + r["val_rows"]:
             files.append({"file": r["file"], "train_rows": int(r["train_rows"]), "val_rows": int(r["val_rows"])})
@@ -187,6 +224,13 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
     }
     layout.commit_work_dir(work, out_root, marker)
     for name, stats in per_source.items():
+        if stats.get("kind") == "chat":
+            print(f"[pack] {name}: {stats['docs']} conversations ({stats['copied_docs']} after weighting), "
+                  f"{stats['doc_tokens']} tokens -> {stats['train_rows']} train + {stats['val_rows']} val rows "
+                  f"({'packed' if chat_pack else 'one per row'}): {stats['supervised_tokens']} supervised, "
+                  f"{stats['pad_tokens']} padding tokens; {stats['truncated_conversations']} conversations longer "
+                  "than a row, truncated", flush=True)
+            continue
         print(f"[pack] {name}: {stats['docs']} docs ({stats['copied_docs']} after weighting), "
               f"{stats['doc_tokens']} tokens -> "
               f"{stats['train_rows']} train + {stats['val_rows']} val rows", flush=True)

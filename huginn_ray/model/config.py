@@ -77,7 +77,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     """lm_head shares the embedding matrix."""
     activation_checkpointing: bool = False
-    """Recompute each gradient-carrying core iteration in backward instead of storing its activations."""
+    """Recompute every sandwich block in backward instead of storing its activations: each prelude and coda block,
+    and each block of every gradient-carrying core iteration; only each block's input is kept."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "vocab_size", "padding_multiple", "n_embd", "num_attention_heads",

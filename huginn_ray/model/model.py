@@ -569,15 +569,17 @@ class RecurrentGPT(nn.Module):
         n, k = self._resolve_num_steps(num_steps)
         rope = self.freqs_cis[:, position : position + input_ids.shape[1]]
 
+        # training only: generation passes a KV cache, evaluation runs without gradients
+        checkpointing = (self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
+                         and cache is None)
         x = self.transformer.wte(input_ids) * self.config.embedding_scale
         for index, block in enumerate(self.transformer.prelude):
-            x = block(x, rope, cache, index)
+            x = checkpoint(block, x, rope, **CHECKPOINT_OPTIONS) if checkpointing else block(x, rope, cache, index)
         embedded = x
 
         state = self._initial_state(embedded) if input_states is None else input_states
         previous_state = state
         if n + k > 0:
-            checkpointing = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
             state, previous_state = self.transformer.core_block(
                 state, self._inject(embedded), self._adapter_state_weight(), rope, (n, k), checkpointing, cache,
                 self.config.n_layers_in_prelude)
@@ -585,7 +587,7 @@ class RecurrentGPT(nn.Module):
         latent = self.transformer.ln_f(state)
         x = latent
         for index, block in enumerate(self.transformer.coda):
-            x = block(x, rope, cache, -1 - index)
+            x = checkpoint(block, x, rope, **CHECKPOINT_OPTIONS) if checkpointing else block(x, rope, cache, -1 - index)
         x = self.transformer.ln_f(x)
 
         logits, loss = None, None

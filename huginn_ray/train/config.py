@@ -208,7 +208,9 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient norm stops the run (with an error) or skips that optimizer step."""
     activation_checkpointing: bool = True
-    """Per-iteration activation checkpointing of the gradient iterations of the recurrent block."""
+    """Activation checkpointing of every sandwich block: prelude and coda blocks, and the core's blocks in each
+    gradient iteration (huginn_ray.model.ModelConfig.activation_checkpointing). Same numerics, one more
+    forward of each block in backward, about a quarter of the activation memory."""
     compile: bool = False
     """torch.compile every sandwich block (huginn_ray.model.compile_blocks, regional compilation): a new depth
     does not recompile. Costs compile time at the start of every worker (about a minute on CPU)."""

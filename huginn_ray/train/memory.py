@@ -2,17 +2,18 @@
 
     python -m huginn_ray.train.memory --config configs/train/frontier_nebel_512_nodes.yaml [key=value ...]
 
-Prints one row per item, then `total per rank: X.X GiB of Y.Y GiB device memory` as its last line, and exits 1
-when the total exceeds `device_memory_gib x memory_headroom`. `jobs/train.py` runs the same plan in its preflight.
+Prints one row per item, the phases of the step with what is alive in each, then `total per rank: X.X GiB of
+Y.Y GiB device memory` (the largest phase) as its last line, and exits 1 when the total exceeds
+`device_memory_gib x memory_headroom`. `jobs/train.py` runs the same plan in its preflight.
 
-What is counted, per rank:
+Rows (what lives across the step, or a long part of it), per rank:
 - parameters and buffers (fp32 master weights), gradients (fp32, every trainable tensor: backward produces all
   of them before any exchange finishes), optimizer state (two fp32 moments and a step counter per tensor):
   whole under `parallelism.mode: replicate`; under `hsdp` this rank's FSDP2 shard (dim 0 split over the shard
-  group, padded to a multiple of it), plus what FSDP2 gathers whole: the root unit (embedding = head, adapter,
-  final norm) with its whole gradient for the whole step, the core block unit with its whole gradient from its
-  forward to the end of its backward (the peak: both are alive while the core's iterations are recomputed), and
-  one prelude block prefetched by the backward; the core's reduce-scatter input (core-sized) is a transient;
+  group, padded to a multiple of it), plus what FSDP2 gathers whole: the root unit's weights (embedding = head,
+  adapter, final norm) for the whole step and its gradients from the loss's backward on; the core block unit's
+  weights from its forward to the end of its backward and its gradients from its backward to its reduce-scatter
+  (gathered and reduced once per step); one prelude block prefetched while the core's backward runs;
 - exchange buffers: chunk_stream one chunk (hsdp: one chunk when there is more than one shard group),
   chunk_stream_overlap `max_chunks_in_flight` chunks, ddp none beyond the gradients (gradient_as_bucket_view);
 - activations kept for backward at the deepest backprop the sampler draws (k = mean_backprop_depth gradient
@@ -21,18 +22,24 @@ What is counted, per rank:
   the distinct storages saved (parameters and buffers excluded). On GPU configurations bf16 autocast is emulated
   on meta (linear/matmul/attention inputs cast to bf16, casts of weights cached as autocast does) and attention
   is counted as the fused flash kernel saves it (q, k, v, output, log-sum-exp), as on the device. The chunked
-  loss (`loss_chunk_tokens`) saves only references to the final hidden states, the head weight and the labels;
-- the largest of the transients on top of all of that:
-  - the recomputation of one checkpointed iteration in backward (its saved tensors, measured the same way);
-  - the start of backward, every activation still alive. With `loss_chunk_tokens` the chunked loss's backward
-    runs first and recomputes the head chunk by chunk: at its peak it holds the fp32 accumulator of the head
-    weight's gradient (weight-sized, on top of the gradients row: with gradient accumulation the head's .grad
-    already exists), hidden's gradient, one chunk's logits and their gradient, and under bf16 the weight's bf16
-    copy and one chunk's weight-sized bf16 product. Measured by running that backward on meta and tracking
-    the storages it creates (PeakLiveBytes); equal to a real CPU step byte for byte. Without
-    `loss_chunk_tokens`: the gradient of the full logits;
-  - the end of the forward: under bf16 autocast the cached bf16 copies of the weights (those not already saved
-    for backward), plus with `loss_chunk_tokens` what one chunk of the loss's forward allocates (measured).
+  loss (`loss_chunk_tokens`) saves only references to the final hidden states, the head weight and the labels.
+
+Phases (the moments memory can peak), each the rows alive then plus what exists only then; every activation
+counts in every phase (those of the coda and the core are freed before the later ones: the plan errs safe):
+- end of forward: under bf16 autocast the cached bf16 copies of the weights (those not saved for backward),
+  plus with `loss_chunk_tokens` what one chunk of the loss's forward allocates (measured). Under hsdp no
+  unsharded gradient exists yet: each micro-batch's backward reduce-scatters its own;
+- loss backward, every activation still alive. With `loss_chunk_tokens` the chunked loss's backward runs first
+  and recomputes the head chunk by chunk: at its peak it holds the fp32 accumulator of the head weight's
+  gradient (weight-sized; it becomes the .grad), hidden's gradient, one chunk's logits and their gradient, and
+  under bf16 the weight's bf16 copy and one chunk's weight-sized bf16 product. Measured by running that backward
+  on meta and tracking the storages it creates (PeakLiveBytes); equal to a real CPU step byte for byte. Without
+  `loss_chunk_tokens`: the gradient of the full logits;
+- core backward (with activation checkpointing): the recomputation of the core's largest checkpointed segment
+  (the adapter and its first block; measured the same way), with every row alive: under hsdp the core's
+  weights and gradients both gathered, and the next unit prefetched;
+- core reduce-scatter (hsdp): FSDP2 has resharded the core's weights and copies its gradients into the
+  reduce-scatter input (core-sized, fp32).
 Not counted, but listed with an estimate under the total (never added to it): the CUDA/HIP context, the
 communication library's buffers, the allocator's fragmentation; `memory_headroom` (default 0.9) is there for them.
 """
@@ -59,6 +66,11 @@ MI250X_GCD_GIB = 64.0
 """Device memory assumed for GPU configurations when none is configured or detected (an MI250X GCD)."""
 GPU_NODE_SIZE = 8
 """Ranks per node (hsdp's shard size) assumed for GPU configurations (Frontier: 8 GCDs)."""
+
+# what FSDP2 gathers whole under hsdp, rows of the plan
+ROOT_W, ROOT_G = "gathered: root unit weights (fp32)", "gathered: root unit gradients (fp32)"
+CORE_W, CORE_G = "gathered: core block unit weights (fp32)", "gathered: core block unit gradients (fp32)"
+PREFETCH = "gathered: one prelude block (backward prefetch)"
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -204,27 +216,44 @@ def saved_activation_bytes(model: RecurrentGPT, input_ids: torch.Tensor, num_ste
             "loss_forward": loss_forward, "loss_backward": loss_backward}
 
 
+@dataclass(frozen=True)
+class Phase:
+    """A moment of the training step: the rows alive then, plus what exists only at that moment."""
+
+    name: str
+    transient: str
+    """What exists only at this moment, on top of the rows."""
+    transient_bytes: int
+    absent: tuple[str, ...] = ()
+    """Rows not alive at this moment (freed before it, or allocated after it)."""
+
+
 @dataclass
 class MemoryPlan:
     rows: list[tuple[str, int, str]] = field(default_factory=list)
-    """(item, bytes, how it was obtained)."""
-    transients: list[tuple[str, int]] = field(default_factory=list)
+    """(item, bytes, how it was obtained): what lives across the step, or a long part of it."""
+    phases: list[Phase] = field(default_factory=list)
+    """The moments where memory can peak; the plan's total is the largest."""
     not_counted: list[tuple[str, int, str]] = field(default_factory=list)
     """(item, estimated bytes, basis of the estimate): listed, never added to the total."""
     device_bytes: int = 0
     headroom: float = 0.9
     header: str = ""
-
-    @property
-    def transient(self) -> tuple[str, int]:
-        return max(self.transients, key=lambda t: t[1]) if self.transients else ("none", 0)
+    advice: str = ""
 
     def bytes_of(self, item: str) -> int:
         return next(b for name, b, _ in self.rows if name == item)
 
+    def phase_total(self, phase: Phase) -> int:
+        return sum(b for name, b, _ in self.rows if name not in phase.absent) + phase.transient_bytes
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=self.phase_total)
+
     @property
     def total(self) -> int:
-        return sum(b for _, b, _ in self.rows) + self.transient[1]
+        return self.phase_total(self.peak)
 
     @property
     def limit(self) -> int:
@@ -235,16 +264,22 @@ class MemoryPlan:
         return self.total <= self.limit
 
     def largest(self, count: int = 3) -> list[tuple[str, int]]:
-        items = [(name, b) for name, b, _ in self.rows] + [self.transient]
-        return sorted(items, key=lambda t: -t[1])[:count]
+        """The largest items alive at the peak."""
+        peak = self.peak
+        items = [(name, b) for name, b, _ in self.rows if name not in peak.absent]
+        return sorted(items + [(peak.transient, peak.transient_bytes)], key=lambda t: -t[1])[:count]
 
     def render(self) -> str:
         lines = [self.header, f"{'item':<52}{'GiB':>8}  how"]
         for name, b, how in self.rows:
             lines.append(f"{name:<52}{b / GIB:>8.2f}  {how}")
-        for name, b in self.transients:
-            lines.append(f"{'  transient: ' + name:<52}{b / GIB:>8.2f}")
-        lines.append(f"{'largest transient (' + self.transient[0] + ')':<52}{self.transient[1] / GIB:>8.2f}")
+        lines.append(f"{'phase: rows alive + what exists only then':<52}{'GiB':>8}")
+        for phase in self.phases:
+            short = [name.removeprefix("gathered: ").removesuffix(" (fp32)") for name in phase.absent]
+            absent = f"  (without: {', '.join(short)})" if short else ""
+            lines.append(f"{'  ' + phase.name:<36}{'+' + format(phase.transient_bytes / GIB, '.2f'):>8}"
+                         f"{self.phase_total(phase) / GIB:>16.2f}  + {phase.transient}{absent}")
+        lines.append(f"{'peak: ' + self.peak.name:<52}{self.total / GIB:>8.2f}")
         verdict = "fits" if self.fits else "DOES NOT FIT"
         lines.append(f"{verdict} within memory_headroom {self.headroom:g} x device memory = {self.limit / GIB:.1f} GiB")
         if not self.fits:
@@ -254,8 +289,6 @@ class MemoryPlan:
             lines.append(f"{'  not counted: ' + name:<52}{'~' + format(b / GIB, '.1f'):>8}  {how}")
         lines.append(f"total per rank: {self.total / GIB:.1f} GiB of {self.device_bytes / GIB:.1f} GiB device memory")
         return "\n".join(lines)
-
-    advice: str = ""
 
 
 def device_memory_bytes(cfg) -> int:
@@ -327,13 +360,11 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
         core = sum(p.numel() for p in t.core_block.parameters()) * 4
         blocks = [sum(p.numel() for p in block.parameters()) * 4 for block in [*t.prelude, *t.coda]]
         root = numel * 4 - core - sum(blocks)
-        plan.rows.append(("gathered: root unit, weights + gradients (fp32)", 2 * root,
-                          "embedding = head, adapter, final norm: whole for the whole step"))
-        plan.rows.append(("gathered: core block unit, weights + gradients", 2 * core,
-                          "whole from its forward to the end of its backward (once per step)"))
-        plan.rows.append(("gathered: one prelude block (backward prefetch)", max(blocks, default=0),
-                          "FSDP2 gathers the next unit while the core's backward runs"))
-        plan.transients.append(("reduce-scatter input of the core unit", core))
+        plan.rows.append((ROOT_W, root, "embedding = head, adapter, final norm: whole for the whole step"))
+        plan.rows.append((ROOT_G, root, "from the loss's backward to the end of the step"))
+        plan.rows.append((CORE_W, core, "from its forward to the end of its backward (gathered once per step)"))
+        plan.rows.append((CORE_G, core, "from its backward to its reduce-scatter (once per step)"))
+        plan.rows.append((PREFETCH, max(blocks, default=0), "FSDP2 gathers the next unit while the core's backward runs"))
     else:
         plan.rows.append(("parameters + buffers (fp32)", numel * 4 + buffer_bytes, f"{numel:,} trainable elements"))
         plan.rows.append(("gradients (fp32)", numel * 4, "every trainable tensor"))
@@ -358,22 +389,35 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
     k = model_cfg.mean_backprop_depth
     ids = torch.zeros(cfg.micro_batch_size, cfg.block_size, dtype=torch.long, device="meta")
     measured = saved_activation_bytes(model, ids, (1, k), bf16=bf16, device_type=device_type)
-    checkpointing = "per-block checkpointing in the core" if model_cfg.activation_checkpointing else "no checkpointing"
+    checkpointing = "every block checkpointed" if model_cfg.activation_checkpointing else "no checkpointing"
     plan.rows.append((f"activations saved for backward (k={k})", measured["activations"],
                       f"meta forward+loss under saved_tensors_hooks, {checkpointing}"))
 
-    vocab = model_cfg.padded_vocab_size
+    # The phases, in step order. Every activation counts in each (the coda's and the core's are freed before the
+    # later phases: an overestimate). Under hsdp each micro-batch's backward reduce-scatters its unsharded
+    # gradients, so none exist during a forward.
+    not_yet = (ROOT_G, CORE_G, PREFETCH) if hsdp else ()
+    ending = ("bf16 weight casts (autocast's cache), " if bf16 else "") + (
+        "one loss chunk" if cfg.loss_chunk_tokens else "nothing more")
+    plan.phases.append(Phase("end of forward", ending,
+                             measured["weight_casts"] + measured["loss_forward"], not_yet))
     tokens = cfg.micro_batch_size * cfg.block_size
-    if model_cfg.activation_checkpointing:
-        plan.transients.append(("recompute of one core block", measured["recompute_block"]))
     if cfg.loss_chunk_tokens:
+        # the transient holds the head's gradient (its fp32 accumulator becomes the .grad)
         chunk = min(cfg.loss_chunk_tokens, tokens)
-        plan.transients.append((f"chunked loss backward, chunk {chunk}", measured["loss_backward"]))
+        plan.phases.append(Phase("loss backward", f"chunked loss backward, chunk {chunk}",
+                                 measured["loss_backward"], not_yet))
     else:
-        plan.transients.append(("gradient of the logits", tokens * vocab * (4 + (2 if bf16 else 0))))
-    if bf16 or cfg.loss_chunk_tokens:
-        plan.transients.append(("end of forward (bf16 casts, loss chunk)",
-                                measured["weight_casts"] + measured["loss_forward"]))
+        plan.phases.append(Phase("loss backward", "gradient of the logits",
+                                 tokens * model_cfg.padded_vocab_size * (4 + (2 if bf16 else 0)),
+                                 (CORE_G, PREFETCH) if hsdp else ()))
+    if model_cfg.activation_checkpointing:
+        # the core's first segment (the adapter and its first block) is the largest recomputation; a prelude or
+        # coda block's comes when the core is not gathered
+        plan.phases.append(Phase("core backward", "recompute of one core block", measured["recompute_block"]))
+    if hsdp:
+        # FSDP2 reshards the core's weights, then copies its gradients into the reduce-scatter input
+        plan.phases.append(Phase("core reduce-scatter", "reduce-scatter input of the core unit", core, (CORE_W,)))
 
     if cfg.scaling.use_gpu:
         plan.not_counted += [

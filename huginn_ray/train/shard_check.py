@@ -12,7 +12,10 @@ to the manifest:
   null row, a null id). Rows of compensating lengths (one longer, one shorter by as much, in the same row group)
   pass this; the reader refuses them when it reads that row group (shard_reader.read_row_group);
 - where the chunk statistics carry min/max, every id lies in [0, vocab_size) of the manifest (which must not
-  exceed the model's: checked first, without opening a file).
+  exceed the model's: checked first, without opening a file);
+- chat shards (the manifest records `loss_mask`, huginn_ray/data/shards.py): column `loss_mask` is list<uint8> and
+  holds, row group by row group, as many entries as `input_ids` (one per id) with no nulls and, where statistics
+  say, values 0 and 1 only; a shard with a loss mask the manifest does not record is refused.
 
 Cost: 2W x (one open and a read of the footer: 0.6 KiB for a shard of two row groups, 80 KiB for a Frontier train
 shard of 745) with `threads` in flight, plus about 2 µs of Python per row group, which holds the GIL
@@ -30,7 +33,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from huginn_ray.data.shards import MANIFEST, SPLITS, shard_path
+from huginn_ray.data.shards import MANIFEST, MASK, SPLITS, shard_path
 from huginn_ray.data.tokens import arrow_type
 
 COLUMN = "input_ids"
@@ -67,6 +70,7 @@ def check_shards(data_dir: str | Path, manifest: dict, model_vocab_size: int,
         "row_length": manifest["seq_len"] + 1,
         "value_type": arrow_type(manifest["token_dtype"]),
         "vocab_size": vocab_size,
+        "loss_mask": MASK in manifest,
     }
     files = [(split, rank) for split in SPLITS for rank in range(manifest["num_shards"])]
     with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -82,7 +86,7 @@ def check_shards(data_dir: str | Path, manifest: dict, model_vocab_size: int,
 
 
 def check_shard(path: Path, rank: int, num_rows: int, row_length: int, value_type: pa.DataType,
-                vocab_size: int) -> int:
+                vocab_size: int, loss_mask: bool = False) -> int:
     """Check one shard's footer; returns how many of its row groups carry no id statistics."""
     if not path.is_file():
         raise ShardCheckError(f"missing shard of rank {rank}: {path}")
@@ -99,8 +103,25 @@ def check_shard(path: Path, rank: int, num_rows: int, row_length: int, value_typ
     if not pa.types.is_list(found_type) or found_type.value_type != value_type:
         raise ShardCheckError(f"{path}: column {COLUMN!r} is {found_type}, the manifest's token_dtype "
                               f"needs list<{value_type}>")
-    # the column's one leaf (a list of ids) among the file's leaf columns
-    leaf = next(i for i in range(metadata.num_columns) if metadata.schema.column(i).path.split(".")[0] == COLUMN)
+    if (MASK in schema.names) != loss_mask:
+        raise ShardCheckError(f"{path}: {'no' if loss_mask else 'a'} column {MASK!r}, the manifest records "
+                              f"{'a' if loss_mask else 'no'} loss mask")
+    if loss_mask and schema.field(MASK).type != pa.list_(pa.uint8()):
+        raise ShardCheckError(f"{path}: column {MASK!r} is {schema.field(MASK).type}, expected "
+                              "list<uint8>")
+    # the columns' leaves (a list of ids, a list of mask entries) among the file's leaf columns
+    leaves = {metadata.schema.column(i).path.split(".")[0]: i for i in range(metadata.num_columns)}
+    leaf = leaves[COLUMN]
+    for index in range(metadata.num_row_groups) if loss_mask else ():
+        row_group = metadata.row_group(index)
+        chunk = row_group.column(leaves[MASK])
+        stats = chunk.statistics
+        if chunk.num_values != row_group.num_rows * row_length or (stats is not None and stats.null_count):
+            raise ShardCheckError(f"{path}: row group {index} holds {chunk.num_values} loss-mask entries "
+                                  f"({stats.null_count if stats is not None else 0} null) in {row_group.num_rows} "
+                                  f"rows, expected one per id: {row_group.num_rows * row_length}")
+        if stats is not None and stats.has_min_max and stats.max > 1:
+            raise ShardCheckError(f"{path}: row group {index} holds loss-mask value {stats.max}, expected 0 or 1")
     unchecked = 0
     for index in range(metadata.num_row_groups):
         row_group = metadata.row_group(index)
