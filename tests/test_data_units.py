@@ -344,3 +344,38 @@ def test_tokenizer_corpus_reads_only_the_files_it_needs_and_uses_message_content
                                                         system_prompt="Be brief."))}), conversation)
     assert list(corpus_texts({"qa": [conversation]}, 12, 100, seed=3, conversation_sources=frozenset({"qa"}))) == [
         "Be brief.\nhi\nhello\nthere"]
+
+
+def test_plan_sample_encodes_the_first_sample_bytes_of_a_large_file_and_reads_the_rest(tmp_path, monkeypatch):
+    """A first file larger than the sample: every document is read (text per input byte over the whole file), only
+    the first SAMPLE_BYTES of text are encoded and packed."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from huginn_ray.data import plan
+
+    words = {"<unk>": 0, "alpha": 1, "beta": 2}
+    inner = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+
+    class CountingTokenizer:
+        encoded: list[str] = []
+
+        def encode_batch_fast(self, texts):
+            self.encoded.extend(texts)
+            return inner.encode_batch_fast(texts)
+
+    doc = "alpha beta " * 9 + "alpha"  # 104 bytes of text, 19 tokens
+    (tmp_path / "big.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for _ in range(1000)))
+    size = (tmp_path / "big.jsonl").stat().st_size
+    monkeypatch.setattr(plan, "SAMPLE_BYTES", 25_000)  # about a quarter of the file's text
+    tokenizer = CountingTokenizer()
+    source = Source(name="big", local_dir=str(tmp_path), features=["text"])
+    ratios = plan._sample(source, [(str(tmp_path / "big.jsonl"), size)], tokenizer, row_len=65, docs_per_batch=64,
+                          dtype="uint16", row_group_size=64)
+    kept = 241  # documents until 25,000 bytes are reached: ceil(25000 / 104)
+    assert tokenizer.encoded == [doc] * (kept + kept)  # their lengths, then the ids of (up to 256 of) them
+    assert ratios.text_per_input_byte == 104 * 1000 / size  # every document of the file read
+    assert ratios.tokens_per_text_byte == 19 / 104
+    assert ratios.docs_per_text_byte == 1 / 104

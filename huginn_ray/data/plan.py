@@ -50,7 +50,8 @@ from huginn_ray.data.staging import STAGING_SCHEMA, list_local_files
 from huginn_ray.data.tokens import parquet_options, rows_to_arrow, token_dtype
 
 SAMPLE_BYTES = 8 << 20
-"""Input bytes per source read to measure its ratios (whole files, in file order, at least one)."""
+"""Per source: input bytes read to measure its ratios (whole files, in file order, at least one), and text bytes
+kept of them to encode and pack (the first documents: a large first file is read, not encoded, past them)."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,8 @@ TEXT_PER_INPUT_BYTE = {".parquet": 2.5, ".gz": 3.5, ".zst": 4.0}
 
 THROUGHPUT = {
     "download_bytes_per_s": (100e6, "assumed: 100 MB/s aggregate from the Hub"),
-    "staging_text_bytes_per_s_per_cpu": (20e6, "assumed"),
+    "staging_text_bytes_per_s_per_cpu": (20e6, "measured, BENCHMARKS.md: 20-24 MiB/s of text per task (Arrow's JSON "
+                                                "reader, web and math text)"),
     "pack_tokens_per_s_per_cpu": (750e3, "measured, BENCHMARKS.md: 4k vocabulary on code, 1 CPU"),
     "shuffle_bytes_per_s_per_cpu": (11e6, "measured, BENCHMARKS.md: ~22 MiB/s of packed bytes on 2 CPUs"),
 }
@@ -128,18 +130,24 @@ def _sample(source: Source, files: list[tuple[str, int]], tokenizer, row_len: in
     A chat source's conversations are rendered with the chat template and laid out one per row or packed
     (`chat_pack`), in file order (the run lays out each split of a batch in a seeded order)."""
     texts: list[str] = []
-    input_bytes = staged_bytes = 0
+    input_bytes = staged_bytes = read_text_bytes = text_bytes = 0
     for path, size in files:
         if input_bytes and input_bytes + size > SAMPLE_BYTES:
             break
-        docs = [t for batch in iter_documents(path, source) for t in batch]
+        docs = []
+        for batch in iter_documents(path, source):
+            for doc in batch:
+                n = len(doc.encode("utf-8", "surrogatepass"))
+                read_text_bytes += n  # every document read counts for the text per input byte
+                if text_bytes < SAMPLE_BYTES:
+                    docs.append(doc)
+                    text_bytes += n
         staged = io.BytesIO()  # one staging file per input file, as staging writes them
         pq.write_table(pa.table({"text": pa.array(docs, pa.large_string()), "source": [source.name] * len(docs),
                                  "doc_id": pa.array(range(len(docs)), pa.int64())}, schema=STAGING_SCHEMA), staged)
         staged_bytes += staged.tell()
         texts += docs
         input_bytes += size
-    text_bytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
     if not text_bytes:
         return None
     if source.is_chat:
@@ -169,7 +177,7 @@ def _sample(source: Source, files: list[tuple[str, int]], tokenizer, row_len: in
     chunks = [sample_rows[i:i + batch_rows] for i in range(0, len(sample_rows), batch_rows)]
     per_token = sum(written_size(c) - per_file for c in chunks) / sample_rows.size
     shard_per_token = (written_size(sample_rows, row_group_size=row_group_size) - per_file) / sample_rows.size
-    return Ratios(text_per_input_byte=text_bytes / max(1, input_bytes), tokens_per_text_byte=tokens / text_bytes,
+    return Ratios(text_per_input_byte=read_text_bytes / max(1, input_bytes), tokens_per_text_byte=tokens / text_bytes,
                   packed_per_token=rows * row_len / max(1, tokens),
                   chars_per_text_byte=sum(len(t) for t in texts) / text_bytes,
                   staged_per_text_byte=staged_bytes / text_bytes, packed_file_per_token=per_token,
