@@ -18,7 +18,8 @@ import time
 
 from huginn_ray.config import ConfigError
 from huginn_ray.data.config import load_data_config
-from huginn_ray.data.pipeline import STAGES, check_sources, init_ray, root_error, run
+from huginn_ray.data.pipeline import (STAGES, check_chat_not_mixed, check_sources, init_ray, packed_only,
+                                      root_error, run)
 from huginn_ray.data.plan import build_plan, format_plan
 from huginn_ray.data.sources import load_sources
 from huginn_ray.train.runlock import RunLock, RunLockError
@@ -44,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         try:
             sources = load_sources(cfg.sources)
-            check_sources(sources)  # refuses lists mixing packed or chat sources with others
+            # lists mixing packed or chat sources with others are refused; sources a run cannot fetch are
+            # planned without and named (a run refuses them: check_sources)
+            packed_only(sources)
+            check_chat_not_mixed(sources)
             plan = build_plan(cfg, sources)
         except Exception as err:
             print(f"prepare_data: error: {root_error(err)}", file=sys.stderr)

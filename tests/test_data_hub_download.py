@@ -247,3 +247,5 @@ def test_plan_of_the_113_huginn_sources_offline_against_the_local_hub(tmp_path, 
     assert plan["input_bytes"] == expected_bytes
     assert plan["estimated_tokens"] > 0 and plan["peak_disk_bytes"] > expected_bytes
     assert plan["counts"]["shard_files"] == 2 * 4096 and not (tmp_path / "out").exists()
+    # the one source a run refuses (its files are in Software Heritage's bucket) is named, not silently left out
+    assert plan["unsupported_sources"] == [s.name for s in sources if s.requires_software_heritage_aws_download]

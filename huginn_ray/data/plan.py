@@ -327,6 +327,8 @@ def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
         "cpus": cpus,
         "throughputs": {k: {"value": v, "source": why} for k, (v, why) in THROUGHPUT.items()},
         "unsampled_sources": [p["name"] for p in per_source if p["files"] and not p["sampled"]],
+        "unsupported_sources": [s.name for s in sources if s.requires_software_heritage_aws_download
+                                and s.weight > 0 and not s.is_packed],
     }
     plan.update(check_disk(cfg, peak))
     return plan
@@ -391,4 +393,8 @@ def format_plan(plan: dict) -> str:
     if plan["unsampled_sources"]:
         lines.append(f"{len(plan['unsampled_sources'])} source(s) not sampled (files not on this machine or no "
                      "tokenizer yet): estimated from the sampled sources' mean or defaults")
+    if plan["unsupported_sources"]:
+        lines.append(f"planned without {', '.join(plan['unsupported_sources'])}: a run refuses them (their files "
+                     "come from the Software Heritage S3 bucket, which this pipeline does not download); set their "
+                     "weight to 0 or provide their files as local_dir sources")
     return "\n".join(lines)
