@@ -53,14 +53,12 @@ import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
 from huginn_ray.data.execution import run_tasks
-from huginn_ray.data.tokens import (DTYPES, MAX_LIST_IDS, arrow_type, check_ids, fixed_rows, numpy_dtype,
+from huginn_ray.data.tokens import (DTYPES, MASK, MAX_LIST_IDS, arrow_type, check_ids, fixed_rows, numpy_dtype,
                                     parquet_options, row_schema, rows_to_arrow)
 
 TRAIN, VAL = 0, 1
 SPLITS = {"train": TRAIN, "val": VAL}
 MANIFEST = "manifest.json"
-MASK = "loss_mask"
-"""The optional column of chat rows: 1 where the token is a training target (huginn_ray/data/chat.py)."""
 _MASK64 = np.uint64(2**64 - 1)
 _TASK_OVERHEAD = 256 << 20  # a worker's own footprint (interpreter, pyarrow, numpy), added to memory= requests
 

@@ -38,9 +38,9 @@ from huginn_ray.data import layout
 from huginn_ray.data.chat import pack_rows, pad_rows, render
 from huginn_ray.data.execution import run_tasks
 from huginn_ray.data.packing import copy_fractions, copy_order, pack, unit_hash
-from huginn_ray.data.shards import MASK, TRAIN, VAL
+from huginn_ray.data.shards import TRAIN, VAL
 from huginn_ray.data.sources import Source
-from huginn_ray.data.tokens import (TokenRangeError, arrow_type, check_ids, parquet_options, rows_to_arrow,
+from huginn_ray.data.tokens import (MASK, TokenRangeError, arrow_type, check_ids, parquet_options, rows_to_arrow,
                                     token_dtype)
 
 PACK_VERSION = 2

@@ -11,6 +11,8 @@ import numpy as np
 import pyarrow as pa
 
 DTYPES = {"uint16": (np.uint16, pa.uint16()), "int32": (np.int32, pa.int32())}
+MASK = "loss_mask"
+"""The optional column of chat rows, list<uint8>: 1 where the token is a training target (huginn_ray/data/chat.py)."""
 _ARRAY_TYPES = {**DTYPES, "uint8": (np.uint8, pa.uint8())}  # token ids, and a loss mask's 0/1 entries
 
 
@@ -47,7 +49,7 @@ def arrow_type(name: str) -> pa.DataType:
 def row_schema(name: str, loss_mask: bool = False) -> pa.Schema:
     """A shard's columns: `input_ids`, and for chat rows `loss_mask` (list<uint8>, 1 where a token is a target)."""
     return pa.schema([("input_ids", pa.list_(arrow_type(name))),
-                      *([("loss_mask", pa.list_(pa.uint8()))] if loss_mask else [])])
+                      *([(MASK, pa.list_(pa.uint8()))] if loss_mask else [])])
 
 
 def check_ids(ids: np.ndarray, vocab_size: int, dtype: str, where: str) -> None:

@@ -35,9 +35,9 @@ counts in every phase (those of the coda and the core are freed before the later
   under bf16 the weight's bf16 copy and one chunk's weight-sized bf16 product. Measured by running that backward
   on meta and tracking the storages it creates (PeakLiveBytes); equal to a real CPU step byte for byte. Without
   `loss_chunk_tokens`: the gradient of the full logits;
-- core backward (with activation checkpointing): the recomputation of the core's largest checkpointed segment
-  (the adapter and its first block; measured the same way), with every row alive: under hsdp the core's
-  weights and gradients both gathered, and the next unit prefetched;
+- core backward: every row alive (under hsdp the core's weights and gradients both gathered, and the next unit
+  prefetched), plus with activation checkpointing the recomputation of the core's largest checkpointed segment
+  (the adapter and its first block; measured the same way);
 - core reduce-scatter (hsdp): FSDP2 has resharded the core's weights and copies its gradients into the
   reduce-scatter input (core-sized, fp32).
 Not counted, but listed with an estimate under the total (never added to it): the CUDA/HIP context, the
@@ -411,10 +411,13 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
         plan.phases.append(Phase("loss backward", "gradient of the logits",
                                  tokens * model_cfg.padded_vocab_size * (4 + (2 if bf16 else 0)),
                                  (CORE_G, PREFETCH) if hsdp else ()))
+    # every row alive (under hsdp the core's weights and gradients both gathered), plus with checkpointing the
+    # recomputation of the core's first segment (the adapter and its first block), the largest; a prelude or coda
+    # block's comes when the core is not gathered
     if model_cfg.activation_checkpointing:
-        # the core's first segment (the adapter and its first block) is the largest recomputation; a prelude or
-        # coda block's comes when the core is not gathered
         plan.phases.append(Phase("core backward", "recompute of one core block", measured["recompute_block"]))
+    else:
+        plan.phases.append(Phase("core backward", "nothing recomputed", 0))
     if hsdp:
         # FSDP2 reshards the core's weights, then copies its gradients into the reduce-scatter input
         plan.phases.append(Phase("core reduce-scatter", "reduce-scatter input of the core unit", core, (CORE_W,)))

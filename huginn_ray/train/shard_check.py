@@ -33,7 +33,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from huginn_ray.data.shards import MANIFEST, MASK, SPLITS, shard_path
+from huginn_ray.data.shards import MANIFEST, SPLITS, shard_path
+from huginn_ray.data.tokens import MASK
 from huginn_ray.data.tokens import arrow_type
 
 COLUMN = "input_ids"

@@ -34,11 +34,10 @@ import pyarrow.parquet as pq
 import torch
 
 from huginn_ray.data.shards import shard_path
+from huginn_ray.data.tokens import MASK
 from huginn_ray.train.data_order import DataOrder
 
 COLUMN = "input_ids"
-MASK_COLUMN = "loss_mask"
-"""Optional (chat data): 1 where the token is a training target (huginn_ray.data.chat)."""
 KEY_STRIDE = 2**32
 """Row keys are stream x KEY_STRIDE + row index in the file."""
 
@@ -85,8 +84,8 @@ def read_rows(file: pq.ParquetFile, path: Path, index: int, row_length: int, str
     """One row group as Rows (its loss mask when the shard has one); `first_row`: its first row's index in the
     file."""
     ids = read_row_group(file, path, index, row_length)
-    mask = (read_row_group(file, path, index, row_length, MASK_COLUMN).astype(np.uint8)
-            if MASK_COLUMN in file.schema_arrow.names else None)
+    mask = (read_row_group(file, path, index, row_length, MASK).astype(np.uint8)
+            if MASK in file.schema_arrow.names else None)
     keys = stream * KEY_STRIDE + first_row + np.arange(len(ids), dtype=np.int64)
     return Rows(ids, mask, keys)
 
