@@ -4,8 +4,8 @@ One step: read and check the step's micro-batches on the host, count their super
 small all-reduce, used on the device), sample the depth (n, k) from the step (the same on every rank),
 forward+backward every micro-batch, exchange gradients (fp32 mean), clip, set the scheduled lr in every group,
 step (not the first one), then log, validate and checkpoint on their intervals. The loss is the sum of the token
-losses of the whole global batch over its supervised tokens, divided by their count, on every layout and
-gradient accumulation.
+losses of the whole global batch over its supervised tokens, divided by their count, on every layout, gradient
+accumulation and split of a micro-batch's rows over the ranks (they may differ by a row: data_order.py).
 
 All ranks decide alike with one small all-reduce per step, read once by the host (the step's only host sync):
 the loss, whether the loss or gradient norm is non-finite, a stop request (SIGTERM, the Slurm signal), the time
@@ -150,7 +150,7 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
     if not plan.init_from:
         model.materialize(device)  # whole, on every rank: hsdp then keeps each rank's slice
     model.check_token_ids = False  # collate checks every batch on the host
-    attention = AttentionShape(cfg.micro_batch_size, model_cfg.num_attention_heads, cfg.block_size, model_cfg.head_dim,
+    attention = AttentionShape(order.largest_micro_batch, model_cfg.num_attention_heads, cfg.block_size, model_cfg.head_dim,
                                torch.bfloat16 if plan.precision == "bf16-mixed" else torch.float32)
     try:
         backend = choose_attention_backend(probe_attention_backends(attention, device), attention, cfg.attention_backend)
@@ -555,24 +555,27 @@ def eta(seconds: float) -> str:
 
 @torch.no_grad()
 def validate(model, batch: Batch, cfg: TrainConfig, plan: RunPlan, device, autocast) -> dict:
-    """Loss at every eval depth on the rank's fixed rows, averaged over ranks.
+    """Loss at every eval depth on the rank's fixed rows, averaged over ranks weighted by their rows (a rank may
+    hold one row more than another: huginn_ray.train.data_order).
 
     The initial latent noise is keyed by row (RecurrentGPT.keyed_initial_state), so validation neither depends
     on nor changes any RNG stream, and a row's noise does not depend on the worker count."""
     model.eval()
     inputs, labels = batch.inputs.to(device), batch.labels.to(device)
-    losses = torch.zeros(len(cfg.eval_depths), dtype=torch.float64, device=device)
-    states = model.keyed_initial_state(batch.keys, cfg.block_size, cfg.seed, device)
     micro_batch = len(batch.keys) // cfg.eval_iters
+    # the loss of every depth times this rank's rows, then its rows: one all-reduce gives the row-weighted mean
+    losses = torch.zeros(len(cfg.eval_depths) + 1, dtype=torch.float64, device=device)
+    losses[-1] = micro_batch
+    states = model.keyed_initial_state(batch.keys, cfg.block_size, cfg.seed, device)
     for i, depth in enumerate(cfg.eval_depths):
         for b in range(cfg.eval_iters):
             rows = slice(b * micro_batch, (b + 1) * micro_batch)
             with autocast:
                 out = model(inputs[rows], labels=labels[rows], num_steps=(depth, 0), input_states=states[rows],
                             ignore_index=plan.pad_id)
-            losses[i] += out.loss.double() / cfg.eval_iters
+            losses[i] += out.loss.double() * micro_batch / cfg.eval_iters
     dist.all_reduce(losses)
-    losses /= dist.get_world_size()
+    losses = losses[:-1] / losses[-1]
     model.train()
     metrics = {}
     for depth, value in zip(cfg.eval_depths, losses.tolist()):
