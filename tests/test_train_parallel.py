@@ -155,6 +155,20 @@ def recording_keys(c) -> list:
     return steps
 
 
+def validation_loss(c, cfg, plan, rank) -> float:
+    """loop.validate at depth 1 of one fixed global micro-batch of R rows, each rank validating its rows of it
+    (huginn_ray.train.data_order: the ranks' shares differ by a row at most)."""
+    from dataclasses import replace
+
+    from huginn_ray.train import loop
+    from huginn_ray.train.shard_reader import collate
+
+    rows = MemoryReader(None, 99, 0, cfg.block_size + 1).next_rows(c.order.rows_per_micro_batch)
+    batch = collate(rows[np.array(c.order.rows(rank))], plan.pad_id, plan.eos_id)
+    return loop.validate(c.model, batch, replace(cfg, eval_depths=[1], eval_iters=1), plan, torch.device("cpu"),
+                         c.autocast)["val_loss"]
+
+
 def reshard(rank, world_size, directory):
     """Train 2 x 2 hsdp for 6 steps, save, go on to 12; then load that checkpoint as 2 x 2 again, as hsdp with
     one shard group of 4 and as replicate, compare every tensor with the saved one, and train steps 7-12 again."""
@@ -169,6 +183,7 @@ def reshard(rank, world_size, directory):
     keys = recording_keys(c)
     uninterrupted = [loop.train_step(c, step, cfg, plan, cpu).loss for step in range(1, SAVED_AT + 1)]
     saved = whole_state(c)
+    validation = validation_loss(c, cfg, plan, rank)
     ckpt.write(directory, rank, c.model, c.optimizer,
                ckpt.TrainerState(step=SAVED_AT, world_size=world_size, num_streams=plan.num_streams,
                                  global_batch_rows=plan.global_batch_rows, rows_per_stream=c.reader.position), cpu)
@@ -183,7 +198,7 @@ def reshard(rank, world_size, directory):
     if rank == 0:
         torch.save({"ids": ids, "states": states, "logits": logits}, directory.parent / "trained_logits.pt")
     uninterrupted += [loop.train_step(c, step, cfg, plan, cpu).loss for step in range(SAVED_AT + 1, RESUMED_TO + 1)]
-    report = {"uninterrupted": uninterrupted, "keys": keys}
+    report = {"uninterrupted": uninterrupted, "keys": keys, "validation": validation}
     for name, overrides, node_size in (("2 x 2", RESHARD, NODE_SIZE), ("shard 4", RESHARD, 4),
                                        ("replicate", ["parallelism.mode=replicate", "micro_batch_size=1"], NODE_SIZE)):
         cfg = train_config(overrides)
@@ -236,6 +251,7 @@ def resume_elsewhere(rank, world_size, directory):
         resume(c, directory, plan, rank)
         keys = recording_keys(c)
         report[name] = {"grad_accum": c.order.grad_accum, "layout": c.shape.shard_size, "keys": keys,
+                        "validation": validation_loss(c, cfg, plan, rank),
                         "losses": [loop.train_step(c, step, cfg, plan, cpu).loss
                                    for step in range(SAVED_AT + 1, RESUMED_TO + 1)]}
     return report
@@ -354,6 +370,9 @@ def test_a_4_rank_run_resumes_on_2_and_3_ranks_with_the_same_rows_and_losses(res
             assert global_keys(resumed, None, name) == uninterrupted[SAVED_AT:], name
             rows = [[len(report[name]["keys"][0][micro]) for report in resumed] for micro in range(2)]
             assert rows == ([[2, 2]] * 2 if world_size == 2 else [[1, 1, 2]] * 2), (name, rows)
+            # the same 4 validation rows, split 1, 1, 1, 1 at the save and 2, 2 or 1, 1, 2 here: their mean
+            for rank, report in enumerate(resumed):
+                assert report[name]["validation"] == pytest.approx(reports[0]["validation"], rel=1e-6), (name, rank)
             for rank, report in enumerate(resumed):
                 got, expected = report[name]["losses"], reports[0]["uninterrupted"][SAVED_AT:]
                 for step, (a, b) in enumerate(zip(got, expected), start=SAVED_AT + 1):
