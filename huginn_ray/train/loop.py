@@ -34,8 +34,8 @@ from huginn_ray.config import from_dict
 from huginn_ray.data.shards import shard_path
 from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, sample_recurrence, training_flops_per_token
 from huginn_ray.model.pretrained import load_weights_into
-from huginn_ray.model.model import (AttentionBackendError, AttentionShape, choose_attention_backend,
-                                    probe_attention_backends, restrict_attention)
+from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, choose_attention_backend,
+                                         probe_attention_backends, restrict_attention)
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.grad_sync import build_grad_sync
