@@ -5,7 +5,7 @@
 
 `device` is `cpu` or `cuda[:N]` (ROCm's torch answers to `cuda` too); `dtype` is `float32` or `bfloat16`, the
 dtype the weights are loaded in (the RMSNorms still normalise in fp32, and the RoPE table stays fp32). The
-attention kernel follows training's policy (huginn_ray.model.model.choose_attention_backend): the first fused
+attention kernel follows training's policy (huginn_ray.model.attention.choose_attention_backend): the first fused
 kernel that takes one sequence of the model's full length on the device, else the math kernel for a model of at
 most MATH_MAX_SEQ_LEN positions; the model is then restricted to it, so a call no fused kernel takes fails
 instead of silently materialising T x T scores.
@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from huginn_ray.model.model import (AttentionShape, RecurrentGPT, choose_attention_backend, probe_attention_backends,
-                                    restrict_attention)
+from huginn_ray.model.attention import (AttentionShape, choose_attention_backend, probe_attention_backends,
+                                        restrict_attention)
+from huginn_ray.model.model import RecurrentGPT
 from huginn_ray.model.pretrained import load_pretrained
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
