@@ -145,12 +145,6 @@ def compile_blocks(model: "RecurrentGPT", **compile_kwargs) -> "RecurrentGPT":
     return model
 
 
-def uncompile_blocks(model: "RecurrentGPT") -> "RecurrentGPT":
-    for block in model.blocks():
-        block.compiled_sandwich = None
-    return model
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Depth sampling
 # ---------------------------------------------------------------------------------------------------------

@@ -16,9 +16,10 @@ from torch.distributed.tensor import DTensor
 
 from huginn_ray.train.parallel import local, shard_group
 
-EMBEDDING_MARKERS = ("wte", "embedding", "abacus", "lm_head")
-NO_DECAY_MARKERS = ("ln_f", "norm", "bias", "diff_lmb")
-MATRIX_MARKERS = ("proj", "qkv", "fc")
+EMBEDDING_MARKERS = ("wte", "lm_head")
+"""Names of the embedding group (the head only when untied): the reference's markers that name a parameter here."""
+NO_DECAY_MARKERS = ("ln_f", "norm", "bias")
+"""Names of the norm/bias group: every norm weight, `qk_bias`, `ln_f.weight`."""
 
 
 class ELLISAdam(torch.optim.Optimizer):
@@ -231,7 +232,7 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay_for_bias_and_no
             embedding.append(p)
         elif any(m in lname for m in NO_DECAY_MARKERS):
             scales.append(p)
-        elif p.ndim >= 2 or any(m in lname for m in MATRIX_MARKERS):
+        elif p.ndim >= 2:
             weights.append(p)
         else:
             raise ValueError(f"param_groups: parameter {name!r} (shape {tuple(p.shape)}) fits no group")
