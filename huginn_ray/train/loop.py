@@ -39,7 +39,7 @@ from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, c
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.grad_sync import build_grad_sync
-from huginn_ray.train.optim import build_optimizer, set_lr, trapezoid_lr
+from huginn_ray.train.optim import apply_config_on_resume, build_optimizer, set_lr, trapezoid_lr
 from huginn_ray.train import parallel
 from huginn_ray.train.data_order import DataOrder, DataOrderError
 from huginn_ray.train.run_plan import RunPlan
@@ -191,8 +191,8 @@ def load_initial_weights(model: RecurrentGPT, plan: RunPlan, rank: int) -> None:
     start = time.perf_counter()
     load_weights_into(model, source.path)
     if rank == 0:
-        print(f"[huginn] weights from {source.path} ({Path(source.hashed).name} sha256 "
-              f"{source.sha256[:12]}...) in {time.perf_counter() - start:.1f} s", flush=True)
+        print(f"[huginn] weights from {source.path} (sha256 of the tensors {source.sha256[:12]}...) in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
 
 
 def layout_name(shape: parallel.MeshShape) -> str:
@@ -397,17 +397,10 @@ def _train(cfg: TrainConfig, plan: RunPlan) -> None:
                               num_streams=plan.num_streams, global_batch_rows=plan.global_batch_rows)
     checkpoint = ray.train.get_checkpoint()  # out_dir is a filesystem every node sees: the path is the directory
     registered = Path(checkpoint.path) if checkpoint is not None else None
-    try:
-        resumed = ckpt.resume(registered, cfg.run_dir, rank, model, optimizer, device)
-        if resumed is not None:
-            ckpt.check_data_position(resumed.state, resumed.directory, plan.num_streams, plan.global_batch_rows)
-            reader.seek(resumed.state.rows_per_stream)
-    except ValueError as err:  # CheckpointError included: every rank read the same files and agreed
-        raise Stop(f"cannot resume: {err}", reporter=rank == 0) from None
+    resumed = resume_from_checkpoint(c, cfg, plan, registered, rank, device)
     if resumed is not None:
         state = resumed.state
         state.layout = layout_name(c.shape)
-        c.resumed = True
     elif plan.init_from:  # a fresh run: the trained model's weights (a resumed one has its own)
         error = None
         try:
@@ -490,6 +483,23 @@ def _train(cfg: TrainConfig, plan: RunPlan) -> None:
     checkpointer.finish()
 
 
+def resume_from_checkpoint(c: Components, cfg: TrainConfig, plan: RunPlan, registered: Path | None, rank: int,
+                           device: torch.device) -> ckpt.Resumed | None:
+    """Model, optimizer and reader from the newest checkpoint that loads (ckpt.resume), its data position checked,
+    then the config's optimizer hyperparameters over the checkpoint's; None when there is none. Raises Stop on
+    every rank when the run cannot resume (every rank read the same files and agreed)."""
+    try:
+        resumed = ckpt.resume(registered, cfg.run_dir, rank, c.model, c.optimizer, device)
+        if resumed is not None:
+            ckpt.check_data_position(resumed.state, resumed.directory, plan.num_streams, plan.global_batch_rows)
+            c.reader.seek(resumed.state.rows_per_stream)
+            apply_config_on_resume(c.optimizer, cfg.optim, verbose=rank == 0)
+    except ValueError as err:  # CheckpointError included
+        raise Stop(f"cannot resume: {err}", reporter=rank == 0) from None
+    c.resumed = resumed is not None
+    return resumed
+
+
 def async_save_enabled(cfg: TrainConfig) -> bool:
     """checkpoint.async_save, where null means: on with GPUs (the copy to host memory is fast), off on CPU."""
     return cfg.scaling.use_gpu if cfg.checkpoint.async_save is None else cfg.checkpoint.async_save
@@ -555,24 +565,30 @@ def eta(seconds: float) -> str:
 
 @torch.no_grad()
 def validate(model, batch: Batch, cfg: TrainConfig, plan: RunPlan, device, autocast) -> dict:
-    """Loss at every eval depth on the rank's fixed rows, averaged over ranks.
+    """Loss at every eval depth: the token losses of every rank's fixed rows summed over their supervised tokens,
+    divided by their count (as the training loss; masked rows weigh by what they supervise).
 
     The initial latent noise is keyed by row (RecurrentGPT.keyed_initial_state), so validation neither depends
     on nor changes any RNG stream, and a row's noise does not depend on the worker count."""
     model.eval()
     inputs, labels = batch.inputs.to(device), batch.labels.to(device)
-    losses = torch.zeros(len(cfg.eval_depths), dtype=torch.float64, device=device)
     states = model.keyed_initial_state(batch.keys, cfg.block_size, cfg.seed, device)
     micro_batch = len(batch.keys) // cfg.eval_iters
+    micro_batches = [slice(b * micro_batch, (b + 1) * micro_batch) for b in range(cfg.eval_iters)]
+    counts = [host_count(batch.labels[rows] != plan.pad_id) for rows in micro_batches]
+    # [token loss sums at every depth..., supervised tokens]: one all-reduce
+    sums = torch.zeros(len(cfg.eval_depths) + 1, dtype=torch.float64, device=device)
+    sums[-1] = sum(counts)
     for i, depth in enumerate(cfg.eval_depths):
-        for b in range(cfg.eval_iters):
-            rows = slice(b * micro_batch, (b + 1) * micro_batch)
+        for rows, count in zip(micro_batches, counts):
+            if not count:  # its mean is 0/0
+                continue
             with autocast:
                 out = model(inputs[rows], labels=labels[rows], num_steps=(depth, 0), input_states=states[rows],
                             ignore_index=plan.pad_id)
-            losses[i] += out.loss.double() / cfg.eval_iters
-    dist.all_reduce(losses)
-    losses /= dist.get_world_size()
+            sums[i] += out.loss.double() * count
+    dist.all_reduce(sums)
+    losses = sums[:-1] / sums[-1]
     model.train()
     metrics = {}
     for depth, value in zip(cfg.eval_depths, losses.tolist()):

@@ -14,9 +14,10 @@ class WeightsSource:
     path: str
     """The model directory (a training checkpoint's `model/`)."""
     hashed: str
-    """The file whose sha256 identifies the weights: the index of a sharded release, an export's weights file,
-    or a training checkpoint's DCP `.metadata`."""
+    """What the sha256 covers: the model's tensors and the files they were read from
+    (huginn_ray.model.pretrained.weights_digest)."""
     sha256: str
+    """The sha256 of the weights themselves (name, dtype, shape and bytes of every tensor, in name order)."""
 
 
 @dataclass
