@@ -249,7 +249,8 @@ def weights_digest(directory: str | Path) -> tuple[str, str]:
         import torch.distributed.checkpoint as dcp
 
         metadata = dcp.FileSystemReader(state_dir).read_metadata().state_dict_metadata
-        names = sorted(key.removeprefix("model.") for key in metadata if key.startswith("model."))
+        names = sorted(key.removeprefix("model.") for key in metadata
+                       if key.startswith("model.") and key != "model.freqs_cis")
         for name in names:
             meta = metadata[f"model.{name}"]
             tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
