@@ -181,7 +181,7 @@ def one_step_runs(rank, world_size, directory: Path):
         cfg = config(f"init_from={directory / source}", "optim.name=AdamW", "optim.lr=0", "skip_first_optimizer_step=false",
                      "micro_batch_size=2", "grad_sync.chunk_mib=0.05", f"scaling.num_workers={world_size}", *layout)
         model_cfg = init_from.model_config(cfg)
-        plan = dataclasses.replace(plan_for(cfg), model_config=model_cfg.to_hf_dict(),
+        plan = dataclasses.replace(plan_for(cfg), model_config=model_cfg,
                                    init_from=describe_source(cfg.init_from, model_cfg))
         c = loop.build_components(cfg, plan, rank, cpu, local_world_size=2)
         result = loop.train_step(c, 1, cfg, plan, cpu)
@@ -268,7 +268,7 @@ def test_preflight_records_the_source_and_refuses_the_released_ids_with_another_
     plan = preflight(tiny(dataset, tmp_path, f"init_from={released}"))
     assert plan.init_from.path == str(released)
     assert plan.init_from.sha256 == tensors_sha256(released_tensors(tiny_model()))
-    assert ModelConfig.from_hf_dict(plan.model_config).mean_recurrence == 4
+    assert plan.model_config.mean_recurrence == 4
     job = importlib.util.module_from_spec(importlib.util.spec_from_file_location("train_job", JOBS / "train.py"))
     job.__spec__.loader.exec_module(job)
     assert job.startup_line(tiny(dataset, tmp_path, f"init_from={released}"), plan) == (

@@ -125,11 +125,8 @@ def masked_batches(rank: int, counts=None) -> list:
 
 def masked_plan(cfg, grad_accum):
     """plan_for's, with a zero initial latent state: the forward is a function of the weights alone."""
-    from huginn_ray.model import ModelConfig
-
     plan = plan_for(cfg, grad_accum=grad_accum)
-    state_init_zero = ModelConfig.from_hf_dict(plan.model_config).replace(state_init="zero").to_hf_dict()
-    return dataclasses.replace(plan, model_config=state_init_zero)
+    return dataclasses.replace(plan, model_config=plan.model_config.replace(state_init="zero"))
 
 
 def masked_step(rank: int, batches_by_rank) -> dict:

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from huginn_ray.cluster.devices import training_device
-from huginn_ray.config import from_dict
 from huginn_ray.data.shards import shard_path
 from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, sample_recurrence, training_flops_per_token
 from huginn_ray.model.pretrained import load_weights_into
@@ -43,7 +42,7 @@ from huginn_ray.train.grad_sync import build_grad_sync
 from huginn_ray.train.optim import apply_config_on_resume, build_optimizer, set_lr, trapezoid_lr
 from huginn_ray.train import parallel
 from huginn_ray.train.data_order import DataOrder, DataOrderError
-from huginn_ray.train.run_plan import RunPlan
+from huginn_ray.train.run_plan import RunPlan, WorkerConfig
 from huginn_ray.train.shard_reader import Batch, RankReader, ShardReader, StepPrefetcher, collate, validation_rows
 from huginn_ray.train.warmup import register_node, warmup_allreduce
 
@@ -85,13 +84,13 @@ def stopped_file(cfg: TrainConfig) -> Path:
     return cfg.run_dir / "STOPPED"
 
 
-def train_loop_per_worker(loop_config: dict) -> None:
+def train_loop_per_worker(worker: WorkerConfig) -> None:
     # Ray Train sends the worker's root logger to the console at INFO; some of Ray's own loggers hang off the root
     # (one, named by its file path, logs "Reporting training result ..." at every checkpoint): the run's level
-    logging.getLogger().setLevel(loop_config.get("log_level", "INFO"))
-    cfg = from_dict(TrainConfig, loop_config["cfg"])
+    logging.getLogger().setLevel(worker.log_level)
+    cfg = worker.cfg
     try:
-        _train(cfg, loop_config["plan"])
+        _train(cfg, worker.plan)
     except Stop as stop:
         # Every rank raises Stop at the same step (the decision is all-reduced). Ending normally instead of
         # raising keeps Ray Train from restarting a run that would only fail again; the driver learns why
@@ -145,7 +144,7 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
     mesh = parallel.build_mesh(shape, device.type)
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     random.seed(cfg.seed)
-    model_cfg = ModelConfig.from_hf_dict(plan.model_config)
+    model_cfg = plan.model_config
     with torch.device("meta"):  # no CPU copy of the model: allocate and initialise on the training device
         model = RecurrentGPT(model_cfg)
     if not plan.init_from:
