@@ -18,6 +18,7 @@ newest checkpoint, every rank reads its 4 KiB back and reports 3 more times. Eve
   checkpoint's upload and Ray Train's agreement of every rank on the round), the median over the 5 complete
   rounds of both groups;
 - restart: from the killed rank's exit to the last worker of the new group having read its checkpoint back
+  (when Ray Train registered it before the exit)
   (Ray noticing the death at its health check, every 2 s by default; stopping the group; a new group started).
 
 Then it prints, per term, the cost per added worker between successive counts and which terms grow faster than
@@ -80,13 +81,15 @@ def control_worker(config: dict) -> None:
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     out = Path(config["out"])
     checkpoint = ray.train.get_checkpoint()
-    attempt = 0 if checkpoint is None else 1
+    # the marker, not the checkpoint, tells the restarted group: Ray Train registers a reported checkpoint after
+    # the report returns, so a rank that exits right away may leave the restart without one
+    attempt = 1 if (out / "killed").exists() else 0
     record = {"entered": entered, "reports": []}
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             state = (Path(directory) / f"state_{rank}.bin").read_bytes()
         assert len(state) == STATE_BYTES, len(state)
-        record["restored"] = time.time()
+    record["restored"] = time.time()
     for report in range(REPORTS):
         directory = Path(tempfile.mkdtemp(prefix="hr_state_"))
         (directory / f"state_{rank}.bin").write_bytes(os.urandom(STATE_BYTES))
