@@ -1,9 +1,11 @@
 """Key/value caches for generation: what an attention call of a cached forward reads and appends.
 
-`KVCache` is the model's own (every position at every block index: fixed-depth generation); `IterationKVCache`
-is adaptive-compute generation's (huginn_ray.model.generate), where tokens exit the recurrence at different
-iterations and a deeper token meets past positions that have no entry for its iteration. Both are read through
-the same three calls from `CausalSelfAttention`: `past_length`, `update`, `attendable`.
+`KVCache` is the model's own (every position at every block index: fixed-depth generation). `IterationKVCache`
+is one sequence's in adaptive-compute generation (huginn_ray.model.generate, huginn_ray.model.engine), where
+tokens exit the recurrence at different iterations and a deeper token meets past positions that have no entry
+for its iteration; `RowBatchCache` puts such sequences side by side in one batched call, each row at its own
+position and iteration. `KVCache` and `RowBatchCache` are read through the same three calls from
+`CausalSelfAttention`: `past_length`, `update`, `attendable`.
 
 Block indices: prelude blocks 0..P-1, core block j of iteration i gets P + L*i + j, coda blocks -1, -2, ...
 """
@@ -51,21 +53,30 @@ class KVCache:
 
 
 class IterationKVCache:
-    """Keys/values per block and position for generation with per-token depth (strategies `full`, `latest`, `ring:N`).
+    """One sequence's keys/values per block and position, for generation with per-token depth (strategies
+    `full`, `latest`, `ring:N`). Read and written through `RowBatchCache`, which puts sequences side by side.
 
-    Duck-types the model's KVCache (`past_length`, `update`, `attendable`). Storage is preallocated per slot as
-    (batch, max_len, heads, head_dim) with a `present` flag per (row, position); `rows` selects the batch rows
-    of the next updates (exited sequences are not computed) and `length` is the number of committed positions."""
+    Storage is allocated per block key on first use as (max_len, heads, head_dim), with a `present` flag per
+    position; `length` is the number of committed positions (those of finished forwards)."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, strategy: str = "full"):
+    def __init__(self, cfg: ModelConfig, max_len: int, strategy: str = "full"):
         self.prelude, self.core = cfg.n_layers_in_prelude, cfg.n_layers_in_recurrent_block
-        self.batch, self.max_len = batch, max_len
+        self.max_len = max_len
         self.shape = (cfg.num_attention_heads, cfg.head_dim)
         self.strategy, self.ring = strategy, parse_cache(strategy)
-        self.length = self.end = 0
-        self.rows: Tensor | None = None
-        self.slots: dict[tuple, list[Tensor]] = {}   # key -> [K, V, present (batch, max_len)]
+        self.length = 0
+        self.slots: dict[tuple, list[Tensor]] = {}   # key -> [K, V, present (max_len,)]
         self.latest: dict[int, list[Tensor]] = {}    # core block j -> [K, V] of the deepest iteration written
+
+    @staticmethod
+    def reserved_bytes(cfg: ModelConfig, max_len: int, strategy: str, num_steps: int, element_size: int) -> int:
+        """The most bytes a cache of `max_len` positions holds when a forward runs at most `num_steps` iterations:
+        prelude and coda blocks, core blocks of every iteration kept (`full`: num_steps; `latest`: num_steps plus
+        the latest copy; `ring:N`: min(N, num_steps) plus the latest copy)."""
+        ring = parse_cache(strategy)
+        kept = num_steps if strategy == "full" else (num_steps if ring is None else min(ring, num_steps)) + 1
+        entries = cfg.n_layers_in_prelude + cfg.n_layers_in_coda + cfg.n_layers_in_recurrent_block * kept
+        return entries * max_len * 2 * cfg.n_embd * element_size
 
     def _key(self, index: int) -> tuple:
         if index < 0:
@@ -76,52 +87,103 @@ class IterationKVCache:
         return ("core", iteration if self.ring is None else iteration % self.ring, j)
 
     def _alloc(self, like: Tensor, with_present: bool) -> list[Tensor]:
-        kv = [like.new_zeros(self.batch, self.max_len, *self.shape) for _ in range(2)]
+        kv = [like.new_zeros(self.max_len, *self.shape) for _ in range(2)]
         if with_present:
-            kv.append(torch.zeros(self.batch, self.max_len, dtype=torch.bool, device=like.device))
+            kv.append(torch.zeros(self.max_len, dtype=torch.bool, device=like.device))
         return kv
 
-    def _rows(self, device) -> Tensor:
-        return self.rows if self.rows is not None else torch.arange(self.batch, device=device)
-
-    def past_length(self, index: int) -> int:
-        return self.length
-
-    def update(self, index: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        rows = self._rows(k.device)
-        start, end = self.length, self.length + k.shape[1]
-        self.end = end  # the positions `attendable` covers, read right after this update
+    def update(self, index: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Write (positions, heads, head_dim) keys/values of the positions after `length` for block `index`;
+        return every position's keys and values up to them, and which of those the queries may attend to (None
+        for all). Only the `full` strategy leaves positions out: those that did not reach this core iteration."""
+        start, end = self.length, self.length + k.shape[0]
         key = self._key(index)
         entry = self.slots.get(key) or self.slots.setdefault(key, self._alloc(k, with_present=True))
-        entry[0][rows, start:end], entry[1][rows, start:end] = k, v
-        entry[2][rows, start:end] = True
-        keys, values = entry[0][rows, :end], entry[1][rows, :end]
-        if key[0] == "core" and self.strategy != "full":
-            latest = self.latest.get(key[2]) or self.latest.setdefault(key[2], self._alloc(k, with_present=False))
-            latest[0][rows, start:end], latest[1][rows, start:end] = k, v
-            present = entry[2][rows, :end, None, None]
-            keys = torch.where(present, keys, latest[0][rows, :end])
-            values = torch.where(present, values, latest[1][rows, :end])
+        entry[0][start:end], entry[1][start:end] = k, v
+        entry[2][start:end] = True
+        keys, values, present = entry[0][:end], entry[1][:end], entry[2][:end]
+        if key[0] != "core":
+            return keys, values, None
+        if self.strategy == "full":
+            return keys, values, None if bool(present.all()) else present
+        latest = self.latest.get(key[2]) or self.latest.setdefault(key[2], self._alloc(k, with_present=False))
+        latest[0][start:end], latest[1][start:end] = k, v
+        keys = torch.where(present[:, None, None], keys, latest[0][:end])
+        values = torch.where(present[:, None, None], values, latest[1][:end])
+        return keys, values, None
+
+    def bytes_held(self) -> int:
+        """Bytes of the key/value entries held: present ones, plus the latest-iteration copies."""
+        if not self.slots:
+            return 0
+        per_entry = 2 * math.prod(self.shape) * next(iter(self.slots.values()))[0].element_size()
+        held = sum(int(entry[2].sum()) for entry in self.slots.values()) + len(self.latest) * self.length
+        return held * per_entry
+
+
+class RowBatchCache:
+    """The KV-cache protocol of `CausalSelfAttention` (`past_length`, `update`, `attendable`) over a batch of
+    rows from different sequences, each with its own `IterationKVCache`, position and core iteration.
+
+    Row r holds lengths[r] real positions (the rest of the batch's `width` is padding) starting at its cache's
+    `length`. Its keys are laid out so that the attention's single causal offset fits every row: with S the
+    largest start, row r's position p sits in column p + S - start_r, so its queries see their own past at
+    the columns the causal mask of offset S opens; the columns left of its first position (and right of its
+    last) are padding, left out through `attendable`. Padding queries attend to real keys only and their
+    outputs are discarded. Cost: each call copies every row's attended keys/values into the padded batch (one
+    more read and write of what the attention reads), unless the rows need no padding and all start at once.
+
+    A core block index is given as that of iteration 0 (the call computes every row's iteration in one go);
+    row r adds its own iteration `iterations[r]`."""
+
+    def __init__(self, caches: list[IterationKVCache], lengths: list[int], iterations: list[int] | None = None):
+        self.caches, self.lengths = caches, lengths
+        self.iterations = iterations or [0] * len(caches)
+        self.starts = [cache.length for cache in caches]
+        self.width, self.offset = max(lengths), max(self.starts)
+        self.aligned = len(set(self.starts)) == 1 and min(lengths) == self.width
+        self.prelude, self.core = caches[0].prelude, caches[0].core
+        self._attendable: Tensor | None = None
+
+    def rope(self, freqs_cis: Tensor) -> Tensor:
+        """The rotary table of each row's positions, (rows, width, 1, head_dim / 2, 2) (padding: clamped)."""
+        if self.aligned:
+            return freqs_cis[:, self.offset : self.offset + self.width]
+        positions = torch.tensor(self.starts, device=freqs_cis.device)[:, None] + torch.arange(
+            self.width, device=freqs_cis.device)
+        return freqs_cis[0, positions.clamp_max(freqs_cis.shape[1] - 1)]
+
+    def past_length(self, index: int) -> int:
+        return self.offset
+
+    def update(self, index: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        rows = []
+        for row, cache in enumerate(self.caches):
+            row_index = index
+            if index >= self.prelude:
+                row_index += self.core * self.iterations[row]
+            rows.append(cache.update(row_index, k[row, : self.lengths[row]], v[row, : self.lengths[row]]))
+        if self.aligned:
+            self._attendable = None
+            if any(attendable is not None for _, _, attendable in rows):
+                self._attendable = torch.stack([torch.ones_like(rows[0][0][:, 0, 0], dtype=torch.bool)
+                                                if attendable is None else attendable for _, _, attendable in rows])
+            if len(rows) == 1:  # a view, no copy
+                return rows[0][0][None], rows[0][1][None]
+            return torch.stack([keys for keys, _, _ in rows]), torch.stack([values for _, values, _ in rows])
+        columns = self.offset + self.width
+        keys, values = k.new_zeros(len(rows), columns, *k.shape[2:]), v.new_zeros(len(rows), columns, *v.shape[2:])
+        attendable = torch.zeros(len(rows), columns, dtype=torch.bool, device=k.device)
+        for row, (row_keys, row_values, row_attendable) in enumerate(rows):
+            first, end = self.offset - self.starts[row], self.offset + self.lengths[row]
+            keys[row, first:end], values[row, first:end] = row_keys, row_values
+            attendable[row, first:end] = True if row_attendable is None else row_attendable
+        self._attendable = attendable
         return keys, values
 
     def attendable(self, index: int) -> Tensor | None:
-        """(rows, positions) which cached positions the queries of block `index` may attend to; None for all.
-        Only the `full` strategy leaves positions out: those that did not reach this core iteration."""
-        key = self._key(index)
-        if self.strategy != "full" or key[0] != "core":
-            return None
-        flags = self.slots[key][2]
-        present = flags[self._rows(flags.device), : self.end]
-        return None if bool(present.all()) else present
-
-    def bytes_per_token(self) -> float:
-        """Bytes of the key/value entries held (present ones, plus the latest-iteration copies) per position."""
-        if not self.length:
-            return 0.0
-        per_entry = 2 * math.prod(self.shape) * next(iter(self.slots.values()))[0].element_size()
-        held = sum(int(entry[2].sum()) for entry in self.slots.values())
-        held += len(self.latest) * self.batch * self.length
-        return held * per_entry / (self.batch * self.length)
+        """(rows, columns) which key columns the queries of the last `update` may attend to; None for all."""
+        return self._attendable
 
 
 def parse_cache(strategy: str) -> int | None:
