@@ -65,6 +65,7 @@ class IterationKVCache:
         self.shape = (cfg.num_attention_heads, cfg.head_dim)
         self.strategy, self.ring = strategy, parse_cache(strategy)
         self.length = 0
+        self.shallowest = math.inf  # fewest core iterations of a committed forward: below it every position is present
         self.slots: dict[tuple, list[Tensor]] = {}   # key -> [K, V, present (max_len,)]
         self.latest: dict[int, list[Tensor]] = {}    # core block j -> [K, V] of the deepest iteration written
 
@@ -92,6 +93,11 @@ class IterationKVCache:
             kv.append(torch.zeros(self.max_len, dtype=torch.bool, device=like.device))
         return kv
 
+    def commit(self, positions: int, iterations: int) -> None:
+        """The forward of the next `positions` positions ended after `iterations` core iterations."""
+        self.length += positions
+        self.shallowest = min(self.shallowest, iterations)
+
     def update(self, index: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Write (positions, heads, head_dim) keys/values of the positions after `length` for block `index`;
         return every position's keys and values up to them, and which of those the queries may attend to (None
@@ -105,7 +111,7 @@ class IterationKVCache:
         if key[0] != "core":
             return keys, values, None
         if self.strategy == "full":
-            return keys, values, None if bool(present.all()) else present
+            return keys, values, None if key[1] < self.shallowest else present
         latest = self.latest.get(key[2]) or self.latest.setdefault(key[2], self._alloc(k, with_present=False))
         latest[0][start:end], latest[1][start:end] = k, v
         keys = torch.where(present[:, None, None], keys, latest[0][:end])

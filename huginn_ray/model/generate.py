@@ -324,7 +324,7 @@ class Sequence:
     def emit(self, model: RecurrentGPT, logits: Tensor) -> int:
         """End the forward: commit its positions, pick the next token from the last position's logits (1, V)."""
         request = self.request
-        self.cache.length += self.length
+        self.cache.commit(self.length, self.iteration)
         self.steps.append(self.iteration)
         self.last_final_state = self.state[:, -1].clone()
         if self.keep_states:
