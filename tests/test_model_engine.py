@@ -58,7 +58,8 @@ class Trace:
 
     def __init__(self, monkeypatch):
         self.sequences = []
-        init, begin, quantity = generation.Sequence.__init__, generation.Sequence.begin, generation.ExitCriterion.quantity
+        init, begin = generation.Sequence.__init__, generation.Sequence.begin
+        quantities = generation.ExitCriterion.quantities
         trace = self
 
         def traced_init(sequence, *args, **kwargs):
@@ -72,14 +73,15 @@ class Trace:
             if sequence.criterion is not None:
                 sequence.criterion.log = sequence.values[-1]
 
-        def traced_quantity(criterion, *args, **kwargs):
-            value = quantity(criterion, *args, **kwargs)
-            criterion.log.append(float(value))
-            return value
+        def traced_quantities(criteria, *args, **kwargs):
+            values = quantities(criteria, *args, **kwargs)
+            for criterion, value in zip(criteria, values.tolist()):
+                criterion.log.append(value)
+            return values
 
         monkeypatch.setattr(generation.Sequence, "__init__", traced_init)
         monkeypatch.setattr(generation.Sequence, "begin", traced_begin)
-        monkeypatch.setattr(generation.ExitCriterion, "quantity", traced_quantity)
+        monkeypatch.setattr(generation.ExitCriterion, "quantities", staticmethod(traced_quantities))
 
 
 def alone(model, request: Request):

@@ -16,6 +16,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 from huginn_ray.model.config import ModelConfig
 
@@ -79,13 +80,14 @@ class IterationKVCache:
         entries = cfg.n_layers_in_prelude + cfg.n_layers_in_coda + cfg.n_layers_in_recurrent_block * kept
         return entries * max_len * 2 * cfg.n_embd * element_size
 
-    def _key(self, index: int) -> tuple:
+    def _key(self, index: int) -> tuple[tuple, int]:
+        """The storage key of block `index` and, for a core block, its iteration (-1 for prelude and coda)."""
         if index < 0:
-            return ("coda", -1 - index)
+            return ("coda", -1 - index), -1
         if index < self.prelude:
-            return ("prelude", index)
+            return ("prelude", index), -1
         iteration, j = divmod(index - self.prelude, self.core)
-        return ("core", iteration if self.ring is None else iteration % self.ring, j)
+        return ("core", iteration if self.ring is None else iteration % self.ring, j), iteration
 
     def _alloc(self, like: Tensor, with_present: bool) -> list[Tensor]:
         kv = [like.new_zeros(self.max_len, *self.shape) for _ in range(2)]
@@ -103,17 +105,23 @@ class IterationKVCache:
         return every position's keys and values up to them, and which of those the queries may attend to (None
         for all). Only the `full` strategy leaves positions out: those that did not reach this core iteration."""
         start, end = self.length, self.length + k.shape[0]
-        key = self._key(index)
+        key, iteration = self._key(index)
+        if iteration < 0:  # prelude and coda: every position has every block
+            entry = self.slots.get(key) or self.slots.setdefault(key, self._alloc(k, with_present=False))
+            entry[0][start:end], entry[1][start:end] = k, v
+            return entry[0][:end], entry[1][:end], None
         entry = self.slots.get(key) or self.slots.setdefault(key, self._alloc(k, with_present=True))
         entry[0][start:end], entry[1][start:end] = k, v
         entry[2][start:end] = True
-        keys, values, present = entry[0][:end], entry[1][:end], entry[2][:end]
-        if key[0] != "core":
+        keys, values = entry[0][:end], entry[1][:end]
+        if self.strategy != "full":
+            latest = self.latest.get(key[2]) or self.latest.setdefault(key[2], self._alloc(k, with_present=False))
+            latest[0][start:end], latest[1][start:end] = k, v
+        if iteration < self.shallowest:  # every past position reached this iteration
             return keys, values, None
+        present = entry[2][:end]
         if self.strategy == "full":
-            return keys, values, None if key[1] < self.shallowest else present
-        latest = self.latest.get(key[2]) or self.latest.setdefault(key[2], self._alloc(k, with_present=False))
-        latest[0][start:end], latest[1][start:end] = k, v
+            return keys, values, present
         keys = torch.where(present[:, None, None], keys, latest[0][:end])
         values = torch.where(present[:, None, None], values, latest[1][:end])
         return keys, values, None
@@ -123,7 +131,8 @@ class IterationKVCache:
         if not self.slots:
             return 0
         per_entry = 2 * math.prod(self.shape) * next(iter(self.slots.values()))[0].element_size()
-        held = sum(int(entry[2].sum()) for entry in self.slots.values()) + len(self.latest) * self.length
+        held = sum(int(entry[2].sum()) if len(entry) == 3 else self.length for entry in self.slots.values())
+        held += len(self.latest) * self.length
         return held * per_entry
 
 
@@ -150,6 +159,7 @@ class RowBatchCache:
         self.aligned = len(set(self.starts)) == 1 and min(lengths) == self.width
         self.prelude, self.core = caches[0].prelude, caches[0].core
         self._attendable: Tensor | None = None
+        self._own_columns: Tensor | None = None
 
     def rope(self, freqs_cis: Tensor) -> Tensor:
         """The rotary table of each row's positions, (rows, width, 1, head_dim / 2, 2) (padding: clamped)."""
@@ -177,15 +187,28 @@ class RowBatchCache:
             if len(rows) == 1:  # a view, no copy
                 return rows[0][0][None], rows[0][1][None]
             return torch.stack([keys for keys, _, _ in rows]), torch.stack([values for _, values, _ in rows])
-        columns = self.offset + self.width
-        keys, values = k.new_zeros(len(rows), columns, *k.shape[2:]), v.new_zeros(len(rows), columns, *v.shape[2:])
-        attendable = torch.zeros(len(rows), columns, dtype=torch.bool, device=k.device)
-        for row, (row_keys, row_values, row_attendable) in enumerate(rows):
-            first, end = self.offset - self.starts[row], self.offset + self.lengths[row]
-            keys[row, first:end], values[row, first:end] = row_keys, row_values
-            attendable[row, first:end] = True if row_attendable is None else row_attendable
-        self._attendable = attendable
+        keys = pad_sequence([self._right_pad(keys, row) for row, (keys, _, _) in enumerate(rows)], batch_first=True,
+                            padding_side="left")
+        values = pad_sequence([self._right_pad(values, row) for row, (_, values, _) in enumerate(rows)],
+                              batch_first=True, padding_side="left")
+        self._attendable = self._columns(k.device)
+        for row, (_, _, row_attendable) in enumerate(rows):
+            if row_attendable is not None:
+                self._attendable[row, self.offset - self.starts[row] : self.offset + self.lengths[row]] = row_attendable
         return keys, values
+
+    def _right_pad(self, x: Tensor, row: int) -> Tensor:
+        missing = self.width - self.lengths[row]
+        return x if not missing else torch.cat([x, x.new_zeros(missing, *x.shape[1:])])
+
+    def _columns(self, device) -> Tensor:
+        """(rows, columns) True at each row's own positions (from its first to its last real one); a copy."""
+        if self._own_columns is None:
+            columns = torch.arange(self.offset + self.width, device=device)
+            first = torch.tensor([self.offset - start for start in self.starts], device=device)
+            end = torch.tensor([self.offset + length for length in self.lengths], device=device)
+            self._own_columns = (columns >= first[:, None]) & (columns < end[:, None])
+        return self._own_columns.clone()
 
     def attendable(self, index: int) -> Tensor | None:
         """(rows, columns) which key columns the queries of the last `update` may attend to; None for all."""

@@ -218,36 +218,51 @@ class ExitCriterion:
     def quantity(self, state: Tensor, logits: Tensor | None) -> Tensor:
         """The criterion's value, shape (1,), given the sequence's (1, positions, D) state and its last position's
         logits (1, V); remembers this check's state / distribution as the next check's comparand."""
-        if self.name in ("latent-diff", "cosine"):
+        return ExitCriterion.quantities([self], state, logits)
+
+    @staticmethod
+    def quantities(criteria: list["ExitCriterion"], state: Tensor, logits: Tensor | None) -> Tensor:
+        """`quantity` of several sequences' criteria of one name at once, shape (rows,): their states
+        (rows, positions, D), all of one length, and last-position logits (rows, V). Row for row what
+        `quantity` computes (every reduction runs within a row)."""
+        name = criteria[0].name
+        if name in ("latent-diff", "cosine"):
             state = state.float()
-            previous, self.previous_state = self.previous_state, state
-            if self.name == "latent-diff":
+            previous = torch.cat([criterion.previous_state for criterion in criteria])
+            for row, criterion in enumerate(criteria):
+                criterion.previous_state = state[row : row + 1]
+            if name == "latent-diff":
                 return ((state - previous).norm(dim=-1) / state.norm(dim=-1)).mean(dim=-1)
             cosine = (state * previous).sum(-1) / (state.norm(dim=-1) * previous.norm(dim=-1)).clamp_min(1e-30)
             return 1 - cosine.mean(dim=-1)
         logits = logits.float()
-        if self.name == "entropy-diff":
+        if name == "entropy-diff":
             probs = logits.softmax(dim=-1)
             value_now = -(probs * (probs + ENTROPY_EPS).log()).sum(dim=-1)
-            value = (value_now - self.previous_entropy).abs()
-            self.previous_entropy = value_now
+            value = (value_now - torch.cat([criterion.previous_entropy for criterion in criteria])).abs()
+            for row, criterion in enumerate(criteria):
+                criterion.previous_entropy = value_now[row : row + 1]
             return value
-        if self.name == "argmax-stability":
+        if name == "argmax-stability":
             argmax = logits.argmax(dim=-1)
-            self.stable = torch.where(argmax == self.previous_argmax, self.stable + 1, 0)
-            self.previous_argmax = argmax
-            return self.stable.float()
-        logp = logits.log_softmax(dim=-1) if self.name == "kl" else minp(logits, self.vocab_size)
-        value = kl(self.previous_logp, logp)
-        self.previous_logp = logp
+            previous = torch.cat([criterion.previous_argmax for criterion in criteria])
+            stable = torch.where(argmax == previous, torch.cat([criterion.stable for criterion in criteria]) + 1, 0)
+            for row, criterion in enumerate(criteria):
+                criterion.previous_argmax, criterion.stable = argmax[row : row + 1], stable[row : row + 1]
+            return stable.float()
+        logp = logits.log_softmax(dim=-1) if name == "kl" else minp(logits, criteria[0].vocab_size)
+        value = kl(torch.cat([criterion.previous_logp for criterion in criteria]), logp)
+        for row, criterion in enumerate(criteria):
+            criterion.previous_logp = logp[row : row + 1]
         return value
 
-    def exits(self, value: Tensor) -> bool:
-        if self.threshold <= 0:
-            return False
-        if self.name == "argmax-stability":
-            return bool(value >= self.threshold)
-        return bool(value < self.threshold)
+    @staticmethod
+    def exiting(criteria: list["ExitCriterion"], values: Tensor) -> list[bool]:
+        """Which of these criteria's checks (`quantities` of one name) end their forwards: value below the
+        threshold (`argmax-stability`: at or above it); a threshold of 0 never does."""
+        thresholds = torch.tensor([criterion.threshold for criterion in criteria], device=values.device)
+        hit = values >= thresholds if criteria[0].name == "argmax-stability" else values < thresholds
+        return (hit & (thresholds > 0)).tolist()
 
 
 def kl(logp: Tensor, logq: Tensor) -> Tensor:
@@ -370,22 +385,28 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
     state = pad([s.state for s in pool], rows.width)
     injected = pad([s.injected for s in pool], rows.width)
     new = model._core(state, injected, rows.rope(model.freqs_cis), rows, 0)  # rows add their own iterations
-    ended, logit_checks = [], []
+    ended, checks = [], {}
     for row, sequence in enumerate(pool):
         sequence.state = new[row : row + 1, : sequence.length]
         sequence.iteration += 1
         if sequence.iteration == sequence.request.num_steps:
             ended.append(sequence)
         elif sequence.checks_now():
-            if sequence.criterion.uses_logits:
-                logit_checks.append(sequence)
-            elif sequence.criterion.exits(sequence.criterion.quantity(sequence.state, None)):
-                ended.append(sequence)
+            criterion = sequence.criterion
+            checks.setdefault((criterion.name, 0 if criterion.uses_logits else sequence.length), []).append(sequence)
+    logits = {}
+    logit_checks = [sequence for (name, _), group in checks.items() if name in LOGIT_CRITERIA for sequence in group]
     if logit_checks:
-        for sequence, logits in zip(logit_checks, coda_head(model, logit_checks)):
-            sequence.coda_evals += 1
-            if sequence.criterion.exits(sequence.criterion.quantity(sequence.state, logits)):
-                ended.append(sequence)
+        logits = dict(zip(map(id, logit_checks), coda_head(model, logit_checks)))
+    for (name, _), group in checks.items():  # one computation per criterion (and length, for latent ones)
+        criteria = [sequence.criterion for sequence in group]
+        if name in LOGIT_CRITERIA:
+            for sequence in group:
+                sequence.coda_evals += 1
+            values = ExitCriterion.quantities(criteria, None, torch.cat([logits[id(s)] for s in group]))
+        else:
+            values = ExitCriterion.quantities(criteria, torch.cat([s.state for s in group]), None)
+        ended += [sequence for sequence, exits in zip(group, ExitCriterion.exiting(criteria, values)) if exits]
     if not ended:
         return []
     emitted = [(sequence, sequence.emit(model, logits)) for sequence, logits in zip(ended, coda_head(model, ended))]
