@@ -67,6 +67,6 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
     assert 1.0 <= generation["adaptive (kl)"]["mean_steps_per_token"] <= 4.0
     engine = report["engine"]
     assert (engine["batch"], engine["requests"], engine["fixed depth"]["mean_iterations"]) == (4, 8, 4.0)
-    assert 1.0 <= engine["adaptive (latent-diff)"]["mean_iterations"] <= 4.0
+    assert 1.0 <= engine["adaptive (latent-diff)"]["mean_iterations"] < 4.0  # rows exit early
     assert engine["tokens_equal_fraction"] == 1.0  # fp32, one thread: each request equals its batch-1 output
     assert "total per rank" not in run.stdout and "JSON: " + str(out) in run.stdout
