@@ -9,7 +9,7 @@ On the same prompts and model (raven-tiny at random init without --checkpoint), 
 (c) RecurrentGPT.generate at that fixed depth, `--batch` prompts per call.
 Prints tokens/s, mean and maximum core iterations per token, and the fraction of requests whose adaptive
 engine output equals `generate` at batch size 1 (token for token); --json prints one JSON object instead.
-Prompts: the first 16 tokens of validation rows from --data-dir shards (val/*.parquet) when given, else a
+Prompts: the first 16 tokens of rows of --data-dir shards (val/*.parquet, then train/*.parquet) when given, else a
 built-in set (seeded random token ids). The goal: adaptive tokens/s >= 0.7 x (num_steps / mean iterations) x
 fixed-depth tokens/s, i.e. the iterations that exits save become throughput.
 
@@ -40,11 +40,13 @@ def prompts(args: argparse.Namespace, vocab_size: int) -> list[tuple[int, ...]]:
         from huginn_ray.eval.depth_scaling import read_val_rows
 
         rows = []
-        for shard in sorted((Path(args.data_dir) / "val").glob("*.parquet")):
+        shards = [*sorted((Path(args.data_dir) / "val").glob("*.parquet")),
+                  *sorted((Path(args.data_dir) / "train").glob("*.parquet"))]
+        for shard in shards:
             rows += [tuple(row[:PROMPT_TOKENS].tolist()) for row in read_val_rows(shard, args.requests - len(rows))]
             if len(rows) == args.requests:
                 return rows
-        raise SystemExit(f"--data-dir {args.data_dir}: {len(rows)} validation rows, --requests {args.requests} asked")
+        raise SystemExit(f"--data-dir {args.data_dir}: {len(rows)} rows, --requests {args.requests} asked")
     generator = torch.Generator().manual_seed(0)
     return [tuple(torch.randint(0, vocab_size, (PROMPT_TOKENS,), generator=generator).tolist())
             for _ in range(args.requests)]

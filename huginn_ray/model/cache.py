@@ -57,18 +57,21 @@ class IterationKVCache:
     """One sequence's keys/values per block and position, for generation with per-token depth (strategies
     `full`, `latest`, `ring:N`). Read and written through `RowBatchCache`, which puts sequences side by side.
 
-    Storage is allocated per block key on first use as (max_len, heads, head_dim), with a `present` flag per
-    position; `length` is the number of committed positions (those of finished forwards)."""
+    Storage is allocated per block key on first use as (max_len, 2, heads, head_dim): keys and values side by
+    side, written in one copy. `length` is the number of committed positions (those of finished forwards) and
+    `depths` the core iterations each of them ran: position p has an entry for iteration i (ring slot s) iff
+    depths[p] > i (> s), so no per-entry flag is kept."""
 
     def __init__(self, cfg: ModelConfig, max_len: int, strategy: str = "full"):
         self.prelude, self.core = cfg.n_layers_in_prelude, cfg.n_layers_in_recurrent_block
+        self.prelude_and_coda = cfg.n_layers_in_prelude + cfg.n_layers_in_coda
         self.max_len = max_len
-        self.shape = (cfg.num_attention_heads, cfg.head_dim)
         self.strategy, self.ring = strategy, parse_cache(strategy)
         self.length = 0
-        self.shallowest = math.inf  # fewest core iterations of a committed forward: below it every position is present
-        self.slots: dict[tuple, list[Tensor]] = {}   # key -> [K, V, present (max_len,)]
-        self.latest: dict[int, list[Tensor]] = {}    # core block j -> [K, V] of the deepest iteration written
+        self.depths: list[int] = []
+        self.shallowest = math.inf  # the fewest iterations in depths: every position has the iterations below it
+        self.slots: dict[tuple, Tensor] = {}   # key -> (max_len, 2, heads, head_dim)
+        self.latest: dict[int, Tensor] = {}    # core block j -> the same, of the deepest iteration written
 
     @staticmethod
     def reserved_bytes(cfg: ModelConfig, max_len: int, strategy: str, num_steps: int, element_size: int) -> int:
@@ -89,51 +92,46 @@ class IterationKVCache:
         iteration, j = divmod(index - self.prelude, self.core)
         return ("core", iteration if self.ring is None else iteration % self.ring, j), iteration
 
-    def _alloc(self, like: Tensor, with_present: bool) -> list[Tensor]:
-        kv = [like.new_zeros(self.max_len, *self.shape) for _ in range(2)]
-        if with_present:
-            kv.append(torch.zeros(self.max_len, dtype=torch.bool, device=like.device))
-        return kv
-
     def commit(self, positions: int, iterations: int) -> None:
         """The forward of the next `positions` positions ended after `iterations` core iterations."""
         self.length += positions
+        self.depths += [iterations] * positions
         self.shallowest = min(self.shallowest, iterations)
 
-    def update(self, index: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Write (positions, heads, head_dim) keys/values of the positions after `length` for block `index`;
-        return every position's keys and values up to them, and which of those the queries may attend to (None
-        for all). Only the `full` strategy leaves positions out: those that did not reach this core iteration."""
-        start, end = self.length, self.length + k.shape[0]
+    def update(self, index: int, kv: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Write (positions, 2, heads, head_dim) keys and values of the positions after `length` for block
+        `index`; return every position's keys and values up to them, and which of those the queries may attend
+        to (None for all). Only the `full` strategy leaves positions out: those that did not reach this core
+        iteration; `latest` and `ring:N` read them from the latest iteration written."""
+        start, end = self.length, self.length + kv.shape[0]
         key, iteration = self._key(index)
+        entry = self.slots.get(key)
+        if entry is None:
+            entry = self.slots[key] = kv.new_zeros(self.max_len, *kv.shape[1:])
+        entry[start:end] = kv
         if iteration < 0:  # prelude and coda: every position has every block
-            entry = self.slots.get(key) or self.slots.setdefault(key, self._alloc(k, with_present=False))
-            entry[0][start:end], entry[1][start:end] = k, v
-            return entry[0][:end], entry[1][:end], None
-        entry = self.slots.get(key) or self.slots.setdefault(key, self._alloc(k, with_present=True))
-        entry[0][start:end], entry[1][start:end] = k, v
-        entry[2][start:end] = True
-        keys, values = entry[0][:end], entry[1][:end]
+            return entry[:end], None
         if self.strategy != "full":
-            latest = self.latest.get(key[2]) or self.latest.setdefault(key[2], self._alloc(k, with_present=False))
-            latest[0][start:end], latest[1][start:end] = k, v
+            latest = self.latest.get(key[2])
+            if latest is None:
+                latest = self.latest[key[2]] = kv.new_zeros(self.max_len, *kv.shape[1:])
+            latest[start:end] = kv
         if iteration < self.shallowest:  # every past position reached this iteration
-            return keys, values, None
-        present = entry[2][:end]
+            return entry[:end], None
+        present = torch.ones(end, dtype=torch.bool, device=kv.device)
+        present[:start] = torch.tensor(self.depths, device=kv.device) > key[1]
         if self.strategy == "full":
-            return keys, values, present
-        keys = torch.where(present[:, None, None], keys, latest[0][:end])
-        values = torch.where(present[:, None, None], values, latest[1][:end])
-        return keys, values, None
+            return entry[:end], present
+        return torch.where(present[:, None, None, None], entry[:end], latest[:end]), None
 
     def bytes_held(self) -> int:
-        """Bytes of the key/value entries held: present ones, plus the latest-iteration copies."""
+        """Bytes of the key/value entries held (positions that have them, plus the latest-iteration copies)."""
         if not self.slots:
             return 0
-        per_entry = 2 * math.prod(self.shape) * next(iter(self.slots.values()))[0].element_size()
-        held = sum(int(entry[2].sum()) if len(entry) == 3 else self.length for entry in self.slots.values())
-        held += len(self.latest) * self.length
-        return held * per_entry
+        per_entry = next(iter(self.slots.values()))[0].numel() * next(iter(self.slots.values())).element_size()
+        kept = math.inf if self.ring is None else self.ring
+        held = self.prelude_and_coda * self.length + self.core * sum(min(depth, kept) for depth in self.depths)
+        return (held + len(self.latest) * self.length) * per_entry
 
 
 class RowBatchCache:
@@ -173,29 +171,27 @@ class RowBatchCache:
         return self.offset
 
     def update(self, index: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        kv = torch.stack([k, v], dim=2)  # (rows, width, 2, heads, head_dim): one copy per row into its cache
         rows = []
         for row, cache in enumerate(self.caches):
             row_index = index
             if index >= self.prelude:
                 row_index += self.core * self.iterations[row]
-            rows.append(cache.update(row_index, k[row, : self.lengths[row]], v[row, : self.lengths[row]]))
+            rows.append(cache.update(row_index, kv[row, : self.lengths[row]]))
         if self.aligned:
             self._attendable = None
-            if any(attendable is not None for _, _, attendable in rows):
-                self._attendable = torch.stack([torch.ones_like(rows[0][0][:, 0, 0], dtype=torch.bool)
-                                                if attendable is None else attendable for _, _, attendable in rows])
-            if len(rows) == 1:  # a view, no copy
-                return rows[0][0][None], rows[0][1][None]
-            return torch.stack([keys for keys, _, _ in rows]), torch.stack([values for _, values, _ in rows])
-        keys = pad_sequence([self._right_pad(keys, row) for row, (keys, _, _) in enumerate(rows)], batch_first=True,
-                            padding_side="left")
-        values = pad_sequence([self._right_pad(values, row) for row, (_, values, _) in enumerate(rows)],
-                              batch_first=True, padding_side="left")
+            if any(attendable is not None for _, attendable in rows):
+                self._attendable = torch.stack([torch.ones(len(entries), dtype=torch.bool, device=k.device)
+                                                if attendable is None else attendable for entries, attendable in rows])
+            entries = rows[0][0][None] if len(rows) == 1 else torch.stack([entries for entries, _ in rows])
+            return entries[:, :, 0], entries[:, :, 1]
+        entries = pad_sequence([self._right_pad(entries, row) for row, (entries, _) in enumerate(rows)],
+                               batch_first=True, padding_side="left")
         self._attendable = self._columns(k.device)
-        for row, (_, _, row_attendable) in enumerate(rows):
+        for row, (_, row_attendable) in enumerate(rows):
             if row_attendable is not None:
                 self._attendable[row, self.offset - self.starts[row] : self.offset + self.lengths[row]] = row_attendable
-        return keys, values
+        return entries[:, :, 0], entries[:, :, 1]
 
     def _right_pad(self, x: Tensor, row: int) -> Tensor:
         missing = self.width - self.lengths[row]
