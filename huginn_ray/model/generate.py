@@ -377,18 +377,18 @@ def start(model: RecurrentGPT, sequences: list[Sequence]) -> None:
 
 
 def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, int]]:
-    """One loop step: one batched core iteration over every sequence of `pool`, each at its own position and
-    iteration. Those whose forward ends (criterion, or maximum depth) run the coda and head, emit a token and,
-    unless finished, begin their next forward (which joins the next loop step). Returns (sequence, token id)
-    for each token emitted."""
-    rows = RowBatchCache([s.cache for s in pool], [s.length for s in pool], [s.iteration for s in pool])
-    state = pad([s.state for s in pool], rows.width)
-    injected = pad([s.injected for s in pool], rows.width)
-    new = model._core(state, injected, rows.rope(model.freqs_cis), rows, 0)  # rows add their own iterations
+    """One loop step: one core iteration of every sequence of `pool`, each at its own position and iteration,
+    batched: one call for the sequences decoding a token, one for those in their prompt's prefill (so that a
+    prompt does not pad every decoding row to its length). Those whose forward ends (criterion, or maximum
+    depth) run the coda and head, emit a token and, unless finished, begin their next forward (which joins the
+    next loop step). Returns (sequence, token id) for each token emitted."""
+    decoding = [sequence for sequence in pool if sequence.length == 1]
+    prefilling = [sequence for sequence in pool if sequence.length > 1]
+    for group in (decoding, prefilling):
+        if group:
+            iterate(model, group)
     ended, checks = [], {}
-    for row, sequence in enumerate(pool):
-        sequence.state = new[row : row + 1, : sequence.length]
-        sequence.iteration += 1
+    for sequence in decoding + prefilling:
         if sequence.iteration == sequence.request.num_steps:
             ended.append(sequence)
         elif sequence.checks_now():
@@ -414,6 +414,17 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
     if going_on:
         start(model, going_on)
     return emitted
+
+
+def iterate(model: RecurrentGPT, sequences: list[Sequence]) -> None:
+    """One core iteration of the sequences' forwards, in one batched call."""
+    rows = RowBatchCache([s.cache for s in sequences], [s.length for s in sequences], [s.iteration for s in sequences])
+    state = pad([s.state for s in sequences], rows.width)
+    injected = pad([s.injected for s in sequences], rows.width)
+    new = model._core(state, injected, rows.rope(model.freqs_cis), rows, 0)  # rows add their own iterations
+    for row, sequence in enumerate(sequences):
+        sequence.state = new[row : row + 1, : sequence.length]
+        sequence.iteration += 1
 
 
 def coda_head(model: RecurrentGPT, sequences: list[Sequence]) -> list[Tensor]:
