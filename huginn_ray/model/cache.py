@@ -70,6 +70,7 @@ class IterationKVCache:
         self.length = 0
         self.depths: list[int] = []
         self.shallowest = math.inf  # the fewest iterations in depths: every position has the iterations below it
+        self.keys: dict[int, tuple[tuple, int]] = {}  # block index -> _key(index)
         self.slots: dict[tuple, Tensor] = {}   # key -> (max_len, 2, heads, head_dim)
         self.latest: dict[int, Tensor] = {}    # core block j -> the same, of the deepest iteration written
 
@@ -104,7 +105,7 @@ class IterationKVCache:
         to (None for all). Only the `full` strategy leaves positions out: those that did not reach this core
         iteration; `latest` and `ring:N` read them from the latest iteration written."""
         start, end = self.length, self.length + kv.shape[0]
-        key, iteration = self._key(index)
+        key, iteration = self.keys.get(index) or self.keys.setdefault(index, self._key(index))
         entry = self.slots.get(key)
         if entry is None:
             entry = self.slots[key] = kv.new_zeros(self.max_len, *kv.shape[1:])
@@ -173,11 +174,9 @@ class RowBatchCache:
     def update(self, index: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         kv = torch.stack([k, v], dim=2)  # (rows, width, 2, heads, head_dim): one copy per row into its cache
         rows = []
-        for row, cache in enumerate(self.caches):
-            row_index = index
-            if index >= self.prelude:
-                row_index += self.core * self.iterations[row]
-            rows.append(cache.update(row_index, kv[row, : self.lengths[row]]))
+        for row, (cache, row_kv) in enumerate(zip(self.caches, kv.unbind(0))):
+            row_index = index if index < self.prelude else index + self.core * self.iterations[row]
+            rows.append(cache.update(row_index, row_kv if self.lengths[row] == self.width else row_kv[: self.lengths[row]]))
         if self.aligned:
             self._attendable = None
             if any(attendable is not None for _, attendable in rows):
