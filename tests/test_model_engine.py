@@ -198,6 +198,13 @@ def test_stop_tokens_finish_a_request(model):
     assert completion.tokens == tokens[: tokens.index(tokens[2]) + 1] and completion.finish_reason == "stop"
 
 
+def test_top_p_samples_from_the_smallest_set_that_reaches_it():
+    logits = torch.tensor([[0.6, 0.3, 0.1]]).log()
+    g = torch.Generator().manual_seed(0)
+    drawn = {p: {int(RecurrentGPT._pick(logits, 1.0, None, g, p)) for _ in range(200)} for p in (0.5, 0.8, 1.0)}
+    assert drawn == {0.5: {0}, 0.8: {0, 1}, 1.0: {0, 1, 2}}
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("prompt", (), "prompt must be a non-empty"),
     ("prompt", (1, 4096), r"prompt\[1\] = 4096 is not a token id in \[0, 4096\)"),

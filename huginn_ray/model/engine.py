@@ -88,8 +88,8 @@ class Completion:
 
 
 class Engine:
-    """Continuous depth batching over one model (see the module docstring). Not thread-safe: one caller drives
-    `submit`, `step` and `cancel` (a server's engine loop)."""
+    """Continuous depth batching over one model (see the module docstring), which it puts in eval mode. Not
+    thread-safe: one caller drives `submit`, `step` and `cancel` (a server's engine loop)."""
 
     def __init__(self, model: RecurrentGPT, config: EngineConfig):
         self.model, self.config = model.eval(), config
