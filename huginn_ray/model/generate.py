@@ -394,16 +394,16 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
         elif sequence.checks_now():
             criterion = sequence.criterion
             checks.setdefault((criterion.name, 0 if criterion.uses_logits else sequence.length), []).append(sequence)
-    logits = {}
+    check_logits = {}
     logit_checks = [sequence for (name, _), group in checks.items() if name in LOGIT_CRITERIA for sequence in group]
     if logit_checks:
-        logits = dict(zip(map(id, logit_checks), coda_head(model, logit_checks)))
+        check_logits = dict(zip(map(id, logit_checks), coda_head(model, logit_checks)))
     for (name, _), group in checks.items():  # one computation per criterion (and length, for latent ones)
         criteria = [sequence.criterion for sequence in group]
         if name in LOGIT_CRITERIA:
             for sequence in group:
                 sequence.coda_evals += 1
-            values = ExitCriterion.quantities(criteria, None, torch.cat([logits[id(s)] for s in group]))
+            values = ExitCriterion.quantities(criteria, None, torch.cat([check_logits[id(s)] for s in group]))
         else:
             values = ExitCriterion.quantities(criteria, torch.cat([s.state for s in group]), None)
         ended += [sequence for sequence, exits in zip(group, ExitCriterion.exiting(criteria, values)) if exits]
