@@ -26,7 +26,8 @@ has stayed the same for that many consecutive checks); a threshold of 0 turns ex
 s_prev is the latent state at the previous check, and at the first check the forward's initial state.
 Logit-based criteria (entropy-diff, kl, minp-kl, argmax-stability) read the last position's logits over the
 V = vocab_size real tokens (the released model has no padding rows: V = 65536 there) and run the coda and head at
-every check; `flops_per_token` counts that.
+every check; `flops_per_token` counts that. A forward that exits at such a check emits its token from that
+check's logits (the coda and head of its final state: running them again would give the same).
 
 KV caches (`cache=`): a token that exited after t iterations has no keys/values for later iterations, which a
 later, deeper token attends to.
@@ -337,15 +338,15 @@ class Sequence:
                 and is_check(self.iteration, request.min_steps, request.check_every))
 
     def emit(self, model: RecurrentGPT, logits: Tensor) -> int:
-        """End the forward: commit its positions, pick the next token from the last position's logits (1, V)."""
+        """End the forward: commit its positions, pick the next token from the last position's logits (1, V)
+        (`coda_evals` counts every coda + head run of the forward, the one that gave these logits included)."""
         request = self.request
         self.cache.commit(self.length, self.iteration)
         self.steps.append(self.iteration)
         self.last_final_state = self.state[:, -1].clone()
         if self.keep_states:
             self.final_states.append(self.last_final_state[0])
-        self.flops.append(inference_flops_per_token(model.config, self.iteration, self.cache.length,
-                                                    1 + self.coda_evals))
+        self.flops.append(inference_flops_per_token(model.config, self.iteration, self.cache.length, self.coda_evals))
         index = len(self.steps) - 1
         if self.force_tokens is not None:
             token = self.force_tokens[index : index + 1]
@@ -409,7 +410,14 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
         ended += [sequence for sequence, exits in zip(group, ExitCriterion.exiting(criteria, values)) if exits]
     if not ended:
         return []
-    emitted = [(sequence, sequence.emit(model, logits)) for sequence, logits in zip(ended, coda_head(model, ended))]
+    # a forward that ends at a logit check already has its logits: the coda and head ran on its final state
+    final = [sequence for sequence in ended if id(sequence) not in check_logits]
+    final_logits = dict(zip(map(id, final), coda_head(model, final))) if final else {}
+    emitted = []
+    for sequence in ended:
+        if id(sequence) in final_logits:
+            sequence.coda_evals += 1
+        emitted.append((sequence, sequence.emit(model, final_logits.get(id(sequence), check_logits.get(id(sequence))))))
     going_on = [sequence for sequence, _ in emitted if sequence.finish_reason is None]
     if going_on:
         start(model, going_on)
