@@ -161,7 +161,8 @@ class Engine:
         return events
 
     def run_to_completion(self, requests: list[Request]) -> list[Completion]:
-        """Submit the requests and step until all are done; their completions in the same order."""
+        """Submit the requests and step until all are done; their completions in the same order. Events of other
+        requests in flight are dropped: for a caller that drives the engine alone (a benchmark, a batch job)."""
         request_ids = [self.submit(request) for request in requests]
         tokens: dict[int, list[int]] = {request_id: [] for request_id in request_ids}
         iterations: dict[int, list[int]] = {request_id: [] for request_id in request_ids}
