@@ -149,8 +149,9 @@ class RowBatchCache:
     largest start, row r's position p sits in column p + S - start_r, so its queries see their own past at
     the columns the causal mask of offset S opens; the columns left of its first position (and right of its
     last) are padding, left out through `attendable`. Padding queries attend to real keys only and their
-    outputs are discarded. Cost: each call copies every row's attended keys/values into the padded batch (one
-    more read and write of what the attention reads), unless the rows need no padding and all start at once.
+    outputs are discarded. Cost: each call copies every row's attended keys/values into the batch (one more
+    read and write of what the attention reads; none for a single row), plus one small copy per row and block
+    into its own cache: per-row work that a paged layout attending in place would not have.
 
     A core block index is given as that of iteration 0 (the call computes every row's iteration in one go);
     row r adds its own iteration `iterations[r]`."""
