@@ -9,9 +9,10 @@ Every forward (the prompt's prefill, then one per generated token) iterates the 
 holds or `num_steps` is reached. The criterion is checked after iteration t when t > min_steps and
 (t - 1 - min_steps) % check_every == 0 (the release's `min_steps` and `check_criterion_every_n_steps`:
 by default after every iteration). The prefill exits too, all prompt positions at once, as in the release;
-`exit_in_prefill=False` (the release's `do_not_exit_in_prefill`) runs it at the full depth. Exit when the criterion's quantity falls below `exit_threshold` (`argmax-stability`: when the argmax
-has stayed the same for that many consecutive checks); a threshold of 0 turns exits off (where the release's
-`argmax-stability` would exit at the first check).
+`exit_in_prefill=False` (the release's `do_not_exit_in_prefill`) runs it at the full depth. Exit when the
+criterion's quantity falls below `exit_threshold` (`argmax-stability`: when the argmax has stayed the same for
+that many consecutive checks); a threshold of 0 turns exits off (where the release's `argmax-stability` would
+exit at the first check).
 
 | criterion          | quantity per sequence, compared with the previous check                     | default |
 |--------------------|------------------------------------------------------------------------------|---------|
@@ -42,8 +43,9 @@ At a fixed depth (no exits) all three equal the model's full cache (`ring:N` wit
 noise (continuous chain-of-thought, the release's `continuous_compute`).
 
 How rows advance (shared with the serving engine, huginn_ray.model.engine): every sequence is a `Sequence` with
-its own cache, random generator and forward in progress. `advance` runs one loop step: one batched core
-iteration over every sequence in the pool, each at its own position and iteration (`RowBatchCache`); a
+its own cache, random generator and forward in progress. `advance` runs one loop step: a batched core
+iteration over every sequence in the pool, each at its own position and iteration (`RowBatchCache`; one call
+for the decoding sequences, one for those in their prompt's prefill); a
 sequence whose forward ends (its criterion, or its maximum depth) runs the coda and head, emits a token and
 starts its next token's forward (prelude, initial state), which joins the next loop step. So no row waits for
 another (the release iterates exited rows until the whole batch exits), and each row gets what it gets alone
