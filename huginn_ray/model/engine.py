@@ -8,8 +8,9 @@
     engine.run_to_completion([request, ...])  # -> [Completion], in request order
 
 A pool of sequences at different positions and different core iterations is advanced together, one loop step
-per `step()`: one batched core iteration over every sequence in the pool (huginn_ray.model.generate.advance,
-the generator's own step: the same criteria, caches and sampling). A sequence whose forward ends (its
+per `step()`: a batched core iteration over every sequence in the pool (one call for the decoding sequences,
+one for those in their prompt's prefill, so that a prompt does not pad every row to its length;
+huginn_ray.model.generate.advance, the generator's own step: the same criteria, caches and sampling). A sequence whose forward ends (its
 criterion at its own threshold, min_steps and check_every, or its own num_steps) runs the coda and head and
 emits a token; its next token's prelude joins the pool at the next loop step. A finished (or cancelled)
 request frees its row and its cache at once, and waiting requests are admitted at the start of a step, in
