@@ -182,7 +182,8 @@ class RowBatchCache:
         rows = []
         for row, (cache, row_kv) in enumerate(zip(self.caches, kv.unbind(0))):
             row_index = index if index < self.prelude else index + self.core * self.iterations[row]
-            rows.append(cache.update(row_index, row_kv if self.lengths[row] == self.width else row_kv[: self.lengths[row]]))
+            length = self.lengths[row]
+            rows.append(cache.update(row_index, row_kv if length == self.width else row_kv[:length]))
         if self.aligned:
             self._attendable = None
             if any(attendable is not None for _, attendable in rows):
