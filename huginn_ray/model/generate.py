@@ -339,9 +339,16 @@ class Sequence:
         return (self.criterion is not None and self.iteration < request.num_steps
                 and is_check(self.iteration, request.min_steps, request.check_every))
 
-    def emit(self, model: RecurrentGPT, logits: Tensor) -> int:
-        """End the forward: commit its positions, pick the next token from the last position's logits (1, V)
-        (`coda_evals` counts every coda + head run of the forward, the one that gave these logits included)."""
+    def pick(self, model: RecurrentGPT, logits: Tensor) -> Tensor:
+        """The next token, (1,), from the last position's logits (1, V): forced, or drawn as the request says."""
+        if self.force_tokens is not None:
+            return self.force_tokens[len(self.steps) : len(self.steps) + 1]
+        request = self.request
+        return model._pick(logits, request.temperature, request.top_k, self.generator, request.top_p)
+
+    def emit(self, model: RecurrentGPT, token: Tensor, token_id: int, logprob: float) -> None:
+        """End the forward with its token ((1,) on the device, and its id) and that token's log-probability:
+        commit its positions, record it (`coda_evals` counts every coda + head run of the forward)."""
         request = self.request
         self.cache.commit(self.length, self.iteration)
         self.steps.append(self.iteration)
@@ -349,20 +356,13 @@ class Sequence:
         if self.keep_states:
             self.final_states.append(self.last_final_state[0])
         self.flops.append(inference_flops_per_token(model.config, self.iteration, self.cache.length, self.coda_evals))
-        index = len(self.steps) - 1
-        if self.force_tokens is not None:
-            token = self.force_tokens[index : index + 1]
-        else:
-            token = model._pick(logits, request.temperature, request.top_k, self.generator, request.top_p)
-        self.logprobs.append(float(logits.log_softmax(-1)[0, token[0]]))
-        token_id = int(token[0])
+        self.logprobs.append(logprob)
         self.tokens.append(token_id)
         self.ids = token
         if token_id in request.stop_token_ids:
             self.finish_reason = "stop"
         elif len(self.steps) == request.max_new_tokens:
             self.finish_reason = "length"
-        return token_id
 
 
 def start(model: RecurrentGPT, sequences: list[Sequence]) -> None:
@@ -415,11 +415,13 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
     # a forward that ends at a logit check already has its logits: the coda and head ran on its final state
     final = [sequence for sequence in ended if id(sequence) not in check_logits]
     final_logits = dict(zip(map(id, final), coda_head(model, final))) if final else {}
-    emitted = []
-    for sequence in ended:
-        if id(sequence) in final_logits:
-            sequence.coda_evals += 1
-        emitted.append((sequence, sequence.emit(model, final_logits.get(id(sequence), check_logits.get(id(sequence))))))
+    logits = torch.cat([final_logits.get(id(sequence), check_logits.get(id(sequence))) for sequence in ended])
+    tokens = torch.cat([sequence.pick(model, logits[row : row + 1]) for row, sequence in enumerate(ended)])
+    logprobs = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+    emitted = list(zip(ended, tokens.tolist()))  # the step's one read of the tokens (and one of their logprobs)
+    for row, ((sequence, token_id), logprob) in enumerate(zip(emitted, logprobs.tolist())):
+        sequence.coda_evals += id(sequence) in final_logits
+        sequence.emit(model, tokens[row : row + 1], token_id, logprob)
     going_on = [sequence for sequence, _ in emitted if sequence.finish_reason is None]
     if going_on:
         start(model, going_on)
