@@ -329,11 +329,12 @@ class RecurrentGPT(nn.Module):
         return self.transformer.core_block.iterate(state, injected, self._adapter_state_weight(), rope, cache,
                                                    first_index)
 
-    def _initial_state(self, embedded: Tensor) -> Tensor:
+    def _initial_state(self, embedded: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """The latent state the recurrence starts from: noise drawn from `generator` (None: torch's global one)."""
         if self.config.state_init == "zero":
             return torch.zeros_like(embedded)
         std = self.config.init_std
-        return trunc_normal_no_sync(torch.empty_like(embedded), std) * self.config.embedding_scale
+        return trunc_normal_no_sync(torch.empty_like(embedded), std, generator) * self.config.embedding_scale
 
     def keyed_initial_state(self, keys: Tensor, seq_len: int, seed: int, device: torch.device) -> Tensor:
         """The initial latent state of rows with these keys (training's row keys, huginn_ray.train.shard_reader),
@@ -451,14 +452,22 @@ class RecurrentGPT(nn.Module):
             self.train(was_training)
 
     @staticmethod
-    def _pick(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
+    def _pick(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None,
+              top_p: float | None = None) -> Tensor:
+        """Greedy when temperature == 0; else a draw from softmax(logits / temperature) restricted to the top_k
+        tokens, then to the smallest set of most probable tokens whose probability reaches top_p."""
         if temperature == 0:
             return logits.argmax(dim=-1)
         logits = logits / temperature
         if top_k is not None:
             threshold = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < threshold, float("-inf"))
-        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+        probs = logits.softmax(dim=-1)
+        if top_p is not None and top_p < 1:
+            ordered, order = probs.sort(dim=-1, descending=True)
+            outside = ordered.cumsum(dim=-1) - ordered >= top_p  # the tokens before it already reach top_p
+            probs = probs.scatter(-1, order, ordered.masked_fill(outside, 0.0))
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 ROW_KEY_BITS = 50
