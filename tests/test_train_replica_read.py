@@ -46,7 +46,7 @@ def plan_for(cfg, world_size):
     model_cfg = ModelConfig.from_name("raven-tiny", vocab_size=64, n_embd=256, intermediate_size=1024)
     return RunPlan(global_batch_rows=cfg.micro_batch_size * world_size, num_streams=world_size,
                    schedule_steps=cfg.max_steps, pad_id=0, eos_id=1, precision="fp32",
-                   model_config=model_cfg.to_hf_dict())
+                   model_config=model_cfg)
 
 
 class LiveModelBytes(torch.utils._python_dispatch.TorchDispatchMode):
