@@ -59,6 +59,29 @@ def test_bad_source_fields_are_refused_naming_source_and_field(entry, field):
         assert "'wiki'" in message
 
 
+def test_max_bad_records_is_a_count_or_a_fraction_and_refuses_by_name():
+    from huginn_ray.data.formatting import DataError
+    from huginn_ray.data.staging import allowed_bad_records, check_bad_records
+
+    for value, error in [(-1, "got -1"), (1.5, "got 1.5"), (1, None), (0.25, None), (12, None)]:
+        entry = f"- {{name: a, local_dir: /x, features: [t], max_bad_records: {value}}}"
+        if error is None:
+            parse_sources(parse_yaml(entry), "s.yaml")
+            continue
+        with pytest.raises(ConfigError, match=f"source 'a': field 'max_bad_records': must be a count .*{error}"):
+            parse_sources(parse_yaml(entry), "s.yaml")
+    records = {"read": 40, "quarantined": {"wrong_type": 2, "invalid_utf8": 1}, "first_bad": "f.jsonl, line 3: x"}
+    for limit, allowed in [(0, 0), (2, 2), (3, 3), (0.05, 2), (0.1, 4)]:
+        source = Source(name="a", local_dir="/x", features=["t"], max_bad_records=limit)
+        assert allowed_bad_records(source, 40) == allowed
+        if allowed >= 3:
+            check_bad_records(source, records)
+        else:
+            with pytest.raises(DataError, match=rf"^source 'a': 3 bad records of 40 read, more than max_bad_records: "
+                                                rf"{limit:g} allows; the first: f.jsonl, line 3: x$"):
+                check_bad_records(source, records)
+
+
 def test_duplicate_source_names_are_refused():
     with pytest.raises(ConfigError, match="'a'.*more than once"):
         parse_sources(parse_yaml("- {name: a, local_dir: /x, features: [t]}\n"

@@ -134,6 +134,8 @@ def stage_file(source: Source, index: int, path: str, out_dir: str, quarantine_d
             if is_count(source.max_bad_records) and len(bad) > source.max_bad_records:  # broken within this file
                 raise DataError(bad_record_error(source, bad[int(source.max_bad_records)]))
             texts = batch.texts
+            if not texts:
+                continue
             writer.write_table(pa.table({
                 "text": pa.array(texts, pa.large_string()),
                 "source": pa.array([source.name] * len(texts), pa.string()),
