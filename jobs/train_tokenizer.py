@@ -5,6 +5,7 @@
 Runs the download and staging stages of jobs/prepare_data.py if needed (their outputs are reused there), then
 trains bpeasy BPE with the `aeolian` regex and writes tokenizer.json + tokenizer_config.json to tokenizer.path
 (default <output_dir>/tokenizer). A tokenizer trained from the same corpus settings is kept unless --force.
+It holds `<output_dir>/LOCK` as jobs/prepare_data.py does: one driver per output_dir.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from huginn_ray.data.sources import load_sources
 from huginn_ray.data.staging import staged_files
 from huginn_ray.data.tokenizer import special_token_ids, train_tokenizer
 from huginn_ray.data.tokenizer_corpus import corpus_texts
+from huginn_ray.train.runlock import RunLock, RunLockError
 
 TRAINING_RECORD = "training.json"
 
@@ -36,6 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"train_tokenizer: config error: {err}", file=sys.stderr)
         return 2
+    lock = RunLock(cfg.root)  # one driver per output_dir (prepare_data.py takes the same), before Ray starts
+    try:
+        message = lock.acquire()
+    except RunLockError as err:
+        print(f"train_tokenizer: error: {err}", file=sys.stderr)
+        return 1
+    if message:
+        print(f"train_tokenizer: {message}", flush=True)
     stop_ray = None
     try:
         stop_ray = init_ray(cfg)
@@ -71,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if stop_ray is not None:
             stop_ray()
+        lock.release()
     ids = special_token_ids(out_dir)
     print(f"train_tokenizer: {out_dir} ({ids['vocab_size']} ids, BOS {ids['bos']}, EOS {ids['eos']}, "
           f"pad {ids['pad']}) from {counted.docs} documents / {counted.chars / 1e6:.1f}M chars "

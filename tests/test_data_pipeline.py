@@ -634,7 +634,8 @@ def test_staging_and_pack_resume_keeping_committed_files_and_clean_stale_tmp_dir
 
 
 def test_second_driver_on_the_same_output_dir_is_refused_before_ray_starts(tmp_path, capsys):
-    """<output_dir>/LOCK is the training run's lock (huginn_ray/train/runlock.py); a live holder is named."""
+    """<output_dir>/LOCK is the training run's lock (huginn_ray/train/runlock.py), taken by both data jobs; a live
+    holder is named."""
     import socket
 
     from huginn_ray.train.runlock import _process_start
@@ -646,12 +647,13 @@ def test_second_driver_on_the_same_output_dir_is_refused_before_ray_starts(tmp_p
         (tmp_path / "out" / "LOCK").write_text(json.dumps({
             "host": socket.gethostname(), "pid": holder.pid, "start": _process_start(holder.pid),
             "since": "2026-01-01T00:00:00Z"}))
-        assert prepare_data.main(["--config", str(config)]) == 1
+        for job in (prepare_data, train_tokenizer_job):  # the tokenizer's job writes download/ and staging/ too
+            assert job.main(["--config", str(config)]) == 1
+            err = capsys.readouterr().err
+            assert f"another job is writing run directory {tmp_path / 'out'}" in err and f"PID {holder.pid}" in err
     finally:
         holder.kill()
         holder.wait()
-    err = capsys.readouterr().err
-    assert f"another job is writing run directory {tmp_path / 'out'}" in err and f"PID {holder.pid}" in err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["LOCK"]
 
 
