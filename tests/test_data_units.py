@@ -430,3 +430,58 @@ def test_plan_sample_encodes_the_first_sample_bytes_of_a_large_file_and_reads_th
     assert ratios.text_per_input_byte == 104 * 1000 / size  # every document of the file read
     assert ratios.tokens_per_text_byte == 19 / 104
     assert ratios.docs_per_text_byte == 1 / 104
+
+
+def test_a_stage_commit_killed_at_any_step_is_finished_or_resumed_by_the_rerun(tmp_path):
+    """layout.commit_work_dir killed (os._exit in a forked child) at each file-system step in turn: the rerun
+    (stale directories removed, finish_commit) finds either the new output complete in place, or the old one
+    untouched and the work directory resumable with its committed files; never neither."""
+    import os
+
+    from huginn_ray.data import layout
+
+    outcomes = []
+    for kill_at in range(1, 40):
+        final, work = tmp_path / str(kill_at) / "packed", tmp_path / str(kill_at) / "packed.partial"
+        final.mkdir(parents=True)
+        (final / "a.parquet").write_text("old")
+        layout.write_json(final / layout.COMPLETE, {"fingerprint": "old"})
+        work.mkdir()
+        layout.write_json(work / layout.PLAN, {"fingerprint": "new"})
+        for name in ("a.parquet", "b.parquet", "c.parquet.0123456789ab.tmp"):
+            (work / name).write_text("new")
+        pid = os.fork()
+        if pid == 0:  # the run that dies at its kill_at-th rename, replace, unlink or rmdir
+            calls = [0]
+
+            def dying(fn):
+                def call(*args, **kwargs):
+                    calls[0] += 1
+                    if calls[0] == kill_at:
+                        os._exit(9)
+                    return fn(*args, **kwargs)
+                return call
+
+            for name in ("rename", "replace", "unlink", "rmdir"):
+                setattr(os, name, dying(getattr(os, name)))
+            layout.commit_work_dir(work, final, {"fingerprint": "new"})
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        layout.clean_stale(final)  # the rerun: the dead run's <final>.old-<pid> goes, its commit is finished
+        layout.finish_commit(final)
+        if layout.is_complete(final, "new"):
+            assert sorted(p.name for p in final.iterdir()) == ["_COMPLETE.json", "a.parquet", "b.parquet"]
+            assert (final / "a.parquet").read_text() == "new" and not work.exists()
+            outcomes.append("new")
+        else:
+            assert layout.is_complete(final, "old") and (final / "a.parquet").read_text() == "old"
+            assert layout.is_complete(work, "new", layout.PLAN)
+            assert sorted(p.name for p in work.glob("*.parquet")) == ["a.parquet", "b.parquet"]
+            outcomes.append("resume")
+        assert sorted(p.name for p in final.parent.iterdir()) == sorted(["packed"] + ["packed.partial"] * (
+            outcomes[-1] == "resume"))
+        if os.waitstatus_to_exitcode(status) == 0:
+            break
+    # steps: unlink the temp file; the marker's temp write renamed into place; unlink PLAN; final -> old;
+    # work -> final; then the old directory's files and the directory itself removed
+    assert outcomes == ["resume", "resume", "new", "new", "new", "new", "new", "new", "new"], outcomes

@@ -67,6 +67,7 @@ def stage_sources(inputs: list[tuple[Source, list[Path]]], staging_root: Path) -
     for source, files in inputs:
         final = staging_root / source.name
         expected = input_fingerprint(source, files)
+        layout.finish_commit(final)
         if layout.is_complete(final, expected):
             markers[source.name] = layout.read_marker(final)
             check_bad_records(source, markers[source.name]["records"])  # the limit may have changed since

@@ -184,6 +184,7 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
              out_root: Path, *, seq_len: int, seed: int, val_fraction: float, docs_per_batch: int, vocab_size: int,
              fingerprint: str, extra_marker: dict, chat_pack: bool = False) -> dict:
     """Tokenise and pack every source into `out_root` (skipped when complete); returns the pack marker."""
+    layout.finish_commit(out_root)
     if layout.is_complete(out_root, fingerprint):
         marker = layout.read_marker(out_root)
         print(f"[pack] complete ({marker['train_rows']} train + {marker['val_rows']} val rows), skipped", flush=True)
