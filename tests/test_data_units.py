@@ -485,3 +485,43 @@ def test_a_stage_commit_killed_at_any_step_is_finished_or_resumed_by_the_rerun(t
     # steps: unlink the temp file; the marker's temp write renamed into place; unlink PLAN; final -> old;
     # work -> final; then the old directory's files and the directory itself removed
     assert outcomes == ["resume", "resume", "new", "new", "new", "new", "new", "new", "new"], outcomes
+
+
+def test_two_jobs_taking_over_the_same_stale_lock_at_once_one_wins(tmp_path):
+    """The run lock that both data jobs take (huginn_ray/train/runlock.py): two processes that both judge the same
+    dead holder's lock stale take it over at staggered moments; exactly one holds it, the other is refused naming
+    the winner (before: the later one removed the lock the first had just created, and both held it)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / "LOCK").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "start": "1",
+                                               "since": "2026-01-01T00:00:00Z"}))
+    script = """
+import sys, time
+from huginn_ray.train import runlock
+alive, wake = runlock._alive, [float(sys.argv[2])]
+def judged_late(holder):  # both read the dead holder now, then act at their own moment
+    time.sleep(max(0.0, wake.pop() - time.time()) if wake else 0.0)
+    return alive(holder)
+runlock._alive = judged_late
+lock = runlock.RunLock(sys.argv[1])
+try:
+    lock.acquire()
+    print("won", flush=True)
+    time.sleep(1.5)
+    lock.release()
+except runlock.RunLockError as err:
+    print("refused", err, flush=True)
+"""
+    start = time.time()
+    jobs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(start + 1.5 + 0.5 * i)],
+                             stdout=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [job.communicate(timeout=60)[0] for job in jobs]
+    assert outs[0] == "won\n", outs
+    assert outs[1].startswith(f"refused another job is writing run directory {tmp_path} (host "
+                              f"{socket.gethostname()}, PID {jobs[0].pid},"), outs
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the winner released it; no takeover file left
