@@ -6,7 +6,8 @@ consecutive documents of that file). A task reads exactly that row
 range of the staged parquet file, encodes it with the Rust `tokenizers` batch encoder (the post-processor adds
 BOS/EOS per document; a special token's string inside a document is encoded as text, so EOS marks only the end
 of a document: `load_text_tokenizer`; a pretraining chat document is rendered from its staged parts, the
-template's structure as ids: huginn_ray/data/chat.py `render_document`), splits held-out validation documents from training documents (a seeded hash of the text,
+template's structure as ids: huginn_ray/data/chat.py `render_document`), splits held-out validation documents
+from training documents (a seeded hash of the text,
 so a document and all its up-weighted copies are on one side), up-weights, packs (huginn_ray/data/packing.py),
 and writes `packed/SSSS-DDDDDDDDDDDDDDDD.parquet` (source index, hex doc_id of the batch's first document) with
 columns `input_ids` (list<uint16> for vocabularies <= 65,536 ids, else list<int32>) and `split` (0 train,
