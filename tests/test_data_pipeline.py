@@ -396,7 +396,7 @@ def test_bad_records_fail_the_run_by_name_or_are_quarantined_and_counted_under_m
     sources.write_text("- {name: bad, local_dir: bad, features: [text], files: ['*.txt', '*.jsonl', '*.parquet'], "
                        "max_bad_records: 10}")
     assert train_tokenizer_job.main(["--config", str(config)]) == 0
-    assert prepare_data.main(["--config", str(config)]) == 0
+    assert prepare_data.main(["--config", str(config), "num_shards=2"]) == 0
     out = capsys.readouterr().out
     assert (f"[staging] bad: 34 files -> 34 documents; records: 38 read, 34 kept, 3 quarantined (invalid_utf8 2, "
             f"wrong_type 1) in {tmp_path / 'out' / 'quarantine' / 'bad'}, dropped: empty 1") in out
