@@ -267,7 +267,7 @@ def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
         chars_per_doc = r.chars_per_text_byte / r.docs_per_text_byte
         worst_pack_chars = max(worst_pack_chars, chars_per_doc * min(docs, cfg.docs_per_pack_batch))
         per_source.append({"name": e["name"], "files": e["files"], "input_bytes": e["input_bytes"],
-                           "text_bytes": int(text), "estimated_tokens": int(tokens), "sampled": e["sampled"],
+                           "text_bytes": int(text), "estimated_tokens": round(tokens), "sampled": e["sampled"],
                            "commit": e["commit"]})
 
     rows = packed_tokens / row_len
@@ -318,7 +318,7 @@ def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
     plan = {
         "sources": per_source,
         "input_bytes": int(sum(e["input_bytes"] for e in entries)),
-        "estimated_tokens": int(packed_tokens),
+        "estimated_tokens": round(packed_tokens),  # a product of sampled ratios: round, not truncate
         "estimated_rows": int(rows),
         "token_dtype": dtype,
         "peak_disk_bytes": peak,
