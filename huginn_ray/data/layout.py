@@ -3,7 +3,8 @@
     <output_dir>/download/<source>/...             raw Hub files, + _provenance.json once all are verified
     <output_dir>/download/manifest.json            provenance of every Hub source (repo, commit, files, hashes)
     <output_dir>/staging/<source>/NNNNN.parquet    one file per input file: columns text, source, doc_id
-    <output_dir>/staging/<source>/_COMPLETE.json   rows per file + the fingerprint of the inputs
+    <output_dir>/staging/<source>/_COMPLETE.json   rows per file, record counts + the fingerprint of the inputs
+    <output_dir>/quarantine/<source>/NNNNN.jsonl   the bad records of input file NNNNN (staging.py)
     <output_dir>/tokenizer/                        tokenizer.json + tokenizer_config.json
     <output_dir>/packed/SSSS-DDDDDDDDDDDDDDDD.parquet  packed rows (input_ids, split) per batch, before the shuffle
     <output_dir>/packed/_COMPLETE.json
