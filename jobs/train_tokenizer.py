@@ -17,7 +17,7 @@ import time
 from huginn_ray.config import ConfigError
 from huginn_ray.data import layout
 from huginn_ray.data.config import load_data_config
-from huginn_ray.data.pipeline import init_ray, root_error, run, staging_markers
+from huginn_ray.data.pipeline import init_ray, print_last_error, root_error, run, staging_markers
 from huginn_ray.data.sources import load_sources
 from huginn_ray.data.staging import staged_files
 from huginn_ray.data.tokenizer import special_token_ids, train_tokenizer
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if message:
         print(f"train_tokenizer: {message}", flush=True)
-    stop_ray = None
+    stop_ray, error = None, None
     try:
         stop_ray = init_ray(cfg)
         run(cfg, ("download", "staging"))
@@ -76,12 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         layout.write_json(out_dir / TRAINING_RECORD, {"fingerprint": fingerprint, "settings": settings,
                                                      "documents": counted.docs, "characters": counted.chars})
     except Exception as err:
-        print(f"train_tokenizer: error: {root_error(err)}", file=sys.stderr)
-        return 1
+        error = str(root_error(err))
     finally:
         if stop_ray is not None:
             stop_ray()
         lock.release()
+    if error is not None:
+        print_last_error("train_tokenizer", error)
+        return 1
     ids = special_token_ids(out_dir)
     print(f"train_tokenizer: {out_dir} ({ids['vocab_size']} ids, BOS {ids['bos']}, EOS {ids['eos']}, "
           f"pad {ids['pad']}) from {counted.docs} documents / {counted.chars / 1e6:.1f}M chars "

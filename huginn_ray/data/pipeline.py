@@ -404,6 +404,16 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     return result
 
 
+def print_last_error(job: str, error: str) -> None:
+    """A job's error as its last console line: Ray Data prints its retry hint when the failed stage's iterator is
+    collected (the exception's frames hold it), so collect first, then print."""
+    import gc
+    import sys
+
+    gc.collect()
+    print(f"{job}: error: {error}", file=sys.stderr, flush=True)
+
+
 def root_error(err: BaseException) -> BaseException:
     """The DataError / DownloadError / TokenRangeError behind Ray's wrappers (task errors, user-code errors)."""
     return original_error(err, (DataError, DownloadError, TokenRangeError))
