@@ -86,7 +86,8 @@ ITEMS = {
                                 "once during startup (counted at every allocation of the model and optimizer)",
     "bytes_read_init_from": "bytes of the safetensors slices this rank requests (counted)",
     "fs_metadata_ops_init_from": "stat/open/list calls of load_initial_weights (counted)",
-    "collectives_per_step": "c10d operations of one training step (counted)",
+    "collectives_per_step": "c10d operations of one train_step (counted on a model of the nebel's depth and "
+                            "64 wide, the chunk stream sending the nebel's number of chunks)",
     "bytes_written_save": "bytes this rank writes: its DCP pieces (planned: DCP's save planner over W ranks) "
                           "plus its small files and the marker (counted)",
     "collectives_save": "c10d operations of finish_save (counted; DCP's own plan exchange not included)",
@@ -603,6 +604,63 @@ def init_from_model(setup: Setup, world_size: int, rank: int, counts: Counts) ->
     del before
 
 
+# --- one training step ------------------------------------------------------------------------------------
+
+NARROW = dict(n_embd=64, num_attention_heads=2, intermediate_size=128, vocab_size=256, padding_multiple=64,
+              block_size=32)
+"""The step runs on the nebel's depth (2 prelude, 4 core, 2 coda blocks: the same FSDP2 units) at this width: FSDP2
+refuses to train meta parameters, and the full width does not fit here."""
+
+
+class OneStepOfZeros:
+    """The step's data: one micro-batch of zeros (its values do not change which collectives run)."""
+
+    path = "no data"
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def next_step(self):
+        from huginn_ray.train.shard_reader import Batch
+        tokens = torch.zeros(1, self.block_size, dtype=torch.long)
+        return [Batch(tokens, tokens + 5, torch.zeros(1, dtype=torch.long))]
+
+
+def step_collectives(setup: Setup, world_size: int, rank: int) -> int:
+    """The c10d operations of one train_step (loop.py) at W, counted on the narrow model on CPU over the fake group,
+    with the chunk stream's chunk size scaled so that it sends as many chunks as the nebel's gradient shard
+    (`Setup.nebel_chunks`). The fake group exchanges nothing, so the loss is garbage and the step may end in a
+    Stop (non-finite loss): every collective of the step has run by then."""
+    counts = Counts()
+    model_cfg = ModelConfig.from_name(setup.model_cfg.name, **NARROW)
+    plan = dataclasses.replace(setup.plan, model_config=model_cfg.to_hf_dict())
+    cfg = dataclasses.replace(setup.cfg, block_size=NARROW["block_size"], warmup_allreduce_mib=0)
+    dist.init_process_group("fake", store=CountingStore(counts, world_size), rank=rank, world_size=world_size)
+    try:
+        narrow_shard = sum(p.numel() for p in RecurrentGPT(model_cfg).parameters()) * 4 / setup.shard_size
+        cfg.grad_sync.chunk_mib = narrow_shard / setup.nebel_chunks / 2**20
+        real_reader = loop.ShardReader
+        loop.ShardReader = NoData
+        try:
+            c = loop.build_components(cfg, plan, rank, CPU, local_world_size=setup.shard_size)
+        finally:
+            loop.ShardReader = real_reader
+        c.reader = OneStepOfZeros(cfg.block_size)
+        with CountingCollectives(counts, [], rank):
+            try:
+                loop.train_step(c, 2, cfg, plan, CPU)
+            except loop.Stop:
+                pass
+    finally:
+        dist.destroy_process_group()
+    return counts.get("startup", "collectives")
+
+
+def step_collectives_quietly(setup: Setup, world_size: int, rank: int) -> int:
+    with contextlib.redirect_stdout(io.StringIO()):
+        return step_collectives(setup, world_size, rank)
+
+
 # --- driver ----------------------------------------------------------------------------------------------
 
 def make_setup(root: Path) -> Setup:
@@ -614,6 +672,8 @@ def make_setup(root: Path) -> Setup:
     with torch.device("meta"):
         model = RecurrentGPT(model_cfg)
     setup.shapes = {key: p.shape for key, p in model.named_parameters()}
+    gradient_shard = sum(p.numel() for p in model.parameters()) * 4 / setup.shard_size
+    setup.nebel_chunks = math.ceil(gradient_shard / (cfg.grad_sync.chunk_mib * 2**20))
     setup.local_plans_by_shard = {}
     return setup
 
@@ -634,11 +694,13 @@ def simulate(world_sizes: list[int]) -> dict:
         setup.local_plans_by_shard = dict(enumerate(primed))
         for world_size in world_sizes:
             (first, broadcasts), = in_children([(simulate_rank_quietly, (setup, world_size, 0, []))])
-            results = [first]
+            results, ranks = [first], sorted({0, world_size - 1})
             if world_size > 1:
                 results += [in_children([(simulate_rank_quietly, (setup, world_size, world_size - 1,
                                                                   broadcasts))])[0][0]]
-            for item in first:
+            steps = in_children([(step_collectives_quietly, (setup, world_size, rank)) for rank in ranks])
+            results = [{**result, "collectives_per_step": step} for result, step in zip(results, steps)]
+            for item in results[0]:
                 per_rank.setdefault(item, []).append(max(result[item] for result in results))
     return {"world_sizes": world_sizes, "per_rank": per_rank}
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -90,8 +90,23 @@ def describe_layout(shape: MeshShape, placements: list[dict]) -> str:
 
 
 def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
-    """The ("replicate", "shard") mesh; creates the process group of every row and column on every rank."""
-    return init_device_mesh(device_type, (shape.replicas, shape.shard_size), mesh_dim_names=("replicate", "shard"))
+    """The ("replicate", "shard") mesh. Each rank creates only the two process groups it is a member of (its
+    replicas' column and its shard group's row; the world's own group where one spans every rank), with
+    `use_local_synchronization` so that the other ranks take no part: two new_group calls per rank, where
+    init_device_mesh would make every rank call new_group for every row and column (W / S + S calls). A group's
+    communicator is connected when the backend does it: NCCL (RCCL) at the group's first collective (warm_mesh),
+    gloo at creation, a full mesh of connections to every member (README, "Cost at scale")."""
+    layout = torch.arange(shape.world_size).view(shape.replicas, shape.shard_size)
+    replica, shard = divmod(dist.get_rank(), shape.shard_size)
+    groups = [group_of(layout[:, shard].tolist()), group_of(layout[replica].tolist())]
+    return DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=("replicate", "shard"))
+
+
+def group_of(ranks: list[int]):
+    """The process group of `ranks`, created by its members alone; the default group when it is every rank."""
+    if len(ranks) == dist.get_world_size():
+        return dist.group.WORLD
+    return dist.new_group(ranks, use_local_synchronization=True)
 
 
 def warm_mesh(mesh: DeviceMesh, device: torch.device) -> None:
