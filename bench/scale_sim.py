@@ -88,10 +88,12 @@ ITEMS = {
     "fs_metadata_ops_init_from": "stat/open/list calls of load_initial_weights (counted)",
     "collectives_per_step": "c10d operations of one train_step (counted on a model of the nebel's depth and "
                             "64 wide, the chunk stream sending the nebel's number of chunks)",
-    "bytes_written_save": "bytes this rank writes: its DCP pieces (planned: DCP's save planner over W ranks) "
-                          "plus its small files and the marker (counted)",
+    "bytes_written_save": "bytes a rank writes: the most DCP's save planner gives any of the W ranks (planned) "
+                          "plus this rank's small files and the marker (counted)",
     "collectives_save": "c10d operations of finish_save (counted; DCP's own plan exchange not included)",
     "fs_metadata_ops_save": "stat/open/list calls of the save after DCP's writes (counted)",
+    "fs_metadata_ops_resume_checks": "stat/open/list calls of resume outside DCP's load: candidates, marker, "
+                                     "completeness check, trainer state (counted)",
     "fs_metadata_ops_resume": "stat/open/list calls of resume (counted) plus the files DCP opens to read this "
                               "rank's pieces and its .metadata (planned)",
     "bytes_read_resume": "bytes resume reads: marker and trainer state (counted) plus this rank's pieces "
@@ -444,6 +446,7 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) ->
         "bytes_written_save": results["bytes_written_save"],
         "collectives_save": counts.get("save", "collectives"),
         "fs_metadata_ops_save": counts.get("save", "fs_metadata_ops"),
+        "fs_metadata_ops_resume_checks": counts.get("resume", "fs_metadata_ops"),
         "fs_metadata_ops_resume": counts.get("resume", "fs_metadata_ops") + planned_files,
         "bytes_read_resume": counts.get("resume", "bytes_read") + planned_bytes,
         "collectives_resume": counts.get("resume", "collectives"),
@@ -516,7 +519,7 @@ def simulated_save(setup: Setup, c, world_size: int, rank: int, counts: Counts) 
                 f.truncate(size)
         with open(state_dir / ".metadata", "wb") as f:
             pickle.dump(metadata, f)
-    pieces = sum(item_bytes(item) for item in global_plans[rank].items)
+    pieces = max(sum(item_bytes(item) for item in plan.items) for plan in global_plans)
     state = ckpt.TrainerState(step=128, world_size=world_size, num_streams=setup.plan.num_streams,
                               global_batch_rows=setup.plan.global_batch_rows, rows_per_stream=128)
     written_before = counts.get("save", "bytes_written")

@@ -593,7 +593,7 @@ class Checkpointer:
     def __init__(self, asynchronous: bool, rank: int, device: torch.device):
         self.rank, self.device = rank, device
         # DCP's background thread needs a group of its own: its collectives must not interleave with training's
-        self.background_group = dist.new_group(backend="gloo") if asynchronous else None
+        self.background_group = parallel.lazy_gloo_group() if asynchronous else None
         self.pending: ckpt.PendingSave | None = None
         self.metrics: dict = {}
 

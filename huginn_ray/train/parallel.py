@@ -23,6 +23,7 @@ comes only from the autocast around the forward, as in `replicate`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,18 @@ def group_of(ranks: list[int]):
     if len(ranks) == dist.get_world_size():
         return dist.group.WORLD
     return dist.new_group(ranks, use_local_synchronization=True)
+
+
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+
+
+def lazy_gloo_group():
+    """A gloo group of every rank whose connections open at their first use (TORCH_GLOO_LAZY_INIT=1, set here for
+    this process's later gloo groups): gloo otherwise connects every member to every other at creation, W - 1
+    connections per rank, where the collectives on this group (DCP's background save: gathers to and broadcasts
+    from rank 0) use one pair per rank (rank 0: every pair)."""
+    os.environ[GLOO_LAZY_INIT] = "1"
+    return dist.new_group(backend="gloo")
 
 
 def warm_mesh(mesh: DeviceMesh, device: torch.device) -> None:

@@ -1,0 +1,62 @@
+"""The per-rank costs of the control plane do not grow with the world size: bench/scale_sim.py plays one rank of a
+16- and of a 64-rank run of the Frontier configuration (two and eight nodes of 8: both have shard groups to
+exchange between; a one-node world has none) over a counting fake process group, store and file system, and
+every item declared flat below is equal at both sizes."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import scale_sim  # noqa: E402
+
+WORLD_SIZES = (16, 64)
+
+FLAT = {
+    "store_ops_startup", "process_groups_created_startup", "collectives_startup", "fs_metadata_ops_init_from",
+    "collectives_save", "fs_metadata_ops_save", "fs_metadata_ops_resume_checks", "collectives_resume",
+    "collectives_per_step",
+}
+"""Equal at every world size."""
+
+NOT_GROWING = {"bytes_written_save"}
+"""At the larger world size at most what they are at the smaller (DCP spreads the replicated pieces' writes)."""
+
+AFTER_REPLICA_SPREAD_READS_AND_SHARDED_INIT = {
+    "bytes_read_resume": "at most 1.1 x state / W",
+    "bytes_read_init_from": "at most 1.1 x parameters / W",
+    "fs_metadata_ops_resume": "flat (DCP opens the files of this rank's pieces: today's reads span W / S writers)",
+    "peak_model_bytes_startup": "flat, at most the shard plus one FSDP unit (today: the whole fp32 model)",
+}
+"""Not flat on this branch: they change with the replica-spread reads and the shard-by-shard init of issue 27
+(the other helper's work). Once merged, move each into FLAT or assert its bound here."""
+
+WARMUP_STAGES = 9
+"""hello + 8 all-reduce stages (warmup_allreduce)."""
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    return scale_sim.simulate(list(WORLD_SIZES))
+
+
+def test_every_item_is_declared_once(simulated):
+    declared = [*FLAT, *NOT_GROWING, *AFTER_REPLICA_SPREAD_READS_AND_SHARDED_INIT]
+    assert sorted(declared) == sorted(simulated["per_rank"]) and len(set(declared)) == len(declared)
+
+
+def test_control_plane_costs_are_flat_in_the_world_size(simulated):
+    per_rank = simulated["per_rank"]
+    assert simulated["world_sizes"] == list(WORLD_SIZES)
+    grown = {item: per_rank[item] for item in FLAT if per_rank[item][0] != per_rank[item][1]}
+    assert not grown, f"per-rank costs that grow with W (values at W = {WORLD_SIZES}): {grown}"
+    for item in NOT_GROWING:
+        assert per_rank[item][1] <= per_rank[item][0], (item, per_rank[item])
+    # register_node twice (the loop's and the warm-up's), then per stage: its own key, the counter, the wait and
+    # the "all in" key (the simulated rank completes every count)
+    assert per_rank["store_ops_startup"] == [2 + 4 * WARMUP_STAGES] * 2
+    # a rank creates its two mesh groups and nothing else; the save agrees in one all-reduce
+    assert per_rank["process_groups_created_startup"] == [2, 2]
+    assert per_rank["collectives_save"] == [1, 1]
