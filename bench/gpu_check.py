@@ -53,8 +53,8 @@ from huginn_ray.config import from_dict  # noqa: E402
 from huginn_ray.data.shards import shard_path  # noqa: E402
 from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, training_flops_per_token  # noqa: E402
 from huginn_ray.model.generate import DEFAULT_THRESHOLDS, generate  # noqa: E402
-from huginn_ray.model.model import (AttentionBackendError, AttentionShape, choose_attention_backend,  # noqa: E402
-                                    probe_attention_backends, restrict_attention)
+from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, choose_attention_backend,  # noqa: E402
+                                         probe_attention_backends, restrict_attention)
 from huginn_ray.train import checkpoint as ckpt  # noqa: E402
 from huginn_ray.train import loop  # noqa: E402
 from huginn_ray.train.config import TrainConfig  # noqa: E402

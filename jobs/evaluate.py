@@ -1,7 +1,7 @@
 """Evaluate a checkpoint: loss against recurrence depth on the validation shards, or lm-eval tasks.
 
     python jobs/evaluate.py --checkpoint DIR --data-dir SHARD_DIR [--out DIR] [--depths 1,2,4,8,16,32,64]
-        [--max-rows N] [key=value ...]
+        [--max-rows N] [--device cpu|cuda] [key=value ...]
     python jobs/evaluate.py --checkpoint DIR --lm-eval TASKS [--include-path YAML_DIR] [--num-steps 32]
         [--limit N] [--out DIR]
     python jobs/evaluate.py --checkpoint DIR --gsm8k TEST_JSONL [--num-steps 32 | --sweep [4,8,16,32,64]]
@@ -14,8 +14,10 @@ harness on it through HFLM (pip install -e .[eval]). --gsm8k runs the paper's GS
 lm-eval's gsm8k_cot pinned in configs/eval/, chat template, the authors' system prompt, 32 iterations) on a local
 JSONL copy of the test split, offline; with --sweep at each listed depth, writing gsm8k_depth_sweep.csv + .png.
 All log metrics and files to the checkpoint's MLflow run (or a new run when the checkpoint has none).
-key=value: batch_size, seed, mlflow_uri, experiment, tokenizer, dtype (float32 | bfloat16), max_gen_toks (GSM8k:
-overrides the pinned 256 for a model whose block_size cannot hold it; recorded with the results).
+--device: cpu or cuda (default: cuda when a GPU is present: for depth scaling, when the Ray cluster has GPUs, one
+per task). key=value: batch_size, seed, mlflow_uri, experiment, tokenizer, dtype (float32 | bfloat16, the weights';
+default bfloat16 on a GPU, else float32), max_gen_toks (GSM8k: overrides the pinned 256 for a model whose
+block_size cannot hold it; recorded with the results).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 from huginn_ray.eval.gsm8k import GSM8K_RECIPE
+from huginn_ray.model.inference import inference_placement
 from huginn_ray.model.pretrained import resolve_model_dir
 
 OPTIONS = {"batch_size": int, "seed": int, "mlflow_uri": str, "experiment": str, "tokenizer": str, "dtype": str,
@@ -105,9 +108,12 @@ def run_depth_scaling(args, model_dir: Path, out: Path, options: dict) -> int:
         local = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
         init_local_ray(_temp_dir=local, num_cpus=os.cpu_count())  # token auth: Ray listens on every interface
     try:
+        device = args.device or ("cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu")
+        placement = inference_placement(device, options.get("dtype"), check_present=False)  # the tasks' GPUs
+        print(f"[huginn] depth scaling on {placement.describe()}", flush=True)
         rows = depth_scaling(model_dir, data_dir, depths, max_rows=args.max_rows,
                              batch_size=options.get("batch_size", 8), seed=options.get("seed", 233),
-                             pad_id=ids["pad"], eos_id=ids["eos"])
+                             pad_id=ids["pad"], eos_id=ids["eos"], device=device, dtype=placement.dtype_name)
     finally:
         ray.shutdown()
         if local:
@@ -141,10 +147,11 @@ def run_lm_eval(args, model_dir: Path, out: Path, options: dict) -> int:
     tokenizer = tokenizer_for(model_dir, Path(args.data_dir) if args.data_dir else None, options)
     if tokenizer is None:
         raise ValueError("lm-eval needs a tokenizer: pass tokenizer=DIR")
+    placement = inference_placement(args.device, options.get("dtype"))
     hf_dir = export(load_pretrained(model_dir), out / "hf", tokenizer)
     results = evaluate_tasks(hf_dir, args.lm_eval.split(","), num_steps=args.num_steps,
                              include_path=args.include_path, limit=args.limit, batch_size=options.get("batch_size", 1),
-                             dtype=options.get("dtype", "float32"))
+                             device=str(placement.device), dtype=placement.dtype_name)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "lm_eval_results.json"
     path.write_text(json.dumps(results, indent=2, default=str))
@@ -176,9 +183,11 @@ def run_gsm8k(args, model_dir: Path, out: Path, options: dict) -> int:
     tokenizer = tokenizer_for(model_dir, None, options)
     if tokenizer is None:
         raise ValueError("the GSM8k recipe needs a tokenizer (its chat template): pass tokenizer=DIR")
+    placement = inference_placement(args.device, options.get("dtype"))
     hf_dir = export(load_pretrained(model_dir), out / "hf", tokenizer)
     report = evaluate_gsm8k(hf_dir, args.gsm8k, out / "tasks", depths, limit=args.limit,
-                            max_gen_toks=options.get("max_gen_toks"), dtype=options.get("dtype", "float32"))
+                            max_gen_toks=options.get("max_gen_toks"), dtype=placement.dtype_name,
+                            device=str(placement.device))
     rows = sweep_rows(report)
     name = "gsm8k_depth_sweep" if args.sweep else "gsm8k"
     path = out / f"{name}.json"
@@ -219,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", nargs="?", const=",".join(str(d) for d in GSM8K_RECIPE.sweep_depths),
                         help="GSM8k at each of these depths (default %(const)s)")
     parser.add_argument("--limit", type=int, default=None, help="lm-eval: examples per task")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is present)")
     parser.add_argument("overrides", nargs="*", help="key=value: " + ", ".join(OPTIONS))
     args = parser.parse_args(argv)
     try:

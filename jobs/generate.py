@@ -3,11 +3,12 @@
     python jobs/generate.py --checkpoint DIR --prompt TEXT [--num-steps 32] [--max-new-tokens 64]
         [--exit-criterion kl --exit-threshold 1e-3] [--min-steps 0] [--check-every 1] [--no-exit-in-prefill]
         [--warm-start] [--cache full|latest|ring:16] [--tokenizer DIR] [--temperature 0] [--seed 0]
-        [--chat [--system TEXT]]
+        [--chat [--system TEXT]] [--device cpu|cuda] [--dtype float32|bfloat16]
 
 Prints the text, then tokens/s, mean core iterations per token, the iterations of each token, FLOPs per token
 and cache bytes per token. DIR is a model directory, a training checkpoint, or a training out_dir (newest
-checkpoint). The tokenizer defaults to one stored beside the model.
+checkpoint). The tokenizer defaults to one stored beside the model. The model runs on the accelerator in bf16 when
+one is present, else on the CPU in fp32 (--device, --dtype; huginn_ray/model/inference.py).
 
 With --chat the prompt is the user's message of a conversation (after a system message with --system), rendered
 with the released chat template and Huginn's header (huginn_ray/data/chat.py, add_generation_prompt); generation
@@ -23,7 +24,8 @@ import torch
 
 from huginn_ray.model.export import find_tokenizer
 from huginn_ray.model.generate import DEFAULT_THRESHOLDS, generate
-from huginn_ray.model.pretrained import load_pretrained, resolve_model_dir
+from huginn_ray.model.inference import DTYPES, inference_placement, load_for_inference
+from huginn_ray.model.pretrained import resolve_model_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,12 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chat", action="store_true", help="the prompt is a user message, in the chat template")
     parser.add_argument("--system", default="", help="with --chat: a system message before the prompt")
+    parser.add_argument("--device", help="cpu or cuda[:N] (default: cuda when a GPU is present)")
+    parser.add_argument("--dtype", choices=list(DTYPES), help="weights' dtype (default: bfloat16 on a GPU, else float32)")
     args = parser.parse_args(argv)
     if args.system and not args.chat:
         parser.error("--system needs --chat")
     try:
+        placement = inference_placement(args.device, args.dtype)
         model_dir = resolve_model_dir(args.checkpoint)
-        model = load_pretrained(model_dir)
+        model, attention = load_for_inference(model_dir, placement)
         tokenizer_dir = args.tokenizer or find_tokenizer(model_dir)
         if tokenizer_dir is None:
             raise ValueError(f"no tokenizer stored with {model_dir}: pass --tokenizer")
@@ -70,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             stop = special["eos"]
         torch.manual_seed(args.seed)
         result = generate(
-            model, torch.tensor([ids]), args.max_new_tokens, num_steps=args.num_steps,
+            model, torch.tensor([ids], device=placement.device), args.max_new_tokens, num_steps=args.num_steps,
             exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold, min_steps=args.min_steps,
             check_every=args.check_every, exit_in_prefill=not args.no_exit_in_prefill, cache=args.cache,
             warm_start=args.warm_start,
@@ -87,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     depth = args.num_steps or model.config.mean_recurrence
     how = "fixed depth" if args.exit_criterion == "none" else f"exit {args.exit_criterion}"
     print(f"[huginn] {len(new)} tokens in {result.seconds:.2f}s: {len(new) / result.seconds:.1f} tokens/s "
-          f"({how}, max {depth} iterations, cache {args.cache}{', warm start' if args.warm_start else ''})")
+          f"({how}, max {depth} iterations, cache {args.cache}{', warm start' if args.warm_start else ''}; "
+          f"{placement.describe()}, {attention} attention)")
     print(f"[huginn] mean core iterations per token: {result.mean_steps:.2f} "
           f"(per token: {' '.join(str(s) for s in result.steps[0].tolist())})")
     print(f"[huginn] FLOPs per token: {result.flops_per_token:.3g}; cache bytes per token: "

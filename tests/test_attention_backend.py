@@ -1,4 +1,4 @@
-"""Which scaled_dot_product_attention kernel a training run uses (huginn_ray.model.model: probe, choice, restriction).
+"""Which scaled_dot_product_attention kernel a training run uses (huginn_ray.model.attention: probe, choice, restriction).
 
 This machine has no GPU: the choice is tested with the kernels' availability as an input, written as a GPU would
 report it (the `serves` dicts below stand in for `probe_attention_backends` on a CUDA or ROCm device, e.g. an
@@ -16,8 +16,8 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from huginn_ray.model import ModelConfig, RecurrentGPT
-from huginn_ray.model.model import (AttentionBackendError, AttentionShape, choose_attention_backend,
-                                    probe_attention_backends, restrict_attention)
+from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, choose_attention_backend,
+                                         probe_attention_backends, restrict_attention)
 from huginn_ray.train import loop
 from test_train_parallel import MemoryReader, plan_for, train_config
 

@@ -18,7 +18,8 @@ from huginn_ray.model import (
     save_pretrained,
     training_flops_per_token,
 )
-from huginn_ray.model.model import RMSNorm, apply_rope, rope_table
+from huginn_ray.model.attention import apply_rope, rope_table
+from huginn_ray.model.model import RMSNorm
 
 
 def tiny(**overrides) -> ModelConfig:

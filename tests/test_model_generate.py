@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from huginn_ray.model import KVCache, ModelConfig, RecurrentGPT
 from huginn_ray.model.flops import inference_flops_per_token
 from huginn_ray.model.generate import DEFAULT_THRESHOLDS, ExitCriterion, generate
-from huginn_ray.model.model import apply_rope
+from huginn_ray.model.attention import apply_rope
 
 CRITERIA = list(DEFAULT_THRESHOLDS)
 

@@ -46,13 +46,16 @@ def read_val_rows(path: str | Path, max_rows: int | None) -> np.ndarray:
 
 @torch.no_grad()
 def shard_loss(model_dir: str, shard: str, depth: int, max_rows: int | None, batch_size: int, seed: int,
-               pad_id: int, eos_id: int, threads: int = 1) -> tuple[float, int]:
-    """Summed cross-entropy and label count of one shard at one depth (runs inside a Ray task)."""
-    from huginn_ray.model.pretrained import load_pretrained
+               pad_id: int, eos_id: int, threads: int = 1, device: str = "cpu",
+               dtype: str = "float32") -> tuple[float, int]:
+    """Summed cross-entropy and label count of one shard at one depth (runs inside a Ray task), on `device` with
+    the weights in `dtype` (huginn_ray.model.inference); the loss is summed in fp32."""
+    from huginn_ray.model.inference import inference_placement, load_for_inference
 
     torch.set_num_threads(threads)
-    model = load_pretrained(model_dir).eval()
-    rows = torch.from_numpy(read_val_rows(shard, max_rows))
+    placement = inference_placement(device, dtype)
+    model, _ = load_for_inference(model_dir, placement)
+    rows = torch.from_numpy(read_val_rows(shard, max_rows)).to(placement.device)
     inputs, labels = rows[:, :-1].clone(), rows[:, 1:]
     inputs[inputs == pad_id] = eos_id
     total, count = 0.0, 0
@@ -66,8 +69,10 @@ def shard_loss(model_dir: str, shard: str, depth: int, max_rows: int | None, bat
 
 
 def depth_scaling(model_dir: str | Path, data_dir: str | Path, depths: list[int], *, max_rows: int | None = None,
-                  batch_size: int = 8, seed: int = 233, pad_id: int, eos_id: int) -> list[DepthRow]:
-    """Run every (shard, depth) as a Ray task on the connected cluster; one row per depth."""
+                  batch_size: int = 8, seed: int = 233, pad_id: int, eos_id: int, device: str = "cpu",
+                  dtype: str = "float32") -> list[DepthRow]:
+    """Run every (shard, depth) as a Ray task on the connected cluster, one GPU each when `device` is cuda; one
+    row per depth."""
     import ray
 
     from huginn_ray.model.config import ModelConfig
@@ -75,8 +80,11 @@ def depth_scaling(model_dir: str | Path, data_dir: str | Path, depths: list[int]
     shards = sorted(str(p) for p in (Path(data_dir) / "val").glob("*.parquet"))
     if not shards:
         raise ValueError(f"no validation shards in {Path(data_dir) / 'val'}")
-    task = ray.remote(num_cpus=1)(shard_loss)
-    futures = {(shard, depth): task.remote(str(model_dir), shard, depth, max_rows, batch_size, seed, pad_id, eos_id)
+    on_gpu = torch.device(device).type == "cuda"
+    task = ray.remote(num_cpus=1, num_gpus=1 if on_gpu else 0)(shard_loss)
+    device = "cuda" if on_gpu else device  # Ray hands each task its GPU as the only visible one
+    futures = {(shard, depth): task.remote(str(model_dir), shard, depth, max_rows, batch_size, seed, pad_id, eos_id,
+                                           device=device, dtype=dtype)
                for depth in depths for shard in shards}
     results = dict(zip(futures, ray.get(list(futures.values()))))
     config = ModelConfig.from_json(Path(model_dir) / "config.json")
@@ -142,19 +150,11 @@ def plot(depths: list[int], losses: list[float], path: str | Path, train_depth: 
     return Path(path)
 
 
-def log_validation_plot(uri: str, run_id: str, metrics: dict, step: int, train_depth: int) -> None:
-    """During training: the depth curve of this validation step as MLflow artifact depth_scaling/step_XXXXXX.png."""
-    import tempfile
-
-    from mlflow.tracking import MlflowClient
-
+def validation_plot(metrics: dict, step: int, train_depth: int, directory: Path) -> Path | None:
+    """The depth curve of one validation step of training, as `directory`/step_XXXXXX.png (None with fewer than two
+    depths). Training logs it through MetricsLogger.log_drawn_artifact, which draws it off the step loop."""
     depths = sorted(int(k.removeprefix("val_loss_")) for k in metrics if k.removeprefix("val_loss_").isdigit())
     if len(depths) < 2:
-        return
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = plot(depths, [metrics[f"val_loss_{d}"] for d in depths], Path(tmp) / f"step_{step:06d}.png",
-                        train_depth, f"validation loss by depth, step {step}")
-            MlflowClient(uri).log_artifact(run_id, str(path), artifact_path="depth_scaling")
-    except Exception as err:  # a plot must never stop training
-        print(f"[huginn] warning: depth-scaling plot of step {step} not logged: {err}", flush=True)
+        return None
+    return plot(depths, [metrics[f"val_loss_{d}"] for d in depths], Path(directory) / f"step_{step:06d}.png",
+                train_depth, f"validation loss by depth, step {step}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DTYPES = ("float32", "bfloat16")
+from huginn_ray.model.inference import DTYPES
 
 
 class HuginnLM:

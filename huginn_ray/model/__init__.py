@@ -2,9 +2,9 @@
 
 from huginn_ray.model.config import MODEL_REGISTRY, ModelConfig
 from huginn_ray.model.flops import training_flops_per_token
-from huginn_ray.model.model import (
-    KVCache, ModelOutput, RecurrentGPT, chunked_cross_entropy, compile_blocks, sample_recurrence, uncompile_blocks,
-)
+from huginn_ray.model.cache import KVCache
+from huginn_ray.model.loss import chunked_cross_entropy
+from huginn_ray.model.model import ModelOutput, RecurrentGPT, compile_blocks, sample_recurrence, uncompile_blocks
 from huginn_ray.model.pretrained import load_pretrained, save_pretrained
 
 __all__ = [

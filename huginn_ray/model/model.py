@@ -1,4 +1,4 @@
-"""The Huginn recurrent-depth transformer (arXiv 2502.05171), in one file.
+"""The Huginn recurrent-depth transformer (arXiv 2502.05171).
 
     tokens -> embedding * sqrt(D) -> prelude -> e
     s_0 ~ noise;  s_{i+1} = core(adapter(concat[s_i, e]))   for depth r = n + k iterations
@@ -12,17 +12,17 @@ the released Hugging Face checkpoint, so state_dicts move between the two unchan
 from __future__ import annotations
 
 import math
-import warnings
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
+from huginn_ray.model.attention import CausalSelfAttention, rope_table
+from huginn_ray.model.cache import KVCache
 from huginn_ray.model.config import ModelConfig
+from huginn_ray.model.loss import chunked_cross_entropy
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -40,185 +40,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.to(x.dtype) * self.weight
-
-
-def rope_table(head_dim: int, length: int, base: float) -> Tensor:
-    """(1, length, 1, head_dim/2, 2) fp32 table of (cos, sin) for angle t / base^(2j/head_dim)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)[None, :, None]
-
-
-def apply_rope(q: Tensor, k: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate adjacent pairs (2j, 2j+1) of every head vector (GPT-J convention), in fp32."""
-    return _rotate(q, table), _rotate(k, table)
-
-
-def _rotate(x: Tensor, table: Tensor) -> Tensor:
-    # One elementwise expression per tensor (no concatenation of q and k), which a compiled block fuses with
-    # the qk_bias add and the casts into a single pass over q and over k.
-    pairs = x.float().unflatten(-1, (-1, 2))
-    cos, sin = table[..., 0], table[..., 1]
-    even, odd = pairs[..., 0], pairs[..., 1]
-    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2).to(x.dtype)
-
-
-class KVCache:
-    """Keys and values per block index, for generation (the `full` strategy of the reference).
-
-    Block indices: prelude blocks 0..P-1, core block j of iteration i gets P + L*i + j, coda blocks -1, -2, ...
-    Every index holds the keys/values of all positions seen so far, so a cached step attends exactly as a
-    full recomputation at the same depth would.
-    """
-
-    def __init__(self) -> None:
-        self.entries: dict[int, tuple[Tensor, Tensor]] = {}
-
-    def __len__(self) -> int:
-        """Number of positions cached (read off the first prelude/core block)."""
-        return next(iter(self.entries.values()))[0].shape[1] if self.entries else 0
-
-    def past_length(self, index: int) -> int:
-        """Positions already cached for block `index` (the attention's query offset)."""
-        return self.entries[index][0].shape[1] if index in self.entries else 0
-
-    def update(self, index: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if index in self.entries:
-            past_k, past_v = self.entries[index]
-            k, v = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)
-        self.entries[index] = (k, v)
-        return k, v
-
-    def attendable(self, index: int) -> Tensor | None:
-        """(batch, positions) which cached positions block `index` may attend to, None for all: every position
-        here. Generation with per-token depth (generate.IterationKVCache) leaves out positions that exited."""
-        return None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Attention kernels: which of scaled_dot_product_attention's backends a training run may use
-# ---------------------------------------------------------------------------------------------------------
-SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                 "math": SDPBackend.MATH}
-FUSED_BACKENDS = ("flash", "efficient")
-"""In order of preference. Both keep O(T) memory per head; the math kernel materialises the T x T scores."""
-MATH_MAX_SEQ_LEN = 1024
-"""Longest training sequence the math kernel may serve without `attention_backend: math`: at nebel's shape
-(55 heads, T = 4096) it would materialise 55 x 4096^2 scores per call and sequence, 1.7 GiB in bf16, kept for
-backward in every attention of every gradient iteration."""
-
-
-class AttentionBackendError(ValueError):
-    """No fused attention kernel takes the training shape, and the sequence is too long for the math kernel."""
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """One attention call of a training step: q, k and v are (batch, heads, seq_len, head_dim) in `dtype`."""
-
-    batch: int
-    heads: int
-    seq_len: int
-    head_dim: int
-    dtype: torch.dtype
-
-    def describe(self) -> str:
-        return (f"micro-batch {self.batch} x {self.heads} heads x seq_len {self.seq_len} x head_dim {self.head_dim}, "
-                f"{str(self.dtype).removeprefix('torch.')}")
-
-    def math_scores_gib(self) -> float:
-        """What the math kernel materialises per call: batch x heads x seq_len^2 scores in `dtype`."""
-        return self.batch * self.heads * self.seq_len**2 * self.dtype.itemsize / 2**30
-
-
-def probe_attention_backends(shape: AttentionShape, device: torch.device) -> dict[str, str | None]:
-    """Which fused kernels take `shape` on `device`: for "flash" and "efficient", None when that kernel alone ran a
-    causal forward and backward of one sequence of the shape, else why not (torch's warnings when it gives them,
-    else its error). The math kernel takes every shape. Costs one attention call of one sequence per kernel; draws
-    no random numbers (a run's random streams do not depend on the probe)."""
-    q = torch.zeros(1, shape.heads, shape.seq_len, shape.head_dim, device=device, dtype=shape.dtype,
-                    requires_grad=True)
-    serves = {}
-    for name in FUSED_BACKENDS:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                with sdpa_kernel([SDPA_BACKENDS[name]]):
-                    F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
-                serves[name] = None
-            except RuntimeError as err:
-                reasons = [str(w.message) for w in caught if "kernel not used because" in str(w.message)]
-                serves[name] = "; ".join(reasons) or str(err).splitlines()[0]
-    return serves
-
-
-def choose_attention_backend(serves: dict[str, str | None], shape: AttentionShape, requested: str) -> str:
-    """The kernel a run trains with: `requested` "math" is the math kernel on purpose; "auto" is the first fused
-    kernel that takes the shape (`serves`: probe_attention_backends), else the math kernel for a sequence of at
-    most MATH_MAX_SEQ_LEN tokens. Raises AttentionBackendError, naming the shape and why each fused kernel does
-    not take it, when only the math kernel would serve a longer sequence."""
-    if requested == "math":
-        return "math"
-    if requested != "auto":
-        raise ValueError(f"attention_backend must be 'auto' or 'math', got {requested!r}")
-    for name in FUSED_BACKENDS:
-        if serves[name] is None:
-            return name
-    if shape.seq_len <= MATH_MAX_SEQ_LEN:
-        return "math"
-    reasons = "; ".join(f"{name}: {serves[name]}" for name in FUSED_BACKENDS)
-    raise AttentionBackendError(
-        f"only the math attention kernel takes the training shape ({shape.describe()}): it would materialise "
-        f"{shape.batch} x {shape.heads} x {shape.seq_len}^2 scores per call ({shape.math_scores_gib():.2f} GiB), "
-        f"out of memory or many times slower than a fused kernel. Not taken: {reasons}. Set "
-        f"attention_backend: math to train with the math kernel on purpose, or use a shape a fused kernel takes")
-
-
-def restrict_attention(model: "RecurrentGPT", backend: str | None) -> "RecurrentGPT":
-    """Let every attention call of `model` use only the kernel chosen for training: for "flash" or "efficient"
-    the fused kernels (either one; torch prefers flash), for "math" the math kernel; None lifts the restriction
-    (torch's own choice). A call no allowed kernel takes then fails instead of falling back silently."""
-    allowed = None if backend is None else \
-        [SDPA_BACKENDS[name] for name in (("math",) if backend == "math" else FUSED_BACKENDS)]
-    for block in model.blocks():
-        block.attn.sdpa_backends = allowed
-    return model
-
-
-class CausalSelfAttention(nn.Module):
-    sdpa_backends: list[SDPBackend] | None = None
-    """The scaled_dot_product_attention kernels this module may use (restrict_attention); None: torch's choice."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.Wqkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)  # rows: [Q | K | V]
-        if config.qk_bias:
-            self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.heads, self.head_dim))
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
-
-    def forward(self, x: Tensor, rope: Tensor, cache: KVCache | None = None, block_index: int = 0) -> Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.Wqkv(x).view(batch, length, 3, self.heads, self.head_dim).unbind(dim=2)
-        if hasattr(self, "qk_bias"):
-            q = (q + self.qk_bias[0]).to(q.dtype)
-            k = (k + self.qk_bias[1]).to(q.dtype)
-        q, k = apply_rope(q, k, rope)
-        mask, causal = None, True
-        if cache is not None:
-            past = cache.past_length(block_index)
-            k, v = cache.update(block_index, k, v)
-            attendable = cache.attendable(block_index)
-            if past or attendable is not None:  # queries sit at past..past+length-1: is_causal would align them at 0
-                mask = torch.ones(length, past + length, dtype=torch.bool, device=x.device).tril(diagonal=past)
-                if attendable is not None:
-                    mask = mask & attendable[:, None, None, :]
-                causal = False
-        with sdpa_kernel(self.sdpa_backends) if self.sdpa_backends else nullcontext():
-            y = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal
-            )
-        return self.proj(y.transpose(1, 2).reshape(batch, length, width))
 
 
 class GatedMLP(nn.Module):
@@ -328,110 +149,6 @@ def uncompile_blocks(model: "RecurrentGPT") -> "RecurrentGPT":
     for block in model.blocks():
         block.compiled_sandwich = None
     return model
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Loss over chunks of tokens
-# ---------------------------------------------------------------------------------------------------------
-def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int,
-                          ignore_index: int = -100) -> Tensor:
-    """Mean cross-entropy of `F.linear(hidden, weight).float()` against labels, chunk_tokens rows at a time.
-
-    Equal to `F.cross_entropy(lm_head(hidden).float(), labels, ignore_index=...)` (to fp32 rounding), but
-    only one (chunk_tokens x vocab) block of logits exists at a time. The forward computes the loss and keeps
-    only references to hidden, weight and labels for backward; backward recomputes each chunk's logits and
-    forms its gradients there (chunked_cross_entropy_grads). Cost: the head takes 4 matmuls instead of the
-    unchunked 3 (its forward matmul runs again in backward). In exchange nothing gradient- or weight-sized
-    lives from the end of the forward through the model's backward: the fp32 accumulator of the weight's
-    gradient and the weight in the matmul dtype exist only while the loss's own backward runs, first in the
-    model's backward (huginn_ray.train.memory plans that moment). Under autocast the matmuls run in the
-    autocast dtype, as `lm_head` would, in forward and backward alike. Without gradients (evaluation) the forward is all it costs:
-    one matmul per chunk."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _ChunkedCrossEntropy.apply(hidden, weight, labels, chunk_tokens, ignore_index)
-
-
-def chunked_cross_entropy_grads(hidden: Tensor, weight: Tensor, labels: Tensor, grad_output: Tensor,
-                                chunk_tokens: int, ignore_index: int, dtype: torch.dtype, need_hidden: bool = True,
-                                need_weight: bool = True) -> tuple[Tensor | None, Tensor | None]:
-    """Gradients of `grad_output * chunked_cross_entropy(...)` for hidden and weight (None where not needed).
-
-    Chunk by chunk: logits = hidden_chunk @ weight.T in `dtype` (the forward's matmul dtype), then
-    d loss / d logits = (softmax - one-hot) x grad_output / (number of counted tokens) on counted rows and 0 on
-    ignored ones, cast to `dtype`; hidden's gradient is that times the weight, and the weight's gradient
-    accumulates (gradient.T @ hidden_chunk) in fp32 and is cast to the weight's dtype at the end. Alive at
-    the peak: the fp32 accumulator, hidden's gradient, the weight in `dtype` (a copy unless it is the weight's
-    own dtype), one chunk's logits and their gradient, and for a `dtype` other than fp32 one weight-sized
-    product per chunk (a matmul cannot add bf16 products into fp32 in place)."""
-    h = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
-    w = weight.to(dtype)
-    valid = y != ignore_index
-    row_scale = (valid * (grad_output / valid.sum().clamp(min=1)))[:, None]  # all ignored: zero gradients
-    grad_h = torch.empty_like(h) if need_hidden else None
-    grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
-    for start in range(0, h.shape[0], chunk_tokens):
-        rows = slice(start, start + chunk_tokens)
-        h_c = h[rows].to(dtype)
-        grad_logits = F.linear(h_c, w).float()
-        _exp_minus_max_(grad_logits)
-        grad_logits.div_(grad_logits.sum(dim=-1, keepdim=True))  # softmax
-        target = torch.where(valid[rows], y[rows], 0)[:, None]
-        grad_logits.scatter_add_(1, target, torch.full(target.shape, -1.0, device=target.device))
-        grad_logits = grad_logits.mul_(row_scale[rows]).to(dtype)
-        if grad_h is not None:
-            grad_h[rows] = grad_logits @ w
-        if grad_w is not None and dtype == torch.float32:
-            grad_w.addmm_(grad_logits.t(), h_c)  # in place: no weight-sized product
-        elif grad_w is not None:
-            grad_w += grad_logits.t() @ h_c  # the product in `dtype` (weight-sized), added in fp32
-        del h_c, grad_logits  # before the next chunk's blocks exist, not while they are made
-    grad_h = grad_h.view(hidden.shape) if grad_h is not None else None
-    grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
-    return grad_h, grad_w
-
-
-def _exp_minus_max_(logits: Tensor) -> Tensor:
-    """exp(logits - row max) in place; returns the row max. In place so that no second (chunk x vocab) block
-    is made: torch.logsumexp allocates one inside its kernel."""
-    row_max = logits.amax(dim=-1, keepdim=True)
-    logits.sub_(row_max).exp_()
-    return row_max
-
-
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int, ignore_index: int) -> Tensor:
-        device_type = hidden.device.type
-        autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
-        dtype = torch.get_autocast_dtype(device_type) if autocast else weight.dtype  # meta: no autocast
-        h = hidden.reshape(-1, hidden.shape[-1])
-        y = labels.reshape(-1)
-        w = weight.to(dtype)
-        valid = y != ignore_index
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, h.shape[0], chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            logits = F.linear(h[rows].to(dtype), w).float()
-            target = torch.where(valid[rows], y[rows], 0)[:, None]
-            picked = logits.gather(1, target)
-            row_max = _exp_minus_max_(logits)
-            log_sum_exp = logits.sum(dim=-1, keepdim=True).log_().add_(row_max)
-            total += ((log_sum_exp - picked)[:, 0] * valid[rows]).sum()
-            del logits  # before the next chunk's logits exist, not while they are made
-        ctx.save_for_backward(hidden, weight, labels)  # references: no new memory
-        # backward runs outside the forward's autocast state: it recomputes in the dtype recorded here
-        ctx.chunk_tokens, ctx.ignore_index, ctx.dtype = chunk_tokens, ignore_index, dtype
-        return total / valid.sum()
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        hidden, weight, labels = ctx.saved_tensors
-        grad_h, grad_w = chunked_cross_entropy_grads(
-            hidden, weight, labels, grad_output, ctx.chunk_tokens, ctx.ignore_index, ctx.dtype,
-            need_hidden=ctx.needs_input_grad[0], need_weight=ctx.needs_input_grad[1])
-        return grad_h, grad_w, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from huginn_ray.model.config import ModelConfig
-from huginn_ray.model.model import RecurrentGPT, rope_table
+from huginn_ray.model.attention import rope_table
+from huginn_ray.model.model import RecurrentGPT
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

@@ -59,7 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from huginn_ray.model import ModelConfig, RecurrentGPT
-from huginn_ray.model.model import chunked_cross_entropy, chunked_cross_entropy_grads
+from huginn_ray.model.loss import chunked_cross_entropy, chunked_cross_entropy_grads
 
 GIB = 2**30
 MI250X_GCD_GIB = 64.0
