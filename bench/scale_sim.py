@@ -87,7 +87,8 @@ ITEMS = {
     "bytes_read_init_from": "bytes of the safetensors slices this rank requests (counted)",
     "fs_metadata_ops_init_from": "stat/open/list calls of load_initial_weights (counted)",
     "collectives_per_step": "c10d operations of one train_step (counted on a model of the nebel's depth and "
-                            "64 wide, the chunk stream sending the nebel's number of chunks)",
+                            "64 wide; its chunk-stream exchanges replaced by the nebel's number, from the chunk "
+                            "stream's own layout of this rank's gradient shard)",
     "bytes_written_save": "bytes a rank writes: the most DCP's save planner gives any of the W ranks (planned) "
                           "plus this rank's small files and the marker (counted)",
     "collectives_save": "c10d operations of finish_save (counted; DCP's own plan exchange not included)",
@@ -419,6 +420,7 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) ->
             parallel.check_replicas_agree(c.model, c.optimizer, c.mesh, META, "at startup")
             warmup_allreduce(META, setup.cfg.warmup_allreduce_mib, timeout_s=setup.cfg.warmup_timeout_s)
             results["peak_model_bytes_startup"] = model_bytes.peak
+            results["chunk_exchanges"] = chunk_exchanges(c)
             if save_plans(setup, c, world_size, rank)[0] is None:
                 return {}  # priming: this shard index's local plan is recorded
 
@@ -450,6 +452,7 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) ->
         "fs_metadata_ops_resume": counts.get("resume", "fs_metadata_ops") + planned_files,
         "bytes_read_resume": counts.get("resume", "bytes_read") + planned_bytes,
         "collectives_resume": counts.get("resume", "collectives"),
+        "chunk_exchanges": results["chunk_exchanges"],
     }
 
 
@@ -629,10 +632,10 @@ class OneStepOfZeros:
         return [Batch(tokens, tokens + 5, torch.zeros(1, dtype=torch.long))]
 
 
-def step_collectives(setup: Setup, world_size: int, rank: int) -> int:
+def step_collectives(setup: Setup, world_size: int, rank: int) -> tuple[int, int]:
     """The c10d operations of one train_step (loop.py) at W, counted on the narrow model on CPU over the fake group,
-    with the chunk stream's chunk size scaled so that it sends as many chunks as the nebel's gradient shard
-    (`Setup.nebel_chunks`). The fake group exchanges nothing, so the loss is garbage and the step may end in a
+    and how many of them are the chunk stream's exchanges between shard groups (the nebel's own number replaces
+    them: `chunk_exchanges`). The fake group exchanges nothing, so the loss is garbage and the step may end in a
     Stop (non-finite loss): every collective of the step has run by then."""
     counts = Counts()
     model_cfg = ModelConfig.from_name(setup.model_cfg.name, **NARROW)
@@ -640,8 +643,6 @@ def step_collectives(setup: Setup, world_size: int, rank: int) -> int:
     cfg = dataclasses.replace(setup.cfg, block_size=NARROW["block_size"], warmup_allreduce_mib=0)
     dist.init_process_group("fake", store=CountingStore(counts, world_size), rank=rank, world_size=world_size)
     try:
-        narrow_shard = sum(p.numel() for p in RecurrentGPT(model_cfg).parameters()) * 4 / setup.shard_size
-        cfg.grad_sync.chunk_mib = narrow_shard / setup.nebel_chunks / 2**20
         real_reader = loop.ShardReader
         loop.ShardReader = NoData
         try:
@@ -656,10 +657,16 @@ def step_collectives(setup: Setup, world_size: int, rank: int) -> int:
                 pass
     finally:
         dist.destroy_process_group()
-    return counts.get("startup", "collectives")
+    return counts.get("startup", "collectives"), chunk_exchanges(c)
 
 
-def step_collectives_quietly(setup: Setup, world_size: int, rank: int) -> int:
+def chunk_exchanges(c) -> int:
+    """The chunk stream's all-reduces per step between shard groups: one per chunk of this rank's gradient shard
+    (its own `chunk_layout`), none with a single shard group."""
+    return len(c.sync.chunks) if getattr(c.sync, "group_size", 1) > 1 else 0
+
+
+def step_collectives_quietly(setup: Setup, world_size: int, rank: int) -> tuple[int, int]:
     with contextlib.redirect_stdout(io.StringIO()):
         return step_collectives(setup, world_size, rank)
 
@@ -675,8 +682,6 @@ def make_setup(root: Path) -> Setup:
     with torch.device("meta"):
         model = RecurrentGPT(model_cfg)
     setup.shapes = {key: p.shape for key, p in model.named_parameters()}
-    gradient_shard = sum(p.numel() for p in model.parameters()) * 4 / setup.shard_size
-    setup.nebel_chunks = math.ceil(gradient_shard / (cfg.grad_sync.chunk_mib * 2**20))
     setup.local_plans_by_shard = {}
     return setup
 
@@ -702,7 +707,8 @@ def simulate(world_sizes: list[int]) -> dict:
                 results += [in_children([(simulate_rank_quietly, (setup, world_size, world_size - 1,
                                                                   broadcasts))])[0][0]]
             steps = in_children([(step_collectives_quietly, (setup, world_size, rank)) for rank in ranks])
-            results = [{**result, "collectives_per_step": step} for result, step in zip(results, steps)]
+            for result, (narrow, narrow_exchanges) in zip(results, steps):
+                result["collectives_per_step"] = narrow - narrow_exchanges + result.pop("chunk_exchanges")
             for item in results[0]:
                 per_rank.setdefault(item, []).append(max(result[item] for result in results))
     return {"world_sizes": world_sizes, "per_rank": per_rank}
