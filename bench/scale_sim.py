@@ -3,8 +3,8 @@
 One process plays one rank of a world of W ranks (rank 0, then the last rank of the last node; each item is the
 maximum of the two) through the real code paths of a run of `configs/train/frontier_nebel_512_nodes.yaml`:
 
-    startup   register_node, build_components (mesh, model, FSDP2 units, optimizer), warm_mesh,
-              check_replicas_agree, warmup_allreduce (the config's 128 MiB, 8 stages)
+    startup   register_node, build_components (mesh, model, FSDP2 units, optimizer), the placements' all-gather,
+              warm_mesh, the data check's all-reduce, check_replicas_agree, warmup_allreduce (128 MiB, 8 stages)
     init_from build_components without weights, then load_initial_weights from a released-layout directory
     save      rank 0's small files, finish_save (agreement, marker), with DCP's own save planner deciding which
               rank writes which piece
@@ -82,6 +82,7 @@ ITEMS = {
     "process_groups_created_startup": "new_group calls this rank makes (counted); each member group of a gloo "
                                       "backend also opens a full mesh: see the README",
     "collectives_startup": "c10d operations from process group to the first step (counted)",
+    "collective_bytes_startup": "bytes those operations deliver to this rank (counted)",
     "peak_model_bytes_startup": "largest model state (parameters, buffers, optimizer state) this rank holds at "
                                 "once during startup (counted at every allocation of the model and optimizer)",
     "bytes_read_init_from": "bytes of the safetensors slices this rank requests (counted)",
@@ -92,6 +93,7 @@ ITEMS = {
     "bytes_written_save": "bytes a rank writes: the most DCP's save planner gives any of the W ranks (planned) "
                           "plus this rank's small files and the marker (counted)",
     "collectives_save": "c10d operations of finish_save (counted; DCP's own plan exchange not included)",
+    "collective_bytes_save": "bytes those operations deliver to this rank (counted)",
     "fs_metadata_ops_save": "stat/open/list calls of the save after DCP's writes (counted)",
     "fs_metadata_ops_resume_checks": "stat/open/list calls of resume outside DCP's load: candidates, marker, "
                                      "completeness check, trainer state (counted)",
@@ -100,6 +102,7 @@ ITEMS = {
     "bytes_read_resume": "bytes resume reads: marker and trainer state (counted) plus this rank's pieces "
                          "(planned: DCP's load planner)",
     "collectives_resume": "c10d operations of resume (counted; DCP's own plan exchange not included)",
+    "collective_bytes_resume": "bytes those operations deliver to this rank (counted)",
 }
 
 
@@ -165,9 +168,10 @@ class CountingStore(dist.Store):
 
 
 class CountingCollectives(TorchDispatchMode):
-    """Counts every c10d operation. A broadcast from rank 0 gives the payload the simulated rank 0 sent; an
-    all-reduce of a host tensor (a value the code reads back) gives the group's sum as if every rank held this
-    rank's value; device (meta) tensors keep their shape and hold nothing."""
+    """Counts every c10d operation and the bytes it delivers to this rank (its output tensors). A broadcast from
+    rank 0 gives the payload the simulated rank 0 sent; on host tensors (values the code reads back) an all-reduce
+    gives the group's sum and an all-gather every rank's value as if every rank held this rank's value; device
+    (meta) tensors keep their shape and hold nothing."""
 
     def __init__(self, counts: Counts, broadcasts: list, rank: int):
         super().__init__()
@@ -178,6 +182,10 @@ class CountingCollectives(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace in ("c10d", "_c10d_functional"):
             self.counts.add("collectives")
+            self.counts.add("collective_bytes", sum(t.numel() * t.element_size() for t in tensors_in(args[0])))
+            if func.__name__.startswith("allgather") and not args[1][0].is_meta:
+                for output in args[0][0]:
+                    output.copy_(args[1][0])
             if func.__name__.startswith("allreduce") and not args[0][0].is_meta:
                 for tensor in args[0]:  # a sum over the group, every rank holding this rank's value
                     tensor.mul_(dist.ProcessGroup.unbox(args[1]).size())
@@ -189,6 +197,14 @@ class CountingCollectives(TorchDispatchMode):
                     tensor.copy_(torch.tensor(self.broadcasts[self.replayed], dtype=tensor.dtype))
                     self.replayed += 1
         return out
+
+
+def tensors_in(value) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in tensors_in(item)]
+    return []
 
 
 @contextlib.contextmanager
@@ -416,7 +432,12 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) ->
             register_node()
             c = loop.build_components(setup.cfg, setup.plan, rank, META, local_world_size=setup.shard_size,
                                       load_init_from=False)
+            # loop._train's node-layout check: every rank's placement, as Ray Train reports it
+            placement = {"node_rank": rank // setup.shard_size, "local_rank": rank % setup.shard_size,
+                         "local_world_size": setup.shard_size, "node_ip": "10.128.0.1"}
+            ckpt.all_ranks(placement, CPU)
             parallel.warm_mesh(c.mesh, CPU)
+            loop.stop_if_a_rank_cannot_read(None, CPU)
             parallel.check_replicas_agree(c.model, c.optimizer, c.mesh, META, "at startup")
             warmup_allreduce(META, setup.cfg.warmup_allreduce_mib, timeout_s=setup.cfg.warmup_timeout_s)
             results["peak_model_bytes_startup"] = model_bytes.peak
@@ -442,16 +463,19 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) ->
         "store_ops_startup": counts.get("startup", "store_ops"),
         "process_groups_created_startup": new_groups["startup"],
         "collectives_startup": counts.get("startup", "collectives"),
+        "collective_bytes_startup": counts.get("startup", "collective_bytes"),
         "peak_model_bytes_startup": results["peak_model_bytes_startup"],
         "bytes_read_init_from": counts.get("init_from", "bytes_read"),
         "fs_metadata_ops_init_from": counts.get("init_from", "fs_metadata_ops"),
         "bytes_written_save": results["bytes_written_save"],
         "collectives_save": counts.get("save", "collectives"),
+        "collective_bytes_save": counts.get("save", "collective_bytes"),
         "fs_metadata_ops_save": counts.get("save", "fs_metadata_ops"),
         "fs_metadata_ops_resume_checks": counts.get("resume", "fs_metadata_ops"),
         "fs_metadata_ops_resume": counts.get("resume", "fs_metadata_ops") + planned_files,
         "bytes_read_resume": counts.get("resume", "bytes_read") + planned_bytes,
         "collectives_resume": counts.get("resume", "collectives"),
+        "collective_bytes_resume": counts.get("resume", "collective_bytes"),
         "chunk_exchanges": results["chunk_exchanges"],
     }
 
@@ -510,7 +534,7 @@ def simulated_save(setup: Setup, c, world_size: int, rank: int, counts: Counts) 
     """The save of step 128 into a fresh directory: DCP's planned pieces (sparse files of their sizes, and the
     `.metadata`, written unobserved as DCP would), then start_save's small files and finish_save, counted."""
     global_plans, metadata = save_plans(setup, c, world_size, rank)
-    directory = setup.root / f"w{world_size}" / "checkpoint_2026-11-25_00-00-00.000000"
+    directory = setup.root / "runs" / f"{world_size:06d}" / "checkpoint_2026-11-25_00-00-00.000000"
     with uncounted():
         state_dir = directory / pretrained.TRAINING_STATE_DIR
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -541,7 +565,7 @@ def simulated_resume(setup: Setup, c, world_size: int, rank: int, counts: Counts
     """resume() over the saved checkpoint, counted, with DCP's load itself planned (DefaultLoadPlanner on this
     rank's state dict against the `.metadata`): returns the planned bytes and files (the pieces' files and the
     `.metadata`, which every rank opens)."""
-    run_dir = setup.root / f"w{world_size}"
+    run_dir = setup.root / "runs" / f"{world_size:06d}"
     directory = next(run_dir.glob("checkpoint_*"))
     with uncounted():
         with open(directory / pretrained.TRAINING_STATE_DIR / ".metadata", "rb") as f:
