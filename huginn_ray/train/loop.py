@@ -415,8 +415,9 @@ def _train(cfg: TrainConfig, plan: RunPlan) -> None:
             load_initial_weights(model, plan, rank)
         except ValueError as err:
             error = str(err)
-        errors = [e for e in ckpt.all_ranks(error, device) if e is not None]  # every rank stops alike
-        if errors:
+        failed, = ckpt.count_ranks([error is not None], device)  # every rank stops alike
+        if failed:  # the first failing rank's reason (every rank's reason gathered on this path only)
+            errors = [e for e in ckpt.all_ranks(error, device) if e is not None]
             raise Stop(f"init_from: {errors[0]}", reporter=rank == 0)
     # an elastic group restarted on another worker count (scaling.num_workers: [min, max]); the next checkpoint
     # records the new count
