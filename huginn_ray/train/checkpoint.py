@@ -160,9 +160,11 @@ def finish_save(pending: PendingSave, device) -> bool:
     when every rank's save succeeded, rank 0 writes the marker (`write_marker`), and the checkpoint is complete;
     otherwise every rank's error is gathered, rank 0 reports the failure, no marker is written, and the previous
     checkpoint stays the newest complete one. Returns whether this checkpoint is complete."""
-    error = None
+    error, files = None, {}
     try:
         pending.future.result()
+        if pending.rank == 0:  # before the agreement: a `.metadata` rank 0 cannot read fails the save everywhere
+            files = marker_files(pending.directory)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - any failure of the save: agree, then report
         error = describe_error(err)
     failed, = count_ranks([error is not None], device)
@@ -173,7 +175,7 @@ def finish_save(pending: PendingSave, device) -> bool:
                   "the previous complete checkpoint stays the newest", flush=True)
         return False
     if pending.rank == 0:
-        write_marker(pending.directory, pending.step, marker_files(pending.directory))
+        write_marker(pending.directory, pending.step, files)
     return True
 
 
