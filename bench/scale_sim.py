@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.device_mesh as device_mesh
 import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_load_plan
@@ -76,6 +77,8 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs/train/frontier_nebel_512
 META = torch.device("meta")
 CPU = torch.device("cpu")
 """The agreements' tensors: their values are read back on the host."""
+NODE_SIZE = 8
+"""GCDs per Frontier node: Ray Train's local world size there, so hsdp's shard size S."""
 
 ITEMS = {
     "store_ops_startup": "keys the store touches for this rank: process group, mesh, warm-up (counted)",
@@ -382,23 +385,18 @@ class Setup:
     shard_size: int
     root: Path
     """A temporary directory: the synthesised checkpoints and model directory."""
+    shapes: dict[str, torch.Size]
+    """Every parameter's shape (the released weights' shapes)."""
+    local_plans_by_shard: dict = dataclasses.field(default_factory=dict)
+    """DCP's local save plan of each shard index (`prime`)."""
 
 
 class NoData:
-    """Stands in for a train shard: the control plane is measured, not the data (issue 29's part)."""
+    """Stands in for a train shard's reader (huginn_ray.train.shard_reader.ShardReader): the control plane is
+    simulated, not the data; the step reads `OneStepOfZeros`."""
 
     def __init__(self, path, stream, seed, row_length):
-        self.path, self.row_length, self.position = path, row_length, 0
-
-    def seek(self, position):
-        self.position = position
-
-    def read(self, n):
-        self.position += n
-        return [list(range(self.row_length))] * n
-
-    def __getattr__(self, name):
-        raise AttributeError(name)
+        self.path = path
 
 
 def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) -> dict[str, int]:
@@ -417,10 +415,9 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) ->
     def cpu_mesh(shape, device_type):  # FSDP2 takes the mesh's device from a real device type; tensors stay meta
         return real_build_mesh(shape, "cpu" if device_type == "meta" else device_type)
 
-    patches = [(dist, "new_group", counted_new_group), (loop, "ShardReader", NoData), (parallel, "build_mesh", cpu_mesh)]
-    import torch.distributed.device_mesh as device_mesh
-    if hasattr(device_mesh, "new_group"):
-        patches.append((device_mesh, "new_group", counted_new_group))
+    # init_device_mesh calls new_group by its own name: counted there too, should build_mesh use it
+    patches = [(dist, "new_group", counted_new_group), (device_mesh, "new_group", counted_new_group),
+               (loop, "ShardReader", NoData), (parallel, "build_mesh", cpu_mesh)]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
@@ -451,7 +448,6 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) ->
             results["planned_resume"] = simulated_resume(setup, c, world_size, rank, counts)
 
             counts.phase = "init_from"
-            model_bytes.peak = 0
             init_from_model(setup, world_size, rank, counts)
     finally:
         for owner, name, value in saved:
@@ -625,13 +621,11 @@ def init_from_model(setup: Setup, world_size: int, rank: int, counts: Counts) ->
     c = loop.build_components(setup.cfg, plan, rank, META, local_world_size=setup.shard_size, load_init_from=False)
     real_open = pretrained.safe_open
     pretrained.safe_open = CountingSafetensors(setup.shapes, counts)
-    before = counts.get("init_from", "fs_metadata_ops"), counts.get("init_from", "bytes_read")
-    counts.by_phase["init_from"] = Counter()  # build_components' own reads are startup's
+    counts.by_phase["init_from"] = Counter()  # what build_components did is counted in startup's figures
     try:
         loop.load_initial_weights(c.model, plan, rank)
     finally:
         pretrained.safe_open = real_open
-    del before
 
 
 # --- one training step ------------------------------------------------------------------------------------
@@ -702,12 +696,10 @@ def make_setup(root: Path) -> Setup:
     model_cfg = cfg_model(cfg)
     plan = RunPlan(global_batch_rows=cfg.world_batch_size, num_streams=8, schedule_steps=238_418, pad_id=0,
                    eos_id=1, precision="fp32", model_config=model_cfg.to_hf_dict())
-    setup = Setup(cfg, plan, model_cfg, 8, root)
     with torch.device("meta"):
         model = RecurrentGPT(model_cfg)
-    setup.shapes = {key: p.shape for key, p in model.named_parameters()}
-    setup.local_plans_by_shard = {}
-    return setup
+    return Setup(cfg, plan, model_cfg, NODE_SIZE, root,
+                 {key: p.shape for key, p in model.named_parameters()})
 
 
 def cfg_model(cfg: TrainConfig) -> ModelConfig:
