@@ -24,7 +24,8 @@ What each rank pays does not grow with the world size W on the path every run ta
 save's agreement and the resume's agreement on each candidate are one all-reduce of a small count each; rank 0
 alone lists the candidates and sends the list (one broadcast); each rank checks the sizes of its own share of the
 marker's files (about one file each), so a checkpoint's W + 4 files are checked once, not once per rank. Only a
-failure gathers every rank's reason (`all_ranks`), so that the message names every failing rank.
+failure costs more: a missing or short file makes every rank check every file, and every rank's reason is
+gathered (`all_ranks`), so that the message names the failure as every rank sees it.
 """
 
 from __future__ import annotations
@@ -338,10 +339,11 @@ def resume(registered: Path | None, run_dir: Path, rank: int, model, optimizer, 
 
     Candidates: `registered` (Ray Train's latest, `ray.train.get_checkpoint()`) first, then the other
     `checkpoint_*` directories under `run_dir` with a step up to its step, newest first: rank 0 lists them and
-    sends the list to every rank. Each rank checks its share of a candidate's files (`incomplete`); a candidate
-    that is incomplete, or whose load raises CheckpointError on any rank (the ranks agree by an all-reduce of the
-    failing ranks' count, then, on a failure only, gather every rank's reason), is skipped with one message
-    naming it and why. When none
+    sends the list to every rank. Each rank checks its share of a candidate's files (`incomplete`); when a share
+    fails, every rank checks every file (so that all see the first failure, as the old full check did). A
+    candidate that is incomplete, or whose load raises CheckpointError on any rank (the ranks agree by an
+    all-reduce of the failing ranks' count, then, on a failure only, gather every rank's reason), is skipped with
+    one message naming it and why (the ranks only when not every rank gave that reason). When none
     loads, raises CheckpointError naming every candidate tried, unless none of them ever was a checkpoint
     (Ray registered none and no marker vouches for its files: saves that did not finish), in which case the
     run starts from step 0 after saying so. Call on every rank."""
@@ -353,15 +355,14 @@ def resume(registered: Path | None, run_dir: Path, rank: int, model, optimizer, 
     for directory in map(Path, candidates):
         # every rank decides from every rank's outcome, so all take the same branch (a shared file system may show
         # one node a file that another does not see yet), and all enter DCP's collective load together
-        why, state = incomplete(directory, rank, ranks), None
-        complete = why is None
-        if complete:
-            try:
-                state = read_trainer_state(directory)
-            except CheckpointError as err:
-                why = str(err)
+        complete, why, state = check_candidate(directory, rank, ranks)
         incomplete_ranks, failed = count_ranks([not complete, why is not None], device)
         was_complete = was_complete or incomplete_ranks == 0
+        if incomplete_ranks and ranks > 1:
+            # a rank's share has a missing or short file: on this path only, every rank checks every file, so
+            # that each names the first failure as it sees it (a file that only some ranks miss names them)
+            complete, why, state = check_candidate(directory, 0, 1)
+            failed, = count_ranks([why is not None], device)
         if not failed:
             try:
                 read_tensors(directory, model, optimizer)
@@ -382,6 +383,19 @@ def resume(registered: Path | None, run_dir: Path, rank: int, model, optimizer, 
     if skipped and rank == 0:
         log(f"[huginn] no finished checkpoint in {run_dir} (only unfinished saves): starting at step 0")
     return None
+
+
+def check_candidate(directory: Path, part: int, parts: int) -> tuple[bool, str | None, TrainerState | None]:
+    """(complete, why not usable, trainer state) of a resume candidate, checking share `part` of `parts` of the
+    marker's files (`incomplete`); a complete one whose trainer state cannot be read is not usable."""
+    why, state = incomplete(directory, part, parts), None
+    complete = why is None
+    if complete:
+        try:
+            state = read_trainer_state(directory)
+        except CheckpointError as err:
+            why = str(err)
+    return complete, why, state
 
 
 def resume_candidates(registered: Path | None, run_dir: Path) -> list[Path]:
