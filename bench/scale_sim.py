@@ -708,8 +708,8 @@ def cfg_model(cfg: TrainConfig) -> ModelConfig:
 
 
 def simulate(world_sizes: list[int]) -> dict:
-    """Every simulated rank runs in a child process of its own (forked: torch's device-mesh and FSDP objects are
-    cached per process, and a rank must not see another's)."""
+    """Every simulated rank runs in a child process of its own (torch's device-mesh and FSDP objects are cached per
+    process, and a rank must not see another's)."""
     per_rank: dict[str, list[int]] = {}
     with tempfile.TemporaryDirectory(prefix="huginn_scale_sim_") as tmp:
         setup = make_setup(Path(tmp))
@@ -731,21 +731,28 @@ def simulate(world_sizes: list[int]) -> dict:
 
 
 def in_children(tasks: list, parallel: int = 2) -> list:
-    """fn(*args) of every task, each in a forked child process, `parallel` at a time, results in task order."""
-    fork = multiprocessing.get_context("fork")
+    """fn(*args) of every task, each in a child process of its own, `parallel` at a time, results in task order.
+    Children fork from a fork server started clean with torch and the training code imported (fast, and safe
+    where the caller has threads: a test process that ran Ray before)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "huginn_ray.train.loop"])
     results, running = [None] * len(tasks), []
 
     def collect(index, process, receiver):
-        outcome, value = receiver.recv()
+        try:
+            outcome, value = receiver.recv()
+        except EOFError:
+            outcome, value = "error", f"the child exited with code {process.join() or process.exitcode}"
         process.join()
         if outcome == "error":
             raise RuntimeError(f"simulated rank failed:\n{value}")
         results[index] = value
 
     for index, (fn, args) in enumerate(tasks):
-        receiver, sender = fork.Pipe(duplex=False)
-        process = fork.Process(target=run_task, args=(fn, args, sender))
+        receiver, sender = context.Pipe(duplex=False)
+        process = context.Process(target=run_task, args=(fn, args, sender))
         process.start()
+        sender.close()  # the child holds the only sending end: its exit ends the parent's wait
         running.append((index, process, receiver))
         if len(running) == parallel:
             collect(*running.pop(0))
