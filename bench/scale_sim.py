@@ -657,7 +657,7 @@ def step_collectives(setup: Setup, world_size: int, rank: int) -> tuple[int, int
     Stop (non-finite loss): every collective of the step has run by then."""
     counts = Counts()
     model_cfg = ModelConfig.from_name(setup.model_cfg.name, **NARROW)
-    plan = dataclasses.replace(setup.plan, model_config=model_cfg.to_hf_dict())
+    plan = dataclasses.replace(setup.plan, model_config=model_cfg)
     cfg = dataclasses.replace(setup.cfg, block_size=NARROW["block_size"], warmup_allreduce_mib=0)
     dist.init_process_group("fake", store=CountingStore(counts, world_size), rank=rank, world_size=world_size)
     try:
@@ -695,7 +695,7 @@ def make_setup(root: Path) -> Setup:
     cfg = load_config(TrainConfig, CONFIG, ["out_dir=" + str(root / "runs"), "compile=false"])
     model_cfg = cfg_model(cfg)
     plan = RunPlan(global_batch_rows=cfg.world_batch_size, num_streams=8, schedule_steps=238_418, pad_id=0,
-                   eos_id=1, precision="fp32", model_config=model_cfg.to_hf_dict())
+                   eos_id=1, precision="fp32", model_config=model_cfg)
     with torch.device("meta"):
         model = RecurrentGPT(model_cfg)
     return Setup(cfg, plan, model_cfg, NODE_SIZE, root,
