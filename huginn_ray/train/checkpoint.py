@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, \
     set_optimizer_state_dict
 
+from huginn_ray.model import replica_read
 from huginn_ray.model.pretrained import CONFIG_NAME, TRAINING_STATE_DIR
 
 
@@ -312,17 +313,27 @@ def check_data_position(state: TrainerState, directory: Path, num_streams: int, 
             "(world_batch_size): its data position does not carry over")
 
 
-def read_tensors(directory: Path, model, optimizer) -> None:
+def read_tensors(directory: Path, model, optimizer, replicas=None) -> None:
     """Load model and optimizer in place from the checkpoint's DCP state, whatever layout wrote it (DCP reads the
     pieces of each tensor this rank holds). A collective: every rank calls it; a failure on any rank raises
-    CheckpointError on every rank."""
+    CheckpointError on every rank.
+
+    `replicas`: the process group of the ranks that hold the same part of the state as this one (the mesh's
+    "replicate" dimension). With it, each of them reads 1/R of its part's rows from the file system and an
+    all-gather over the group completes them (huginn_ray.model.replica_read): the file system serves the state
+    once, not once per replica. Without it (one process), this rank reads its whole part."""
     tensors = {"model": model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state_dir = directory / TRAINING_STATE_DIR
+    parts = replica_read.plan_dcp_read(tensors, replicas) if replicas is not None else None
     try:
-        with_retries(f"reading {directory / TRAINING_STATE_DIR}",
-                     lambda: dcp.load(tensors, storage_reader=dcp.FileSystemReader(directory / TRAINING_STATE_DIR)))
+        with_retries(f"reading {state_dir}",
+                     lambda: dcp.load(tensors, storage_reader=replica_read.counting_reader(state_dir))
+                     if parts is None else replica_read.read_dcp_parts(parts, state_dir))
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's errors: missing file, short read, shape
-        raise CheckpointError(f"{directory / TRAINING_STATE_DIR}: cannot be loaded into this model and optimizer "
+        raise CheckpointError(f"{state_dir}: cannot be loaded into this model and optimizer "
                               f"({describe_error(err)[:600]})") from None
+    if parts is not None:
+        replica_read.complete_dcp_parts(parts)
     set_optimizer_state_dict(model, optimizer, tensors["optim"])
 
 
@@ -334,7 +345,7 @@ class Resumed:
 
 
 def resume(registered: Path | None, run_dir: Path, rank: int, model, optimizer, device,
-           log=None) -> Resumed | None:
+           log=None, replicas=None) -> Resumed | None:
     """Load the newest checkpoint that is complete and loads on every rank; None when there is none to resume.
 
     Candidates: `registered` (Ray Train's latest, `ray.train.get_checkpoint()`) first, then the other
@@ -346,7 +357,7 @@ def resume(registered: Path | None, run_dir: Path, rank: int, model, optimizer, 
     one message naming it and why (the ranks only when not every rank gave that reason). When none
     loads, raises CheckpointError naming every candidate tried, unless none of them ever was a checkpoint
     (Ray registered none and no marker vouches for its files: saves that did not finish), in which case the
-    run starts from step 0 after saying so. Call on every rank."""
+    run starts from step 0 after saying so. Call on every rank; `replicas`: see `read_tensors`."""
     log = log or (lambda message: print(message, flush=True))
     ranks = world_size()
     candidates = from_rank0([str(path) for path in resume_candidates(registered, run_dir)] if rank == 0 else None,
@@ -365,7 +376,7 @@ def resume(registered: Path | None, run_dir: Path, rank: int, model, optimizer, 
             failed, = count_ranks([why is not None], device)
         if not failed:
             try:
-                read_tensors(directory, model, optimizer)
+                read_tensors(directory, model, optimizer, replicas)
             except CheckpointError as err:
                 why = str(err)
             failed, = count_ranks([why is not None], device)
