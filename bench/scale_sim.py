@@ -427,8 +427,7 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) ->
                 host_reads_of_meta():
             dist.init_process_group("fake", store=store, rank=rank, world_size=world_size)
             register_node()
-            c = loop.build_components(setup.cfg, setup.plan, rank, META, local_world_size=setup.shard_size,
-                                      load_init_from=False)
+            c = loop.build_components(setup.cfg, setup.plan, rank, META, local_world_size=setup.shard_size)
             # loop._train's node-layout check: every rank's placement, as Ray Train reports it
             placement = {"node_rank": rank // setup.shard_size, "local_rank": rank % setup.shard_size,
                          "local_world_size": setup.shard_size, "node_ip": "10.128.0.1"}
@@ -568,7 +567,9 @@ def simulated_resume(setup: Setup, c, world_size: int, rank: int, counts: Counts
             metadata = pickle.load(f)
     planned = {}
 
-    def planned_read(directory, model, optimizer):
+    def planned_read(directory, model, optimizer, replicas=None):
+        # today's plain path (replicas=None): the replica-spread read (huginn_ray.model.replica_read) is not
+        # simulated yet; its bytes and files per rank are those divided over the replicas
         # DefaultLoadPlanner's own planning function, on the flattened state dict as its set_up_planner gives it
         # (without the allocation of meta tensors that set_up_planner would make)
         flat, _ = flatten_state_dict(state_dict_of(c))
@@ -618,12 +619,12 @@ def init_from_model(setup: Setup, world_size: int, rank: int, counts: Counts) ->
             for name in set(files.values()):
                 (directory / name).touch()
     plan = dataclasses.replace(setup.plan, init_from=WeightsSource(str(directory), str(directory), "0" * 64))
-    c = loop.build_components(setup.cfg, plan, rank, META, local_world_size=setup.shard_size, load_init_from=False)
+    c = loop.build_components(setup.cfg, plan, rank, META, local_world_size=setup.shard_size, initialise=False)
     real_open = pretrained.safe_open
     pretrained.safe_open = CountingSafetensors(setup.shapes, counts)
     counts.by_phase["init_from"] = Counter()  # what build_components did is counted in startup's figures
     try:
-        loop.load_initial_weights(c.model, plan, rank)
+        loop.load_initial_weights(c.model, plan, rank, setup.cfg.seed, c.mesh.get_group("replicate"))
     finally:
         pretrained.safe_open = real_open
 
