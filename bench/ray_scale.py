@@ -5,8 +5,8 @@
 
 --mode control (the default): workers that do no model work, so that many workers on a few cores measure Ray
 Train's control plane rather than cores shared by training steps. Each worker holds 4 KiB of state; per worker
-count W, one `trainer.fit()` (a TorchTrainer with the gloo process group, or with --backend none Ray Train's
-DataParallelTrainer without torch) runs this in every worker: report the state as a checkpoint 3 times
+count W, one `trainer.fit()` (Ray Train's DataParallelTrainer, no torch in the workers; with --backend gloo a
+TorchTrainer that also opens the gloo process group) runs this in every worker: report the state as a checkpoint 3 times
 (`ray.train.report`, SYNC upload: it returns when this rank's files are in storage and every rank has reported
 the round), then rank W-1 exits after the second report (os._exit, once); Ray Train restarts the group from the
 newest checkpoint, every rank reads its 4 KiB back and reports 3 more times. Every worker stamps the wall clock
@@ -218,8 +218,8 @@ def print_model(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["control", "model"], default="control")
-    parser.add_argument("--backend", choices=["gloo", "none"], default="gloo",
-                        help="--mode control: TorchTrainer with the gloo process group, or no torch at all")
+    parser.add_argument("--backend", choices=["none", "gloo"], default="none",
+                        help="--mode control: no torch in the workers, or a TorchTrainer with the gloo process group")
     parser.add_argument("--workers", default=None, help="worker counts (default 2,4,8,16,32; --mode model 2,4,8,16)")
     parser.add_argument("--out", default=None, help="work directory (default: a new temporary one, removed)")
     args = parser.parse_args()
