@@ -438,8 +438,9 @@ def restore_state(c: Components, cfg: TrainConfig, plan: RunPlan, rank: int, wor
             load_initial_weights(c.model, plan, rank, cfg.seed, c.mesh.get_group("replicate"))
         except ValueError as err:
             error = str(err)
-        errors = [e for e in ckpt.all_ranks(error, device) if e is not None]  # every rank stops alike
-        if errors:
+        failed, = ckpt.count_ranks([error is not None], device)  # every rank stops alike
+        if failed:  # the first failing rank's reason (every rank's reason gathered on this path only)
+            errors = [e for e in ckpt.all_ranks(error, device) if e is not None]
             raise Stop(f"init_from: {errors[0]}", reporter=rank == 0)
     resized_from = state.world_size if state.world_size != world_size else None
     state.world_size = world_size
@@ -678,7 +679,7 @@ class Checkpointer:
     def __init__(self, asynchronous: bool, rank: int, device: torch.device):
         self.rank, self.device = rank, device
         # DCP's background thread needs a group of its own: its collectives must not interleave with training's
-        self.background_group = dist.new_group(backend="gloo") if asynchronous else None
+        self.background_group = parallel.lazy_gloo_group() if asynchronous else None
         self.pending: ckpt.PendingSave | None = None
         self.metrics: dict = {}
 
