@@ -13,7 +13,9 @@ On the device present it measures and prints, as a table, and writes as JSON (--
 4. training: the project's own build_components/train_step on one device, with a world-size-1 process group
    (NCCL on GPUs, gloo on CPU) and no Ray: the loss falls, the host reads a device tensor once per step, a
    checkpoint saved mid-run resumes to the same losses;
-5. generation at batch 1: tokens/s of an adaptive exit (kl) against the fixed depth, on the trained model.
+5. generation at batch 1: tokens/s of an adaptive exit (kl) against the fixed depth, on the trained model;
+6. engine: continuous depth batching (huginn_ray.model.engine) at batch 32 on the trained model, fixed depth
+   against latent-diff exits: tokens/s, iterations per token, outputs equal to batch-1 generation.
 
 What the GPU machine needs: torch and what this package's training modules import at import time (numpy,
 pyarrow, safetensors, pyyaml); not Ray, not MLflow (huginn_ray.train.loop imports them inside the functions that
@@ -52,6 +54,7 @@ from huginn_ray.cluster.devices import distributed_backend  # noqa: E402
 from huginn_ray.config import from_dict  # noqa: E402
 from huginn_ray.data.shards import shard_path  # noqa: E402
 from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, training_flops_per_token  # noqa: E402
+from huginn_ray.model.engine import Engine, EngineConfig, Request  # noqa: E402
 from huginn_ray.model.generate import DEFAULT_THRESHOLDS, generate  # noqa: E402
 from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, choose_attention_backend,  # noqa: E402
                                          probe_attention_backends, restrict_attention)
@@ -415,6 +418,42 @@ def generation_check(setup: Setup, model: RecurrentGPT) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# 6. engine
+# ---------------------------------------------------------------------------------------------------------
+def engine_check(setup: Setup, model: RecurrentGPT) -> dict:
+    """The continuous-depth-batching engine on the trained model: 2 x batch requests (greedy, seeded), at the
+    fixed depth and with latent-diff exits; tokens/s, iterations per token, and the fraction of requests whose
+    adaptive output equals `generate` at batch size 1 (rounding of batched matmuls may move an exit)."""
+    model.eval()
+    batch = 4 if setup.quick else 32
+    vocab = model.config.vocab_size - 2
+    prompts = [tuple(((torch.arange(16) * (row + 3) + row) % vocab).tolist()) for row in range(2 * batch)]
+    # --quick: the tiny model after 8 steps moves its state by ~0.5-1 per iteration; a threshold that exits it
+    threshold = 0.9 if setup.quick else DEFAULT_THRESHOLDS["latent-diff"]
+    result = {"threshold": threshold}
+    for label, criterion in (("fixed depth", None), ("adaptive (latent-diff)", "latent-diff")):
+        requests = [Request(prompt, setup.new_tokens, setup.depth, criterion, threshold, seed=row)
+                    for row, prompt in enumerate(prompts)]
+        Engine(model, EngineConfig(batch, 2**62)).run_to_completion(requests[:2])  # warm-up
+        synchronize(setup.device)
+        start = time.perf_counter()
+        completions = Engine(model, EngineConfig(batch, 2**62)).run_to_completion(requests)
+        synchronize(setup.device)
+        seconds = time.perf_counter() - start
+        iterations = [i for completion in completions for i in completion.core_iterations]
+        result[label] = {"tokens_per_s": len(iterations) / seconds, "mean_iterations": sum(iterations) / len(iterations),
+                         "max_iterations": max(iterations)}
+    equal = 0
+    for request, completion in zip(requests, completions):
+        alone = generate(model, torch.tensor([request.prompt], device=setup.device), setup.new_tokens, setup.depth,
+                         "latent-diff", threshold,
+                         generator=torch.Generator(device=setup.device).manual_seed(request.seed))
+        equal += alone.tokens[0, 16:].tolist() == completion.tokens
+    result["tokens_equal_fraction"] = equal / len(requests)
+    return {"depth": setup.depth, "new_tokens": setup.new_tokens, "batch": batch, "requests": len(prompts), **result}
+
+
+# ---------------------------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------------------------
 def init_one_rank(device: torch.device) -> None:
@@ -475,11 +514,18 @@ def render(report: dict) -> str:
             lines += ["", f"generation, batch 1, depth {result['depth']}, {result['new_tokens']} tokens: " + "; ".join(
                 f"{label} {result[label]['tokens_per_s']:.1f} tok/s ({result[label]['mean_steps_per_token']:.2f} "
                 f"iterations/token)" for label in ("fixed depth", "adaptive (kl)"))]
+        elif section == "engine":
+            lines += ["", f"engine, batch {result['batch']}, {result['requests']} requests, depth {result['depth']}, "
+                          f"{result['new_tokens']} tokens each, latent-diff < {result['threshold']}: " + "; ".join(
+                f"{label} {result[label]['tokens_per_s']:.1f} tok/s ({result[label]['mean_iterations']:.2f} "
+                f"iterations/token, max {result[label]['max_iterations']})"
+                for label in ("fixed depth", "adaptive (latent-diff)"))
+                + f"; adaptive equal to batch-1 generate: {result['tokens_equal_fraction']:.3f}"]
     lines.append(f"total {report['seconds']:.0f} s")
     return "\n".join(lines)
 
 
-SECTIONS = ("peak", "model_step", "memory", "training", "generation")
+SECTIONS = ("peak", "model_step", "memory", "training", "generation", "engine")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -522,8 +568,10 @@ def main(argv: list[str] | None = None) -> int:
                         report[section], trained = training_check(setup, Path(root))
                     elif trained is None:
                         report[section] = {"error": "no trained model (the training section failed)"}
-                    else:
+                    elif section == "generation":
                         report[section] = generation_check(setup, trained)
+                    else:
+                        report[section] = engine_check(setup, trained)
                 except Exception as err:  # noqa: BLE001 - recorded in the report, and the exit status says so
                     traceback.print_exc()
                     report[section] = {"error": failure(err)}
