@@ -65,8 +65,8 @@ class ScheduleConfig:
 @dataclass
 class GradSyncConfig:
     kind: Literal["chunk_stream", "chunk_stream_overlap", "ddp"] = "chunk_stream"
-    """Gradient exchange (huginn_ray.train.grad_sync); under parallelism.mode=hsdp only chunk_stream (between
-    shard groups)."""
+    """Gradient exchange (huginn_ray.train.grad_sync); under parallelism.mode=hsdp the chunk stream between shard
+    groups, after backward (chunk_stream) or launched during it (chunk_stream_overlap); not ddp."""
     chunk_mib: float = 64.0
     """Size of every all-reduce message of the chunk streams, in MiB of fp32 (DDP: bucket size)."""
     max_chunks_in_flight: int = 4
@@ -314,9 +314,9 @@ def check_worker_range(num_workers: int | list[int]) -> None:
 
 def check_sharding_config(cfg: TrainConfig) -> None:
     par = cfg.parallelism
-    if par.mode == "hsdp" and cfg.grad_sync.kind != "chunk_stream":
+    if par.mode == "hsdp" and cfg.grad_sync.kind == "ddp":
         raise ConfigError(f"grad_sync.kind={cfg.grad_sync.kind}: under parallelism.mode=hsdp the exchange between "
-                          "shard groups is chunk_stream")
+                          "shard groups is chunk_stream or chunk_stream_overlap")
 
 
 # ---- allowed ranges of the numeric fields (checked by load_train_config; a new numeric field belongs here) -----

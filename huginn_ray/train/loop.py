@@ -169,8 +169,8 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
         if load_init_from:
             load_initial_weights(model, plan, rank)
     if shape.mode == "hsdp":
-        sync = build_grad_sync("chunk_stream", model, cfg.grad_sync.chunk_mib, group=mesh.get_group("replicate"),
-                               divide_by=world_size)
+        sync = build_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib, group=mesh.get_group("replicate"),
+                               max_chunks_in_flight=cfg.grad_sync.max_chunks_in_flight, divide_by=world_size)
     else:
         sync = build_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib,
                                find_unused_parameters=cfg.grad_sync.ddp_find_unused_parameters,
