@@ -14,6 +14,9 @@ On the device present it measures and prints, as a table, and writes as JSON (--
    (NCCL on GPUs, gloo on CPU) and no Ray: the loss falls, the host reads a device tensor once per step, a
    checkpoint saved mid-run resumes to the same losses;
 5. generation at batch 1: tokens/s of an adaptive exit (kl) against the fixed depth, on the trained model.
+6. optimizer: AdamW's fused kernel (what the training takes on GPUs) against its multi-tensor step over the
+   parameters of a nebel-width model of 1/1/1 layers: seconds per step, and the largest difference of the
+   weights after the same steps from the same gradients (within ADAMW_TOLERANCE, else the row fails).
 
 What the GPU machine needs: torch and what this package's training modules import at import time (numpy,
 pyarrow, safetensors, pyyaml); not Ray, not MLflow (huginn_ray.train.loop imports them inside the functions that
@@ -59,6 +62,7 @@ from huginn_ray.train import checkpoint as ckpt  # noqa: E402
 from huginn_ray.train import loop  # noqa: E402
 from huginn_ray.train.config import TrainConfig  # noqa: E402
 from huginn_ray.train.memory import GIB, plan_memory  # noqa: E402
+from huginn_ray.train.optim import adamw_fused, param_groups  # noqa: E402
 from huginn_ray.train.run_plan import RunPlan  # noqa: E402
 
 NEBEL_WIDTH = dict(n_embd=5280, num_attention_heads=55, intermediate_size=17920, vocab_size=65536,
@@ -415,6 +419,57 @@ def generation_check(setup: Setup, model: RecurrentGPT) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# 6. optimizer
+# ---------------------------------------------------------------------------------------------------------
+ADAMW_TOLERANCE = 1e-6
+"""Largest |weight difference| allowed between AdamW's fused and multi-tensor steps after `Setup.steps` steps at
+lr 1e-3 (each step moves a weight by about 1e-3; the two differ by the rounding of a few fp32 operations)."""
+
+
+def optimizer_check(setup: Setup) -> dict:
+    """AdamW `fused=True` against `foreach=True` on the same parameters, gradients and param groups (weight
+    decay on the matrices only, as build_optimizer's groups): the median seconds of a step and the largest
+    weight difference after `setup.steps` steps."""
+    config = model_config("nebel-width", setup, n_layers_in_prelude=1, n_layers_in_recurrent_block=1,
+                          n_layers_in_coda=1)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = RecurrentGPT(config)
+    model.materialize(setup.device)
+    params = list(model.parameters())
+    start = [p.detach().clone() for p in params]
+    grads = [torch.randn_like(p) * 1e-2 for p in params]
+    seconds, weights = {}, {}
+    for variant in ("fused", "foreach"):
+        with torch.no_grad():
+            for p, initial, grad in zip(params, start, grads):
+                p.copy_(initial)
+                p.grad = grad
+        optimizer = torch.optim.AdamW(param_groups(model, 0.1, True), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                                      **{variant: True})
+        times = []
+        for _ in range(setup.steps + 1):  # the first step allocates the moments: not timed
+            synchronize(setup.device)
+            started = time.perf_counter()
+            optimizer.step()
+            synchronize(setup.device)
+            times.append(time.perf_counter() - started)
+        seconds[variant] = float(np.median(times[1:]))
+        weights[variant] = [p.detach().clone() for p in params] if variant == "fused" else params
+        del optimizer
+        free_device_memory(setup.device)
+    difference = max((a - b).abs().max().item() for a, b in zip(weights["fused"], weights["foreach"]))
+    row = {"params": sum(p.numel() for p in params), "steps": setup.steps + 1,
+           "training_takes_fused": adamw_fused(setup.device),
+           "fused_seconds": seconds["fused"], "foreach_seconds": seconds["foreach"],
+           "fused_speedup": seconds["foreach"] / seconds["fused"], "max_abs_weight_difference": difference,
+           "tolerance": ADAMW_TOLERANCE}
+    if not difference <= ADAMW_TOLERANCE:
+        row["error"] = f"fused and foreach AdamW differ by {difference:.3g} > {ADAMW_TOLERANCE:g} in a weight"
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------------------------
 def init_one_rank(device: torch.device) -> None:
@@ -471,6 +526,13 @@ def render(report: dict) -> str:
                           f"{resume['device_reads_per_step']:g}",
                       "host reads per step by site: " + ", ".join(f"{site} {n:g}" for site, n in
                                                                   result["host_reads_per_step"].items())]
+        elif section == "optimizer":
+            lines += ["", f"optimizer, AdamW over {result['params']:,} parameters (the training takes "
+                          f"{'fused' if result['training_takes_fused'] else 'single-tensor'} here): fused "
+                          f"{result['fused_seconds'] * 1e3:.2f} ms/step, foreach {result['foreach_seconds'] * 1e3:.2f} "
+                          f"ms/step ({result['fused_speedup']:.2f}x); max |weight difference| after "
+                          f"{result['steps']} steps {result['max_abs_weight_difference']:.3g} (tolerance "
+                          f"{result['tolerance']:g})"]
         elif section == "generation":
             lines += ["", f"generation, batch 1, depth {result['depth']}, {result['new_tokens']} tokens: " + "; ".join(
                 f"{label} {result[label]['tokens_per_s']:.1f} tok/s ({result[label]['mean_steps_per_token']:.2f} "
@@ -479,7 +541,7 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = ("peak", "model_step", "memory", "training", "generation")
+SECTIONS = ("peak", "model_step", "memory", "training", "generation", "optimizer")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -520,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
                         report[section] = memory_check(setup, Path(root))
                     elif section == "training":
                         report[section], trained = training_check(setup, Path(root))
+                    elif section == "optimizer":
+                        report[section] = optimizer_check(setup)
                     elif trained is None:
                         report[section] = {"error": "no trained model (the training section failed)"}
                     else:

@@ -24,7 +24,8 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert list(report) == ["device", "peak", "model_step", "memory", "training", "generation", "seconds"]
+    assert list(report) == ["device", "peak", "model_step", "memory", "training", "generation", "optimizer",
+                            "seconds"]
     assert (report["device"]["type"], report["device"]["quick"]) == ("cpu", True)
     assert report["peak"]["matmul_flops"] > 0 and report["peak"]["copy_bytes_per_s"] > 0
 
@@ -65,4 +66,13 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
     assert generation["fixed depth"]["mean_steps_per_token"] == 4.0
     assert generation["adaptive (kl)"]["threshold"] == DEFAULT_THRESHOLDS["kl"]
     assert 1.0 <= generation["adaptive (kl)"]["mean_steps_per_token"] <= 4.0
+    optimizer = report["optimizer"]  # fused AdamW exists on the CPU too; the training takes single-tensor here
+    with torch.device("meta"):
+        one_layer_each = RecurrentGPT(ModelConfig(name="nebel-width", **{**TINY, "n_layers_in_prelude": 1,
+                                                                         "n_layers_in_recurrent_block": 1,
+                                                                         "n_layers_in_coda": 1}))
+    assert (optimizer["params"], optimizer["steps"]) == (sum(p.numel() for p in one_layer_each.parameters()), 3)
+    assert optimizer["training_takes_fused"] is False and "error" not in optimizer
+    assert 0 < optimizer["max_abs_weight_difference"] <= optimizer["tolerance"] == 1e-6  # rounded differently
+    assert optimizer["fused_seconds"] > 0 and optimizer["foreach_seconds"] > 0
     assert "total per rank" not in run.stdout and "JSON: " + str(out) in run.stdout

@@ -156,13 +156,15 @@ def test_frontier_plan_under_hsdp_and_why_replicate_does_not_fit(capsys):
     # the peak is the core's backward: every row alive (the core's weights and gradients both gathered) plus one
     # block's recomputation; at the reduce-scatter the core's weights are already resharded
     rows = sum(b for _, b, _ in plan.rows)
-    assert plan.peak.name == "core backward" and plan.total == rows + 2_528_505_880 == 30_822_201_264
+    assert plan.peak.name == "core backward" and plan.total == rows + 2_528_505_880 == 31_023_527_856
     # the reduce-scatter input (fp32, core-sized) takes the place of the resharded core weights
     assert plan.phase_total(phases["core reduce-scatter"]) == rows
     assert plan.phase_total(phases["end of forward"]) == (rows - plan.bytes_of(memory.ROOT_G) - 4 * 4 * block
                                                            - plan.bytes_of(memory.PREFETCH) + 7_463_854_084)
+    # chunk_stream_overlap between nodes: 4 chunks of 64 MiB in flight
+    assert plan.bytes_of("exchange buffers (chunk_stream_overlap)") == 4 * 64 * 2**20
     assert plan.fits
-    assert plan.render().splitlines()[-1] == "total per rank: 28.7 GiB of 64.0 GiB device memory"
+    assert plan.render().splitlines()[-1] == "total per rank: 28.9 GiB of 64.0 GiB device memory"
     assert [line.split()[2] for line in plan.render().splitlines() if "not counted:" in line] == [
         "CUDA/HIP", "communicator", "allocator"]
     assert memory.main(["--config", str(FRONTIER), "parallelism.mode=replicate",

@@ -215,7 +215,10 @@ class TrainConfig:
     """torch.compile every sandwich block (huginn_ray.model.compile_blocks, regional compilation): a new depth
     does not recompile. Costs compile time at the start of every worker (about a minute on CPU)."""
     compile_options: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of torch.compile for the blocks, e.g. {mode: max-autotune} on GPUs."""
+    """Keyword arguments of torch.compile for the blocks. Without a `mode`: max-autotune-no-cudagraphs on GPUs
+    (GPU_COMPILE_MODE), torch's default mode on CPU. Modes with CUDA graphs (max-autotune, reduce-overhead) are
+    refused: a compiled core block runs k times per step, and a CUDA graph's replay overwrites the outputs of
+    the previous one that backward still needs."""
     loss_chunk_tokens: int = 1024
     """Head + cross-entropy over chunks of this many tokens (huginn_ray.model.chunked_cross_entropy): at most
     loss_chunk_tokens x padded_vocab fp32 logits exist at a time instead of all tokens' logits and their
@@ -295,6 +298,7 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
             raise ConfigError(f"fault_injection.{key}: must be in [0, {cfg.scaling.min_workers - 1}] "
                               f"(scaling.num_workers={cfg.scaling.num_workers}), got {rank}")
     check_sharding_config(cfg)
+    check_compile_options(cfg)
     return cfg
 
 
@@ -310,6 +314,27 @@ def check_worker_range(num_workers: int | list[int]) -> None:
     """scaling.num_workers as a list is [min, max] with min <= max (each >= 1: TRAIN_RANGES)."""
     if isinstance(num_workers, list) and (len(num_workers) != 2 or num_workers[0] > num_workers[1]):
         raise ConfigError(f"scaling.num_workers: a worker count or [min, max] with min <= max, got {num_workers}")
+
+
+GPU_COMPILE_MODE = "max-autotune-no-cudagraphs"
+"""torch.compile's mode for the blocks on GPUs unless compile_options names one: autotuned Triton kernels, no CUDA
+graphs."""
+CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")
+
+
+def compile_options_for(cfg: TrainConfig, device_type: str) -> dict[str, Any]:
+    """torch.compile's keyword arguments for the blocks on a device of `device_type` (cuda, cpu)."""
+    if device_type == "cpu" or "mode" in cfg.compile_options:
+        return dict(cfg.compile_options)
+    return {"mode": GPU_COMPILE_MODE, **cfg.compile_options}
+
+
+def check_compile_options(cfg: TrainConfig) -> None:
+    mode = cfg.compile_options.get("mode")
+    if mode in CUDA_GRAPH_MODES:
+        raise ConfigError(f"compile_options.mode={mode}: this mode records CUDA graphs, which the recurrence breaks "
+                          f"(a compiled core block runs k times per step); use {GPU_COMPILE_MODE} (the default on "
+                          "GPUs)")
 
 
 def check_sharding_config(cfg: TrainConfig) -> None:

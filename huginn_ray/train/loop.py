@@ -37,7 +37,7 @@ from huginn_ray.model.pretrained import load_weights_into
 from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, choose_attention_backend,
                                          probe_attention_backends, restrict_attention)
 from huginn_ray.train import checkpoint as ckpt
-from huginn_ray.train.config import TrainConfig
+from huginn_ray.train.config import TrainConfig, compile_options_for
 from huginn_ray.train.grad_sync import build_grad_sync
 from huginn_ray.train.optim import build_optimizer, set_lr, trapezoid_lr
 from huginn_ray.train import parallel
@@ -161,7 +161,7 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
         print(f"[huginn] attention: {backend} kernel ({attention.describe()}, {device.type})", flush=True)
     model.loss_chunk_tokens = cfg.loss_chunk_tokens
     if cfg.compile:
-        compile_blocks(model, **cfg.compile_options)
+        compile_blocks(model, **compile_options_for(cfg, device.type))
     if shape.mode == "hsdp":
         parallel.apply_hsdp(model, mesh)
     if plan.init_from:

@@ -14,7 +14,7 @@ Rows (what lives across the step, or a long part of it), per rank:
   adapter, final norm) for the whole step and its gradients from the loss's backward on; the core block unit's
   weights from its forward to the end of its backward and its gradients from its backward to its reduce-scatter
   (gathered and reduced once per step); one prelude block prefetched while the core's backward runs;
-- exchange buffers: chunk_stream one chunk (hsdp: one chunk when there is more than one shard group),
+- exchange buffers (hsdp: only when there is more than one shard group): chunk_stream one chunk,
   chunk_stream_overlap `max_chunks_in_flight` chunks, ddp none beyond the gradients (gradient_as_bucket_view);
 - activations kept for backward at the deepest backprop the sampler draws (k = mean_backprop_depth gradient
   iterations, with the configured activation checkpointing), for one micro-batch: measured, not estimated, by
@@ -372,16 +372,16 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
 
     chunk_bytes = int(cfg.grad_sync.chunk_mib * 1024 * 1024) // 4 * 4
     kind = cfg.grad_sync.kind
-    if hsdp:
-        replicas = workers // shards
-        exchange = chunk_bytes if replicas > 1 else 0
-        how = "one chunk, streamed between shard groups" if replicas > 1 else "one shard group: no stream"
+    between = ", streamed between shard groups" if hsdp else ""
+    if hsdp and workers == shards:
+        exchange, how = 0, "one shard group: no stream"
     elif kind == "chunk_stream":
-        exchange, how = chunk_bytes, "one chunk"
+        exchange, how = chunk_bytes, "one chunk" + between
     elif kind == "chunk_stream_overlap":
-        chunks = math.ceil(numel * 4 / chunk_bytes)
+        chunks = math.ceil((local if hsdp else numel) * 4 / chunk_bytes)
         in_flight = min(cfg.grad_sync.max_chunks_in_flight, chunks)
-        exchange, how = in_flight * chunk_bytes, f"{in_flight} chunks in flight (grad_sync.max_chunks_in_flight)"
+        exchange, how = (in_flight * chunk_bytes,
+                         f"{in_flight} chunks in flight (grad_sync.max_chunks_in_flight){between}")
     else:
         exchange, how = 0, "gradients are views into DDP's buckets"
     plan.rows.append((f"exchange buffers ({kind})", exchange, how))

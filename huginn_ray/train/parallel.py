@@ -12,9 +12,10 @@ workers node by node; `check_node_layout` verifies it on every run).
   backward), the core block as one unit (`RecurrentCore.forward` runs every iteration in one call, so the core is
   gathered once per step and kept until its backward ends, then reduce-scattered once), and the root (embedding
   = tied head, adapter, final norm). Within the shard group FSDP reduce-scatters the gradient sums (no division);
-  between shard groups each rank then streams its gradient shard through `ChunkStream` over the "replicate"
-  dimension: fixed-size, zero-padded fp32 chunks, summed, then divided by W (reference §4.2). Each rank sends
-  1/S of the flat stream's bytes between shard groups.
+  between shard groups each rank then streams its gradient shard over the "replicate" dimension with
+  `grad_sync.kind` (`ChunkStream` after backward, `ChunkStreamOverlap` as each unit's reduce-scatter completes):
+  fixed-size, zero-padded fp32 chunks, summed, then divided by W (reference §4.2). Each rank sends 1/S of the
+  flat stream's bytes between shard groups.
 
 Numerics are those of `replicate`: the sharded parameters are the fp32 master weights, gathers and reductions
 run in fp32 (FSDP2's MixedPrecisionPolicy left at its default: param_dtype and reduce_dtype None), and bf16
