@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from huginn_ray.data.tokenizer import special_token_ids, train_tokenizer
-from huginn_ray.eval.depth_scaling import log_validation_plot, shard_loss
+from huginn_ray.eval.depth_scaling import shard_loss, validation_plot
 from huginn_ray.model import ModelConfig, RecurrentGPT, save_pretrained
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,12 +75,34 @@ def test_depth_scaling_job_writes_table_csv_plot_and_mlflow(setup):
         "depth_scaling/depth_scaling.csv", "depth_scaling/depth_scaling.png"}
 
 
-def test_validation_plot_goes_to_mlflow(tmp_path):
+def test_validation_plot_is_drawn_and_uploaded_by_the_logger_s_thread_not_the_step_loop(tmp_path, capsys):
+    """Training's validation plot: the step loop only enqueues it (MetricsLogger.log_drawn_artifact); matplotlib
+    runs on the sender thread. A draw that fails or has nothing to show logs nothing and raises nowhere."""
+    import threading
+
     from mlflow.tracking import MlflowClient
+
+    from huginn_ray.train.tracking import MetricsLogger
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     experiment = client.create_experiment("t", artifact_location=(tmp_path / "artifacts").as_uri())
     run_id = client.create_run(experiment).info.run_id
     metrics = {"val_loss_1": 5.0, "val_loss_4": 4.5, "val_loss_32": 4.4, "val_loss": 4.4, "val_ppl_4": math.exp(4.5)}
-    log_validation_plot(uri, run_id, metrics, 25, train_depth=4)
+    drawn_on = []
+
+    def draw(directory):
+        drawn_on.append(threading.current_thread().name)
+        return validation_plot(metrics, 25, 4, directory)
+
+    def fails(directory):
+        raise RuntimeError("no display")
+
+    logger = MetricsLogger(uri, run_id)
+    logger.log_drawn_artifact("plot of step 24", fails, "depth_scaling")
+    logger.log_drawn_artifact("plot of step 25", draw, "depth_scaling")
+    logger.log_drawn_artifact("plot of step 26", lambda d: validation_plot({"val_loss_1": 5.0}, 26, 4, d),
+                              "depth_scaling")  # one depth: nothing to draw
+    logger.close()
+    assert drawn_on == ["huginn-mlflow-sender"]
     assert [a.path for a in client.list_artifacts(run_id, "depth_scaling")] == ["depth_scaling/step_000025.png"]
+    assert "[huginn] warning: plot of step 24 not logged: RuntimeError: no display" in capsys.readouterr().out

@@ -150,19 +150,11 @@ def plot(depths: list[int], losses: list[float], path: str | Path, train_depth: 
     return Path(path)
 
 
-def log_validation_plot(uri: str, run_id: str, metrics: dict, step: int, train_depth: int) -> None:
-    """During training: the depth curve of this validation step as MLflow artifact depth_scaling/step_XXXXXX.png."""
-    import tempfile
-
-    from mlflow.tracking import MlflowClient
-
+def validation_plot(metrics: dict, step: int, train_depth: int, directory: Path) -> Path | None:
+    """The depth curve of one validation step of training, as `directory`/step_XXXXXX.png (None with fewer than two
+    depths). Training logs it through MetricsLogger.log_drawn_artifact, which draws it off the step loop."""
     depths = sorted(int(k.removeprefix("val_loss_")) for k in metrics if k.removeprefix("val_loss_").isdigit())
     if len(depths) < 2:
-        return
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = plot(depths, [metrics[f"val_loss_{d}"] for d in depths], Path(tmp) / f"step_{step:06d}.png",
-                        train_depth, f"validation loss by depth, step {step}")
-            MlflowClient(uri).log_artifact(run_id, str(path), artifact_path="depth_scaling")
-    except Exception as err:  # a plot must never stop training
-        print(f"[huginn] warning: depth-scaling plot of step {step} not logged: {err}", flush=True)
+        return None
+    return plot(depths, [metrics[f"val_loss_{d}"] for d in depths], Path(directory) / f"step_{step:06d}.png",
+                train_depth, f"validation loss by depth, step {step}")

@@ -15,6 +15,7 @@ step, within seconds, instead of leaving 4095 ranks waiting for the process-grou
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -364,7 +365,7 @@ def clip_gradients(c: Components, max_norm: float) -> torch.Tensor:
 def _train(cfg: TrainConfig, plan: RunPlan) -> None:
     import ray.train  # here, not at the top: build_components and train_step run where Ray and MLflow are not installed
 
-    from huginn_ray.eval.depth_scaling import log_validation_plot
+    from huginn_ray.eval.depth_scaling import validation_plot
     from huginn_ray.train.tracking import MetricsLogger
 
     ctx = ray.train.get_context()
@@ -463,7 +464,8 @@ def _train(cfg: TrainConfig, plan: RunPlan) -> None:
             val = validate(model, val_batch, cfg, plan, device, c.autocast)
             if rank == 0:
                 logger.log(val, step)
-                log_validation_plot(plan.mlflow_uri, state.mlflow_run_id, val, step, c.model_cfg.mean_recurrence)
+                logger.log_drawn_artifact(f"depth-scaling plot of step {step}", functools.partial(
+                    validation_plot, val, step, c.model_cfg.mean_recurrence), "depth_scaling")
                 print(f"[huginn] step {step} validation " + " ".join(f"{k}={v:.4f}" for k, v in val.items()), flush=True)
         if (step % cfg.checkpoint.save_step_interval == 0 or (last_step and cfg.checkpoint.save_last_step)
                 or result.stop_requested):

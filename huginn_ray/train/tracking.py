@@ -18,6 +18,8 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlflow.entities import Metric, Param
@@ -106,9 +108,25 @@ def close_loggers(timeout_s: float | None = None) -> None:
         _LOGGERS.pop().close(timeout_s)
 
 
+@dataclass
+class _Artifact:
+    """A file waiting to be uploaded: `file` is the sender's own copy, or None until `draw` has made it."""
+
+    name: str
+    """What the warnings call it: the caller's path, or the file a `draw` makes."""
+    artifact_path: str | None
+    """The run's artifact directory it goes to."""
+    file: str | None
+    """The file to upload, in the logger's spool."""
+    draw: Callable[[Path], Path | None] | None = None
+    """Makes the file in the directory it is given (on the sender thread: a plot is drawn off the step loop);
+    None when the file exists already."""
+
+
 class MetricsLogger:
-    """Rank 0's metric sink. `log` and `log_artifact` only enqueue: they never block on the server and never
-    raise, so a tracking outage cannot stop training.
+    """Rank 0's metric sink. `log`, `log_artifact` and `log_drawn_artifact` only enqueue: they never block on the
+    server and never raise, so a tracking outage cannot stop training, and drawing a plot costs the step loop
+    nothing (the sender thread draws it).
 
     A background thread sends the queue in order, in batches of up to 1000 values, with MLflow's own HTTP
     retries off and a short request timeout; on failure it retries with backoff (up to `max_backoff_s`) until the
@@ -130,7 +148,7 @@ class MetricsLogger:
         self.max_pending, self.flush_timeout_s, self.max_backoff_s = max_pending, flush_timeout_s, max_backoff_s
         self.max_pending_artifacts = max_pending_artifacts
         self._queue: deque[list[Metric]] = deque()
-        self._artifacts: deque[tuple[str, str | None, str]] = deque()
+        self._artifacts: deque[_Artifact] = deque()
         self._pending = 0
         self._inflight: list[Metric] | None = None
         self._dropped = 0  # in the current outage, not yet reported
@@ -157,14 +175,8 @@ class MetricsLogger:
             self._cond.notify()
 
     def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
-        """Upload a file (a plot, a table) to the run; the file is copied now, so the caller may delete it."""
+        """Upload a file (a table) to the run; the file is copied now, so the caller may delete it."""
         local_path = Path(local_path)
-        with self._cond:
-            if len(self._artifacts) >= self.max_pending_artifacts:
-                old = self._artifacts.popleft()
-                shutil.rmtree(Path(old[2]).parent, ignore_errors=True)
-                self._dropped += 1
-                self.dropped_total += 1
         copy_dir = Path(tempfile.mkdtemp(dir=self._spool))
         copy = copy_dir / local_path.name
         try:
@@ -172,9 +184,41 @@ class MetricsLogger:
         except OSError as err:
             print(f"[huginn] warning: artifact {local_path} not logged: {err}", flush=True)
             return
+        self._enqueue_artifact(_Artifact(str(local_path), artifact_path, str(copy)))
+
+    def log_drawn_artifact(self, name: str, draw: Callable[[Path], Path | None],
+                           artifact_path: str | None = None) -> None:
+        """Upload the file `draw(directory)` makes (a plot); `draw` runs on the sender thread, so matplotlib never
+        runs in the step loop. A `draw` that returns None (nothing to show) or raises logs nothing."""
+        self._enqueue_artifact(_Artifact(name, artifact_path, None, draw))
+
+    def _enqueue_artifact(self, artifact: _Artifact) -> None:
         with self._cond:
-            self._artifacts.append((str(local_path), artifact_path, str(copy)))
+            if len(self._artifacts) >= self.max_pending_artifacts:
+                self._discard(self._artifacts.popleft())
+                self._dropped += 1
+                self.dropped_total += 1
+            self._artifacts.append(artifact)
             self._cond.notify()
+
+    @staticmethod
+    def _discard(artifact: _Artifact) -> None:
+        if artifact.file is not None:
+            shutil.rmtree(Path(artifact.file).parent, ignore_errors=True)
+
+    def _draw(self, artifact: _Artifact) -> bool:
+        """Make a drawn artifact's file (sender thread, outside the lock); False when there is nothing to send."""
+        directory = Path(tempfile.mkdtemp(dir=self._spool))
+        try:
+            path = artifact.draw(directory)
+        except Exception as err:  # noqa: BLE001 - a plot must never stop training
+            print(f"[huginn] warning: {artifact.name} not logged: {type(err).__name__}: {err}", flush=True)
+            path = None
+        if path is None:
+            shutil.rmtree(directory, ignore_errors=True)
+            return False
+        artifact.file, artifact.draw = str(path), None
+        return True
 
     def _drop_oldest(self) -> bool:
         for i, entry in enumerate(self._queue):
@@ -207,11 +251,16 @@ class MetricsLogger:
                 entries = self._next_batch()
                 self._inflight = entries[0] if entries else None
                 artifact = self._artifacts[0] if not entries else None
+            if artifact is not None and artifact.draw is not None and not self._draw(artifact):
+                with self._cond:
+                    if self._artifacts and self._artifacts[0] is artifact:
+                        self._artifacts.popleft()
+                continue
             try:
                 if entries:
                     self.client.log_batch(self.run_id, metrics=[m for e in entries for m in e])
                 else:
-                    self.client.log_artifact(self.run_id, artifact[2], artifact[1])
+                    self.client.log_artifact(self.run_id, artifact.file, artifact.artifact_path)
             except Exception as err:  # noqa: BLE001 - the server is down, slow, or refused: retry later
                 with self._cond:
                     self._inflight = None
@@ -235,8 +284,7 @@ class MetricsLogger:
                             self._pending -= len(entry)
                             self.sent_total += len(entry)
                 elif self._artifacts and self._artifacts[0] is artifact:
-                    self._artifacts.popleft()
-                    shutil.rmtree(Path(artifact[2]).parent, ignore_errors=True)
+                    self._discard(self._artifacts.popleft())
                 if self._failing_since is not None:
                     outage = time.monotonic() - self._failing_since
                     self._failing_since = None
