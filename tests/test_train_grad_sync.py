@@ -255,8 +255,8 @@ def hsdp_overlap(rank, world_size):
     for kind in ("chunk_stream", "chunk_stream_overlap"):
         model = real_model()
         parallel.apply_hsdp(model, mesh)
-        sync = grad_sync.build_grad_sync(kind, model, OVERLAP_CHUNK * 4 / 2**20, group=mesh.get_group("replicate"),
-                                         max_chunks_in_flight=2, divide_by=world_size)
+        sync = grad_sync.build_hsdp_grad_sync(kind, model, OVERLAP_CHUNK * 4 / 2**20, mesh.get_group("replicate"),
+                                              world_size, max_chunks_in_flight=2)
         all_reduce = grad_sync.dist.all_reduce
         recording = kind == "chunk_stream_overlap"
         if recording:

@@ -82,6 +82,12 @@ class ParallelismSection:
     hsdp: FSDP2 shards parameters, gradients and optimizer state over the ranks of a shard group, the chunk
     stream runs between shard groups (huginn_ray.train.parallel). A shard group is one Ray node (Ray Train's
     local world size)."""
+    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """hsdp: the dtype FSDP2 gathers the prelude, core and coda blocks' matmul weights in (their gradients are
+    reduced in fp32, the sharded master weights and the checkpoint stay fp32); norm weights, qk_bias and the root
+    unit (embedding = head, recurrent-state adapter, final norm) are always fp32. bfloat16 halves those gathers
+    and needs precision bf16-mixed (autocast feeds the matmuls bf16 activations); auto: bfloat16 when the run
+    trains in bf16-mixed (GPUs by default), float32 otherwise (CPU)."""
 
 
 @dataclass
@@ -299,6 +305,7 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
                               f"(scaling.num_workers={cfg.scaling.num_workers}), got {rank}")
     check_sharding_config(cfg)
     check_compile_options(cfg)
+    check_param_dtype(cfg)
     return cfg
 
 
@@ -327,6 +334,16 @@ def compile_options_for(cfg: TrainConfig, device_type: str) -> dict[str, Any]:
     if device_type == "cpu" or "mode" in cfg.compile_options:
         return dict(cfg.compile_options)
     return {"mode": GPU_COMPILE_MODE, **cfg.compile_options}
+
+
+def check_param_dtype(cfg: TrainConfig) -> None:
+    if cfg.parallelism.param_dtype != "bfloat16":
+        return
+    if cfg.parallelism.mode != "hsdp":
+        raise ConfigError("parallelism.param_dtype=bfloat16: only parallelism.mode=hsdp gathers weights")
+    if cfg.precision == "fp32" or (cfg.precision == "auto" and not cfg.scaling.use_gpu):
+        raise ConfigError(f"parallelism.param_dtype=bfloat16 needs precision=bf16-mixed (precision={cfg.precision}"
+                          f"{', on CPU' if cfg.precision == 'auto' else ''} trains in fp32)")
 
 
 def check_compile_options(cfg: TrainConfig) -> None:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from huginn_ray.train.parallel import local
 
@@ -83,9 +84,10 @@ class ChunkStream:
     by `divide_by` (default: the group's size). Under hsdp the group is the rank's "replicate" column and the
     divisor the world size, since the reduce-scatter before it summed the shard group without dividing."""
 
-    def __init__(self, model: nn.Module, chunk_numel: int, group=None, divide_by: int | None = None):
+    def __init__(self, model: nn.Module, chunk_numel: int, group=None, divide_by: int | None = None,
+                 params: list[nn.Parameter] | None = None):
         self.module = model
-        self.params = trainable_parameters(model)
+        self.params = trainable_parameters(model) if params is None else params
         self.chunks = chunk_layout([local(p).numel() for p in self.params], chunk_numel)
         self.group = group
         self.world_size = divide_by or dist.get_world_size(group)
@@ -145,9 +147,9 @@ class ChunkStreamOverlap:
     element, so the result is bitwise the same."""
 
     def __init__(self, model: nn.Module, chunk_numel: int, group=None, max_in_flight: int = 4,
-                 divide_by: int | None = None):
+                 divide_by: int | None = None, params: list[nn.Parameter] | None = None):
         self.module = model
-        self.params = gradient_order(model)
+        self.params = gradient_order(model) if params is None else params
         self.chunks = chunk_layout([local(p).numel() for p in self.params], chunk_numel)
         self.group = group
         self.world_size = divide_by or dist.get_world_size(group)
@@ -268,13 +270,61 @@ class DDPSync:
         """DDP has reduced during backward."""
 
 
+class Streams:
+    """Exchanges over disjoint sets of parameters, run as one (each with its own hooks and buffers)."""
+
+    def __init__(self, module: nn.Module, streams: list):
+        self.module = module
+        self.streams = streams
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool):
+        with contextlib.ExitStack() as stack:
+            for stream in self.streams:
+                stack.enter_context(stream.micro_batch(last))
+            yield
+
+    def finish(self) -> None:
+        for stream in self.streams:
+            stream.finish()
+
+    def remove_hooks(self) -> None:
+        for stream in self.streams:
+            if hasattr(stream, "remove_hooks"):
+                stream.remove_hooks()
+
+
+def build_hsdp_grad_sync(kind: str, model: nn.Module, chunk_mib: float, replicate_group, world_size: int,
+                         max_chunks_in_flight: int = 4):
+    """hsdp's exchange: every sharded gradient (FSDP2 has summed it over the shard group) streamed over
+    `replicate_group`, divided by the world size. Parameters FSDP2 leaves whole (the blocks' fp32 norm weights and
+    qk_bias under bf16 gathers) hold this rank's gradient alone: a second stream of their own size sums them over
+    all ranks."""
+    chunk_numel = int(chunk_mib * 1024 * 1024) // 4
+    ordered = trainable_parameters(model) if kind == "chunk_stream" else gradient_order(model)
+    sharded = [p for p in ordered if isinstance(p, DTensor)]
+    whole = [p for p in ordered if not isinstance(p, DTensor)]
+
+    def stream(params, numel, group, divide_by):
+        if kind == "chunk_stream":
+            return ChunkStream(model, numel, group, divide_by, params=params)
+        if kind == "chunk_stream_overlap":
+            return ChunkStreamOverlap(model, numel, group, max_chunks_in_flight, divide_by, params=params)
+        raise ValueError(f"grad_sync.kind: under hsdp chunk_stream or chunk_stream_overlap, not {kind!r}")
+
+    streams = [stream(sharded, chunk_numel, replicate_group, world_size)]
+    if whole:
+        streams.append(stream(whole, min(chunk_numel, sum(p.numel() for p in whole)), None, world_size))
+    return streams[0] if len(streams) == 1 else Streams(model, streams)
+
+
 def build_grad_sync(kind: str, model: nn.Module, chunk_mib: float = 64, group=None, find_unused_parameters=False,
-                    max_chunks_in_flight: int = 4, divide_by: int | None = None):
+                    max_chunks_in_flight: int = 4):
     chunk_numel = int(chunk_mib * 1024 * 1024) // 4
     if kind == "chunk_stream":
-        return ChunkStream(model, chunk_numel, group, divide_by)
+        return ChunkStream(model, chunk_numel, group)
     if kind == "chunk_stream_overlap":
-        return ChunkStreamOverlap(model, chunk_numel, group, max_in_flight=max_chunks_in_flight, divide_by=divide_by)
+        return ChunkStreamOverlap(model, chunk_numel, group, max_in_flight=max_chunks_in_flight)
     if kind == "ddp":
         return DDPSync(model, group, find_unused_parameters=find_unused_parameters, bucket_mb=max(1, int(chunk_mib)))
     raise ValueError(f"grad_sync.kind: unknown gradient exchange {kind!r} (chunk_stream, chunk_stream_overlap, ddp)")

@@ -39,7 +39,7 @@ from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, c
                                          probe_attention_backends, restrict_attention)
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig, compile_options_for
-from huginn_ray.train.grad_sync import build_grad_sync
+from huginn_ray.train.grad_sync import build_grad_sync, build_hsdp_grad_sync
 from huginn_ray.train.optim import build_optimizer, set_lr, trapezoid_lr
 from huginn_ray.train import parallel
 from huginn_ray.train.data_order import DataOrder, DataOrderError
@@ -164,14 +164,14 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
     if cfg.compile:
         compile_blocks(model, **compile_options_for(cfg, device.type))
     if shape.mode == "hsdp":
-        parallel.apply_hsdp(model, mesh)
+        parallel.apply_hsdp(model, mesh, parallel.gather_dtype(cfg.parallelism.param_dtype, plan.precision))
     if plan.init_from:
         model.allocate(device)  # this rank's part only (its shards under hsdp)
         if load_init_from:
             load_initial_weights(model, plan, rank)
     if shape.mode == "hsdp":
-        sync = build_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib, group=mesh.get_group("replicate"),
-                               max_chunks_in_flight=cfg.grad_sync.max_chunks_in_flight, divide_by=world_size)
+        sync = build_hsdp_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib, mesh.get_group("replicate"),
+                                    world_size, cfg.grad_sync.max_chunks_in_flight)
     else:
         sync = build_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib,
                                find_unused_parameters=cfg.grad_sync.ddp_find_unused_parameters,
