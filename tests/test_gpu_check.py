@@ -25,7 +25,7 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert list(report) == ["device", "peak", "model_step", "memory", "training", "generation", "optimizer",
-                            "seconds"]
+                            "bf16_gather", "seconds"]
     assert (report["device"]["type"], report["device"]["quick"]) == ("cpu", True)
     assert report["peak"]["matmul_flops"] > 0 and report["peak"]["copy_bytes_per_s"] > 0
 
@@ -75,4 +75,21 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
     assert optimizer["training_takes_fused"] is False and "error" not in optimizer
     assert 0 < optimizer["max_abs_weight_difference"] <= optimizer["tolerance"] == 1e-6  # rounded differently
     assert optimizer["fused_seconds"] > 0 and optimizer["foreach_seconds"] > 0
+    gathers = report["bf16_gather"]
+    assert "error" not in gathers and gathers["norms_and_qk_bias_fp32"]
+    with torch.device("meta"):
+        tiny = RecurrentGPT(ModelConfig(name="anchor", **TINY))
+    t = tiny.transformer
+    numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    blocks = numel(t.prelude) + numel(t.coda)
+    root = numel(tiny) - blocks - numel(t.core_block)
+    # prelude and coda gathered for forward and backward, the core and the root once
+    assert gathers["float32"]["gathered_bytes"] == {"float32": 4 * (2 * blocks + numel(t.core_block) + root)}
+    # the norm weights and qk_bias are left whole (not gathered), the root unit gathers in fp32
+    matmul = lambda module: sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))  # noqa
+    assert gathers["bfloat16"]["gathered_bytes"] == {
+        "float32": 4 * root, "bfloat16": 2 * (2 * (matmul(t.prelude) + matmul(t.coda)) + matmul(t.core_block))}
+    assert gathers["gathered_ratio"] <= 0.6
+    # autocast casts the fp32-gathered weights to the bf16 values the bf16 gathers bring: the same first loss
+    assert gathers["loss_relative_difference"] == 0.0
     assert "total per rank" not in run.stdout and "JSON: " + str(out) in run.stdout
