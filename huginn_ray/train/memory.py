@@ -13,7 +13,10 @@ Rows (what lives across the step, or a long part of it), per rank:
   group, padded to a multiple of it), plus what FSDP2 gathers whole: the root unit's weights (embedding = head,
   adapter, final norm) for the whole step and its gradients from the loss's backward on; the core block unit's
   weights from its forward to the end of its backward and its gradients from its backward to its reduce-scatter
-  (gathered and reduced once per step); one prelude block prefetched while the core's backward runs;
+  (gathered and reduced once per step); one prelude block prefetched while the core's backward runs. The blocks
+  gather in `parallelism.param_dtype` (bf16: their matmul weights at 2 bytes, their norm weights and qk_bias
+  whole fp32 tensors on every rank instead of shards; no autocast casts of them), the root unit in fp32. The plan
+  also counts the bytes all-gathered per micro-batch, by dtype (`MemoryPlan.gathered`);
 - exchange buffers (hsdp: only when there is more than one shard group): chunk_stream one chunk,
   chunk_stream_overlap `max_chunks_in_flight` chunks, ddp none beyond the gradients (gradient_as_bucket_view);
 - activations kept for backward at the deepest backprop the sampler draws (k = mean_backprop_depth gradient
