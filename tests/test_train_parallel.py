@@ -85,7 +85,8 @@ def plan_for(cfg, grad_accum=1, world_size=None):
     world_size = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
     model_cfg = ModelConfig.from_name("raven-tiny", vocab_size=64, activation_checkpointing=True)
     return RunPlan(global_batch_rows=cfg.micro_batch_size * world_size * grad_accum, num_streams=world_size,
-                   schedule_steps=cfg.max_steps, pad_id=0, eos_id=1, precision="fp32",
+                   schedule_steps=cfg.max_steps, pad_id=0, eos_id=1,
+                   precision="fp32" if cfg.precision == "auto" else cfg.precision,
                    model_config=model_cfg.to_hf_dict())
 
 
@@ -319,7 +320,8 @@ def test_hsdp_logs_the_losses_of_replicate(results, variant):
 
 def test_bf16_gathers_train_like_fp32_gathers_with_norms_qk_bias_and_adapter_in_fp32(results):
     """param_dtype bfloat16 against float32 gathers, both under bf16 autocast on CPU: the losses of 20 steps within
-    5e-3 relative; the bytes FSDP2 gathered in step 1 are the memory plan's, at most 0.6 x those of fp32 gathers;
+    5e-3 relative (autocast casts fp32-gathered weights to the very bf16 values, and their gradients come back
+    through the cast in bf16 as well, so only the order of the fp32 sums may differ); the bytes FSDP2 gathered in step 1 are the memory plan's, at most 0.6 x those of fp32 gathers;
     inside the gathered core block the matmul weights are bf16, the norm weights, qk_bias and the adapter fp32."""
     from huginn_ray.train.memory import plan_memory
 
@@ -329,7 +331,6 @@ def test_bf16_gathers_train_like_fp32_gathers_with_norms_qk_bias_and_adapter_in_
         bf16, fp32 = report["hsdp+bf16"], report["hsdp+autocast"]
         for step, (a, b) in enumerate(zip(bf16["losses"], fp32["losses"]), start=1):
             assert abs(a - b) <= 5e-3 * abs(b), f"rank {rank} step {step}: loss {a} with bf16 gathers, {b} fp32"
-        assert bf16["losses"] != fp32["losses"]  # the gathers did change the weights the matmuls saw
         assert bf16["gathered_dtypes"] == {
             "norm_1.weight": "float32", "attn.qk_bias": "float32", "attn.Wqkv.weight": "bfloat16",
             "attn.proj.weight": "bfloat16", "norm_2.weight": "float32", "norm_3.weight": "float32",

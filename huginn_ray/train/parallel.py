@@ -116,6 +116,9 @@ def gather_dtype(param_dtype: str, precision: str) -> torch.dtype:
     trains in bf16-mixed)."""
     if param_dtype == "auto":
         return torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    if param_dtype == "bfloat16" and precision != "bf16-mixed":
+        raise ValueError(f"parallelism.param_dtype=bfloat16 needs precision bf16-mixed, not {precision}: the matmuls "
+                         "would meet fp32 activations")
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[param_dtype]
 
 
