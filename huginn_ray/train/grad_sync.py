@@ -15,7 +15,9 @@ Three interchangeable exchanges (config `grad_sync.kind`):
 Under `parallelism.mode: hsdp` the chunk stream runs between shard groups over each rank's gradient shard, after
 FSDP2 has reduce-scattered the sums within the group (huginn_ray.train.parallel): `chunk_stream` after backward,
 `chunk_stream_overlap` from the hooks FSDP2 calls on the sharded parameters once a unit's reduce-scatter has
-written their gradients, so a chunk goes out while the units before it are still in backward.
+written their gradients, so a chunk goes out while the units before it are still in backward. With bf16 gathers
+(`parallelism.param_dtype`) FSDP2 leaves the blocks' fp32 norm weights and qk_bias whole; a second stream of the
+same kind sums those over all ranks (`build_hsdp_grad_sync`).
 
 The layout covers every trainable parameter whether or not it received a gradient this step; a parameter without
 gradient contributes zeros, and gets the averaged gradient of the others. This keeps the collectives identical
