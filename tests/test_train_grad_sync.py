@@ -283,8 +283,8 @@ def hsdp_overlap(rank, world_size):
         finally:
             grad_sync.dist.all_reduce = all_reduce
         grads[kind] = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-    expected = {name: sum(real_model_local_mean(world_size, micro, n, k)[name] for micro in range(2))
-                for name in grads["chunk_stream"]}
+    means = [real_model_local_mean(world_size, micro, n, k) for micro in range(2)]
+    expected = {name: means[0][name] + means[1][name] for name in grads["chunk_stream"]}
     # the events, compressed: a unit's gradients final once per micro-batch (its last parameter), with the number
     # of chunks launched until then
     timeline, launched = [], 0
