@@ -17,9 +17,10 @@ workers node by node; `check_node_layout` verifies it on every run).
   fixed-size, zero-padded fp32 chunks, summed, then divided by W (reference §4.2). Each rank sends 1/S of the
   flat stream's bytes between shard groups.
 
-Numerics are those of `replicate`: the sharded parameters are the fp32 master weights, gathers and reductions
-run in fp32 (FSDP2's MixedPrecisionPolicy left at its default: param_dtype and reduce_dtype None), and bf16
-comes only from the autocast around the forward, as in `replicate`.
+Numerics: the sharded parameters are the fp32 master weights, reductions run in fp32, and bf16 comes from the
+autocast around the forward, as in `replicate`. `parallelism.param_dtype` (`gather_dtype`) picks the dtype the
+blocks' matmul weights are gathered in: fp32 (the default on CPU) or bf16 (the default under bf16-mixed), the
+values autocast would cast them to, at half the bytes (`apply_hsdp`).
 """
 
 from __future__ import annotations
