@@ -1,74 +1,129 @@
-"""Generation benchmark: tokens/s with and without a KV cache, and adaptive exits against fixed depth.
+"""Generation benchmark: what adaptive exits buy in throughput under continuous depth batching.
 
-    python bench/generate.py [--checkpoint DIR --data-dir SHARDS] [--num-steps 16] [--rows 4] [--threads 1]
+    python bench/generate.py [--checkpoint DIR] [--data-dir SHARDS] [--batch 32] [--requests 64]
+        [--num-steps 16] [--new-tokens 24] [--criterion latent-diff --threshold 0.03] [--threads 1] [--json]
 
-Part 1 (any model; raven-tiny at random init without --checkpoint): greedy decoding tokens/s of
-RecurrentGPT.generate without and with its cache, and of the adaptive generator at a fixed depth (full, latest
-and ring caches). Part 2 (with --checkpoint and --data-dir: a trained demo checkpoint): at batch size 1, teacher-forced
-on validation rows (prompt 16 tokens, then 48 forced), the mean core iterations per token and the mean
-next-token loss for each exit criterion at its default threshold, against the fixed depth.
+On the same prompts and model (raven-tiny at random init without --checkpoint), greedy decoding:
+(a) the engine (huginn_ray.model.engine) with `--batch` rows and an adaptive exit criterion;
+(b) the engine at the fixed depth `--num-steps`;
+(c) RecurrentGPT.generate at that fixed depth, `--batch` prompts per call.
+Prints tokens/s (wall clock) and tokens per CPU second of this process (steadier on a shared machine), each
+the best of --repeats runs, mean and maximum core iterations per token, and the fraction of requests whose
+adaptive engine output equals `generate` at batch size 1 (token for token); --json prints one JSON object.
+Prompts: the first 16 tokens of rows of --data-dir shards (val/*.parquet, then train/*.parquet) when given, else a
+built-in set (seeded random token ids). The goal: adaptive tokens/s >= 0.7 x (num_steps / mean iterations) x
+fixed-depth tokens/s, i.e. the iterations that exits save become throughput.
+
+With --checkpoint and --data-dir it also prints, at batch size 1 teacher-forced on validation rows (prompt 16
+tokens, then 48 forced), the mean core iterations per token and the next-token loss of each exit criterion at
+its default threshold against the fixed depth (--criteria-table).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 
 from huginn_ray.model import ModelConfig, RecurrentGPT
+from huginn_ray.model.engine import Engine, EngineConfig, Request
 from huginn_ray.model.generate import DEFAULT_THRESHOLDS, generate
 from huginn_ray.model.pretrained import load_pretrained, resolve_model_dir
 
-
-def timed(fn, tokens: int) -> float:
-    start = time.perf_counter()
-    fn()
-    return tokens / (time.perf_counter() - start)
+PROMPT_TOKENS = 16
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint")
-    parser.add_argument("--data-dir")
-    parser.add_argument("--num-steps", type=int, default=16)
-    parser.add_argument("--rows", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.checkpoint:
-        model = load_pretrained(resolve_model_dir(args.checkpoint)).eval()
-    else:
-        torch.manual_seed(0)
-        model = RecurrentGPT(ModelConfig.from_name("raven-tiny")).eval()
-    cfg, depth, new = model.config, args.num_steps, args.new_tokens
-    prompt = torch.randint(0, cfg.vocab_size - 64, (1, 16))
-    print(f"model {cfg.name} D={cfg.n_embd}, depth {depth}, prompt 16, {new} new tokens, batch 1, "
-          f"{torch.get_num_threads()} threads")
-    print(f"| decoding | tokens/s |\n|---|---|")
-    print(f"| RecurrentGPT.generate, no cache | {timed(lambda: model.generate(prompt, new, depth, use_cache=False), new):.1f} |")
-    print(f"| RecurrentGPT.generate, full cache | {timed(lambda: model.generate(prompt, new, depth), new):.1f} |")
-    for cache in ("full", "latest", "ring:4"):
-        rate = timed(lambda: generate(model, prompt, new, depth, cache=cache), new)
-        print(f"| adaptive generator at fixed depth, cache {cache} | {rate:.1f} |")
-    if not (args.checkpoint and args.data_dir):
-        return
-    from pathlib import Path
+def prompts(args: argparse.Namespace, vocab_size: int) -> list[tuple[int, ...]]:
+    if args.data_dir:
+        from huginn_ray.eval.depth_scaling import read_val_rows
 
+        rows = []
+        shards = [*sorted((Path(args.data_dir) / "val").glob("*.parquet")),
+                  *sorted((Path(args.data_dir) / "train").glob("*.parquet"))]
+        for shard in shards:
+            rows += [tuple(row[:PROMPT_TOKENS].tolist()) for row in read_val_rows(shard, args.requests - len(rows))]
+            if len(rows) == args.requests:
+                return rows
+        raise SystemExit(f"--data-dir {args.data_dir}: {len(rows)} rows, --requests {args.requests} asked")
+    generator = torch.Generator().manual_seed(0)
+    return [tuple(torch.randint(0, vocab_size, (PROMPT_TOKENS,), generator=generator).tolist())
+            for _ in range(args.requests)]
+
+
+def timed(run, repeats: int):
+    """(best wall seconds, best process CPU seconds, the last run's result) over `repeats` runs: on a shared
+    machine the CPU seconds are the steadier figure."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = run()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return min(walls), min(cpus), out
+
+
+def throughput(model: RecurrentGPT, args: argparse.Namespace) -> dict:
+    cfg, depth = model.config, args.num_steps
+    texts = prompts(args, cfg.vocab_size)
+    threshold = DEFAULT_THRESHOLDS[args.criterion] if args.threshold is None else args.threshold
+    adaptive = [Request(p, args.new_tokens, depth, args.criterion, threshold) for p in texts]
+    fixed = [Request(p, args.new_tokens, depth) for p in texts]
+
+    def engine(requests):
+        config = EngineConfig(max_rows=args.batch, max_cache_bytes=2**62)
+        return lambda: Engine(model, config).run_to_completion(requests)
+
+    def plain():
+        for first in range(0, len(texts), args.batch):
+            model.generate(torch.tensor(texts[first : first + args.batch]), args.new_tokens, depth)
+
+    engine(adaptive[: args.batch])()  # warm-up
+    adaptive_s, adaptive_cpu, adaptive_out = timed(engine(adaptive), args.repeats)
+    fixed_s, fixed_cpu, fixed_out = timed(engine(fixed), args.repeats)
+    plain_s, plain_cpu, _ = timed(plain, args.repeats)
+    tokens = len(texts) * args.new_tokens
+    iterations = [i for completion in adaptive_out for i in completion.core_iterations]
+    equal = sum(generate(model, torch.tensor([request.prompt]), args.new_tokens, depth, args.criterion, threshold,
+                         generator=torch.Generator().manual_seed(request.seed))
+                .tokens[0, PROMPT_TOKENS:].tolist() == completion.tokens
+                for request, completion in zip(adaptive, adaptive_out))
+    assert all(i == depth for completion in fixed_out for i in completion.core_iterations)
+    mean = sum(iterations) / len(iterations)
+    report = {
+        "model": cfg.name, "checkpoint": args.checkpoint, "prompts": "data" if args.data_dir else "built-in",
+        "requests": len(texts), "batch": args.batch, "new_tokens": args.new_tokens, "num_steps": depth,
+        "criterion": args.criterion, "threshold": threshold, "threads": torch.get_num_threads(),
+        "adaptive_tokens_per_s": tokens / adaptive_s, "fixed_tokens_per_s": tokens / fixed_s,
+        "generate_fixed_tokens_per_s": tokens / plain_s,
+        "adaptive_tokens_per_cpu_s": tokens / adaptive_cpu, "fixed_tokens_per_cpu_s": tokens / fixed_cpu,
+        "generate_fixed_tokens_per_cpu_s": tokens / plain_cpu,
+        "mean_iterations": mean, "max_iterations": max(iterations),
+        "tokens_equal_fraction": equal / len(texts),
+    }
+    report["speedup"] = report["adaptive_tokens_per_s"] / report["fixed_tokens_per_s"]
+    report["speedup_cpu"] = report["adaptive_tokens_per_cpu_s"] / report["fixed_tokens_per_cpu_s"]
+    report["iteration_ratio"] = depth / mean
+    report["goal_met"] = report["speedup"] >= 0.7 * report["iteration_ratio"]
+    return report
+
+
+def criteria_table(model: RecurrentGPT, args: argparse.Namespace) -> None:
     from huginn_ray.eval.depth_scaling import read_val_rows
 
     shard = sorted((Path(args.data_dir) / "val").glob("*.parquet"))[0]
     rows = torch.from_numpy(read_val_rows(shard, args.rows))
-    print(f"\nteacher-forced on {args.rows} validation rows of {shard.name} (16 prompt + 48 forced tokens)")
+    print(f"\nteacher-forced on {args.rows} validation rows of {shard.name} (16 prompt + 48 forced tokens), batch 1")
     print("| criterion | threshold | mean iterations/token | loss | loss change vs fixed | FLOPs/token |")
     print("|---|---|---|---|---|---|")
     fixed_loss = None
     for name in ["none", *DEFAULT_THRESHOLDS]:
         losses, steps, flops = [], [], []
         for row in rows:
-            torch.manual_seed(0)
-            r = generate(model, row[None, :16], 48, depth, exit_criterion=name, force_tokens=row[None, 16:64])
+            r = generate(model, row[None, :16], 48, args.num_steps, exit_criterion=name, force_tokens=row[None, 16:64],
+                         generator=torch.Generator().manual_seed(0))
             losses.append(-r.logprobs.mean())
             steps.append(r.steps[:, 1:].float().mean())
             flops.append(r.flops_per_token)
@@ -77,6 +132,54 @@ def main() -> None:
         threshold = "-" if name == "none" else DEFAULT_THRESHOLDS[name]
         print(f"| {name if name != 'none' else 'fixed depth'} | {threshold} | {float(torch.stack(steps).mean()):.2f} | "
               f"{loss:.4f} | {loss - fixed_loss:+.4f} | {sum(flops) / len(flops):.3g} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--data-dir")
+    parser.add_argument("--batch", type=int, default=32, help="engine rows; RecurrentGPT.generate's batch")
+    parser.add_argument("--requests", type=int, default=None, help="prompts (default: 2 x batch)")
+    parser.add_argument("--num-steps", type=int, default=16, help="fixed depth, and the adaptive maximum")
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--criterion", default="latent-diff", choices=list(DEFAULT_THRESHOLDS))
+    parser.add_argument("--threshold", type=float, default=None, help="default: the criterion's")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs of each; the best counts")
+    parser.add_argument("--rows", type=int, default=2, help="validation rows of the criteria table")
+    parser.add_argument("--criteria-table", action="store_true", help="needs --checkpoint and --data-dir")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    args.requests = args.requests or 2 * args.batch
+    if args.criteria_table and not (args.checkpoint and args.data_dir):
+        parser.error("--criteria-table needs --checkpoint and --data-dir")
+    torch.set_num_threads(args.threads)
+    if args.checkpoint:
+        model = load_pretrained(resolve_model_dir(args.checkpoint)).eval()
+    else:
+        torch.manual_seed(0)
+        model = RecurrentGPT(ModelConfig.from_name("raven-tiny")).eval()
+    report = throughput(model, args)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"model {report['model']} ({args.checkpoint or 'random init'}), {report['requests']} {report['prompts']} "
+              f"prompts of {PROMPT_TOKENS} tokens, {args.new_tokens} new tokens each, greedy, batch {args.batch}, "
+              f"{report['threads']} threads")
+        print("| decoding | tokens/s | tokens per CPU s | mean iterations/token | max |\n|---|---|---|---|---|")
+        rows = [(f"engine, {args.criterion} < {report['threshold']}", "adaptive", f"{report['mean_iterations']:.2f}",
+                 report["max_iterations"]),
+                ("engine, fixed depth", "fixed", depth := args.num_steps, depth),
+                ("RecurrentGPT.generate, fixed depth", "generate_fixed", depth, depth)]
+        for label, key, mean, most in rows:
+            print(f"| {label} | {report[key + '_tokens_per_s']:.1f} | {report[key + '_tokens_per_cpu_s']:.1f} | "
+                  f"{mean} | {most} |")
+        print(f"adaptive / fixed: {report['speedup']:.2f}x (per CPU second {report['speedup_cpu']:.2f}x); "
+              f"num_steps / mean iterations: {report['iteration_ratio']:.2f}; goal (>= 0.7 x that) "
+              f"{'met' if report['goal_met'] else 'not met'}; adaptive engine tokens equal to batch-1 generate: "
+              f"{report['tokens_equal_fraction']:.3f}")
+    if args.criteria_table:
+        criteria_table(model, args)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,13 @@ On the device present it measures and prints, as a table, and writes as JSON (--
 4. training: the project's own build_components/train_step on one device, with a world-size-1 process group
    (NCCL on GPUs, gloo on CPU) and no Ray: the loss falls, the host reads a device tensor once per step, a
    checkpoint saved mid-run resumes to the same losses;
-5. generation at batch 1: tokens/s of an adaptive exit (kl) against the fixed depth, on the trained model.
-6. optimizer: AdamW's fused kernel (what the training takes on GPUs) against its multi-tensor step over the
+5. generation at batch 1: tokens/s of an adaptive exit (kl) against the fixed depth, on the trained model;
+6. engine: continuous depth batching (huginn_ray.model.engine) at batch 32 on the trained model, fixed depth
+   against latent-diff exits: tokens/s, iterations per token, outputs equal to batch-1 generation;
+7. optimizer: AdamW's fused kernel (what the training takes on GPUs) against its multi-tensor step over the
    parameters of a nebel-width model of 1/1/1 layers: seconds per step, and the largest difference of the
    weights after the same steps from the same gradients (within ADAMW_TOLERANCE, else the row fails).
-7. bf16 gathers: hsdp on the one device (a shard group of one: FSDP2 still gathers, casts and reduce-scatters)
+8. bf16 gathers: hsdp on the one device (a shard group of one: FSDP2 still gathers, casts and reduce-scatters)
    with the blocks' matmul weights gathered in fp32, then in bf16 (`parallelism.param_dtype`), under bf16
    autocast: seconds per forward+backward, bytes all-gathered per step by dtype (bf16 at most 0.6 x fp32's), the
    loss (within 5e-3 relative), and the gathered core block's norm weights and qk_bias still fp32.
@@ -59,6 +61,7 @@ from huginn_ray.cluster.devices import distributed_backend  # noqa: E402
 from huginn_ray.config import from_dict  # noqa: E402
 from huginn_ray.data.shards import shard_path  # noqa: E402
 from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, training_flops_per_token  # noqa: E402
+from huginn_ray.model.engine import Engine, EngineConfig, Request  # noqa: E402
 from huginn_ray.model.generate import DEFAULT_THRESHOLDS, generate  # noqa: E402
 from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, choose_attention_backend,  # noqa: E402
                                          probe_attention_backends, restrict_attention)
@@ -314,7 +317,7 @@ def train_plan(cfg: TrainConfig, config: ModelConfig, setup: Setup) -> RunPlan:
     """What preflight hands the workers, for this one-rank run (one shard)."""
     return RunPlan(global_batch_rows=cfg.micro_batch_size, num_streams=1, schedule_steps=cfg.max_steps,
                    pad_id=config.vocab_size - 1, eos_id=config.vocab_size - 2,
-                   precision="bf16-mixed" if setup.on_gpu else "fp32", model_config=config.to_hf_dict())
+                   precision="bf16-mixed" if setup.on_gpu else "fp32", model_config=config)
 
 
 @contextmanager
@@ -423,7 +426,43 @@ def generation_check(setup: Setup, model: RecurrentGPT) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# 6. optimizer
+# 6. engine
+# ---------------------------------------------------------------------------------------------------------
+def engine_check(setup: Setup, model: RecurrentGPT) -> dict:
+    """The continuous-depth-batching engine on the trained model: 2 x batch requests (greedy, seeded), at the
+    fixed depth and with latent-diff exits; tokens/s, iterations per token, and the fraction of requests whose
+    adaptive output equals `generate` at batch size 1 (rounding of batched matmuls may move an exit)."""
+    model.eval()
+    batch = 4 if setup.quick else 32
+    vocab = model.config.vocab_size - 2
+    prompts = [tuple(((torch.arange(16) * (row + 3) + row) % vocab).tolist()) for row in range(2 * batch)]
+    # --quick: the tiny model after 8 steps moves its state by ~0.5-1 per iteration; a threshold that exits it
+    threshold = 0.9 if setup.quick else DEFAULT_THRESHOLDS["latent-diff"]
+    result = {"threshold": threshold}
+    for label, criterion in (("fixed depth", None), ("adaptive (latent-diff)", "latent-diff")):
+        requests = [Request(prompt, setup.new_tokens, setup.depth, criterion, threshold, seed=row)
+                    for row, prompt in enumerate(prompts)]
+        Engine(model, EngineConfig(batch, 2**62)).run_to_completion(requests[:2])  # warm-up
+        synchronize(setup.device)
+        start = time.perf_counter()
+        completions = Engine(model, EngineConfig(batch, 2**62)).run_to_completion(requests)
+        synchronize(setup.device)
+        seconds = time.perf_counter() - start
+        iterations = [i for completion in completions for i in completion.core_iterations]
+        result[label] = {"tokens_per_s": len(iterations) / seconds, "mean_iterations": sum(iterations) / len(iterations),
+                         "max_iterations": max(iterations)}
+    equal = 0
+    for request, completion in zip(requests, completions):
+        alone = generate(model, torch.tensor([request.prompt], device=setup.device), setup.new_tokens, setup.depth,
+                         "latent-diff", threshold,
+                         generator=torch.Generator(device=setup.device).manual_seed(request.seed))
+        equal += alone.tokens[0, 16:].tolist() == completion.tokens
+    result["tokens_equal_fraction"] = equal / len(requests)
+    return {"depth": setup.depth, "new_tokens": setup.new_tokens, "batch": batch, "requests": len(prompts), **result}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 7. optimizer
 # ---------------------------------------------------------------------------------------------------------
 ADAMW_TOLERANCE = 1e-6
 """Largest |weight difference| allowed between AdamW's fused and multi-tensor steps after `Setup.steps` steps at
@@ -474,7 +513,7 @@ def optimizer_check(setup: Setup) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# 7. bf16 gathers
+# 8. bf16 gathers
 # ---------------------------------------------------------------------------------------------------------
 def bf16_gather_check(setup: Setup) -> dict:
     """The anchor model (--quick: the tiny one) under hsdp on this device, gathered in fp32 and in bf16."""
@@ -631,11 +670,18 @@ def render(report: dict) -> str:
             lines += ["", f"generation, batch 1, depth {result['depth']}, {result['new_tokens']} tokens: " + "; ".join(
                 f"{label} {result[label]['tokens_per_s']:.1f} tok/s ({result[label]['mean_steps_per_token']:.2f} "
                 f"iterations/token)" for label in ("fixed depth", "adaptive (kl)"))]
+        elif section == "engine":
+            lines += ["", f"engine, batch {result['batch']}, {result['requests']} requests, depth {result['depth']}, "
+                          f"{result['new_tokens']} tokens each, latent-diff < {result['threshold']}: " + "; ".join(
+                f"{label} {result[label]['tokens_per_s']:.1f} tok/s ({result[label]['mean_iterations']:.2f} "
+                f"iterations/token, max {result[label]['max_iterations']})"
+                for label in ("fixed depth", "adaptive (latent-diff)"))
+                + f"; adaptive equal to batch-1 generate: {result['tokens_equal_fraction']:.3f}"]
     lines.append(f"total {report['seconds']:.0f} s")
     return "\n".join(lines)
 
 
-SECTIONS = ("peak", "model_step", "memory", "training", "generation", "optimizer", "bf16_gather")
+SECTIONS = ("peak", "model_step", "memory", "training", "generation", "engine", "optimizer", "bf16_gather")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -682,8 +728,10 @@ def main(argv: list[str] | None = None) -> int:
                         report[section] = bf16_gather_check(setup)
                     elif trained is None:
                         report[section] = {"error": "no trained model (the training section failed)"}
-                    else:
+                    elif section == "generation":
                         report[section] = generation_check(setup, trained)
+                    else:
+                        report[section] = engine_check(setup, trained)
                 except Exception as err:  # noqa: BLE001 - recorded in the report, and the exit status says so
                     traceback.print_exc()
                     report[section] = {"error": failure(err)}

@@ -24,8 +24,8 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert list(report) == ["device", "peak", "model_step", "memory", "training", "generation", "optimizer",
-                            "bf16_gather", "seconds"]
+    assert list(report) == ["device", "peak", "model_step", "memory", "training", "generation", "engine",
+                            "optimizer", "bf16_gather", "seconds"]
     assert (report["device"]["type"], report["device"]["quick"]) == ("cpu", True)
     assert report["peak"]["matmul_flops"] > 0 and report["peak"]["copy_bytes_per_s"] > 0
 
@@ -66,6 +66,10 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
     assert generation["fixed depth"]["mean_steps_per_token"] == 4.0
     assert generation["adaptive (kl)"]["threshold"] == DEFAULT_THRESHOLDS["kl"]
     assert 1.0 <= generation["adaptive (kl)"]["mean_steps_per_token"] <= 4.0
+    engine = report["engine"]
+    assert (engine["batch"], engine["requests"], engine["fixed depth"]["mean_iterations"]) == (4, 8, 4.0)
+    assert 1.0 <= engine["adaptive (latent-diff)"]["mean_iterations"] < 4.0  # rows exit early
+    assert engine["tokens_equal_fraction"] == 1.0  # fp32, one thread: each request equals its batch-1 output
     optimizer = report["optimizer"]  # fused AdamW exists on the CPU too; the training takes single-tensor here
     with torch.device("meta"):
         one_layer_each = RecurrentGPT(ModelConfig(name="nebel-width", **{**TINY, "n_layers_in_prelude": 1,

@@ -148,16 +148,16 @@ def test_each_criterion_exits_where_its_released_quantity_first_falls_below_thre
 def test_minp_floor_and_entropy_start_are_the_released_ones():
     vocab = 8
     logits = torch.tensor([[4.0, 3.0, 1.0, 0.0, -1.0, -2.0, -3.0, -5.0]])
-    rows, state = torch.arange(1), torch.zeros(1, 1, 4)
+    state = torch.zeros(1, 1, 4)
     p = logits[0].softmax(-1)  # entries below 0.1 x max: 1/8 each, then renormalised
     floored = torch.where(p < 0.1 * p.max(), torch.full_like(p, 1 / vocab), p)
     floored = floored / floored.sum()
     minp = ExitCriterion("minp-kl", 1e-5, vocab, state)
-    assert minp.quantity(rows, state, logits).item() == pytest.approx(
+    assert minp.quantity(state, logits).item() == pytest.approx(
         float((torch.full((vocab,), 1 / vocab) * (math.log(1 / vocab) - floored.log())).sum()), rel=1e-6)
     entropy = ExitCriterion("entropy-diff", 1e-3, vocab, state)
     h = float(-(p * torch.log(p + 1e-10)).sum())
-    assert entropy.quantity(rows, state, logits).item() == pytest.approx(100.0 - h, rel=1e-6)
+    assert entropy.quantity(state, logits).item() == pytest.approx(100.0 - h, rel=1e-6)
 
 
 def test_entropy_diff_first_check_compares_with_100(noisy_model):
@@ -262,6 +262,17 @@ def test_logit_criteria_count_their_coda_and_head(model, prompt):
     coda_heads = [inference_flops_per_token(cfg, 0, c, 1) - inference_flops_per_token(cfg, 0, c, 0) for c in contexts]
     assert logit.flops_per_token - latent.flops_per_token == pytest.approx(5 * sum(coda_heads) / 2)
     assert coda_head > 0
+
+
+def test_a_forward_that_exits_at_a_logit_check_emits_from_that_check(model, prompt):
+    # kl is checked after every iteration: a forward that exits after t iterations ran the coda + head t times
+    # (its last check gave the token), one that ran all 10 ran it 9 times at checks and once at the end
+    result = generate(model, prompt[:1], 6, num_steps=10, exit_criterion="kl", exit_threshold=5e-3)
+    steps = result.steps[0].tolist()
+    assert min(steps[1:]) < 10
+    context = prompt.shape[1]
+    expected = [inference_flops_per_token(model.config, t, context + 1 + i, t) for i, t in enumerate(steps[1:])]
+    assert result.flops_per_token == pytest.approx(sum(expected) / len(expected), rel=1e-12)
 
 
 def test_bad_arguments_are_named(model, prompt):

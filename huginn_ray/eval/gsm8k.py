@@ -32,7 +32,6 @@ from huginn_ray.eval.batch_inference import Replicas, ray_generation_lm
 
 TASK_YAML = Path(__file__).resolve().parents[2] / "configs" / "eval" / "gsm8k_cot_huginn.yaml"
 SAMPLE_DATA = TASK_YAML.parent / "gsm8k_test_sample.jsonl"
-FILTERS = ("strict-match", "flexible-extract")
 SWEEP_COLUMNS = ["depth", "strict_match", "flexible_extract", "samples"]
 
 

@@ -9,12 +9,10 @@ Every forward (the prompt's prefill, then one per generated token) iterates the 
 holds or `num_steps` is reached. The criterion is checked after iteration t when t > min_steps and
 (t - 1 - min_steps) % check_every == 0 (the release's `min_steps` and `check_criterion_every_n_steps`:
 by default after every iteration). The prefill exits too, all prompt positions at once, as in the release;
-`exit_in_prefill=False` (the release's `do_not_exit_in_prefill`) runs it at the full depth. Each sequence of
-a batch exits on its own and is left out of further core iterations, so a batch gives every row what batch
-size 1 gives it from the same initial states (the release keeps iterating exited rows until the whole batch
-exits). Exit when the criterion's quantity falls below `exit_threshold` (`argmax-stability`: when the argmax
-has stayed the same for that many consecutive checks); a threshold of 0 turns exits off (where the release's
-`argmax-stability` would exit at the first check).
+`exit_in_prefill=False` (the release's `do_not_exit_in_prefill`) runs it at the full depth. Exit when the
+criterion's quantity falls below `exit_threshold` (`argmax-stability`: when the argmax has stayed the same for
+that many consecutive checks); a threshold of 0 turns exits off (where the release's `argmax-stability` would
+exit at the first check).
 
 | criterion          | quantity per sequence, compared with the previous check                     | default |
 |--------------------|------------------------------------------------------------------------------|---------|
@@ -29,7 +27,8 @@ has stayed the same for that many consecutive checks); a threshold of 0 turns ex
 s_prev is the latent state at the previous check, and at the first check the forward's initial state.
 Logit-based criteria (entropy-diff, kl, minp-kl, argmax-stability) read the last position's logits over the
 V = vocab_size real tokens (the released model has no padding rows: V = 65536 there) and run the coda and head at
-every check; `flops_per_token` counts that.
+every check; `flops_per_token` counts that. A forward that exits at such a check emits its token from that
+check's logits (the coda and head of its final state: running them again would give the same).
 
 KV caches (`cache=`): a token that exited after t iterations has no keys/values for later iterations, which a
 later, deeper token attends to.
@@ -42,6 +41,15 @@ later, deeper token attends to.
 At a fixed depth (no exits) all three equal the model's full cache (`ring:N` with N >= depth).
 `warm_start=True` starts each generated token's latent state from the previous token's final state instead of
 noise (continuous chain-of-thought, the release's `continuous_compute`).
+
+How rows advance (shared with the serving engine, huginn_ray.model.engine): every sequence is a `Sequence` with
+its own cache, random generator and forward in progress. `advance` runs one loop step: a batched core
+iteration over every sequence in the pool, each at its own position and iteration (`RowBatchCache`; one call
+for the decoding sequences, one for those in their prompt's prefill); a
+sequence whose forward ends (its criterion, or its maximum depth) runs the coda and head, emits a token and
+starts its next token's forward (prelude, initial state), which joins the next loop step. So no row waits for
+another (the release iterates exited rows until the whole batch exits), and each row gets what it gets alone
+at batch size 1 from the same initial noise and sampling draws, up to the rounding of batched matmuls.
 """
 
 from __future__ import annotations
@@ -53,7 +61,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from huginn_ray.model.cache import IterationKVCache, parse_cache
+from huginn_ray.model.cache import IterationKVCache, RowBatchCache, parse_cache
+from huginn_ray.model.config import ModelConfig
 from huginn_ray.model.flops import inference_flops_per_token
 from huginn_ray.model.model import RecurrentGPT
 
@@ -70,12 +79,107 @@ MINP_RATIO = 0.1
 ENTROPY_START, ENTROPY_EPS = 100.0, 1e-10
 
 
+@dataclass(frozen=True)
+class Request:
+    """One sequence to generate: its prompt and how it is decoded (a row of `generate`, a request of the engine).
+    `checked(config)` refuses a bad field with a ValueError naming it."""
+
+    prompt: tuple[int, ...]
+    """Token ids of the prompt (at least one)."""
+    max_new_tokens: int
+    """Tokens to generate at most (fewer when a stop token comes first)."""
+    num_steps: int | None = None
+    """Most core iterations per forward (None: the model's mean_recurrence); every iteration with no criterion."""
+    exit_criterion: str | None = None
+    """One of DEFAULT_THRESHOLDS, or None / "none" for a fixed depth."""
+    exit_threshold: float | None = None
+    """The criterion's threshold (None: its default; 0 turns exits off)."""
+    min_steps: int = 0
+    """Iterations before the first check."""
+    check_every: int = 1
+    """Check after every this many iterations."""
+    exit_in_prefill: bool = True
+    """Whether the prompt's forward may exit early (else it runs num_steps iterations)."""
+    cache: str = "full"
+    """Key/value cache strategy: full, latest or ring:N."""
+    warm_start: bool = False
+    """Start each generated token's latent state from the previous token's final state instead of noise."""
+    temperature: float = 0.0
+    """0: greedy; else sample from softmax(logits / temperature)."""
+    top_k: int | None = None
+    """Sample among the k most probable tokens only."""
+    top_p: float | None = None
+    """Sample among the most probable tokens whose probability reaches top_p only (0 < top_p <= 1)."""
+    seed: int = 0
+    """Seeds the request's own generator (initial noise and sampling): its output does not depend on its batch."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation ends after emitting any of these."""
+
+    def checked(self, config: ModelConfig) -> "Request":
+        """This request with num_steps and exit_threshold resolved; ValueError naming the first bad field."""
+        def integer(name: str, minimum: int, value=None) -> None:
+            value = getattr(self, name) if value is None else value
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+        def number(name: str, low: float, high: float = math.inf, low_open: bool = False) -> None:
+            value = getattr(self, name)
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                    or value < low or (low_open and value == low) or value > high):
+                bounds = f"{'>' if low_open else '>='} {low}" + ("" if high == math.inf else f" and <= {high}")
+                raise ValueError(f"{name} must be a number {bounds}, got {value!r}")
+
+        if not isinstance(self.prompt, (tuple, list)) or not self.prompt:
+            raise ValueError(f"prompt must be a non-empty sequence of token ids, got {self.prompt!r}")
+        for position, token in enumerate(self.prompt):
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < config.vocab_size:
+                raise ValueError(f"prompt[{position}] = {token!r} is not a token id in [0, {config.vocab_size})")
+        integer("max_new_tokens", 1)
+        if len(self.prompt) + self.max_new_tokens > config.block_size:
+            raise ValueError(f"prompt length {len(self.prompt)} + max_new_tokens {self.max_new_tokens} exceeds "
+                             f"block_size={config.block_size}")
+        num_steps = config.mean_recurrence if self.num_steps is None else self.num_steps
+        integer("num_steps", 1, num_steps)
+        criterion = None if self.exit_criterion in (None, "none") else self.exit_criterion
+        if criterion is not None and criterion not in DEFAULT_THRESHOLDS:
+            raise ValueError(f"unknown exit criterion {criterion!r} (exit_criterion); known: "
+                             f"{', '.join(DEFAULT_THRESHOLDS)}, none")
+        threshold = None
+        if criterion is not None:
+            if self.exit_threshold is not None:
+                number("exit_threshold", 0)
+            threshold = DEFAULT_THRESHOLDS[criterion] if self.exit_threshold is None else self.exit_threshold
+        integer("min_steps", 0)
+        integer("check_every", 1)
+        for name in ("exit_in_prefill", "warm_start"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.cache, str):
+            raise ValueError(f"cache must be 'full', 'latest' or 'ring:N' with N >= 1, got {self.cache!r}")
+        parse_cache(self.cache)
+        number("temperature", 0)
+        if self.top_k is not None:
+            integer("top_k", 1)
+        if self.top_p is not None:
+            number("top_p", 0, 1, low_open=True)
+        integer("seed", 0)
+        if not isinstance(self.stop_token_ids, (tuple, list)):
+            raise ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
+        for token in self.stop_token_ids:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < config.vocab_size:
+                raise ValueError(f"stop_token_ids holds {token!r}, not a token id in [0, {config.vocab_size})")
+        return Request(**{**self.__dict__, "prompt": tuple(self.prompt), "num_steps": num_steps,
+                          "exit_criterion": criterion, "exit_threshold": threshold,
+                          "stop_token_ids": tuple(self.stop_token_ids)})
+
+
 @dataclass
 class GenerationResult:
     tokens: Tensor
-    """(batch, prompt + generated) token ids."""
+    """(batch, prompt + generated) token ids; a row that stopped early is padded with its stop token."""
     steps: Tensor
-    """(batch, generated) core iterations of the forward that produced each generated token (the first: the prefill)."""
+    """(batch, generated) core iterations of the forward that produced each generated token (the first: the
+    prefill); 0 after a row stopped."""
     flops_per_token: float
     """Mean forward FLOPs per token decoded after the prefill (the prefill's per-position FLOPs when there is
     none), the coda + head of logit-based criteria's checks included."""
@@ -95,60 +199,73 @@ class GenerationResult:
 
 
 class ExitCriterion:
-    """One forward's running quantity of a criterion, per sequence; `check` returns which of the given rows exit.
-
-    Made anew for every forward (the prefill and each generated token), from that forward's initial state."""
+    """One forward's running quantity of a criterion for one sequence; made anew for every forward (the prefill
+    and each generated token), from that forward's initial state."""
 
     def __init__(self, name: str, threshold: float, vocab_size: int, initial_state: Tensor):
         if name not in DEFAULT_THRESHOLDS:
             raise ValueError(f"unknown exit criterion {name!r}; known: {', '.join(DEFAULT_THRESHOLDS)}, none")
         self.name, self.threshold, self.vocab_size = name, threshold, vocab_size
         self.uses_logits = name in LOGIT_CRITERIA
-        batch, device = initial_state.shape[0], initial_state.device
+        device = initial_state.device
         if name in ("latent-diff", "cosine"):
             self.previous_state = initial_state.float().clone()
         elif name == "entropy-diff":
-            self.previous_entropy = torch.full((batch,), ENTROPY_START, device=device)
+            self.previous_entropy = torch.full((1,), ENTROPY_START, device=device)
         elif name == "argmax-stability":
-            self.previous_argmax = torch.full((batch,), -1, dtype=torch.long, device=device)
-            self.stable = torch.zeros(batch, dtype=torch.long, device=device)
+            self.previous_argmax = torch.full((1,), -1, dtype=torch.long, device=device)
+            self.stable = torch.zeros(1, dtype=torch.long, device=device)
         else:  # kl, minp-kl: uniform
-            self.previous_logp = torch.full((batch, vocab_size), -math.log(vocab_size), device=device)
+            self.previous_logp = torch.full((1, vocab_size), -math.log(vocab_size), device=device)
 
-    def quantity(self, rows: Tensor, state: Tensor, logits: Tensor | None) -> Tensor:
-        """The criterion's value for `rows`, given their (rows, positions, D) state and last-position logits
-        (rows, V); remembers this check's state / distribution as the next check's comparand."""
-        if self.name in ("latent-diff", "cosine"):
+    def quantity(self, state: Tensor, logits: Tensor | None) -> Tensor:
+        """The criterion's value, shape (1,), given the sequence's (1, positions, D) state and its last position's
+        logits (1, V); remembers this check's state / distribution as the next check's comparand."""
+        return ExitCriterion.quantities([self], state, logits)
+
+    @staticmethod
+    def quantities(criteria: list["ExitCriterion"], state: Tensor, logits: Tensor | None) -> Tensor:
+        """`quantity` of several sequences' criteria of one name at once, shape (rows,): their states
+        (rows, positions, D), all of one length, and last-position logits (rows, V). Row for row what
+        `quantity` computes (every reduction runs within a row)."""
+        name = criteria[0].name
+        if name in ("latent-diff", "cosine"):
             state = state.float()
-            previous = self.previous_state[rows]
-            self.previous_state[rows] = state
-            if self.name == "latent-diff":
+            previous = torch.cat([criterion.previous_state for criterion in criteria])
+            for row, criterion in enumerate(criteria):
+                criterion.previous_state = state[row : row + 1]
+            if name == "latent-diff":
                 return ((state - previous).norm(dim=-1) / state.norm(dim=-1)).mean(dim=-1)
             cosine = (state * previous).sum(-1) / (state.norm(dim=-1) * previous.norm(dim=-1)).clamp_min(1e-30)
             return 1 - cosine.mean(dim=-1)
         logits = logits.float()
-        if self.name == "entropy-diff":
+        if name == "entropy-diff":
             probs = logits.softmax(dim=-1)
             value_now = -(probs * (probs + ENTROPY_EPS).log()).sum(dim=-1)
-            value = (value_now - self.previous_entropy[rows]).abs()
-            self.previous_entropy[rows] = value_now
+            value = (value_now - torch.cat([criterion.previous_entropy for criterion in criteria])).abs()
+            for row, criterion in enumerate(criteria):
+                criterion.previous_entropy = value_now[row : row + 1]
             return value
-        if self.name == "argmax-stability":
+        if name == "argmax-stability":
             argmax = logits.argmax(dim=-1)
-            self.stable[rows] = torch.where(argmax == self.previous_argmax[rows], self.stable[rows] + 1, 0)
-            self.previous_argmax[rows] = argmax
-            return self.stable[rows].float()
-        logp = logits.log_softmax(dim=-1) if self.name == "kl" else minp(logits, self.vocab_size)
-        value = kl(self.previous_logp[rows], logp)
-        self.previous_logp[rows] = logp
+            previous = torch.cat([criterion.previous_argmax for criterion in criteria])
+            stable = torch.where(argmax == previous, torch.cat([criterion.stable for criterion in criteria]) + 1, 0)
+            for row, criterion in enumerate(criteria):
+                criterion.previous_argmax, criterion.stable = argmax[row : row + 1], stable[row : row + 1]
+            return stable.float()
+        logp = logits.log_softmax(dim=-1) if name == "kl" else minp(logits, criteria[0].vocab_size)
+        value = kl(torch.cat([criterion.previous_logp for criterion in criteria]), logp)
+        for row, criterion in enumerate(criteria):
+            criterion.previous_logp = logp[row : row + 1]
         return value
 
-    def exits(self, value: Tensor) -> Tensor:
-        if self.threshold <= 0:
-            return torch.zeros_like(value, dtype=torch.bool)
-        if self.name == "argmax-stability":
-            return value >= self.threshold
-        return value < self.threshold
+    @staticmethod
+    def exiting(criteria: list["ExitCriterion"], values: Tensor) -> list[bool]:
+        """Which of these criteria's checks (`quantities` of one name) end their forwards: value below the
+        threshold (`argmax-stability`: at or above it); a threshold of 0 never does."""
+        thresholds = torch.tensor([criterion.threshold for criterion in criteria], device=values.device)
+        hit = values >= thresholds if criteria[0].name == "argmax-stability" else values < thresholds
+        return (hit & (thresholds > 0)).tolist()
 
 
 def kl(logp: Tensor, logq: Tensor) -> Tensor:
@@ -168,6 +285,185 @@ def is_check(iteration: int, min_steps: int, check_every: int) -> bool:
     return iteration > min_steps and (iteration - 1 - min_steps) % check_every == 0
 
 
+class Sequence:
+    """One request in flight: its cache, its random generator, its tokens so far and the forward it iterates.
+
+    The forward in progress: `ids` (its positions' tokens), `injected` (the adapter's half for e), `state`
+    (1, positions, D), `iteration` (core iterations done) and `criterion`. `advance` moves it on."""
+
+    def __init__(self, request: Request, generator: torch.Generator | None, device: torch.device,
+                 config: ModelConfig, input_states: Tensor | None = None, force_tokens: Tensor | None = None,
+                 keep_states: bool = False):
+        """`request` must be checked (Request.checked). `generator` draws the initial noise and the samples
+        (None: torch's global one). `input_states` (1, prompt, D) replaces the prefill's noise; `force_tokens`
+        (max_new_tokens,) are emitted instead of picked; `keep_states` records each forward's first and last
+        latent state of the last position (GenerationResult)."""
+        self.request, self.generator, self.force_tokens = request, generator, force_tokens
+        self.input_states, self.keep_states = input_states, keep_states
+        self.cache = IterationKVCache(config, len(request.prompt) + request.max_new_tokens - 1, request.cache)
+        self.ids = torch.tensor(request.prompt, device=device)
+        self.tokens: list[int] = list(request.prompt)
+        self.steps: list[int] = []
+        self.logprobs: list[float] = []
+        self.flops: list[float] = []
+        self.initial_states: list[Tensor] = []
+        self.final_states: list[Tensor] = []
+        self.finish_reason: str | None = None
+        """None while generating; "stop" after a stop token, "length" after max_new_tokens."""
+
+    @property
+    def length(self) -> int:
+        """Positions of the forward in progress."""
+        return self.ids.shape[0]
+
+    def begin(self, model: RecurrentGPT, embedded: Tensor, injected: Tensor) -> None:
+        """Start a forward from its prelude output (1, positions, D): the initial state and a fresh criterion."""
+        request, prefill = self.request, not self.steps
+        if prefill and self.input_states is not None:
+            state = self.input_states.clone()
+        elif not prefill and request.warm_start:
+            state = self.last_final_state[:, None].clone()
+        else:
+            state = model._initial_state(embedded, self.generator)
+        if self.keep_states:
+            self.initial_states.append(state[0, -1].clone())
+        self.criterion = None
+        if request.exit_criterion is not None and (not prefill or request.exit_in_prefill):
+            self.criterion = ExitCriterion(request.exit_criterion, request.exit_threshold, model.config.vocab_size,
+                                           state)
+        self.state, self.injected, self.iteration, self.coda_evals = state, injected, 0, 0
+
+    def checks_now(self) -> bool:
+        """Whether the criterion is checked after the iteration just done (never after the last: nothing to save)."""
+        request = self.request
+        return (self.criterion is not None and self.iteration < request.num_steps
+                and is_check(self.iteration, request.min_steps, request.check_every))
+
+    def pick(self, model: RecurrentGPT, logits: Tensor) -> Tensor:
+        """The next token, (1,), from the last position's logits (1, V): forced, or drawn as the request says."""
+        if self.force_tokens is not None:
+            return self.force_tokens[len(self.steps) : len(self.steps) + 1]
+        request = self.request
+        return model._pick(logits, request.temperature, request.top_k, self.generator, request.top_p)
+
+    def emit(self, model: RecurrentGPT, token: Tensor, token_id: int, logprob: float) -> None:
+        """End the forward with its token ((1,) on the device, and its id) and that token's log-probability:
+        commit its positions, record it (`coda_evals` counts every coda + head run of the forward)."""
+        request = self.request
+        self.cache.commit(self.length, self.iteration)
+        self.steps.append(self.iteration)
+        self.last_final_state = self.state[:, -1].clone()
+        if self.keep_states:
+            self.final_states.append(self.last_final_state[0])
+        self.flops.append(inference_flops_per_token(model.config, self.iteration, self.cache.length, self.coda_evals))
+        self.logprobs.append(logprob)
+        self.tokens.append(token_id)
+        self.ids = token
+        if token_id in request.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.steps) == request.max_new_tokens:
+            self.finish_reason = "length"
+
+
+def start(model: RecurrentGPT, sequences: list[Sequence]) -> None:
+    """Run the prelude of each sequence's next forward (its prompt, or its last token) in one batched call and
+    begin the forwards."""
+    rows = RowBatchCache([s.cache for s in sequences], [s.length for s in sequences])
+    ids = pad([s.ids[None, :, None] for s in sequences], rows.width)[..., 0]
+    rope = rows.rope(model.freqs_cis)
+    x = model.transformer.wte(ids) * model.config.embedding_scale
+    for index, block in enumerate(model.transformer.prelude):
+        x = block(x, rope, rows, index)
+    injected = model._inject(x)
+    for row, sequence in enumerate(sequences):
+        sequence.begin(model, x[row : row + 1, : sequence.length], injected[row : row + 1, : sequence.length])
+
+
+def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, int]]:
+    """One loop step: one core iteration of every sequence of `pool`, each at its own position and iteration,
+    batched: one call for the sequences decoding a token, one for those in their prompt's prefill (so that a
+    prompt does not pad every decoding row to its length). Those whose forward ends (criterion, or maximum
+    depth) run the coda and head, emit a token and, unless finished, begin their next forward (which joins the
+    next loop step). Returns (sequence, token id) for each token emitted."""
+    decoding = [sequence for sequence in pool if sequence.length == 1]
+    prefilling = [sequence for sequence in pool if sequence.length > 1]
+    for group in (decoding, prefilling):
+        if group:
+            iterate(model, group)
+    ended, checks = [], {}
+    for sequence in decoding + prefilling:
+        if sequence.iteration == sequence.request.num_steps:
+            ended.append(sequence)
+        elif sequence.checks_now():
+            criterion = sequence.criterion
+            checks.setdefault((criterion.name, 0 if criterion.uses_logits else sequence.length), []).append(sequence)
+    check_logits = {}
+    logit_checks = [sequence for (name, _), group in checks.items() if name in LOGIT_CRITERIA for sequence in group]
+    if logit_checks:
+        check_logits = dict(zip(map(id, logit_checks), coda_head(model, logit_checks)))
+    for (name, _), group in checks.items():  # one computation per criterion (and length, for latent ones)
+        criteria = [sequence.criterion for sequence in group]
+        if name in LOGIT_CRITERIA:
+            for sequence in group:
+                sequence.coda_evals += 1
+            values = ExitCriterion.quantities(criteria, None, torch.cat([check_logits[id(s)] for s in group]))
+        else:
+            values = ExitCriterion.quantities(criteria, torch.cat([s.state for s in group]), None)
+        ended += [sequence for sequence, exits in zip(group, ExitCriterion.exiting(criteria, values)) if exits]
+    if not ended:
+        return []
+    # a forward that ends at a logit check already has its logits: the coda and head ran on its final state
+    final = [sequence for sequence in ended if id(sequence) not in check_logits]
+    final_logits = dict(zip(map(id, final), coda_head(model, final))) if final else {}
+    logits = torch.cat([final_logits.get(id(sequence), check_logits.get(id(sequence))) for sequence in ended])
+    tokens = torch.cat([sequence.pick(model, logits[row : row + 1]) for row, sequence in enumerate(ended)])
+    logprobs = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+    emitted = list(zip(ended, tokens.tolist()))  # the step's one read of the tokens (and one of their logprobs)
+    for row, ((sequence, token_id), logprob) in enumerate(zip(emitted, logprobs.tolist())):
+        sequence.coda_evals += id(sequence) in final_logits
+        sequence.emit(model, tokens[row : row + 1], token_id, logprob)
+    going_on = [sequence for sequence, _ in emitted if sequence.finish_reason is None]
+    if going_on:
+        start(model, going_on)
+    return emitted
+
+
+def iterate(model: RecurrentGPT, sequences: list[Sequence]) -> None:
+    """One core iteration of the sequences' forwards, in one batched call."""
+    rows = RowBatchCache([s.cache for s in sequences], [s.length for s in sequences], [s.iteration for s in sequences])
+    state = pad([s.state for s in sequences], rows.width)
+    injected = pad([s.injected for s in sequences], rows.width)
+    new = model._core(state, injected, rows.rope(model.freqs_cis), rows, 0)  # rows add their own iterations
+    for row, sequence in enumerate(sequences):
+        sequence.state = new[row : row + 1, : sequence.length]
+        sequence.iteration += 1
+
+
+def coda_head(model: RecurrentGPT, sequences: list[Sequence]) -> list[Tensor]:
+    """The coda and head over the sequences' current states, in one batched call: each one's last-position
+    logits over the real vocabulary, (1, V) fp32."""
+    rows = RowBatchCache([s.cache for s in sequences], [s.length for s in sequences])
+    rope = rows.rope(model.freqs_cis)
+    x = model.transformer.ln_f(pad([s.state for s in sequences], rows.width))
+    for index, block in enumerate(model.transformer.coda):
+        x = block(x, rope, rows, -1 - index)
+    last = x[torch.arange(len(sequences)), torch.tensor([s.length - 1 for s in sequences])]
+    logits = model.lm_head(model.transformer.ln_f(last)).float()[:, : model.config.vocab_size]
+    return [logits[row : row + 1] for row in range(len(sequences))]
+
+
+def pad(tensors: list[Tensor], width: int) -> Tensor:
+    """(1, length, ...) tensors side by side as (rows, width, ...), zero after each one's length."""
+    if len(tensors) == 1 and tensors[0].shape[1] == width:
+        return tensors[0]
+    if all(t.shape[1] == width for t in tensors):
+        return torch.cat(tensors)
+    out = tensors[0].new_zeros(len(tensors), width, *tensors[0].shape[2:])
+    for row, t in enumerate(tensors):
+        out[row, : t.shape[1]] = t[0]
+    return out
+
+
 @torch.no_grad()
 def generate(
     model: RecurrentGPT,
@@ -183,128 +479,58 @@ def generate(
     warm_start: bool = False,
     temperature: float = 0.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
     input_states: Tensor | None = None,
     force_tokens: Tensor | None = None,
 ) -> GenerationResult:
-    """See the module docstring. `input_states` (batch, prompt, D) replaces the prefill's initial noise.
-    `force_tokens` (batch, max_new_tokens) are emitted instead of sampled (teacher forcing, for measuring the
-    loss of adaptive compute); `logprobs` holds each emitted token's log-probability either way."""
-    cfg = model.config
-    max_steps = cfg.mean_recurrence if num_steps is None else int(num_steps)
-    if max_steps < 1 or min_steps < 0 or check_every < 1:
-        raise ValueError(f"num_steps and check_every must be >= 1 and min_steps >= 0, got {max_steps}, "
-                         f"{check_every}, {min_steps}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    batch, prompt_len = input_ids.shape
-    total = prompt_len + max_new_tokens
-    if total > cfg.block_size:
-        raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds block_size={cfg.block_size}")
-    criterion_name = None if exit_criterion in (None, "none") else exit_criterion
-    if criterion_name is not None and criterion_name not in DEFAULT_THRESHOLDS:
-        raise ValueError(f"unknown exit criterion {criterion_name!r}; known: {', '.join(DEFAULT_THRESHOLDS)}, none")
-    threshold = None
-    if criterion_name is not None:
-        threshold = DEFAULT_THRESHOLDS[criterion_name] if exit_threshold is None else exit_threshold
-    parse_cache(cache)
+    """See the module docstring. Every row of `input_ids` (batch, prompt) is generated as a `Request` with these
+    settings; a row stops after `eos_token_id`. `generator` draws the initial noise and the samples (None:
+    torch's global one; rows of a batch draw from it in turn). `input_states` (batch, prompt, D) replaces the
+    prefill's initial noise. `force_tokens` (batch, max_new_tokens) are emitted instead of sampled (teacher
+    forcing, for measuring the loss of adaptive compute); `logprobs` holds each emitted token's log-probability
+    either way."""
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
     try:
-        kv = IterationKVCache(model.config, batch, total - 1, cache)  # the last token is emitted, never run
-        device = input_ids.device
-        tokens, forward_ids = input_ids, input_ids
-        steps, flops, initial_states, final_states, logprobs = [], [], [], [], []
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        for index in range(max_new_tokens):
-            embedded = _prelude(model, forward_ids, kv)
-            if index == 0:
-                state = model._initial_state(embedded) if input_states is None else input_states.clone()
-            else:
-                state = final_states[-1][:, None].clone() if warm_start else model._initial_state(embedded)
-            initial_states.append(state[:, -1].clone())
-            criterion = None
-            if criterion_name is not None and (index > 0 or exit_in_prefill):
-                criterion = ExitCriterion(criterion_name, threshold, cfg.vocab_size, state)
-            state, used, coda_rows = _recur(model, kv, embedded, state, max_steps, criterion, min_steps, check_every)
-            logits = _coda_head(model, state, kv)
-            kv.length += forward_ids.shape[1]
-            steps.append(used)
-            final_states.append(state[:, -1].clone())
-            flops.append(inference_flops_per_token(cfg, float(used.float().mean()), kv.length, 1 + coda_rows / batch))
-
-            last = logits[:, -1, : cfg.vocab_size]
-            if force_tokens is not None:
-                next_token = force_tokens[:, index]
-            else:
-                next_token = model._pick(last, temperature, top_k, generator)
-            logprobs.append(last.log_softmax(-1).gather(1, next_token[:, None])[:, 0])
-            if eos_token_id is not None:
-                next_token = torch.where(finished, torch.full_like(next_token, eos_token_id), next_token)
-                finished |= next_token == eos_token_id
-            tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-            forward_ids = next_token[:, None]
-            if eos_token_id is not None and bool(finished.all()):
-                break
-        decoded = flops[1:] or flops
-        return GenerationResult(
-            tokens=tokens, steps=torch.stack(steps, dim=1), flops_per_token=sum(decoded) / len(decoded),
-            cache_bytes_per_token=kv.bytes_per_token(), seconds=time.perf_counter() - t0,
-            initial_states=initial_states, final_states=final_states, logprobs=torch.stack(logprobs, dim=1),
-        )
+        pool = []
+        for row, prompt in enumerate(input_ids.tolist()):
+            request = Request(tuple(prompt), max_new_tokens, num_steps, exit_criterion, exit_threshold, min_steps,
+                              check_every, exit_in_prefill, cache, warm_start, temperature, top_k, top_p,
+                              stop_token_ids=() if eos_token_id is None else (eos_token_id,)).checked(model.config)
+            pool.append(Sequence(request, generator, input_ids.device, model.config,
+                                 None if input_states is None else input_states[row : row + 1],
+                                 None if force_tokens is None else force_tokens[row], keep_states=True))
+        rows = list(pool)
+        start(model, pool)
+        while pool:
+            advance(model, pool)
+            pool = [sequence for sequence in pool if sequence.finish_reason is None]
+        return result(rows, eos_token_id, time.perf_counter() - t0)
     finally:
         model.train(was_training)
 
 
-def _recur(model: RecurrentGPT, kv: IterationKVCache, embedded: Tensor, state: Tensor, max_steps: int,
-           criterion: ExitCriterion | None, min_steps: int, check_every: int) -> tuple[Tensor, Tensor, int]:
-    """Iterate the core from `state` (batch, positions, D) until each row exits or max_steps. Returns the final
-    states (an exited row keeps its state at the exit), the iterations each row used, and the number of
-    (row, check) pairs that ran the coda + head for a logit-based criterion."""
-    batch = state.shape[0]
-    injected = model._inject(embedded)
-    rope = _rope(model, kv, state.shape[1])
-    used = torch.full((batch,), max_steps, dtype=torch.long, device=state.device)
-    active = torch.arange(batch, device=state.device)
-    coda_rows = 0
-    for iteration in range(max_steps):
-        kv.rows = active
-        new = model._core(state[active], injected[active], rope, kv, iteration)
-        state[active] = new
-        done = iteration + 1
-        if criterion is None or done == max_steps or not is_check(done, min_steps, check_every):
-            continue  # an exit after the last iteration changes nothing
-        logits = None
-        if criterion.uses_logits:
-            logits = _coda_head(model, new, kv)[:, -1, : model.config.vocab_size]
-            coda_rows += len(active)
-        exiting = criterion.exits(criterion.quantity(active, new, logits))
-        used[active[exiting]] = done
-        active = active[~exiting]
-        if not len(active):
-            break
-    kv.rows = None
-    return state, used, coda_rows
+def result(rows: list[Sequence], eos_token_id: int | None, seconds: float) -> GenerationResult:
+    """The rows' outputs side by side, those that stopped early padded (tokens: eos; steps, states: 0)."""
+    forwards = max(len(row.steps) for row in rows)
 
+    def padded(values: list, fill) -> list:
+        return values + [fill] * (forwards - len(values))
 
-def _rope(model: RecurrentGPT, kv: IterationKVCache, length: int) -> Tensor:
-    return model.freqs_cis[:, kv.length : kv.length + length]
-
-
-def _prelude(model: RecurrentGPT, ids: Tensor, kv: IterationKVCache) -> Tensor:
-    kv.rows = None
-    rope = _rope(model, kv, ids.shape[1])
-    x = model.transformer.wte(ids) * model.config.embedding_scale
-    for index, block in enumerate(model.transformer.prelude):
-        x = block(x, rope, kv, index)
-    return x
-
-
-def _coda_head(model: RecurrentGPT, state: Tensor, kv: IterationKVCache) -> Tensor:
-    rope = _rope(model, kv, state.shape[1])
-    x = model.transformer.ln_f(state)
-    for index, block in enumerate(model.transformer.coda):
-        x = block(x, rope, kv, -1 - index)
-    return model.lm_head(model.transformer.ln_f(x)).float()
+    tokens = torch.tensor([padded(row.tokens, eos_token_id) for row in rows])
+    zeros = torch.zeros_like(rows[0].initial_states[0])
+    decoded = [flops for row in rows for flops in row.flops[1:]] or [row.flops[0] for row in rows]
+    held = sum(row.cache.bytes_held() for row in rows)
+    return GenerationResult(
+        tokens=tokens.to(rows[0].ids.device), steps=torch.tensor([padded(row.steps, 0) for row in rows]),
+        flops_per_token=sum(decoded) / len(decoded),
+        cache_bytes_per_token=held / sum(row.cache.length for row in rows), seconds=seconds,
+        initial_states=[torch.stack([row.initial_states[i] if i < len(row.initial_states) else zeros for row in rows])
+                        for i in range(forwards)],
+        final_states=[torch.stack([row.final_states[i] if i < len(row.final_states) else zeros for row in rows])
+                      for i in range(forwards)],
+        logprobs=torch.tensor([padded(row.logprobs, 0.0) for row in rows]),
+    )

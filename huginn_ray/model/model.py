@@ -11,6 +11,7 @@ the released Hugging Face checkpoint, so state_dicts move between the two unchan
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -142,12 +143,6 @@ def compile_blocks(model: "RecurrentGPT", **compile_kwargs) -> "RecurrentGPT":
     run the eager block, whose shapes change at every token. Returns the model."""
     for block in model.blocks():
         block.compiled_sandwich = torch.compile(block.sandwich, **compile_kwargs)
-    return model
-
-
-def uncompile_blocks(model: "RecurrentGPT") -> "RecurrentGPT":
-    for block in model.blocks():
-        block.compiled_sandwich = None
     return model
 
 
@@ -334,22 +329,23 @@ class RecurrentGPT(nn.Module):
         return self.transformer.core_block.iterate(state, injected, self._adapter_state_weight(), rope, cache,
                                                    first_index)
 
-    def _initial_state(self, embedded: Tensor) -> Tensor:
+    def _initial_state(self, embedded: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """The latent state the recurrence starts from: noise drawn from `generator` (None: torch's global one)."""
         if self.config.state_init == "zero":
             return torch.zeros_like(embedded)
         std = self.config.init_std
-        return trunc_normal_no_sync(torch.empty_like(embedded), std) * self.config.embedding_scale
+        return trunc_normal_no_sync(torch.empty_like(embedded), std, generator) * self.config.embedding_scale
 
     def keyed_initial_state(self, keys: Tensor, seq_len: int, seed: int, device: torch.device) -> Tensor:
         """The initial latent state of rows with these keys (training's row keys, huginn_ray.train.shard_reader),
-        drawn like the forward's own but row i from a generator seeded with `seed x 2^50 + keys[i]`: a row gets
+        drawn like the forward's own but row i from a generator seeded with `row_seed(seed, keys[i])`: a row gets
         the same noise on whichever rank, in whichever micro-batch it is trained (the forward's own draw comes
         from the rank's global RNG)."""
         state = torch.empty(len(keys), seq_len, self.config.n_embd, device=device)
         if self.config.state_init == "zero":
             return state.zero_()
         for row, key in enumerate(keys.tolist()):
-            generator = torch.Generator(device=device).manual_seed(seed * 2**50 + key)
+            generator = torch.Generator(device=device).manual_seed(row_seed(seed, key))
             trunc_normal_no_sync(state[row], self.config.init_std, generator)
         return state * self.config.embedding_scale
 
@@ -456,14 +452,38 @@ class RecurrentGPT(nn.Module):
             self.train(was_training)
 
     @staticmethod
-    def _pick(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
+    def _pick(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None,
+              top_p: float | None = None) -> Tensor:
+        """Greedy when temperature == 0; else a draw from softmax(logits / temperature) restricted to the top_k
+        tokens, then to the smallest set of most probable tokens whose probability reaches top_p."""
         if temperature == 0:
             return logits.argmax(dim=-1)
         logits = logits / temperature
         if top_k is not None:
             threshold = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < threshold, float("-inf"))
-        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+        probs = logits.softmax(dim=-1)
+        if top_p is not None and top_p < 1:
+            ordered, order = probs.sort(dim=-1, descending=True)
+            outside = ordered.cumsum(dim=-1) - ordered >= top_p  # the tokens before it already reach top_p
+            probs = probs.scatter(-1, order, ordered.masked_fill(outside, 0.0))
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+ROW_KEY_BITS = 50
+"""Row keys (huginn_ray.train.shard_reader: stream x 2^32 + row) below 2^50 pack beside the seed in `row_seed`."""
+
+
+def row_seed(seed: int, key: int) -> int:
+    """The seed of row `key`'s noise generator under run seed `seed` (a torch generator takes 64 bits):
+    seed x 2^50 + key where that fits, as every run with seed < 2^14 has drawn it; otherwise a 64-bit BLAKE2b
+    hash of (seed, key), so that no seed overflows and distinct seeds do not share rows' noise (a reduction
+    modulo 2^64 would give seed s + 2^14 the noise of seed s)."""
+    packed = seed * 2**ROW_KEY_BITS + key
+    if key < 2**ROW_KEY_BITS and packed < 2**64:
+        return packed
+    digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 @torch.no_grad()

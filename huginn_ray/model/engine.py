@@ -1,0 +1,198 @@
+"""Continuous depth batching: a serving engine in which every sequence exits the recurrence on its own.
+
+    engine = Engine(model, EngineConfig(max_rows=32, max_cache_bytes=2**30))
+    request_id = engine.submit(Request(prompt=(1, 2, 3), max_new_tokens=16, exit_criterion="latent-diff", seed=7))
+    while engine.busy:
+        for event in engine.step():          # TokenEvent(request_id, token_id, core_iterations, finished, ...)
+            ...
+    engine.run_to_completion([request, ...])  # -> [Completion], in request order
+
+A pool of sequences at different positions and different core iterations is advanced together, one loop step
+per `step()`: a batched core iteration over every sequence in the pool (one call for the decoding sequences,
+one for those in their prompt's prefill, so that a prompt does not pad every row to its length;
+huginn_ray.model.generate.advance, the generator's own step: the same criteria, caches and sampling). A
+sequence whose forward ends (its criterion at its own threshold, min_steps and check_every, or its own
+num_steps) runs the coda and head and emits a token; its next token's prelude joins the pool at the next loop
+step. A finished (or cancelled) request frees its row and its cache at once, and waiting requests are admitted
+at the start of a step, in the order they came, while both capacities allow: rows (`max_rows`, the batch of a
+core call) and key/value bytes (`max_cache_bytes`; a request reserves the most its cache can hold,
+IterationKVCache.reserved_bytes).
+
+Each request draws its initial noise and its samples from its own generator, seeded with its `seed`, and
+attends only through its own cache at its own positions: its output is what `generate` gives it alone at
+batch size 1 with `generator=torch.Generator().manual_seed(seed)`, token for token and iteration for
+iteration, up to the rounding of batched matmuls (tests/test_model_engine.py).
+
+Layout: every request owns an IterationKVCache sized for its prompt + max_new_tokens; a batched call pads the
+rows to the longest forward and copies each row's keys/values into a padded batch per attention call
+(RowBatchCache), so the attention reads what it reads at batch 1 plus that copy and the padding. Simple and
+exact on a CPU; a paged layout that attends in place would save the copy on an accelerator.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from huginn_ray.model.cache import IterationKVCache
+from huginn_ray.model.generate import Request, Sequence, advance, start
+from huginn_ray.model.model import RecurrentGPT
+
+__all__ = ["Completion", "Engine", "EngineConfig", "Request", "TokenEvent"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacities of an engine, fixed at its start; admission waits while either would be exceeded."""
+
+    max_rows: int
+    """Sequences in flight at once (the batch of each core call)."""
+    max_cache_bytes: int
+    """Key/value bytes the sequences in flight may reserve together."""
+
+    def __post_init__(self):
+        for name in ("max_rows", "max_cache_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One token emitted by one request."""
+
+    request_id: int
+    """The id `submit` returned."""
+    token_id: int
+    """The token emitted."""
+    core_iterations: int
+    """Core iterations of the forward that produced it (the first token's: the prompt's prefill)."""
+    finished: bool
+    """Whether it is the request's last token (its row and cache are free after this step)."""
+    finish_reason: str | None
+    """"stop" (a stop token), "length" (max_new_tokens), or None while the request goes on."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A request's whole output (run_to_completion)."""
+
+    request_id: int
+    """The id `submit` returned."""
+    tokens: list[int]
+    """The generated token ids (the prompt not included)."""
+    core_iterations: list[int]
+    """Core iterations of the forward that produced each token."""
+    finish_reason: str
+    """"stop" or "length"."""
+
+
+class Engine:
+    """Continuous depth batching over one model (see the module docstring), which it puts in eval mode. Not
+    thread-safe: one caller drives `submit`, `step` and `cancel` (a server's engine loop)."""
+
+    def __init__(self, model: RecurrentGPT, config: EngineConfig):
+        self.model, self.config = model.eval(), config
+        self.device = model.freqs_cis.device
+        self.element_size = next(model.parameters()).element_size()
+        self.waiting: deque[tuple[int, Request]] = deque()
+        self.pool: dict[int, Sequence] = {}
+        self.reserved: dict[int, int] = {}
+        self.next_id = 0
+
+    @property
+    def rows_in_flight(self) -> int:
+        return len(self.pool)
+
+    @property
+    def cache_bytes_reserved(self) -> int:
+        return sum(self.reserved.values())
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is waiting or in flight."""
+        return bool(self.waiting or self.pool)
+
+    def reservation(self, request: Request) -> int:
+        """Cache bytes a checked request reserves while in flight."""
+        return IterationKVCache.reserved_bytes(self.model.config, len(request.prompt) + request.max_new_tokens - 1,
+                                               request.cache, request.num_steps, self.element_size)
+
+    def submit(self, request: Request) -> int:
+        """Queue a request; returns its id. A bad field, or a request that could never fit the cache capacity,
+        raises ValueError naming it."""
+        if not isinstance(request, Request):
+            raise ValueError(f"request must be a huginn_ray.model.engine.Request, got {type(request).__name__}")
+        request = request.checked(self.model.config)
+        need = self.reservation(request)
+        if need > self.config.max_cache_bytes:
+            raise ValueError(f"the request's key/value cache ({need:,} bytes for prompt + max_new_tokens = "
+                             f"{len(request.prompt) + request.max_new_tokens} positions, cache {request.cache!r}, "
+                             f"num_steps {request.num_steps}) exceeds max_cache_bytes={self.config.max_cache_bytes:,}")
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        self.waiting.append((request_id, request))
+        return request_id
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a waiting or running request, freeing its row and cache; False if it is not known (finished)."""
+        for index, (waiting_id, _) in enumerate(self.waiting):
+            if waiting_id == request_id:
+                del self.waiting[index]
+                return True
+        if request_id in self.pool:
+            self._free(request_id)
+            return True
+        return False
+
+    @torch.no_grad()
+    def step(self) -> list[TokenEvent]:
+        """Admit what fits, then one loop step; the tokens it emitted."""
+        self._admit()
+        if not self.pool:
+            return []
+        ids = {id(sequence): request_id for request_id, sequence in self.pool.items()}
+        events = []
+        for sequence, token_id in advance(self.model, list(self.pool.values())):
+            request_id = ids[id(sequence)]
+            events.append(TokenEvent(request_id, token_id, sequence.steps[-1], sequence.finish_reason is not None,
+                                     sequence.finish_reason))
+            if sequence.finish_reason is not None:
+                self._free(request_id)
+        return events
+
+    def run_to_completion(self, requests: list[Request]) -> list[Completion]:
+        """Submit the requests and step until all are done; their completions in the same order. Events of other
+        requests in flight are dropped: for a caller that drives the engine alone (a benchmark, a batch job)."""
+        request_ids = [self.submit(request) for request in requests]
+        tokens: dict[int, list[int]] = {request_id: [] for request_id in request_ids}
+        iterations: dict[int, list[int]] = {request_id: [] for request_id in request_ids}
+        reasons: dict[int, str] = {}
+        while any(request_id not in reasons for request_id in request_ids):
+            for event in self.step():
+                if event.request_id in tokens:
+                    tokens[event.request_id].append(event.token_id)
+                    iterations[event.request_id].append(event.core_iterations)
+                    if event.finished:
+                        reasons[event.request_id] = event.finish_reason
+        return [Completion(request_id, tokens[request_id], iterations[request_id], reasons[request_id])
+                for request_id in request_ids]
+
+    def _admit(self) -> None:
+        admitted = []
+        while self.waiting and len(self.pool) < self.config.max_rows:
+            request_id, request = self.waiting[0]
+            need = self.reservation(request)
+            if self.cache_bytes_reserved + need > self.config.max_cache_bytes:
+                break  # first come, first served: a large request is not overtaken
+            self.waiting.popleft()
+            generator = torch.Generator(device=self.device).manual_seed(request.seed)
+            self.pool[request_id] = Sequence(request, generator, self.device, self.model.config)
+            self.reserved[request_id] = need
+            admitted.append(self.pool[request_id])
+        if admitted:
+            start(self.model, admitted)
+
+    def _free(self, request_id: int) -> None:
+        del self.pool[request_id], self.reserved[request_id]
