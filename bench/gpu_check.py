@@ -15,7 +15,14 @@ On the device present it measures and prints, as a table, and writes as JSON (--
    checkpoint saved mid-run resumes to the same losses;
 5. generation at batch 1: tokens/s of an adaptive exit (kl) against the fixed depth, on the trained model;
 6. engine: continuous depth batching (huginn_ray.model.engine) at batch 32 on the trained model, fixed depth
-   against latent-diff exits: tokens/s, iterations per token, outputs equal to batch-1 generation.
+   against latent-diff exits: tokens/s, iterations per token, outputs equal to batch-1 generation;
+7. optimizer: AdamW's fused kernel (what the training takes on GPUs) against its multi-tensor step over the
+   parameters of a nebel-width model of 1/1/1 layers: seconds per step, and the largest difference of the
+   weights after the same steps from the same gradients (within ADAMW_TOLERANCE, else the row fails).
+8. bf16 gathers: hsdp on the one device (a shard group of one: FSDP2 still gathers, casts and reduce-scatters)
+   with the blocks' matmul weights gathered in fp32, then in bf16 (`parallelism.param_dtype`), under bf16
+   autocast: seconds per forward+backward, bytes all-gathered per step by dtype (bf16 at most 0.6 x fp32's), the
+   loss (within 5e-3 relative), and the gathered core block's norm weights and qk_bias still fp32.
 
 What the GPU machine needs: torch and what this package's training modules import at import time (numpy,
 pyarrow, safetensors, pyyaml); not Ray, not MLflow (huginn_ray.train.loop imports them inside the functions that
@@ -59,9 +66,10 @@ from huginn_ray.model.generate import DEFAULT_THRESHOLDS, generate  # noqa: E402
 from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, choose_attention_backend,  # noqa: E402
                                          probe_attention_backends, restrict_attention)
 from huginn_ray.train import checkpoint as ckpt  # noqa: E402
-from huginn_ray.train import loop  # noqa: E402
+from huginn_ray.train import loop, parallel  # noqa: E402
 from huginn_ray.train.config import TrainConfig  # noqa: E402
 from huginn_ray.train.memory import GIB, plan_memory  # noqa: E402
+from huginn_ray.train.optim import adamw_fused, param_groups  # noqa: E402
 from huginn_ray.train.run_plan import RunPlan  # noqa: E402
 
 NEBEL_WIDTH = dict(n_embd=5280, num_attention_heads=55, intermediate_size=17920, vocab_size=65536,
@@ -454,6 +462,140 @@ def engine_check(setup: Setup, model: RecurrentGPT) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# 7. optimizer
+# ---------------------------------------------------------------------------------------------------------
+ADAMW_TOLERANCE = 1e-6
+"""Largest |weight difference| allowed between AdamW's fused and multi-tensor steps after `Setup.steps` steps at
+lr 1e-3 (each step moves a weight by about 1e-3; the two differ by the rounding of a few fp32 operations)."""
+
+
+def optimizer_check(setup: Setup) -> dict:
+    """AdamW `fused=True` against `foreach=True` on the same parameters, gradients and param groups (weight
+    decay on the matrices only, as build_optimizer's groups): the median seconds of a step and the largest
+    weight difference after `setup.steps` steps."""
+    config = model_config("nebel-width", setup, n_layers_in_prelude=1, n_layers_in_recurrent_block=1,
+                          n_layers_in_coda=1)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = RecurrentGPT(config)
+    model.materialize(setup.device)
+    params = list(model.parameters())
+    start = [p.detach().clone() for p in params]
+    grads = [torch.randn_like(p) * 1e-2 for p in params]
+    seconds, weights = {}, {}
+    for variant in ("fused", "foreach"):
+        with torch.no_grad():
+            for p, initial, grad in zip(params, start, grads):
+                p.copy_(initial)
+                p.grad = grad
+        optimizer = torch.optim.AdamW(param_groups(model, 0.1, True), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                                      **{variant: True})
+        times = []
+        for _ in range(setup.steps + 1):  # the first step allocates the moments: not timed
+            synchronize(setup.device)
+            started = time.perf_counter()
+            optimizer.step()
+            synchronize(setup.device)
+            times.append(time.perf_counter() - started)
+        seconds[variant] = float(np.median(times[1:]))
+        weights[variant] = [p.detach().clone() for p in params] if variant == "fused" else params
+        del optimizer
+        free_device_memory(setup.device)
+    difference = max((a - b).abs().max().item() for a, b in zip(weights["fused"], weights["foreach"]))
+    row = {"params": sum(p.numel() for p in params), "steps": setup.steps + 1,
+           "training_takes_fused": adamw_fused(setup.device),
+           "fused_seconds": seconds["fused"], "foreach_seconds": seconds["foreach"],
+           "fused_speedup": seconds["foreach"] / seconds["fused"], "max_abs_weight_difference": difference,
+           "tolerance": ADAMW_TOLERANCE}
+    if not difference <= ADAMW_TOLERANCE:
+        row["error"] = f"fused and foreach AdamW differ by {difference:.3g} > {ADAMW_TOLERANCE:g} in a weight"
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 8. bf16 gathers
+# ---------------------------------------------------------------------------------------------------------
+def bf16_gather_check(setup: Setup) -> dict:
+    """The anchor model (--quick: the tiny one) under hsdp on this device, gathered in fp32 and in bf16."""
+    config = model_config("anchor", setup)
+    batch, seq_len = (2, 32) if setup.quick else (8, 256)
+    num_steps = (1, 2) if setup.quick else (4, 4)
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    inputs, labels = ids[:, :-1].to(setup.device), ids[:, 1:].to(setup.device)
+    mesh = parallel.build_mesh(parallel.MeshShape("hsdp", 1, 1), setup.device.type)
+    row = {"model": f"anchor D={config.n_embd}", "batch": batch, "seq_len": seq_len}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = RecurrentGPT(config)
+        model.materialize(setup.device)
+        parallel.apply_hsdp(model, mesh, dtype)
+        # a shard group of one gathers by copying, without a collective: the bytes are those of the unsharded
+        # weights each unit's forward sees, times its gathers per step (prelude and coda blocks: forward and
+        # backward; the core and the root: once), the fp32 tensors FSDP2 leaves whole not counted
+        gathered, seen = {}, {}
+        t = model.transformer
+        whole = {id(p) for block in model.blocks() for p in parallel.fp32_parameters(block)} \
+            if dtype != torch.float32 else set()
+        units = [(block, 2) for block in [*t.prelude, *t.coda]] + [(t.core_block, 1)]
+
+        def counter(unit, times, root=False):
+            def count(module, args):
+                if seen.get("counted"):
+                    return
+                params = [p for p in (unit.parameters(recurse=not root) if not root else root_parameters())
+                          if id(p) not in whole]
+                for p in params:
+                    key = str(p.dtype).removeprefix("torch.")
+                    gathered[key] = gathered.get(key, 0) + times * p.numel() * p.element_size()
+            return count
+
+        def root_parameters():
+            in_blocks = {id(p) for block in model.blocks() for p in block.parameters()}
+            return [p for p in model.parameters() if id(p) not in in_blocks]
+
+        hooks = [unit.register_forward_pre_hook(counter(unit, times)) for unit, times in units]
+        hooks.append(model.register_forward_pre_hook(counter(model, 1, root=True)))
+
+        def record(module, args):
+            if not seen:
+                seen.update({name: str(p.dtype).removeprefix("torch.") for name, p in module.named_parameters()})
+
+        hooks.append(t.core_block[0].register_forward_pre_hook(record))
+        times, loss = [], None
+        for step in range(setup.steps + 1):  # the first step (allocations) is not timed
+            synchronize(setup.device)
+            started = time.perf_counter()
+            with torch.autocast(setup.device.type, dtype=torch.bfloat16):
+                out = model(inputs, labels=labels, num_steps=num_steps)
+            out.loss.backward()
+            synchronize(setup.device)
+            times.append(time.perf_counter() - started)
+            loss = out.loss.item() if loss is None else loss
+            model.zero_grad(set_to_none=True)
+            seen["counted"] = True
+        for hook in hooks:
+            hook.remove()
+        del seen["counted"]
+        row[str(dtype).removeprefix("torch.")] = {"seconds": float(np.median(times[1:])), "loss": loss,
+                                                  "gathered_bytes": gathered, "core_block_dtypes": seen}
+        del model, out
+        free_device_memory(setup.device)
+    fp32, bf16 = row["float32"], row["bfloat16"]
+    row["gathered_ratio"] = sum(bf16["gathered_bytes"].values()) / sum(fp32["gathered_bytes"].values())
+    row["loss_relative_difference"] = abs(bf16["loss"] - fp32["loss"]) / abs(fp32["loss"])
+    kept = {name: dtype for name, dtype in bf16["core_block_dtypes"].items() if "norm" in name or "qk_bias" in name}
+    row["norms_and_qk_bias_fp32"] = set(kept.values()) == {"float32"}
+    problems = [f"gathered {row['gathered_ratio']:.3f} x fp32's bytes (> 0.6)"] * (row["gathered_ratio"] > 0.6) + \
+        [f"loss {row['loss_relative_difference']:.2g} relative from fp32 gathers' (> 5e-3)"] * (
+            row["loss_relative_difference"] > 5e-3) + \
+        [f"norms or qk_bias gathered as {kept}"] * (not row["norms_and_qk_bias_fp32"])
+    if problems:
+        row["error"] = "; ".join(problems)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------------------------
 def init_one_rank(device: torch.device) -> None:
@@ -510,6 +652,20 @@ def render(report: dict) -> str:
                           f"{resume['device_reads_per_step']:g}",
                       "host reads per step by site: " + ", ".join(f"{site} {n:g}" for site, n in
                                                                   result["host_reads_per_step"].items())]
+        elif section == "optimizer":
+            lines += ["", f"optimizer, AdamW over {result['params']:,} parameters (the training takes "
+                          f"{'fused' if result['training_takes_fused'] else 'single-tensor'} here): fused "
+                          f"{result['fused_seconds'] * 1e3:.2f} ms/step, foreach {result['foreach_seconds'] * 1e3:.2f} "
+                          f"ms/step ({result['fused_speedup']:.2f}x); max |weight difference| after "
+                          f"{result['steps']} steps {result['max_abs_weight_difference']:.3g} (tolerance "
+                          f"{result['tolerance']:g})"]
+        elif section == "bf16_gather":
+            lines += ["", f"bf16 gathers (hsdp on this device, {result['model']}, {result['batch']} x "
+                          f"{result['seq_len']}, bf16 autocast): fwd+bwd {result['float32']['seconds'] * 1e3:.1f} ms "
+                          f"with fp32 gathers, {result['bfloat16']['seconds'] * 1e3:.1f} ms with bf16; gathered "
+                          f"bytes {result['gathered_ratio']:.3f} x fp32's; loss difference "
+                          f"{result['loss_relative_difference']:.2g} relative; norms and qk_bias fp32: "
+                          f"{result['norms_and_qk_bias_fp32']}"]
         elif section == "generation":
             lines += ["", f"generation, batch 1, depth {result['depth']}, {result['new_tokens']} tokens: " + "; ".join(
                 f"{label} {result[label]['tokens_per_s']:.1f} tok/s ({result[label]['mean_steps_per_token']:.2f} "
@@ -525,7 +681,7 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = ("peak", "model_step", "memory", "training", "generation", "engine")
+SECTIONS = ("peak", "model_step", "memory", "training", "generation", "engine", "optimizer", "bf16_gather")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -566,6 +722,10 @@ def main(argv: list[str] | None = None) -> int:
                         report[section] = memory_check(setup, Path(root))
                     elif section == "training":
                         report[section], trained = training_check(setup, Path(root))
+                    elif section == "optimizer":
+                        report[section] = optimizer_check(setup)
+                    elif section == "bf16_gather":
+                        report[section] = bf16_gather_check(setup)
                     elif trained is None:
                         report[section] = {"error": "no trained model (the training section failed)"}
                     elif section == "generation":

@@ -70,6 +70,9 @@ def test_missing_file_is_named(tmp_path):
                                  "one Ray node"),
     ("parallelism.mode=hsdp grad_sync.kind=ddp", "under parallelism.mode=hsdp the exchange between shard groups is "
                                                  "chunk_stream"),
+    ("parallelism.param_dtype=bfloat16", "parallelism.param_dtype=bfloat16: only parallelism.mode=hsdp gathers weights"),
+    ("parallelism.mode=hsdp parallelism.param_dtype=bfloat16", "parallelism.param_dtype=bfloat16 needs "
+                                                               "precision=bf16-mixed (precision=auto, on CPU trains in fp32)"),
 ])
 def test_removed_sharding_keys_and_bad_layouts_are_refused_pointing_at_parallelism(override, message):
     from huginn_ray.train.config import load_train_config

@@ -24,7 +24,8 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert list(report) == ["device", "peak", "model_step", "memory", "training", "generation", "engine", "seconds"]
+    assert list(report) == ["device", "peak", "model_step", "memory", "training", "generation", "engine",
+                            "optimizer", "bf16_gather", "seconds"]
     assert (report["device"]["type"], report["device"]["quick"]) == ("cpu", True)
     assert report["peak"]["matmul_flops"] > 0 and report["peak"]["copy_bytes_per_s"] > 0
 
@@ -69,4 +70,30 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
     assert (engine["batch"], engine["requests"], engine["fixed depth"]["mean_iterations"]) == (4, 8, 4.0)
     assert 1.0 <= engine["adaptive (latent-diff)"]["mean_iterations"] < 4.0  # rows exit early
     assert engine["tokens_equal_fraction"] == 1.0  # fp32, one thread: each request equals its batch-1 output
+    optimizer = report["optimizer"]  # fused AdamW exists on the CPU too; the training takes single-tensor here
+    with torch.device("meta"):
+        one_layer_each = RecurrentGPT(ModelConfig(name="nebel-width", **{**TINY, "n_layers_in_prelude": 1,
+                                                                         "n_layers_in_recurrent_block": 1,
+                                                                         "n_layers_in_coda": 1}))
+    assert (optimizer["params"], optimizer["steps"]) == (sum(p.numel() for p in one_layer_each.parameters()), 3)
+    assert optimizer["training_takes_fused"] is False and "error" not in optimizer
+    assert 0 < optimizer["max_abs_weight_difference"] <= optimizer["tolerance"] == 1e-6  # rounded differently
+    assert optimizer["fused_seconds"] > 0 and optimizer["foreach_seconds"] > 0
+    gathers = report["bf16_gather"]
+    assert "error" not in gathers and gathers["norms_and_qk_bias_fp32"]
+    with torch.device("meta"):
+        tiny = RecurrentGPT(ModelConfig(name="anchor", **TINY))
+    t = tiny.transformer
+    numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    blocks = numel(t.prelude) + numel(t.coda)
+    root = numel(tiny) - blocks - numel(t.core_block)
+    # prelude and coda gathered for forward and backward, the core and the root once
+    assert gathers["float32"]["gathered_bytes"] == {"float32": 4 * (2 * blocks + numel(t.core_block) + root)}
+    # the norm weights and qk_bias are left whole (not gathered), the root unit gathers in fp32
+    matmul = lambda module: sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))  # noqa
+    assert gathers["bfloat16"]["gathered_bytes"] == {
+        "float32": 4 * root, "bfloat16": 2 * (2 * (matmul(t.prelude) + matmul(t.coda)) + matmul(t.core_block))}
+    assert gathers["gathered_ratio"] <= 0.6
+    # autocast casts the fp32-gathered weights to the bf16 values the bf16 gathers bring: the same first loss
+    assert gathers["loss_relative_difference"] == 0.0
     assert "total per rank" not in run.stdout and "JSON: " + str(out) in run.stdout

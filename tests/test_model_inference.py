@@ -47,7 +47,8 @@ def test_load_for_inference_casts_the_weights_and_restricts_attention_to_the_fus
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
     assert set(dtypes.values()) == {torch.bfloat16}
     assert model.freqs_cis.dtype == torch.float32  # the RoPE table stays fp32
-    assert all(block.attn.sdpa_backends == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    assert all(block.attn.sdpa_backends == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                            SDPBackend.CUDNN_ATTENTION]
                for block in model.blocks())
 
 

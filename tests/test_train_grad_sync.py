@@ -229,6 +229,101 @@ def test_every_exchange_on_the_recurrent_model_with_changing_depth(tmp_path, fn)
             assert worst < 1e-6, f"rank {rank} {kind}: max deviation from the mean gradient {worst}"
 
 
+OVERLAP_CHUNK = 2000
+"""Elements per chunk of the hsdp overlap test: this rank's shards of raven-tiny (shard groups of 2) are 5216
+elements per sandwich block (coda 5216, core 2 x 5216, prelude 5216) and 2064 in the root unit (the embedding
+1024, the adapter 1024, the final norm 16): 22928 in all, 12 chunks."""
+
+
+def unit_of(name: str) -> str:
+    """The FSDP2 unit (huginn_ray.train.parallel.apply_hsdp) that holds parameter `name` of raven-tiny."""
+    for unit in ("transformer.prelude.0", "transformer.core_block", "transformer.coda.0"):
+        if name.startswith(unit + "."):
+            return unit.removeprefix("transformer.")
+    return "root"
+
+
+def hsdp_overlap(rank, world_size):
+    """2 x 2 hsdp, two micro-batches: the overlapped replicate-dimension stream launches its chunks from the
+    hooks FSDP2 calls after each unit's reduce-scatter of the last micro-batch, and ends with the same bits as
+    the stream after backward."""
+    from huginn_ray.train import grad_sync, parallel
+
+    mesh = parallel.build_mesh(parallel.MeshShape("hsdp", world_size, 2), "cpu")
+    n, k = DEPTHS[1]
+    grads, events = {}, []
+    for kind in ("chunk_stream", "chunk_stream_overlap"):
+        model = real_model()
+        parallel.apply_hsdp(model, mesh)
+        sync = grad_sync.build_hsdp_grad_sync(kind, model, OVERLAP_CHUNK * 4 / 2**20, mesh.get_group("replicate"),
+                                              world_size, max_chunks_in_flight=2)
+        all_reduce = grad_sync.dist.all_reduce
+        recording = kind == "chunk_stream_overlap"
+        if recording:
+            # the order of events: each unit's gradients final (a hook registered after the stream's, so it
+            # fires right after it), each chunk's all-reduce launched, backward returned
+            def launch(*args, **kwargs):
+                events.append(("launch", args[0].numel()))
+                return all_reduce(*args, **kwargs)
+
+            grad_sync.dist.all_reduce = launch
+            for name, p in model.named_parameters():
+                p.register_post_accumulate_grad_hook(lambda _p, name=name: events.append(("final", unit_of(name))))
+        try:
+            for micro in range(2):
+                with sync.micro_batch(last=micro == 1):
+                    inputs, labels = real_batch(rank, micro)
+                    torch.manual_seed(micro)
+                    sync.module(inputs, labels=labels, num_steps=(n, k)).loss.backward()
+                if recording:
+                    events.append(("backward returned", micro))
+            sync.finish()
+            if recording:
+                events.append(("finished", None))
+        finally:
+            grad_sync.dist.all_reduce = all_reduce
+        grads[kind] = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    means = [real_model_local_mean(world_size, micro, n, k) for micro in range(2)]
+    expected = {name: means[0][name] + means[1][name] for name in grads["chunk_stream"]}
+    # the events, compressed: a unit's gradients final once per micro-batch (its last parameter), with the number
+    # of chunks launched until then
+    timeline, launched = [], 0
+    for what, detail in events:
+        launched += what == "launch"
+        if what != "launch":
+            entry = {"final": f"{detail} final", "finished": "finished"}.get(what, f"{what} {detail}")
+            if timeline and what == "final" and timeline[-1][0] == entry:
+                timeline.pop()
+            timeline.append((entry, launched))
+    return {
+        "timeline": [f"{entry}, {count} launched" for entry, count in timeline],
+        "chunk_sizes": sorted({detail for what, detail in events if what == "launch"}),
+        "bitwise": all(torch.equal(grads["chunk_stream"][name], grads["chunk_stream_overlap"][name])
+                       for name in expected),
+        "worst": max((grads["chunk_stream_overlap"][name] - expected[name]).abs().max().item() for name in expected),
+    }
+
+
+def test_hsdp_overlap_launches_the_replicate_stream_during_the_last_backward_with_the_same_bits(tmp_path):
+    """4 gloo ranks as 2 shard groups of 2. The first chunk goes out when the coda's reduce-scatter has written
+    its shard's gradient, while the core, prelude and root units are still in backward; the root unit's
+    gradients, final in FSDP2's end-of-backward callback, complete the last chunks. The first micro-batch's
+    backward launches nothing."""
+    results = spawn("hsdp_overlap", 4, tmp_path, timeout_s=120)
+    for rank, report in enumerate(results):
+        assert "error" not in report, report.get("trace")
+        assert report["timeline"] == [
+            "coda.0 final, 0 launched", "core_block final, 0 launched", "prelude.0 final, 0 launched",
+            "root final, 0 launched", "backward returned 0, 0 launched",
+            # 5216 // 2000, 3 x 5216 // 2000, 4 x 5216 // 2000, then all 12 (the last one zero-padded)
+            "coda.0 final, 2 launched", "core_block final, 7 launched", "prelude.0 final, 10 launched",
+            "root final, 12 launched", "backward returned 1, 12 launched", "finished, 12 launched",
+        ], f"rank {rank}"
+        assert report["chunk_sizes"] == [OVERLAP_CHUNK]  # every message of the stream is one whole chunk
+        assert report["bitwise"], f"rank {rank}: the overlapped stream's gradients differ from chunk_stream's"
+        assert report["worst"] < 1e-6, f"rank {rank}: max deviation from the mean gradient {report['worst']}"
+
+
 def hsdp_clip(rank, world_size):
     """One shard group of two ranks: each holds half of every gradient; clipping must use the norm of the whole
     gradients, summed over the group in one all-reduce."""

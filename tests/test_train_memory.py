@@ -157,7 +157,7 @@ def test_planned_fixed_memory_matches_what_a_cpu_step_allocates(single_rank_grou
 
 
 def test_frontier_plan_under_hsdp_and_why_replicate_does_not_fit(capsys):
-    plan = plan_memory(load_train_config(FRONTIER, []))
+    plan = plan_memory(load_train_config(FRONTIER, ["parallelism.param_dtype=float32"]))  # every gather in fp32
     head = 65536 * 5280  # padded vocab x n_embd: the tied head weight
     # activations and transients are the meta measurements of the replicated plan: hsdp does not change them;
     # every block checkpointed keeps each block's input (3.4 GiB; 12.1 with only the core's blocks checkpointed)
@@ -177,15 +177,38 @@ def test_frontier_plan_under_hsdp_and_why_replicate_does_not_fit(capsys):
     # the peak is the core's backward: every row alive (the core's weights and gradients both gathered) plus one
     # block's recomputation; at the reduce-scatter the core's weights are already resharded
     rows = sum(b for _, b, _ in plan.rows)
-    assert plan.peak.name == "core backward" and plan.total == rows + 2_528_505_880 == 30_822_201_264
+    assert plan.peak.name == "core backward" and plan.total == rows + 2_528_505_880 == 31_023_527_856
     # the reduce-scatter input (fp32, core-sized) takes the place of the resharded core weights
     assert plan.phase_total(phases["core reduce-scatter"]) == rows
     assert plan.phase_total(phases["end of forward"]) == (rows - plan.bytes_of(memory.ROOT_G) - 4 * 4 * block
                                                            - plan.bytes_of(memory.PREFETCH) + 7_463_854_084)
+    # chunk_stream_overlap between nodes: 4 chunks of 64 MiB in flight
+    assert plan.bytes_of("exchange buffers (chunk_stream_overlap)") == 4 * 64 * 2**20
     assert plan.fits
-    assert plan.render().splitlines()[-1] == "total per rank: 28.7 GiB of 64.0 GiB device memory"
+    assert plan.render().splitlines()[-1] == "total per rank: 28.9 GiB of 64.0 GiB device memory"
     assert [line.split()[2] for line in plan.render().splitlines() if "not counted:" in line] == [
         "CUDA/HIP", "communicator", "allocator"]
+    # all-gathered per micro-batch, padded as FSDP2 pads dim 0 (qk_bias's dim 0 of 2 to 8): the core's 4 blocks
+    # once, the 2 prelude and 2 coda blocks twice, the root once
+    assert plan.gathered == {"float32": 4 * (12 * 395_429_760 + 401_792_160)}
+
+    # the default on GPUs: the blocks' matmul weights gathered in bf16, their norms and qk_bias whole in fp32
+    bf16 = plan_memory(load_train_config(FRONTIER, []))
+    whole = 8 * 6 * 5280  # 8 blocks: 4 norm weights and qk_bias (2 x 55 heads x 96) each, instead of their shards
+    assert bf16.bytes_of("parameters (fp32, sharded) + buffers") == plan.bytes_of(
+        "parameters (fp32, sharded) + buffers") + 4 * (whole - 8 * (4 * 660 + 5280))
+    assert bf16.bytes_of(memory.CORE_W) == bf16.bytes_of(memory.CORE_G) == 2 * 4 * (block - 6 * 5280)
+    assert bf16.bytes_of(memory.PREFETCH) == 2 * (block - 6 * 5280)
+    assert bf16.bytes_of(memory.ROOT_W) == plan.bytes_of(memory.ROOT_W)  # the root unit stays fp32
+    assert bf16.gathered == {"bfloat16": 2 * 12 * 395_366_400, "float32": 4 * 401_792_160}
+    assert sum(bf16.gathered.values()) / sum(plan.gathered.values()) == pytest.approx(0.539, abs=1e-3)
+    bf16_phases = {phase.name: phase for phase in bf16.phases}
+    assert bf16_phases["core reduce-scatter"].transient_bytes == 4 * 4 * (block - 6 * 5280)  # reduced in fp32
+    assert bf16_phases["end of forward"].transient_bytes < phases["end of forward"].transient_bytes - 5 * memory.GIB
+    assert bf16.peak.name == "core reduce-scatter" and bf16.total == 24_544_272_536
+    assert bf16.render().splitlines()[-1] == "total per rank: 22.9 GiB of 64.0 GiB device memory"
+    assert "all-gathered per micro-batch: bfloat16 8.84 GiB, float32 1.50 GiB" in bf16.render()
+
     assert memory.main(["--config", str(FRONTIER), "parallelism.mode=replicate",
                         "grad_sync.kind=chunk_stream_overlap"]) == 1
     out = capsys.readouterr().out.strip().splitlines()

@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from huginn_ray.train.optim import ELLISAdam, param_groups, set_lr, trapezoid_lr
+from huginn_ray.train import optim
+from huginn_ray.train.config import OptimConfig
+from huginn_ray.train.optim import ELLISAdam, adamw_fused, build_optimizer, param_groups, set_lr, trapezoid_lr
 
 
 def huginn_ellis(params, lr=4e-5):
@@ -83,6 +85,28 @@ def test_param_groups_three_groups_no_decay_on_norms_and_biases():
     assert by_name["scale_norm"]["weight_decay"] == 0.0
     total = sum(len(g["params"]) for g in groups)
     assert total == len(list(Toy().parameters()))
+
+
+def test_adamw_is_fused_on_gpus_and_single_tensor_on_cpu(monkeypatch):
+    assert (adamw_fused(torch.device("cuda")), adamw_fused(torch.device("cpu"))) == (True, False)
+    cfg = OptimConfig(name="AdamW", lr=1e-2, weight_decay=0.1)
+    models, optimizers = {}, {}
+    for path in ("single-tensor", "fused"):
+        # the fused construction, on the CPU's fused kernel: what a GPU worker builds, step counts on the device
+        monkeypatch.setattr(optim, "adamw_fused", lambda device, fused=path == "fused": fused)
+        torch.manual_seed(0)
+        models[path] = Toy()
+        optimizers[path] = build_optimizer(models[path], cfg)
+        for _ in range(3):
+            sum((i + 1) * (p - 0.5).square().sum() for i, p in enumerate(models[path].parameters())).backward()
+            optimizers[path].step()
+            optimizers[path].zero_grad()
+    assert [(o.defaults["fused"], o.defaults["foreach"]) for o in optimizers.values()] == [(False, False), (True, None)]
+    steps = {path: {o.state[p]["step"].item() for p in o.state} for path, o in optimizers.items()}
+    assert steps == {"single-tensor": {3.0}, "fused": {3.0}}
+    for (name, single), fused in zip(models["single-tensor"].named_parameters(), models["fused"].parameters()):
+        assert not torch.equal(single, Toy().get_parameter(name))  # the steps moved it
+        torch.testing.assert_close(fused, single, rtol=1e-6, atol=1e-7)
 
 
 def test_param_groups_refuses_unclassified_parameter():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from huginn_ray.config import ConfigError
-from huginn_ray.train.config import load_train_config
+from huginn_ray.train.config import compile_options_for, load_train_config
 from huginn_ray.train.shard_reader import Rows, collate
 
 
@@ -24,10 +24,17 @@ def test_collate_checks_token_ids_once_per_batch_on_the_host():
 
 
 def test_speed_switches_in_the_config(tmp_path):
-    cfg = load_train_config(None, ["max_steps=1", "compile=true", "loss_chunk_tokens=256",
-                                   "optim.foreach=true", "compile_options={mode: max-autotune}"])
+    cfg = load_train_config(None, ["max_steps=1", "compile=true", "loss_chunk_tokens=256", "optim.foreach=true"])
     assert cfg.compile and cfg.loss_chunk_tokens == 256 and cfg.optim.foreach is True
-    assert cfg.compile_options == {"mode": "max-autotune"}
+    # the blocks' compile mode: without CUDA graphs on GPUs, torch's default on CPU, or the one the config names
+    assert compile_options_for(cfg, "cuda") == {"mode": "max-autotune-no-cudagraphs"}
+    assert compile_options_for(cfg, "cpu") == {}
+    named = load_train_config(None, ["max_steps=1", "compile_options={mode: default, fullgraph: true}"])
+    assert compile_options_for(named, "cuda") == compile_options_for(named, "cpu") == {"mode": "default",
+                                                                                       "fullgraph": True}
+    for mode in ("max-autotune", "reduce-overhead"):  # CUDA graphs: the recurrence breaks them
+        with pytest.raises(ConfigError, match=f"^compile_options.mode={mode}: this mode records CUDA graphs"):
+            load_train_config(None, ["max_steps=1", f"compile_options={{mode: {mode}}}"])
     assert load_train_config(None, ["max_steps=1"]).optim.foreach is None
     with pytest.raises(ConfigError, match="loss_chunk_tokens"):
         load_train_config(None, ["max_steps=1", "loss_chunk_tokens=-1"])

@@ -49,9 +49,11 @@ def _rotate(x: Tensor, table: Tensor) -> Tensor:
 
 
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                 "math": SDPBackend.MATH}
-FUSED_BACKENDS = ("flash", "efficient")
-"""In order of preference. Both keep O(T) memory per head; the math kernel materialises the T x T scores."""
+                 "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+FUSED_BACKENDS = ("flash", "efficient", "cudnn")
+"""In order of preference. All keep O(T) memory per head; the math kernel materialises the T x T scores. cuDNN's
+kernel (NVIDIA GPUs with cuDNN 9) comes last: it takes shapes the other two may not (e.g. a head_dim flash
+lacks), and where several take the shape torch picks among the allowed ones by its own priority."""
 MATH_MAX_SEQ_LEN = 1024
 """Longest training sequence the math kernel may serve without `attention_backend: math`: at nebel's shape
 (55 heads, T = 4096) it would materialise 55 x 4096^2 scores per call and sequence, 1.7 GiB in bf16, kept for
@@ -82,7 +84,7 @@ class AttentionShape:
 
 
 def probe_attention_backends(shape: AttentionShape, device: torch.device) -> dict[str, str | None]:
-    """Which fused kernels take `shape` on `device`: for "flash" and "efficient", None when that kernel alone ran a
+    """Which fused kernels take `shape` on `device`: for each of FUSED_BACKENDS, None when that kernel alone ran a
     causal forward and backward of one sequence of the shape, else why not (torch's warnings when it gives them,
     else its error). The math kernel takes every shape. Costs one attention call of one sequence per kernel; draws
     no random numbers (a run's random streams do not depend on the probe)."""
@@ -125,8 +127,8 @@ def choose_attention_backend(serves: dict[str, str | None], shape: AttentionShap
 
 
 def restrict_attention(model: "RecurrentGPT", backend: str | None) -> "RecurrentGPT":
-    """Let every attention call of `model` use only the kernel chosen for training: for "flash" or "efficient"
-    the fused kernels (either one; torch prefers flash), for "math" the math kernel; None lifts the restriction
+    """Let every attention call of `model` use only the kernel chosen for training: for a fused kernel the fused
+    kernels (any of FUSED_BACKENDS; torch picks by its priority), for "math" the math kernel; None lifts the restriction
     (torch's own choice). A call no allowed kernel takes then fails instead of falling back silently."""
     allowed = None if backend is None else \
         [SDPA_BACKENDS[name] for name in (("math",) if backend == "math" else FUSED_BACKENDS)]

@@ -65,8 +65,8 @@ class ScheduleConfig:
 @dataclass
 class GradSyncConfig:
     kind: Literal["chunk_stream", "chunk_stream_overlap", "ddp"] = "chunk_stream"
-    """Gradient exchange (huginn_ray.train.grad_sync); under parallelism.mode=hsdp only chunk_stream (between
-    shard groups)."""
+    """Gradient exchange (huginn_ray.train.grad_sync); under parallelism.mode=hsdp the chunk stream between shard
+    groups, after backward (chunk_stream) or launched during it (chunk_stream_overlap); not ddp."""
     chunk_mib: float = 64.0
     """Size of every all-reduce message of the chunk streams, in MiB of fp32 (DDP: bucket size)."""
     max_chunks_in_flight: int = 4
@@ -82,6 +82,12 @@ class ParallelismSection:
     hsdp: FSDP2 shards parameters, gradients and optimizer state over the ranks of a shard group, the chunk
     stream runs between shard groups (huginn_ray.train.parallel). A shard group is one Ray node (Ray Train's
     local world size)."""
+    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """hsdp: the dtype FSDP2 gathers the prelude, core and coda blocks' matmul weights in (their gradients are
+    reduced in fp32, the sharded master weights and the checkpoint stay fp32); norm weights, qk_bias and the root
+    unit (embedding = head, recurrent-state adapter, final norm) are always fp32. bfloat16 halves those gathers
+    and needs precision bf16-mixed (autocast feeds the matmuls bf16 activations); auto: bfloat16 when the run
+    trains in bf16-mixed (GPUs by default), float32 otherwise (CPU)."""
 
 
 @dataclass
@@ -215,7 +221,10 @@ class TrainConfig:
     """torch.compile every sandwich block (huginn_ray.model.compile_blocks, regional compilation): a new depth
     does not recompile. Costs compile time at the start of every worker (about a minute on CPU)."""
     compile_options: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of torch.compile for the blocks, e.g. {mode: max-autotune} on GPUs."""
+    """Keyword arguments of torch.compile for the blocks. Without a `mode`: max-autotune-no-cudagraphs on GPUs
+    (GPU_COMPILE_MODE), torch's default mode on CPU. Modes with CUDA graphs (max-autotune, reduce-overhead) are
+    refused: a compiled core block runs k times per step, and a CUDA graph's replay overwrites the outputs of
+    the previous one that backward still needs."""
     loss_chunk_tokens: int = 1024
     """Head + cross-entropy over chunks of this many tokens (huginn_ray.model.chunked_cross_entropy): at most
     loss_chunk_tokens x padded_vocab fp32 logits exist at a time instead of all tokens' logits and their
@@ -295,6 +304,8 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
             raise ConfigError(f"fault_injection.{key}: must be in [0, {cfg.scaling.min_workers - 1}] "
                               f"(scaling.num_workers={cfg.scaling.num_workers}), got {rank}")
     check_sharding_config(cfg)
+    check_compile_options(cfg)
+    check_param_dtype(cfg)
     return cfg
 
 
@@ -312,11 +323,42 @@ def check_worker_range(num_workers: int | list[int]) -> None:
         raise ConfigError(f"scaling.num_workers: a worker count or [min, max] with min <= max, got {num_workers}")
 
 
+GPU_COMPILE_MODE = "max-autotune-no-cudagraphs"
+"""torch.compile's mode for the blocks on GPUs unless compile_options names one: autotuned Triton kernels, no CUDA
+graphs."""
+CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")
+
+
+def compile_options_for(cfg: TrainConfig, device_type: str) -> dict[str, Any]:
+    """torch.compile's keyword arguments for the blocks on a device of `device_type` (cuda, cpu)."""
+    if device_type == "cpu" or "mode" in cfg.compile_options:
+        return dict(cfg.compile_options)
+    return {"mode": GPU_COMPILE_MODE, **cfg.compile_options}
+
+
+def check_param_dtype(cfg: TrainConfig) -> None:
+    if cfg.parallelism.param_dtype != "bfloat16":
+        return
+    if cfg.parallelism.mode != "hsdp":
+        raise ConfigError("parallelism.param_dtype=bfloat16: only parallelism.mode=hsdp gathers weights")
+    if cfg.precision == "fp32" or (cfg.precision == "auto" and not cfg.scaling.use_gpu):
+        raise ConfigError(f"parallelism.param_dtype=bfloat16 needs precision=bf16-mixed (precision={cfg.precision}"
+                          f"{', on CPU' if cfg.precision == 'auto' else ''} trains in fp32)")
+
+
+def check_compile_options(cfg: TrainConfig) -> None:
+    mode = cfg.compile_options.get("mode")
+    if mode in CUDA_GRAPH_MODES:
+        raise ConfigError(f"compile_options.mode={mode}: this mode records CUDA graphs, which the recurrence breaks "
+                          f"(a compiled core block runs k times per step); use {GPU_COMPILE_MODE} (the default on "
+                          "GPUs)")
+
+
 def check_sharding_config(cfg: TrainConfig) -> None:
     par = cfg.parallelism
-    if par.mode == "hsdp" and cfg.grad_sync.kind != "chunk_stream":
+    if par.mode == "hsdp" and cfg.grad_sync.kind == "ddp":
         raise ConfigError(f"grad_sync.kind={cfg.grad_sync.kind}: under parallelism.mode=hsdp the exchange between "
-                          "shard groups is chunk_stream")
+                          "shard groups is chunk_stream or chunk_stream_overlap")
 
 
 # ---- allowed ranges of the numeric fields (checked by load_train_config; a new numeric field belongs here) -----

@@ -6,14 +6,18 @@ Three interchangeable exchanges (config `grad_sync.kind`):
   in registration order, into fixed-size fp32 chunks (64 MiB by default); each chunk is all-reduced (sum, then
   divided by the world size in fp32) and unpacked. Chunks span parameter boundaries; every message has the same
   size, the last chunk is zero-padded.
-- `chunk_stream_overlap`: the same fixed-size chunks, laid out in reverse registration order (the order backward
-  produces gradients) and filled by `register_post_accumulate_grad_hook`; a chunk's all-reduce is launched
+- `chunk_stream_overlap`: the same fixed-size chunks, laid out in the order backward makes gradients final
+  (`gradient_order`) and filled by `register_post_accumulate_grad_hook`; a chunk's all-reduce is launched
   asynchronously as soon as all of its parameters' gradients are final, so communication overlaps backward.
   Chunks are always launched in index order, so every rank issues the same collectives in the same order.
 - `ddp`: torch DistributedDataParallel (gradients as views into its buckets).
 
 Under `parallelism.mode: hsdp` the chunk stream runs between shard groups over each rank's gradient shard, after
-FSDP2 has reduce-scattered the sums within the group (huginn_ray.train.parallel).
+FSDP2 has reduce-scattered the sums within the group (huginn_ray.train.parallel): `chunk_stream` after backward,
+`chunk_stream_overlap` from the hooks FSDP2 calls on the sharded parameters once a unit's reduce-scatter has
+written their gradients, so a chunk goes out while the units before it are still in backward. With bf16 gathers
+(`parallelism.param_dtype`) FSDP2 leaves the blocks' fp32 norm weights and qk_bias whole; a second stream of the
+same kind sums those over all ranks (`build_hsdp_grad_sync`).
 
 The layout covers every trainable parameter whether or not it received a gradient this step; a parameter without
 gradient contributes zeros, and gets the averaged gradient of the others. This keeps the collectives identical
@@ -32,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from huginn_ray.train.parallel import local
 
@@ -80,9 +86,10 @@ class ChunkStream:
     by `divide_by` (default: the group's size). Under hsdp the group is the rank's "replicate" column and the
     divisor the world size, since the reduce-scatter before it summed the shard group without dividing."""
 
-    def __init__(self, model: nn.Module, chunk_numel: int, group=None, divide_by: int | None = None):
+    def __init__(self, model: nn.Module, chunk_numel: int, group=None, divide_by: int | None = None,
+                 params: list[nn.Parameter] | None = None):
         self.module = model
-        self.params = trainable_parameters(model)
+        self.params = trainable_parameters(model) if params is None else params
         self.chunks = chunk_layout([local(p).numel() for p in self.params], chunk_numel)
         self.group = group
         self.world_size = divide_by or dist.get_world_size(group)
@@ -113,22 +120,43 @@ class ChunkStream:
                 )
 
 
+def gradient_order(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters in the order backward makes their gradients final.
+
+    Whole parameters: reverse registration order (autograd accumulates a leaf's gradient when its last use in the
+    forward has been differentiated). FSDP2-sharded ones: a shard's gradient is final when its unit's
+    reduce-scatter has written it, which happens unit by unit in the reverse of the units' forward order, and
+    the root unit's (the embedding, adapter, final norm) last, at the end of backward: the root's parameters
+    come last although they are registered first and last."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    if not units:
+        return list(reversed(trainable_parameters(model)))
+    order = [p for unit in reversed(units) for p in reversed(trainable_parameters(unit))]
+    placed = set(order)
+    return order + [p for p in reversed(trainable_parameters(model)) if p not in placed]
+
+
 class ChunkStreamOverlap:
     """Fixed-size chunks all-reduced asynchronously while backward is still running.
 
-    At most `max_in_flight` chunk buffers exist: a chunk is packed from the parameters' gradients when all of
-    them are final and a buffer is free; when none is free, the oldest all-reduce is waited for and unpacked
-    first. The extra memory is `max_in_flight` chunks, not a second copy of the gradients."""
+    Chunks are laid out in `gradient_order` and filled from post-accumulate-grad hooks: a whole parameter's
+    fires when autograd has accumulated its gradient; FSDP2 calls a sharded parameter's after its unit's
+    reduce-scatter has written the shard's gradient (under hsdp this stream runs over the "replicate" dimension
+    and divides by `divide_by`, the world size, as `ChunkStream` does). At most `max_in_flight` chunk buffers
+    exist: a chunk is packed from the parameters' gradients when all of them are final and a buffer is free;
+    when none is free, the oldest all-reduce is waited for and unpacked first. The extra memory is
+    `max_in_flight` chunks, not a second copy of the gradients. The sums are those of `ChunkStream`, element by
+    element, so the result is bitwise the same."""
 
-    def __init__(self, model: nn.Module, chunk_numel: int, group=None, max_in_flight: int = 4):
+    def __init__(self, model: nn.Module, chunk_numel: int, group=None, max_in_flight: int = 4,
+                 divide_by: int | None = None, params: list[nn.Parameter] | None = None):
         self.module = model
-        # backward produces gradients roughly in reverse registration order: lay chunks out that way so that
-        # chunk 0 fills first.
-        self.params = list(reversed(trainable_parameters(model)))
-        self.chunks = chunk_layout([p.numel() for p in self.params], chunk_numel)
+        self.params = gradient_order(model) if params is None else params
+        self.chunks = chunk_layout([local(p).numel() for p in self.params], chunk_numel)
         self.group = group
-        self.world_size = dist.get_world_size(group)
-        device = self.params[0].device
+        self.world_size = divide_by or dist.get_world_size(group)
+        self.group_size = dist.get_world_size(group)
+        device = local(self.params[0]).device
         self.buffers = [torch.zeros(chunk_numel, dtype=torch.float32, device=device)
                         for _ in range(min(max_in_flight, len(self.chunks)))]
         self.chunks_of: list[list[int]] = [[] for _ in self.params]
@@ -188,18 +216,20 @@ class ChunkStreamOverlap:
                 grad = self.params[s.param_index].grad
                 if grad is not None:
                     buf[s.chunk_offset : s.chunk_offset + s.count].copy_(
-                        grad.reshape(-1)[s.grad_offset : s.grad_offset + s.count]
+                        local(grad).reshape(-1)[s.grad_offset : s.grad_offset + s.count]
                     )
-            work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = (dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                    if self.group_size > 1 else None)
             self.in_flight.append((self.launched, buf, work))
             self.launched += 1
 
     def _complete_oldest(self) -> None:
         chunk_index, buf, work = self.in_flight.popleft()
-        work.wait()
+        if work is not None:
+            work.wait()
         buf.div_(self.world_size)
         for s in self.chunks[chunk_index]:
-            grad = _grad_or_zeros(self.params[s.param_index])
+            grad = local(_grad_or_zeros(self.params[s.param_index]))
             grad.view(-1)[s.grad_offset : s.grad_offset + s.count].copy_(buf[s.chunk_offset : s.chunk_offset + s.count])
         self.free.append(buf)
 
@@ -242,11 +272,59 @@ class DDPSync:
         """DDP has reduced during backward."""
 
 
+class Streams:
+    """Exchanges over disjoint sets of parameters, run as one (each with its own hooks and buffers)."""
+
+    def __init__(self, module: nn.Module, streams: list):
+        self.module = module
+        self.streams = streams
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool):
+        with contextlib.ExitStack() as stack:
+            for stream in self.streams:
+                stack.enter_context(stream.micro_batch(last))
+            yield
+
+    def finish(self) -> None:
+        for stream in self.streams:
+            stream.finish()
+
+    def remove_hooks(self) -> None:
+        for stream in self.streams:
+            if hasattr(stream, "remove_hooks"):
+                stream.remove_hooks()
+
+
+def build_hsdp_grad_sync(kind: str, model: nn.Module, chunk_mib: float, replicate_group, world_size: int,
+                         max_chunks_in_flight: int = 4):
+    """hsdp's exchange: every sharded gradient (FSDP2 has summed it over the shard group) streamed over
+    `replicate_group`, divided by the world size. Parameters FSDP2 leaves whole (the blocks' fp32 norm weights and
+    qk_bias under bf16 gathers) hold this rank's gradient alone: a second stream of their own size sums them over
+    all ranks."""
+    chunk_numel = int(chunk_mib * 1024 * 1024) // 4
+    ordered = trainable_parameters(model) if kind == "chunk_stream" else gradient_order(model)
+    sharded = [p for p in ordered if isinstance(p, DTensor)]
+    whole = [p for p in ordered if not isinstance(p, DTensor)]
+
+    def stream(params, numel, group, divide_by):
+        if kind == "chunk_stream":
+            return ChunkStream(model, numel, group, divide_by, params=params)
+        if kind == "chunk_stream_overlap":
+            return ChunkStreamOverlap(model, numel, group, max_chunks_in_flight, divide_by, params=params)
+        raise ValueError(f"grad_sync.kind: under hsdp chunk_stream or chunk_stream_overlap, not {kind!r}")
+
+    streams = [stream(sharded, chunk_numel, replicate_group, world_size)]
+    if whole:
+        streams.append(stream(whole, min(chunk_numel, sum(p.numel() for p in whole)), None, world_size))
+    return streams[0] if len(streams) == 1 else Streams(model, streams)
+
+
 def build_grad_sync(kind: str, model: nn.Module, chunk_mib: float = 64, group=None, find_unused_parameters=False,
-                    max_chunks_in_flight: int = 4, divide_by: int | None = None):
+                    max_chunks_in_flight: int = 4):
     chunk_numel = int(chunk_mib * 1024 * 1024) // 4
     if kind == "chunk_stream":
-        return ChunkStream(model, chunk_numel, group, divide_by)
+        return ChunkStream(model, chunk_numel, group)
     if kind == "chunk_stream_overlap":
         return ChunkStreamOverlap(model, chunk_numel, group, max_in_flight=max_chunks_in_flight)
     if kind == "ddp":

@@ -37,8 +37,8 @@ from huginn_ray.model.pretrained import load_weights_into
 from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, choose_attention_backend,
                                          probe_attention_backends, restrict_attention)
 from huginn_ray.train import checkpoint as ckpt
-from huginn_ray.train.config import TrainConfig
-from huginn_ray.train.grad_sync import build_grad_sync
+from huginn_ray.train.config import TrainConfig, compile_options_for
+from huginn_ray.train.grad_sync import build_grad_sync, build_hsdp_grad_sync
 from huginn_ray.train.optim import apply_config_on_resume, build_optimizer, set_lr, trapezoid_lr
 from huginn_ray.train import parallel
 from huginn_ray.train.data_order import DataOrder, DataOrderError
@@ -159,15 +159,15 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
         print(f"[huginn] attention: {backend} kernel ({attention.describe()}, {device.type})", flush=True)
     model.loss_chunk_tokens = cfg.loss_chunk_tokens
     if cfg.compile:
-        compile_blocks(model, **cfg.compile_options)
+        compile_blocks(model, **compile_options_for(cfg, device.type))
     if shape.mode == "hsdp":
-        parallel.apply_hsdp(model, mesh)
+        parallel.apply_hsdp(model, mesh, parallel.gather_dtype(cfg.parallelism.param_dtype, plan.precision))
     model.allocate(device)  # this rank's part only (its shards under hsdp)
     if initialise:
         load_initial_weights(model, plan, rank, cfg.seed, mesh.get_group("replicate"))
     if shape.mode == "hsdp":
-        sync = build_grad_sync("chunk_stream", model, cfg.grad_sync.chunk_mib, group=mesh.get_group("replicate"),
-                               divide_by=world_size)
+        sync = build_hsdp_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib, mesh.get_group("replicate"),
+                                    world_size, cfg.grad_sync.max_chunks_in_flight)
     else:
         sync = build_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib,
                                find_unused_parameters=cfg.grad_sync.ddp_find_unused_parameters,

@@ -13,8 +13,11 @@ Rows (what lives across the step, or a long part of it), per rank:
   group, padded to a multiple of it), plus what FSDP2 gathers whole: the root unit's weights (embedding = head,
   adapter, final norm) for the whole step and its gradients from the loss's backward on; the core block unit's
   weights from its forward to the end of its backward and its gradients from its backward to its reduce-scatter
-  (gathered and reduced once per step); one prelude block prefetched while the core's backward runs;
-- exchange buffers: chunk_stream one chunk (hsdp: one chunk when there is more than one shard group),
+  (gathered and reduced once per step); one prelude block prefetched while the core's backward runs. The blocks
+  gather in `parallelism.param_dtype` (bf16: their matmul weights at 2 bytes, their norm weights and qk_bias
+  whole fp32 tensors on every rank instead of shards; no autocast casts of them), the root unit in fp32. The plan
+  also counts the bytes all-gathered per micro-batch, by dtype (`MemoryPlan.gathered`);
+- exchange buffers (hsdp: only when there is more than one shard group): chunk_stream one chunk,
   chunk_stream_overlap `max_chunks_in_flight` chunks, ddp none beyond the gradients (gradient_as_bucket_view);
 - activations kept for backward at the deepest backprop the sampler draws (k = mean_backprop_depth gradient
   iterations, with the configured activation checkpointing), for one micro-batch: measured, not estimated, by
@@ -60,6 +63,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.model.loss import chunked_cross_entropy, chunked_cross_entropy_grads
+from huginn_ray.train.parallel import fp32_parameters, gather_dtype
 
 GIB = 2**30
 MI250X_GCD_GIB = 64.0
@@ -69,7 +73,7 @@ GPU_NODE_SIZE = 8
 
 # what FSDP2 gathers whole under hsdp, rows of the plan
 ROOT_W, ROOT_G = "gathered: root unit weights (fp32)", "gathered: root unit gradients (fp32)"
-CORE_W, CORE_G = "gathered: core block unit weights (fp32)", "gathered: core block unit gradients (fp32)"
+CORE_W, CORE_G = "gathered: core block unit weights", "gathered: core block unit gradients"
 PREFETCH = "gathered: one prelude block (backward prefetch)"
 
 
@@ -236,6 +240,9 @@ class MemoryPlan:
     """The moments where memory can peak; the plan's total is the largest."""
     not_counted: list[tuple[str, int, str]] = field(default_factory=list)
     """(item, estimated bytes, basis of the estimate): listed, never added to the total."""
+    gathered: dict[str, int] = field(default_factory=dict)
+    """hsdp: bytes FSDP2 all-gathers per micro-batch on each rank, by dtype (the root and the core once, every
+    prelude and coda block twice: forward and backward), padded as FSDP2 pads dim 0."""
     device_bytes: int = 0
     headroom: float = 0.9
     header: str = ""
@@ -273,6 +280,9 @@ class MemoryPlan:
         lines = [self.header, f"{'item':<52}{'GiB':>8}  how"]
         for name, b, how in self.rows:
             lines.append(f"{name:<52}{b / GIB:>8.2f}  {how}")
+        if self.gathered:
+            lines.append("all-gathered per micro-batch: " + ", ".join(
+                f"{dtype} {b / GIB:.2f} GiB" for dtype, b in self.gathered.items()))
         lines.append(f"{'phase: rows alive + what exists only then':<52}{'GiB':>8}")
         for phase in self.phases:
             short = [name.removeprefix("gathered: ").removesuffix(" (fp32)") for name in phase.absent]
@@ -334,6 +344,7 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
         model_cfg = section_config(cfg) if cfg.model is not None else model_config(cfg)
     precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if cfg.scaling.use_gpu else "fp32")
     bf16 = precision == "bf16-mixed"
+    gather = gather_dtype(cfg.parallelism.param_dtype, precision)
     device_type = "cuda" if cfg.scaling.use_gpu else "cpu"
     with torch.device("meta"):
         model = RecurrentGPT(model_cfg)
@@ -354,20 +365,39 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
     step_bytes = 8 if cfg.optim.name == "ELLISAdam" else 4
     optimizer_row = f"optimizer state ({cfg.optim.name}: 2 fp32 moments)"
     if hsdp:
-        local = sum(shard_numel(p.shape, shards) for p in params)
-        how = f"{local:,} of {numel:,} elements: this rank's shard of every tensor (1/{shards}, dim 0 padded)"
+        t = model.transformer
+        # tensors FSDP2 leaves whole: the blocks' norm weights and qk_bias when the matmul weights gather in bf16
+        whole = {p for block in model.blocks() for p in fp32_parameters(block)} if gather != torch.float32 else set()
+        local = sum(p.numel() if p in whole else shard_numel(p.shape, shards) for p in params)
+        how = (f"{local:,} of {numel:,} elements: this rank's shard of every tensor (1/{shards}, dim 0 padded)"
+               + (f", the blocks' {sum(p.numel() for p in whole):,} norm and qk_bias elements whole" if whole else ""))
         plan.rows.append(("parameters (fp32, sharded) + buffers", local * 4 + buffer_bytes, how))
         plan.rows.append(("gradients (fp32, sharded)", local * 4, "after the reduce-scatter: this rank's shard"))
         plan.rows.append((optimizer_row, local * 8 + len(params) * step_bytes, "sharded like the parameters"))
-        t = model.transformer
-        core = sum(p.numel() for p in t.core_block.parameters()) * 4
-        blocks = [sum(p.numel() for p in block.parameters()) * 4 for block in [*t.prelude, *t.coda]]
-        root = numel * 4 - core - sum(blocks)
+        size = gather.itemsize
+
+        def gathered(unit, padded=False):  # elements FSDP2 gathers for a unit (padded: as its all-gather moves them)
+            return sum(shard_numel(p.shape, shards) * shards if padded else p.numel()
+                       for p in unit.parameters() if p not in whole)
+
+        name = str(gather).removeprefix("torch.")
+        core = gathered(t.core_block) * size
+        blocks = [gathered(block) * size for block in [*t.prelude, *t.coda]]
+        root = (numel - sum(p.numel() for block in model.blocks() for p in block.parameters())) * 4
         plan.rows.append((ROOT_W, root, "embedding = head, adapter, final norm: whole for the whole step"))
         plan.rows.append((ROOT_G, root, "from the loss's backward to the end of the step"))
-        plan.rows.append((CORE_W, core, "from its forward to the end of its backward (gathered once per step)"))
-        plan.rows.append((CORE_G, core, "from its backward to its reduce-scatter (once per step)"))
-        plan.rows.append((PREFETCH, max(blocks, default=0), "FSDP2 gathers the next unit while the core's backward runs"))
+        plan.rows.append((CORE_W, core, f"{name}, from its forward to the end of its backward (gathered once per "
+                                        "step)"))
+        plan.rows.append((CORE_G, core, f"{name}, from its backward to its reduce-scatter (once per step)"))
+        plan.rows.append((PREFETCH, max(blocks, default=0), f"{name}, FSDP2 gathers the next unit while the core's "
+                                                            "backward runs"))
+        root_padded = sum(shard_numel(p.shape, shards) * shards for p in params) - sum(
+            gathered(block, padded=True) for block in model.blocks()) - sum(
+            shard_numel(p.shape, shards) * shards for p in whole)
+        moved = {name: (gathered(t.core_block, True) + 2 * sum(gathered(b, True) for b in [*t.prelude, *t.coda]))
+                 * size}
+        moved["float32"] = moved.get("float32", 0) + root_padded * 4
+        plan.gathered = moved
     else:
         plan.rows.append(("parameters + buffers (fp32)", numel * 4 + buffer_bytes, f"{numel:,} trainable elements"))
         plan.rows.append(("gradients (fp32)", numel * 4, "every trainable tensor"))
@@ -375,21 +405,29 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
 
     chunk_bytes = int(cfg.grad_sync.chunk_mib * 1024 * 1024) // 4 * 4
     kind = cfg.grad_sync.kind
-    if hsdp:
-        replicas = workers // shards
-        exchange = chunk_bytes if replicas > 1 else 0
-        how = "one chunk, streamed between shard groups" if replicas > 1 else "one shard group: no stream"
+    between = ", streamed between shard groups" if hsdp else ""
+    if hsdp and workers == shards:
+        exchange, how = 0, "one shard group: no stream"
     elif kind == "chunk_stream":
-        exchange, how = chunk_bytes, "one chunk"
+        exchange, how = chunk_bytes, "one chunk" + between
     elif kind == "chunk_stream_overlap":
-        chunks = math.ceil(numel * 4 / chunk_bytes)
+        chunks = math.ceil((local if hsdp else numel) * 4 / chunk_bytes)
         in_flight = min(cfg.grad_sync.max_chunks_in_flight, chunks)
-        exchange, how = in_flight * chunk_bytes, f"{in_flight} chunks in flight (grad_sync.max_chunks_in_flight)"
+        exchange, how = (in_flight * chunk_bytes,
+                         f"{in_flight} chunks in flight (grad_sync.max_chunks_in_flight){between}")
     else:
         exchange, how = 0, "gradients are views into DDP's buckets"
+    if hsdp and whole:  # their own stream over all ranks: one buffer of their size
+        exchange += sum(p.numel() for p in whole) * 4
+        how += "; the whole fp32 tensors' buffer"
     plan.rows.append((f"exchange buffers ({kind})", exchange, how))
 
     k = model_cfg.mean_backprop_depth
+    if hsdp and gather != torch.float32:  # the blocks' matmul weights arrive in bf16: autocast casts none of them
+        for block in model.blocks():
+            for module in block.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.data = module.weight.data.to(gather)
     ids = torch.zeros(rows, cfg.block_size, dtype=torch.long, device="meta")
     measured = saved_activation_bytes(model, ids, (1, k), bf16=bf16, device_type=device_type)
     checkpointing = "every block checkpointed" if model_cfg.activation_checkpointing else "no checkpointing"
@@ -423,7 +461,8 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
         plan.phases.append(Phase("core backward", "nothing recomputed", 0))
     if hsdp:
         # FSDP2 reshards the core's weights, then copies its gradients into the reduce-scatter input
-        plan.phases.append(Phase("core reduce-scatter", "reduce-scatter input of the core unit", core, (CORE_W,)))
+        plan.phases.append(Phase("core reduce-scatter", "reduce-scatter input of the core unit (fp32)",
+                                 core // size * 4, (CORE_W,)))
 
     if cfg.scaling.use_gpu:
         plan.not_counted += [

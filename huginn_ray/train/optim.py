@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from huginn_ray.train.parallel import local, shard_group
 
@@ -245,6 +246,12 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay_for_bias_and_no
     return [g for g in groups if g["params"]]
 
 
+def adamw_fused(device: torch.device) -> bool:
+    """AdamW's step as one fused kernel (torch's `fused=True`) on an accelerator that has it (CUDA, ROCm); on the
+    CPU the single-tensor step, which gives the same bits on every run (the exact tests' path)."""
+    return device.type != "cpu" and device.type in _get_fused_kernels_supported_devices()
+
+
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     """`cfg` is an `OptimConfig` (huginn_ray.train.config)."""
     groups = param_groups(model, cfg.weight_decay, cfg.no_weight_decay_for_bias_and_norm)
@@ -262,12 +269,16 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
             foreach=cfg.foreach,
         )
     if cfg.name == "AdamW":
-        # foreach=False: the single-tensor path gives the same bits on every run on CPU.
-        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=False)
-        # the state AdamW's first step would create (see ELLISAdam._init_state for why it must exist from the start)
+        device = local(groups[0]["params"][0]).device
+        fused = adamw_fused(device)
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused,
+                                      foreach=None if fused else False)
+        # the state AdamW's first step would create (see ELLISAdam._init_state for why it must exist from the
+        # start); the fused kernel keeps its step counts on the parameters' device
         for group in optimizer.param_groups:
             for p in group["params"]:
-                optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p.detach()),
+                step = torch.zeros((), dtype=torch.float32, device=device if fused else "cpu")
+                optimizer.state[p] = {"step": step, "exp_avg": torch.zeros_like(p.detach()),
                                       "exp_avg_sq": torch.zeros_like(p.detach())}
         return optimizer
     raise ValueError(f"optim.name: unknown optimizer {cfg.name!r}")

@@ -12,13 +12,15 @@ workers node by node; `check_node_layout` verifies it on every run).
   backward), the core block as one unit (`RecurrentCore.forward` runs every iteration in one call, so the core is
   gathered once per step and kept until its backward ends, then reduce-scattered once), and the root (embedding
   = tied head, adapter, final norm). Within the shard group FSDP reduce-scatters the gradient sums (no division);
-  between shard groups each rank then streams its gradient shard through `ChunkStream` over the "replicate"
-  dimension: fixed-size, zero-padded fp32 chunks, summed, then divided by W (reference §4.2). Each rank sends
-  1/S of the flat stream's bytes between shard groups.
+  between shard groups each rank then streams its gradient shard over the "replicate" dimension with
+  `grad_sync.kind` (`ChunkStream` after backward, `ChunkStreamOverlap` as each unit's reduce-scatter completes):
+  fixed-size, zero-padded fp32 chunks, summed, then divided by W (reference §4.2). Each rank sends 1/S of the
+  flat stream's bytes between shard groups.
 
-Numerics are those of `replicate`: the sharded parameters are the fp32 master weights, gathers and reductions
-run in fp32 (FSDP2's MixedPrecisionPolicy left at its default: param_dtype and reduce_dtype None), and bf16
-comes only from the autocast around the forward, as in `replicate`.
+Numerics: the sharded parameters are the fp32 master weights, reductions run in fp32, and bf16 comes from the
+autocast around the forward, as in `replicate`. `parallelism.param_dtype` (`gather_dtype`) picks the dtype the
+blocks' matmul weights are gathered in: fp32 (the default on CPU) or bf16 (the default under bf16-mixed), the
+values autocast would cast them to, at half the bytes (`apply_hsdp`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 
@@ -138,14 +140,48 @@ def warm_mesh(mesh: DeviceMesh, device: torch.device) -> None:
                                f"instead of {group.size()}")
 
 
-def apply_hsdp(model: nn.Module, mesh: DeviceMesh) -> list[FSDPModule]:
+def gather_dtype(param_dtype: str, precision: str) -> torch.dtype:
+    """The dtype hsdp gathers the blocks' matmul weights in (`parallelism.param_dtype`; "auto": bf16 when the run
+    trains in bf16-mixed)."""
+    if param_dtype == "auto":
+        return torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    if param_dtype == "bfloat16" and precision != "bf16-mixed":
+        raise ValueError(f"parallelism.param_dtype=bfloat16 needs precision bf16-mixed, not {precision}: the matmuls "
+                         "would meet fp32 activations")
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[param_dtype]
+
+
+def fp32_parameters(block: nn.Module) -> set[nn.Parameter]:
+    """A block's parameters that are not matmul weights (norm weights, qk_bias): never gathered in bf16."""
+    matmul = {id(m.weight) for m in block.modules() if isinstance(m, nn.Linear)}
+    return {p for p in block.parameters() if id(p) not in matmul}
+
+
+def apply_hsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype = torch.float32) -> list[FSDPModule]:
     """Shard a materialised RecurrentGPT over the mesh's "shard" dimension (units: see the module docstring).
-    Every rank must hold the same weights when this is called: each keeps its slice."""
+    Every rank must hold the same weights when this is called: each keeps its slice.
+
+    `param_dtype` bfloat16: the block units gather their matmul weights in bf16 and reduce-scatter their
+    gradients in fp32 (MixedPrecisionPolicy; forward inputs not cast: the residual stream and the recurrent
+    state stay as autocast leaves them); the blocks' norm weights and qk_bias stay whole fp32 tensors on every
+    rank (FSDP2's ignored params, exchanged over all ranks by the gradient sync), and the root unit (embedding =
+    head, adapter, final norm) stays fp32."""
     shard_mesh = mesh["shard"]
     t = model.transformer
-    units = [fully_shard(block, mesh=shard_mesh, reshard_after_forward=True) for block in [*t.prelude, *t.coda]]
+    if param_dtype == torch.float32:
+        block_options = {}
+    else:
+        block_options = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                                           cast_forward_inputs=False)}
+
+    def shard_block(block: nn.Module, reshard_after_forward: bool) -> FSDPModule:
+        ignored = fp32_parameters(block) if block_options else None
+        return fully_shard(block, mesh=shard_mesh, reshard_after_forward=reshard_after_forward,
+                           ignored_params=ignored, **block_options)
+
+    units = [shard_block(block, reshard_after_forward=True) for block in [*t.prelude, *t.coda]]
     # the core runs n + k times per forward: keep it gathered from its forward to the end of its backward
-    units.append(fully_shard(t.core_block, mesh=shard_mesh, reshard_after_forward=False))
+    units.append(shard_block(t.core_block, reshard_after_forward=False))
     units.append(fully_shard(model, mesh=shard_mesh, reshard_after_forward=False))
     for unit in units:
         # plain sums in the reduce-scatter; the exchange between shard groups divides by the world size once
@@ -171,15 +207,21 @@ def shard_group(params: list[torch.Tensor]):
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the averaged gradients to a global L2 norm of `max_norm`; returns the norm before clipping as a device
     scalar (no host read). Sharded gradients: the squares of every local shard are summed with one all-reduce
-    over the shard group (the replicas hold the same gradients), not one collective per tensor."""
-    grads = [local(p.grad) for p in params if p.grad is not None]
+    over the shard group (the replicas hold the same gradients), not one collective per tensor; whole ones
+    (every rank holds the same) are added once."""
+    with_grad = [p for p in params if p.grad is not None]
+    grads = [local(p.grad) for p in with_grad]
     group = shard_group(params)
     norms = torch._foreach_norm(grads, 2.0)
     if group is None:
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-    else:
-        squares = torch.stack(norms).square().sum().reshape(1)
+    else:  # whole tensors among sharded ones (hsdp's fp32 norm weights in bf16 gathers) count once, after it
+        sharded = [isinstance(p, DTensor) for p in with_grad]
+        squares = torch.stack([n for n, s in zip(norms, sharded) if s]).square().sum().reshape(1)
         dist.all_reduce(squares, group=group)
+        whole = [n for n, s in zip(norms, sharded) if not s]
+        if whole:
+            squares = squares + torch.stack(whole).square().sum()
         total = squares.sqrt()[0]
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     torch._foreach_mul_(grads, coef.to(grads[0].device))
