@@ -73,7 +73,8 @@ def throughput(model: RecurrentGPT, args: argparse.Namespace) -> dict:
     fixed = [Request(p, args.new_tokens, depth) for p in texts]
 
     def engine(requests):
-        return lambda: Engine(model, EngineConfig(max_rows=args.batch, max_cache_bytes=2**62)).run_to_completion(requests)
+        config = EngineConfig(max_rows=args.batch, max_cache_bytes=2**62)
+        return lambda: Engine(model, config).run_to_completion(requests)
 
     def plain():
         for first in range(0, len(texts), args.batch):

@@ -309,7 +309,7 @@ def train_plan(cfg: TrainConfig, config: ModelConfig, setup: Setup) -> RunPlan:
     """What preflight hands the workers, for this one-rank run (one shard)."""
     return RunPlan(global_batch_rows=cfg.micro_batch_size, num_streams=1, schedule_steps=cfg.max_steps,
                    pad_id=config.vocab_size - 1, eos_id=config.vocab_size - 2,
-                   precision="bf16-mixed" if setup.on_gpu else "fp32", model_config=config.to_hf_dict())
+                   precision="bf16-mixed" if setup.on_gpu else "fp32", model_config=config)
 
 
 @contextmanager

@@ -53,13 +53,18 @@ def make_shards(root: Path, workers: int, rows: int, seq_len: int, vocab: int) -
                        row_group_size=64)
 
 
+def plan_of(spec: dict) -> RunPlan:
+    """The RunPlan a spec carries as JSON (its model config in the Hugging Face form)."""
+    return RunPlan(**{**spec["plan"], "model_config": ModelConfig.from_hf_dict(spec["plan"]["model_config"])})
+
+
 def timed_steps(spec: dict) -> None:
     """Run on every rank once the process group is up; rank 0 writes the step times."""
     cfg = from_dict(TrainConfig, spec["cfg"])
     rank = dist.get_rank()
     # the same device on both launchers: the worker's GPU (Ray Train and torchrun both set it) or the CPU
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.scaling.use_gpu else torch.device("cpu")
-    plan = RunPlan(**spec["plan"])
+    plan = plan_of(spec)
     components = build_components(cfg, plan, rank, device)
     times = []
     for step in range(1, spec["warmup"] + spec["steps"] + 1):
@@ -125,7 +130,7 @@ def count_host_syncs(spec: dict) -> None:
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     device = torch.device("cpu")
-    plan = RunPlan(**spec["plan"])
+    plan = plan_of(spec)
     components = build_components(cfg, plan, 0, device)
     sites: collections.Counter = collections.Counter()
     counting = False
@@ -194,8 +199,9 @@ def main() -> None:
     plan = RunPlan(global_batch_rows=args.micro_batch * (args.grad_accum if args.count_syncs else args.workers),
                    num_streams=streams, schedule_steps=10**6, pad_id=model_cfg.vocab_size - 1,
                    eos_id=model_cfg.vocab_size - 2, precision="bf16-mixed" if use_gpu else "fp32",
-                   model_config=model_cfg.to_hf_dict())
-    spec = {"cfg": to_dict(cfg), "plan": asdict(plan), "steps": args.steps, "warmup": args.warmup,
+                   model_config=model_cfg)
+    spec = {"cfg": to_dict(cfg), "plan": {**asdict(plan), "model_config": model_cfg.to_hf_dict()}, "steps": args.steps,
+            "warmup": args.warmup,
             "result": str(root / "times.json"), "storage": str(root / "ray")}
     if args.count_syncs:
         make_shards(root / "data", 1, rows * args.grad_accum + args.micro_batch, args.seq_len, model_cfg.vocab_size)

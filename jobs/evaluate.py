@@ -1,21 +1,23 @@
 """Evaluate a checkpoint: loss against recurrence depth on the validation shards, or lm-eval tasks.
 
     python jobs/evaluate.py --checkpoint DIR --data-dir SHARD_DIR [--out DIR] [--depths 1,2,4,8,16,32,64]
-        [--max-rows N] [--device cpu|cuda] [key=value ...]
+        [--max-rows N] [--device cpu|cuda] [--replicas N] [key=value ...]
     python jobs/evaluate.py --checkpoint DIR --lm-eval TASKS [--include-path YAML_DIR] [--num-steps 32]
         [--limit N] [--out DIR]
     python jobs/evaluate.py --checkpoint DIR --gsm8k TEST_JSONL [--num-steps 32 | --sweep [4,8,16,32,64]]
-        [--limit N] [--out DIR] [dtype=bfloat16] [max_gen_toks=N]
+        [--limit N] [--out DIR] [--device cpu|cuda] [--replicas N] [dtype=bfloat16] [max_gen_toks=N] [seed=N]
 
-Depth scaling runs one Ray task per (validation shard, depth) on the cluster in $RAY_ADDRESS, else on a private
-local Ray, and writes a table to the console and depth_scaling.csv + depth_scaling.png into --out (default:
-an eval/ directory beside the checkpoint). lm-eval exports the checkpoint to <out>/hf and runs EleutherAI's
+Depth scaling and GSM8k run as Ray Data batch inference over an actor pool of model replicas (--replicas N, one
+per GPU or CPU actors; huginn_ray/eval/batch_inference.py) on the cluster in $RAY_ADDRESS, else on a private
+local Ray; the results do not depend on the replica count. Depth scaling writes a table to the console and
+depth_scaling.csv + depth_scaling.png into --out (default: an eval/ directory beside the checkpoint). lm-eval exports the checkpoint to <out>/hf and runs EleutherAI's
 harness on it through HFLM (pip install -e .[eval]). --gsm8k runs the paper's GSM8k recipe (huginn_ray/eval/gsm8k.py:
 lm-eval's gsm8k_cot pinned in configs/eval/, chat template, the authors' system prompt, 32 iterations) on a local
 JSONL copy of the test split, offline; with --sweep at each listed depth, writing gsm8k_depth_sweep.csv + .png.
 All log metrics and files to the checkpoint's MLflow run (or a new run when the checkpoint has none).
---device: cpu or cuda (default: cuda when a GPU is present: for depth scaling, when the Ray cluster has GPUs, one
-per task). key=value: batch_size, seed, mlflow_uri, experiment, tokenizer, dtype (float32 | bfloat16, the weights';
+--device: cpu or cuda (default: cuda when a GPU is present: for depth scaling and GSM8k, when the Ray cluster has
+GPUs, one per replica). key=value: batch_size, seed (depth scaling: the latent noise's; GSM8k: request i is
+generated after seeding torch with seed + i), mlflow_uri, experiment, tokenizer, dtype (float32 | bfloat16, the weights';
 default bfloat16 on a GPU, else float32), max_gen_toks (GSM8k: overrides the pinned 256 for a model whose
 block_size cannot hold it; recorded with the results).
 """
@@ -28,6 +30,7 @@ import os
 import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from huginn_ray.eval.gsm8k import GSM8K_RECIPE
@@ -84,11 +87,46 @@ def tokenizer_for(model_dir: Path, data_dir: Path | None, options: dict) -> Path
     return found
 
 
-def run_depth_scaling(args, model_dir: Path, out: Path, options: dict) -> int:
+@contextmanager
+def connected_ray():
+    """The Ray cluster in $RAY_ADDRESS, else a private local Ray for this job (token authentication: Ray listens
+    on every interface)."""
     import ray
-    from mlflow.tracking import MlflowClient
 
     from huginn_ray.cluster.local_ray import init_local_ray
+
+    local = None
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"])
+    else:
+        local = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
+        init_local_ray(_temp_dir=local, num_cpus=os.cpu_count())
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if local:
+            shutil.rmtree(local, ignore_errors=True)
+
+
+def replicas_for(args, options: dict):
+    """The evaluation's model replicas on the connected cluster: --device (default cuda when the cluster has GPUs),
+    dtype=, --replicas (default one per GPU, else 1)."""
+    import ray
+
+    from huginn_ray.eval.batch_inference import Replicas
+
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    device = args.device or ("cuda" if gpus else "cpu")
+    placement = inference_placement(device, options.get("dtype"), check_present=False)  # the replicas' GPUs
+    count = args.replicas or (gpus if placement.device.type == "cuda" else 1)
+    replicas = Replicas(count, placement.device.type, placement.dtype_name)
+    print(f"[huginn] {replicas.count} model replica(s) on {placement.describe()}", flush=True)
+    return replicas
+
+
+def run_depth_scaling(args, model_dir: Path, out: Path, options: dict) -> int:
+    from mlflow.tracking import MlflowClient
 
     from huginn_ray.data.tokenizer import special_token_ids
     from huginn_ray.eval.depth_scaling import depth_scaling, format_table, plot, write_csv
@@ -101,23 +139,10 @@ def run_depth_scaling(args, model_dir: Path, out: Path, options: dict) -> int:
     ids = special_token_ids(tokenizer)
     depths = [int(d) for d in args.depths.split(",")]
     config = ModelConfig.from_json(model_dir / "config.json")
-    local = None
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"])
-    else:
-        local = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
-        init_local_ray(_temp_dir=local, num_cpus=os.cpu_count())  # token auth: Ray listens on every interface
-    try:
-        device = args.device or ("cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu")
-        placement = inference_placement(device, options.get("dtype"), check_present=False)  # the tasks' GPUs
-        print(f"[huginn] depth scaling on {placement.describe()}", flush=True)
-        rows = depth_scaling(model_dir, data_dir, depths, max_rows=args.max_rows,
+    with connected_ray():
+        rows = depth_scaling(model_dir, data_dir, depths, replicas_for(args, options), max_rows=args.max_rows,
                              batch_size=options.get("batch_size", 8), seed=options.get("seed", 233),
-                             pad_id=ids["pad"], eos_id=ids["eos"], device=device, dtype=placement.dtype_name)
-    finally:
-        ray.shutdown()
-        if local:
-            shutil.rmtree(local, ignore_errors=True)
+                             pad_id=ids["pad"], eos_id=ids["eos"])
     print(format_table(rows))
     out.mkdir(parents=True, exist_ok=True)
     csv_path = write_csv(rows, out / "depth_scaling.csv")
@@ -183,11 +208,11 @@ def run_gsm8k(args, model_dir: Path, out: Path, options: dict) -> int:
     tokenizer = tokenizer_for(model_dir, None, options)
     if tokenizer is None:
         raise ValueError("the GSM8k recipe needs a tokenizer (its chat template): pass tokenizer=DIR")
-    placement = inference_placement(args.device, options.get("dtype"))
     hf_dir = export(load_pretrained(model_dir), out / "hf", tokenizer)
-    report = evaluate_gsm8k(hf_dir, args.gsm8k, out / "tasks", depths, limit=args.limit,
-                            max_gen_toks=options.get("max_gen_toks"), dtype=placement.dtype_name,
-                            device=str(placement.device))
+    with connected_ray():
+        report = evaluate_gsm8k(hf_dir, args.gsm8k, out / "tasks", depths, replicas_for(args, options),
+                                limit=args.limit, max_gen_toks=options.get("max_gen_toks"),
+                                seed=options.get("seed", 0))
     rows = sweep_rows(report)
     name = "gsm8k_depth_sweep" if args.sweep else "gsm8k"
     path = out / f"{name}.json"
@@ -229,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="GSM8k at each of these depths (default %(const)s)")
     parser.add_argument("--limit", type=int, default=None, help="lm-eval: examples per task")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is present)")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="depth scaling and GSM8k: model replicas (default: one per GPU of the cluster, else 1)")
     parser.add_argument("overrides", nargs="*", help="key=value: " + ", ".join(OPTIONS))
     args = parser.parse_args(argv)
     try:

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def startup_line(cfg, plan) -> str:
     return (f"[huginn] training {cfg.run_name}: {plan.schedule_steps} steps of {plan.global_batch_rows} rows, "
-            f"{cfg.scaling.num_workers} workers, model {plan.model_config['name']}"
+            f"{cfg.scaling.num_workers} workers, model {plan.model_config.name}"
             f"{' from ' + plan.init_from.path if plan.init_from else ''}, {plan.precision}"
             f"{', compiled blocks' if cfg.compile else ''}")
 

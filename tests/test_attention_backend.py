@@ -93,7 +93,7 @@ def test_a_worker_logs_the_kernel_it_trains_with_and_stops_on_a_long_math_only_s
                         lambda shape, device: {"flash": FLASH_REFUSES, "efficient": EFFICIENT_REFUSES})
     long = train_config(["block_size=2048"])
     plan = dataclasses.replace(plan_for(long), model_config=ModelConfig.from_name(
-        "raven-tiny", vocab_size=64, block_size=2048).to_hf_dict())
+        "raven-tiny", vocab_size=64, block_size=2048))
     with pytest.raises(loop.Stop, match=r"^attention: only the math attention kernel takes the training shape "
                                         r"\(micro-batch 2 x 4 heads x seq_len 2048 x head_dim 16, float32\)"):
         loop.build_components(long, plan, 0, torch.device("cpu"))

@@ -39,6 +39,7 @@ TINY = REPO / "configs" / "train" / "tiny_cpu.yaml"
     ("checkpoint.keep=0", r"checkpoint.keep"),
     ("mlflow.max_pending_metrics=0", r"mlflow.max_pending_metrics"),
     ("peak_flops_per_device=0", r"peak_flops_per_device"),
+    ("seed=18446744073709551616", r"seed: must be in \[0, 1.84467e\+19\], got 18446744073709551616"),
     ("fault_injection={kill_rank_at_step: 3, kill_rank: 2}",
      r"fault_injection.kill_rank: must be in \[0, 1\] \(scaling.num_workers=2\)"),
     ("fault_injection={hang_rank_at_step: 3, hang_rank: 2}",

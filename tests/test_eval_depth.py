@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from huginn_ray.data.tokenizer import special_token_ids, train_tokenizer
-from huginn_ray.eval.depth_scaling import shard_loss, validation_plot
+from huginn_ray.eval.batch_inference import DepthLossReplica, Replicas, read_validation_rows
+from huginn_ray.eval.depth_scaling import validation_plot
 from huginn_ray.model import ModelConfig, RecurrentGPT, save_pretrained
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,12 +60,15 @@ def test_depth_scaling_job_writes_table_csv_plot_and_mlflow(setup):
     rows = list(csv.DictReader((out / "depth_scaling.csv").open()))
     assert [int(r["depth"]) for r in rows] == [1, 2, 4]
     assert (out / "depth_scaling.png").stat().st_size > 1000
-    # the same numbers computed here, shard by shard
+    # the same numbers computed here, by one replica called directly on all rows at once (no Ray)
     shards = sorted(str(p) for p in (root / "data" / "shards" / "val").glob("*.parquet"))
-    for row in rows:
-        parts = [shard_loss(str(root / "ckpt" / "model"), s, int(row["depth"]), 2, 8, 233, ids["pad"], ids["eos"])
-                 for s in shards]
-        assert float(row["loss"]) == pytest.approx(sum(p[0] for p in parts) / sum(p[1] for p in parts), rel=1e-5)
+    keys, val_rows = read_validation_rows(shards, 2)
+    assert keys.tolist() == [0, 1, 2**32, 2**32 + 1]  # shard x 2^32 + row: training's validation keys
+    replica = DepthLossReplica(str(root / "ckpt" / "model"), [1, 2, 4], Replicas(1, "cpu", "float32"), 233,
+                               ids["pad"], ids["eos"])
+    direct = replica({"key": keys, "input_ids": val_rows})
+    for i, row in enumerate(rows):
+        assert float(row["loss"]) == pytest.approx(direct["loss_sums"][:, i].sum() / direct["tokens"].sum(), rel=1e-5)
         assert int(row["tokens"]) == 2 * 2 * 32 - 2 * 5  # 2 shards x 2 rows x 32 labels, 5 pads per shard
     # metrics and both files in a new MLflow run (the checkpoint has none)
     from mlflow.tracking import MlflowClient

@@ -58,18 +58,31 @@ def test_gsm8k_depth_sweep_runs_offline_with_the_recipes_settings(tmp_path):
     save_pretrained(RecurrentGPT(ModelConfig.from_name("raven-tiny", block_size=512)), tmp_path / "ckpt" / "model")
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "HF_HOME": str(tmp_path / "hf_home"), "TRANSFORMERS_OFFLINE": "1"}
+    def sweep(out, replicas):
+        result = subprocess.run(
+            [sys.executable, "jobs/evaluate.py", "--checkpoint", str(tmp_path / "ckpt"), "--gsm8k", str(SAMPLE_DATA),
+             "--sweep", "4,8", "--limit", "2", "--out", str(out), "--replicas", str(replicas),
+             f"tokenizer={tmp_path / 'tokenizer'}", "max_gen_toks=16"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert f"[huginn] {replicas} model replica(s) on cpu, float32" in result.stdout
+        return json.loads((out / "gsm8k_depth_sweep.json").read_text())
+
     out = tmp_path / "eval"
-    result = subprocess.run(
-        [sys.executable, "jobs/evaluate.py", "--checkpoint", str(tmp_path / "ckpt"), "--gsm8k", str(SAMPLE_DATA),
-         "--sweep", "4,8", "--limit", "2", "--out", str(out), f"tokenizer={tmp_path / 'tokenizer'}",
-         "max_gen_toks=16"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads((out / "gsm8k_depth_sweep.json").read_text())
+    report = sweep(out, replicas=2)
     settings = report["settings"]
     assert settings["system_instruction"] == SYSTEM and settings["apply_chat_template"] and settings["fewshot_as_multiturn"]
     assert (settings["samples"], settings["max_gen_toks"], settings["depths"]) == (2, 16, [4, 8])
+    assert (settings["replicas"], settings["device"], settings["dtype"]) == (2, "cpu", "float32")
+    # one replica gives every answer that two gave: each request is generated alone, seeded by its index
+    alone = sweep(tmp_path / "eval_one_replica", replicas=1)
+    for depth in ("4", "8"):
+        responses = report["depths"][depth]["responses"][GSM8K_RECIPE.task]
+        assert len(responses) == 2 and all(isinstance(text, str) for text in responses)
+        assert alone["depths"][depth]["responses"] == report["depths"][depth]["responses"]
+        assert alone["depths"][depth]["results"] == report["depths"][depth]["results"]
+    assert report["depths"]["4"]["responses"] != report["depths"]["8"]["responses"]  # the depth reached the model
     for depth in ("4", "8"):
         run = report["depths"][depth]
         assert run["forward_num_steps"] == [int(depth)]  # every forward of the generation ran that depth

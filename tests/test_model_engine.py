@@ -4,6 +4,7 @@ with requests arriving while others run, within its capacities in rows and cache
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -107,6 +108,20 @@ def compare(request, batched, single, got, expected) -> int:
                   f"{ROUNDING} of {threshold}: {batched.values[first]} vs {single.values[first]}")
     print(f"rounding moved an exit: token {first}, values {near} at threshold {threshold}")
     return 1
+
+
+def test_only_a_criterion_value_at_the_threshold_explains_a_difference():
+    request = Request((1,), 2, exit_criterion="kl", exit_threshold=1e-3)
+    same = ([5, 6], [3, 4])
+    assert compare(request, None, None, same, same) == 0
+    at_threshold = SimpleNamespace(values=[[0.5, 0.99995e-3]])  # exits after 2 iterations, alone after 3
+    alone_values = SimpleNamespace(values=[[0.5, 1.00002e-3, 1e-4]])
+    assert compare(request, at_threshold, alone_values, ([5, 7], [2, 4]), ([5, 6], [3, 4])) == 1
+    away = SimpleNamespace(values=[[0.5, 0.9e-3]])
+    with pytest.raises(AssertionError, match="no criterion value within"):
+        compare(request, away, SimpleNamespace(values=[[0.5, 1.1e-3, 1e-4]]), ([5], [2]), ([5], [3]))
+    with pytest.raises(AssertionError, match="differs at the same depth"):
+        compare(request, at_threshold, alone_values, ([5, 7], [3, 4]), ([5, 6], [3, 4]))
 
 
 def test_each_request_gets_its_batch_1_output_with_requests_arriving_while_others_run(model, monkeypatch):

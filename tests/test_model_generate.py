@@ -264,6 +264,17 @@ def test_logit_criteria_count_their_coda_and_head(model, prompt):
     assert coda_head > 0
 
 
+def test_a_forward_that_exits_at_a_logit_check_emits_from_that_check(model, prompt):
+    # kl is checked after every iteration: a forward that exits after t iterations ran the coda + head t times
+    # (its last check gave the token), one that ran all 10 ran it 9 times at checks and once at the end
+    result = generate(model, prompt[:1], 6, num_steps=10, exit_criterion="kl", exit_threshold=5e-3)
+    steps = result.steps[0].tolist()
+    assert min(steps[1:]) < 10
+    context = prompt.shape[1]
+    expected = [inference_flops_per_token(model.config, t, context + 1 + i, t) for i, t in enumerate(steps[1:])]
+    assert result.flops_per_token == pytest.approx(sum(expected) / len(expected), rel=1e-12)
+
+
 def test_bad_arguments_are_named(model, prompt):
     with pytest.raises(ValueError, match="unknown exit criterion"):
         generate(model, prompt, 2, exit_criterion="entropy")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
-from huginn_ray.eval.depth_scaling import shard_loss
+from huginn_ray.eval.batch_inference import DepthLossReplica, Replicas
 from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.model.generate import generate
 from huginn_ray.model.inference import inference_placement, load_for_inference
@@ -80,16 +80,12 @@ def test_generate_job_runs_in_bfloat16_and_gives_what_the_library_gives(model_di
     assert "device must be one of cpu, cuda" in capsys.readouterr().err
 
 
-def test_depth_scaling_loss_in_bfloat16_is_near_but_not_the_fp32_loss(model_dir, tmp_path):
+def test_depth_scaling_loss_in_bfloat16_is_near_but_not_the_fp32_loss(model_dir):
     import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    rows = np.random.default_rng(0).integers(0, 4000, size=(3, 33))
-    shard = tmp_path / "00000.parquet"
-    pq.write_table(pa.table({"input_ids": pa.array(list(rows), type=pa.list_(pa.int32()))}), shard)
-    fp32 = shard_loss(str(model_dir), str(shard), 2, None, 8, 233, pad_id=0, eos_id=1, dtype="float32")
-    bf16 = shard_loss(str(model_dir), str(shard), 2, None, 8, 233, pad_id=0, eos_id=1, dtype="bfloat16")
-    assert fp32[1] == bf16[1] == 3 * 32
-    assert bf16[0] != fp32[0]
-    assert bf16[0] == pytest.approx(fp32[0], rel=2e-2)
+    batch = {"key": np.arange(3), "input_ids": np.random.default_rng(0).integers(2, 4000, size=(3, 33))}
+    fp32, bf16 = (DepthLossReplica(str(model_dir), [2], Replicas(1, "cpu", dtype), 233, pad_id=0, eos_id=1)(batch)
+                  for dtype in ("float32", "bfloat16"))
+    assert fp32["tokens"].tolist() == bf16["tokens"].tolist() == [32, 32, 32]
+    assert (bf16["loss_sums"] != fp32["loss_sums"]).all()
+    assert bf16["loss_sums"] == pytest.approx(fp32["loss_sums"], rel=2e-2)

@@ -75,6 +75,23 @@ def write_released_layout(model: RecurrentGPT, directory: Path, shards: int = 3)
     return directory
 
 
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """The weights digest by its definition: every tensor's name, dtype, shape and bytes, in name order."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        digest.update(f"{name} {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}\n".encode())
+        digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def released_tensors(model: RecurrentGPT) -> dict[str, torch.Tensor]:
+    """What write_released_layout stores of `model`, the tied head and the RoPE table left out."""
+    return {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if k not in ("freqs_cis", "lm_head.weight")}
+
+
 def tiny_model() -> RecurrentGPT:
     torch.manual_seed(11)
     return RecurrentGPT(ModelConfig.from_name("raven-tiny", vocab_size=VOCAB))
@@ -110,7 +127,9 @@ def test_missing_or_misshapen_weights_and_another_tokenizer_are_refused_before_r
     released = write_released_layout(tiny_model(), tmp_path / "huginn")
     shape = init_from.model_config(config(f"init_from={released}"))
     source = init_from.describe_source(str(released), shape)
-    assert source.hashed.endswith("model.safetensors.index.json") and len(source.sha256) == 64
+    assert source.hashed == (f"{len(released_tensors(tiny_model()))} tensors of {released} (model-00001-of-00003"
+                             ".safetensors, model-00002-of-00003.safetensors, model-00003-of-00003.safetensors)")
+    assert source.sha256 == tensors_sha256(released_tensors(tiny_model()))
     with pytest.raises(ConfigError, match=r"transformer.wte.weight has shape \[64, 64\], the model of its "
                                           r"config.json has \[64, 32\]"):
         init_from.describe_source(str(released), shape.replace(n_embd=32, num_attention_heads=2))
@@ -162,7 +181,7 @@ def one_step_runs(rank, world_size, directory: Path):
         cfg = config(f"init_from={directory / source}", "optim.name=AdamW", "optim.lr=0", "skip_first_optimizer_step=false",
                      "micro_batch_size=2", "grad_sync.chunk_mib=0.05", f"scaling.num_workers={world_size}", *layout)
         model_cfg = init_from.model_config(cfg)
-        plan = dataclasses.replace(plan_for(cfg), model_config=model_cfg.to_hf_dict(),
+        plan = dataclasses.replace(plan_for(cfg), model_config=model_cfg,
                                    init_from=describe_source(cfg.init_from, model_cfg))
         c = loop.build_components(cfg, plan, rank, cpu, local_world_size=2)
         result = loop.train_step(c, 1, cfg, plan, cpu)
@@ -248,9 +267,8 @@ def test_preflight_records_the_source_and_refuses_the_released_ids_with_another_
     (released / "config.json").write_text(json.dumps(config_json))
     plan = preflight(tiny(dataset, tmp_path, f"init_from={released}"))
     assert plan.init_from.path == str(released)
-    assert plan.init_from.sha256 == __import__("hashlib").sha256(
-        (released / "model.safetensors.index.json").read_bytes()).hexdigest()
-    assert ModelConfig.from_hf_dict(plan.model_config).mean_recurrence == 4
+    assert plan.init_from.sha256 == tensors_sha256(released_tensors(tiny_model()))
+    assert plan.model_config.mean_recurrence == 4
     job = importlib.util.module_from_spec(importlib.util.spec_from_file_location("train_job", JOBS / "train.py"))
     job.__spec__.loader.exec_module(job)
     assert job.startup_line(tiny(dataset, tmp_path, f"init_from={released}"), plan) == (
@@ -295,6 +313,68 @@ def test_mlflow_records_where_the_weights_came_from(tmp_path):
     run_id = tracking.open_run(cfg, uri, str(cfg.run_dir), source)
     params = MlflowClient(uri).get_run(run_id).data.params
     assert params["init_from.path"] == str(released)
-    assert params["init_from.hashed"] == str(released / "model.safetensors.index.json")
-    assert params["init_from.sha256"] == __import__("hashlib").sha256(
-        (released / "model.safetensors.index.json").read_bytes()).hexdigest()
+    assert params["init_from.hashed"] == source.hashed
+    assert params["init_from.sha256"] == tensors_sha256(released_tensors(tiny_model()))
+
+
+def test_the_weights_digest_covers_the_tensors_bytes_in_either_layout(tmp_path):
+    """One changed element of one shard changes the digest (the index, which the digest once hashed, stays as it
+    was); a training checkpoint of a model and an export of the same weights give the same digest."""
+    from huginn_ray.model.pretrained import save_pretrained, weights_digest
+    from huginn_ray.train import checkpoint as ckpt
+    from huginn_ray.train.config import OptimConfig
+    from huginn_ray.train.optim import build_optimizer
+
+    model = tiny_model()
+    released = write_released_layout(model, tmp_path / "huginn")
+    before = weights_digest(released)[1]
+    assert before == tensors_sha256(released_tensors(model))
+    index = (released / "model.safetensors.index.json").read_bytes()
+    from safetensors.torch import load_file
+    shard = released / "model-00001-of-00003.safetensors"
+    tensors = load_file(shard)
+    name = min(set(tensors) - {"lm_head.weight"})  # the tied head is the embedding: not a weight of its own
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert (released / "model.safetensors.index.json").read_bytes() == index
+    assert weights_digest(released)[1] != before
+
+    ckpt.write(tmp_path / "run" / "checkpoint_000001", 0, model, build_optimizer(model, OptimConfig()),
+               ckpt.TrainerState(step=1, world_size=1), torch.device("cpu"))
+    hashed, digest = weights_digest(tmp_path / "run" / "checkpoint_000001" / "model")
+    assert hashed == f"{len(released_tensors(model))} tensors of {tmp_path / 'run' / 'checkpoint_000001' / 'state'}"
+    fp32 = {k: v for k, v in model.state_dict().items() if k not in ("freqs_cis", "lm_head.weight")}
+    assert digest == tensors_sha256(fp32) == weights_digest(save_pretrained(model, tmp_path / "export"))[1]
+
+
+def test_init_from_takes_the_newest_complete_checkpoint_and_names_a_newer_incomplete_one(tmp_path, capsys):
+    """An output directory with a complete checkpoint of step 1 and a newer one of step 2 without its completeness
+    marker (a save that did not finish): init_from takes step 1 and says so, naming step 2 and why; named directly,
+    step 2 is refused."""
+    import os
+    import shutil
+
+    from huginn_ray.train import checkpoint as ckpt
+    from huginn_ray.train.config import OptimConfig
+    from huginn_ray.train.optim import build_optimizer
+
+    model = tiny_model()
+    complete, unfinished = tmp_path / "out" / "run" / "checkpoint_000001", tmp_path / "out" / "run" / "checkpoint_000002"
+    ckpt.write(complete, 0, model, build_optimizer(model, OptimConfig()), ckpt.TrainerState(step=1, world_size=1),
+               torch.device("cpu"))
+    shutil.copytree(complete, unfinished)
+    (unfinished / ckpt.MARKER).unlink()
+    stamp = (complete / "model" / "config.json").stat().st_mtime
+    os.utime(unfinished / "model" / "config.json", (stamp + 10, stamp + 10))  # the newer one
+    shape = init_from.model_config(config(f"init_from={tmp_path / 'out'}"))
+    capsys.readouterr()
+    source = init_from.describe_source(str(tmp_path / "out"), shape)
+    assert source.path == str(complete / "model")
+    assert capsys.readouterr().out.splitlines() == [
+        f"[huginn] init_from: {complete}, the newest complete checkpoint under {tmp_path / 'out'}; skipped "
+        f"{unfinished} (no checkpoint_complete.json: the save did not finish)"]
+    for named in (unfinished, unfinished / "model"):
+        with pytest.raises(ConfigError, match=rf"init_from: {re.escape(str(unfinished))} is not a complete "
+                                              r"checkpoint: no checkpoint_complete.json: the save did not finish"):
+            init_from.describe_source(str(named), shape)

@@ -196,3 +196,24 @@ def test_update_clipping_makes_no_host_sync(monkeypatch):
         monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("Tensor.item() in the optimizer step"))
         opt.step()
         monkeypatch.undo()
+
+
+def test_a_resume_under_another_optimizer_is_refused_naming_optim_name():
+    from huginn_ray.train.config import OptimConfig
+    from huginn_ray.train.optim import apply_config_on_resume, build_optimizer
+
+    model = nn.ModuleDict({"fc": nn.Linear(4, 4, bias=False), "norm": nn.LayerNorm(4)})  # weights, scale_norm
+    ellis = build_optimizer(model, OptimConfig(name="ELLISAdam"))
+    adamw = build_optimizer(model, OptimConfig(name="AdamW"))
+    adamw.load_state_dict(ellis.state_dict())  # what loading an ELLISAdam checkpoint leaves in AdamW's groups
+    with pytest.raises(ValueError, match=r"optim.name=AdamW, but the checkpoint's optimizer state is ELLISAdam's"):
+        apply_config_on_resume(adamw, OptimConfig(name="AdamW"))
+    assert apply_config_on_resume(ellis, OptimConfig(name="ELLISAdam")) == []
+    changed = OptimConfig(name="ELLISAdam", lr=1e-3, no_weight_decay_for_bias_and_norm=False, update_clipping=False)
+    assert apply_config_on_resume(ellis, changed) == [
+        "[huginn] resume: optim.lr 4e-05 -> 0.001 (config)",
+        "[huginn] resume: optim.update_clipping True -> False (config)",
+        "[huginn] resume: optim.weight_decay of norms and biases (optim.no_weight_decay_for_bias_and_norm) "
+        "0.0 -> 4e-05 (config)"]
+    assert [(g["init_lr"], g["weight_decay"], g["update_clipping"]) for g in ellis.param_groups] == \
+        [(1e-3, 4e-5, False), (1e-3, 4e-5, False)]

@@ -82,7 +82,7 @@ def plan_for(cfg, grad_accum=1, world_size=None):
     model_cfg = ModelConfig.from_name("raven-tiny", vocab_size=64, activation_checkpointing=True)
     return RunPlan(global_batch_rows=cfg.micro_batch_size * world_size * grad_accum, num_streams=world_size,
                    schedule_steps=cfg.max_steps, pad_id=0, eos_id=1, precision="fp32",
-                   model_config=model_cfg.to_hf_dict())
+                   model_config=model_cfg)
 
 
 def local_bytes(tensors) -> int:

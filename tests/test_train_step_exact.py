@@ -125,11 +125,8 @@ def masked_batches(rank: int, counts=None) -> list:
 
 def masked_plan(cfg, grad_accum):
     """plan_for's, with a zero initial latent state: the forward is a function of the weights alone."""
-    from huginn_ray.model import ModelConfig
-
     plan = plan_for(cfg, grad_accum=grad_accum)
-    state_init_zero = ModelConfig.from_hf_dict(plan.model_config).replace(state_init="zero").to_hf_dict()
-    return dataclasses.replace(plan, model_config=state_init_zero)
+    return dataclasses.replace(plan, model_config=plan.model_config.replace(state_init="zero"))
 
 
 def masked_step(rank: int, batches_by_rank) -> dict:
@@ -164,6 +161,23 @@ def hand_loss_and_grad_norm(batches_by_rank: dict) -> tuple[float, float, float]
     return loss.item(), global_norm([p.grad for p in c.model.parameters()]), sum(means) / len(means)
 
 
+VALIDATION_SUPERVISED = {0: (29, 3), 1: (0, 11)}
+"""Supervised labels of each rank's two validation micro-batches (of 2 x 16): rank 1's first one has none."""
+
+
+def masked_validation(rank: int) -> dict:
+    """This rank's validation of its masked rows (VALIDATION_SUPERVISED), the micro-batches of masked_batches as one
+    batch of eval_iters = 2 micro-batches."""
+    from huginn_ray.train.shard_reader import Batch
+
+    cfg = config()
+    plan = masked_plan(cfg, grad_accum=2)
+    c = loop.build_components(cfg, plan, rank, CPU)
+    parts = masked_batches(rank, VALIDATION_SUPERVISED[rank])
+    batch = Batch(*(torch.cat([getattr(part, name) for part in parts]) for name in ("inputs", "labels", "keys")))
+    return loop.validate(c.model, batch, cfg, plan, CPU, c.autocast)
+
+
 def rank_report(rank: int, world_size: int) -> dict:
     loop.ShardReader = MemoryReader  # this spawned process's own loop module
     cfg = config()
@@ -176,6 +190,7 @@ def rank_report(rank: int, world_size: int) -> dict:
         "skip": poisoned_run(rank, "skip"),
         "stop": poisoned_run(rank, "stop"),
         "masked": masked_step(rank, {r: masked_batches(r) for r in SUPERVISED}),
+        "masked_validation": masked_validation(rank),
     }
 
 
@@ -215,6 +230,31 @@ def test_two_rank_validation_is_the_mean_of_each_ranks_own_validation(one_rank, 
             assert report["validation"][key] == pytest.approx(mean, rel=1e-6), (rank, key, local)
             assert report["validation"][f"val_ppl_{depth}"] == pytest.approx(math.exp(mean), rel=1e-6)
     assert two_ranks[0]["validation"]["val_loss"] == two_ranks[0]["validation"]["val_loss_3"]
+
+
+def test_validation_loss_weighs_every_supervised_token_of_every_rank_alike(one_rank, two_ranks):
+    """Masked validation rows with 29, 3 (rank 0) and 0, 11 (rank 1) supervised tokens per micro-batch: the loss at
+    each depth is every supervised token's cross-entropy summed over both ranks, over their count (43), computed
+    here by hand from the model's logits; the mean of per-micro-batch (means is far from it."""
+    cfg = config()
+    c = loop.build_components(cfg, masked_plan(cfg, 2), 0, CPU)
+    c.model.eval()
+    for depth in (1, 3):
+        total, count, micro_means = 0.0, 0, []
+        for rank, counts in VALIDATION_SUPERVISED.items():
+            for batch in masked_batches(rank, counts):
+                logits = c.model(batch.inputs, num_steps=(depth, 0)).logits.double()
+                token = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), batch.labels.view(-1),
+                                                          ignore_index=0, reduction="sum").item()
+                supervised = int((batch.labels != 0).sum())
+                total, count = total + token, count + supervised
+                if supervised:
+                    micro_means.append(token / supervised)
+        assert count == 43
+        loss = total / count
+        assert abs(loss - sum(micro_means) / len(micro_means)) > 1e-2 * loss
+        for rank, report in enumerate(two_ranks):
+            assert report["masked_validation"][f"val_loss_{depth}"] == pytest.approx(loss, rel=1e-6), (rank, depth)
 
 
 def test_a_nan_loss_on_one_rank_skips_that_step_on_both_ranks_with_on_nonfinite_skip(two_ranks):
@@ -383,3 +423,63 @@ def test_a_fine_tune_on_masked_shards_resumes_bitwise(one_rank, monkeypatch, tmp
     losses += [loop.train_step(second, step, cfg, plan, CPU).loss for step in range(4, 7)]
     assert losses == expected
     assert len(set(expected)) == 6
+
+
+def test_a_resume_trains_with_the_config_s_optimizer_hyperparameters_and_names_each_change(one_rank, tmp_path,
+                                                                                           capsys):
+    """A checkpoint of 2 steps at weight_decay 1e-4, betas (0.9, 0.95), resumed by a config that changes
+    weight_decay, betas[1] and eps (the schedule's lr aside): loop.resume_from_checkpoint leaves the config's values
+    in every group and rank 0 names each change once; an unchanged resume says nothing."""
+    from huginn_ray.train import checkpoint as ckpt
+
+    run = [f"out_dir={tmp_path}", "optim.weight_decay=1e-4", "optim.betas=[0.9, 0.95]", "optim.eps=1e-6"]
+    cfg = config(*run)
+    plan = plan_for(cfg)
+    first = loop.build_components(cfg, plan, 0, CPU)
+    for step in (1, 2):
+        loop.train_step(first, step, cfg, plan, CPU)
+    state = ckpt.TrainerState(step=2, world_size=1, num_streams=1, global_batch_rows=plan.global_batch_rows,
+                              rows_per_stream=2 * first.order.rows_per_stream_per_step)
+    ckpt.write(cfg.run_dir / "checkpoint_000002", 0, first.model, first.optimizer, state, CPU)
+
+    same = loop.build_components(cfg, plan, 0, CPU)
+    capsys.readouterr()
+    assert loop.resume_from_checkpoint(same, cfg, plan, None, 0, CPU).state.step == 2
+    assert "[huginn] resume: " not in capsys.readouterr().out
+
+    changed = config(*run, "optim.weight_decay=0.05", "optim.betas=[0.9, 0.99]", "optim.eps=1e-8")
+    second = loop.build_components(changed, plan, 0, CPU)
+    capsys.readouterr()
+    loop.resume_from_checkpoint(second, changed, plan, None, 0, CPU)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[huginn] resume: ")]
+    assert lines == ["[huginn] resume: optim.betas (0.9, 0.95) -> (0.9, 0.99) (config)",
+                     "[huginn] resume: optim.eps 1e-06 -> 1e-08 (config)",
+                     "[huginn] resume: optim.weight_decay 0.0001 -> 0.05 (config)"]
+    assert second.resumed
+    groups = {group["name"]: group for group in second.optimizer.param_groups}
+    assert {name: group["weight_decay"] for name, group in groups.items()} == \
+        {"weights": 0.05, "embedding": 0.05, "scale_norm": 0.0}
+    assert all(group["betas"] == (0.9, 0.99) and group["eps"] == 1e-8 for group in groups.values())
+    # the moments are the checkpoint's (the resume loaded them; only the hyperparameters changed)
+    for p, q in zip(first.model.parameters(), second.model.parameters(), strict=True):
+        assert torch.equal(first.optimizer.state[p]["exp_avg"], second.optimizer.state[q]["exp_avg"])
+
+
+def test_seed_20000_trains_and_every_seed_the_config_accepts_gets_its_own_rows_noise(one_rank):
+    """seed x 2^50 + key overflowed the generator's 64 bits from seed 2^14 on; row_seed keeps that value where it
+    fits (seed 233's noise is what it was) and hashes (seed, key) beyond, so seed 20000 trains, and does not share
+    its rows' noise with seed 20000 - 2^14 (as a reduction modulo 2^64 would)."""
+    from huginn_ray.model.model import row_seed, trunc_normal_no_sync
+
+    cfg = config("seed=20000")
+    plan = plan_for(cfg)
+    c = loop.build_components(cfg, plan, 0, CPU)
+    assert math.isfinite(loop.train_step(c, 1, cfg, plan, CPU).loss)
+    keys = torch.tensor([0, 7, 2**32 + 3])
+    assert [row_seed(233, key) for key in keys.tolist()] == [233 * 2**50, 233 * 2**50 + 7, 233 * 2**50 + 2**32 + 3]
+    noise = {seed: c.model.keyed_initial_state(keys, 4, seed, CPU) for seed in (233, 20000, 20000 - 2**14, 2**64 - 1)}
+    generator = torch.Generator().manual_seed(233 * 2**50 + 7)  # the formula of every run before the fix
+    expected = trunc_normal_no_sync(torch.empty(4, c.model_cfg.n_embd), c.model_cfg.init_std, generator)
+    assert torch.equal(noise[233][1], expected * c.model_cfg.embedding_scale)
+    assert not torch.equal(noise[20000], noise[20000 - 2**14])
+    assert len({row_seed(seed, 7) for seed in noise}) == 4

@@ -219,10 +219,5 @@ def download_sources(sources: list[Source], download_root: Path, cfg: DownloadCo
     return provenance
 
 
-def download_source(source: Source, download_root: Path, cfg: DownloadConfig) -> dict:
-    """Fetch one Hub source (see download_sources)."""
-    return download_sources([source], download_root, cfg)[source.name]
-
-
 def downloaded_files(download_root: Path, provenance: dict) -> list[Path]:
     return [download_root / provenance["source"] / f["path"] for f in provenance["files"]]

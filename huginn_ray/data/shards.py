@@ -59,7 +59,6 @@ from huginn_ray.data.tokens import (DTYPES, MASK, MAX_LIST_IDS, arrow_type, chec
 TRAIN, VAL = 0, 1
 SPLITS = {"train": TRAIN, "val": VAL}
 MANIFEST = "manifest.json"
-_MASK64 = np.uint64(2**64 - 1)
 _TASK_OVERHEAD = 256 << 20  # a worker's own footprint (interpreter, pyarrow, numpy), added to memory= requests
 
 

@@ -1,9 +1,10 @@
-"""Loss and perplexity against recurrence depth, on the validation shards, in parallel on Ray.
+"""Loss and perplexity against recurrence depth, on the validation shards, as Ray Data batch inference.
 
-One Ray task per (validation shard, depth) loads the model, reads up to `max_rows` rows of its shard and
-returns the summed next-token cross-entropy and the token count (pad labels ignored, as in training's
-validation). Every task seeds the initial latent state the same way, so a depth's number does not depend on
-the order tasks run in. The results become a table, `depth_scaling.csv`, `depth_scaling.png` (loss against
+The first `max_rows` rows of every validation shard go through an actor pool of model replicas
+(huginn_ray.eval.batch_inference.depth_losses), each row at every depth, giving the summed next-token
+cross-entropy and the label count (pad labels ignored, as in training's validation). A row's initial latent
+state is keyed by the row, as in training's validation, so the numbers do not depend on the replica count or
+the order rows are served in. The results become a table, `depth_scaling.csv`, `depth_scaling.png` (loss against
 depth on a log-2 axis with the training depth marked, and loss against FLOPs per token), and MLflow metrics
 and artifacts.
 """
@@ -17,9 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-import torch
-import torch.nn.functional as F
 
+from huginn_ray.eval.batch_inference import Replicas, depth_losses
 from huginn_ray.model.flops import inference_flops_per_token
 
 COLUMNS = ["depth", "loss", "ppl", "flops_per_token", "tokens"]
@@ -44,55 +44,22 @@ def read_val_rows(path: str | Path, max_rows: int | None) -> np.ndarray:
     return values[: rows * length].astype(np.int64).reshape(rows, length)
 
 
-@torch.no_grad()
-def shard_loss(model_dir: str, shard: str, depth: int, max_rows: int | None, batch_size: int, seed: int,
-               pad_id: int, eos_id: int, threads: int = 1, device: str = "cpu",
-               dtype: str = "float32") -> tuple[float, int]:
-    """Summed cross-entropy and label count of one shard at one depth (runs inside a Ray task), on `device` with
-    the weights in `dtype` (huginn_ray.model.inference); the loss is summed in fp32."""
-    from huginn_ray.model.inference import inference_placement, load_for_inference
-
-    torch.set_num_threads(threads)
-    placement = inference_placement(device, dtype)
-    model, _ = load_for_inference(model_dir, placement)
-    rows = torch.from_numpy(read_val_rows(shard, max_rows)).to(placement.device)
-    inputs, labels = rows[:, :-1].clone(), rows[:, 1:]
-    inputs[inputs == pad_id] = eos_id
-    total, count = 0.0, 0
-    torch.manual_seed(seed)
-    for start in range(0, len(rows), batch_size):
-        logits = model(inputs[start : start + batch_size], num_steps=(depth, 0)).logits
-        target = labels[start : start + batch_size]
-        total += float(F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=pad_id, reduction="sum"))
-        count += int((target != pad_id).sum())
-    return total, count
-
-
-def depth_scaling(model_dir: str | Path, data_dir: str | Path, depths: list[int], *, max_rows: int | None = None,
-                  batch_size: int = 8, seed: int = 233, pad_id: int, eos_id: int, device: str = "cpu",
-                  dtype: str = "float32") -> list[DepthRow]:
-    """Run every (shard, depth) as a Ray task on the connected cluster, one GPU each when `device` is cuda; one
-    row per depth."""
-    import ray
-
+def depth_scaling(model_dir: str | Path, data_dir: str | Path, depths: list[int], replicas: Replicas, *,
+                  max_rows: int | None = None, batch_size: int = 8, seed: int = 233, pad_id: int,
+                  eos_id: int) -> list[DepthRow]:
+    """One row per depth: the validation rows through Ray Data on `replicas` (huginn_ray.eval.batch_inference),
+    on the connected Ray cluster."""
     from huginn_ray.model.config import ModelConfig
 
     shards = sorted(str(p) for p in (Path(data_dir) / "val").glob("*.parquet"))
     if not shards:
         raise ValueError(f"no validation shards in {Path(data_dir) / 'val'}")
-    on_gpu = torch.device(device).type == "cuda"
-    task = ray.remote(num_cpus=1, num_gpus=1 if on_gpu else 0)(shard_loss)
-    device = "cuda" if on_gpu else device  # Ray hands each task its GPU as the only visible one
-    futures = {(shard, depth): task.remote(str(model_dir), shard, depth, max_rows, batch_size, seed, pad_id, eos_id,
-                                           device=device, dtype=dtype)
-               for depth in depths for shard in shards}
-    results = dict(zip(futures, ray.get(list(futures.values()))))
+    losses = depth_losses(model_dir, shards, depths, replicas, max_rows=max_rows, batch_size=batch_size, seed=seed,
+                          pad_id=pad_id, eos_id=eos_id)
     config = ModelConfig.from_json(Path(model_dir) / "config.json")
     seq_len = read_val_rows(shards[0], 1).shape[1] - 1
     rows = []
-    for depth in depths:
-        total = sum(results[(shard, depth)][0] for shard in shards)
-        count = sum(results[(shard, depth)][1] for shard in shards)
+    for depth, (total, count) in zip(depths, losses):
         loss = total / max(count, 1)
         rows.append(DepthRow(depth, loss, math.exp(min(loss, 50.0)),
                              inference_flops_per_token(config, depth, seq_len), count))

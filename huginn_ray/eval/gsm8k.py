@@ -15,7 +15,9 @@ chat template is the export's (huginn_ray.data.chat.CHAT_TEMPLATE, the released 
 `fewshot_as_multiturn` every exemplar is a user turn and a Huginn turn after the system prompt.
 
 The depth sweep evaluates the same recipe at several recurrence depths (default 4, 8, 16, 32, 64: accuracy
-against test-time compute, as in the paper's figures) with the model loaded once.
+against test-time compute, as in the paper's figures) as one Ray Data pipeline over an actor pool of model
+replicas (huginn_ray.eval.batch_inference): every request at every depth is generated alone, seeded by its
+index, so the results do not depend on the replica count.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from pathlib import Path
 
 import yaml
 
+from huginn_ray.eval.batch_inference import Replicas, ray_generation_lm
+
 TASK_YAML = Path(__file__).resolve().parents[2] / "configs" / "eval" / "gsm8k_cot_huginn.yaml"
 SAMPLE_DATA = TASK_YAML.parent / "gsm8k_test_sample.jsonl"
-FILTERS = ("strict-match", "flexible-extract")
 SWEEP_COLUMNS = ["depth", "strict_match", "flexible_extract", "samples"]
 
 
@@ -97,31 +100,36 @@ def write_task(data: str | Path, task_dir: str | Path) -> Path:
 
 
 def evaluate_gsm8k(hf_dir: str | Path, data: str | Path, task_dir: str | Path, depths: list[int],
-                   limit: int | None = None, max_gen_toks: int | None = None, dtype: str = "float32",
-                   device: str = "cpu") -> dict:
-    """The recipe at each depth, the model loaded once. Returns {"settings", "depths": {depth: lm-eval report}};
-    `max_gen_toks` overrides the pinned 256 (for models whose block_size cannot hold it) and is recorded."""
-    from huginn_ray.eval.lm_eval import HuginnLM
+                   replicas: Replicas, limit: int | None = None, max_gen_toks: int | None = None,
+                   seed: int = 0) -> dict:
+    """The recipe at each depth, as Ray Data batch inference on `replicas` (every depth's generations in one
+    pipeline, the model loaded once per replica; huginn_ray.eval.batch_inference), on the connected Ray cluster.
+    Returns {"settings", "depths": {depth: lm-eval report}}; `max_gen_toks` overrides the pinned 256 (for models
+    whose block_size cannot hold it) and is recorded."""
+    from huginn_ray.eval.lm_eval import run_tasks
+    from huginn_ray.model.config import ModelConfig
 
     samples = check_task_data(data)
     recipe = GSM8K_RECIPE
     generation = max_gen_toks or recipe.max_gen_toks
-    lm = HuginnLM(hf_dir, depths[0], device=device, dtype=dtype)
-    if generation >= lm.block_size:
-        raise ValueError(f"max_gen_toks {generation} must be below the model's block_size {lm.block_size} (the "
+    block_size = ModelConfig.from_json(Path(hf_dir) / "config.json").block_size
+    if generation >= block_size:
+        raise ValueError(f"max_gen_toks {generation} must be below the model's block_size {block_size} (the "
                          f"prompt gets the rest): pass max_gen_toks=N")
     include = write_task(data, task_dir)
     settings = {"system_instruction": recipe.system_instruction, "apply_chat_template": recipe.apply_chat_template,
                 "fewshot_as_multiturn": recipe.fewshot_as_multiturn}
     if max_gen_toks is not None:
         settings["gen_kwargs"] = {"max_gen_toks": max_gen_toks}
+    lm = ray_generation_lm(hf_dir, depths, replicas, seed)
     reports = {}
     for depth in depths:
         lm.depth = depth
-        reports[depth] = lm.evaluate([recipe.task], include, limit, **settings)
+        reports[depth] = run_tasks(lm, depth, lambda: lm.depths_run[depth], [recipe.task], include, limit, **settings)
     return {"settings": {**asdict(recipe), "task_yaml": str(TASK_YAML), "data": str(data),
-                         "samples": min(samples, limit or samples), "max_gen_toks": generation, "dtype": dtype,
-                         "depths": depths},
+                         "samples": min(samples, limit or samples), "max_gen_toks": generation,
+                         "dtype": replicas.dtype, "device": replicas.device, "replicas": replicas.count,
+                         "seed": seed, "depths": depths},
             "depths": reports}
 
 

@@ -48,18 +48,27 @@ class HuginnLM:
                  **settings) -> dict:
         """lm_eval.simple_evaluate at the current depth; `settings` go to it unchanged (system_instruction,
         apply_chat_template, fewshot_as_multiturn, gen_kwargs, ...)."""
-        import lm_eval
-        from lm_eval.tasks import TaskManager
-
         self.seen.clear()
-        task_manager = TaskManager(include_path=str(include_path)) if include_path else TaskManager()
-        results = lm_eval.simple_evaluate(model=self.lm, tasks=tasks, task_manager=task_manager, limit=limit,
-                                          log_samples=True, **settings)
-        # what lm-eval actually ran: the task configs after overrides, shots, and each task's first prompt
-        prompts = {task: samples[0]["arguments"][0][0] for task, samples in results["samples"].items() if samples}
-        return {"results": results["results"], "num_steps": self.depth, "tasks": tasks,
-                "forward_num_steps": sorted(self.seen), "n_shot": results["n-shot"], "configs": results["configs"],
-                "first_prompts": prompts}
+        return run_tasks(self.lm, self.depth, lambda: self.seen, tasks, include_path, limit, **settings)
+
+
+def run_tasks(lm, depth: int, forward_depths, tasks: list[str], include_path: str | Path | None, limit: int | None,
+              **settings) -> dict:
+    """lm_eval.simple_evaluate of `tasks` on the lm-eval model `lm` that runs `depth` core iterations, and the
+    report this project keeps: the results, what lm-eval actually ran (task configs after overrides, shots, each
+    task's first prompt), the model's responses in lm-eval's sample order, and `forward_depths()`, the depths the model's forwards ran (read after the run)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    task_manager = TaskManager(include_path=str(include_path)) if include_path else TaskManager()
+    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, limit=limit,
+                                      log_samples=True, **settings)
+    prompts = {task: samples[0]["arguments"][0][0] for task, samples in results["samples"].items() if samples}
+    responses = {task: [sample["resps"][0][0] for sample in {s["doc_id"]: s for s in samples}.values()]
+                 for task, samples in results["samples"].items()}  # lm-eval lists a document once per filter
+    return {"results": results["results"], "num_steps": depth, "tasks": tasks,
+            "forward_num_steps": sorted(forward_depths()), "n_shot": results["n-shot"], "configs": results["configs"],
+            "first_prompts": prompts, "responses": responses}
 
 
 def evaluate_tasks(hf_dir: str | Path, tasks: list[str], num_steps: int, include_path: str | None = None,

@@ -53,6 +53,10 @@ class KVCache:
 
 
 
+NOT_YET = 2**62
+"""The depth of a position whose forward has not ended: it has every iteration written so far."""
+
+
 class IterationKVCache:
     """One sequence's keys/values per block and position, for generation with per-token depth (strategies
     `full`, `latest`, `ring:N`). Read and written through `RowBatchCache`, which puts sequences side by side.
@@ -68,7 +72,7 @@ class IterationKVCache:
         self.max_len = max_len
         self.strategy, self.ring = strategy, parse_cache(strategy)
         self.length = 0
-        self.depths: list[int] = []
+        self.depths: Tensor | None = None  # (max_len,) int64, allocated with the first entry; NOT_YET beyond length
         self.shallowest = math.inf  # the fewest iterations in depths: every position has the iterations below it
         self.keys: dict[int, tuple[tuple, int]] = {}  # block index -> _key(index)
         self.slots: dict[tuple, Tensor] = {}   # key -> (max_len, 2, heads, head_dim)
@@ -95,8 +99,8 @@ class IterationKVCache:
 
     def commit(self, positions: int, iterations: int) -> None:
         """The forward of the next `positions` positions ended after `iterations` core iterations."""
+        self.depths[self.length : self.length + positions] = iterations
         self.length += positions
-        self.depths += [iterations] * positions
         self.shallowest = min(self.shallowest, iterations)
 
     def update(self, index: int, kv: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -109,6 +113,8 @@ class IterationKVCache:
         entry = self.slots.get(key)
         if entry is None:
             entry = self.slots[key] = kv.new_zeros(self.max_len, *kv.shape[1:])
+            if self.depths is None:
+                self.depths = torch.full((self.max_len,), NOT_YET, dtype=torch.long, device=kv.device)
         entry[start:end] = kv
         if iteration < 0:  # prelude and coda: every position has every block
             return entry[:end], None
@@ -119,8 +125,7 @@ class IterationKVCache:
             latest[start:end] = kv
         if iteration < self.shallowest:  # every past position reached this iteration
             return entry[:end], None
-        present = torch.ones(end, dtype=torch.bool, device=kv.device)
-        present[:start] = torch.tensor(self.depths, device=kv.device) > key[1]
+        present = self.depths[:end] > key[1]  # the positions being written have NOT_YET: present
         if self.strategy == "full":
             return entry[:end], present
         return torch.where(present[:, None, None, None], entry[:end], latest[:end]), None
@@ -130,8 +135,8 @@ class IterationKVCache:
         if not self.slots:
             return 0
         per_entry = next(iter(self.slots.values()))[0].numel() * next(iter(self.slots.values())).element_size()
-        kept = math.inf if self.ring is None else self.ring
-        held = self.prelude_and_coda * self.length + self.core * sum(min(depth, kept) for depth in self.depths)
+        kept = NOT_YET if self.ring is None else self.ring
+        held = self.prelude_and_coda * self.length + self.core * int(self.depths[: self.length].clamp_max(kept).sum())
         return (held + len(self.latest) * self.length) * per_entry
 
 
@@ -144,8 +149,9 @@ class RowBatchCache:
     largest start, row r's position p sits in column p + S - start_r, so its queries see their own past at
     the columns the causal mask of offset S opens; the columns left of its first position (and right of its
     last) are padding, left out through `attendable`. Padding queries attend to real keys only and their
-    outputs are discarded. Cost: each call copies every row's attended keys/values into the padded batch (one
-    more read and write of what the attention reads), unless the rows need no padding and all start at once.
+    outputs are discarded. Cost: each call copies every row's attended keys/values into the batch (one more
+    read and write of what the attention reads; none for a single row), plus one small copy per row and block
+    into its own cache: per-row work that a paged layout attending in place would not have.
 
     A core block index is given as that of iteration 0 (the call computes every row's iteration in one go);
     row r adds its own iteration `iterations[r]`."""
@@ -176,7 +182,8 @@ class RowBatchCache:
         rows = []
         for row, (cache, row_kv) in enumerate(zip(self.caches, kv.unbind(0))):
             row_index = index if index < self.prelude else index + self.core * self.iterations[row]
-            rows.append(cache.update(row_index, row_kv if self.lengths[row] == self.width else row_kv[: self.lengths[row]]))
+            length = self.lengths[row]
+            rows.append(cache.update(row_index, row_kv if length == self.width else row_kv[:length]))
         if self.aligned:
             self._attendable = None
             if any(attendable is not None for _, attendable in rows):

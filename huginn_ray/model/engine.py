@@ -8,13 +8,15 @@
     engine.run_to_completion([request, ...])  # -> [Completion], in request order
 
 A pool of sequences at different positions and different core iterations is advanced together, one loop step
-per `step()`: one batched core iteration over every sequence in the pool (huginn_ray.model.generate.advance,
-the generator's own step: the same criteria, caches and sampling). A sequence whose forward ends (its
-criterion at its own threshold, min_steps and check_every, or its own num_steps) runs the coda and head and
-emits a token; its next token's prelude joins the pool at the next loop step. A finished (or cancelled)
-request frees its row and its cache at once, and waiting requests are admitted at the start of a step, in
-the order they came, while both capacities allow: rows (`max_rows`, the batch of a core call) and key/value
-bytes (`max_cache_bytes`; a request reserves the most its cache can hold, IterationKVCache.reserved_bytes).
+per `step()`: a batched core iteration over every sequence in the pool (one call for the decoding sequences,
+one for those in their prompt's prefill, so that a prompt does not pad every row to its length;
+huginn_ray.model.generate.advance, the generator's own step: the same criteria, caches and sampling). A
+sequence whose forward ends (its criterion at its own threshold, min_steps and check_every, or its own
+num_steps) runs the coda and head and emits a token; its next token's prelude joins the pool at the next loop
+step. A finished (or cancelled) request frees its row and its cache at once, and waiting requests are admitted
+at the start of a step, in the order they came, while both capacities allow: rows (`max_rows`, the batch of a
+core call) and key/value bytes (`max_cache_bytes`; a request reserves the most its cache can hold,
+IterationKVCache.reserved_bytes).
 
 Each request draws its initial noise and its samples from its own generator, seeded with its `seed`, and
 attends only through its own cache at its own positions: its output is what `generate` gives it alone at
@@ -161,7 +163,8 @@ class Engine:
         return events
 
     def run_to_completion(self, requests: list[Request]) -> list[Completion]:
-        """Submit the requests and step until all are done; their completions in the same order."""
+        """Submit the requests and step until all are done; their completions in the same order. Events of other
+        requests in flight are dropped: for a caller that drives the engine alone (a benchmark, a batch job)."""
         request_ids = [self.submit(request) for request in requests]
         tokens: dict[int, list[int]] = {request_id: [] for request_id in request_ids}
         iterations: dict[int, list[int]] = {request_id: [] for request_id in request_ids}

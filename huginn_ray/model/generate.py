@@ -9,9 +9,10 @@ Every forward (the prompt's prefill, then one per generated token) iterates the 
 holds or `num_steps` is reached. The criterion is checked after iteration t when t > min_steps and
 (t - 1 - min_steps) % check_every == 0 (the release's `min_steps` and `check_criterion_every_n_steps`:
 by default after every iteration). The prefill exits too, all prompt positions at once, as in the release;
-`exit_in_prefill=False` (the release's `do_not_exit_in_prefill`) runs it at the full depth. Exit when the criterion's quantity falls below `exit_threshold` (`argmax-stability`: when the argmax
-has stayed the same for that many consecutive checks); a threshold of 0 turns exits off (where the release's
-`argmax-stability` would exit at the first check).
+`exit_in_prefill=False` (the release's `do_not_exit_in_prefill`) runs it at the full depth. Exit when the
+criterion's quantity falls below `exit_threshold` (`argmax-stability`: when the argmax has stayed the same for
+that many consecutive checks); a threshold of 0 turns exits off (where the release's `argmax-stability` would
+exit at the first check).
 
 | criterion          | quantity per sequence, compared with the previous check                     | default |
 |--------------------|------------------------------------------------------------------------------|---------|
@@ -26,7 +27,8 @@ has stayed the same for that many consecutive checks); a threshold of 0 turns ex
 s_prev is the latent state at the previous check, and at the first check the forward's initial state.
 Logit-based criteria (entropy-diff, kl, minp-kl, argmax-stability) read the last position's logits over the
 V = vocab_size real tokens (the released model has no padding rows: V = 65536 there) and run the coda and head at
-every check; `flops_per_token` counts that.
+every check; `flops_per_token` counts that. A forward that exits at such a check emits its token from that
+check's logits (the coda and head of its final state: running them again would give the same).
 
 KV caches (`cache=`): a token that exited after t iterations has no keys/values for later iterations, which a
 later, deeper token attends to.
@@ -41,8 +43,9 @@ At a fixed depth (no exits) all three equal the model's full cache (`ring:N` wit
 noise (continuous chain-of-thought, the release's `continuous_compute`).
 
 How rows advance (shared with the serving engine, huginn_ray.model.engine): every sequence is a `Sequence` with
-its own cache, random generator and forward in progress. `advance` runs one loop step: one batched core
-iteration over every sequence in the pool, each at its own position and iteration (`RowBatchCache`); a
+its own cache, random generator and forward in progress. `advance` runs one loop step: a batched core
+iteration over every sequence in the pool, each at its own position and iteration (`RowBatchCache`; one call
+for the decoding sequences, one for those in their prompt's prefill); a
 sequence whose forward ends (its criterion, or its maximum depth) runs the coda and head, emits a token and
 starts its next token's forward (prelude, initial state), which joins the next loop step. So no row waits for
 another (the release iterates exited rows until the whole batch exits), and each row gets what it gets alone
@@ -336,30 +339,30 @@ class Sequence:
         return (self.criterion is not None and self.iteration < request.num_steps
                 and is_check(self.iteration, request.min_steps, request.check_every))
 
-    def emit(self, model: RecurrentGPT, logits: Tensor) -> int:
-        """End the forward: commit its positions, pick the next token from the last position's logits (1, V)."""
+    def pick(self, model: RecurrentGPT, logits: Tensor) -> Tensor:
+        """The next token, (1,), from the last position's logits (1, V): forced, or drawn as the request says."""
+        if self.force_tokens is not None:
+            return self.force_tokens[len(self.steps) : len(self.steps) + 1]
+        request = self.request
+        return model._pick(logits, request.temperature, request.top_k, self.generator, request.top_p)
+
+    def emit(self, model: RecurrentGPT, token: Tensor, token_id: int, logprob: float) -> None:
+        """End the forward with its token ((1,) on the device, and its id) and that token's log-probability:
+        commit its positions, record it (`coda_evals` counts every coda + head run of the forward)."""
         request = self.request
         self.cache.commit(self.length, self.iteration)
         self.steps.append(self.iteration)
         self.last_final_state = self.state[:, -1].clone()
         if self.keep_states:
             self.final_states.append(self.last_final_state[0])
-        self.flops.append(inference_flops_per_token(model.config, self.iteration, self.cache.length,
-                                                    1 + self.coda_evals))
-        index = len(self.steps) - 1
-        if self.force_tokens is not None:
-            token = self.force_tokens[index : index + 1]
-        else:
-            token = model._pick(logits, request.temperature, request.top_k, self.generator, request.top_p)
-        self.logprobs.append(float(logits.log_softmax(-1)[0, token[0]]))
-        token_id = int(token[0])
+        self.flops.append(inference_flops_per_token(model.config, self.iteration, self.cache.length, self.coda_evals))
+        self.logprobs.append(logprob)
         self.tokens.append(token_id)
         self.ids = token
         if token_id in request.stop_token_ids:
             self.finish_reason = "stop"
         elif len(self.steps) == request.max_new_tokens:
             self.finish_reason = "length"
-        return token_id
 
 
 def start(model: RecurrentGPT, sequences: list[Sequence]) -> None:
@@ -394,22 +397,31 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
         elif sequence.checks_now():
             criterion = sequence.criterion
             checks.setdefault((criterion.name, 0 if criterion.uses_logits else sequence.length), []).append(sequence)
-    logits = {}
+    check_logits = {}
     logit_checks = [sequence for (name, _), group in checks.items() if name in LOGIT_CRITERIA for sequence in group]
     if logit_checks:
-        logits = dict(zip(map(id, logit_checks), coda_head(model, logit_checks)))
+        check_logits = dict(zip(map(id, logit_checks), coda_head(model, logit_checks)))
     for (name, _), group in checks.items():  # one computation per criterion (and length, for latent ones)
         criteria = [sequence.criterion for sequence in group]
         if name in LOGIT_CRITERIA:
             for sequence in group:
                 sequence.coda_evals += 1
-            values = ExitCriterion.quantities(criteria, None, torch.cat([logits[id(s)] for s in group]))
+            values = ExitCriterion.quantities(criteria, None, torch.cat([check_logits[id(s)] for s in group]))
         else:
             values = ExitCriterion.quantities(criteria, torch.cat([s.state for s in group]), None)
         ended += [sequence for sequence, exits in zip(group, ExitCriterion.exiting(criteria, values)) if exits]
     if not ended:
         return []
-    emitted = [(sequence, sequence.emit(model, logits)) for sequence, logits in zip(ended, coda_head(model, ended))]
+    # a forward that ends at a logit check already has its logits: the coda and head ran on its final state
+    final = [sequence for sequence in ended if id(sequence) not in check_logits]
+    final_logits = dict(zip(map(id, final), coda_head(model, final))) if final else {}
+    logits = torch.cat([final_logits.get(id(sequence), check_logits.get(id(sequence))) for sequence in ended])
+    tokens = torch.cat([sequence.pick(model, logits[row : row + 1]) for row, sequence in enumerate(ended)])
+    logprobs = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+    emitted = list(zip(ended, tokens.tolist()))  # the step's one read of the tokens (and one of their logprobs)
+    for row, ((sequence, token_id), logprob) in enumerate(zip(emitted, logprobs.tolist())):
+        sequence.coda_evals += id(sequence) in final_logits
+        sequence.emit(model, tokens[row : row + 1], token_id, logprob)
     going_on = [sequence for sequence, _ in emitted if sequence.finish_reason is None]
     if going_on:
         start(model, going_on)

@@ -11,6 +11,7 @@ the released Hugging Face checkpoint, so state_dicts move between the two unchan
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -142,12 +143,6 @@ def compile_blocks(model: "RecurrentGPT", **compile_kwargs) -> "RecurrentGPT":
     run the eager block, whose shapes change at every token. Returns the model."""
     for block in model.blocks():
         block.compiled_sandwich = torch.compile(block.sandwich, **compile_kwargs)
-    return model
-
-
-def uncompile_blocks(model: "RecurrentGPT") -> "RecurrentGPT":
-    for block in model.blocks():
-        block.compiled_sandwich = None
     return model
 
 
@@ -343,14 +338,14 @@ class RecurrentGPT(nn.Module):
 
     def keyed_initial_state(self, keys: Tensor, seq_len: int, seed: int, device: torch.device) -> Tensor:
         """The initial latent state of rows with these keys (training's row keys, huginn_ray.train.shard_reader),
-        drawn like the forward's own but row i from a generator seeded with `seed x 2^50 + keys[i]`: a row gets
+        drawn like the forward's own but row i from a generator seeded with `row_seed(seed, keys[i])`: a row gets
         the same noise on whichever rank, in whichever micro-batch it is trained (the forward's own draw comes
         from the rank's global RNG)."""
         state = torch.empty(len(keys), seq_len, self.config.n_embd, device=device)
         if self.config.state_init == "zero":
             return state.zero_()
         for row, key in enumerate(keys.tolist()):
-            generator = torch.Generator(device=device).manual_seed(seed * 2**50 + key)
+            generator = torch.Generator(device=device).manual_seed(row_seed(seed, key))
             trunc_normal_no_sync(state[row], self.config.init_std, generator)
         return state * self.config.embedding_scale
 
@@ -473,6 +468,22 @@ class RecurrentGPT(nn.Module):
             outside = ordered.cumsum(dim=-1) - ordered >= top_p  # the tokens before it already reach top_p
             probs = probs.scatter(-1, order, ordered.masked_fill(outside, 0.0))
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+ROW_KEY_BITS = 50
+"""Row keys (huginn_ray.train.shard_reader: stream x 2^32 + row) below 2^50 pack beside the seed in `row_seed`."""
+
+
+def row_seed(seed: int, key: int) -> int:
+    """The seed of row `key`'s noise generator under run seed `seed` (a torch generator takes 64 bits):
+    seed x 2^50 + key where that fits, as every run with seed < 2^14 has drawn it; otherwise a 64-bit BLAKE2b
+    hash of (seed, key), so that no seed overflows and distinct seeds do not share rows' noise (a reduction
+    modulo 2^64 would give seed s + 2^14 the noise of seed s)."""
+    packed = seed * 2**ROW_KEY_BITS + key
+    if key < 2**ROW_KEY_BITS and packed < 2**64:
+        return packed
+    digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 @torch.no_grad()

@@ -234,21 +234,37 @@ def _tensor_locations(directory: Path) -> dict[str, Path]:
 
 
 def weights_digest(directory: str | Path) -> tuple[str, str]:
-    """(what was hashed, its sha256) identifying the weights of a model directory cheaply: the index of a
-    sharded layout (it names every shard and tensor), the weights file of a single-file one, the DCP `.metadata`
-    of a training checkpoint (its tensors' layout; the checkpoint's path and step identify it)."""
+    """(what was hashed, its sha256): the sha256 of the model's weights themselves, tensor by tensor in name order
+    (each tensor's name, dtype and shape, then its bytes), read one tensor at a time: from the safetensors files
+    (one or the shards of an index; a tied head and the RoPE table are left out) or from a training checkpoint's
+    DCP state (whatever layout wrote it). The same tensors give the same digest in either layout."""
     directory = Path(directory)
-    if (state_dir := _training_state(directory)) is not None:
-        file = state_dir / ".metadata"
-    elif (directory / WEIGHTS_NAME).is_file():
-        file = directory / WEIGHTS_NAME
-    else:
-        file = directory / INDEX_NAME
     digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return str(file), digest.hexdigest()
+
+    def add(name: str, tensor: torch.Tensor) -> None:
+        digest.update(f"{name} {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}\n".encode())
+        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+    if (state_dir := _training_state(directory)) is not None:
+        import torch.distributed.checkpoint as dcp
+
+        metadata = dcp.FileSystemReader(state_dir).read_metadata().state_dict_metadata
+        names = sorted(key.removeprefix("model.") for key in metadata
+                       if key.startswith("model.") and key != "model.freqs_cis")
+        for name in names:
+            meta = metadata[f"model.{name}"]
+            tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
+            _load_dcp_model(state_dir, {name: tensor}, one_process=True)
+            add(name, tensor)
+        return f"{len(names)} tensors of {state_dir}", digest.hexdigest()
+    tied = ModelConfig.from_json(directory / CONFIG_NAME).tie_embeddings
+    location = _tensor_locations(directory)
+    names = sorted(key for key in location if key != "freqs_cis" and not (tied and key == "lm_head.weight"))
+    for name in names:
+        with safe_open(str(location[name]), framework="pt", device="cpu") as f:
+            add(name, f.get_tensor(name))
+    files = sorted({location[name].name for name in names})
+    return f"{len(names)} tensors of {directory} ({', '.join(files)})", digest.hexdigest()
 
 
 def _atomic_write(target: Path, write) -> None:

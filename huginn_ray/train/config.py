@@ -321,7 +321,7 @@ def check_sharding_config(cfg: TrainConfig) -> None:
 
 # ---- allowed ranges of the numeric fields (checked by load_train_config; a new numeric field belongs here) -----
 TRAIN_RANGES: dict[str, Range] = {
-    "seed": NON_NEGATIVE,
+    "seed": Range(0, 2**64 - 1),  # torch.manual_seed's range (the initial model's seed)
     "max_tokens": POSITIVE,
     "max_steps": AT_LEAST_1,
     "block_size": AT_LEAST_1,

@@ -18,7 +18,7 @@ from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig,
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from huginn_ray.cluster.devices import DeviceSelectionError, check_ray_train_gpu_environment, distributed_backend
-from huginn_ray.config import ConfigError, to_dict
+from huginn_ray.config import ConfigError
 from huginn_ray.data.shards import read_manifest
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, check_tokenizer_fits, file_sha256, special_token_ids
 from huginn_ray.model import ModelConfig
@@ -29,7 +29,7 @@ from huginn_ray.train.data_order import DataOrder, DataOrderError, allowed_worke
 from huginn_ray.train.memory import GIB, plan_memory
 from huginn_ray.train.shard_check import ShardCheckError, check_shards
 from huginn_ray.train.loop import stopped_file, train_loop_per_worker
-from huginn_ray.train.run_plan import RunPlan
+from huginn_ray.train.run_plan import RunPlan, WorkerConfig
 
 
 class PreflightError(ValueError):
@@ -163,7 +163,7 @@ def preflight(cfg: TrainConfig) -> RunPlan:
              "range-checked by collate during training only)" if shards.row_groups_without_statistics else ""), flush=True)
     precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if cfg.scaling.use_gpu else "fp32")
     return RunPlan(global_batch_rows=order.global_batch_rows, num_streams=order.num_streams, schedule_steps=steps,
-                   pad_id=ids["pad"], eos_id=ids["eos"], precision=precision, model_config=model_cfg.to_hf_dict(),
+                   pad_id=ids["pad"], eos_id=ids["eos"], precision=precision, model_config=model_cfg,
                    stop_at_unix=stop_at_unix(cfg, time.time(), os.environ), init_from=source)
 
 
@@ -232,7 +232,7 @@ def run_training(cfg: TrainConfig, plan: RunPlan, ray_train_log_level: str = "IN
     backend = distributed_backend(torch.device("cuda" if cfg.scaling.use_gpu else "cpu"))
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": to_dict(cfg), "plan": plan, "log_level": ray_train_log_level},
+        train_loop_config=WorkerConfig(cfg, plan, ray_train_log_level),
         torch_config=TorchConfig(backend=backend, timeout_s=cfg.pg_timeout_s),
         scaling_config=ScalingConfig(
             # [min, max]: Ray Train's elastic worker group

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from huginn_ray.cluster.devices import training_device
-from huginn_ray.config import from_dict
 from huginn_ray.data.shards import shard_path
 from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, sample_recurrence, training_flops_per_token
 from huginn_ray.model.pretrained import load_weights_into
@@ -40,10 +39,10 @@ from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, c
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.grad_sync import build_grad_sync
-from huginn_ray.train.optim import build_optimizer, set_lr, trapezoid_lr
+from huginn_ray.train.optim import apply_config_on_resume, build_optimizer, set_lr, trapezoid_lr
 from huginn_ray.train import parallel
 from huginn_ray.train.data_order import DataOrder, DataOrderError
-from huginn_ray.train.run_plan import RunPlan
+from huginn_ray.train.run_plan import RunPlan, WorkerConfig
 from huginn_ray.train.shard_reader import Batch, RankReader, ShardReader, StepPrefetcher, collate, validation_rows
 from huginn_ray.train.warmup import register_node, warmup_allreduce
 
@@ -85,13 +84,13 @@ def stopped_file(cfg: TrainConfig) -> Path:
     return cfg.run_dir / "STOPPED"
 
 
-def train_loop_per_worker(loop_config: dict) -> None:
+def train_loop_per_worker(worker: WorkerConfig) -> None:
     # Ray Train sends the worker's root logger to the console at INFO; some of Ray's own loggers hang off the root
     # (one, named by its file path, logs "Reporting training result ..." at every checkpoint): the run's level
-    logging.getLogger().setLevel(loop_config.get("log_level", "INFO"))
-    cfg = from_dict(TrainConfig, loop_config["cfg"])
+    logging.getLogger().setLevel(worker.log_level)
+    cfg = worker.cfg
     try:
-        _train(cfg, loop_config["plan"])
+        _train(cfg, worker.plan)
     except Stop as stop:
         # Every rank raises Stop at the same step (the decision is all-reduced). Ending normally instead of
         # raising keeps Ray Train from restarting a run that would only fail again; the driver learns why
@@ -145,7 +144,7 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
     mesh = parallel.build_mesh(shape, device.type)
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     random.seed(cfg.seed)
-    model_cfg = ModelConfig.from_hf_dict(plan.model_config)
+    model_cfg = plan.model_config
     with torch.device("meta"):  # no CPU copy of the model: allocate and initialise on the training device
         model = RecurrentGPT(model_cfg)
     if not plan.init_from:
@@ -192,8 +191,8 @@ def load_initial_weights(model: RecurrentGPT, plan: RunPlan, rank: int) -> None:
     start = time.perf_counter()
     load_weights_into(model, source.path)
     if rank == 0:
-        print(f"[huginn] weights from {source.path} ({Path(source.hashed).name} sha256 "
-              f"{source.sha256[:12]}...) in {time.perf_counter() - start:.1f} s", flush=True)
+        print(f"[huginn] weights from {source.path} (sha256 of the tensors {source.sha256[:12]}...) in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
 
 
 def layout_name(shape: parallel.MeshShape) -> str:
@@ -363,14 +362,28 @@ def clip_gradients(c: Components, max_norm: float) -> torch.Tensor:
 
 
 def _train(cfg: TrainConfig, plan: RunPlan) -> None:
+    """The run on this rank, phase by phase: start, validation rows, where the weights come from, the collective
+    warmup, the metrics logger, the steps."""
     import ray.train  # here, not at the top: build_components and train_step run where Ray and MLflow are not installed
-
-    from huginn_ray.eval.depth_scaling import validation_plot
-    from huginn_ray.train.tracking import MetricsLogger
 
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     device = training_device()
+    c = start_worker(cfg, plan, ctx, device)
+    val_batch = read_validation_batch(c, cfg, plan, rank, device)
+    state, resized_from = restore_state(c, cfg, plan, rank, world_size, device)
+    if cfg.warmup_allreduce_mib > 0:
+        warmup_allreduce(device, cfg.warmup_allreduce_mib, timeout_s=cfg.warmup_timeout_s)
+    logger = open_logger(cfg, state, rank, world_size, resized_from, plan) if rank == 0 else None
+    run_steps(c, cfg, plan, state, val_batch, logger, rank, world_size, device)
+
+
+def start_worker(cfg: TrainConfig, plan: RunPlan, ctx, device: torch.device) -> Components:
+    """This rank's components (the weights not yet read), its node checked against the layout (shard groups are
+    consecutive ranks, which must be one node's or part of one; always checked), the mesh's groups warmed."""
+    import ray
+
+    rank = ctx.get_world_rank()
     register_node()
     placement = {"node_rank": ctx.get_node_rank(), "local_rank": ctx.get_local_rank(),
                  "local_world_size": ctx.get_local_world_size(), "node_ip": ray.util.get_node_ip_address()}
@@ -379,61 +392,75 @@ def _train(cfg: TrainConfig, plan: RunPlan) -> None:
                              load_init_from=False)
     except DataOrderError as err:  # the same on every rank, before any collective
         raise Stop(f"data order: {err}", reporter=rank == 0) from None
-    # always checked: shard groups are consecutive ranks, which must be one node's (or part of one)
     placements = ckpt.all_ranks(placement, device)
     parallel.check_node_layout(c.shape, placements)
     if rank == 0:
         print(f"[huginn] {parallel.describe_layout(c.shape, placements)}", flush=True)
     parallel.warm_mesh(c.mesh, device)
-    model, optimizer, reader = c.model, c.optimizer, c.reader
-    read_error = None
+    return c
+
+
+def read_validation_batch(c: Components, cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.device) -> Batch:
+    """This rank's fixed validation rows; every rank stops alike when one cannot read them."""
+    read_error, val_batch = None, None
     try:
         val_batch = collate(validation_rows(cfg.data.data_dir, c.order, rank, cfg.eval_iters, cfg.block_size + 1),
                             plan.pad_id, plan.eos_id, c.model_cfg.vocab_size)
     except DATA_ERRORS as err:
         read_error = f"validation data: {type(err).__name__}: {err}"
     stop_if_a_rank_cannot_read(read_error, device)
+    return val_batch
+
+
+def restore_state(c: Components, cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int,
+                  device: torch.device) -> tuple[ckpt.TrainerState, int | None]:
+    """Where the weights come from: the newest checkpoint that loads (Ray Train's registered one first), else
+    plan.init_from's model, else the seed's random weights. Returns the trainer state and, for an elastic group
+    restarted on another worker count (scaling.num_workers: [min, max]), the count it had (the next checkpoint
+    records the new one). The replicas are checked to agree."""
+    import ray.train
 
     state = ckpt.TrainerState(mlflow_run_id=plan.mlflow_run_id, world_size=world_size, layout=layout_name(c.shape),
                               num_streams=plan.num_streams, global_batch_rows=plan.global_batch_rows)
     checkpoint = ray.train.get_checkpoint()  # out_dir is a filesystem every node sees: the path is the directory
     registered = Path(checkpoint.path) if checkpoint is not None else None
-    try:
-        resumed = ckpt.resume(registered, cfg.run_dir, rank, model, optimizer, device)
-        if resumed is not None:
-            ckpt.check_data_position(resumed.state, resumed.directory, plan.num_streams, plan.global_batch_rows)
-            reader.seek(resumed.state.rows_per_stream)
-    except ValueError as err:  # CheckpointError included: every rank read the same files and agreed
-        raise Stop(f"cannot resume: {err}", reporter=rank == 0) from None
+    resumed = resume_from_checkpoint(c, cfg, plan, registered, rank, device)
     if resumed is not None:
         state = resumed.state
         state.layout = layout_name(c.shape)
-        c.resumed = True
     elif plan.init_from:  # a fresh run: the trained model's weights (a resumed one has its own)
         error = None
         try:
-            load_initial_weights(model, plan, rank)
+            load_initial_weights(c.model, plan, rank)
         except ValueError as err:
             error = str(err)
         errors = [e for e in ckpt.all_ranks(error, device) if e is not None]  # every rank stops alike
         if errors:
             raise Stop(f"init_from: {errors[0]}", reporter=rank == 0)
-    # an elastic group restarted on another worker count (scaling.num_workers: [min, max]); the next checkpoint
-    # records the new count
     resized_from = state.world_size if state.world_size != world_size else None
     state.world_size = world_size
-    parallel.check_replicas_agree(model, optimizer, c.mesh, device, "at startup")
+    parallel.check_replicas_agree(c.model, c.optimizer, c.mesh, device, "at startup")
+    return state, resized_from
 
-    if cfg.warmup_allreduce_mib > 0:
-        warmup_allreduce(device, cfg.warmup_allreduce_mib, timeout_s=cfg.warmup_timeout_s)
+
+def open_logger(cfg: TrainConfig, state: ckpt.TrainerState, rank: int, world_size: int, resized_from: int | None,
+                plan: RunPlan):
+    """Rank 0's metrics logger, which records every start of a worker group at the step it starts from (the
+    history shows each resize and restart)."""
+    from huginn_ray.train.tracking import MetricsLogger
 
     logger = MetricsLogger(plan.mlflow_uri, state.mlflow_run_id, max_pending=cfg.mlflow.max_pending_metrics,
-                           flush_timeout_s=cfg.mlflow.flush_timeout_s) if rank == 0 else None
-    if rank == 0:
-        # every start of a worker group, at the step it starts from: the history shows each resize (and restart)
-        logger.log({"num_workers": world_size}, state.step)
-        if resized_from is not None:
-            print(f"[huginn] resize at step {state.step}: {resized_from} -> {world_size} workers", flush=True)
+                           flush_timeout_s=cfg.mlflow.flush_timeout_s)
+    logger.log({"num_workers": world_size}, state.step)
+    if resized_from is not None:
+        print(f"[huginn] resize at step {state.step}: {resized_from} -> {world_size} workers", flush=True)
+    return logger
+
+
+def run_steps(c: Components, cfg: TrainConfig, plan: RunPlan, state: ckpt.TrainerState, val_batch: Batch, logger,
+              rank: int, world_size: int, device: torch.device) -> None:
+    """Steps until the schedule ends or a stop is requested: each trains, then logs, validates and checkpoints on
+    its interval (`logger`: rank 0's, None elsewhere)."""
     max_steps = plan.schedule_steps
     tokens_per_step = plan.global_batch_rows * cfg.block_size
     window = LogWindow()
@@ -454,42 +481,87 @@ def _train(cfg: TrainConfig, plan: RunPlan) -> None:
         flops = sum(training_flops_per_token(c.model_cfg, depth, cfg.block_size) for depth in result.depths)
         window.add(result, flops / len(result.depths) * tokens_per_step, tokens_per_step)
         if log_step:
-            metrics = window.metrics(result, state.tokens, world_size, cfg.peak_flops_per_device, device)
-            if rank == 0:
-                logger.log(metrics, step)
-                print(progress_line(step, max_steps, metrics), flush=True)
+            log_window(window, result, state, max_steps, cfg, logger, world_size, device)
             window = LogWindow()
         last_step = step == max_steps
         if step % cfg.eval_step_interval == 0 or last_step:
-            val = validate(model, val_batch, cfg, plan, device, c.autocast)
-            if rank == 0:
-                logger.log(val, step)
-                logger.log_drawn_artifact(f"depth-scaling plot of step {step}", functools.partial(
-                    validation_plot, val, step, c.model_cfg.mean_recurrence), "depth_scaling")
-                print(f"[huginn] step {step} validation " + " ".join(f"{k}={v:.4f}" for k, v in val.items()), flush=True)
+            validate_and_log(c, cfg, plan, val_batch, step, logger, device)
         if (step % cfg.checkpoint.save_step_interval == 0 or (last_step and cfg.checkpoint.save_last_step)
                 or result.stop_requested):
-            parallel.check_replicas_agree(model, optimizer, c.mesh, device, f"step {step}")
-            state.rows_per_stream = c.order.rows_per_stream_per_step * step
-            if reader.position != state.rows_per_stream:  # the data order's invariant; a bug if it fails
-                raise RuntimeError(f"rank {rank}: the reader stands at row {reader.position} of its streams, "
-                                   f"step {step} ends at row {state.rows_per_stream}")
-            save_start = time.perf_counter()
-            checkpointer.save(model, optimizer, state, result.loss, result.stop_reason,
-                              final=last_step or result.stop_requested)
-            if rank == 0:  # how long the save (and its report to Ray Train) held the loop
-                logger.log({"checkpoint_seconds": time.perf_counter() - save_start}, step)
+            save_checkpoint(c, checkpointer, state, result, last_step, logger, rank, device)
         if result.stop_requested:
             if rank == 0:
-                cause = f"stop requested ({', '.join(map(str, stop_files(cfg)))})" \
-                    if result.stop_reason == "request" else \
-                    f"time budget ends in less than {cfg.time_limit_margin_s:g} s + two steps"
-                print(f"[huginn] {cause}: saved step {step}, stopping", flush=True)
-                for path in stop_files(cfg):
-                    path.unlink(missing_ok=True)
+                report_stop(cfg, result, step)
             return
         inject_fault(cfg, rank, step, start_step)
     checkpointer.finish()
+
+
+def log_window(window: LogWindow, result: StepResult, state: ckpt.TrainerState, max_steps: int, cfg: TrainConfig,
+               logger, world_size: int, device: torch.device) -> None:
+    """The log interval's metrics (every rank computes them: the device memory is each rank's own); rank 0 logs
+    them and prints the progress line."""
+    metrics = window.metrics(result, state.tokens, world_size, cfg.peak_flops_per_device, device)
+    if logger is not None:
+        logger.log(metrics, state.step)
+        print(progress_line(state.step, max_steps, metrics), flush=True)
+
+
+def validate_and_log(c: Components, cfg: TrainConfig, plan: RunPlan, val_batch: Batch, step: int, logger,
+                     device: torch.device) -> None:
+    """Validation on every rank; rank 0 logs it, queues the depth-scaling plot for the logger's sender thread
+    (drawn and uploaded off the step loop) and prints it."""
+    from huginn_ray.eval.depth_scaling import validation_plot
+
+    val = validate(c.model, val_batch, cfg, plan, device, c.autocast)
+    if logger is not None:
+        logger.log(val, step)
+        logger.log_drawn_artifact(f"depth-scaling plot of step {step}", functools.partial(
+            validation_plot, val, step, c.model_cfg.mean_recurrence), "depth_scaling")
+        print(f"[huginn] step {step} validation " + " ".join(f"{k}={v:.4f}" for k, v in val.items()), flush=True)
+
+
+def save_checkpoint(c: Components, checkpointer: "Checkpointer", state: ckpt.TrainerState, result: StepResult,
+                    last_step: bool, logger, rank: int, device: torch.device) -> None:
+    """The replicas checked to agree, the data position recorded, the save started (the last one of a run
+    finished before returning); rank 0 logs how long the save held the loop."""
+    step = state.step
+    parallel.check_replicas_agree(c.model, c.optimizer, c.mesh, device, f"step {step}")
+    state.rows_per_stream = c.order.rows_per_stream_per_step * step
+    if c.reader.position != state.rows_per_stream:  # the data order's invariant; a bug if it fails
+        raise RuntimeError(f"rank {rank}: the reader stands at row {c.reader.position} of its streams, "
+                           f"step {step} ends at row {state.rows_per_stream}")
+    save_start = time.perf_counter()
+    checkpointer.save(c.model, c.optimizer, state, result.loss, result.stop_reason,
+                      final=last_step or result.stop_requested)
+    if logger is not None:  # how long the save (and its report to Ray Train) held the loop
+        logger.log({"checkpoint_seconds": time.perf_counter() - save_start}, step)
+
+
+def report_stop(cfg: TrainConfig, result: StepResult, step: int) -> None:
+    """Rank 0: why the run stops after this saved step; the stop files are removed (a rerun resumes)."""
+    cause = f"stop requested ({', '.join(map(str, stop_files(cfg)))})" if result.stop_reason == "request" else \
+        f"time budget ends in less than {cfg.time_limit_margin_s:g} s + two steps"
+    print(f"[huginn] {cause}: saved step {step}, stopping", flush=True)
+    for path in stop_files(cfg):
+        path.unlink(missing_ok=True)
+
+
+def resume_from_checkpoint(c: Components, cfg: TrainConfig, plan: RunPlan, registered: Path | None, rank: int,
+                           device: torch.device) -> ckpt.Resumed | None:
+    """Model, optimizer and reader from the newest checkpoint that loads (ckpt.resume), its data position checked,
+    then the config's optimizer hyperparameters over the checkpoint's; None when there is none. Raises Stop on
+    every rank when the run cannot resume (every rank read the same files and agreed)."""
+    try:
+        resumed = ckpt.resume(registered, cfg.run_dir, rank, c.model, c.optimizer, device)
+        if resumed is not None:
+            ckpt.check_data_position(resumed.state, resumed.directory, plan.num_streams, plan.global_batch_rows)
+            c.reader.seek(resumed.state.rows_per_stream)
+            apply_config_on_resume(c.optimizer, cfg.optim, verbose=rank == 0)
+    except ValueError as err:  # CheckpointError included
+        raise Stop(f"cannot resume: {err}", reporter=rank == 0) from None
+    c.resumed = resumed is not None
+    return resumed
 
 
 def async_save_enabled(cfg: TrainConfig) -> bool:
@@ -557,24 +629,30 @@ def eta(seconds: float) -> str:
 
 @torch.no_grad()
 def validate(model, batch: Batch, cfg: TrainConfig, plan: RunPlan, device, autocast) -> dict:
-    """Loss at every eval depth on the rank's fixed rows, averaged over ranks.
+    """Loss at every eval depth: the token losses of every rank's fixed rows summed over their supervised tokens,
+    divided by their count (as the training loss; masked rows weigh by what they supervise).
 
     The initial latent noise is keyed by row (RecurrentGPT.keyed_initial_state), so validation neither depends
     on nor changes any RNG stream, and a row's noise does not depend on the worker count."""
     model.eval()
     inputs, labels = batch.inputs.to(device), batch.labels.to(device)
-    losses = torch.zeros(len(cfg.eval_depths), dtype=torch.float64, device=device)
     states = model.keyed_initial_state(batch.keys, cfg.block_size, cfg.seed, device)
     micro_batch = len(batch.keys) // cfg.eval_iters
+    micro_batches = [slice(b * micro_batch, (b + 1) * micro_batch) for b in range(cfg.eval_iters)]
+    counts = [host_count(batch.labels[rows] != plan.pad_id) for rows in micro_batches]
+    # [token loss sums at every depth..., supervised tokens]: one all-reduce
+    sums = torch.zeros(len(cfg.eval_depths) + 1, dtype=torch.float64, device=device)
+    sums[-1] = sum(counts)
     for i, depth in enumerate(cfg.eval_depths):
-        for b in range(cfg.eval_iters):
-            rows = slice(b * micro_batch, (b + 1) * micro_batch)
+        for rows, count in zip(micro_batches, counts):
+            if not count:  # its mean is 0/0
+                continue
             with autocast:
                 out = model(inputs[rows], labels=labels[rows], num_steps=(depth, 0), input_states=states[rows],
                             ignore_index=plan.pad_id)
-            losses[i] += out.loss.double() / cfg.eval_iters
-    dist.all_reduce(losses)
-    losses /= dist.get_world_size()
+            sums[i] += out.loss.double() * count
+    dist.all_reduce(sums)
+    losses = sums[:-1] / sums[-1]
     model.train()
     metrics = {}
     for depth, value in zip(cfg.eval_depths, losses.tolist()):

@@ -16,9 +16,10 @@ from torch.distributed.tensor import DTensor
 
 from huginn_ray.train.parallel import local, shard_group
 
-EMBEDDING_MARKERS = ("wte", "embedding", "abacus", "lm_head")
-NO_DECAY_MARKERS = ("ln_f", "norm", "bias", "diff_lmb")
-MATRIX_MARKERS = ("proj", "qkv", "fc")
+EMBEDDING_MARKERS = ("wte", "lm_head")
+"""Names of the embedding group (the head only when untied): the reference's markers that name a parameter here."""
+NO_DECAY_MARKERS = ("ln_f", "norm", "bias")
+"""Names of the norm/bias group: every norm weight, `qk_bias`, `ln_f.weight`."""
 
 
 class ELLISAdam(torch.optim.Optimizer):
@@ -231,7 +232,7 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay_for_bias_and_no
             embedding.append(p)
         elif any(m in lname for m in NO_DECAY_MARKERS):
             scales.append(p)
-        elif p.ndim >= 2 or any(m in lname for m in MATRIX_MARKERS):
+        elif p.ndim >= 2:
             weights.append(p)
         else:
             raise ValueError(f"param_groups: parameter {name!r} (shape {tuple(p.shape)}) fits no group")
@@ -270,6 +271,61 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
                                       "exp_avg_sq": torch.zeros_like(p.detach())}
         return optimizer
     raise ValueError(f"optim.name: unknown optimizer {cfg.name!r}")
+
+
+def optimizer_of(group: dict) -> str:
+    """Which optimizer made a param group: only ELLISAdam's carry `atan_adam` (AdamW's loading adds its own keys
+    to any group, so its keys tell nothing)."""
+    return "ELLISAdam" if "atan_adam" in group else "AdamW"
+
+
+def configured_group_options(cfg) -> dict[str, dict]:
+    """Every hyperparameter the config (`OptimConfig`) puts into each param group, by group name, the lr aside
+    (set_lr writes it before every step)."""
+    shared = {"betas": tuple(cfg.betas), "eps": cfg.eps}
+    if cfg.name == "ELLISAdam":
+        shared |= {"init_lr": cfg.lr, "update_clipping": cfg.update_clipping, "atan_adam": cfg.atan_adam,
+                   "running_init": cfg.running_init, "decouple_wd": cfg.decouple_wd}
+    scale_decay = 0.0 if cfg.no_weight_decay_for_bias_and_norm else cfg.weight_decay
+    return {"weights": {**shared, "weight_decay": cfg.weight_decay},
+            "embedding": {**shared, "weight_decay": cfg.weight_decay},
+            "scale_norm": {**shared, "weight_decay": scale_decay}}
+
+
+def config_field(group: str, key: str) -> str:
+    """The config field a param-group hyperparameter comes from."""
+    if key == "init_lr":
+        return "optim.lr"
+    if group == "scale_norm" and key == "weight_decay":
+        return "optim.weight_decay of norms and biases (optim.no_weight_decay_for_bias_and_norm)"
+    return f"optim.{key}"
+
+
+def apply_config_on_resume(optimizer: torch.optim.Optimizer, cfg, verbose: bool = False) -> list[str]:
+    """Right after a checkpoint's optimizer state was loaded, which brings the checkpoint's param groups: write
+    every hyperparameter the config gives (configured_group_options) into every group, so that the run trains
+    with what its config says. Returns, and with `verbose` prints, one line per config field whose value differs
+    from the checkpoint's. Raises ValueError naming the field when the change cannot be honoured: another
+    optimizer (`optim.name`: the moments mean something else), or a group the config does not make."""
+    wanted = configured_group_options(cfg)
+    changes: dict[tuple, None] = {}  # (field, checkpoint's value, config's value), in order, each once
+    for group in optimizer.param_groups:
+        if optimizer_of(group) != cfg.name:
+            raise ValueError(f"optim.name={cfg.name}, but the checkpoint's optimizer state is {optimizer_of(group)}'s: "
+                             "its moments do not carry over")
+        name = group.get("name")
+        if name not in wanted:
+            raise ValueError(f"the checkpoint's parameter group {name!r} is none of the config's ({', '.join(wanted)})")
+        for key, value in wanted[name].items():
+            stored = tuple(group[key]) if isinstance(group.get(key), list) else group.get(key)
+            if stored != value:
+                changes[(config_field(name, key), stored, value)] = None
+            group[key] = value
+    lines = [f"[huginn] resume: {field} {stored} -> {value} (config)" for field, stored, value in changes]
+    if verbose:
+        for line in lines:
+            print(line, flush=True)
+    return lines
 
 
 def trapezoid_lr(step: int, max_lr: float, warmup_steps: int, cooldown_steps: int, max_steps: int, min_lr: float) -> float:

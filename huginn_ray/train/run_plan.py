@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from huginn_ray.model.config import ModelConfig
+from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.data_order import DataOrder
 
 
@@ -14,9 +16,10 @@ class WeightsSource:
     path: str
     """The model directory (a training checkpoint's `model/`)."""
     hashed: str
-    """The file whose sha256 identifies the weights: the index of a sharded release, an export's weights file,
-    or a training checkpoint's DCP `.metadata`."""
+    """What the sha256 covers: the model's tensors and the files they were read from
+    (huginn_ray.model.pretrained.weights_digest)."""
     sha256: str
+    """The sha256 of the weights themselves (name, dtype, shape and bytes of every tensor, in name order)."""
 
 
 @dataclass
@@ -32,8 +35,8 @@ class RunPlan:
     eos_id: int
     precision: str
     """"fp32" or "bf16-mixed"."""
-    model_config: dict
-    """The model's config in its Hugging Face form (ModelConfig.to_hf_dict)."""
+    model_config: ModelConfig
+    """The model the run trains (the `model` section's, or init_from's config.json)."""
     init_from: WeightsSource | None = None
     """The trained model a fresh run starts from; None: random weights."""
     stop_at_unix: float | None = None
@@ -44,3 +47,15 @@ class RunPlan:
     def data_order(self, micro_batch_size: int, world_size: int) -> DataOrder:
         """The data order on `world_size` ranks; DataOrderError when the rule does not allow it."""
         return DataOrder(self.num_streams, self.global_batch_rows, micro_batch_size, world_size).check()
+
+
+@dataclass
+class WorkerConfig:
+    """What the driver hands every worker (Ray Train's `train_loop_config`, huginn_ray.train.loop.train_loop_per_worker)."""
+
+    cfg: TrainConfig
+    """The run's configuration, loaded and checked by the driver."""
+    plan: RunPlan
+    """What the preflight derived from it."""
+    log_level: str = "INFO"
+    """Console level of the worker's root logger (some of Ray Train's own loggers hang off it)."""
