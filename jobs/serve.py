@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    # SIGTERM ends the wait below as Ctrl-C does
-    signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+    signal.signal(signal.SIGTERM, stop_on_signal)  # as Ctrl-C does
     local_ray_dir = head = None
     try:
         if os.environ.get("RAY_ADDRESS"):
@@ -87,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             head.stop()
             shutil.rmtree(local_ray_dir, ignore_errors=True)
     return 0
+
+
+def stop_on_signal(signum, frame):
+    raise KeyboardInterrupt
 
 
 def plan(args) -> "ServeSettings":  # noqa: F821

@@ -140,7 +140,8 @@ def processes_marked(marker: str) -> list[str]:
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and f"{MARKER}={marker}".encode() in (entry / "environ").read_bytes():
-                found.append(f"{entry.name}: {(entry / 'cmdline').read_bytes().replace(b'\0', b' ').decode()}")
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                found.append(f"{entry.name}: {command}")
         except OSError:
             pass
     return found
@@ -172,7 +173,9 @@ def test_serve_answers_concurrent_clients_as_alone_refuses_bad_requests_and_stop
                                                                                         "return_token_ids": True})
             [choice] = response.choices
             return body, dict(text=choice.text, finish_reason=choice.finish_reason, token_ids=choice.token_ids,
-                              core_iterations=choice.core_iterations, usage=response.usage.model_dump())
+                              core_iterations=choice.core_iterations,
+                              usage={key: getattr(response.usage, key) for key in
+                                     ("prompt_tokens", "completion_tokens", "total_tokens", "core_iterations")})
 
         with concurrent.futures.ThreadPoolExecutor(len(REQUESTS) + 1) as pool:
             running = [pool.submit(answer, route, body, port) for route, body in REQUESTS]
@@ -182,16 +185,21 @@ def test_serve_answers_concurrent_clients_as_alone_refuses_bad_requests_and_stop
         served = stats(port)
         assert served["requests_finished"] == len(REQUESTS) + 1 and served["rows_in_flight"] == 0
 
-        model = load_pretrained(checkpoint).eval()
-        for (route, body), got in zip(REQUESTS + [("completions", openai_body)], answers + [openai_answer]):
-            expected = alone(model, tokenizer, route, body)
+        model, threads = load_pretrained(checkpoint).eval(), torch.get_num_threads()
+        torch.set_num_threads(1)  # as in the replica (Ray gives a 1-CPU actor one thread)
+        try:
+            expected = [alone(model, tokenizer, route, body) for route, body in REQUESTS + [("completions", openai_body)]]
+        finally:
+            torch.set_num_threads(threads)
+        for (route, body), got, want in zip(REQUESTS + [("completions", openai_body)], answers + [openai_answer],
+                                            expected):
             assert {key: got[key] for key in ("text", "finish_reason", "token_ids", "core_iterations")} == \
-                {key: expected[key] for key in ("text", "finish_reason", "token_ids", "core_iterations")}, (route, body)
+                {key: want[key] for key in ("text", "finish_reason", "token_ids", "core_iterations")}, (route, body)
             if got["usage"] is not None:
-                assert got["usage"] == dict(prompt_tokens=expected["prompt_tokens"],
-                                            completion_tokens=len(expected["token_ids"]),
-                                            total_tokens=expected["prompt_tokens"] + len(expected["token_ids"]),
-                                            core_iterations=sum(expected["core_iterations"]))
+                assert got["usage"] == dict(prompt_tokens=want["prompt_tokens"],
+                                            completion_tokens=len(want["token_ids"]),
+                                            total_tokens=want["prompt_tokens"] + len(want["token_ids"]),
+                                            core_iterations=sum(want["core_iterations"]))
         depths = [s for got in answers for s in got["core_iterations"]]
         assert min(depths) < max(depths)  # some tokens exited early
 
