@@ -109,7 +109,8 @@ class EngineLoop:
             for request_id, ticket in list(self.tickets.items()):
                 self.engine.cancel(request_id)
                 self._deliver(ticket, err)
-            self.tickets.clear(), self.ids.clear()
+            self.tickets.clear()
+            self.ids.clear()
             return
         self.stats.loop_steps += 1
         for event in events:
