@@ -251,3 +251,25 @@ def test_serve_answers_concurrent_clients_as_alone_refuses_bad_requests_and_stop
     assert returncode == 0, (tmp_path / "serve.log").read_text()[-4000:]
     assert "shutting down" in (tmp_path / "serve.log").read_text()
     assert not left, left
+
+
+def test_stop_strings_end_the_text_before_them_and_hold_back_what_may_start_one(checkpoint):
+    from tokenizers import Tokenizer
+
+    from huginn_ray.serve.text import GeneratedText
+
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer" / "tokenizer.json"))
+    ids = tokenizer.encode("Hello world, how are you today?", add_special_tokens=False).ids
+    assert tokenizer.decode(ids) == "Hello world, how are you today?" and len(ids) > 6
+    text = GeneratedText(tokenizer, stop_texts=("are yo", "zzz"))
+    pieces = [text.add(token, is_stop_token=False) for token in ids]
+    assert "".join(pieces) == "Hello world, how " and text.stopped
+    assert pieces[:3] == ["Hello", " world", ","] and text.finish() == ""
+    # "are", then "are you", may start "are you?": held back until the next token shows it does not
+    text = GeneratedText(tokenizer, stop_texts=("are you?",))
+    pieces = [text.add(token, is_stop_token=False) for token in ids] + [text.finish()]
+    assert pieces == ["Hello", " world", ",", " how", " ", "", "are you today", "?", ""] and not text.stopped
+    # a stop token ends the request and is not part of the text
+    text = GeneratedText(tokenizer)
+    end_text = tokenizer.token_to_id("<|end_text|>")
+    assert [text.add(token, False) for token in ids[:2]] + [text.add(end_text, True)] == ["Hello", " world", ""]
