@@ -22,7 +22,7 @@ from tokenizers.models import WordLevel
 
 from huginn_ray.data.tokenizer import SPECIAL_TOKENS, file_sha256
 from huginn_ray.data.shards import shard_path
-from huginn_ray.train.data_order import DataOrder, DataOrderError, StreamSlice, allowed_worker_counts
+from huginn_ray.train.data_order import DataOrder, DataOrderError, StreamSlice, largest_micro_batch
 from huginn_ray.train.shard_reader import RankReader, Rows, ShardReader, collate, validation_rows
 
 DATA_TOKENS = 32  # ids 0..31 carry data, 32..63 are the special tokens
@@ -143,16 +143,82 @@ def test_rank_slices_of_the_data_order():
     assert order.slices(1) == [StreamSlice(1, 1, 3), StreamSlice(2, 0, 2)]
 
 
-def test_a_worker_count_the_rule_forbids_is_refused_naming_the_allowed_ones():
-    assert allowed_worker_counts(4, 8, 2, up_to=16) == [2, 4]
-    assert DataOrder(4, 8, 2, 2).check().grad_accum == 2
-    with pytest.raises(DataOrderError, match=r"^3 workers x micro_batch_size 2 = 6 rows per micro-batch cannot serve "
-                                             r"the data order of 4 shards and a global batch of 8 rows: .* \(8 % 6 = "
-                                             r"2\) .* \(6 % 4 = 2\); with micro_batch_size 2 the allowed worker "
-                                             r"counts are \[2, 4\]"):
-        DataOrder(4, 8, 2, 3).check()
-    with pytest.raises(DataOrderError, match=r"\(8 % 1 = 0\) .* \(1 % 4 = 1\)"):
-        DataOrder(4, 8, 1, 1).check()  # one row per micro-batch cannot take a row of every shard
+def old_rule_order(S, B, m, W):
+    """(GA, each rank's rows) of equal micro-batches, where m x W divides B and S divides m x W; else None."""
+    if B % (m * W) or (m * W) % S:
+        return None
+    return B // (m * W), [list(range(k * m, (k + 1) * m)) for k in range(W)]
+
+
+def test_every_worker_count_equal_micro_batches_served_keeps_its_rows_and_accumulation():
+    """Existing runs and checkpoints: where every rank can get m rows, GA and each rank's rows are unchanged."""
+    served = 0
+    for S in (1, 2, 3, 4, 6, 8):
+        for B in range(S, 8 * S + 1, S):
+            for m in (1, 2, 3, 4):
+                for W in range(1, B + 1):
+                    old = old_rule_order(S, B, m, W)
+                    if old is None:
+                        continue
+                    order = DataOrder(S, B, m, W).check()
+                    assert (order.grad_accum, [list(order.rows(k)) for k in range(W)]) == old, (S, B, m, W)
+                    assert order.largest_micro_batch == m
+                    served += 1
+    assert served == 330
+
+
+def test_unequal_worker_counts_take_floor_k_r_over_w_rows():
+    # 4 shards, 8 rows a step, m = 2 on 3 ranks: GA 2, R = 4 rows per micro-batch, rows 1, 1, 2
+    order = DataOrder(4, 8, 2, 3).check()
+    assert (order.grad_accum, order.rows_per_micro_batch, order.largest_micro_batch) == (2, 4, 2)
+    assert [order.slices(k) for k in range(3)] == [[StreamSlice(0, 0, 1)], [StreamSlice(1, 0, 1)],
+                                                   [StreamSlice(2, 0, 1), StreamSlice(3, 0, 1)]]
+    # m = 1 on 3 ranks: no accumulation gives at most 1 row per rank with a row of every shard; the fewest rows
+    # (GA 2, R = 4): rank 2 gets 2 rows, more than m
+    order = DataOrder(4, 8, 1, 3).check()
+    assert (order.grad_accum, order.largest_micro_batch, [list(order.rows(k)) for k in range(3)]) == (
+        2, 2, [[0], [1], [2, 3]])
+    # m = 4 on 3 ranks: one micro-batch of 8 rows, 2, 3, 3
+    order = DataOrder(4, 8, 4, 3).check()
+    assert (order.grad_accum, [list(order.rows(k)) for k in range(3)]) == (1, [[0, 1], [2, 3, 4], [5, 6, 7]])
+    assert order.slices(1) == [StreamSlice(1, 0, 2), StreamSlice(2, 0, 1)]
+    assert order.slices(2) == [StreamSlice(2, 1, 2), StreamSlice(3, 0, 2)]
+    # more ranks than shards, unequal: 2 shards x 3 rows, 4 ranks get 1, 2, 1, 2 rows
+    order = DataOrder(2, 6, 1, 4).check()
+    assert [order.slices(k) for k in range(4)] == [[StreamSlice(0, 0, 1)], [StreamSlice(0, 1, 3)],
+                                                   [StreamSlice(1, 0, 1)], [StreamSlice(1, 1, 3)]]
+    # 12 rows of 4 shards on 5 ranks: 2, 2, 3, 2, 3 rows, slices across shard boundaries
+    order = DataOrder(4, 12, 2, 5).check()
+    assert [list(order.rows(k)) for k in range(5)] == [[0, 1], [2, 3], [4, 5, 6], [7, 8], [9, 10, 11]]
+    assert order.slices(1) == [StreamSlice(0, 2, 3), StreamSlice(1, 0, 1)]
+    assert order.slices(2) == [StreamSlice(1, 1, 3), StreamSlice(2, 0, 1)]
+    # the Frontier layout less a node: 4,096 shards, 4,096 rows, m = 1 on 4,088 ranks; 8 ranks take 2 rows
+    order = DataOrder(4096, 4096, 1, 4088).check()
+    assert (order.grad_accum, order.largest_micro_batch) == (1, 2)
+    assert [k for k in range(4088) if len(order.rows(k)) == 2] == [510, 1021, 1532, 2043, 2554, 3065, 3576, 4087]
+    assert order.slices(509) == [StreamSlice(509, 0, 1)]
+    assert order.slices(510) == [StreamSlice(510, 0, 1), StreamSlice(511, 0, 1)]
+    assert order.slices(511) == [StreamSlice(512, 0, 1)]
+    assert order.slices(4087) == [StreamSlice(4094, 0, 1), StreamSlice(4095, 0, 1)]
+    # every row of a micro-batch is taken once, on every worker count
+    for W in range(1, 13):
+        order = DataOrder(4, 12, 2, W).check()
+        taken = [(s.stream, row) for k in range(W) for s in order.slices(k) for row in range(s.start, s.stop)]
+        assert taken == [(s, row) for s in range(4) for row in range(order.rows_per_stream_per_micro_batch)], W
+    # m = 1, 8 rows of 4 shards: 2 rows per rank on 2, 3, 5, 6 or 7 ranks, 1 on 4 or 8
+    assert [DataOrder(4, 8, 1, w).largest_micro_batch for w in range(2, 9)] == [2, 2, 1, 2, 2, 2, 1]
+    assert largest_micro_batch(4, 8, 1, range(2, 9)) == 2 and largest_micro_batch(4, 8, 1, range(4, 5)) == 1
+
+
+def test_worker_counts_the_data_order_cannot_serve_are_refused_by_name():
+    assert DataOrder(4, 8, 2, 8).check().grad_accum == 1  # up to the rows of a step: one row per rank
+    for workers in (0, 9):
+        with pytest.raises(DataOrderError, match=rf"^{workers} workers: the data order of 4 shards and a global "
+                                                 r"batch of 8 rows serves 1 to 8 workers \(at least one row"):
+            DataOrder(4, 8, 2, workers).check()
+    with pytest.raises(DataOrderError, match=r"^a global batch of 6 rows cannot take the same rows from each of 4 "
+                                             r"shards \(6 % 4 = 2\): world_batch_size must be a multiple"):
+        DataOrder(4, 6, 2, 3).check()
 
 
 def stream_dir(tmp_path, num_streams=4, rows=48):
@@ -181,23 +247,31 @@ def test_the_rows_of_every_step_do_not_depend_on_the_worker_count(tmp_path):
             assert global_micro_batches(data_dir, order, 5) == global_micro_batches(data_dir, DataOrder(4, 16, 2, 4), 5)
             continue
         assert global_micro_batches(data_dir, order, 5) == reference, world_size
+    # unequal micro-batches: 3 ranks (rows 1, 1, 2 with m = 1 or 2), GA 2 as the reference
+    for micro in (1, 2):
+        assert global_micro_batches(data_dir, DataOrder(4, 8, micro, 3), 5) == reference, micro
     # another accumulation (GA 1, micro-batches of 4 x 2 rows): the same rows per step, grouped otherwise
     regrouped = global_micro_batches(data_dir, DataOrder(4, 8, 2, 4), 5)
     assert [sorted(sum(step, [])) for step in regrouped] == [sorted(sum(step, [])) for step in reference]
     assert regrouped[0] != [sum(reference[0], [])]
+    for world_size in (3, 5, 6, 7):  # GA 1 too, with 2 or 3 rows per rank
+        assert global_micro_batches(data_dir, DataOrder(4, 8, 4 if world_size == 3 else 1, world_size), 5) == regrouped
 
 
-def test_a_rank_reader_resumes_on_another_worker_count(tmp_path):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rank_reader_resumes_on_another_worker_count(tmp_path, world_size):
     data_dir = stream_dir(tmp_path)
     uninterrupted = global_micro_batches(data_dir, DataOrder(4, 8, 1, 4), 6)
-    order = DataOrder(4, 8, 2, 2)
+    order = DataOrder(4, 8, 2, world_size)
     readers = [RankReader(order, rank, lambda s: ShardReader(shard_path(data_dir, "train", s), s, 5, 5))
-               for rank in range(2)]
+               for rank in range(world_size)]
     for reader in readers:
         reader.seek(3 * order.rows_per_stream_per_step)  # after step 3
-    resumed = [[[int(row[0]) for rank in readers for row in rank.next_micro_batch().ids] for _ in range(2)]
-               for _ in range(3)]
+    per_rank = [[[int(row[0]) for row in rank.next_micro_batch().ids] for rank in readers] for _ in range(6)]
+    assert [[len(rows) for rows in micro] for micro in per_rank] == [[2, 2] if world_size == 2 else [1, 1, 2]] * 6
+    resumed = [[sum(per_rank[2 * step + micro], []) for micro in range(2)] for step in range(3)]
     assert resumed == uninterrupted[3:]
+    assert all(reader.position == 6 * order.rows_per_stream_per_step for reader in readers)
 
 
 def test_collate_shifts_and_replaces_pad_by_eos_in_inputs_only():
@@ -246,3 +320,9 @@ def test_validation_rows_are_the_first_rows_of_the_val_shards_sliced_like_traini
     # one rank, micro-batches of 2 rows from each shard: validation micro-batch e holds rows 2e, 2e + 1 of both
     rows = validation_rows(data_dir, DataOrder(2, 4, 4, 1), rank=0, eval_iters=10, row_length=33)
     assert rows.ids.tolist() == [row for e in range(10) for s in (0, 1) for row in tables[s][2 * e:2 * e + 2]]
+    # 3 ranks, rows 1, 1, 2 of each validation micro-batch of 2 rows from each shard
+    order = DataOrder(2, 4, 1, 3)
+    assert validation_rows(data_dir, order, rank=1, eval_iters=10, row_length=33).ids.tolist() == [
+        tables[0][2 * e + 1] for e in range(10)]
+    assert validation_rows(data_dir, order, rank=2, eval_iters=10, row_length=33).ids.tolist() == [
+        row for e in range(10) for row in tables[1][2 * e:2 * e + 2]]

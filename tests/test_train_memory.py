@@ -62,6 +62,27 @@ def test_activation_figure_equals_saved_bytes_of_a_real_cpu_step(checkpointing):
     assert meta["activations"] == planned
 
 
+def test_the_plan_counts_the_largest_micro_batch_a_rank_gets(tmp_path):
+    """A rank of a data order that gives it 2 rows with micro_batch_size 1 (huginn_ray.train.data_order) plans
+    what a micro_batch_size of 2 plans; the CLI reads the shard count from data.data_dir's manifest."""
+    from test_train_data import make_dataset
+
+    one, two = small_config("micro_batch_size=1"), small_config("micro_batch_size=2")
+    planned = plan_memory(one, model_config(one), micro_batch_rows=2)
+    assert planned.header.split(", ")[2] == "micro-batch 2 x 64 tokens"
+    assert [(phase.name, phase.transient_bytes) for phase in planned.phases] == [
+        (phase.name, phase.transient_bytes) for phase in plan_memory(two, model_config(two)).phases]
+    assert planned.rows == plan_memory(two, model_config(two)).rows
+    assert planned.total > plan_memory(one, model_config(one)).total
+    assert "more workers (on scaling.num_workers=1 a rank gets micro-batches of up to 2 rows" in planned.advice
+    # 3 workers of 2 shards x 2 rows, micro_batch_size 1: ranks of 1, 1 and 2 rows
+    data_dir, _ = make_dataset(tmp_path, num_shards=2, rows_per_shard=4, seq_len=64)
+    three = small_config("micro_batch_size=1", "scaling.num_workers=3", "world_batch_size=4",
+                         f"data.data_dir={data_dir}")
+    assert memory.largest_rank_micro_batch(three) == 2
+    assert memory.largest_rank_micro_batch(small_config("micro_batch_size=1")) is None  # no data dir: m
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_chunked_loss_backward_figure_equals_a_real_cpu_step(precision):
     # 128 tokens in chunks of 48: the last one partial. Under bf16 the backward recomputes in bf16 (the

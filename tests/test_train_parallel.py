@@ -138,6 +138,8 @@ def whole_state(c) -> dict:
 
 SAVED_AT, RESUMED_TO = 6, 12
 """The resharding runs: 4 ranks save after step 6; every resume trains steps 7-12."""
+RESHARD = [*HSDP, "micro_batch_size=1"]
+"""The resharding run: 4 shards, 8 rows a step, micro-batches of 1 row per rank, 2 per step (GA 2)."""
 
 
 def recording_keys(c) -> list:
@@ -153,6 +155,20 @@ def recording_keys(c) -> list:
     return steps
 
 
+def validation_loss(c, cfg, plan, rank) -> float:
+    """loop.validate at depth 1 of one fixed global micro-batch of R rows, each rank validating its rows of it
+    (huginn_ray.train.data_order: the ranks' shares differ by a row at most)."""
+    from dataclasses import replace
+
+    from huginn_ray.train import loop
+    from huginn_ray.train.shard_reader import collate
+
+    rows = MemoryReader(None, 99, 0, cfg.block_size + 1).next_rows(c.order.rows_per_micro_batch)
+    batch = collate(rows[np.array(c.order.rows(rank))], plan.pad_id, plan.eos_id)
+    return loop.validate(c.model, batch, replace(cfg, eval_depths=[1], eval_iters=1), plan, torch.device("cpu"),
+                         c.autocast)["val_loss"]
+
+
 def reshard(rank, world_size, directory):
     """Train 2 x 2 hsdp for 6 steps, save, go on to 12; then load that checkpoint as 2 x 2 again, as hsdp with
     one shard group of 4 and as replicate, compare every tensor with the saved one, and train steps 7-12 again."""
@@ -161,12 +177,13 @@ def reshard(rank, world_size, directory):
 
     loop.ShardReader = MemoryReader
     cpu = torch.device("cpu")
-    cfg = train_config(VARIANTS["hsdp"])
-    plan = plan_for(cfg)
+    cfg = train_config(RESHARD)
+    plan = plan_for(cfg, grad_accum=2)
     c = loop.build_components(cfg, plan, rank, cpu, local_world_size=NODE_SIZE)
     keys = recording_keys(c)
     uninterrupted = [loop.train_step(c, step, cfg, plan, cpu).loss for step in range(1, SAVED_AT + 1)]
     saved = whole_state(c)
+    validation = validation_loss(c, cfg, plan, rank)
     ckpt.write(directory, rank, c.model, c.optimizer,
                ckpt.TrainerState(step=SAVED_AT, world_size=world_size, num_streams=plan.num_streams,
                                  global_batch_rows=plan.global_batch_rows, rows_per_stream=c.reader.position), cpu)
@@ -181,9 +198,9 @@ def reshard(rank, world_size, directory):
     if rank == 0:
         torch.save({"ids": ids, "states": states, "logits": logits}, directory.parent / "trained_logits.pt")
     uninterrupted += [loop.train_step(c, step, cfg, plan, cpu).loss for step in range(SAVED_AT + 1, RESUMED_TO + 1)]
-    report = {"uninterrupted": uninterrupted, "keys": keys}
-    for name, overrides, node_size in (("2 x 2", HSDP, NODE_SIZE), ("shard 4", HSDP, 4),
-                                       ("replicate", ["parallelism.mode=replicate"], NODE_SIZE)):
+    report = {"uninterrupted": uninterrupted, "keys": keys, "validation": validation}
+    for name, overrides, node_size in (("2 x 2", RESHARD, NODE_SIZE), ("shard 4", RESHARD, 4),
+                                       ("replicate", ["parallelism.mode=replicate", "micro_batch_size=1"], NODE_SIZE)):
         cfg = train_config(overrides)
         c = loop.build_components(cfg, plan, rank, cpu, local_world_size=node_size)
         c.resumed = resume(c, directory, plan, rank)
@@ -208,21 +225,33 @@ def resume(c, directory, plan, rank) -> bool:
     return True
 
 
-def resume_on_two_ranks(rank, world_size, directory):
-    """The 4-rank checkpoint of `reshard` resumed by 2 ranks (hsdp, one shard group of 2): with micro-batches of
-    twice the rows (the same accumulation), and with the same micro-batches and twice the accumulation."""
+RESUMES = {
+    2: (("micro-batch x 2", [*HSDP, "micro_batch_size=2"]), ("one micro-batch a step", [*HSDP, "micro_batch_size=4"])),
+    3: (("hsdp, rows 1, 1, 2", [*HSDP, "micro_batch_size=1"]),
+        ("replicate, rows 1, 1, 2", ["parallelism.mode=replicate", "grad_sync.kind=chunk_stream", "micro_batch_size=2"])),
+}
+"""The resumes of the 4-rank checkpoint of `reshard`, by worker count: (name, overrides). 2 ranks of 2 rows (the
+same accumulation), and of 4 rows (one micro-batch a step); 3 ranks of 1, 1 and 2 rows (the same accumulation):
+with micro_batch_size 1 a rank's micro-batch exceeds it (no accumulation gives at most 1 row to each of 3 ranks),
+with 2 it does not."""
+
+
+def resume_elsewhere(rank, world_size, directory):
+    """The 4-rank checkpoint of `reshard` resumed by `world_size` ranks (one node: hsdp has one shard group of
+    them), in each data order of RESUMES[world_size]: steps 7-12, their losses and row keys."""
     from huginn_ray.train import loop
 
     loop.ShardReader = MemoryReader
     cpu = torch.device("cpu")
-    plan = plan_for(train_config(VARIANTS["hsdp"]), world_size=4)  # the run's data order: 4 shards, 8 rows a step
+    plan = plan_for(train_config(RESHARD), grad_accum=2, world_size=4)  # the run's data order: 4 shards, 8 rows a step
     report = {}
-    for name, micro_batch_size in (("micro-batch x 2", 4), ("accumulation x 2", 2)):
-        cfg = train_config(["parallelism.mode=hsdp", f"micro_batch_size={micro_batch_size}"])
+    for name, overrides in RESUMES[world_size]:
+        cfg = train_config(overrides)
         c = loop.build_components(cfg, plan, rank, cpu)
         resume(c, directory, plan, rank)
         keys = recording_keys(c)
         report[name] = {"grad_accum": c.order.grad_accum, "layout": c.shape.shard_size, "keys": keys,
+                        "validation": validation_loss(c, cfg, plan, rank),
                         "losses": [loop.train_step(c, step, cfg, plan, cpu).loss
                                    for step in range(SAVED_AT + 1, RESUMED_TO + 1)]}
     return report
@@ -233,8 +262,8 @@ def _run(rank, world_size, port, out_dir, variants):
                             timeout=timedelta(seconds=120))
     torch.set_num_threads(1)
     try:
-        if variants in ("reshard", "two ranks"):
-            task = reshard if variants == "reshard" else resume_on_two_ranks
+        if variants in ("reshard", "resume"):
+            task = reshard if variants == "reshard" else resume_elsewhere
             result = task(rank, world_size, Path(out_dir) / "checkpoint")
         else:
             result = run_variants(rank, world_size, variants)
@@ -246,7 +275,7 @@ def _run(rank, world_size, port, out_dir, variants):
 
 
 def spawn(tmp_path, variants, world_size=4):
-    """Run `variants` (a list of VARIANTS names, "reshard" or "two ranks") on `world_size` gloo ranks; every rank's
+    """Run `variants` (a list of VARIANTS names, "reshard" or "resume") on `world_size` gloo ranks; every rank's
     report."""
     import socket
 
@@ -322,27 +351,36 @@ def global_keys(reports, step_reports_key, name=None) -> list:
             for step in range(len(per_rank[0]))]
 
 
-def test_a_4_rank_run_resumes_on_2_ranks_with_the_same_rows_and_losses(resharded):
-    """Issue 18: stopped at step 6 by 4 ranks, resumed by 2 with micro-batches twice as large: steps 7-12 train on
-    the same rows, micro-batch by micro-batch, and log the uninterrupted run's losses (fp32: up to summation
-    order); with twice the accumulation instead, every step consumes the same rows."""
+def test_a_4_rank_run_resumes_on_2_and_3_ranks_with_the_same_rows_and_losses(resharded):
+    """Issues 18 and 27: stopped at step 6 by 4 ranks (1 row each per micro-batch, 2 micro-batches a step), resumed
+    by 2 ranks with micro-batches twice as large and by 3 ranks taking 1, 1 and 2 rows of each micro-batch, under
+    hsdp and replicate: steps 7-12 train on the same rows, micro-batch by micro-batch, and log the uninterrupted
+    run's losses (fp32: up to summation order); with one micro-batch a step instead, every step consumes the same
+    rows."""
     reports, directory = resharded
-    two = spawn(directory, "two ranks", world_size=2)
-    for rank, report in enumerate(two):
-        assert "error" not in report, f"rank {rank}: {report.get('trace')}"
     uninterrupted = global_keys(reports, "keys")
-    assert len(uninterrupted) == RESUMED_TO and all(len(step) == 1 and len(step[0]) == 8 for step in uninterrupted)
-    doubled = global_keys(two, None, "micro-batch x 2")
-    assert two[0]["micro-batch x 2"]["grad_accum"] == 1 and two[0]["micro-batch x 2"]["layout"] == 2
-    assert doubled == uninterrupted[SAVED_AT:]
-    accumulated = global_keys(two, None, "accumulation x 2")
-    assert two[0]["accumulation x 2"]["grad_accum"] == 2
-    assert [sorted(sum(step, [])) for step in accumulated] == [sorted(step[0]) for step in uninterrupted[SAVED_AT:]]
-    for rank, report in enumerate(two):
-        got, expected = report["micro-batch x 2"]["losses"], reports[0]["uninterrupted"][SAVED_AT:]
-        for step, (a, b) in enumerate(zip(got, expected), start=SAVED_AT + 1):
-            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank}: step {step} loss {a} vs 4 ranks {b}"
-        assert len(report["accumulation x 2"]["losses"]) == RESUMED_TO - SAVED_AT
+    assert len(uninterrupted) == RESUMED_TO and all([len(micro) for micro in step] == [4, 4] for step in uninterrupted)
+    resumes = {world_size: spawn(directory, "resume", world_size=world_size) for world_size in (2, 3)}
+    for world_size, resumed in resumes.items():
+        for rank, report in enumerate(resumed):
+            assert "error" not in report, f"{world_size} ranks, rank {rank}: {report.get('trace')}"
+        same_grouping = ["micro-batch x 2"] if world_size == 2 else [name for name, _ in RESUMES[3]]
+        for name in same_grouping:
+            assert resumed[0][name]["grad_accum"] == 2, name
+            assert global_keys(resumed, None, name) == uninterrupted[SAVED_AT:], name
+            rows = [[len(report[name]["keys"][0][micro]) for report in resumed] for micro in range(2)]
+            assert rows == ([[2, 2]] * 2 if world_size == 2 else [[1, 1, 2]] * 2), (name, rows)
+            # the same 4 validation rows, split 1, 1, 1, 1 at the save and 2, 2 or 1, 1, 2 here: their mean
+            for rank, report in enumerate(resumed):
+                assert report[name]["validation"] == pytest.approx(reports[0]["validation"], rel=1e-6), (name, rank)
+            for rank, report in enumerate(resumed):
+                got, expected = report[name]["losses"], reports[0]["uninterrupted"][SAVED_AT:]
+                for step, (a, b) in enumerate(zip(got, expected), start=SAVED_AT + 1):
+                    assert abs(a - b) <= 1e-5 * abs(b), f"{name}, rank {rank}: step {step} loss {a} vs 4 ranks {b}"
+    one_micro_batch = global_keys(resumes[2], None, "one micro-batch a step")
+    assert resumes[2][0]["one micro-batch a step"]["grad_accum"] == 1
+    assert [sorted(step[0]) for step in one_micro_batch] == [sorted(sum(step, [])) for step in uninterrupted[SAVED_AT:]]
+    assert len(resumes[2][0]["one micro-batch a step"]["losses"]) == RESUMED_TO - SAVED_AT
 
 
 def test_an_hsdp_checkpoint_resumes_bitwise_in_its_layout_and_exactly_under_another_shard_size_and_replicate(resharded):

@@ -18,7 +18,9 @@ from huginn_ray.data.shards import shard_path
 from huginn_ray.data.tokens import parquet_options, row_schema, rows_to_arrow
 from huginn_ray.train.config import load_train_config
 from huginn_ray.train import checkpoint as ckpt
-from huginn_ray.train.launch import PreflightError, data_order, preflight, schedule_steps
+from huginn_ray.train import init_from
+from huginn_ray.train.launch import (PreflightError, check_memory, data_order, largest_rank_micro_batch, preflight,
+                                      schedule_steps)
 from huginn_ray.train.shard_check import check_shards
 from test_train_data import make_dataset, make_tokenizer, write_shard
 
@@ -53,23 +55,28 @@ def test_valid_input_gives_a_plan(dataset, tmp_path):
     assert (plan.pad_id, plan.eos_id) == (37, 33)
 
 
-def test_a_worker_count_the_data_order_forbids_is_refused_naming_the_allowed_ones(dataset, tmp_path):
-    with pytest.raises(PreflightError, match=r"^scaling.num_workers=3: 3 workers x micro_batch_size 2 = 6 rows per "
-                                             r"micro-batch cannot serve the data order of 2 shards and a global batch "
-                                             r"of 8 rows: .* the allowed worker counts are \[1, 2, 4\]"):
-        preflight(tiny(dataset, tmp_path, "scaling.num_workers=3", "world_batch_size=8"))
-    # 3 workers serve 2 shards when the global batch allows it: every shard gives 3 rows to each micro-batch
-    assert preflight(tiny(dataset, tmp_path, "scaling.num_workers=3", "max_steps=13")).global_batch_rows == 6
+def test_every_worker_count_up_to_the_rows_of_a_step_is_served_and_more_are_refused_by_name(dataset, tmp_path):
+    # 3 workers, 2 shards, 8 rows a step, micro_batch_size 2: GA 2, micro-batches of 4 rows split 1, 1, 2
+    assert preflight(tiny(dataset, tmp_path, "scaling.num_workers=3", "world_batch_size=8",
+                          "max_steps=10")).global_batch_rows == 8
+    with pytest.raises(PreflightError, match=r"^scaling.num_workers=9: 9 workers: the data order of 2 shards and a "
+                                             r"global batch of 8 rows serves 1 to 8 workers \(at least one row"):
+        preflight(tiny(dataset, tmp_path, "scaling.num_workers=9", "world_batch_size=8"))
 
 
-def test_an_elastic_worker_range_needs_its_min_and_max_allowed_and_names_the_counts_between(dataset, tmp_path, capsys):
-    # [2, 4]: the global batch is micro_batch_size x max = 8 rows; 2 and 4 workers serve it, 3 do not
-    assert preflight(tiny(dataset, tmp_path, "scaling.num_workers=[2, 4]", "max_steps=10")).global_batch_rows == 8
-    assert ("[huginn] elastic: of scaling.num_workers=[2, 4] the data order allows 2, 4 workers; a worker group of "
-            "another size stops, naming the rule") in capsys.readouterr().out
-    with pytest.raises(PreflightError, match=r"^scaling.num_workers=\[3, 4\]: 3 workers x micro_batch_size 2 = 6 rows "
-                                             r"per micro-batch cannot serve .* the allowed worker counts are \[1, 2, 4"):
-        preflight(tiny(dataset, tmp_path, "scaling.num_workers=[3, 4]", "max_steps=10"))
+def test_an_elastic_worker_range_serves_every_count_in_it_and_counts_the_largest_micro_batch(dataset, tmp_path,
+                                                                                              capsys):
+    # [3, 4]: the global batch is micro_batch_size x max = 8 rows; 3 workers take 1, 1, 2 rows of 4 (GA 2)
+    assert preflight(tiny(dataset, tmp_path, "scaling.num_workers=[3, 4]", "max_steps=10")).global_batch_rows == 8
+    assert "[huginn] data order" not in capsys.readouterr().out  # no rank gets more than micro_batch_size
+    # micro_batch_size 1 of 4 rows a step: 3 workers cannot accumulate, one of them takes 2 rows per micro-batch
+    assert preflight(tiny(dataset, tmp_path, "scaling.num_workers=[3, 4]", "micro_batch_size=1",
+                          "max_steps=10")).global_batch_rows == 4
+    assert ("[huginn] data order: on scaling.num_workers=[3, 4] a rank gets up to 2 rows per micro-batch, more than "
+            "micro_batch_size=1") in capsys.readouterr().out
+    with pytest.raises(PreflightError, match=r"^scaling.num_workers=\[2, 9\]: 9 workers: the data order of 2 shards "
+                                             r"and a global batch of 8 rows serves 1 to 8 workers"):
+        preflight(tiny(dataset, tmp_path, "scaling.num_workers=[2, 9]", "world_batch_size=8", "max_steps=10"))
 
 
 def checkpoint_in(run_dir: Path, step: int, global_batch_rows: int) -> None:
@@ -154,6 +161,25 @@ def test_frontier_config_holds_the_original_run():
     assert cfg.checkpoint.save_step_interval == 128 and cfg.eval_step_interval == 128
     assert data_order(cfg, 4096, None).grad_accum == 1  # one shard per rank, micro-batch 1
     assert schedule_steps(cfg, 4096) == 238_418  # §3.2
+
+
+def test_frontier_config_serves_a_node_less_and_refuses_0_and_more_workers_than_rows(capsys):
+    """511 nodes of 8 GCDs: 4,088 workers take the 4,096 rows of a step, 8 of them 2 rows (the memory plan counts
+    2); a checkpoint of 4,096 workers resumes there, and a group of 4,088 to 4,096 is served."""
+    frontier = REPO / "configs/train/frontier_nebel_512_nodes.yaml"
+    for workers in ("4088", "[4088, 4096]"):
+        cfg = load_train_config(frontier, [f"scaling.num_workers={workers}"])
+        order = data_order(cfg, 4096, ckpt.TrainerState(step=128, num_streams=4096, global_batch_rows=4096))
+        assert (order.grad_accum, order.rows_per_micro_batch) == (1, 4096)
+        assert largest_rank_micro_batch(cfg, order) == 2
+        assert "a rank gets up to 2 rows per micro-batch, more than micro_batch_size=1" in capsys.readouterr().out
+    check_memory(cfg, init_from.model_config(cfg), 2)  # fits: raises otherwise
+    with pytest.raises(PreflightError, match=r"^scaling.num_workers=4097: 4097 workers: the data order of 4096 shards "
+                                             r"and a global batch of 4096 rows serves 1 to 4096 workers"):
+        data_order(load_train_config(frontier, ["scaling.num_workers=4097", "world_batch_size=4096"]), 4096, None)
+    for workers in ("0", "[0, 4096]"):
+        with pytest.raises(ConfigError, match=r"^scaling.num_workers(\[0\])?: must be in \[1, inf\), got 0"):
+            load_train_config(frontier, [f"scaling.num_workers={workers}"])
 
 
 # Bad shards: every shard's footer is held to the manifest before Ray starts (huginn_ray/train/shard_check.py).

@@ -1,6 +1,6 @@
 """Driver side of a training run: check everything cheap first, then start Ray Train workers.
 
-`preflight` refuses bad input (missing data, a worker count the data order does not allow, tokenizer larger than the model's
+`preflight` refuses bad input (missing data, a worker count the data order cannot serve, tokenizer larger than the model's
 vocabulary, sequence length mismatch, impossible batch arithmetic, a shard whose footer does not match the
 manifest: huginn_ray/train/shard_check.py) before any Ray worker starts, and derives
 the run plan the workers share. `run_training` opens the MLflow run and runs the TorchTrainer.
@@ -25,7 +25,7 @@ from huginn_ray.model import ModelConfig
 from huginn_ray.train import init_from, tracking
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig
-from huginn_ray.train.data_order import DataOrder, DataOrderError, allowed_worker_counts
+from huginn_ray.train.data_order import DataOrder, DataOrderError, largest_micro_batch
 from huginn_ray.train.memory import GIB, plan_memory
 from huginn_ray.train.shard_check import ShardCheckError, check_shards
 from huginn_ray.train.loop import stopped_file, train_loop_per_worker
@@ -48,7 +48,7 @@ def newest_checkpoint_state(run_dir: Path) -> ckpt.TrainerState | None:
 
 
 def data_order(cfg: TrainConfig, num_streams: int, resumed: ckpt.TrainerState | None) -> DataOrder:
-    """The run's data order on scaling.num_workers ranks (elastic [min, max]: on max, and min must be allowed
+    """The run's data order on scaling.num_workers ranks (elastic [min, max]: on max, and min must be served
     too): the global batch is world_batch_size, else the checkpoint's, else micro_batch_size x (max) workers; a
     resumed run keeps its checkpoint's (the data position counts rows of that batch)."""
     world_size = cfg.scaling.max_workers
@@ -63,13 +63,26 @@ def data_order(cfg: TrainConfig, num_streams: int, resumed: ckpt.TrainerState | 
         order = DataOrder(num_streams, rows, cfg.micro_batch_size, world_size).check()
     except DataOrderError as err:
         raise PreflightError(f"scaling.num_workers={cfg.scaling.num_workers}: {err}") from None
-    allowed = [w for w in allowed_worker_counts(num_streams, rows, cfg.micro_batch_size, world_size)
-               if w >= cfg.scaling.min_workers]
-    if len(allowed) < world_size - cfg.scaling.min_workers + 1:
-        print(f"[huginn] elastic: of scaling.num_workers={cfg.scaling.num_workers} the data order allows "
-              f"{', '.join(map(str, allowed))} workers; a worker group of another size stops, naming the rule",
-              flush=True)
     return order
+
+
+def worker_counts(cfg: TrainConfig) -> range:
+    """Every worker count the run may train on: scaling.num_workers, or its [min, max]."""
+    return range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1)
+
+
+def largest_rank_micro_batch(cfg: TrainConfig, order: DataOrder) -> int:
+    """The most rows a rank gets per micro-batch on any worker count of the run; says so when that exceeds
+    micro_batch_size (too few workers for micro-batches of at most micro_batch_size rows)."""
+    largest = largest_micro_batch(order.num_streams, order.global_batch_rows, cfg.micro_batch_size,
+                                  worker_counts(cfg))
+    if largest > cfg.micro_batch_size:
+        print(f"[huginn] data order: on scaling.num_workers={cfg.scaling.num_workers} a rank gets up to {largest} "
+              f"rows per micro-batch, more than micro_batch_size={cfg.micro_batch_size}: no gradient accumulation "
+              f"splits the {order.global_batch_rows} rows of a step into global micro-batches of whole rows of "
+              f"all {order.num_streams} shards with at most {cfg.micro_batch_size} rows per rank; the memory plan "
+              f"counts {largest}", flush=True)
+    return largest
 
 
 def schedule_steps(cfg: TrainConfig, global_batch_rows: int) -> int:
@@ -79,9 +92,10 @@ def schedule_steps(cfg: TrainConfig, global_batch_rows: int) -> int:
     return int(cfg.max_tokens) // (global_batch_rows * cfg.block_size)
 
 
-def check_memory(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
-    """Refuse a configuration whose per-rank memory plan exceeds device_memory_gib x memory_headroom."""
-    plan = plan_memory(cfg, model_cfg)
+def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, micro_batch_rows: int) -> None:
+    """Refuse a configuration whose per-rank memory plan, with micro-batches of `micro_batch_rows` (the largest a
+    rank gets), exceeds device_memory_gib x memory_headroom."""
+    plan = plan_memory(cfg, model_cfg, micro_batch_rows)
     if not plan.fits:
         largest = ", ".join(f"{name} {size / GIB:.1f} GiB" for name, size in plan.largest())
         raise PreflightError(
@@ -118,7 +132,7 @@ def preflight(cfg: TrainConfig) -> RunPlan:
         raise PreflightError(f"model: {err}") from None
     if cfg.block_size > model_cfg.block_size:
         raise PreflightError(f"block_size={cfg.block_size} exceeds the model's block_size={model_cfg.block_size}")
-    check_memory(cfg, model_cfg)
+    check_memory(cfg, model_cfg, largest_rank_micro_batch(cfg, order))
     if not cfg.data.tokenizer_path:
         raise PreflightError("data.tokenizer_path is not set")
     try:

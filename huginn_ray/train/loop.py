@@ -4,8 +4,8 @@ One step: read and check the step's micro-batches on the host, count their super
 small all-reduce, used on the device), sample the depth (n, k) from the step (the same on every rank),
 forward+backward every micro-batch, exchange gradients (fp32 mean), clip, set the scheduled lr in every group,
 step (not the first one), then log, validate and checkpoint on their intervals. The loss is the sum of the token
-losses of the whole global batch over its supervised tokens, divided by their count, on every layout and
-gradient accumulation.
+losses of the whole global batch over its supervised tokens, divided by their count, on every layout, gradient
+accumulation and split of a micro-batch's rows over the ranks (they may differ by a row: data_order.py).
 
 All ranks decide alike with one small all-reduce per step, read once by the host (the step's only host sync):
 the loss, whether the loss or gradient norm is non-finite, a stop request (SIGTERM, the Slurm signal), the time
@@ -150,7 +150,7 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
     if not plan.init_from:
         model.materialize(device)  # whole, on every rank: hsdp then keeps each rank's slice
     model.check_token_ids = False  # collate checks every batch on the host
-    attention = AttentionShape(cfg.micro_batch_size, model_cfg.num_attention_heads, cfg.block_size, model_cfg.head_dim,
+    attention = AttentionShape(order.largest_micro_batch, model_cfg.num_attention_heads, cfg.block_size, model_cfg.head_dim,
                                torch.bfloat16 if plan.precision == "bf16-mixed" else torch.float32)
     try:
         backend = choose_attention_backend(probe_attention_backends(attention, device), attention, cfg.attention_backend)

@@ -322,8 +322,11 @@ def model_name(cfg, model_cfg: ModelConfig) -> str:
     return f"{model_cfg.name} from {cfg.init_from}" if cfg.init_from else model_cfg.name
 
 
-def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
-    """The per-rank memory plan of a TrainConfig (huginn_ray.train.config)."""
+def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int | None = None) -> MemoryPlan:
+    """The per-rank memory plan of a TrainConfig (huginn_ray.train.config), for micro-batches of
+    `micro_batch_rows` rows: the largest a rank gets in the run's data order (huginn_ray.train.data_order; the
+    preflight passes it), by default micro_batch_size."""
+    rows = micro_batch_rows or cfg.micro_batch_size
     if model_cfg is None:
         from huginn_ray.train.init_from import model_config, section_config
 
@@ -346,7 +349,7 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
     plan = MemoryPlan(device_bytes=device_memory_bytes(cfg), headroom=cfg.memory_headroom)
     layout = f"hsdp, {workers // shards} shard groups x {shards}" if hsdp else "replicate"
     plan.header = (f"memory plan per rank: {model_name(cfg, model_cfg)}, {workers} ranks ({layout}), "
-                   f"micro-batch {cfg.micro_batch_size} x {cfg.block_size} tokens, {precision}, "
+                   f"micro-batch {rows} x {cfg.block_size} tokens, {precision}, "
                    f"grad_sync.kind={cfg.grad_sync.kind}")
     step_bytes = 8 if cfg.optim.name == "ELLISAdam" else 4
     optimizer_row = f"optimizer state ({cfg.optim.name}: 2 fp32 moments)"
@@ -387,7 +390,7 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
     plan.rows.append((f"exchange buffers ({kind})", exchange, how))
 
     k = model_cfg.mean_backprop_depth
-    ids = torch.zeros(cfg.micro_batch_size, cfg.block_size, dtype=torch.long, device="meta")
+    ids = torch.zeros(rows, cfg.block_size, dtype=torch.long, device="meta")
     measured = saved_activation_bytes(model, ids, (1, k), bf16=bf16, device_type=device_type)
     checkpointing = "every block checkpointed" if model_cfg.activation_checkpointing else "no checkpointing"
     plan.rows.append((f"activations saved for backward (k={k})", measured["activations"],
@@ -401,7 +404,7 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
         "one loss chunk" if cfg.loss_chunk_tokens else "nothing more")
     plan.phases.append(Phase("end of forward", ending,
                              measured["weight_casts"] + measured["loss_forward"], not_yet))
-    tokens = cfg.micro_batch_size * cfg.block_size
+    tokens = rows * cfg.block_size
     if cfg.loss_chunk_tokens:
         # the transient holds the head's gradient (its fp32 accumulator becomes the .grad)
         chunk = min(cfg.loss_chunk_tokens, tokens)
@@ -437,10 +440,29 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None) -> MemoryPlan:
         advice.append("a smaller grad_sync.max_chunks_in_flight")
     if not model_cfg.activation_checkpointing:
         advice.append("activation_checkpointing=true")
-    if cfg.micro_batch_size > 1:
+    if rows > cfg.micro_batch_size:
+        advice.append(f"more workers (on scaling.num_workers={cfg.scaling.num_workers} a rank gets micro-batches of "
+                      f"up to {rows} rows, more than micro_batch_size)")
+    elif rows > 1:
         advice.append("a smaller micro_batch_size (with world_batch_size kept: more gradient accumulation)")
     plan.advice = "; ".join(advice) or "a shorter block_size or a smaller model"
     return plan
+
+
+def largest_rank_micro_batch(cfg) -> int | None:
+    """The most rows a rank gets per micro-batch in the run's data order when data.data_dir holds a manifest (the
+    shard count); None (micro_batch_size) without one. A resumed run's checkpointed global batch is the
+    preflight's business: it passes its own figure."""
+    from huginn_ray.data.shards import read_manifest
+    from huginn_ray.train.data_order import largest_micro_batch
+
+    try:
+        num_streams = read_manifest(cfg.data.data_dir)["num_shards"]
+    except (OSError, TypeError, ValueError):
+        return None
+    rows = cfg.world_batch_size or cfg.micro_batch_size * cfg.scaling.max_workers
+    return largest_micro_batch(num_streams, rows, cfg.micro_batch_size,
+                               range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -453,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_train_config(args.config, args.overrides)
-        plan = plan_memory(cfg)
+        plan = plan_memory(cfg, micro_batch_rows=largest_rank_micro_batch(cfg))
     except (ConfigError, KeyError, TypeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
