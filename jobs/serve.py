@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    signal.signal(signal.SIGTERM, stop_on_signal)  # as Ctrl-C does
+    # explicitly: a process started in the background by a shell inherits SIGINT ignored
+    signal.signal(signal.SIGINT, stop_on_signal)
+    signal.signal(signal.SIGTERM, stop_on_signal)
     local_ray_dir = head = None
     try:
         if os.environ.get("RAY_ADDRESS"):

@@ -12,16 +12,14 @@ OpenAI's error object naming the field (protocol.py); a client that disconnects 
 Serve cancels the handler, whose `finally` cancels the engine request), which frees its row and cache.
 """
 
-from __future__ import annotations
-
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi import Request as HttpRequest  # FastAPI resolves handler annotations: no postponed ones here
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from starlette.requests import Request as HttpRequest
 
 from huginn_ray.serve.protocol import ApiError, Call, Tokens, choice, envelope, now, read_chat, read_completion, \
     response_id, usage
