@@ -242,7 +242,7 @@ def test_serve_answers_concurrent_clients_as_alone_refuses_bad_requests_and_stop
             returncode = server.wait(timeout=90)
         except subprocess.TimeoutExpired:
             server.kill()
-            raise
+            raise AssertionError("jobs/serve.py did not stop on SIGINT: " + (tmp_path / "serve.log").read_text()[-3000:])
         finally:
             log.close()
             left = processes_marked(marker)
