@@ -5,8 +5,8 @@
 
 --mode control (the default): workers that do no model work, so that many workers on a few cores measure Ray
 Train's control plane rather than cores shared by training steps. Each worker holds 4 KiB of state; per worker
-count W, one `trainer.fit()` (a TorchTrainer with the gloo process group, or with --backend none Ray Train's
-DataParallelTrainer without torch) runs this in every worker: report the state as a checkpoint 3 times
+count W, one `trainer.fit()` (Ray Train's DataParallelTrainer, no torch in the workers; with --backend gloo a
+TorchTrainer that also opens the gloo process group) runs this in every worker: report the state as a checkpoint 3 times
 (`ray.train.report`, SYNC upload: it returns when this rank's files are in storage and every rank has reported
 the round), then rank W-1 exits after the second report (os._exit, once); Ray Train restarts the group from the
 newest checkpoint, every rank reads its 4 KiB back and reports 3 more times. Every worker stamps the wall clock
@@ -18,6 +18,7 @@ newest checkpoint, every rank reads its 4 KiB back and reports 3 more times. Eve
   checkpoint's upload and Ray Train's agreement of every rank on the round), the median over the 5 complete
   rounds of both groups;
 - restart: from the killed rank's exit to the last worker of the new group having read its checkpoint back
+  (when Ray Train registered it before the exit)
   (Ray noticing the death at its health check, every 2 s by default; stopping the group; a new group started).
 
 Then it prints, per term, the cost per added worker between successive counts and which terms grow faster than
@@ -80,13 +81,15 @@ def control_worker(config: dict) -> None:
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     out = Path(config["out"])
     checkpoint = ray.train.get_checkpoint()
-    attempt = 0 if checkpoint is None else 1
+    # the marker, not the checkpoint, tells the restarted group: Ray Train registers a reported checkpoint after
+    # the report returns, so a rank that exits right away may leave the restart without one
+    attempt = 1 if (out / "killed").exists() else 0
     record = {"entered": entered, "reports": []}
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             state = (Path(directory) / f"state_{rank}.bin").read_bytes()
         assert len(state) == STATE_BYTES, len(state)
-        record["restored"] = time.time()
+    record["restored"] = time.time()
     for report in range(REPORTS):
         directory = Path(tempfile.mkdtemp(prefix="hr_state_"))
         (directory / f"state_{rank}.bin").write_bytes(os.urandom(STATE_BYTES))
@@ -218,8 +221,8 @@ def print_model(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["control", "model"], default="control")
-    parser.add_argument("--backend", choices=["gloo", "none"], default="gloo",
-                        help="--mode control: TorchTrainer with the gloo process group, or no torch at all")
+    parser.add_argument("--backend", choices=["none", "gloo"], default="none",
+                        help="--mode control: no torch in the workers, or a TorchTrainer with the gloo process group")
     parser.add_argument("--workers", default=None, help="worker counts (default 2,4,8,16,32; --mode model 2,4,8,16)")
     parser.add_argument("--out", default=None, help="work directory (default: a new temporary one, removed)")
     args = parser.parse_args()

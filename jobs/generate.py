@@ -59,11 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_dir = args.tokenizer or find_tokenizer(model_dir)
         if tokenizer_dir is None:
             raise ValueError(f"no tokenizer stored with {model_dir}: pass --tokenizer")
-        from tokenizers import Tokenizer
-
         from huginn_ray.data.chat import chat_token_ids, render
-        from huginn_ray.data.tokenizer import special_token_ids
-        tokenizer = Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json")
+        from huginn_ray.data.tokenizer import load_text_tokenizer, special_token_ids
+        tokenizer = load_text_tokenizer(f"{tokenizer_dir}/tokenizer.json")  # the prompt is text, specials too
         special = special_token_ids(tokenizer_dir)
         if args.chat:
             messages = [{"role": "system", "content": args.system}] if args.system else []

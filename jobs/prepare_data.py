@@ -19,7 +19,7 @@ import time
 from huginn_ray.config import ConfigError
 from huginn_ray.data.config import load_data_config
 from huginn_ray.data.pipeline import (STAGES, check_chat_not_mixed, check_sources, init_ray, packed_only,
-                                      root_error, run)
+                                      print_last_error, root_error, run)
 from huginn_ray.data.plan import build_plan, format_plan
 from huginn_ray.data.sources import load_sources
 from huginn_ray.train.runlock import RunLock, RunLockError
@@ -64,19 +64,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if message:
         print(f"prepare_data: {message}", flush=True)
-    stop_ray = None
+    stop_ray, error = None, None
     try:
         check_sources(load_sources(cfg.sources))  # a list the pipeline refuses is refused before Ray starts
         stop_ray = init_ray(cfg, quiet=args.quiet)
         manifest = run(cfg, tuple(args.stage) if args.stage else STAGES)
     except Exception as err:
-        cause = root_error(err)
-        print(f"prepare_data: error: {cause}", file=sys.stderr)
-        return 1
+        error = str(root_error(err))
     finally:
         if stop_ray is not None:
             stop_ray()
         lock.release()
+    if error is not None:
+        print_last_error("prepare_data", error)
+        return 1
     if not args.stage or "shuffle" in args.stage:
         print(f"prepare_data: {manifest['num_shards']} train + {manifest['num_shards']} val shards in "
               f"{cfg.root / 'shards'} ({manifest['rows_per_shard']['train']} / {manifest['rows_per_shard']['val']} "

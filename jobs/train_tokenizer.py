@@ -5,6 +5,7 @@
 Runs the download and staging stages of jobs/prepare_data.py if needed (their outputs are reused there), then
 trains bpeasy BPE with the `aeolian` regex and writes tokenizer.json + tokenizer_config.json to tokenizer.path
 (default <output_dir>/tokenizer). A tokenizer trained from the same corpus settings is kept unless --force.
+It holds `<output_dir>/LOCK` as jobs/prepare_data.py does: one driver per output_dir.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import time
 from huginn_ray.config import ConfigError
 from huginn_ray.data import layout
 from huginn_ray.data.config import load_data_config
-from huginn_ray.data.pipeline import init_ray, root_error, run, staging_markers
+from huginn_ray.data.pipeline import init_ray, print_last_error, root_error, run, staging_markers
 from huginn_ray.data.sources import load_sources
 from huginn_ray.data.staging import staged_files
 from huginn_ray.data.tokenizer import special_token_ids, train_tokenizer
 from huginn_ray.data.tokenizer_corpus import corpus_texts
+from huginn_ray.train.runlock import RunLock, RunLockError
 
 TRAINING_RECORD = "training.json"
 
@@ -36,7 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"train_tokenizer: config error: {err}", file=sys.stderr)
         return 2
-    stop_ray = None
+    lock = RunLock(cfg.root)  # one driver per output_dir (prepare_data.py takes the same), before Ray starts
+    try:
+        message = lock.acquire()
+    except RunLockError as err:
+        print(f"train_tokenizer: error: {err}", file=sys.stderr)
+        return 1
+    if message:
+        print(f"train_tokenizer: {message}", flush=True)
+    stop_ray, error = None, None
     try:
         stop_ray = init_ray(cfg)
         run(cfg, ("download", "staging"))
@@ -66,11 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         layout.write_json(out_dir / TRAINING_RECORD, {"fingerprint": fingerprint, "settings": settings,
                                                      "documents": counted.docs, "characters": counted.chars})
     except Exception as err:
-        print(f"train_tokenizer: error: {root_error(err)}", file=sys.stderr)
-        return 1
+        error = str(root_error(err))
     finally:
         if stop_ray is not None:
             stop_ray()
+        lock.release()
+    if error is not None:
+        print_last_error("train_tokenizer", error)
+        return 1
     ids = special_token_ids(out_dir)
     print(f"train_tokenizer: {out_dir} ({ids['vocab_size']} ids, BOS {ids['bos']}, EOS {ids['eos']}, "
           f"pad {ids['pad']}) from {counted.docs} documents / {counted.chars / 1e6:.1f}M chars "

@@ -64,6 +64,10 @@ def ray_instance():
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+PLANTED = ("<|end_text|>", " <|begin_header|>user")
+"""Special tokens' strings planted in documents and chat messages: text, never control ids (test_no_row_lost...)."""
+
+
 def _text(rng: random.Random, low: int, high: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
 
@@ -73,14 +77,17 @@ def _write_sources(root: Path, extra: str = "") -> Path:
     (root / "prose").mkdir(parents=True)
     with open(root / "prose" / "part0.jsonl", "w") as f:
         for i in range(300):
-            f.write(json.dumps({"title": f"Title {i}", "body": _text(rng, 5, 120), "id": i}) + "\n")
+            title = f"Title {i}" + (PLANTED[i % 2] + " and more" if i % 10 == 0 else "")
+            f.write(json.dumps({"title": title, "body": _text(rng, 5, 120), "id": i}) + "\n")
     (root / "chat").mkdir()
-    chats = [[{"role": "user", "content": _text(rng, 3, 20)}, {"role": "assistant", "content": _text(rng, 3, 40)}]
-             for _ in range(120)]
+    chats = [[{"role": "user", "content": (PLANTED[1] if i % 10 == 0 else "") + _text(rng, 3, 20)},
+              {"role": "assistant", "content": (PLANTED[0] + "x" if i % 10 == 5 else "") + _text(rng, 3, 40)}]
+             for i in range(120)]
     pq.write_table(pa.table({"messages": chats}), root / "chat" / "chats.parquet")
     (root / "notes").mkdir()
     for i in range(40):
-        (root / "notes" / f"note{i:02d}.txt").write_text(_text(rng, 10, 200) + "\r\n\tend\n")
+        (root / "notes" / f"note{i:02d}.txt").write_text(PLANTED[0] * (i % 4 == 0) + _text(rng, 10, 200)
+                                                         + "\r\n\tend\n")
     (root / "empty").mkdir()
     (root / "empty" / "nothing.jsonl").write_text("")
     sources = root / "sources.yaml"
@@ -179,6 +186,23 @@ def test_no_row_lost_or_duplicated_and_validation_held_out(prepared):
     # rows start at a document boundary (BOS) except sacred remainders
     starts = [r[0] for r in shard_rows["train"].elements()]
     assert starts.count(4064) > len(starts) // 3
+    # text is text: the special-token strings planted early in documents and chat messages are not control ids.
+    # In every packed row an EOS is the row's last id or followed by the next document's BOS (and a BOS is the
+    # first or follows an EOS), and the control ids follow the grammar of documents (BOS EOS) and chat documents
+    # (BOS, then begin_header end_header end_turn per message, EOS): a planted `<|end_text|>` would be an EOS
+    # followed by text, a planted `<|begin_header|>` a header inside a message.
+    letters = {4064: "B", 4065: "E", 4066: "h", 4067: "e", 4068: "t"}
+    allowed = {"BE", "Bh", "he", "et", "th", "tE", "EB"}
+    pairs = collections.Counter()
+    for split in packed:
+        for row in packed[split]:
+            assert not set(row) & {4069, *range(4070, 4096)}, row
+            ends = [k for k, i in enumerate(row) if i == 4065 and k + 1 < len(row)]
+            starts = [k for k, i in enumerate(row) if i == 4064 and k > 0]
+            assert [row[k + 1] for k in ends] == [4064] * len(ends) and [k - 1 for k in starts] == ends, row
+            controls = "".join(letters.get(i, "") for i in row)
+            pairs.update(controls[k:k + 2] for k in range(len(controls) - 1))
+    assert set(pairs) == allowed, pairs  # every transition occurs (chat documents and plain ones), no other
 
 
 def test_weights_sacred_and_empty_source_in_manifest(prepared):
@@ -328,22 +352,74 @@ def test_too_few_rows_for_the_shard_count_is_refused(prepared, tmp_path, capsys)
     assert "fewer than num_shards=100000" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name, content, expected", [
-    ("broken.parquet", b"PAR1 this is not parquet", "broken.parquet"),
-    ("bad.jsonl", b'{"text": "fine"}\n{"text": oops}\n', "bad.jsonl, line 2: invalid JSON"),
-    ("latin1.txt", "caf\xe9".encode("latin-1"), "latin1.txt is not valid UTF-8"),
-])
-def test_corrupt_input_file_is_named(ray_instance, tmp_path, capsys, name, content, expected):
+def test_an_unreadable_input_file_is_named(ray_instance, tmp_path, capsys):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "good.txt").write_text("fine text")
-    (tmp_path / "bad" / name).write_bytes(content)
+    (tmp_path / "bad" / "broken.parquet").write_bytes(b"PAR1 this is not parquet")
     sources = tmp_path / "sources.yaml"
-    sources.write_text("- {name: bad, local_dir: bad, features: [text], files: ['*.txt', '*.jsonl', '*.parquet']}")
+    sources.write_text("- {name: bad, local_dir: bad, features: [text], files: ['*.txt', '*.parquet']}")
     config = _config(tmp_path, sources)
     assert prepare_data.main(["--config", str(config), "--stage", "staging"]) == 1
     err = capsys.readouterr().err
-    assert expected in err and str(tmp_path / "bad" / name) in err
+    assert str(tmp_path / "bad" / "broken.parquet") in err.strip().splitlines()[-1]  # the error, last
     assert not (tmp_path / "out" / "staging" / "bad").exists()  # nothing half-written in place
+
+
+def test_bad_records_fail_the_run_by_name_or_are_quarantined_and_counted_under_max_bad_records(
+        ray_instance, tmp_path, capsys):
+    """A source with a text file of invalid UTF-8, a JSONL line of the wrong type and a parquet row of invalid
+    UTF-8: with max_bad_records 0 the run stops naming the first bad record's file, line and reason (its last
+    console line); with 10 both jobs complete, the records are in quarantine/ with their reasons, and the
+    console and the manifest count them (read, kept, quarantined per reason, dropped per filter)."""
+    rng = random.Random(1)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for i in range(30):
+        (bad / f"good{i:02d}.txt").write_text(_text(rng, 50, 100))
+    (bad / "empty.txt").write_text("")
+    (bad / "latin1.txt").write_bytes("fine\ncaf\xe9".encode("latin-1"))
+    (bad / "lines.jsonl").write_text('{"text": "fine"}\n{"text": 5}\n{"text": "also fine"}\n')
+    texts = pa.array([b"row one", b"\xff row two", b"row three"], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"text": texts}), bad / "rows.parquet")
+    sources = tmp_path / "sources.yaml"
+    config = _config(tmp_path, sources)
+
+    sources.write_text("- {name: bad, local_dir: bad, features: [text], files: ['*.txt', '*.jsonl', '*.parquet']}")
+    assert train_tokenizer_job.main(["--config", str(config)]) == 1
+    last = [line for line in capsys.readouterr().err.splitlines() if "error:" in line][-1]
+    assert last.startswith("train_tokenizer: error: source 'bad': ") and "max_bad_records: 0" in last
+    first = {"latin1.txt": "line 2: invalid_utf8: not UTF-8 at byte offset 8: b'\\xe9'",
+             "lines.jsonl": "line 2: wrong_type: field 'text' holds int, not text",
+             "rows.parquet": "row 2: invalid_utf8: not UTF-8 at byte offset 0: b'\\xff ro'"}
+    assert sum(f"{bad / name}, {what} (a bad record" in last for name, what in first.items()) == 1, last
+
+    sources.write_text("- {name: bad, local_dir: bad, features: [text], files: ['*.txt', '*.jsonl', '*.parquet'], "
+                       "max_bad_records: 10}")
+    assert train_tokenizer_job.main(["--config", str(config)]) == 0
+    assert prepare_data.main(["--config", str(config), "num_shards=2"]) == 0
+    out = capsys.readouterr().out
+    assert (f"[staging] bad: 34 files -> 34 documents; records: 38 read, 34 kept, 3 quarantined (invalid_utf8 2, "
+            f"wrong_type 1) in {tmp_path / 'out' / 'quarantine' / 'bad'}, dropped: empty 1") in out
+    records = read_manifest(tmp_path / "out" / "shards")["records"]
+    assert records == {"bad": {"read": 38, "kept": 34, "quarantined": {"invalid_utf8": 2, "wrong_type": 1},
+                               "dropped": {"empty": 1}}}
+    quarantined = [json.loads(line) for f in sorted((tmp_path / "out" / "quarantine" / "bad").glob("*.jsonl"))
+                   for line in f.read_text().splitlines()]
+    assert quarantined == [
+        {"file": str(bad / "latin1.txt"), "line": 2, "reason": "invalid_utf8",
+         "detail": "not UTF-8 at byte offset 8: b'\\xe9'", "record": "fine\ncaf\\xe9"},
+        {"file": str(bad / "lines.jsonl"), "line": 2, "reason": "wrong_type",
+         "detail": "field 'text' holds int, not text", "record": '{"text": 5}'},
+        {"file": str(bad / "rows.parquet"), "row": 2, "reason": "invalid_utf8",
+         "detail": "not UTF-8 at byte offset 0: b'\\xff ro'", "record": '{"text": "\\\\xff row two"}'}]
+
+    # a limit below what staging found refuses the staged source too, by name
+    sources.write_text("- {name: bad, local_dir: bad, features: [text], files: ['*.txt', '*.jsonl', '*.parquet'], "
+                       "max_bad_records: 0.05}")
+    assert prepare_data.main(["--config", str(config), "--stage", "staging"]) == 1
+    assert [line for line in capsys.readouterr().err.splitlines() if "error:" in line][-1] == (
+        f"prepare_data: error: source 'bad': 3 bad records of 38 read, more than max_bad_records: 0.05 allows; "
+        f"the first: {bad / 'latin1.txt'}, line 2: invalid_utf8: not UTF-8 at byte offset 8: b'\\xe9'")
 
 
 def test_unknown_source_field_fails_the_job(ray_instance, tmp_path, capsys):
@@ -558,7 +634,8 @@ def test_staging_and_pack_resume_keeping_committed_files_and_clean_stale_tmp_dir
 
 
 def test_second_driver_on_the_same_output_dir_is_refused_before_ray_starts(tmp_path, capsys):
-    """<output_dir>/LOCK is the training run's lock (huginn_ray/train/runlock.py); a live holder is named."""
+    """<output_dir>/LOCK is the training run's lock (huginn_ray/train/runlock.py), taken by both data jobs; a live
+    holder is named."""
     import socket
 
     from huginn_ray.train.runlock import _process_start
@@ -570,12 +647,13 @@ def test_second_driver_on_the_same_output_dir_is_refused_before_ray_starts(tmp_p
         (tmp_path / "out" / "LOCK").write_text(json.dumps({
             "host": socket.gethostname(), "pid": holder.pid, "start": _process_start(holder.pid),
             "since": "2026-01-01T00:00:00Z"}))
-        assert prepare_data.main(["--config", str(config)]) == 1
+        for job in (prepare_data, train_tokenizer_job):  # the tokenizer's job writes download/ and staging/ too
+            assert job.main(["--config", str(config)]) == 1
+            err = capsys.readouterr().err
+            assert f"another job is writing run directory {tmp_path / 'out'}" in err and f"PID {holder.pid}" in err
     finally:
         holder.kill()
         holder.wait()
-    err = capsys.readouterr().err
-    assert f"another job is writing run directory {tmp_path / 'out'}" in err and f"PID {holder.pid}" in err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["LOCK"]
 
 

@@ -140,6 +140,9 @@ def test_local_released_data_is_resharded_for_any_n(ray_instance, tokenizer, tmp
 @pytest.mark.parametrize("bad, expected", [
     (_file_bytes(0, 5, row_len=SEQ_LEN), "row 0 has 32 ids, expected 33"),
     (_file_bytes(0, 5, bad_id=VOCAB + 3), "token id 4099 does not fit the vocabulary of 4096 ids"),
+    (_file_bytes(0, 5, bad_id=-1), "token id -1 does not fit the vocabulary of 4096 ids"),
+    (_file_bytes(0, 5, value_type=pa.float64()), "column input_ids must hold lists of integer token ids, got "
+                                                 "list<element: double>"),
 ])
 def test_wrong_row_length_or_id_range_is_refused_naming_the_file(ray_instance, tokenizer, tmp_path, capsys, bad,
                                                                  expected):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from huginn_ray.config import ConfigError, parse_yaml
+from huginn_ray.data.chat import document_text
 from huginn_ray.data.formatting import chat_template, format_rows
 from huginn_ray.data.packing import copy_fractions, pack, pack_row_starts, unit_hash
 from huginn_ray.data.shards import FeistelPermutation, plan_split
@@ -56,6 +59,29 @@ def test_bad_source_fields_are_refused_naming_source_and_field(entry, field):
         assert "'wiki'" in message
 
 
+def test_max_bad_records_is_a_count_or_a_fraction_and_refuses_by_name():
+    from huginn_ray.data.formatting import DataError
+    from huginn_ray.data.staging import allowed_bad_records, check_bad_records
+
+    for value, error in [(-1, "got -1"), (1.5, "got 1.5"), (1, None), (0.25, None), (12, None)]:
+        entry = f"- {{name: a, local_dir: /x, features: [t], max_bad_records: {value}}}"
+        if error is None:
+            parse_sources(parse_yaml(entry), "s.yaml")
+            continue
+        with pytest.raises(ConfigError, match=f"source 'a': field 'max_bad_records': must be a count .*{error}"):
+            parse_sources(parse_yaml(entry), "s.yaml")
+    records = {"read": 40, "quarantined": {"wrong_type": 2, "invalid_utf8": 1}, "first_bad": "f.jsonl, line 3: x"}
+    for limit, allowed in [(0, 0), (2, 2), (3, 3), (0.05, 2), (0.1, 4)]:
+        source = Source(name="a", local_dir="/x", features=["t"], max_bad_records=limit)
+        assert allowed_bad_records(source, 40) == allowed
+        if allowed >= 3:
+            check_bad_records(source, records)
+        else:
+            with pytest.raises(DataError, match=rf"^source 'a': 3 bad records of 40 read, more than max_bad_records: "
+                                                rf"{limit:g} allows; the first: f.jsonl, line 3: x$"):
+                check_bad_records(source, records)
+
+
 def test_duplicate_source_names_are_refused():
     with pytest.raises(ConfigError, match="'a'.*more than once"):
         parse_sources(parse_yaml("- {name: a, local_dir: /x, features: [t]}\n"
@@ -69,10 +95,14 @@ def test_formatting_rules():
     assert format_rows({"content": ["doc", "", None]}, single) == ["doc"]
     chat = Source(name="c", local_dir="/x", features=["messages"], needs_chat_templating=True)
     messages = [{"role": "user", "content": " hi \n"}, {"from": "gpt", "value": "hello"}]
-    expected = ("<|begin_header|>user<|end_header|>\n\nhi<|end_turn|>"
-                "<|begin_header|>Huginn<|end_header|>\n\nhello<|end_turn|>")
+    expected = '[["user", "hi"], ["Huginn", "hello"]]'  # staged as parts: the pack stage renders them
     assert chat_template(messages) == expected
     assert format_rows({"messages": [messages]}, chat) == [expected]
+    assert document_text(json.loads(expected)) == ("<|begin_header|>user<|end_header|>\n\nhi<|end_turn|>"
+                                                   "<|begin_header|>Huginn<|end_header|>\n\nhello<|end_turn|>")
+    mixed = Source(name="c", local_dir="/x", features=["title", "messages"], needs_chat_templating=True)
+    assert format_rows({"title": ["T", None, ""], "messages": [messages, [], []]}, mixed) == [
+        '["T", "\\n", ["user", "hi"], ["Huginn", "hello"]]', '["", "\\n"]']
 
 
 def _docs(lengths):
@@ -201,10 +231,9 @@ def test_zstd_jsonl_and_chat_text_columns(tmp_path):
         for i in range(3):
             out.write((json.dumps({"text": f"algebra {i}"}) + "\n").encode())
     source = Source(name="pp", features=["text"], address="a/b")
-    assert [t for batch in iter_documents(path, source) for t in batch] == ["algebra 0", "algebra 1", "algebra 2"]
+    assert [t for batch in iter_documents(path, source) for t in batch.texts] == ["algebra 0", "algebra 1", "algebra 2"]
     chat = Source(name="qa", features=["question", "answer"], address="a/b", needs_chat_templating=True)
-    assert format_rows({"question": ["2+2?"], "answer": [" 4 "]}, chat) == [
-        "<|begin_header|>user<|end_header|>\n\n2+2?<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n4<|end_turn|>"]
+    assert format_rows({"question": ["2+2?"], "answer": [" 4 "]}, chat) == ['[["user", "2+2?"], ["Huginn", "4"]]']
 
 
 def test_jsonl_through_arrow_reader_keeps_rows_batches_and_names_bad_lines(tmp_path, monkeypatch):
@@ -224,31 +253,41 @@ def test_jsonl_through_arrow_reader_keeps_rows_batches_and_names_bad_lines(tmp_p
             messages = [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f" a{i} ", "w": 1}]
         else:
             messages = [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "x" * (9000 if i == 50 else 1)}]
-        lines.append(json.dumps({"messages": None if i in (0, 7) else messages, "id": i if i % 3 else {"k": i}}))
+        lines.append(json.dumps({"messages": None if i in (60, 67) else messages, "id": i if i % 3 else {"k": i}}))
     lines[10] += "\n  \n"
     path = tmp_path / "chat.jsonl"
     path.write_text("\n".join(lines) + "\n")
     chat = Source(name="chat", features=["messages"], local_dir=str(tmp_path), needs_chat_templating=True)
     batches = list(iter_documents(path, chat))
-    assert [len(b) for b in batches] == [38, 40, 20]  # rows 0 and 7 are null: no document
+    # rows 60 and 67 are null: no document; from their batch on, the file is read line by line
+    assert [(len(b.texts), b.read, b.empty, b.bad) for b in batches] == [(40, 40, 0, []), (38, 40, 2, []),
+                                                                          (20, 20, 0, [])]
     rows = [json.loads(line.split("\n")[0]) for line in lines]
     expected = [chat_template(row["messages"]) for row in rows if row["messages"]]
-    assert [t for b in batches for t in b] == expected
-    assert expected[0] == ("<|begin_header|>user<|end_header|>\n\nq1<|end_turn|>"
-                           "<|begin_header|>Huginn<|end_header|>\n\na1<|end_turn|>")
+    assert [t for b in batches for t in b.texts] == expected
+    assert expected[:2] == ['[["human", "q0"], ["Huginn", "x"]]', '[["user", "q1"], ["Huginn", "a1"]]']
 
     path.write_text("\n  \n")  # Arrow's reader refuses a stream without a value: no rows
     assert list(iter_documents(path, chat)) == []
     text = Source(name="prose", features=["title", "body"], local_dir=str(tmp_path))
-    for content, error in [
-        ('{"title": "t", "body": "b"}\n\n{"title": "t", "body": oops}\n', "line 3: invalid JSON"),
-        ('{"title": "t", "body": "b"}\n{"title": "t"}\n', "line 2: no field 'body'"),
-        ('{"title": "t", "body": "b"}\n{"title": "t", "body": 7}\n', "line 2: field 'body' holds int, not text"),
-        ('{"title": "t", "body": "b", "body": "c"}\n', "line 1: field 'body' appears twice"),
+    good = b'{"title": "t", "body": "b"}\n'
+    for content, line, reason, detail in [
+        (good + b'\n{"title": "t", "body": oops}\n', 3, "invalid_json", "invalid JSON: Expecting value: line 1 "
+                                                                        "column 24 (char 23)"),
+        (good + b'{"title": "t"}\n', 2, "missing_field", "no field 'body'"),
+        (good + b'{"title": "t", "body": 7}\n', 2, "wrong_type", "field 'body' holds int, not text"),
+        (b'{"title": "t", "body": "b", "body": "c"}\n' + good, 1, "duplicate_field", "field 'body' appears twice"),
+        (good + b'{"title": "t", "body": "caf\xe9"}\n', 2, "invalid_utf8", "not UTF-8 at byte offset 27: " + repr(b'\xe9"}\n')),
+        (good + b'{"title": "t", "body": "\xed\xa0\x80"}\n', 2, "lone_surrogate",
+         "not UTF-8 at byte offset 24: " + repr(b'\xed\xa0\x80"')),
+        (good + b'{"title": "t", "body": "x\\ud800"}\n', 2, "lone_surrogate",
+         "a lone surrogate '\\ud800' at character 3"),
     ]:
-        path.write_text(content)
-        with pytest.raises(DataError, match=f"source 'prose': {path}, {error}"):
-            list(iter_documents(path, text))
+        path.write_bytes(content)
+        batches = list(iter_documents(path, text))
+        assert [(r.where, r.reason, r.detail) for b in batches for r in b.bad] == [(f"{path}, line {line}", reason,
+                                                                                   detail)], content
+        assert [t for b in batches for t in b.texts] == ["t\nb"] and sum(b.read for b in batches) == 2
 
 
 def test_chat_source_rows_become_json_conversations_and_bad_ones_are_named(tmp_path):
@@ -269,21 +308,33 @@ def test_chat_source_rows_become_json_conversations_and_bad_ones_are_named(tmp_p
     assert [json.loads(t) for t in format_rows({"messages": [own_system]}, convs)] == [
         [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}, {"role": "Huginn", "content": "h"}]]
     path = tmp_path / "c.jsonl"
-    path.write_text(json.dumps({"messages": own_system}) + "\n" +
-                    json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n")
-    with pytest.raises(DataError, match=r"source 'convs': .*c.jsonl, lines up to 2: row 1: feature 'messages': "
-                                        r"message 0: unknown role 'bot'"):
-        list(iter_documents(path, convs))
-    path.write_text(json.dumps({"conversation": own_system}) + "\n")
-    with pytest.raises(DataError, match=r"source 'convs': .*c.jsonl, line 1: no field 'messages'"):
-        list(iter_documents(path, convs))
+    path.write_text("\n".join(json.dumps(row) for row in [
+        {"messages": own_system}, {"messages": [{"role": "bot", "content": "x"}]}, {"conversation": own_system},
+        {"messages": [{"role": "user", "content": "u"}, {"role": "user", "content": "again"}]},
+        {"messages": [{"role": "user", "content": "u"}]},
+        {"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]},
+        {"messages": [own_system[1], own_system[0], own_system[2]]}, {"messages": own_system}]) + "\n")
+    (batch,) = iter_documents(path, convs)
+    assert (len(batch.texts), batch.read, batch.empty) == (2, 8, 0)
+    assert [(r.unit, r.number, r.reason, r.detail) for r in batch.bad] == [
+        ("line", 2, "bad_message", "feature 'messages': message 0: unknown role 'bot'; known: system, user, "
+                                   "assistant, Huginn"),
+        ("line", 3, "missing_field", "no field 'messages'"),
+        *[("line", n, "bad_role_order", f"roles {roles} are not system (optional), then user and assistant taking "
+                                        "turns from user, with at least one assistant message")
+          for n, roles in [(4, ["system", "user", "user"]), (5, ["system", "user"]),
+                           (6, ["system", "Huginn", "user"]), (7, ["system", "user", "system", "Huginn"])]]]
+    assert json.loads(batch.bad[0].record) == {"messages": [{"role": "bot", "content": "x"}]}
     pq.write_table(pa.table({"conversation": [own_system]}), tmp_path / "c.parquet")
     with pytest.raises(DataError, match=r"source 'convs': .*c.parquet has no column 'messages' \(columns: "
                                         r"conversation\)"):
         list(iter_documents(tmp_path / "c.parquet", convs))
-    pq.write_table(pa.table({"q": ["why?"], "a": [None]}), tmp_path / "qa.parquet")
-    with pytest.raises(DataError, match=r"source 'qa': .*qa.parquet: TypeError: row 0: feature 'a' holds NoneType"):
-        list(iter_documents(tmp_path / "qa.parquet", qa))
+    pq.write_table(pa.table({"q": ["why?", "2+2?"], "a": [None, "4"]}), tmp_path / "qa.parquet")
+    (batch,) = iter_documents(tmp_path / "qa.parquet", qa)
+    assert [(r.where, r.reason, r.detail, r.record) for r in batch.bad] == [
+        (f"{tmp_path / 'qa.parquet'}, row 1", "wrong_type", "feature 'a' holds NoneType, not text",
+         '{"q": "why?", "a": null}')]
+    assert [json.loads(t)[-1] for t in batch.texts] == [{"role": "assistant", "content": "4"}]
 
 
 def test_a_source_list_mixing_chat_with_other_sources_is_refused_by_name():
@@ -379,3 +430,98 @@ def test_plan_sample_encodes_the_first_sample_bytes_of_a_large_file_and_reads_th
     assert ratios.text_per_input_byte == 104 * 1000 / size  # every document of the file read
     assert ratios.tokens_per_text_byte == 19 / 104
     assert ratios.docs_per_text_byte == 1 / 104
+
+
+def test_a_stage_commit_killed_at_any_step_is_finished_or_resumed_by_the_rerun(tmp_path):
+    """layout.commit_work_dir killed (os._exit in a forked child) at each file-system step in turn: the rerun
+    (stale directories removed, finish_commit) finds either the new output complete in place, or the old one
+    untouched and the work directory resumable with its committed files; never neither."""
+    import os
+
+    from huginn_ray.data import layout
+
+    outcomes = []
+    for kill_at in range(1, 40):
+        final, work = tmp_path / str(kill_at) / "packed", tmp_path / str(kill_at) / "packed.partial"
+        final.mkdir(parents=True)
+        (final / "a.parquet").write_text("old")
+        layout.write_json(final / layout.COMPLETE, {"fingerprint": "old"})
+        work.mkdir()
+        layout.write_json(work / layout.PLAN, {"fingerprint": "new"})
+        for name in ("a.parquet", "b.parquet", "c.parquet.0123456789ab.tmp"):
+            (work / name).write_text("new")
+        pid = os.fork()
+        if pid == 0:  # the run that dies at its kill_at-th rename, replace, unlink or rmdir
+            calls = [0]
+
+            def dying(fn):
+                def call(*args, **kwargs):
+                    calls[0] += 1
+                    if calls[0] == kill_at:
+                        os._exit(9)
+                    return fn(*args, **kwargs)
+                return call
+
+            for name in ("rename", "replace", "unlink", "rmdir"):
+                setattr(os, name, dying(getattr(os, name)))
+            layout.commit_work_dir(work, final, {"fingerprint": "new"})
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        layout.clean_stale(final)  # the rerun: the dead run's <final>.old-<pid> goes, its commit is finished
+        layout.finish_commit(final)
+        if layout.is_complete(final, "new"):
+            assert sorted(p.name for p in final.iterdir()) == ["_COMPLETE.json", "a.parquet", "b.parquet"]
+            assert (final / "a.parquet").read_text() == "new" and not work.exists()
+            outcomes.append("new")
+        else:
+            assert layout.is_complete(final, "old") and (final / "a.parquet").read_text() == "old"
+            assert layout.is_complete(work, "new", layout.PLAN)
+            assert sorted(p.name for p in work.glob("*.parquet")) == ["a.parquet", "b.parquet"]
+            outcomes.append("resume")
+        assert sorted(p.name for p in final.parent.iterdir()) == sorted(["packed"] + ["packed.partial"] * (
+            outcomes[-1] == "resume"))
+        if os.waitstatus_to_exitcode(status) == 0:
+            break
+    # steps: unlink the temp file; the marker's temp write renamed into place; unlink PLAN; final -> old;
+    # work -> final; then the old directory's files and the directory itself removed
+    assert outcomes == ["resume", "resume", "new", "new", "new", "new", "new", "new", "new"], outcomes
+
+
+def test_two_jobs_taking_over_the_same_stale_lock_at_once_one_wins(tmp_path):
+    """The run lock that both data jobs take (huginn_ray/train/runlock.py): two processes that both judge the same
+    dead holder's lock stale take it over at staggered moments; exactly one holds it, the other is refused naming
+    the winner (before: the later one removed the lock the first had just created, and both held it)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / "LOCK").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "start": "1",
+                                               "since": "2026-01-01T00:00:00Z"}))
+    script = """
+import sys, time
+from huginn_ray.train import runlock
+alive, wake = runlock._alive, [float(sys.argv[2])]
+def judged_late(holder):  # both read the dead holder now, then act at their own moment
+    time.sleep(max(0.0, wake.pop() - time.time()) if wake else 0.0)
+    return alive(holder)
+runlock._alive = judged_late
+lock = runlock.RunLock(sys.argv[1])
+try:
+    lock.acquire()
+    print("won", flush=True)
+    time.sleep(1.5)
+    lock.release()
+except runlock.RunLockError as err:
+    print("refused", err, flush=True)
+"""
+    start = time.time()
+    jobs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(start + 1.5 + 0.5 * i)],
+                             stdout=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [job.communicate(timeout=60)[0] for job in jobs]
+    assert outs[0] == "won\n", outs
+    assert outs[1].startswith(f"refused another job is writing run directory {tmp_path} (host "
+                              f"{socket.gethostname()}, PID {jobs[0].pid},"), outs
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the winner released it; no takeover file left

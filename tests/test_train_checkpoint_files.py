@@ -101,8 +101,9 @@ def save_run_checkpoint(run_dir: Path, step: int) -> Path:
     with torch.no_grad():
         next(model.parameters()).fill_(step)
     state = ckpt.TrainerState(step=step, world_size=WORLD, rows_per_stream=step)
-    files = [ckpt.saved_files(ckpt.start_save(directory, rank, model, optimizer, state, CPU)) for rank in range(WORLD)]
-    ckpt.write_marker(directory, step, files)
+    for rank in range(WORLD):
+        ckpt.start_save(directory, rank, model, optimizer, state, CPU).future.result()
+    ckpt.write_marker(directory, step, ckpt.marker_files(directory))
     return directory
 
 
@@ -225,7 +226,7 @@ def test_the_marker_lists_every_file_of_every_rank_with_its_size(run_dir):
 
 
 def two_gloo_ranks(rank: int, port: int, run_dir: str) -> None:
-    """Both ranks save steps 8 and 12 with the real collective (the marker gathers rank 1's file list), then
+    """Both ranks save steps 8 and 12 with the real collectives (the marker lists rank 1's file too), then
     rank 1 does not see rank 1's tensor file of step 12 (a stand-in for a shared file system that shows one node
     a file later than another): only rank 1 finds that checkpoint incomplete."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
@@ -241,8 +242,8 @@ def two_gloo_ranks(rank: int, port: int, run_dir: str) -> None:
     dist.barrier()
     if rank == 1:
         sees_everything = ckpt.incomplete
-        ckpt.incomplete = lambda d: ("state/__1_0.distcp is missing (checkpoint_complete.json lists it)"
-                                     if d == checkpoint_of(run_dir, 12) else sees_everything(d))
+        ckpt.incomplete = lambda d, *share: ("state/__1_0.distcp is missing (checkpoint_complete.json lists it)"
+                                             if d == checkpoint_of(run_dir, 12) else sees_everything(d, *share))
     model, optimizer = components()
     messages = []
     resumed = ckpt.resume(checkpoint_of(run_dir, 12), run_dir, rank, model, optimizer, CPU, log=messages.append)

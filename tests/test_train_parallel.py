@@ -120,9 +120,27 @@ def run_variants(rank, world_size, variants):
             "lrs": [g["lr"] for g in c.optimizer.param_groups],
             "seconds": time.perf_counter() - t0,
         }
+        if name == "hsdp":
+            report[name]["replica_check"] = break_a_replica(c, rank)
         if hasattr(c.sync, "remove_hooks"):
             c.sync.remove_hooks()
     return report
+
+
+def break_a_replica(c, rank) -> str:
+    """check_replicas_agree passes after training, then fails on every rank once rank 3 changes its shard of the
+    embedding (shard 1, whose replicas are ranks 1 and 3): this rank's message."""
+    from huginn_ray.train import parallel
+
+    parallel.check_replicas_agree(c.model, c.optimizer, c.mesh, torch.device("cpu"), "step 20")
+    if rank == 3:
+        with torch.no_grad():
+            parallel.local(c.model.transformer.wte.weight).add_(1.0)
+    try:
+        parallel.check_replicas_agree(c.model, c.optimizer, c.mesh, torch.device("cpu"), "step 20")
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
 
 
 def whole_state(c) -> dict:
@@ -325,6 +343,14 @@ def test_each_rank_of_a_shard_group_holds_about_half_the_parameters_and_optimize
 def test_the_replicas_of_a_shard_hold_the_same_values_after_training(results):
     sums = [report["hsdp"]["local_param_sum"] for report in results]
     assert sums[0] == sums[2] and sums[1] == sums[3] and sums[0] != sums[1]
+
+
+def test_a_replica_that_differs_stops_every_rank_and_its_replicas_name_it(results):
+    messages = [report["hsdp"]["replica_check"] for report in results]
+    other = "step 20: the replicas of another shard disagree (their ranks name them)"
+    named = ("step 20: the replicas disagree: rank(s) [3] differ from rank 1 (first differing tensor: "
+             "transformer.wte.weight); replicas of a shard must be identical")
+    assert messages == [other, named, other, named]
 
 
 @pytest.mark.parametrize("variant", ["replicate+quirk", "hsdp+quirk"])

@@ -85,7 +85,7 @@ def checkpoint_in(run_dir: Path, step: int, global_batch_rows: int) -> None:
     directory.mkdir(parents=True)
     state = ckpt.TrainerState(step=step, num_streams=2, global_batch_rows=global_batch_rows, rows_per_stream=step * 2)
     (directory / "trainer_state.json").write_text(json.dumps(state.__dict__))
-    ckpt.write_marker(directory, step, [{"trainer_state.json": (directory / "trainer_state.json").stat().st_size}])
+    ckpt.write_marker(directory, step, {"trainer_state.json": (directory / "trainer_state.json").stat().st_size})
 
 
 def test_a_resumed_run_keeps_its_checkpoint_s_global_batch_on_another_worker_count(dataset, tmp_path):

@@ -20,9 +20,16 @@ tokens and its `<|end_turn|>`, nothing else (not its header, not BOS/EOS); `"all
 the conversation. Padding (`<|pad|>`) is never supervised.
 
 The functions take a `tokenizers.Tokenizer` (the tokenizer.json of huginn_ray.data.tokenizer or of the release).
-Text is encoded without the tokenizer's post-processor (no BOS/EOS around each piece); the special tokens
-split the text before pre-tokenisation, so encoding the pieces between them one by one gives the ids of
-encoding the whole rendered string (tests/test_data_chat.py holds this against `apply_chat_template`).
+Text is text: the template's structure (BOS, headers, end of turn, EOS) is put in as token ids, and every piece
+of text (roles, contents, the newlines after a header) is encoded on its own with the tokenizer's special tokens
+matched as ordinary text (`encode_text`), so a message that contains `<|begin_header|>` cannot forge a turn.
+Since the special tokens split a string before pre-tokenisation, encoding the pieces one by one gives the ids of
+encoding the whole rendered string when no content holds a special token's string (tests/test_data_chat.py
+holds this against `apply_chat_template`).
+
+Pretraining chat sources (`needs_chat_templating`) are rendered the same way, without a loss mask: staging keeps
+such a document as its parts, text and messages (`template_parts`), so that the pack stage knows which text is
+structure (`render_document`).
 """
 
 from __future__ import annotations
@@ -97,6 +104,66 @@ def check_messages(messages) -> list[tuple[str, str]]:
     return checked
 
 
+def encode_text(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, without BOS/EOS, special-token strings encoded as the text they are
+    (`tokenizers`' `encode_special_tokens`, set for this call and restored)."""
+    previous = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = True
+    try:
+        return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    finally:
+        tokenizer.encode_special_tokens = previous
+
+
+PRETRAINING_ASSISTANT_NAMES = {"gpt", "assistant"}
+"""Roles of pretraining chat data rendered as Huginn, as in the reference."""
+
+
+def template_parts(messages: list) -> list[list[str]]:
+    """A pretraining chat feature's messages as document parts, `[role, content]` each (an assistant renamed to
+    Huginn, content stripped). Messages use `role`/`content` or `from`/`value`; any role name is kept."""
+    parts = []
+    for message in messages:
+        if not isinstance(message, dict):
+            raise TypeError(f"a chat message must be a mapping, got {type(message).__name__}")
+        # a null key counts as absent: Arrow's JSON and parquet readers fill the keys a message lacks with null
+        role = message.get("role") if message.get("role") is not None else message.get("from")
+        content = message.get("content") if message.get("content") is not None else message.get("value")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise TypeError("a chat message needs string 'role'/'content' (or 'from'/'value')")
+        parts.append([ASSISTANT if role.lower() in PRETRAINING_ASSISTANT_NAMES else role, content.strip()])
+    return parts
+
+
+def document_text(parts: list) -> str:
+    """A pretraining chat document's parts (text strings and `[role, content]` messages) as the string it reads
+    as: `<|begin_header|>{role}<|end_header|>\\n\\n{content}<|end_turn|>` per message."""
+    return "".join(p if isinstance(p, str) else f"{BEGIN_HEADER}{p[0]}{END_HEADER}\n\n{p[1]}{END_TURN}"
+                   for p in parts)
+
+
+def render_document(parts: list, tokenizer) -> list[int]:
+    """Token ids of a pretraining chat document (parts as staging keeps them: text strings and `[role, content]`
+    messages): BOS, each message's structure as ids and everything else as text, EOS."""
+    special = chat_token_ids(tokenizer)
+    pieces: list = []  # text runs (str) and structure ids (int), in order
+    for part in parts:
+        if isinstance(part, str):
+            part_pieces = [part]
+        else:
+            part_pieces = [special.begin_header, part[0], special.end_header, "\n\n" + part[1], special.end_turn]
+        for piece in part_pieces:
+            if isinstance(piece, str) and pieces and isinstance(pieces[-1], str):
+                pieces[-1] += piece  # adjacent text is one run, as the tokenizer sees it in the whole string
+            else:
+                pieces.append(piece)
+    runs = iter(encode_text(tokenizer, [p for p in pieces if isinstance(p, str)]))
+    ids = [special.bos]
+    for piece in pieces:
+        ids += next(runs) if isinstance(piece, str) else [piece]
+    return ids + [special.eos]
+
+
 def render(messages, tokenizer, loss_on: str = "assistant",
            add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
     """Token ids of a conversation and its loss mask (same length). With add_generation_prompt the ids end
@@ -106,8 +173,8 @@ def render(messages, tokenizer, loss_on: str = "assistant",
     special = chat_token_ids(tokenizer)
     checked = check_messages(messages)
     texts = [role for role, _ in checked] + ["\n\n"] + [content for _, content in checked]
-    encoded = [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
-    roles, newlines, contents = encoded[: len(checked)], encoded[len(checked)], encoded[len(checked) + 1 :]
+    encoded = encode_text(tokenizer, texts + [ASSISTANT])
+    roles, newlines, contents = encoded[: len(checked)], encoded[len(checked)], encoded[len(checked) + 1 : -1]
     everything = loss_on == "all"
     ids, mask = [special.bos], [int(everything)]
     for (role, _), role_ids, content_ids in zip(checked, roles, contents):
@@ -116,7 +183,7 @@ def render(messages, tokenizer, loss_on: str = "assistant",
         ids += header + body
         mask += [int(everything)] * len(header) + [int(everything or role == ASSISTANT)] * len(body)
     if add_generation_prompt:
-        tail = [special.begin_header, *tokenizer.encode(ASSISTANT, add_special_tokens=False).ids,
+        tail = [special.begin_header, *encoded[-1],
                 special.end_header, *newlines]
     else:
         tail = [special.eos]

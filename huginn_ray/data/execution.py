@@ -58,11 +58,20 @@ def declared_memory(estimate: int | None, cap: int) -> int | None:
 
 
 def _one_call(fn: Callable, common: dict, name: str) -> Callable:
-    """The map_batches function: one row = one call of fn; named `name` in progress bars and the dashboard."""
+    """The map_batches function: one row = one call of fn; named `name` in progress bars and the dashboard. An
+    error of this project's own (DataError, TokenRangeError, ...: it names the file and record) comes back as the
+    call's result, so the driver raises that very exception; Ray's wrapper would keep only its text, buried in a
+    traceback and followed by Ray Data's retry hint. Other errors go through Ray Data's retries and reporting."""
 
     def call(batch: dict) -> dict:
         args = pickle.loads(batch["args"][0])
-        return {"call": [int(batch["call"][0])], "result": [pickle.dumps(fn(*args, **common))]}
+        try:
+            result, failed = fn(*args, **common), False
+        except Exception as err:
+            if not type(err).__module__.startswith("huginn_ray."):
+                raise
+            result, failed = err, True
+        return {"call": [int(batch["call"][0])], "result": [pickle.dumps(result)], "failed": [failed]}
 
     call.__name__ = call.__qualname__ = name
     return call
@@ -95,6 +104,8 @@ def run_tasks(fn: Callable, calls: list[tuple], *, name: str, common: dict | Non
     for row in dataset.iter_rows():
         i = int(row["call"])
         results[i] = pickle.loads(row["result"])
+        if row["failed"]:
+            raise results[i]
         if on_result is not None:
             on_result(i, results[i])
     return results

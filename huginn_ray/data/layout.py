@@ -3,7 +3,8 @@
     <output_dir>/download/<source>/...             raw Hub files, + _provenance.json once all are verified
     <output_dir>/download/manifest.json            provenance of every Hub source (repo, commit, files, hashes)
     <output_dir>/staging/<source>/NNNNN.parquet    one file per input file: columns text, source, doc_id
-    <output_dir>/staging/<source>/_COMPLETE.json   rows per file + the fingerprint of the inputs
+    <output_dir>/staging/<source>/_COMPLETE.json   rows per file, record counts + the fingerprint of the inputs
+    <output_dir>/quarantine/<source>/NNNNN.jsonl   the bad records of input file NNNNN (staging.py)
     <output_dir>/tokenizer/                        tokenizer.json + tokenizer_config.json
     <output_dir>/packed/SSSS-DDDDDDDDDDDDDDDD.parquet  packed rows (input_ids, split) per batch, before the shuffle
     <output_dir>/packed/_COMPLETE.json
@@ -167,9 +168,26 @@ def remove_temp_files(work: Path) -> None:
 
 
 def commit_work_dir(work: Path, final: Path, marker: dict) -> None:
-    """A resumable work directory whose files are all committed becomes `final`, with its completeness marker."""
-    (work / PLAN).unlink()
+    """A resumable work directory whose files are all committed becomes `final`, with its completeness marker.
+
+    Recoverable from either side of every step: until the marker is committed into the work directory, `final`
+    (if any) is untouched and the work directory keeps its PLAN, so a rerun resumes it; from then on the work
+    directory is complete and `finish_commit` (called by a rerun before it looks at `final`) completes the swap,
+    also when a crash left `final` renamed away (`<final>.old-<pid>`, removed as stale)."""
     remove_temp_files(work)
     write_json(work / COMPLETE, marker)
+    finish_commit(final, quiet=True)
+
+
+def finish_commit(final: Path, quiet: bool = False) -> None:
+    """Move `<final>.partial` into place when it holds a completeness marker: a commit_work_dir that a crash
+    interrupted after the marker was written (a no-op otherwise)."""
+    work = final.with_name(final.name + ".partial")
+    if read_marker(work) is None:
+        return
+    if not quiet:
+        print(f"[recover] {work} is complete (a run stopped while moving it into place): moving it to {final}",
+              flush=True)
+    (work / PLAN).unlink(missing_ok=True)
     replace_dir(work, final)
 

@@ -194,6 +194,18 @@ def run_stage_pack(cfg: DataConfig, sources: list[Source]) -> dict:
                     fingerprint=fingerprint, extra_marker=facts, chat_pack=cfg.chat.pack)
 
 
+def check_token_column(source: Source, path: Path, schema) -> None:
+    """Refuse a packed file whose `input_ids` is not a list of integers (floats would be truncated, strings
+    cannot be ids), naming source, file and type, before any path (dedup, per file, shuffle) reads it."""
+    import pyarrow as pa
+
+    ids = schema.field("input_ids").type if "input_ids" in schema.names else None
+    if ids is None or not (pa.types.is_list(ids) or pa.types.is_large_list(ids)) or not (
+            pa.types.is_integer(ids.value_type)):
+        raise DataError(f"source {source.name!r}: {path}: column input_ids must hold lists of integer token ids, "
+                        f"got {'no such column' if ids is None else ids}")
+
+
 def packed_source_files(cfg: DataConfig, source: Source) -> dict[str, list[dict]]:
     """The files of a packed source per split, with row counts and provenance; errors name source and pattern."""
     import fnmatch
@@ -224,7 +236,9 @@ def packed_source_files(cfg: DataConfig, source: Source) -> dict[str, list[dict]
         entries = []
         for rel in chosen:
             path = paths[rel]
-            rows = pq.ParquetFile(path).metadata.num_rows
+            pf = pq.ParquetFile(path)
+            check_token_column(source, path, pf.schema_arrow)
+            rows = pf.metadata.num_rows
             entries.append({"path": str(path), "rel": rel, "size": path.stat().st_size, "hash": hashes.get(rel),
                             "train_rows": rows if split == "train" else 0, "val_rows": rows if split == "val" else 0})
         out[split] = entries
@@ -358,6 +372,7 @@ def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:
     extra = {key: pack_marker[key] for key in ("tokenizer_sha256", "vocab_size", "bos_id", "eos_id", "pad_id")}
     extra.update(input_fingerprint=pack_marker["fingerprint"], sources=pack_marker["sources"],
                  empty_sources=empty, staged_documents={n: m["rows"] for n, m in markers.items()},
+                 records={n: {k: v for k, v in m["records"].items() if k != "first_bad"} for n, m in markers.items()},
                  provenance=run_provenance(cfg, sources))
     files = [{"path": str(cfg.root / "packed" / f["file"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]}
              for f in pack_marker["files"]]
@@ -387,6 +402,16 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
         result = steps[stage](cfg, sources)
         print(f"<== {stage} done in {time.time() - start:.1f}s", flush=True)
     return result
+
+
+def print_last_error(job: str, error: str) -> None:
+    """A job's error as its last console line: Ray Data prints its retry hint when the failed stage's iterator is
+    collected (the exception's frames hold it), so collect first, then print."""
+    import gc
+    import sys
+
+    gc.collect()
+    print(f"{job}: error: {error}", file=sys.stderr, flush=True)
 
 
 def root_error(err: BaseException) -> BaseException:

@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.chat import pack_groups, render
+from huginn_ray.data.chat import pack_groups, render, render_document
 from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError, iter_documents
 from huginn_ray.data.hub_download import PROVENANCE
@@ -135,8 +135,8 @@ def _sample(source: Source, files: list[tuple[str, int]], tokenizer, row_len: in
         if input_bytes and input_bytes + size > SAMPLE_BYTES:
             break
         docs = []
-        for batch in iter_documents(path, source):
-            for doc in batch:
+        for batch in iter_documents(path, source):  # bad records are left out (staging applies the limit)
+            for doc in batch.texts:
                 n = len(doc.encode("utf-8", "surrogatepass"))
                 read_text_bytes += n  # every document read counts for the text per input byte
                 if text_bytes < SAMPLE_BYTES:
@@ -155,6 +155,11 @@ def _sample(source: Source, files: list[tuple[str, int]], tokenizer, row_len: in
         lengths = [len(ids) for ids in encoded]
         rows = sum(len(pack_groups(lengths[i:i + docs_per_batch], row_len))
                    for i in range(0, len(lengths), docs_per_batch)) if chat_pack else len(lengths)
+    elif source.needs_chat_templating:  # staged as parts: the template's structure as ids, the text as text
+        encoded = [render_document(json.loads(t), tokenizer) for t in texts]
+        lengths = [len(ids) for ids in encoded]
+        rows = sum(len(pack_row_starts(lengths[i:i + docs_per_batch], [source.every_token_is_sacred] * len(
+            lengths[i:i + docs_per_batch]), row_len)) for i in range(0, len(lengths), docs_per_batch))
     else:
         encoded = [e.ids for e in tokenizer.encode_batch_fast(texts[:256])]
         lengths = [len(e.ids) for e in tokenizer.encode_batch_fast(texts)]
@@ -192,14 +197,12 @@ def _mean(ratios: list[Ratios]) -> Ratios:
 
 
 def _tokenizer(cfg: DataConfig):
-    from tokenizers import Tokenizer
-
-    from huginn_ray.data.tokenizer import TOKENIZER_FILE, special_token_ids
+    from huginn_ray.data.tokenizer import TOKENIZER_FILE, load_text_tokenizer, special_token_ids
 
     path = cfg.tokenizer_dir / TOKENIZER_FILE
     if not path.is_file():
         return None, cfg.tokenizer.vocab_size
-    return Tokenizer.from_file(str(path)), special_token_ids(cfg.tokenizer_dir)["vocab_size"]
+    return load_text_tokenizer(path), special_token_ids(cfg.tokenizer_dir)["vocab_size"]
 
 
 def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
@@ -264,7 +267,7 @@ def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
         chars_per_doc = r.chars_per_text_byte / r.docs_per_text_byte
         worst_pack_chars = max(worst_pack_chars, chars_per_doc * min(docs, cfg.docs_per_pack_batch))
         per_source.append({"name": e["name"], "files": e["files"], "input_bytes": e["input_bytes"],
-                           "text_bytes": int(text), "estimated_tokens": int(tokens), "sampled": e["sampled"],
+                           "text_bytes": int(text), "estimated_tokens": round(tokens), "sampled": e["sampled"],
                            "commit": e["commit"]})
 
     rows = packed_tokens / row_len
@@ -315,7 +318,7 @@ def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
     plan = {
         "sources": per_source,
         "input_bytes": int(sum(e["input_bytes"] for e in entries)),
-        "estimated_tokens": int(packed_tokens),
+        "estimated_tokens": round(packed_tokens),  # a product of sampled ratios: round, not truncate
         "estimated_rows": int(rows),
         "token_dtype": dtype,
         "peak_disk_bytes": peak,

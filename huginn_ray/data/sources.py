@@ -81,6 +81,12 @@ class Source:
     """Up-weighting: floor(weight) full copies plus a seeded random frac(weight) share of documents."""
     every_token_is_sacred: bool = False
     """Packing keeps every token of these documents instead of incinerating the overflow."""
+    max_bad_records: float = 0
+    """Bad records (undecodable text, wrong types, invalid JSON, bad chat messages or role order:
+    huginn_ray/data/formatting.py BAD_RECORD_REASONS) the source may have: a count (0, 10, ...) or a fraction of
+    the records read (0 < x < 1). They go to `<output_dir>/quarantine/<source>/` with their file, line or row and
+    reason, and are counted in the manifest; one more fails the run naming the file, the line or row and the
+    reason. 0 (the default): the first bad record fails the run."""
     requires_software_heritage_aws_download: bool = False
     """The source's file contents live in Software Heritage's S3 bucket, not on the Hub (the-stack-v2). This
     project has no such download: a source with this flag and weight > 0 is refused naming it."""
@@ -182,6 +188,12 @@ def _check(source: Source, origin: str, label: str) -> None:
                 fail(key, "only a chat source (kind: chat) has it")
     if source.weight < 0:
         fail("weight", f"must be >= 0, got {source.weight}")
+    if not (source.max_bad_records == 0 or 0 < source.max_bad_records < 1 or (
+            source.max_bad_records >= 1 and float(source.max_bad_records).is_integer())):
+        fail("max_bad_records", f"must be a count (0, 1, 2, ...) or a fraction of the records (0 < x < 1), "
+                                f"got {source.max_bad_records:g}")
+    if source.is_packed and source.max_bad_records:
+        fail("max_bad_records", "does not apply to a packed source (a bad row fails the run, named)")
     if not source.local_dir and not source.address:
         fail("address", "a Hub repo (owner/name) is required unless local_dir is given")
     if source.address and not source.local_dir and source.address.count("/") != 1:

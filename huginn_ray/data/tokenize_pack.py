@@ -4,7 +4,10 @@ Work is cut by document identity, not by how a reader happens to split files int
 Data operator `tokenize_pack` (huginn_ray/data/execution.py) per (staged file, run of `docs_per_pack_batch`
 consecutive documents of that file). A task reads exactly that row
 range of the staged parquet file, encodes it with the Rust `tokenizers` batch encoder (the post-processor adds
-BOS/EOS per document), splits held-out validation documents from training documents (a seeded hash of the text,
+BOS/EOS per document; a special token's string inside a document is encoded as text, so EOS marks only the end
+of a document: `load_text_tokenizer`; a pretraining chat document is rendered from its staged parts, the
+template's structure as ids: huginn_ray/data/chat.py `render_document`), splits held-out validation documents
+from training documents (a seeded hash of the text,
 so a document and all its up-weighted copies are on one side), up-weights, packs (huginn_ray/data/packing.py),
 and writes `packed/SSSS-DDDDDDDDDDDDDDDD.parquet` (source index, hex doc_id of the batch's first document) with
 columns `input_ids` (list<uint16> for vocabularies <= 65,536 ids, else list<int32>) and `split` (0 train,
@@ -35,15 +38,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.chat import pack_rows, pad_rows, render
+from huginn_ray.data.chat import pack_rows, pad_rows, render, render_document
 from huginn_ray.data.execution import run_tasks
 from huginn_ray.data.packing import copy_fractions, copy_order, pack, unit_hash
 from huginn_ray.data.shards import TRAIN, VAL
 from huginn_ray.data.sources import Source
+from huginn_ray.data.tokenizer import load_text_tokenizer
 from huginn_ray.data.tokens import (MASK, TokenRangeError, arrow_type, check_ids, parquet_options, rows_to_arrow,
                                     token_dtype)
 
-PACK_VERSION = 2
+PACK_VERSION = 3  # 3: special-token strings in documents are encoded as text
 ENCODE_CHUNK = 256
 STATS_KEY = b"huginn_ray.pack"
 _STAT_KEYS = ("docs", "copied_docs", "doc_tokens", "train_rows", "val_rows")
@@ -58,11 +62,9 @@ def packed_schema(dtype: str, chat: bool = False) -> pa.Schema:
 
 @functools.lru_cache(maxsize=2)
 def _tokenizer(path: str):
-    from tokenizers import Tokenizer
-
     # One Ray task = one CPU: keep the Rust encoder on this task's core.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    return Tokenizer.from_file(path)
+    return load_text_tokenizer(path)  # a special token's string inside a document is text
 
 
 def read_row_range(path: str | Path, start: int, count: int, columns: list[str]) -> pa.Table:
@@ -94,6 +96,8 @@ def tokenize_and_pack(task: dict, *, tokenizer_file: str, row_len: int, seed: in
     tokenizer = _tokenizer(tokenizer_file)
     if task["chat"] is not None:
         docs = [np.asarray(render(json.loads(t), tokenizer, task["chat"]["loss_on"]), np.int32) for t in texts]
+    elif task["templated"]:  # a pretraining chat document, staged as its parts
+        docs = [np.asarray(render_document(json.loads(t), tokenizer), np.int32) for t in texts]
     else:
         docs = []
         for i in range(0, len(texts), ENCODE_CHUNK):  # Encoding objects cost ~100 bytes per token: keep few alive
@@ -172,7 +176,8 @@ def pack_tasks(sources: list[Source], staging_root: Path, markers: dict[str, dic
                 tasks.append({"name": f"{index:04d}-{first_doc:016x}.parquet", "source_index": index,
                               "source": source.name, "path": str(staging_root / source.name / f["output"]),
                               "start": start, "count": min(docs_per_batch, f["rows"] - start),
-                              "weight": source.weight, "sacred": source.every_token_is_sacred, "chat": chat})
+                              "weight": source.weight, "sacred": source.every_token_is_sacred, "chat": chat,
+                              "templated": source.needs_chat_templating})
     return tasks
 
 
@@ -180,6 +185,7 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
              out_root: Path, *, seq_len: int, seed: int, val_fraction: float, docs_per_batch: int, vocab_size: int,
              fingerprint: str, extra_marker: dict, chat_pack: bool = False) -> dict:
     """Tokenise and pack every source into `out_root` (skipped when complete); returns the pack marker."""
+    layout.finish_commit(out_root)
     if layout.is_complete(out_root, fingerprint):
         marker = layout.read_marker(out_root)
         print(f"[pack] complete ({marker['train_rows']} train + {marker['val_rows']} val rows), skipped", flush=True)

@@ -138,6 +138,18 @@ def write_tokenizer(ranks: dict[bytes, int], extra: list[str], out_dir: str | Pa
     return out_dir
 
 
+def load_text_tokenizer(path: str | Path):
+    """A `tokenizers.Tokenizer` from a tokenizer.json that encodes every string as text: a special token's string
+    inside a document (`<|end_text|>` on a web page) gives ordinary ids, never the control id. Control ids come
+    only from the post-processor (BOS/EOS around a document) and from structure the caller puts in by id (the chat
+    template, huginn_ray/data/chat.py)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer.encode_special_tokens = True  # tokenizers >= 0.15; not stored in tokenizer.json
+    return tokenizer
+
+
 def special_token_ids(tokenizer_dir: str | Path) -> dict[str, int]:
     """bos/eos/pad ids (and the vocabulary size) of a saved tokenizer."""
     from tokenizers import Tokenizer

@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 
-_MESSAGE = re.compile(r"<\|begin_header\|>.*?<\|end_header\|>\n\n(.*?)<\|end_turn\|>", re.DOTALL)
-
-
-def message_contents(templated: str) -> str:
-    """Chat-templated text -> its message contents joined by newlines (text outside messages is kept)."""
-    contents = _MESSAGE.findall(templated)
-    return "\n".join(contents) if contents else templated
+def message_contents(staged: str) -> str:
+    """A pretraining chat source's staged document (its parts in JSON: text strings and `[role, content]`
+    messages) -> its message contents joined by newlines; a document without messages gives its text."""
+    parts = json.loads(staged)
+    contents = [part[1] for part in parts if not isinstance(part, str)]
+    return "\n".join(contents) if contents else "".join(parts)
 
 
 def conversation_contents(staged: str) -> str:

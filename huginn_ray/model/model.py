@@ -208,15 +208,9 @@ class RecurrentGPT(nn.Module):
 
     @torch.no_grad()
     def materialize(self, device: torch.device | str) -> "RecurrentGPT":
-        """Allocate a model built on the meta device on `device` and initialise it there, drawing exactly the
-        random numbers a model constructed on `device` draws (the default inits of nn.Linear / nn.Embedding in
-        construction order, then `reset_parameters`): bitwise the same model, without a CPU copy first."""
-        self.allocate(device)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.reset_parameters()
-        self.reset_parameters()
-        return self
+        """Allocate a model built on the meta device on `device` and initialise it there (`initialise`): bitwise
+        the model constructed on `device`, without a CPU copy first."""
+        return self.allocate(device).initialise()
 
     def allocate(self, device: torch.device | str) -> "RecurrentGPT":
         """Give a model built on the meta device (possibly FSDP2-sharded: each rank its shards) uninitialised
@@ -228,31 +222,70 @@ class RecurrentGPT(nn.Module):
         self.freqs_cis = rope_table(self.config.head_dim, self.config.block_size, self.config.rope_base).to(device)
         return self
 
+    @torch.no_grad()
+    def initialise(self) -> "RecurrentGPT":
+        """Draw the initial weights into allocated storage (whole, or this rank's FSDP2 shards) from torch's
+        global RNG: exactly the random numbers, in the order, that a model constructed on the device draws (the
+        default inits of nn.Linear / nn.Embedding in construction order, which `reset_parameters` then
+        overwrites, then `reset_parameters`), so the values are bitwise those of the whole-model init on every
+        layout. A sharded parameter is drawn whole into one scratch buffer (the size of the largest sharded
+        parameter, reused) and this rank keeps its rows: a rank holds its shards plus one parameter, never the
+        whole model. The default inits are still drawn (into that scratch, or the parameter) because their random
+        numbers decide where `reset_parameters`' draws start."""
+        from torch.distributed.tensor import DTensor
+
+        from huginn_ray.model.replica_read import local_rows
+
+        sharded = [p for p in self.parameters() if isinstance(p, DTensor)]
+        scratch = {p.dtype: torch.empty(max(q.numel() for q in sharded if q.dtype == p.dtype), dtype=p.dtype,
+                                        device=p.to_local().device) for p in sharded}
+
+        def draw(param: Tensor, init) -> None:
+            target, rows = local_rows(param)
+            if rows is None:
+                init(target)
+                return
+            whole = scratch[param.dtype][: param.numel()].view(param.shape)
+            init(whole)
+            target.copy_(whole[rows])
+
+        for module in self.modules():  # nn.Embedding's and nn.Linear's own reset_parameters (no padding index, no bias)
+            if isinstance(module, nn.Embedding):
+                draw(module.weight, nn.init.normal_)
+            elif isinstance(module, nn.Linear):
+                draw(module.weight, lambda whole: nn.init.kaiming_uniform_(whole, a=math.sqrt(5)))
+        self.reset_parameters(draw)
+        return self
+
     # ---- initialisation (takase, training-code variant: both halves of mlp.fc at the base std) -----------
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, draw=None) -> None:
+        """`draw(parameter, init)` applies `init` to the parameter's whole tensor: by default the parameter itself;
+        `initialise` passes one that draws a sharded parameter whole and keeps this rank's rows."""
+        draw = draw or (lambda param, init: init(param))
         std, out_std = self.config.init_std, self.config.init_std_out_proj
         D = self.config.n_embd
 
-        def trunc_normal(tensor: Tensor, sigma: float) -> None:
-            nn.init.trunc_normal_(tensor, mean=0.0, std=sigma, a=-3 * sigma, b=3 * sigma)
+        def trunc_normal(sigma: float):
+            return lambda tensor: nn.init.trunc_normal_(tensor, mean=0.0, std=sigma, a=-3 * sigma, b=3 * sigma)
 
-        trunc_normal(self.transformer.wte.weight, std)
+        def in_blocks(split, sigma: float):
+            return lambda whole: [trunc_normal(sigma)(block) for block in split(whole)]
+
+        draw(self.transformer.wte.weight, trunc_normal(std))
         if not self.config.tie_embeddings:
-            trunc_normal(self.lm_head.weight, std)
-        trunc_normal(self.transformer.adapter.weight, std)
+            draw(self.lm_head.weight, trunc_normal(std))
+        draw(self.transformer.adapter.weight, trunc_normal(std))
         for block in self.blocks():
-            for rows in block.attn.Wqkv.weight.split(D):  # Q, K and V initialised separately
-                trunc_normal(rows, std)
-            trunc_normal(block.attn.proj.weight, out_std)
-            for half in block.mlp.fc.weight.chunk(2):
-                trunc_normal(half, std)
-            trunc_normal(block.mlp.proj.weight, out_std)
+            draw(block.attn.Wqkv.weight, in_blocks(lambda whole: whole.split(D), std))  # Q, K and V separately
+            draw(block.attn.proj.weight, trunc_normal(out_std))
+            draw(block.mlp.fc.weight, in_blocks(lambda whole: whole.chunk(2), std))
+            draw(block.mlp.proj.weight, trunc_normal(out_std))
             if hasattr(block.attn, "qk_bias"):
-                block.attn.qk_bias.zero_()
+                draw(block.attn.qk_bias, Tensor.zero_)
             for norm in (block.norm_1, block.norm_2, block.norm_3, block.norm_4):
-                norm.weight.fill_(1.0)
-        self.transformer.ln_f.weight.fill_(1.0)
+                draw(norm.weight, lambda whole: whole.fill_(1.0))
+        draw(self.transformer.ln_f.weight, lambda whole: whole.fill_(1.0))
 
     def blocks(self):
         t = self.transformer

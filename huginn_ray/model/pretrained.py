@@ -13,12 +13,15 @@ import json
 import os
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from huginn_ray.model import replica_read
 from huginn_ray.model.config import ModelConfig
 from huginn_ray.model.attention import rope_table
 from huginn_ray.model.model import RecurrentGPT
@@ -88,20 +91,29 @@ def _load_training_checkpoint(state_dir: Path, config: ModelConfig, device, dtyp
     return model
 
 
-def _load_dcp_model(state_dir: Path, tensors: dict, one_process: bool = False) -> None:
+def _load_dcp_model(state_dir: Path, tensors: dict, one_process: bool = False, replicas=None) -> None:
     """Read a training checkpoint's model tensors in place into `tensors` (name -> tensor or DTensor): by this one
-    process, or (one_process=False) collectively, every rank reading the pieces of what it holds."""
+    process, or (one_process=False) collectively, every rank reading the pieces of what it holds; with `replicas`
+    (the ranks holding the same part as this one) each reads 1/R of its part and the replicas complete each other
+    (huginn_ray.model.replica_read)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    parts = replica_read.plan_dcp_read({"model": tensors}, replicas) if replicas is not None else None
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": tensors}, storage_reader=dcp.FileSystemReader(state_dir), no_dist=one_process)
+            if parts is None:
+                dcp.load({"model": tensors}, storage_reader=replica_read.counting_reader(state_dir),
+                         no_dist=one_process)
+            else:
+                replica_read.read_dcp_parts(parts, state_dir)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps the file system's and planner's errors
         failures = getattr(err, "failures", {0: (err, None)})
         raise ValueError(f"{state_dir}: the training checkpoint's model cannot be read ("
                          + "; ".join(f"{type(e).__name__}: {e}" for e, _ in failures.values())[:400] + ")") from None
+    if parts is not None:
+        replica_read.complete_dcp_parts(parts)
 
 
 def load_pretrained(directory: str | Path, device: str | torch.device = "cpu",
@@ -138,7 +150,7 @@ def load_pretrained(directory: str | Path, device: str | torch.device = "cpu",
 
 
 @torch.no_grad()
-def load_weights_into(model: RecurrentGPT, directory: str | Path) -> None:
+def load_weights_into(model: RecurrentGPT, directory: str | Path, replicas=None) -> None:
     """Fill `model`'s parameters (given storage by `RecurrentGPT.allocate`, possibly FSDP2-sharded) from the model
     directory `directory` (any layout load_pretrained reads), each rank reading only what it holds.
 
@@ -146,11 +158,14 @@ def load_weights_into(model: RecurrentGPT, directory: str | Path) -> None:
     DTensor shard's rows) is read from the memory-mapped file and copied in, cast to the parameter's dtype; one
     tensor slice is in host memory at a time. A training checkpoint: DCP reads the pieces of every tensor this
     rank holds (a collective: every rank calls it). A tied head is the embedding (stored heads are not read).
+    `replicas`: the process group of the ranks holding the same part as this one (the mesh's "replicate"
+    dimension): each reads 1/R of the rows of its part and one all-gather per parameter over the group completes
+    them, so the files are read once, not once per replica (a collective then, in both layouts).
     Raises ValueError naming the file and key for a missing, unexpected or differently shaped tensor."""
     directory = Path(directory)
     params = dict(model.named_parameters())  # a tied head is listed once, as transformer.wte.weight
     if (state_dir := _training_state(directory)) is not None:
-        _load_dcp_model(state_dir, {key: p for key, p in params.items()})
+        _load_dcp_model(state_dir, {key: p for key, p in params.items()}, replicas=replicas)
         return
     location = _tensor_locations(directory)
     missing = sorted(set(params) - set(location))
@@ -159,21 +174,40 @@ def load_weights_into(model: RecurrentGPT, directory: str | Path) -> None:
         raise ValueError(f"{directory}: the weights do not match the model of its {CONFIG_NAME}"
                          + (f"; missing: {', '.join(missing[:5])}" if missing else "")
                          + (f"; unexpected: {', '.join(unexpected[:5])}" if unexpected else ""))
-    handles = {}
+    for key, param in params.items():
+        stored = location[key]
+        if list(stored.shape) != list(param.shape):
+            raise ValueError(f"{stored.file}: {key} has shape {stored.shape}, the model's is {list(param.shape)}")
+    handles, error = {}, None
     try:
         for key, param in params.items():
-            file = location[key]
+            file = location[key].file
             if file not in handles:
                 handles[file] = safe_open(str(file), framework="pt", device="cpu")
-            stored = handles[file].get_slice(key)
-            if list(stored.get_shape()) != list(param.shape):
-                raise ValueError(f"{file}: {key} has shape {stored.get_shape()}, the model's is {list(param.shape)}")
-            target, rows = _local_rows(param)
-            target.copy_(stored[rows.start:rows.stop] if rows is not None else stored[:])
+            target, rows = replica_read.local_rows(param)
+            start = rows.start if rows is not None else 0
+            read = replica_read.replica_rows(target.shape[0], replicas.size(), replicas.rank()) \
+                if replicas is not None else slice(0, target.shape[0])
+            if read.stop > read.start:
+                values = handles[file].get_slice(key)[start + read.start:start + read.stop]
+                replica_read.count_read(values.numel() * values.element_size())
+                target[read].copy_(values)
     except (SafetensorError, OSError) as err:
-        raise ValueError(f"{directory}: a weights file cannot be read: {err}") from None
+        error = f"{directory}: a weights file cannot be read: {err}"
     finally:
         handles.clear()
+    if replicas is not None:
+        # the replicas complete each other only when every one of them has read its rows
+        failed = torch.tensor([float(error is not None)], device=next(iter(params.values())).device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=replicas)
+        if failed.item() and error is None:
+            error = f"{directory}: a replica of this rank's part (ranks {dist.get_process_group_ranks(replicas)}) " \
+                    "could not read its rows"
+    if error is not None:
+        raise ValueError(error)
+    if replicas is not None:
+        for param in params.values():
+            replica_read.complete_over_replicas(replica_read.local_rows(param)[0], replicas)
 
 
 def check_weights(directory: str | Path, config: ModelConfig) -> None:
@@ -206,28 +240,19 @@ def check_weights(directory: str | Path, config: ModelConfig) -> None:
             raise ValueError(f"{where}: {key} has shape {stored[key]}, the model of its {CONFIG_NAME} has {shape}")
 
 
-def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, slice | None]:
-    """This rank's part of a parameter and the rows of the whole tensor it holds (None: all of it). FSDP2 shards
-    dim 0 (Shard(0) on the shard-group mesh)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor):
-        return param.data, None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    if any(offset[1:]):
-        raise ValueError(f"a parameter sharded on another dimension than 0 ({param.placements}) cannot be loaded")
-    return param.to_local(), slice(offset[0], offset[0] + shape[0])
+@dataclass(frozen=True)
+class _Stored:
+    file: Path
+    shape: list[int]
 
 
-def _tensor_locations(directory: Path) -> dict[str, Path]:
-    """Every stored tensor's name -> the safetensors file that holds it."""
+def _tensor_locations(directory: Path) -> dict[str, _Stored]:
+    """Every stored tensor's name -> the safetensors file that holds it, and its shape (the files' headers)."""
     location = {}
     for file in _weight_files(directory):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                location.update({key: file for key in f.keys()})
+                location.update({key: _Stored(file, list(f.get_slice(key).get_shape())) for key in f.keys()})
         except (SafetensorError, OSError) as err:
             raise ValueError(f"{file} is not a readable safetensors file: {err}") from None
     return location

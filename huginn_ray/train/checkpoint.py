@@ -12,16 +12,26 @@ Every worker reports one directory to Ray Train, which merges them into one chec
     trainer_state.json         step, tokens seen, MLflow run id, the data position (rows consumed per stream, with
                                the shard count and global batch that define it), world size and layout (rank 0)
     checkpoint_complete.json   every file above of every rank with its size in bytes, and the step (rank 0,
-                               written last, after gathering every rank's list)
+                               written last, once every rank's save succeeded): the tensor files' sizes come from
+                               `.metadata`, which records where DCP wrote every piece (file, offset, length), so
+                               no rank sends rank 0 its file list
 
 A directory is complete when its marker is readable and every file it lists is there with the listed size:
 ranks upload their parts independently (README, "What is atomic"), so a directory with no marker, a missing or
 truncated file is a save that did not finish, and `resume` passes over it to the previous checkpoint.
+
+What each rank pays does not grow with the world size W on the path every run takes (README, "Cost at scale"): the
+save's agreement and the resume's agreement on each candidate are one all-reduce of a small count each; rank 0
+alone lists the candidates and sends the list (one broadcast); each rank checks the sizes of its own share of the
+marker's files (about one file each), so a checkpoint's W + 4 files are checked once, not once per rank. Only a
+failure costs more: a missing or short file makes every rank check every file, and every rank's reason is
+gathered (`all_ranks`), so that the message names the failure as every rank sees it.
 """
 
 from __future__ import annotations
 
 import json
+import stat
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -34,6 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, \
     set_optimizer_state_dict
 
+from huginn_ray.model import replica_read
 from huginn_ray.model.pretrained import CONFIG_NAME, TRAINING_STATE_DIR
 
 
@@ -109,8 +120,6 @@ class PendingSave:
     directory: Path
     step: int
     rank: int
-    small_files: list[str]
-    """This rank's files other than DCP's (relative paths)."""
     future: Future
     """Done when DCP has written this rank's tensor files (at once for a synchronous save)."""
 
@@ -129,12 +138,10 @@ def start_save(directory: Path, rank: int, model, optimizer, state: TrainerState
     and writes it from a background thread, whose collectives run on that group so that they never interleave
     with training's. The caller must pass the result to `finish_save` before the next save."""
     directory.mkdir(parents=True, exist_ok=True)
-    small = []
     if rank == 0:
         (directory / "model").mkdir(exist_ok=True)
         model.config.to_json(directory / "model" / CONFIG_NAME)
         (directory / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
-        small += [f"model/{CONFIG_NAME}", "trainer_state.json"]
     tensors = {"model": model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
     writer = dcp.FileSystemWriter(directory / TRAINING_STATE_DIR, overwrite=True)
     future = Future()
@@ -147,50 +154,88 @@ def start_save(directory: Path, rank: int, model, optimizer, state: TrainerState
             future = getattr(saving, "upload_completion", saving)  # a Future, or an AsyncSaveResponse holding one
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises on every rank alike; finish_save reports
         future.set_exception(err)
-    return PendingSave(directory, state.step, rank, small, future)
+    return PendingSave(directory, state.step, rank, future)
 
 
 def finish_save(pending: PendingSave, device) -> bool:
-    """Wait for this rank's tensor files, then agree with every rank (one all-gather): when every rank's save
-    succeeded, rank 0 writes the marker listing every rank's files and sizes, and the checkpoint is complete;
-    otherwise rank 0 reports the failure, no marker is written, and the previous checkpoint stays the newest
-    complete one. Returns whether this checkpoint is complete."""
-    rank = pending.rank
+    """Wait for this rank's tensor files, then agree with every rank (one all-reduce of the failed ranks' count):
+    when every rank's save succeeded, rank 0 writes the marker (`write_marker`), and the checkpoint is complete;
+    otherwise every rank's error is gathered, rank 0 reports the failure, no marker is written, and the previous
+    checkpoint stays the newest complete one. Returns whether this checkpoint is complete."""
     error, files = None, {}
     try:
-        files = saved_files(pending)
+        pending.future.result()
+        if pending.rank == 0:  # before the agreement: a `.metadata` rank 0 cannot read fails the save everywhere
+            files = marker_files(pending.directory)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - any failure of the save: agree, then report
         error = describe_error(err)
-    every_rank = all_ranks({"files": files, "error": error}, device)
-    failures = [(r, outcome["error"]) for r, outcome in enumerate(every_rank) if outcome["error"] is not None]
-    if failures:
-        if rank == 0:
-            print(f"[huginn] the checkpoint of step {pending.step} failed ({describe(failures, len(every_rank))}); "
+    failed, = count_ranks([error is not None], device)
+    if failed:
+        failures = [(r, e) for r, e in enumerate(all_ranks(error, device)) if e is not None]
+        if pending.rank == 0:
+            print(f"[huginn] the checkpoint of step {pending.step} failed ({describe(failures, world_size())}); "
                   "the previous complete checkpoint stays the newest", flush=True)
         return False
-    if rank == 0:
-        write_marker(pending.directory, pending.step, [outcome["files"] for outcome in every_rank])
+    if pending.rank == 0:
+        write_marker(pending.directory, pending.step, files)
     return True
 
 
-def saved_files(pending: PendingSave) -> dict[str, int]:
-    """Once this rank's save is done (waits for it; raises its error): its files, relative paths, with their sizes."""
-    pending.future.result()
-    directory, rank = pending.directory, pending.rank
-    names = [str(p.relative_to(directory)) for p in (directory / TRAINING_STATE_DIR).glob(f"__{rank}_*")]
-    names += pending.small_files + ([f"{TRAINING_STATE_DIR}/.metadata"] if rank == 0 else [])
-    return {name: (directory / name).stat().st_size for name in names}
+SMALL_FILES = (f"model/{CONFIG_NAME}", "trainer_state.json", f"{TRAINING_STATE_DIR}/.metadata")
+"""The files of a checkpoint other than DCP's tensor files, all written by rank 0."""
 
 
-def write_marker(directory: Path, step: int, files_of_every_rank: list[dict[str, int]]) -> None:
-    files = {name: size for files in files_of_every_rank for name, size in files.items()}
+def marker_files(directory: Path) -> dict[str, int]:
+    """Every file of a finished save with its size, as rank 0 sees them without asking the other ranks: its own
+    small files by their sizes on disk, and every tensor file DCP's `.metadata` names, with the size its pieces
+    give (the end of the last piece written into it: DCP writes a file's pieces back to back)."""
+    sizes = {name: (directory / name).stat().st_size for name in SMALL_FILES}
+    metadata = dcp.FileSystemReader(directory / TRAINING_STATE_DIR).read_metadata()
+    for piece in metadata.storage_data.values():
+        name = f"{TRAINING_STATE_DIR}/{piece.relative_path}"
+        sizes[name] = max(sizes.get(name, 0), piece.offset + piece.length)
+    return sizes
+
+
+def write_marker(directory: Path, step: int, files: dict[str, int]) -> None:
     (directory / MARKER).write_text(json.dumps({"step": step, "files": files}, indent=2, sort_keys=True))
+
+
+def world_size() -> int:
+    """Ranks of the process group; 1 without one."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def count_ranks(flags: list[bool], device) -> list[int]:
+    """For each flag, the number of ranks that raised it: one all-reduce of len(flags) integers, whatever the
+    world size. Without a process group: this process's flags."""
+    counts = torch.tensor([int(flag) for flag in flags], dtype=torch.int64, device=device)
+    if world_size() > 1:
+        dist.all_reduce(counts)
+    return [int(count) for count in counts.tolist()]
+
+
+def from_rank0(value, device):
+    """Rank 0's `value` (anything JSON can hold; other ranks pass None) on every rank: two broadcasts (the length,
+    then the JSON bytes) on the training device. Without a process group: `value`."""
+    if world_size() == 1:
+        return value
+    data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    buffer = torch.zeros(int(length.item()), dtype=torch.uint8)
+    if data:
+        buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buffer = buffer.to(device)
+    dist.broadcast(buffer, src=0)
+    return json.loads(bytes(buffer.cpu().tolist()))
 
 
 def all_ranks(value, device) -> list:
     """`value` (anything JSON can hold) of every rank, in rank order: one all-gather of its JSON bytes on the
     training device (NCCL needs device tensors, and torch's object collectives pick the device by
-    torch.cuda.current_device(), which nothing here sets). Without a process group: this process's value."""
+    torch.cuda.current_device(), which nothing here sets). Every rank receives W values: a failure path's tool,
+    for messages that name every failing rank. Without a process group: this process's value."""
     if not (dist.is_available() and dist.is_initialized()):
         return [value]
     data = json.dumps(value).encode()
@@ -205,9 +250,11 @@ def all_ranks(value, device) -> list:
     return [json.loads(bytes(g[:n].cpu().tolist())) for g, n in zip(gathered, lengths)]
 
 
-def incomplete(directory: Path) -> str | None:
+def incomplete(directory: Path, part: int = 0, parts: int = 1) -> str | None:
     """Why `directory` is not a complete checkpoint (no or unreadable marker, a listed file missing or of
-    another size), or None when it is complete."""
+    another size), or None when it is complete. With `parts` > 1, only the marker and this part's share of its
+    files (every `parts`-th in name order from the `part`-th; `resume` gives each rank its own share) are checked:
+    one stat per file."""
     try:
         listing = json.loads((directory / MARKER).read_text())
         files, step = listing["files"], listing["step"]
@@ -217,12 +264,15 @@ def incomplete(directory: Path) -> str | None:
         return f"no {MARKER}: the save did not finish"
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"{MARKER} cannot be read ({type(err).__name__}: {err})"
-    for name, size in sorted(files.items()):
-        path = directory / name
-        if not path.is_file():
+    for name, size in sorted(files.items())[part::parts]:
+        try:
+            found = (directory / name).stat()
+        except FileNotFoundError:
+            found = None
+        if found is None or not stat.S_ISREG(found.st_mode):
             return f"{name} is missing ({MARKER} lists it with {size} bytes)"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, {MARKER} lists {size}: truncated or rewritten"
+        if found.st_size != size:
+            return f"{name} has {found.st_size} bytes, {MARKER} lists {size}: truncated or rewritten"
     return None
 
 
@@ -263,17 +313,27 @@ def check_data_position(state: TrainerState, directory: Path, num_streams: int, 
             "(world_batch_size): its data position does not carry over")
 
 
-def read_tensors(directory: Path, model, optimizer) -> None:
+def read_tensors(directory: Path, model, optimizer, replicas=None) -> None:
     """Load model and optimizer in place from the checkpoint's DCP state, whatever layout wrote it (DCP reads the
     pieces of each tensor this rank holds). A collective: every rank calls it; a failure on any rank raises
-    CheckpointError on every rank."""
+    CheckpointError on every rank.
+
+    `replicas`: the process group of the ranks that hold the same part of the state as this one (the mesh's
+    "replicate" dimension). With it, each of them reads 1/R of its part's rows from the file system and an
+    all-gather over the group completes them (huginn_ray.model.replica_read): the file system serves the state
+    once, not once per replica. Without it (one process), this rank reads its whole part."""
     tensors = {"model": model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state_dir = directory / TRAINING_STATE_DIR
+    parts = replica_read.plan_dcp_read(tensors, replicas) if replicas is not None else None
     try:
-        with_retries(f"reading {directory / TRAINING_STATE_DIR}",
-                     lambda: dcp.load(tensors, storage_reader=dcp.FileSystemReader(directory / TRAINING_STATE_DIR)))
+        with_retries(f"reading {state_dir}",
+                     lambda: dcp.load(tensors, storage_reader=replica_read.counting_reader(state_dir))
+                     if parts is None else replica_read.read_dcp_parts(parts, state_dir))
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's errors: missing file, short read, shape
-        raise CheckpointError(f"{directory / TRAINING_STATE_DIR}: cannot be loaded into this model and optimizer "
+        raise CheckpointError(f"{state_dir}: cannot be loaded into this model and optimizer "
                               f"({describe_error(err)[:600]})") from None
+    if parts is not None:
+        replica_read.complete_dcp_parts(parts)
     set_optimizer_state_dict(model, optimizer, tensors["optim"])
 
 
@@ -285,43 +345,47 @@ class Resumed:
 
 
 def resume(registered: Path | None, run_dir: Path, rank: int, model, optimizer, device,
-           log=None) -> Resumed | None:
+           log=None, replicas=None) -> Resumed | None:
     """Load the newest checkpoint that is complete and loads on every rank; None when there is none to resume.
 
     Candidates: `registered` (Ray Train's latest, `ray.train.get_checkpoint()`) first, then the other
-    `checkpoint_*` directories under `run_dir` with a step up to its step, newest first. Rank 0's list is the
-    one every rank walks. A candidate that is incomplete, or whose load raises CheckpointError on any rank (the
-    ranks agree in one all-gather per candidate), is skipped with one message naming it and why. When none
+    `checkpoint_*` directories under `run_dir` with a step up to its step, newest first: rank 0 lists them and
+    sends the list to every rank. Each rank checks its share of a candidate's files (`incomplete`); when a share
+    fails, every rank checks every file (so that all see the first failure, as the old full check did). A
+    candidate that is incomplete, or whose load raises CheckpointError on any rank (the ranks agree by an
+    all-reduce of the failing ranks' count, then, on a failure only, gather every rank's reason), is skipped with
+    one message naming it and why (the ranks only when not every rank gave that reason). When none
     loads, raises CheckpointError naming every candidate tried, unless none of them ever was a checkpoint
     (Ray registered none and no marker vouches for its files: saves that did not finish), in which case the
-    run starts from step 0 after saying so. Call on every rank."""
+    run starts from step 0 after saying so. Call on every rank; `replicas`: see `read_tensors`."""
     log = log or (lambda message: print(message, flush=True))
-    candidates = all_ranks([str(path) for path in resume_candidates(registered, run_dir)], device)[0]
+    ranks = world_size()
+    candidates = from_rank0([str(path) for path in resume_candidates(registered, run_dir)] if rank == 0 else None,
+                            device)
     skipped, was_complete = [], registered is not None
     for directory in map(Path, candidates):
         # every rank decides from every rank's outcome, so all take the same branch (a shared file system may show
         # one node a file that another does not see yet), and all enter DCP's collective load together
-        why, state = incomplete(directory), None
-        complete = why is None
-        if complete:
+        complete, why, state = check_candidate(directory, rank, ranks)
+        incomplete_ranks, failed = count_ranks([not complete, why is not None], device)
+        was_complete = was_complete or incomplete_ranks == 0
+        if incomplete_ranks and ranks > 1:
+            # a rank's share has a missing or short file: on this path only, every rank checks every file, so
+            # that each names the first failure as it sees it (a file that only some ranks miss names them)
+            complete, why, state = check_candidate(directory, 0, 1)
+            failed, = count_ranks([why is not None], device)
+        if not failed:
             try:
-                state = read_trainer_state(directory)
+                read_tensors(directory, model, optimizer, replicas)
             except CheckpointError as err:
                 why = str(err)
-        outcomes = all_ranks({"complete": complete, "why": why}, device)
-        was_complete = was_complete or any(outcome["complete"] for outcome in outcomes)
-        if all(outcome["why"] is None for outcome in outcomes):
-            try:
-                read_tensors(directory, model, optimizer)
-            except CheckpointError as err:
-                why = str(err)
-            outcomes = all_ranks({"why": why}, device)
-        failures = [(r, outcome["why"]) for r, outcome in enumerate(outcomes) if outcome["why"] is not None]
-        if not failures:
+            failed, = count_ranks([why is not None], device)
+        if not failed:
             if rank == 0:
                 log(f"[huginn] resumed from {directory} at step {state.step}")
             return Resumed(state, directory)
-        skipped.append(f"{directory} ({describe(failures, len(outcomes))})")
+        failures = [(r, reason) for r, reason in enumerate(all_ranks(why, device)) if reason is not None]
+        skipped.append(f"{directory} ({describe(failures, ranks)})")
         if rank == 0:
             log(f"[huginn] skipping checkpoint {skipped[-1]}")
     if was_complete:
@@ -330,6 +394,19 @@ def resume(registered: Path | None, run_dir: Path, rank: int, model, optimizer, 
     if skipped and rank == 0:
         log(f"[huginn] no finished checkpoint in {run_dir} (only unfinished saves): starting at step 0")
     return None
+
+
+def check_candidate(directory: Path, part: int, parts: int) -> tuple[bool, str | None, TrainerState | None]:
+    """(complete, why not usable, trainer state) of a resume candidate, checking share `part` of `parts` of the
+    marker's files (`incomplete`); a complete one whose trainer state cannot be read is not usable."""
+    why, state = incomplete(directory, part, parts), None
+    complete = why is None
+    if complete:
+        try:
+            state = read_trainer_state(directory)
+        except CheckpointError as err:
+            why = str(err)
+    return complete, why, state
 
 
 def resume_candidates(registered: Path | None, run_dir: Path) -> list[Path]:

@@ -127,15 +127,15 @@ class Components:
 
 
 def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.device,
-                     local_world_size: int | None = None, load_init_from: bool = True) -> Components:
+                     local_world_size: int | None = None, initialise: bool = True) -> Components:
     """`local_world_size`: ranks on this node (Ray Train's); it is the shard size of hsdp. None: every rank on
     one node. Raises DataOrderError when the data order does not allow this world size (every rank raises it,
     before any collective).
 
-    The weights: random (the seed's, identical on every rank) or, with plan.init_from, the trained model's,
-    each rank reading only the part it holds (under hsdp the model is sharded on the meta device first, then
-    its shards are allocated and filled). `load_init_from=False` leaves those weights unread (allocated, not
-    initialised) for a caller that may resume from a checkpoint instead (`load_initial_weights`)."""
+    The model is built on the meta device, sharded there (hsdp), and only this rank's part is allocated: no rank
+    ever holds the whole model (under hsdp). Its weights (`load_initial_weights`): random (the seed's, identical
+    on every rank, drawn shard by shard) or, with plan.init_from, the trained model's. `initialise=False` leaves
+    them allocated, not initialised, for a caller that may resume from a checkpoint instead."""
     if device.type == "cpu":
         torch.set_num_threads(cfg.cpu_threads)
     world_size = dist.get_world_size()
@@ -147,8 +147,6 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
     model_cfg = plan.model_config
     with torch.device("meta"):  # no CPU copy of the model: allocate and initialise on the training device
         model = RecurrentGPT(model_cfg)
-    if not plan.init_from:
-        model.materialize(device)  # whole, on every rank: hsdp then keeps each rank's slice
     model.check_token_ids = False  # collate checks every batch on the host
     attention = AttentionShape(order.largest_micro_batch, model_cfg.num_attention_heads, cfg.block_size, model_cfg.head_dim,
                                torch.bfloat16 if plan.precision == "bf16-mixed" else torch.float32)
@@ -164,10 +162,9 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
         compile_blocks(model, **cfg.compile_options)
     if shape.mode == "hsdp":
         parallel.apply_hsdp(model, mesh)
-    if plan.init_from:
-        model.allocate(device)  # this rank's part only (its shards under hsdp)
-        if load_init_from:
-            load_initial_weights(model, plan, rank)
+    model.allocate(device)  # this rank's part only (its shards under hsdp)
+    if initialise:
+        load_initial_weights(model, plan, rank, cfg.seed, mesh.get_group("replicate"))
     if shape.mode == "hsdp":
         sync = build_grad_sync("chunk_stream", model, cfg.grad_sync.chunk_mib, group=mesh.get_group("replicate"),
                                divide_by=world_size)
@@ -185,11 +182,18 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
     return Components(model_cfg, model, sync, optimizer, reader, order, autocast, mesh, shape)
 
 
-def load_initial_weights(model: RecurrentGPT, plan: RunPlan, rank: int) -> None:
-    """The trained model of plan.init_from into this rank's (allocated) parameters; every rank calls it."""
+def load_initial_weights(model: RecurrentGPT, plan: RunPlan, rank: int, seed: int, replicas) -> None:
+    """The starting weights into this rank's (allocated) parameters; every rank calls it. With plan.init_from the
+    trained model's, each rank reading 1/W of it and the `replicas` (the ranks holding the same part) completing
+    each other; else the random init of `seed` (torch's RNG seeded here, so the draws are the same wherever the
+    call comes), drawn shard by shard (`RecurrentGPT.initialise`)."""
     source = plan.init_from
+    if not source:
+        torch.manual_seed(seed)
+        model.initialise()
+        return
     start = time.perf_counter()
-    load_weights_into(model, source.path)
+    load_weights_into(model, source.path, replicas)
     if rank == 0:
         print(f"[huginn] weights from {source.path} (sha256 of the tensors {source.sha256[:12]}...) in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
@@ -389,7 +393,7 @@ def start_worker(cfg: TrainConfig, plan: RunPlan, ctx, device: torch.device) -> 
                  "local_world_size": ctx.get_local_world_size(), "node_ip": ray.util.get_node_ip_address()}
     try:
         c = build_components(cfg, plan, rank, device, local_world_size=ctx.get_local_world_size(),
-                             load_init_from=False)
+                             initialise=False)  # a checkpoint may hold the weights: initialised after the resume
     except DataOrderError as err:  # the same on every rank, before any collective
         raise Stop(f"data order: {err}", reporter=rank == 0) from None
     placements = ckpt.all_ranks(placement, device)
@@ -428,14 +432,15 @@ def restore_state(c: Components, cfg: TrainConfig, plan: RunPlan, rank: int, wor
     if resumed is not None:
         state = resumed.state
         state.layout = layout_name(c.shape)
-    elif plan.init_from:  # a fresh run: the trained model's weights (a resumed one has its own)
+    else:  # a fresh run: the trained model's weights or the random init (a resumed one has its own)
         error = None
         try:
-            load_initial_weights(c.model, plan, rank)
+            load_initial_weights(c.model, plan, rank, cfg.seed, c.mesh.get_group("replicate"))
         except ValueError as err:
             error = str(err)
-        errors = [e for e in ckpt.all_ranks(error, device) if e is not None]  # every rank stops alike
-        if errors:
+        failed, = ckpt.count_ranks([error is not None], device)  # every rank stops alike
+        if failed:  # the first failing rank's reason (every rank's reason gathered on this path only)
+            errors = [e for e in ckpt.all_ranks(error, device) if e is not None]
             raise Stop(f"init_from: {errors[0]}", reporter=rank == 0)
     resized_from = state.world_size if state.world_size != world_size else None
     state.world_size = world_size
@@ -553,7 +558,8 @@ def resume_from_checkpoint(c: Components, cfg: TrainConfig, plan: RunPlan, regis
     then the config's optimizer hyperparameters over the checkpoint's; None when there is none. Raises Stop on
     every rank when the run cannot resume (every rank read the same files and agreed)."""
     try:
-        resumed = ckpt.resume(registered, cfg.run_dir, rank, c.model, c.optimizer, device)
+        resumed = ckpt.resume(registered, cfg.run_dir, rank, c.model, c.optimizer, device,
+                              replicas=c.mesh.get_group("replicate"))
         if resumed is not None:
             ckpt.check_data_position(resumed.state, resumed.directory, plan.num_streams, plan.global_batch_rows)
             c.reader.seek(resumed.state.rows_per_stream)
@@ -673,7 +679,7 @@ class Checkpointer:
     def __init__(self, asynchronous: bool, rank: int, device: torch.device):
         self.rank, self.device = rank, device
         # DCP's background thread needs a group of its own: its collectives must not interleave with training's
-        self.background_group = dist.new_group(backend="gloo") if asynchronous else None
+        self.background_group = parallel.lazy_gloo_group() if asynchronous else None
         self.pending: ckpt.PendingSave | None = None
         self.metrics: dict = {}
 

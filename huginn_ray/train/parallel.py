@@ -23,12 +23,13 @@ comes only from the autocast around the forward, as in `replicate`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -90,8 +91,35 @@ def describe_layout(shape: MeshShape, placements: list[dict]) -> str:
 
 
 def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
-    """The ("replicate", "shard") mesh; creates the process group of every row and column on every rank."""
-    return init_device_mesh(device_type, (shape.replicas, shape.shard_size), mesh_dim_names=("replicate", "shard"))
+    """The ("replicate", "shard") mesh. Each rank creates only the two process groups it is a member of (its
+    replicas' column and its shard group's row; the world's own group where one spans every rank), with
+    `use_local_synchronization` so that the other ranks take no part: two new_group calls per rank, where
+    init_device_mesh would make every rank call new_group for every row and column (W / S + S calls). A group's
+    communicator is connected when the backend does it: NCCL (RCCL) at the group's first collective (warm_mesh),
+    gloo at creation, a full mesh of connections to every member (README, "Cost at scale")."""
+    layout = torch.arange(shape.world_size).view(shape.replicas, shape.shard_size)
+    replica, shard = divmod(dist.get_rank(), shape.shard_size)
+    groups = [group_of(layout[:, shard].tolist()), group_of(layout[replica].tolist())]
+    return DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=("replicate", "shard"))
+
+
+def group_of(ranks: list[int]):
+    """The process group of `ranks`, created by its members alone; the default group when it is every rank."""
+    if len(ranks) == dist.get_world_size():
+        return dist.group.WORLD
+    return dist.new_group(ranks, use_local_synchronization=True)
+
+
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+
+
+def lazy_gloo_group():
+    """A gloo group of every rank whose connections open at their first use (TORCH_GLOO_LAZY_INIT=1, set here for
+    this process's later gloo groups): gloo otherwise connects every member to every other at creation, W - 1
+    connections per rank, where the collectives on this group (DCP's background save: gathers to and broadcasts
+    from rank 0) use one pair per rank (rank 0: every pair)."""
+    os.environ[GLOO_LAZY_INIT] = "1"
+    return dist.new_group(backend="gloo")
 
 
 def warm_mesh(mesh: DeviceMesh, device: torch.device) -> None:
@@ -173,24 +201,36 @@ def replicated_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list
 def check_replicas_agree(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh,
                          device: torch.device, when: str) -> None:
     """Compare a checksum of every replicated tensor (fp64 sum and sum of squares of this rank's part) across the
-    replicas of this rank's shard (one all-gather over the "replicate" dimension), then agree over all ranks (one
-    all-reduce), so that every rank raises together; the ranks that saw the mismatch name the ranks and the first
-    tensor that differs. Replicas start from the same seed and apply the same averaged gradients, so any
-    difference means a broken replica (an RNG that diverged, a bad load, a faulty device)."""
+    replicas of this rank's shard: one all-reduce over the "replicate" dimension of the checksums and their
+    negations with MAX gives every checksum's largest and smallest value, equal where the replicas agree; then one
+    all-reduce over all ranks, so that every rank raises together. Two fixed-size reductions: the cost does not
+    grow with the number of replicas. Only on a mismatch are the replicas' checksums gathered, so that the ranks
+    that saw it name the ranks and the first tensor that differs. Replicas start from the same seed and apply the
+    same averaged gradients, so any difference means a broken replica (an RNG that diverged, a bad load, a faulty
+    device)."""
     group = mesh.get_group("replicate")
     message = None
     if group.size() > 1:
         items = replicated_state(model, optimizer)
-        sums = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for _, t in items]).to(device)
-        gathered = [torch.empty_like(sums) for _ in range(group.size())]
-        dist.all_gather(gathered, sums, group=group)
-        ranks = dist.get_process_group_ranks(group)
-        differing = [rank for rank, other in zip(ranks, gathered) if not torch.equal(other, gathered[0])]
-        if differing:
-            first = next(i for i in range(len(items)) if any(not torch.equal(g[i], gathered[0][i]) for g in gathered))
-            message = (f"{when}: the replicas disagree: rank(s) {differing} differ from rank {ranks[0]} (first "
-                       f"differing tensor: {items[first][0]}); replicas of a shard must be identical")
+        # each checksum on the device: optimizer state may hold host scalars (a step count) beside device tensors
+        sums = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]).to(device) for _, t in items])
+        extremes = torch.cat([sums, -sums])
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+        largest, smallest = extremes[: len(items)], -extremes[len(items):]
+        if (largest != smallest).any().item():
+            message = replicas_differ(items, sums, group, when)
     failed = torch.tensor([float(message is not None)], device=device)
     dist.all_reduce(failed)
     if failed.item():
         raise RuntimeError(message or f"{when}: the replicas of another shard disagree (their ranks name them)")
+
+
+def replicas_differ(items: list[tuple[str, torch.Tensor]], sums: torch.Tensor, group, when: str) -> str:
+    """The message of a mismatch, from every replica's checksums (one all-gather over the group)."""
+    gathered = [torch.empty_like(sums) for _ in range(group.size())]
+    dist.all_gather(gathered, sums, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    differing = [rank for rank, other in zip(ranks, gathered) if not torch.equal(other, gathered[0])]
+    first = next(i for i in range(len(items)) if any(not torch.equal(g[i], gathered[0][i]) for g in gathered))
+    return (f"{when}: the replicas disagree: rank(s) {differing} differ from rank {ranks[0]} (first "
+            f"differing tensor: {items[first][0]}); replicas of a shard must be identical")
