@@ -22,6 +22,7 @@ MUST_RUN = (
     "tests/test_cluster_launcher.py::test_ray_up_exec_job_submit_down",
     "tests/test_data_tokenizer.py::test_transformers_loads_it_with_the_same_ids",
     "tests/test_private_netns.py::test_inside_the_namespace_the_marker_names_its_namespaces",
+    "tests/test_serve.py",
 )
 
 

@@ -1,0 +1,129 @@
+"""One thread that owns an Engine and drives it; the server's request handlers talk to it through queues.
+
+    loop = EngineLoop(engine)
+    ticket = loop.submit(request)         # from a handler, on its asyncio event loop
+    event = await ticket.events.get()     # TokenEvent ... until event.finished; or an Exception
+    loop.cancel(ticket)                   # the client went away: frees the request's row and cache
+    loop.stop()
+
+The engine is not thread-safe, so this thread is its only caller. It blocks while the engine is idle; while
+requests are in flight it takes every command waiting (submit, cancel) between two loop steps and then runs
+the next step, so a request that arrives joins the batch at the next loop step and a cancelled one leaves it.
+Each token reaches its handler through that handler's asyncio queue (`call_soon_threadsafe`). A forward is
+torch work that releases the GIL for its kernels, so the handlers' event loop keeps answering meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from huginn_ray.model.engine import Engine, Request, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A handler's view of one submitted request."""
+
+    loop: asyncio.AbstractEventLoop
+    """The handler's event loop: tokens are put on `events` there."""
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    """TokenEvent per token, or an Exception if the engine failed."""
+
+
+@dataclass
+class LoopStats:
+    """Counters kept by the engine thread (read from anywhere: plain ints)."""
+
+    requests_finished: int = 0
+    """Requests that ended with their last token (stop token or max_tokens)."""
+    requests_cancelled: int = 0
+    """Requests dropped before their end (client gone, stop string)."""
+    tokens: int = 0
+    """Tokens emitted."""
+    loop_steps: int = 0
+    """Engine steps run."""
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.stats = LoopStats()
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.tickets: dict[int, Ticket] = {}
+        self.ids: dict[Ticket, int] = {}
+        self.thread = threading.Thread(target=self._run, name="huginn-engine-loop", daemon=True)
+        self.thread.start()
+
+    def submit(self, request: Request) -> Ticket:
+        """Queue a checked request (from a coroutine); its tokens arrive on the ticket's queue."""
+        ticket = Ticket(asyncio.get_running_loop())
+        self.commands.put(("submit", ticket, request))
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Drop the request if it is still waiting or running (a no-op once it finished)."""
+        self.commands.put(("cancel", ticket, None))
+
+    def stop(self) -> None:
+        self.commands.put(("stop", None, None))
+        self.thread.join()
+
+    def _run(self) -> None:
+        while True:
+            commands = [] if self.engine.busy else [self.commands.get()]
+            while True:
+                try:
+                    commands.append(self.commands.get_nowait())
+                except queue.Empty:
+                    break
+            for kind, ticket, request in commands:
+                if kind == "stop":
+                    return
+                if kind == "submit":
+                    self._submit(ticket, request)
+                elif ticket in self.ids and self.engine.cancel(self.ids[ticket]):
+                    del self.tickets[self.ids.pop(ticket)]
+                    self.stats.requests_cancelled += 1
+            if self.engine.busy:
+                self._step()
+
+    def _submit(self, ticket: Ticket, request: Request) -> None:
+        try:
+            request_id = self.engine.submit(request)
+        except Exception as err:  # the handler checked the request; this is the engine's word on it
+            self._deliver(ticket, err)
+            return
+        self.tickets[request_id], self.ids[ticket] = ticket, request_id
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as err:
+            logger.exception("the engine's step failed; failing every request in flight")
+            for request_id, ticket in list(self.tickets.items()):
+                self.engine.cancel(request_id)
+                self._deliver(ticket, err)
+            self.tickets.clear()
+            self.ids.clear()
+            return
+        self.stats.loop_steps += 1
+        for event in events:
+            self.stats.tokens += 1
+            ticket = self.tickets[event.request_id]
+            self._deliver(ticket, event)
+            if event.finished:
+                del self.tickets[event.request_id], self.ids[ticket]
+                self.stats.requests_finished += 1
+
+    @staticmethod
+    def _deliver(ticket: Ticket, item: TokenEvent | Exception) -> None:
+        try:
+            ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, item)
+        except RuntimeError:  # the handler's event loop is closed: nobody is listening
+            pass

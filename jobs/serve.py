@@ -1,0 +1,124 @@
+"""Serve a trained model over an OpenAI-compatible HTTP API on Ray Serve (huginn_ray/serve/README.md).
+
+    python jobs/serve.py --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--replicas N] [--tokenizer DIR]
+        [--device cpu|cuda] [--dtype float32|bfloat16] [--max-rows 32] [--max-cache-gib 4] [--model-name NAME]
+
+DIR is a model directory, a training checkpoint, or a training out_dir (newest checkpoint); the tokenizer defaults
+to one stored beside the model. Each replica loads the model once (on one GPU with --device cuda, the default when
+a GPU is present, else on one CPU) and runs one continuous-depth-batching engine. Listens on 127.0.0.1 unless
+--host says otherwise. Connects to the Ray cluster in $RAY_ADDRESS, else starts a private local Ray with token
+authentication. Ctrl-C (SIGINT) or SIGTERM shuts the application down, stops the local Ray, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+
+from huginn_ray.console import local_ray_environment
+
+if not os.environ.get("RAY_ADDRESS"):
+    local_ray_environment()  # before `import ray`, which reads RAY_AUTH_MODE
+
+import ray  # noqa: E402
+
+from huginn_ray.cluster.local_ray import LocalRayHead  # noqa: E402
+from huginn_ray.console import ray_connect_kwargs  # noqa: E402
+from huginn_ray.model.export import find_tokenizer  # noqa: E402
+from huginn_ray.model.inference import DTYPES, inference_placement  # noqa: E402
+from huginn_ray.model.pretrained import resolve_model_dir  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--tokenizer", help="tokenizer directory (default: the one stored with the model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the HTTP proxy listens on")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--replicas", type=int, default=1, help="engine replicas (one GPU or one CPU each)")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is present)")
+    parser.add_argument("--dtype", choices=list(DTYPES), help="weights' dtype (default: bfloat16 on a GPU, else float32)")
+    parser.add_argument("--max-rows", type=int, default=32, help="sequences each engine advances at once")
+    parser.add_argument("--max-cache-gib", type=float, default=4.0, help="key/value cache each engine may reserve")
+    parser.add_argument("--model-name", help="the model's name in the API (default: the directory's name)")
+    parser.add_argument("--verbose", action="store_true", help="Ray's own INFO lines on the console")
+    args = parser.parse_args(argv)
+    try:
+        settings = plan(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    # explicitly: a process started in the background by a shell inherits SIGINT ignored
+    signal.signal(signal.SIGINT, stop_on_signal)
+    signal.signal(signal.SIGTERM, stop_on_signal)
+    local_ray_dir = head = None
+    try:
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(address=os.environ["RAY_ADDRESS"], **ray_connect_kwargs(args.verbose))
+        else:
+            # a short private temp dir: socket paths are limited; in a session of its own (LocalRayHead), so a
+            # terminal's Ctrl-C reaches this driver only, which then shuts Serve and the head down in order
+            local_ray_dir = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
+            head = LocalRayHead(local_ray_dir, verbose=args.verbose)
+            ray.init(address=head.address, **ray_connect_kwargs(args.verbose))
+        from ray import serve
+
+        from huginn_ray.serve.app import build_app
+
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(settings, args.replicas), name="huginn", route_prefix="/")
+        print(f"[huginn] serving {settings.model_name} ({args.replicas} replica(s), {settings.device}, "
+              f"{settings.dtype}) on http://{args.host}:{args.port}/v1; Ctrl-C stops it", flush=True)
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        print("[huginn] shutting down", flush=True)
+    finally:
+        if ray.is_initialized():
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
+        if head is not None:
+            head.stop()
+            shutil.rmtree(local_ray_dir, ignore_errors=True)
+    return 0
+
+
+def stop_on_signal(signum, frame):
+    raise KeyboardInterrupt
+
+
+def plan(args) -> "ServeSettings":  # noqa: F821
+    """The replicas' settings, every name and path checked before Ray starts; ValueError naming the option."""
+    from huginn_ray.serve.app import ServeSettings
+
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_rows < 1:
+        raise ValueError(f"--max-rows must be >= 1, got {args.max_rows}")
+    if not args.max_cache_gib > 0:
+        raise ValueError(f"--max-cache-gib must be > 0, got {args.max_cache_gib}")
+    # the driver of a remote cluster may have no GPU itself: its replicas do
+    placement = inference_placement(args.device, args.dtype, check_present=not os.environ.get("RAY_ADDRESS"))
+    model_dir = resolve_model_dir(args.checkpoint).resolve()
+    tokenizer_dir = args.tokenizer or find_tokenizer(model_dir)
+    if tokenizer_dir is None:
+        raise ValueError(f"no tokenizer stored with {model_dir}: pass --tokenizer")
+    if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+        raise ValueError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
+    name = args.model_name or (model_dir.parent.name if model_dir.name == "model" else model_dir.name)
+    return ServeSettings(model_dir=str(model_dir), tokenizer_dir=os.path.abspath(tokenizer_dir), model_name=name,
+                         device=placement.device.type, dtype=placement.dtype_name, max_rows=args.max_rows,
+                         max_cache_bytes=int(args.max_cache_gib * 2**30))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

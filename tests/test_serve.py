@@ -1,0 +1,275 @@
+"""jobs/serve.py end to end: the OpenAI-compatible server on Ray Serve, on loopback in the private namespace.
+
+One server (its own private local Ray, as a user starts it) answers 8 concurrent clients (completions and chat,
+streamed and not, through plain HTTP and the `openai` client) each exactly as `generate` answers that request
+alone at batch size 1; refuses bad requests with HTTP 400 naming the field; frees the slot of a client that
+disconnects mid-stream; and stops on SIGINT with exit 0, leaving no process behind.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from huginn_ray.data.chat import render
+from huginn_ray.data.tokenizer import train_tokenizer
+from huginn_ray.model import ModelConfig, RecurrentGPT
+from huginn_ray.model.generate import generate
+from huginn_ray.model.pretrained import load_pretrained, save_pretrained
+from isolation import free_port, private_namespace_problem, wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+MARKER = "HUGINN_TEST_SERVE"
+TEXTS = ["def main(): return 1\n" * 50, "class A: pass\n" * 50, "Hello world, how are you today?\n" * 30]
+
+# (route, body): every request returns its token ids and their core iterations (return_token_ids)
+REQUESTS = [
+    ("completions", dict(prompt="def main(", max_tokens=8, temperature=0, num_steps=6, exit_criterion="kl",
+                         exit_threshold=5e-3, seed=1)),
+    ("completions", dict(prompt="class A", max_tokens=10, temperature=0.8, seed=11, num_steps=5,
+                         exit_criterion="latent-diff", exit_threshold=0.1, stream=True)),
+    ("chat/completions", dict(messages=[{"role": "user", "content": "Hello, how are you?"}], max_tokens=6,
+                              temperature=0, num_steps=4, seed=2)),
+    ("chat/completions", dict(messages=[{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "def main"}], max_tokens=7, temperature=1.0,
+                              top_k=20, seed=12, num_steps=6, exit_criterion="entropy-diff", exit_threshold=1e-2,
+                              stream=True, stream_options={"include_usage": True})),
+    ("completions", dict(prompt="Hello world", max_tokens=9, temperature=0.9, top_p=0.8, seed=13, num_steps=4,
+                         cache="latest", warm_start=True, stream=True)),
+    ("completions", dict(prompt=[5, 6, 7, 8, 9, 10], max_tokens=6, temperature=0, seed=3, num_steps=3)),
+    ("chat/completions", dict(messages=[{"role": "user", "content": "class A"}], max_tokens=8, temperature=0.7,
+                              seed=14, num_steps=5, exit_criterion="cosine", exit_threshold=1e-2)),
+    ("completions", dict(prompt="return 1", max_tokens=12, temperature=0, seed=4, num_steps=8,
+                         exit_criterion="argmax-stability", exit_threshold=2, stream=True)),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A raven-tiny saved as a model directory, with a tokenizer trained on a few lines beside it."""
+    root = tmp_path_factory.mktemp("serve")
+    torch.manual_seed(0)
+    save_pretrained(RecurrentGPT(ModelConfig.from_name("raven-tiny", vocab_size=4096)).eval(), root / "model")
+    train_tokenizer(TEXTS, 4096, root / "model" / "tokenizer")
+    return root / "model"
+
+
+def post(port: int, route: str, body: dict) -> tuple[int, dict | list]:
+    """(status, JSON body), or for a stream (status, [chunk, ...]) up to `data: [DONE]`."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    connection.request("POST", f"/v1/{route}", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if not body.get("stream") or response.status != 200:
+        return response.status, json.loads(response.read())
+    chunks = []
+    for line in response:
+        line = line.decode().strip()
+        if line == "data: [DONE]":
+            break
+        if line:
+            chunks.append(json.loads(line.removeprefix("data: ")))
+    connection.close()
+    return response.status, chunks
+
+
+def answer(route: str, body: dict, port: int) -> dict:
+    """text, finish_reason, token_ids, core_iterations and usage of a response, streamed or not."""
+    status, got = post(port, route, {**body, "return_token_ids": True})
+    assert status == 200, got
+    if not body.get("stream"):
+        [choice] = got["choices"]
+        text = choice["message"]["content"] if route.startswith("chat") else choice["text"]
+        return dict(text=text, finish_reason=choice["finish_reason"], token_ids=choice["token_ids"],
+                    core_iterations=choice["core_iterations"], usage=got["usage"])
+    assert all(chunk["object"] == ("chat.completion.chunk" if route.startswith("chat") else "text_completion")
+               for chunk in got)
+    if body.get("stream_options", {}).get("include_usage"):
+        *got, last = got
+        assert last["choices"] == []
+    choices = [chunk["choices"][0] for chunk in got]
+    pieces = [c["delta"].get("content", "") if route.startswith("chat") else c["text"] for c in choices]
+    return dict(text="".join(pieces), finish_reason=choices[-1]["finish_reason"],
+                token_ids=[t for c in choices for t in c["token_ids"]],
+                core_iterations=[s for c in choices for s in c["core_iterations"]],
+                usage=last["usage"] if body.get("stream_options") else None)
+
+
+def alone(model, tokenizer, route: str, body: dict) -> dict:
+    """What `generate` gives the request alone at batch size 1 with its own seeded generator."""
+    if route.startswith("chat"):
+        ids, _ = render(body["messages"], tokenizer, add_generation_prompt=True)
+        stop = tokenizer.token_to_id("<|end_turn|>")
+    else:
+        prompt = body["prompt"]
+        ids = prompt if isinstance(prompt, list) else (
+            [tokenizer.token_to_id("<|begin_text|>")] + tokenizer.encode(prompt, add_special_tokens=False).ids)
+        stop = tokenizer.token_to_id("<|end_text|>")
+    result = generate(model, torch.tensor([ids]), body["max_tokens"], body["num_steps"], body.get("exit_criterion"),
+                      body.get("exit_threshold"), cache=body.get("cache", "full"),
+                      warm_start=body.get("warm_start", False), temperature=body["temperature"],
+                      top_k=body.get("top_k"), top_p=body.get("top_p"), eos_token_id=stop,
+                      generator=torch.Generator().manual_seed(body["seed"]))
+    tokens, steps = result.tokens[0, len(ids):].tolist(), result.steps[0].tolist()
+    if stop in tokens:
+        tokens, steps = tokens[: tokens.index(stop) + 1], steps[: tokens.index(stop) + 1]
+    text_ids = tokens[:-1] if tokens[-1] == stop else tokens
+    return dict(text=tokenizer.decode(text_ids, skip_special_tokens=False),
+                finish_reason="stop" if tokens[-1] == stop else "length", token_ids=tokens, core_iterations=steps,
+                prompt_tokens=len(ids))
+
+
+def stats(port: int) -> dict:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("GET", "/stats")
+    return json.loads(connection.getresponse().read())
+
+
+def processes_marked(marker: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"{MARKER}={marker}".encode() in (entry / "environ").read_bytes():
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                found.append(f"{entry.name}: {command}")
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_serve_answers_concurrent_clients_as_alone_refuses_bad_requests_and_stops_on_sigint(checkpoint, tmp_path):
+    problem = private_namespace_problem()
+    if problem:
+        pytest.skip(f"starts a private local Ray and an HTTP server: {problem}")
+    from openai import OpenAI
+    from tokenizers import Tokenizer
+
+    port, marker = free_port(), uuid.uuid4().hex
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen([sys.executable, str(REPO / "jobs" / "serve.py"), "--checkpoint", str(checkpoint),
+                               "--port", str(port), "--max-rows", "4", "--device", "cpu"],
+                              env={**env, MARKER: marker}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        wait_for(f"http://127.0.0.1:{port}/v1/models", 180, alive=lambda: server.poll() is None)
+        tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer" / "tokenizer.json"))
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+
+        def through_openai():  # the real client, a sampled completion with the depth fields in extra_body
+            body = dict(prompt="def main", max_tokens=6, temperature=0.9, seed=21, num_steps=4)
+            response = client.completions.create(model="model", prompt=body["prompt"], max_tokens=6,
+                                                 temperature=0.9, seed=21, extra_body={"num_steps": 4,
+                                                                                        "return_token_ids": True})
+            [choice] = response.choices
+            return body, dict(text=choice.text, finish_reason=choice.finish_reason, token_ids=choice.token_ids,
+                              core_iterations=choice.core_iterations,
+                              usage={key: getattr(response.usage, key) for key in
+                                     ("prompt_tokens", "completion_tokens", "total_tokens", "core_iterations")})
+
+        with concurrent.futures.ThreadPoolExecutor(len(REQUESTS) + 1) as pool:
+            running = [pool.submit(answer, route, body, port) for route, body in REQUESTS]
+            from_openai = pool.submit(through_openai)
+            answers = [future.result() for future in running]
+            openai_body, openai_answer = from_openai.result()
+        served = stats(port)
+        assert served["requests_finished"] == len(REQUESTS) + 1 and served["rows_in_flight"] == 0
+
+        model, threads = load_pretrained(checkpoint).eval(), torch.get_num_threads()
+        torch.set_num_threads(1)  # as in the replica (Ray gives a 1-CPU actor one thread)
+        try:
+            expected = [alone(model, tokenizer, route, body) for route, body in REQUESTS + [("completions", openai_body)]]
+        finally:
+            torch.set_num_threads(threads)
+        for (route, body), got, want in zip(REQUESTS + [("completions", openai_body)], answers + [openai_answer],
+                                            expected):
+            assert {key: got[key] for key in ("text", "finish_reason", "token_ids", "core_iterations")} == \
+                {key: want[key] for key in ("text", "finish_reason", "token_ids", "core_iterations")}, (route, body)
+            if got["usage"] is not None:
+                assert got["usage"] == dict(prompt_tokens=want["prompt_tokens"],
+                                            completion_tokens=len(want["token_ids"]),
+                                            total_tokens=want["prompt_tokens"] + len(want["token_ids"]),
+                                            core_iterations=sum(want["core_iterations"]))
+        depths = [s for got in answers for s in got["core_iterations"]]
+        assert min(depths) < max(depths)  # some tokens exited early
+
+        # the chat stream through the openai client: the same text as the raw stream above
+        route, body = REQUESTS[3]
+        stream = client.chat.completions.create(
+            model="model", messages=body["messages"], max_tokens=body["max_tokens"], temperature=1.0, seed=12,
+            stream=True, extra_body={k: body[k] for k in ("top_k", "num_steps", "exit_criterion", "exit_threshold")})
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == answers[3]["text"]
+
+        # bad requests: 400 with OpenAI's error object naming the field
+        for route, body, param in [
+            ("completions", dict(prompt="x", exit_criterion="wisdom"), "exit_criterion"),
+            ("completions", dict(prompt="x", max_tokens=300), "max_tokens"),
+            ("completions", dict(prompt="x", num_steps="4"), "num_steps"),
+            ("completions", dict(prompt=""), "prompt"),
+            ("chat/completions", dict(messages=[{"role": "robot", "content": "hi"}]), "messages"),
+            ("completions", dict(prompt="x", best_of=3), "best_of"),
+        ]:
+            status, got = post(port, route, body)
+            assert status == 400 and got["error"]["param"] == param and param in got["error"]["message"], got
+
+        # a client that disconnects mid-stream frees its row: its request is cancelled, not run to the end
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        connection.request("POST", "/v1/completions", json.dumps(dict(prompt="def", max_tokens=240, num_steps=32,
+                                                                      stream=True, return_token_ids=True)),
+                           {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.readline().startswith(b"data: ")
+        connection.sock.shutdown(2)
+        connection.close()
+        deadline = time.monotonic() + 60
+        while (served := stats(port))["requests_cancelled"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert served["requests_cancelled"] == 1 and served["rows_in_flight"] == 0, served
+        assert served["requests_finished"] == len(REQUESTS) + 2  # the openai chat stream
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            returncode = server.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise AssertionError("jobs/serve.py did not stop on SIGINT: " + (tmp_path / "serve.log").read_text()[-3000:])
+        finally:
+            log.close()
+            left = processes_marked(marker)
+            for line in left:
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
+    assert returncode == 0, (tmp_path / "serve.log").read_text()[-4000:]
+    assert "shutting down" in (tmp_path / "serve.log").read_text()
+    assert not left, left
+
+
+def test_stop_strings_end_the_text_before_them_and_hold_back_what_may_start_one(checkpoint):
+    from tokenizers import Tokenizer
+
+    from huginn_ray.serve.text import GeneratedText
+
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer" / "tokenizer.json"))
+    ids = tokenizer.encode("Hello world, how are you today?", add_special_tokens=False).ids
+    assert tokenizer.decode(ids) == "Hello world, how are you today?" and len(ids) > 6
+    text = GeneratedText(tokenizer, stop_texts=("are yo", "zzz"))
+    pieces = [text.add(token, is_stop_token=False) for token in ids]
+    assert "".join(pieces) == "Hello world, how " and text.stopped
+    assert pieces[:3] == ["Hello", " world", ","] and text.finish() == ""
+    # "are", then "are you", may start "are you?": held back until the next token shows it does not
+    text = GeneratedText(tokenizer, stop_texts=("are you?",))
+    pieces = [text.add(token, is_stop_token=False) for token in ids] + [text.finish()]
+    assert pieces == ["Hello", " world", ",", " how", " ", "", "are you today", "?", ""] and not text.stopped
+    # a stop token ends the request and is not part of the text
+    text = GeneratedText(tokenizer)
+    end_text = tokenizer.token_to_id("<|end_text|>")
+    assert [text.add(token, False) for token in ids[:2]] + [text.add(end_text, True)] == ["Hello", " world", ""]
