@@ -80,19 +80,23 @@ def build(cfg, plan, rank, initialise=True):
     from huginn_ray.train import loop
 
     tracker = LiveModelBytes()
-    build_grad_sync = loop.build_grad_sync
+    builders = {name: getattr(loop, name) for name in ("build_grad_sync", "build_hsdp_grad_sync")}
 
-    def stop_counting(*args, **kwargs):
-        tracker.counting = False
-        return build_grad_sync(*args, **kwargs)
+    def stop_counting(builder):
+        def build_exchange(*args, **kwargs):
+            tracker.counting = False
+            return builder(*args, **kwargs)
+        return build_exchange
 
-    loop.build_grad_sync = stop_counting
+    for name, builder in builders.items():  # replicate's exchange, hsdp's
+        setattr(loop, name, stop_counting(builder))
     try:
         with tracker:
             c = loop.build_components(cfg, plan, rank, torch.device("cpu"), local_world_size=NODE_SIZE,
                                       initialise=initialise)
     finally:
-        loop.build_grad_sync = build_grad_sync
+        for name, builder in builders.items():
+            setattr(loop, name, builder)
     return c, tracker.peak
 
 

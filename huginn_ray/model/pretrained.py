@@ -286,9 +286,9 @@ def weights_digest(directory: str | Path) -> tuple[str, str]:
     location = _tensor_locations(directory)
     names = sorted(key for key in location if key != "freqs_cis" and not (tied and key == "lm_head.weight"))
     for name in names:
-        with safe_open(str(location[name]), framework="pt", device="cpu") as f:
+        with safe_open(str(location[name].file), framework="pt", device="cpu") as f:
             add(name, f.get_tensor(name))
-    files = sorted({location[name].name for name in names})
+    files = sorted({location[name].file.name for name in names})
     return f"{len(names)} tensors of {directory} ({', '.join(files)})", digest.hexdigest()
 
 
