@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="also time compile_blocks (side by side)")
-    parser.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs (training's GPU default)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=0, help="chunked cross-entropy (0: full logits)")
     parser.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES (default: all)")
     args = parser.parse_args()
