@@ -995,3 +995,102 @@ def test_plan_of_a_chat_config_counts_its_padded_or_packed_rows(chat_prepared):
                 assert estimate == made
             else:
                 assert made >= estimate > 0.85 * made
+
+
+GSM8K_SAMPLE = ROOT / "configs" / "eval" / "gsm8k_test_sample.jsonl"
+
+
+def _write_contaminated_sources(root: Path) -> tuple[Path, dict]:
+    """A web source with three GSM8k test questions planted verbatim in documents 5, 17 and 30 (and the first 12
+    words of the fourth, one short of an n-gram, in document 23), a mirror source holding three of web's documents
+    byte for byte, one with other case, and one document twice, and a pretraining chat source with the fourth
+    question in a user message."""
+    rng = random.Random(2)
+    questions = [json.loads(line)["question"] for line in GSM8K_SAMPLE.read_text().splitlines()]
+    web = [_text(rng, 20, 60) for _ in range(40)]
+    for doc, question in zip((5, 17, 30), questions):
+        web[doc] = f"{_text(rng, 5, 10)} {question} {_text(rng, 5, 10)}"
+    web[23] = " ".join(questions[3].split()[:12]) + " " + _text(rng, 5, 10)
+    mirror = [web[1], _text(rng, 20, 60), web[2], web[3].upper(), _text(rng, 20, 60), web[9]]
+    twice = _text(rng, 20, 60)
+    mirror += [twice, _text(rng, 20, 60), twice]
+    talk = [[{"role": "user", "content": _text(rng, 3, 20)}, {"role": "assistant", "content": _text(rng, 3, 30)}]
+            for _ in range(8)]
+    talk[6][0]["content"] = questions[3]
+    for name, docs in (("web", web), ("mirror", mirror)):
+        (root / name).mkdir()
+        (root / name / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    (root / "talk").mkdir()
+    pq.write_table(pa.table({"messages": talk}), root / "talk" / "talk.parquet")
+    sources = root / "sources.yaml"
+    sources.write_text("- {name: web, local_dir: web, features: [text]}\n"
+                       "- {name: mirror, local_dir: mirror, features: [text]}\n"
+                       "- {name: talk, local_dir: talk, features: [messages], needs_chat_templating: true}\n")
+    return sources, {"web": web, "mirror": mirror}
+
+
+def test_decontamination_drops_or_reports_planted_test_questions_and_exact_duplicates_are_dropped_once(
+        prepared, tmp_path, capsys):
+    """decontaminate (13-grams against the GSM8k sample) drops the documents holding a test question, a chat
+    message's included, counts them per source in the manifest and lists them; with mode report they are listed
+    and kept. dedup exact drops the mirror's copies of web documents and its second copy of its own document, not
+    the one that differs in case. Dropped documents never reach packing; the filter stage resumes keeping its
+    committed files."""
+    sources, texts = _write_contaminated_sources(tmp_path)
+    config = _config(tmp_path, sources)
+    with open(config, "a") as f:
+        f.write(f"decontaminate: {{mode: drop, ngram: 13, against: [{GSM8K_SAMPLE}]}}\ndedup: exact\n")
+    out = tmp_path / "out"
+    args = ["--quiet", "--config", str(config), f"tokenizer.path={prepared[0] / 'out' / 'tokenizer'}", "num_shards=2"]
+    capsys.readouterr()
+    assert prepare_data.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "[filter] web: 40 documents -> 37 kept; decontaminated: 3 dropped; exact duplicates dropped: 0" in printed
+    assert "[filter] mirror: 9 documents -> 5 kept; decontaminated: 0 dropped; exact duplicates dropped: 4" in printed
+    assert "[filter] talk: 8 documents -> 7 kept; decontaminated: 1 dropped; exact duplicates dropped: 0" in printed
+    manifest = read_manifest(out / "shards")
+    assert manifest["document_filters"] == {
+        "web": {"decontaminated": {"dropped": 3}, "exact_duplicates_dropped": 0},
+        "mirror": {"decontaminated": {"dropped": 0}, "exact_duplicates_dropped": 4},
+        "talk": {"decontaminated": {"dropped": 1}, "exact_duplicates_dropped": 0}}
+    assert {name: s["docs"] for name, s in manifest["sources"].items()} == {"web": 37, "mirror": 5, "talk": 7}
+    filtered = {name: pq.read_table(out / "filtered" / name / "00000.parquet").column("text").to_pylist()
+                for name in texts}
+    assert filtered == {"web": [t for i, t in enumerate(texts["web"]) if i not in (5, 17, 30)],
+                        "mirror": [texts["mirror"][i] for i in (1, 3, 4, 6, 7)]}
+    report = [json.loads(line) for line in (out / "filtered" / "decontamination.jsonl").read_text().splitlines()]
+    assert [(r["source"], r["doc_id"], r["item"], r["dropped"]) for r in report] == [
+        ("web", 5, f"{GSM8K_SAMPLE}, line 1, question", True), ("web", 17, f"{GSM8K_SAMPLE}, line 2, question", True),
+        ("web", 30, f"{GSM8K_SAMPLE}, line 3, question", True), ("talk", 6, f"{GSM8K_SAMPLE}, line 4, question", True)]
+    assert report[0]["gram"] == "janets ducks lay 16 eggs per day she eats three for breakfast every"
+    assert report[0]["file"] == str(tmp_path / "web" / "docs.jsonl")
+    # files without a dropped document are hard links to the staged file, not copies
+    talk_staged = out / "staging" / "talk" / "00000.parquet"
+    assert os.stat(out / "filtered" / "talk" / "00000.parquet").st_ino != talk_staged.stat().st_ino  # one dropped
+
+    # resume: an interrupted filter stage keeps its committed files
+    marker = json.loads((out / "filtered" / "_COMPLETE.json").read_text())
+    shutil.rmtree(out / "shards")
+    (out / "filtered").rename(out / "filtered.partial")
+    (out / "filtered.partial" / "_COMPLETE.json").unlink()
+    (out / "filtered.partial" / "_PLAN.json").write_text(json.dumps({"fingerprint": marker["fingerprint"]}))
+    (out / "filtered.partial" / "mirror" / "00000.parquet").unlink()
+    kept = out / "filtered.partial" / "web" / "00000.parquet"
+    kept_mtime = kept.stat().st_mtime_ns
+    assert prepare_data.main([*args, "--stage", "filter"]) == 0
+    assert "[filter] resuming" in capsys.readouterr().out
+    assert (out / "filtered" / "web" / "00000.parquet").stat().st_mtime_ns == kept_mtime
+    assert json.loads((out / "filtered" / "_COMPLETE.json").read_text()) == marker
+
+    # mode report: listed and kept (the pack stage and the shards follow the new settings)
+    assert prepare_data.main([*args, "decontaminate.mode=report"]) == 0
+    printed = capsys.readouterr().out
+    assert "[filter] web: 40 documents -> 40 kept; decontaminated: 3 reported; exact duplicates dropped: 0" in printed
+    manifest = read_manifest(out / "shards")
+    assert manifest["document_filters"]["talk"] == {"decontaminated": {"reported": 1}, "exact_duplicates_dropped": 0}
+    assert {name: s["docs"] for name, s in manifest["sources"].items()} == {"web": 40, "mirror": 5, "talk": 8}
+    report = [json.loads(line) for line in (out / "filtered" / "decontamination.jsonl").read_text().splitlines()]
+    assert [(r["source"], r["doc_id"], r["dropped"]) for r in report] == [
+        ("web", 5, False), ("web", 17, False), ("web", 30, False), ("talk", 6, False)]
+    web_filtered = out / "filtered" / "web" / "00000.parquet"
+    assert web_filtered.stat().st_ino == (out / "staging" / "web" / "00000.parquet").stat().st_ino

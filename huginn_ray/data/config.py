@@ -12,6 +12,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from huginn_ray.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigError, Range, check_ranges, load_config
 
@@ -65,6 +66,18 @@ class ChatRowsConfig:
 
 
 @dataclass
+class DecontaminateConfig:
+    mode: Literal["off", "drop", "report"] = "off"
+    """'drop': training documents that share an n-gram with an evaluation set are left out (and listed);
+    'report': listed and kept; 'off': not checked. The list: `<output_dir>/filtered/decontamination.jsonl`."""
+    ngram: int = 13
+    """Words per n-gram (GPT-3 and Llama 2 use 13); an evaluation item with fewer words is one gram of all of them."""
+    against: list[str] = field(default_factory=list)
+    """Evaluation files: JSONL or parquet records with `question` and `answer` strings (GSM8k's test format);
+    relative to the config file."""
+
+
+@dataclass
 class LocalRayConfig:
     num_cpus: int | None = None
     """CPUs of a Ray instance this job starts itself (ignored when connecting to a running cluster)."""
@@ -101,6 +114,11 @@ class DataConfig:
     """Global shuffle into per-rank shards."""
     chat: ChatRowsConfig = field(default_factory=ChatRowsConfig)
     """Rows of chat sources (`kind: chat`); ignored by other sources."""
+    decontaminate: DecontaminateConfig = field(default_factory=DecontaminateConfig)
+    """Training documents that share an n-gram with an evaluation set (huginn_ray/data/decontaminate.py)."""
+    dedup: Literal["none", "exact"] = "none"
+    """'exact': of documents with the same text, across all sources, only the first (in source-list, file, row
+    order) is kept (huginn_ray/data/doc_dedup.py)."""
     local_ray: LocalRayConfig = field(default_factory=LocalRayConfig)
     """Settings of a Ray instance the job starts itself."""
 
@@ -119,6 +137,9 @@ class DataConfig:
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"val_fraction: must be in (0, 1), got {self.val_fraction}")
         check_ranges(self, DATA_RANGES)
+        if self.decontaminate.mode != "off" and not self.decontaminate.against:
+            raise ConfigError(f"decontaminate.against: mode {self.decontaminate.mode!r} needs at least one "
+                              "evaluation file")
         if not self.output_dir:
             raise ConfigError("output_dir: must be set")
 
@@ -138,6 +159,7 @@ DATA_RANGES: dict[str, Range] = {
     "download.backoff_max_s": NON_NEGATIVE,
     "tokenizer.vocab_size": Range(33),  # more than the 32 special tokens at the top (train_tokenizer checks the rest)
     "tokenizer.max_token_length": AT_LEAST_1,
+    "decontaminate.ngram": AT_LEAST_1,
     "local_ray.num_cpus": AT_LEAST_1,
     "local_ray.object_store_mib": POSITIVE,
 }
@@ -147,8 +169,13 @@ def load_data_config(path: str | Path, overrides: list[str] | tuple[str, ...] = 
     path = Path(path).resolve()
     cfg = load_config(DataConfig, path, overrides)
     base = path.parent
+    against = [str(_resolve(p, base)) for p in cfg.decontaminate.against]
+    for i, p in enumerate(against):
+        if not Path(p).is_file():
+            raise ConfigError(f"decontaminate.against[{i}]: no such file: {p}")
     return dataclasses.replace(
         cfg,
+        decontaminate=dataclasses.replace(cfg.decontaminate, against=against),
         sources=str(_resolve(cfg.sources, base)),
         output_dir=str(_resolve(os.path.expanduser(cfg.output_dir), Path.cwd())),
         tokenizer=dataclasses.replace(

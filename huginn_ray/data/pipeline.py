@@ -1,4 +1,4 @@
-"""The data preparation job, stage by stage: download -> staging -> pack -> shuffle.
+"""The data preparation job, stage by stage: download -> staging -> filter -> pack -> shuffle.
 
 Each stage reads the previous stage's output from disk and skips itself when its own output is complete and was
 built from the same inputs (huginn_ray/data/layout.py), so a rerun after a failure redoes only what is missing,
@@ -7,6 +7,7 @@ and `--stage NAME` runs one stage alone.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -21,7 +22,9 @@ from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_sources, downloaded_files
 from huginn_ray.data.plan import build_plan
+from huginn_ray.data.decontaminate import NgramSet, build_ngram_set
 from huginn_ray.data.dedup import find_val_duplicates
+from huginn_ray.data.doc_filter import filter_counts, filter_fingerprint, run_filter
 from huginn_ray.data.execution import original_error
 from huginn_ray.data.shards import MANIFEST, per_file_method, run_shuffle, shards_per_file
 from huginn_ray.data.sources import Source, load_sources
@@ -30,7 +33,7 @@ from huginn_ray.data.tokenize_pack import pack_fingerprint, run_pack
 from huginn_ray.data.tokens import TokenRangeError, token_dtype
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, file_sha256, special_token_ids
 
-STAGES = ("download", "staging", "pack", "shuffle")
+STAGES = ("download", "staging", "filter", "pack", "shuffle")
 
 
 def init_ray(cfg: DataConfig, quiet: bool = False) -> Callable[[], None]:
@@ -148,6 +151,48 @@ def staging_markers(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]:
     return markers
 
 
+def filters_on(cfg: DataConfig) -> bool:
+    return cfg.decontaminate.mode != "off" or cfg.dedup != "none"
+
+
+def eval_ngrams(cfg: DataConfig) -> NgramSet | None:
+    """The evaluation sets' n-gram set (None when decontamination is off); built from small files, so every run
+    builds it first, refusing a bad evaluation file by name before any stage runs."""
+    if cfg.decontaminate.mode == "off":
+        return None
+    return build_ngram_set(cfg.decontaminate.against, cfg.decontaminate.ngram)
+
+
+def expected_filter_fingerprint(cfg: DataConfig, sources: list[Source], markers: dict[str, dict],
+                                ngrams: NgramSet | None) -> str:
+    return filter_fingerprint(sources, markers, cfg.decontaminate.mode, cfg.decontaminate.ngram,
+                              ngrams.digest if ngrams else None, cfg.dedup)
+
+
+def run_stage_filter(cfg: DataConfig, sources: list[Source], ngrams: NgramSet | None = None) -> dict:
+    if packed_only(sources) or not filters_on(cfg):
+        print("[filter] decontaminate and dedup are off" if not packed_only(sources) else
+              "[filter] packed sources: nothing to filter", flush=True)
+        return {}
+    markers = staging_markers(cfg, sources)
+    return run_filter(sources, markers, cfg.root / "staging", cfg.root / "filtered", mode=cfg.decontaminate.mode,
+                      ngrams=ngrams, dedup=cfg.dedup,
+                      fingerprint=expected_filter_fingerprint(cfg, sources, markers, ngrams))
+
+
+def documents_to_pack(cfg: DataConfig, sources: list[Source], ngrams: NgramSet | None) -> tuple[Path, dict]:
+    """Where the pack stage reads documents, with their markers: `filtered/` when a filter is on, else `staging/`.
+    Sources the filter skips (weight 0) keep their staging markers."""
+    markers = staging_markers(cfg, sources)
+    if not filters_on(cfg):
+        return cfg.root / "staging", markers
+    filtered = layout.read_marker(cfg.root / "filtered")
+    if filtered is None or filtered["fingerprint"] != expected_filter_fingerprint(cfg, sources, markers, ngrams):
+        raise DataError(f"no filtered documents for these sources and settings at {cfg.root / 'filtered'}; run "
+                        "the filter stage first")
+    return cfg.root / "filtered", {**markers, **filtered["sources"]}
+
+
 def tokenizer_facts(cfg: DataConfig) -> dict:
     tokenizer_file = cfg.tokenizer_dir / TOKENIZER_FILE
     if not tokenizer_file.is_file():
@@ -171,11 +216,11 @@ def check_document_delimiters(tokenizer_file: str, bos_id: int, eos_id: int) -> 
                         "(jobs/train_tokenizer.py writes one)")
 
 
-def run_stage_pack(cfg: DataConfig, sources: list[Source]) -> dict:
+def run_stage_pack(cfg: DataConfig, sources: list[Source], ngrams: NgramSet | None = None) -> dict:
     if packed_only(sources):
         print("[pack] packed sources: nothing to tokenise or pack", flush=True)
         return {}
-    markers = staging_markers(cfg, sources)
+    documents, markers = documents_to_pack(cfg, sources, ngrams)
     facts = tokenizer_facts(cfg)
     check_document_delimiters(facts["tokenizer_file"], facts["bos_id"], facts["eos_id"])
     fingerprint = pack_fingerprint(sources, markers, facts["tokenizer_sha256"], cfg.seq_len, cfg.seed,
@@ -188,7 +233,7 @@ def run_stage_pack(cfg: DataConfig, sources: list[Source]) -> dict:
             chat_token_ids(Tokenizer.from_file(facts["tokenizer_file"]))
         except ValueError as err:
             raise DataError(f"{facts['tokenizer_file']}: {err}") from None
-    return run_pack(sources, markers, cfg.root / "staging", Path(facts["tokenizer_file"]), cfg.root / "packed",
+    return run_pack(sources, markers, documents, Path(facts["tokenizer_file"]), cfg.root / "packed",
                     seq_len=cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
                     docs_per_batch=cfg.docs_per_pack_batch, vocab_size=facts["vocab_size"],
                     fingerprint=fingerprint, extra_marker=facts, chat_pack=cfg.chat.pack)
@@ -374,6 +419,11 @@ def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:
                  empty_sources=empty, staged_documents={n: m["rows"] for n, m in markers.items()},
                  records={n: {k: v for k, v in m["records"].items() if k != "first_bad"} for n, m in markers.items()},
                  provenance=run_provenance(cfg, sources))
+    if filters_on(cfg):
+        filtered = layout.read_marker(cfg.root / "filtered")
+        if filtered is None:
+            raise DataError(f"no filtered documents at {cfg.root / 'filtered'}; run the filter stage first")
+        extra["document_filters"] = filter_counts(filtered)
     files = [{"path": str(cfg.root / "packed" / f["file"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]}
              for f in pack_marker["files"]]
     return run_shuffle(files, pack_marker["seq_len"] + 1, cfg.root / "shards", num_shards=cfg.num_shards,
@@ -390,9 +440,11 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     plan = build_plan(cfg, sources)  # refuses a run whose peak disk does not fit output_dir's free space
     print(f"[plan] about {plan['estimated_tokens']:,d} packed tokens, peak disk "
           f"{plan['peak_disk_bytes'] / 2**30:.2f} GiB ({plan['free_bytes'] / 2**30:.1f} GiB free)", flush=True)
+    ngrams = eval_ngrams(cfg)  # a bad evaluation file is refused before any stage runs
     layout.clean_stale_under(cfg.root)
     steps = {"download": run_stage_download, "staging": run_stage_staging,
-             "pack": run_stage_pack, "shuffle": run_stage_shuffle}
+             "filter": functools.partial(run_stage_filter, ngrams=ngrams),
+             "pack": functools.partial(run_stage_pack, ngrams=ngrams), "shuffle": run_stage_shuffle}
     result: dict = {}
     for stage in STAGES:
         if stage not in stages:

@@ -1,0 +1,193 @@
+"""Decontamination: which training documents share an n-gram with an evaluation set.
+
+    ngrams = build_ngram_set(["configs/eval/gsm8k_test_sample.jsonl"], n=13)   # once, on the driver
+    match = first_match(document_words(text, chat=False), ngrams)              # per document, in a task
+
+Normalisation, as the GPT-3 (Brown et al. 2020, appendix C) and Llama 2 (Touvron et al. 2023, §4.6) reports do
+it: lowercase, strip punctuation (every character that is neither a word character nor whitespace, and `_`), split
+on whitespace; an n-gram is n consecutive words. An evaluation item (a GSM8k question, an answer) shorter than n
+words counts as one gram of all its words, so documents are also checked for grams of that length.
+
+Hashes, so the set is small and the check vectorised: a word's hash is the 64-bit blake2b of its UTF-8 bytes;
+a gram's hash is the polynomial `sum(word_hash[j] * P^(len-1-j)) mod 2^64` over its words, computed for all
+positions of a document at once with NumPy. A document matches when one of its grams' hashes is in the set (a
+false match needs a 64-bit collision). The set is a pair of arrays sorted by hash (the hash, and the evaluation
+item it comes from), written under the data root and shipped to tasks through Ray's object store.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from huginn_ray.data.formatting import DataError
+
+POLY = np.uint64(0x9E3779B97F4A7C15)
+"""The polynomial's base (odd, so no gram's hash loses its first words' bits)."""
+_NOT_WORD = re.compile(r"[^\w\s]|_")
+EVAL_FIELDS = ("question", "answer")
+"""The fields of an evaluation record (GSM8k's test format) whose text is checked, each as its own item."""
+
+
+def normalise(text: str) -> list[str]:
+    """Lowercased words of `text` with punctuation removed (`"Janet's ducks, 16."` -> `["janets", "ducks", "16"]`)."""
+    return _NOT_WORD.sub("", text.lower()).split()
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def word_hash(word: str) -> int:
+    """64-bit blake2b of a word's UTF-8 bytes (cached: word frequencies are Zipfian)."""
+    return int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "little")
+
+
+def gram_hashes(words: list[str], n: int) -> np.ndarray:
+    """Hashes of every run of n consecutive words (len(words) - n + 1 of them; none when there are fewer)."""
+    if len(words) < n:
+        return np.zeros(0, np.uint64)
+    w = np.fromiter((word_hash(x) for x in words), np.uint64, len(words))
+    count = len(words) - n + 1
+    acc = np.zeros(count, np.uint64)
+    with np.errstate(over="ignore"):  # mod 2^64 is the point
+        for j in range(n):
+            acc = acc * POLY + w[j:j + count]
+    return acc
+
+
+@dataclass(frozen=True)
+class NgramSet:
+    """The evaluation sets' grams: `hashes` sorted (uint64), `items[i]` the evaluation item of hashes[i], `lengths`
+    the gram lengths to check (n, and the word counts of items shorter than n), `sources` per item its file and
+    1-based line or row."""
+
+    n: int
+    hashes: np.ndarray
+    items: np.ndarray
+    lengths: tuple[int, ...]
+    sources: list[str]
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the set's content: part of every downstream fingerprint."""
+        h = hashlib.sha256(json.dumps([self.n, list(self.lengths)]).encode())
+        h.update(self.hashes.tobytes())
+        return h.hexdigest()
+
+
+def read_eval_items(path: Path) -> list[tuple[str, str]]:
+    """(where, text) of every question and answer of an evaluation file: JSONL or parquet records holding
+    `question` and `answer` strings (GSM8k's test format). A file or record without them is refused by name."""
+    if not path.is_file():
+        raise DataError(f"decontaminate.against: no such file: {path}")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        missing = [f for f in EVAL_FIELDS if f not in table.column_names]
+        if missing:
+            raise DataError(f"decontaminate.against: {path}: no column {missing[0]!r} (expected {list(EVAL_FIELDS)})")
+        records = [(f"row {i + 1}", r) for i, r in enumerate(table.select(list(EVAL_FIELDS)).to_pylist())]
+    elif path.name.endswith(".jsonl"):
+        records = []
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+            if line.strip():
+                try:
+                    records.append((f"line {i + 1}", json.loads(line)))
+                except json.JSONDecodeError as err:
+                    raise DataError(f"decontaminate.against: {path}, line {i + 1}: invalid JSON: {err}") from None
+    else:
+        raise DataError(f"decontaminate.against: {path}: expected a .jsonl or .parquet file of {list(EVAL_FIELDS)}")
+    items = []
+    for where, record in records:
+        for field in EVAL_FIELDS:
+            value = record.get(field) if isinstance(record, dict) else None
+            if not isinstance(value, str):
+                raise DataError(f"decontaminate.against: {path}, {where}: field {field!r} must be a string, "
+                                f"got {type(value).__name__}")
+            items.append((f"{path}, {where}, {field}", value))
+    if not items:
+        raise DataError(f"decontaminate.against: {path}: no records")
+    return items
+
+
+def build_ngram_set(paths: list[str], n: int) -> NgramSet:
+    """Every n-gram of every question and answer of the evaluation files (an item shorter than n: itself)."""
+    hashes, items, lengths, sources = [], [], {n}, []
+    for path in paths:
+        for where, text in read_eval_items(Path(path)):
+            words = normalise(text)
+            if not words:
+                continue
+            size = min(n, len(words))
+            lengths.add(size)
+            grams = gram_hashes(words, size)
+            hashes.append(grams)
+            items.append(np.full(len(grams), len(sources), np.uint32))
+            sources.append(where)
+    all_hashes = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
+    all_items = np.concatenate(items) if items else np.zeros(0, np.uint32)
+    order = np.lexsort((all_items, all_hashes))  # by hash, then item: the same set for the same files
+    return NgramSet(n, all_hashes[order], all_items[order], tuple(sorted(lengths)), sources)
+
+
+def save_ngram_set(ngrams: NgramSet, directory: Path) -> None:
+    """`ngrams.npy` (hash, item) and `ngrams.json` (n, lengths, item sources, digest) under `directory`."""
+    from huginn_ray.data import layout
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = layout.temp_path(directory / "ngrams.npy")
+    with open(tmp, "wb") as f:
+        np.save(f, np.stack([ngrams.hashes, ngrams.items.astype(np.uint64)], axis=1))
+    layout.commit_file(tmp, directory / "ngrams.npy")
+    layout.write_json(directory / "ngrams.json", {"n": ngrams.n, "lengths": list(ngrams.lengths),
+                                                  "grams": len(ngrams.hashes), "items": ngrams.sources,
+                                                  "digest": ngrams.digest})
+
+
+def document_words(text: str, chat: bool) -> list[list[str]]:
+    """The normalised words of a staged document, one list per piece of content checked on its own: the text
+    itself, or for chat sources (staged as JSON) each message's content and each text part, so that role names
+    and JSON syntax never join the words of two messages."""
+    if not chat:
+        return [normalise(text)]
+    pieces = []
+    for part in json.loads(text):
+        if isinstance(part, str):  # a pretraining chat document's text part
+            pieces.append(part)
+        elif isinstance(part, dict):  # a conversation's message (kind: chat)
+            pieces.append(part.get("content") or "")
+        else:  # a pretraining chat document's [role, content]
+            pieces.append(part[1])
+    return [normalise(p) for p in pieces]
+
+
+@dataclass(frozen=True)
+class Match:
+    """A document's first gram found in the evaluation set: its words and the evaluation item it came from."""
+
+    gram: str
+    item: int
+
+
+def first_match(pieces: list[list[str]], hashes: np.ndarray, items: np.ndarray,
+                lengths: tuple[int, ...]) -> Match | None:
+    """The document's first gram in the set (first piece, then the shortest length, then the first position), else
+    None."""
+    if not len(hashes):
+        return None
+    for words in pieces:
+        for size in lengths:
+            grams = gram_hashes(words, size)
+            if not len(grams):
+                continue
+            at = np.searchsorted(hashes, grams)
+            hit = np.flatnonzero(hashes[np.minimum(at, len(hashes) - 1)] == grams)
+            if len(hit):
+                i = int(hit[0])
+                return Match(" ".join(words[i:i + size]), int(items[at[i]]))
+    return None
