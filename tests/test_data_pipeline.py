@@ -1001,7 +1001,8 @@ GSM8K_SAMPLE = ROOT / "configs" / "eval" / "gsm8k_test_sample.jsonl"
 
 
 def _write_contaminated_sources(root: Path) -> tuple[Path, dict]:
-    """A web source with three GSM8k test questions planted verbatim in documents 5, 17 and 30 (and the first 12
+    """A web source with three GSM8k test questions planted verbatim in documents 5, 17 (upper case, punctuation
+    moved) and 30 (and the first 12
     words of the fourth, one short of an n-gram, in document 23), a mirror source holding three of web's documents
     byte for byte, one with other case, and one document twice, and a pretraining chat source with the fourth
     question in a user message."""
@@ -1010,6 +1011,7 @@ def _write_contaminated_sources(root: Path) -> tuple[Path, dict]:
     web = [_text(rng, 20, 60) for _ in range(40)]
     for doc, question in zip((5, 17, 30), questions):
         web[doc] = f"{_text(rng, 5, 10)} {question} {_text(rng, 5, 10)}"
+    web[17] = web[17].upper().replace(".", " .").replace("?", "")  # matched after normalisation only
     web[23] = " ".join(questions[3].split()[:12]) + " " + _text(rng, 5, 10)
     mirror = [web[1], _text(rng, 20, 60), web[2], web[3].upper(), _text(rng, 20, 60), web[9]]
     twice = _text(rng, 20, 60)
