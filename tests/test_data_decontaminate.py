@@ -15,7 +15,8 @@ from huginn_ray.config import ConfigError
 from huginn_ray.data.config import load_data_config
 from huginn_ray.data.decontaminate import (Match, build_ngram_set, document_words, first_match, gram_hashes,
                                            normalise)
-from huginn_ray.data.doc_dedup import bucket_bounds, bucket_duplicates, duplicate_rows, hash_table
+from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_duplicates, duplicate_rows, hash_table,
+                                       merge_hash_tables)
 from huginn_ray.data.formatting import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +104,8 @@ def test_exact_dedup_keeps_the_first_occurrence_whatever_the_bucket_count(tmp_pa
     tables = []
     for i, texts in enumerate(files):
         tables.append(str(tmp_path / f"{i}.npy"))
-        np.save(tables[-1], hash_table(texts))
+        np.save(tables[-1], merge_hash_tables([hash_table(texts[:7]), hash_table(texts[7:20]), hash_table(texts[20:])]))
+        assert np.array_equal(np.load(tables[-1]), hash_table(texts))  # a file read in batches: the same table
     seen, expected = set(), []
     for texts in files:
         rows = []

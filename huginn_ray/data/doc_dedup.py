@@ -6,7 +6,8 @@ document's staged JSON is its messages, so two identical conversations are dupli
 document's key, `(file ordinal << 32) | row`: file ordinals number the staged files in source-list order, then
 file order, so the decision does not depend on task timing. Three steps (run by huginn_ray/data/doc_filter.py):
 
-1. per staged file, `hash_table(texts)`: (hash, row) pairs sorted by hash, saved as one .npy file;
+1. per staged file, `hash_table(texts)` per batch of documents, `merge_hash_tables`: (hash, row) pairs sorted by
+   hash, saved as one .npy file;
 2. per hash bucket (`bucket_bounds`: the 2^64 hash values cut into equal ranges), `bucket_duplicates`: the slice
    of every file's table in the bucket's range (two binary searches in a memory map per file), sorted by
    (hash, key): every entry after the first of its hash is a duplicate; their keys, sorted, in one .npy file;
@@ -36,6 +37,16 @@ def hash_table(texts: list[str]) -> np.ndarray:
     rows = np.arange(len(texts), dtype=np.uint64)
     order = np.lexsort((rows, hashes))
     return np.stack([hashes[order], rows[order]], axis=1)
+
+
+def merge_hash_tables(parts: list[np.ndarray]) -> np.ndarray:
+    """One file's `hash_table` from the tables of its consecutive batches (rows renumbered from 0)."""
+    offset, shifted = 0, []
+    for part in parts:
+        shifted.append(part + np.array([0, offset], np.uint64))
+        offset += len(part)
+    table = np.concatenate(shifted) if shifted else np.zeros((0, 2), np.uint64)
+    return table[np.lexsort((table[:, 1], table[:, 0]))]
 
 
 def bucket_bounds(buckets: int) -> list[tuple[int, int]]:

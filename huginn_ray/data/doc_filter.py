@@ -35,14 +35,18 @@ import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
 from huginn_ray.data.decontaminate import NgramSet, document_words, first_match, save_ngram_set
-from huginn_ray.data.doc_dedup import bucket_bounds, bucket_duplicates, duplicate_rows, hash_table
+from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_duplicates, duplicate_rows, hash_table,
+                                       merge_hash_tables)
 from huginn_ray.data.execution import run_tasks
 from huginn_ray.data.sources import Source
+from huginn_ray.data.staging import STAGING_SCHEMA
 from huginn_ray.data.staging import STATS_KEY as STAGING_STATS_KEY
 
 FILTER_VERSION = 1
-DOCS_PER_BUCKET = 1 << 23
-"""Documents one dedup task sorts (8 M: 128 MiB of (hash, key) pairs, ~3x that while sorting)."""
+DOCS_PER_BUCKET = 1 << 24
+"""Documents one dedup task sorts (16 M: 256 MiB of (hash, key) pairs, ~3x that while sorting)."""
+READ_BATCH_ROWS = 4096
+"""Staged documents a scan or filter task holds at a time (the files are read in batches of this many)."""
 STATS_KEY = b"huginn_ray.filter"  # a rewritten file's row and character counts, in its parquet footer
 REPORT = "decontamination.jsonl"
 
@@ -63,20 +67,24 @@ def scan_file(ordinal: int, path: str, chat: bool, *, ngrams, lengths: tuple[int
     import ray
 
     hashes, items = ray.get(ngrams) if ngrams is not None else (np.zeros(0, np.uint64), None)
-    staged = pq.read_table(path, columns=["text", "doc_id"])
-    texts = staged.column("text").to_pylist()
-    matches = []
-    if len(hashes):
-        for row, (text, doc_id) in enumerate(zip(texts, staged.column("doc_id").to_pylist())):
-            match = first_match(document_words(text, chat), hashes, items, lengths)
-            if match is not None:
-                matches.append({"row": row, "doc_id": doc_id, "gram": match.gram, "item": match.item})
+    matches, content, row = [], [], 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=READ_BATCH_ROWS, columns=["text", "doc_id"]):
+        texts = batch.column("text").to_pylist()
+        content.append(hash_table(texts))
+        if len(hashes):
+            for text, doc_id in zip(texts, batch.column("doc_id").to_pylist()):
+                match = first_match(document_words(text, chat), hashes, items, lengths)
+                if match is not None:
+                    matches.append({"row": row, "doc_id": doc_id, "gram": match.gram, "item": match.item})
+                row += 1
+        else:
+            row += len(texts)
     tmp = layout.temp_path(matches_path)
     tmp.write_text(json.dumps(matches))
     layout.commit_file(tmp, matches_path)
     tmp = layout.temp_path(table_path)
     with open(tmp, "wb") as f:
-        np.save(f, hash_table(texts))
+        np.save(f, merge_hash_tables(content))
     layout.commit_file(tmp, table_path)
     return {"matches": matches}
 
@@ -108,12 +116,19 @@ def filter_file(ordinal: int, staged: str, out: str, drop_rows: list[int], *, du
             except OSError:  # another file system, or links not supported
                 shutil.copyfile(staged, tmp)
         else:
-            table = pq.read_table(staged)
-            keep = np.ones(table.num_rows, bool)
+            source = pq.ParquetFile(staged)
+            keep = np.ones(source.metadata.num_rows, bool)
             keep[np.union1d(duplicates, contaminated)] = False
-            table = table.filter(pa.array(keep))
-            stats = {"rows": table.num_rows, "chars": int(pc.sum(pc.utf8_length(table.column("text"))).as_py() or 0)}
-            pq.write_table(table.replace_schema_metadata({STATS_KEY: json.dumps(stats)}), tmp)
+            rows = chars = start = 0
+            with pq.ParquetWriter(tmp, STAGING_SCHEMA) as writer:
+                for batch in source.iter_batches(batch_size=READ_BATCH_ROWS):
+                    kept = batch.filter(pa.array(keep[start:start + batch.num_rows]))
+                    start += batch.num_rows
+                    if kept.num_rows:
+                        writer.write_batch(kept)
+                        rows += kept.num_rows
+                        chars += int(pc.sum(pc.utf8_length(kept.column("text"))).as_py() or 0)
+                writer.add_key_value_metadata({STATS_KEY: json.dumps({"rows": rows, "chars": chars})})
         layout.commit_file(tmp, out_path)
     metadata = pq.read_metadata(out_path).metadata or {}
     stats = json.loads(metadata.get(STATS_KEY) or metadata[STAGING_STATS_KEY])
