@@ -1080,7 +1080,8 @@ def test_decontamination_drops_or_reports_planted_test_questions_and_exact_dupli
     kept = out / "filtered.partial" / "web" / "00000.parquet"
     kept_mtime = kept.stat().st_mtime_ns
     assert prepare_data.main([*args, "--stage", "filter"]) == 0
-    assert "[filter] resuming" in capsys.readouterr().out
+    assert f"[filter] resuming {out / 'filtered.partial'}: 2/3 filtered files already written are kept" in (
+        capsys.readouterr().out)
     assert (out / "filtered" / "web" / "00000.parquet").stat().st_mtime_ns == kept_mtime
     assert json.loads((out / "filtered" / "_COMPLETE.json").read_text()) == marker
 

@@ -149,7 +149,7 @@ def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Pa
               flush=True)
         return marker
     files = [(source, f) for source in sources if source.weight > 0 for f in markers[source.name]["files"]]
-    work = layout.resumable_work_dir(out_root, fingerprint, "filter", "filtered files")
+    work = layout.resumable_work_dir(out_root, fingerprint, "filter", "filtered files", len(files))
     scan_dir, dups_dir = work / "scan", work / "dups"
     scan_dir.mkdir(exist_ok=True)
     dups_dir.mkdir(exist_ok=True)

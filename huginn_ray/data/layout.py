@@ -148,7 +148,7 @@ def resumable_work_dir(final: Path, fingerprint: str, stage: str, noun: str, tot
     work = final.with_name(final.name + ".partial")
     previous = read_marker(work, PLAN)
     if previous is not None and previous.get("fingerprint") == fingerprint:
-        done = sum(1 for _ in work.glob("*.parquet"))
+        done = sum(1 for _ in work.rglob("*.parquet"))  # a stage may write one folder per source
         print(f"[{stage}] resuming {work}: {done}{f'/{total}' if total is not None else ''} {noun} already "
               "written are kept", flush=True)
         remove_temp_files(work)

@@ -437,10 +437,10 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     """Run the given stages in order; returns the shard manifest when the shuffle stage ran."""
     sources = load_sources(cfg.sources)
     check_sources(sources)  # before the plan samples their files
+    ngrams = eval_ngrams(cfg)  # a bad evaluation file is refused before the plan and any stage
     plan = build_plan(cfg, sources)  # refuses a run whose peak disk does not fit output_dir's free space
     print(f"[plan] about {plan['estimated_tokens']:,d} packed tokens, peak disk "
           f"{plan['peak_disk_bytes'] / 2**30:.2f} GiB ({plan['free_bytes'] / 2**30:.1f} GiB free)", flush=True)
-    ngrams = eval_ngrams(cfg)  # a bad evaluation file is refused before any stage runs
     layout.clean_stale_under(cfg.root)
     steps = {"download": run_stage_download, "staging": run_stage_staging,
              "filter": functools.partial(run_stage_filter, ngrams=ngrams),
