@@ -1,4 +1,4 @@
-"""Prepare training data: download -> staging -> filter (optional) -> tokenize/pack -> global shuffle into per-rank shards.
+"""Prepare training data: download -> staging -> filter -> tokenize/pack -> global shuffle into per-rank shards.
 
     python jobs/prepare_data.py --config configs/data/demo.yaml [--stage pack ...] [--quiet] [key=value ...]
     python jobs/prepare_data.py --config configs/data/huginn.yaml --plan [--json]   # nothing is written
