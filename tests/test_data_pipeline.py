@@ -1097,3 +1097,10 @@ def test_decontamination_drops_or_reports_planted_test_questions_and_exact_dupli
         ("web", 5, False), ("web", 17, False), ("web", 30, False), ("talk", 6, False)]
     web_filtered = out / "filtered" / "web" / "00000.parquet"
     assert web_filtered.stat().st_ino == (out / "staging" / "web" / "00000.parquet").stat().st_ino
+
+    # dedup alone: no n-gram set, no report
+    assert prepare_data.main([*args, "decontaminate.mode=off", "--stage", "filter"]) == 0
+    printed = capsys.readouterr().out
+    assert "[filter] mirror: 9 documents -> 5 kept; decontaminated: off; exact duplicates dropped: 4" in printed
+    assert "[filter] web: 40 documents -> 40 kept; decontaminated: off; exact duplicates dropped: 0" in printed
+    assert sorted(p.name for p in (out / "filtered").iterdir()) == ["_COMPLETE.json", "mirror", "talk", "web"]
