@@ -84,7 +84,7 @@ def test_data_config_refuses_bad_decontaminate_and_dedup_keys_by_name(tmp_path):
     cfg = load_data_config(config, ["decontaminate.mode=drop", "decontaminate.against=[gsm8k.jsonl]"])
     assert cfg.decontaminate.against == [str(tmp_path / "gsm8k.jsonl")]  # relative to the config file
     for overrides, message in (
-            (["decontaminate.mode=remove"], "decontaminate.mode: 'remove' is not one of ['off', 'drop', 'report']"),
+            (["decontaminate.mode=remove"], "decontaminate.mode: 'remove' is not one of ['none', 'drop', 'report']"),
             (["decontaminate.ngram=0"], "decontaminate.ngram: must be in"),
             (["decontaminate.mode=drop"], "decontaminate.against: mode 'drop' needs at least one evaluation file"),
             (["decontaminate.against=[missing.jsonl]"],

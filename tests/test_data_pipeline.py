@@ -1099,7 +1099,7 @@ def test_decontamination_drops_or_reports_planted_test_questions_and_exact_dupli
     assert web_filtered.stat().st_ino == (out / "staging" / "web" / "00000.parquet").stat().st_ino
 
     # dedup alone: no n-gram set, no report
-    assert prepare_data.main([*args, "decontaminate.mode=off", "--stage", "filter"]) == 0
+    assert prepare_data.main([*args, "decontaminate.mode=none", "--stage", "filter"]) == 0
     printed = capsys.readouterr().out
     assert "[filter] mirror: 9 documents -> 5 kept; decontaminated: off; exact duplicates dropped: 4" in printed
     assert "[filter] web: 40 documents -> 40 kept; decontaminated: off; exact duplicates dropped: 0" in printed

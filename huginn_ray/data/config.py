@@ -67,9 +67,9 @@ class ChatRowsConfig:
 
 @dataclass
 class DecontaminateConfig:
-    mode: Literal["off", "drop", "report"] = "off"
+    mode: Literal["none", "drop", "report"] = "none"
     """'drop': training documents that share an n-gram with an evaluation set are left out (and listed);
-    'report': listed and kept; 'off': not checked. The list: `<output_dir>/filtered/decontamination.jsonl`."""
+    'report': listed and kept; 'none': not checked. The list: `<output_dir>/filtered/decontamination.jsonl`."""
     ngram: int = 13
     """Words per n-gram (GPT-3 and Llama 2 use 13); an evaluation item with fewer words is one gram of all of them."""
     against: list[str] = field(default_factory=list)
@@ -137,7 +137,7 @@ class DataConfig:
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"val_fraction: must be in (0, 1), got {self.val_fraction}")
         check_ranges(self, DATA_RANGES)
-        if self.decontaminate.mode != "off" and not self.decontaminate.against:
+        if self.decontaminate.mode != "none" and not self.decontaminate.against:
             raise ConfigError(f"decontaminate.against: mode {self.decontaminate.mode!r} needs at least one "
                               "evaluation file")
         if not self.output_dir:

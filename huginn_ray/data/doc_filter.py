@@ -192,7 +192,7 @@ def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Pa
         report += [{"source": source.name, "file": f["input"], "doc_id": m["doc_id"], "gram": m["gram"],
                     "item": ngrams.sources[m["item"]], "dropped": dropping} for m in scan["matches"]]
     for source in sources:
-        if source.weight > 0 and mode != "off":
+        if source.weight > 0 and mode != "none":
             matched = sum(1 for r in report if r["source"] == source.name)
             per_source[source.name]["decontaminated"] = {"dropped" if dropping else "reported": matched}
     if ngrams is not None:

@@ -152,13 +152,13 @@ def staging_markers(cfg: DataConfig, sources: list[Source]) -> dict[str, dict]:
 
 
 def filters_on(cfg: DataConfig) -> bool:
-    return cfg.decontaminate.mode != "off" or cfg.dedup != "none"
+    return cfg.decontaminate.mode != "none" or cfg.dedup != "none"
 
 
 def eval_ngrams(cfg: DataConfig) -> NgramSet | None:
     """The evaluation sets' n-gram set (None when decontamination is off); built from small files, so every run
     builds it first, refusing a bad evaluation file by name before any stage runs."""
-    if cfg.decontaminate.mode == "off":
+    if cfg.decontaminate.mode == "none":
         return None
     return build_ngram_set(cfg.decontaminate.against, cfg.decontaminate.ngram)
 
