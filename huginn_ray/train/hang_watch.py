@@ -60,16 +60,15 @@ def dump_dir(run_dir: Path) -> Path:
 
 
 def flight_recorder_env(run_dir: Path) -> dict[str, str]:
-    """Environment of every training worker, set before its process group exists: the recorder on (gloo and
-    NCCL/RCCL: torch 2.13 reads TORCH_FR_*, older releases the TORCH_NCCL_* names; RCCL builds honour the NCCL
-    names), NCCL's dump at a watchdog timeout, into the run directory."""
+    """Environment of every training worker, set before its process group exists: the recorder on, NCCL's (and
+    RCCL's) dump at a watchdog timeout, into the run directory. A torch with the generic recorder (2.13 here)
+    reads the TORCH_FR_* names and warns about the TORCH_NCCL_* ones they replace; an older one reads only those."""
     prefix = str(dump_dir(run_dir) / DUMP_PREFIX)
+    generic = hasattr(c10d, "_dump_fr_trace")
     return {
-        "TORCH_FR_BUFFER_SIZE": str(BUFFER_ENTRIES),
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(BUFFER_ENTRIES),
+        "TORCH_FR_BUFFER_SIZE" if generic else "TORCH_NCCL_TRACE_BUFFER_SIZE": str(BUFFER_ENTRIES),
+        "TORCH_FR_DUMP_TEMP_FILE" if generic else "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_FR_DUMP_TEMP_FILE": prefix,
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
     }
 
 
