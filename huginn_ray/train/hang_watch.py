@@ -123,7 +123,7 @@ class HangWatch:
         self.store = store
         self.dump_pickle, self.dump_json = _recorder(backend)
         self.in_flight: dict[str, tuple[int, float]] = {}
-        """Per group: the oldest collective this rank has not completed, and since when (monotonic)."""
+        """Per group id: the oldest collective this rank has not completed, and since when (monotonic)."""
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="hang_watch", daemon=True)
 
@@ -154,22 +154,22 @@ class HangWatch:
     def _hung_collective(self) -> tuple[Collective, float] | None:
         """The collective this rank has waited in for `after_s` or more (the longest waiting), and how long."""
         now = time.monotonic()
-        status = json.loads(self.dump_json(False))["pg_status"]
-        for group, counts in status.items():
+        status = json.loads(self.dump_json(False))["pg_status"]  # keyed by the group's id in this process
+        for pg_id, counts in status.items():
             enqueued, completed = int(counts["last_enqueued_collective"]), int(counts["last_completed_collective"])
             if enqueued <= completed:
-                self.in_flight.pop(group, None)
-            elif self.in_flight.get(group, (None,))[0] != completed + 1:
-                self.in_flight[group] = (completed + 1, now)
-        waiting = [(now - since, group, seq) for group, (seq, since) in self.in_flight.items()
+                self.in_flight.pop(pg_id, None)
+            elif self.in_flight.get(pg_id, (None,))[0] != completed + 1:
+                self.in_flight[pg_id] = (completed + 1, now)
+        waiting = [(now - since, pg_id, seq) for pg_id, (seq, since) in self.in_flight.items()
                    if now - since >= self.after_s]
         if not waiting:
             return None
-        waited, group, seq = max(waiting)
+        waited, pg_id, seq = max(waiting)
         entries = json.loads(self.dump_json(True))["entries"]
-        op = next((e["profiling_name"] for e in entries
-                   if e["process_group"][0] == group and e["collective_seq_id"] == seq), "unknown op")
-        return Collective(group, seq, op), waited
+        entry = next(e for e in entries if str(e["pg_id"]) == pg_id and e["collective_seq_id"] == seq)
+        # the group's name, the same on every rank (its id counts this process's groups)
+        return Collective(entry["process_group"][0], seq, entry["profiling_name"]), waited
 
     def _dump_and_answer(self) -> None:
         """This rank's recorder into its dump file; its last collective of every group to the store."""
