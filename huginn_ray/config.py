@@ -1,6 +1,7 @@
 """Typed configs: dataclasses loaded from YAML, with dotted `key=value` overrides.
 
-Every config in huginn_ray (training, data preparation) is a tree of small dataclasses. This module turns
+Every config in huginn_ray (training, data preparation) is a tree of small dataclasses (a field is a section,
+a list or a scalar: no free-form mappings, so every key has a type and a docstring). This module turns
 a YAML file plus command-line overrides into such a tree and refuses anything it does not recognise:
 
     cfg = load_config(TrainConfig, "configs/train/tiny_cpu.yaml", ["optim.lr=1e-3", "max_steps=20"])
