@@ -157,11 +157,26 @@ def test_copy_fractions_and_hash_selection():
 
 @pytest.mark.parametrize("n", [1, 2, 3, 17, 1000, 4097])
 def test_feistel_permutation_is_a_bijection(n):
-    perm = FeistelPermutation(n, seed=3, salt=0)(np.arange(n))
+    perm = FeistelPermutation(n, seed=3, stage="shuffle:train")(np.arange(n))
     assert sorted(perm.tolist()) == list(range(n))
     if n > 16:
         assert perm.tolist() != list(range(n))
-        assert perm.tolist() != FeistelPermutation(n, seed=4, salt=0)(np.arange(n)).tolist()
+        assert perm.tolist() != FeistelPermutation(n, seed=4, stage="shuffle:train")(np.arange(n)).tolist()
+        assert perm.tolist() != FeistelPermutation(n, seed=3, stage="shuffle:val")(np.arange(n)).tolist()
+
+
+def test_permutations_are_the_stored_sequences():
+    """The data order is defined by the project's code (huginn_ray/data/permutation.py): a library upgrade, or a
+    change of the keyed hash or the rounds, that would reorder a resumed run's data fails here."""
+    from huginn_ray.data.packing import copy_order
+    from huginn_ray.data.permutation import permutation_key
+
+    assert permutation_key(1337, "shuffle:train", 0) == 2118523322511634502
+    assert FeistelPermutation(20, seed=1337, stage="shuffle:train")(np.arange(20)).tolist() == [
+        1, 4, 2, 17, 8, 5, 11, 6, 13, 3, 16, 7, 18, 14, 12, 10, 19, 0, 15, 9]
+    assert FeistelPermutation(1000, seed=1337, stage="shuffle:train")(np.array([0, 1, 2, 997, 998, 999])).tolist() == [
+        826, 138, 464, 124, 478, 765]
+    assert copy_order(1337, 1, (3 << 32) + 4096, 12).tolist() == [5, 8, 9, 1, 3, 10, 2, 4, 0, 11, 7, 6]
 
 
 def test_plan_split_drops_surplus_and_refuses_too_few_rows():

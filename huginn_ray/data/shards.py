@@ -53,6 +53,7 @@ import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
 from huginn_ray.data.execution import run_tasks
+from huginn_ray.data.permutation import FeistelPermutation
 from huginn_ray.data.tokens import (DTYPES, MASK, MAX_LIST_IDS, arrow_type, check_ids, fixed_rows, numpy_dtype,
                                     parquet_options, row_schema, rows_to_arrow)
 
@@ -64,43 +65,6 @@ _TASK_OVERHEAD = 256 << 20  # a worker's own footprint (interpreter, pyarrow, nu
 
 def shard_path(shard_dir: str | Path, split: str, rank: int) -> Path:
     return Path(shard_dir) / split / f"{rank:05d}.parquet"
-
-
-class FeistelPermutation:
-    """A seeded bijection of [0, n), evaluated on numpy arrays."""
-
-    ROUNDS = 4
-
-    def __init__(self, n: int, seed: int, salt: int):
-        self.n = n
-        bits = max(2, math.ceil(math.log2(max(n, 2))))
-        self.half = (bits + 1) // 2
-        self.mask = np.uint64((1 << self.half) - 1)
-        keys = np.random.default_rng([seed, salt]).integers(0, 2**63, size=self.ROUNDS, dtype=np.int64)
-        self.keys = keys.astype(np.uint64)
-
-    def _round(self, x: np.ndarray) -> np.ndarray:
-        left, right = x >> np.uint64(self.half), x & self.mask
-        for key in self.keys:
-            left, right = right, left ^ (_mix64(right ^ key) & self.mask)
-        return (left << np.uint64(self.half)) | right
-
-    def __call__(self, index: np.ndarray) -> np.ndarray:
-        out = self._round(index.astype(np.uint64))
-        outside = out >= np.uint64(self.n)
-        while outside.any():  # cycle walking: stays a bijection of [0, n)
-            out[outside] = self._round(out[outside])
-            outside = out >= np.uint64(self.n)
-        return out.astype(np.int64)
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a good 64-bit mixing function."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
 
 
 def plan_split(total_rows: int, num_shards: int, row_bytes: int, reducer_bytes: int, split: str) -> dict:
@@ -268,8 +232,8 @@ def _map_group(index: int, files: list[dict], offsets: dict, plans: dict, seed: 
         if hash_inputs:  # before any map file is committed, so a resumed task finds them
             layout.write_json(work_dir / "map" / f"{index:06d}.sha256.json", hashes)
         for name in todo:
-            plan, code = plans[name], SPLITS[name]
-            position = FeistelPermutation(plan["rows"], seed, code)(offsets[name] + np.arange(counts[name]))
+            plan = plans[name]
+            position = FeistelPermutation(plan["rows"], seed, f"shuffle:{name}")(offsets[name] + np.arange(counts[name]))
             kept = np.flatnonzero(position < plan["kept"])
             order = kept[np.argsort(position[kept], kind="stable")]
             position = position[order]
