@@ -38,6 +38,68 @@ def fingerprint(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
+BYTE_SHAPING_LIBRARIES = ("tokenizers", "pyarrow", "numpy")
+"""The libraries whose version can change a stage's bytes (the encoder's ids, the parquet and JSON readers and
+writers, the arithmetic of the permutations): part of every stage's fingerprint, so an upgrade reruns the stage,
+saying so, instead of resuming with output that the new versions would not write."""
+
+
+def library_versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {name: version(name) for name in BYTE_SHAPING_LIBRARIES}
+
+
+def stage_fingerprint(inputs: dict) -> tuple[str, dict]:
+    """A stage's fingerprint and what it is a hash of: `inputs` plus `versions` (library_versions). Markers record
+    both (`fingerprint`, `fingerprint_inputs`) so that a rerun can name what changed (changed_inputs)."""
+    full = {**inputs, "versions": library_versions()}
+    return fingerprint(full), json.loads(json.dumps(full, sort_keys=True, default=str))
+
+
+def _short(value: object) -> str:
+    """A value as a change message shows it: itself when short, else the start of it (a string: a hash) or of
+    its hash (a list, a dict)."""
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+    if len(text) <= 24:
+        return text
+    return (text if isinstance(value, str) else fingerprint(value))[:12] + "..."
+
+
+def changed_inputs(old: dict | None, new: dict) -> str:
+    """What differs between two fingerprints' inputs: `field old -> new` per changed field, a library by its name
+    (`tokenizers 0.21.0 -> 0.22.1`); an output that records no inputs (made before they were recorded) says so."""
+    if not isinstance(old, dict):
+        return "its inputs (the output records none)"
+
+    def fields(inputs: dict) -> dict:
+        return {**{k: v for k, v in inputs.items() if k != "versions"}, **inputs.get("versions", {})}
+
+    before, after = fields(old), fields(new)
+    changes = [f"{key} {_short(before.get(key, 'absent'))} -> {_short(after.get(key, 'absent'))}"
+               for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)]
+    return ", ".join(changes) if changes else "nothing recorded"
+
+
+def current_marker(directory: Path, expected: str, inputs: dict, stage: str, name: str = COMPLETE) -> dict | None:
+    """The marker of `directory` when its fingerprint is `expected`; else None, after saying what changed when an
+    output of other inputs is there (`[pack] <dir>: tokenizers 0.21.0 -> 0.22.1 changed; the stage reruns`)."""
+    marker = read_marker(directory, name)
+    if marker is None:
+        return None
+    if marker.get("fingerprint") == expected:
+        return marker
+    print(f"[{stage}] {directory}: {changed_inputs(marker.get('fingerprint_inputs'), inputs)} changed; the stage "
+          "reruns", flush=True)
+    return None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -142,9 +204,11 @@ PLAN = "_PLAN.json"
 """Marks a stage's work directory in progress: the fingerprint of the inputs its committed files are for."""
 
 
-def resumable_work_dir(final: Path, fingerprint: str, stage: str, noun: str, total: int | None = None) -> Path:
+def resumable_work_dir(final: Path, fingerprint: str, stage: str, noun: str, total: int | None = None,
+                       inputs: dict | None = None) -> Path:
     """`final`.partial, where a stage commits its output files one by one: kept, with the files that an
-    interrupted run with the same inputs committed (its temp files removed), or else made anew."""
+    interrupted run with the same inputs committed (its temp files removed), or else made anew, saying what
+    changed (`inputs`: the fingerprint's inputs, recorded in the PLAN)."""
     work = final.with_name(final.name + ".partial")
     previous = read_marker(work, PLAN)
     if previous is not None and previous.get("fingerprint") == fingerprint:
@@ -154,10 +218,12 @@ def resumable_work_dir(final: Path, fingerprint: str, stage: str, noun: str, tot
         remove_temp_files(work)
     else:
         if work.exists():
-            print(f"[{stage}] removing {work}: left by a run with other inputs or settings", flush=True)
+            why = changed_inputs(previous.get("fingerprint_inputs") if previous else None, inputs or {})
+            print(f"[{stage}] removing {work}: left by a run with other inputs or settings ({why} changed)",
+                  flush=True)
             shutil.rmtree(work)
         work.mkdir(parents=True)
-        write_json(work / PLAN, {"fingerprint": fingerprint})
+        write_json(work / PLAN, {"fingerprint": fingerprint, "fingerprint_inputs": inputs})
     return work
 
 

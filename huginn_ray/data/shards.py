@@ -360,9 +360,10 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
 
     Skipped when `shard_root` holds a manifest of the same fingerprint; resumes from `<shard_root>.partial`."""
     shard_root = Path(shard_root)
-    existing = layout.read_marker(shard_root, MANIFEST)
+    existing = layout.current_marker(shard_root, fingerprint, manifest_extra.get("fingerprint_inputs", {}),
+                                     "shuffle", MANIFEST)
     work = shard_root.with_name(shard_root.name + ".partial")
-    if existing is not None and existing.get("fingerprint") == fingerprint:
+    if existing is not None:
         shutil.rmtree(work, ignore_errors=True)
         print(f"[shuffle] complete ({num_shards} + {num_shards} shards), skipped", flush=True)
         return existing

@@ -47,7 +47,7 @@ from huginn_ray.data.tokenizer import load_text_tokenizer
 from huginn_ray.data.tokens import (MASK, TokenRangeError, arrow_type, check_ids, parquet_options, rows_to_arrow,
                                     token_dtype)
 
-PACK_VERSION = 3  # 3: special-token strings in documents are encoded as text
+PACK_VERSION = 4  # 3: special-token strings in documents are encoded as text; 4: copy order by permutation.py
 ENCODE_CHUNK = 256
 STATS_KEY = b"huginn_ray.pack"
 _STAT_KEYS = ("docs", "copied_docs", "doc_tokens", "train_rows", "val_rows")
@@ -152,8 +152,10 @@ def tokenize_and_pack(task: dict, *, tokenizer_file: str, row_len: int, seed: in
 
 
 def pack_fingerprint(sources: list[Source], staging_markers: dict[str, dict], tokenizer_sha256: str,
-                     seq_len: int, seed: int, val_fraction: float, docs_per_batch: int, chat_pack: bool) -> str:
-    return layout.fingerprint({
+                     seq_len: int, seed: int, val_fraction: float, docs_per_batch: int,
+                     chat_pack: bool) -> tuple[str, dict]:
+    """The pack stage's fingerprint and its inputs (layout.stage_fingerprint: with the libraries' versions)."""
+    return layout.stage_fingerprint({
         "version": PACK_VERSION, "tokenizer": tokenizer_sha256, "seq_len": seq_len, "seed": seed,
         "val_fraction": val_fraction, "docs_per_batch": docs_per_batch,
         "sources": [(s.name, s.weight, s.every_token_is_sacred, staging_markers[s.name]["fingerprint"],
@@ -183,16 +185,15 @@ def pack_tasks(sources: list[Source], staging_root: Path, markers: dict[str, dic
 
 def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path, tokenizer_file: Path,
              out_root: Path, *, seq_len: int, seed: int, val_fraction: float, docs_per_batch: int, vocab_size: int,
-             fingerprint: str, extra_marker: dict, chat_pack: bool = False) -> dict:
+             fingerprint: str, fingerprint_inputs: dict, extra_marker: dict, chat_pack: bool = False) -> dict:
     """Tokenise and pack every source into `out_root` (skipped when complete); returns the pack marker."""
     layout.finish_commit(out_root)
-    if layout.is_complete(out_root, fingerprint):
-        marker = layout.read_marker(out_root)
+    if (marker := layout.current_marker(out_root, fingerprint, fingerprint_inputs, "pack")) is not None:
         print(f"[pack] complete ({marker['train_rows']} train + {marker['val_rows']} val rows), skipped", flush=True)
         return marker
 
     dtype = token_dtype(vocab_size)
-    work = layout.resumable_work_dir(out_root, fingerprint, "pack", "packed files")
+    work = layout.resumable_work_dir(out_root, fingerprint, "pack", "packed files", inputs=fingerprint_inputs)
 
     tasks = pack_tasks(sources, staging_root, markers, docs_per_batch, chat_pack, extra_marker["pad_id"])
     # memory= per task, from its own batch: the batch's text plus its encodings (~100 bytes per token alive per
@@ -223,7 +224,7 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
         print(f"[pack] {reused}/{len(results)} batches were already packed by an earlier run", flush=True)
     files.sort(key=lambda f: f["file"])
     marker = {
-        "fingerprint": fingerprint, "seq_len": seq_len, "seed": seed, "token_dtype": dtype, "files": files,
+        "fingerprint": fingerprint, "fingerprint_inputs": fingerprint_inputs, "seq_len": seq_len, "seed": seed, "token_dtype": dtype, "files": files,
         "sources": per_source,
         "train_rows": sum(f["train_rows"] for f in files), "val_rows": sum(f["val_rows"] for f in files),
         **extra_marker,
