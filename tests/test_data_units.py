@@ -540,3 +540,29 @@ except runlock.RunLockError as err:
     assert outs[1].startswith(f"refused another job is writing run directory {tmp_path} (host "
                               f"{socket.gethostname()}, PID {jobs[0].pid},"), outs
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # the winner released it; no takeover file left
+
+
+def test_a_library_upgrade_changes_the_stage_fingerprint_and_the_rerun_names_it(tmp_path, monkeypatch, capsys):
+    """Fingerprints hold the versions of the libraries that shape the bytes; a marker records the fingerprint's
+    inputs, so a rerun after an upgrade (or a setting change) says what changed instead of rerunning silently."""
+    import importlib.metadata
+
+    from huginn_ray.data import layout
+
+    assert layout.library_versions() == {name: importlib.metadata.version(name)
+                                         for name in ("tokenizers", "pyarrow", "numpy")}
+    digest, inputs = layout.stage_fingerprint({"seed": 1, "tokenizer": "ab" * 32})
+    layout.write_json(tmp_path / layout.COMPLETE, {"fingerprint": digest, "fingerprint_inputs": inputs})
+    assert layout.current_marker(tmp_path, digest, inputs, "pack")["fingerprint"] == digest
+    assert capsys.readouterr().out == ""
+
+    real = layout.library_versions()
+    monkeypatch.setattr(layout, "library_versions", lambda: {**real, "tokenizers": "99.0.0"})
+    assert layout.stage_fingerprint({"seed": 1, "tokenizer": "ab" * 32})[0] != digest  # the upgrade alone
+    upgraded, upgraded_inputs = layout.stage_fingerprint({"seed": 2, "tokenizer": "ab" * 32})
+    assert layout.current_marker(tmp_path, upgraded, upgraded_inputs, "pack") is None
+    assert capsys.readouterr().out == (f"[pack] {tmp_path}: seed 1 -> 2, tokenizers {real['tokenizers']} -> 99.0.0 "
+                                       "changed; the stage reruns\n")
+    layout.write_json(tmp_path / layout.COMPLETE, {"fingerprint": "made before inputs were recorded"})
+    assert layout.current_marker(tmp_path, upgraded, upgraded_inputs, "pack") is None
+    assert capsys.readouterr().out == f"[pack] {tmp_path}: its inputs (the output records none) changed; the stage reruns\n"
