@@ -566,3 +566,20 @@ def test_a_library_upgrade_changes_the_stage_fingerprint_and_the_rerun_names_it(
     layout.write_json(tmp_path / layout.COMPLETE, {"fingerprint": "made before inputs were recorded"})
     assert layout.current_marker(tmp_path, upgraded, upgraded_inputs, "pack") is None
     assert capsys.readouterr().out == f"[pack] {tmp_path}: its inputs (the output records none) changed; the stage reruns\n"
+
+
+def test_pack_memory_follows_the_largest_document_and_a_killed_task_never_reruns_with_the_same_memory():
+    from huginn_ray.data.execution import KilledTaskError, memory_after_kill
+    from huginn_ray.data.tokenize_pack import pack_task_memory
+
+    # 256 MiB + 24 B x 4,096 documents of 1,000 characters + 180 B x the largest document's 2 M characters
+    assert pack_task_memory(4096, 1000.0, 2_000_000) == 268_435_456 + 98_304_000 + 360_000_000
+    assert pack_task_memory(4096, 1000.0, 20_000_000) - pack_task_memory(4096, 1000.0, 2_000_000) == 3_240_000_000
+    gib = 1 << 30
+    assert memory_after_kill(300 << 20, 8 * gib, "tokenize_pack") == 600 << 20
+    assert memory_after_kill(None, 8 * gib, "staging") == 2 * gib  # declared nothing: taken as UNDECLARED_MEMORY
+    assert memory_after_kill(5 * gib, 8 * gib, "tokenize_pack") == 8 * gib  # at most the largest node's
+    assert memory_after_kill(5 * gib, 0, "tokenize_pack") == 10 * gib  # the cluster reports no memory
+    with pytest.raises(KilledTaskError, match=r"tokenize_pack: a task killed with memory=8.00 GiB, the most a node "
+                                              r"offers; a rerun cannot get more"):
+        memory_after_kill(8 * gib, 8 * gib, "tokenize_pack")

@@ -193,7 +193,7 @@ def run_stage_pack(cfg: DataConfig, sources: list[Source]) -> dict:
                     seq_len=cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
                     docs_per_batch=cfg.docs_per_pack_batch, vocab_size=facts["vocab_size"],
                     fingerprint=fingerprint, fingerprint_inputs=fingerprint_inputs, extra_marker=facts,
-                    chat_pack=cfg.chat.pack)
+                    max_document_chars=cfg.max_document_chars, chat_pack=cfg.chat.pack)
 
 
 def check_token_column(source: Source, path: Path, schema) -> None:

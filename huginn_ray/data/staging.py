@@ -100,7 +100,8 @@ def stage_sources(inputs: list[tuple[Source, list[Path]]], staging_root: Path) -
             "source": source.name, "fingerprint": task["fingerprint"],
             "fingerprint_inputs": task["fingerprint_inputs"], "rows": rows,
             "chars": sum(r["chars"] for r in results), "records": records,
-            "files": [{"input": str(p), "output": r["output"], "rows": r["rows"]} for p, r in zip(task["files"], results)],
+            "files": [{"input": str(p), "output": r["output"], "rows": r["rows"], "max_chars": r["max_chars"]}
+                      for p, r in zip(task["files"], results)],
         }
         layout.commit_work_dir(task["work"], task["final"], marker)
         markers[source.name] = marker
@@ -131,7 +132,7 @@ def stage_file(source: Source, index: int, path: str, out_dir: str, quarantine_d
     if output.exists():
         return {**json.loads(pq.read_metadata(output).metadata[STATS_KEY]), "output": output.name}
     tmp = layout.temp_path(output)
-    rows = chars = read = empty = 0
+    rows = chars = max_chars = read = empty = 0
     bad: list[BadRecord] = []
     with pq.ParquetWriter(tmp, STAGING_SCHEMA) as writer:
         for batch in iter_documents(path, source):
@@ -148,7 +149,8 @@ def stage_file(source: Source, index: int, path: str, out_dir: str, quarantine_d
             }))
             rows += len(texts)
             chars += sum(len(t) for t in texts)
-        stats = {"rows": rows, "chars": chars, "read": read, "empty": empty,
+            max_chars = max(max_chars, max(len(t) for t in texts))
+        stats = {"rows": rows, "chars": chars, "max_chars": max_chars, "read": read, "empty": empty,
                  "quarantined": dict(sorted(collections.Counter(r.reason for r in bad).items())),
                  "first_bad": f"{bad[0].where}: {bad[0].reason}: {bad[0].detail}" if bad else None}
         writer.add_key_value_metadata({STATS_KEY: json.dumps(stats)})
