@@ -23,6 +23,7 @@ or which worker ran a call.
 from __future__ import annotations
 
 import pickle
+import warnings
 from typing import Callable
 
 
@@ -168,9 +169,13 @@ def _run_once(fn: Callable, calls: list[tuple[int, tuple, int | None]], name: st
     udf = _one_call(fn, common, name)
     datasets = []
     for declared, rows in operators.items():
-        remote_args = {"num_cpus": num_cpus, "max_retries": 0} | ({"memory": declared} if declared else {})
-        datasets.append(ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
-            udf, batch_size=1, compute=ray.data.TaskPoolStrategy(size=max_concurrent), **remote_args))
+        with warnings.catch_warnings():
+            # max_retries has no named parameter in Ray 2.60 and `ray_remote_args` warns that it is deprecated;
+            # tests/test_data_pipeline.py (a worker killed in pack and in the shuffle) fails if it stops applying
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            datasets.append(ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
+                udf, batch_size=1, compute=ray.data.TaskPoolStrategy(size=max_concurrent), num_cpus=num_cpus,
+                memory=declared, ray_remote_args={"max_retries": 0}))
     dataset = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
     for row in dataset.iter_rows():
         i = int(row["call"])
