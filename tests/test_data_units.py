@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ from huginn_ray.config import ConfigError, parse_yaml
 from huginn_ray.data.chat import document_text
 from huginn_ray.data.formatting import chat_template, format_rows
 from huginn_ray.data.packing import copy_fractions, pack, pack_row_starts, unit_hash
-from huginn_ray.data.shards import FeistelPermutation, plan_split
+from huginn_ray.data.permutation import FeistelPermutation
+from huginn_ray.data.shards import plan_split
 from huginn_ray.data.sources import Source, parse_sources
 
 GOOD = """
@@ -583,3 +585,40 @@ def test_pack_memory_follows_the_largest_document_and_a_killed_task_never_reruns
     with pytest.raises(KilledTaskError, match=r"tokenize_pack: a task killed with memory=8.00 GiB, the most a node "
                                               r"offers; a rerun cannot get more"):
         memory_after_kill(8 * gib, 8 * gib, "tokenize_pack")
+
+
+def test_publish_turns_an_old_shards_directory_into_a_version_and_a_crash_between_renames_is_finished(
+        tmp_path, monkeypatch, capsys):
+    from huginn_ray.data import layout
+
+    pointer = tmp_path / "shards"
+    pointer.mkdir()
+    (pointer / "manifest.json").write_text("published before versions")
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "manifest.json").write_text("new")
+    assert layout.publish_version(new, pointer) == tmp_path / "shards.v0002"
+    assert pointer.readlink() == Path("shards.v0002") and (pointer / "manifest.json").read_text() == "new"
+    assert (tmp_path / "shards.v0001" / "manifest.json").read_text() == "published before versions"
+
+    # a crash after the version's rename, before the pointer's: the rerun's finish_publish moves the pointer
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    monkeypatch.setattr(layout, "_point", lambda pointer, version: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        layout.publish_version(newer, pointer)
+    monkeypatch.undo()
+    assert pointer.readlink() == Path("shards.v0002") and (tmp_path / "shards.v0003").is_dir()
+    capsys.readouterr()
+    layout.finish_publish(pointer)
+    assert pointer.readlink() == Path("shards.v0003")
+    assert capsys.readouterr().out.startswith(f"[recover] {tmp_path / 'shards.v0003'} was published but {pointer} "
+                                              "still names shards.v0002")
+    layout.finish_publish(pointer)  # nothing left to do
+    assert capsys.readouterr().out == ""
+    # a dead run's temporary pointer is removed with the other stale temporaries
+    (tmp_path / "shards.link-999999999").symlink_to("shards.v0003")
+    layout.clean_stale(pointer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards", "shards.v0001", "shards.v0002", "shards.v0003"]
+    assert [p.name for p in layout.remove_old_versions(pointer)] == ["shards.v0001", "shards.v0002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards", "shards.v0003"]

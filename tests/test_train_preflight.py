@@ -287,3 +287,59 @@ def test_shards_of_the_project_s_own_writer_pass(tmp_path):
                 "rows_per_shard": {"train": 24, "val": 24}}
     summary = check_shards(tmp_path, manifest, model_vocab_size=320)
     assert (summary.files, summary.row_groups_without_statistics) == (2, 0)
+
+
+def test_a_run_keeps_the_shard_version_it_resolved_while_a_new_one_is_published(tmp_path, monkeypatch, capsys):
+    """`<output_dir>/shards` points to immutable versions: a publish writes shards.v0002 and moves the pointer. The
+    preflight resolves the pointer once (RunPlan.data_dir, what every worker of every attempt reads); after a
+    publish that run's files are unchanged, a new run gets the new version, and a run resuming from a checkpoint
+    keeps the version the checkpoint records until that version is removed (then it is refused by name)."""
+    import shutil
+
+    from huginn_ray.data import layout
+    from huginn_ray.data.shards import publish
+    from huginn_ray.train import launch
+
+    out = tmp_path / "out"
+    pointer = out / "shards"
+
+    def finished_shuffle(name: str, rows: int) -> tuple[Path, dict, Path]:
+        """A shuffle's work directory, out/shards.partial, holding shards of `rows` rows each under out/."""
+        shards, tokenizer = make_dataset(tmp_path / name, num_shards=2, rows_per_shard=rows, seq_len=32)
+        work = out / "shards.partial"
+        work.mkdir(parents=True)
+        shutil.move(shards, work / "out")
+        return work, json.loads((work / "out" / "manifest.json").read_text()), tokenizer
+
+    work, manifest, tokenizer = finished_shuffle("a", 40)
+    publish(work, pointer, manifest)
+    first = out / "shards.v0001"
+    assert pointer.readlink() == Path("shards.v0001") and not work.exists()
+    cfg = load_train_config(TINY, [f"out_dir={tmp_path}", f"data.data_dir={pointer}", f"data.tokenizer_path={tokenizer}",
+                                   "block_size=32", "model.overrides.vocab_size=64", "max_steps=20"])
+    assert cfg.data.data_dir == str(pointer)  # the pointer, resolved by the preflight only
+    plan = preflight(cfg)
+    assert plan.data_dir == str(first)
+    before = shard_path(plan.data_dir, "train", 1).read_bytes()
+
+    work, manifest, _ = finished_shuffle("b", 60)
+    publish(work, pointer, manifest)
+    second = out / "shards.v0002"
+    assert pointer.readlink() == Path("shards.v0002")
+    assert shard_path(plan.data_dir, "train", 1).read_bytes() == before  # the running run's files
+    assert pq.read_metadata(shard_path(plan.data_dir, "train", 1)).num_rows == 40
+    assert pq.read_metadata(shard_path(pointer, "train", 1)).num_rows == 60
+    assert preflight(cfg).data_dir == str(second)  # a new run reads the new version
+
+    # a resumed run (stand-in for its newest checkpoint on disk: the trainer state it records)
+    capsys.readouterr()
+    monkeypatch.setattr(launch, "newest_checkpoint_state",
+                        lambda run_dir: ckpt.TrainerState(step=3, global_batch_rows=2, data_dir=str(first)))
+    assert preflight(cfg).data_dir == str(first)
+    assert f"{pointer} now points to {second}; this run keeps reading {first}, the version it started with" in (
+        capsys.readouterr().out)
+    assert layout.remove_old_versions(pointer) == [first] and not first.exists() and second.is_dir()
+    with pytest.raises(PreflightError, match=re.escape(
+            f"data.data_dir: the run's newest checkpoint (step 3) was trained on {first}, which no longer exists "
+            f"({pointer} now points to {second})")):
+        preflight(cfg)

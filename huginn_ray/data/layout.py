@@ -8,8 +8,9 @@
     <output_dir>/tokenizer/                        tokenizer.json + tokenizer_config.json
     <output_dir>/packed/SSSS-DDDDDDDDDDDDDDDD.parquet  packed rows (input_ids, split) per batch, before the shuffle
     <output_dir>/packed/_COMPLETE.json
-    <output_dir>/shards/{train,val}/RRRRR.parquet  one file per training rank
-    <output_dir>/shards/manifest.json
+    <output_dir>/shards                            pointer (symlink) to the current version, shards.vNNNN
+    <output_dir>/shards.vNNNN/{train,val}/RRRRR.parquet  one file per training rank; versions are never changed
+    <output_dir>/shards.vNNNN/manifest.json
 
 A stage writes into `<dir>.partial` (staging per source, pack, shuffle: resumable, keyed by the stage's
 fingerprint) or `<dir>.tmp-<pid>` (the tokenizer) and renames it into place when done, so a directory that
@@ -111,17 +112,21 @@ def _pid_alive(pid: int) -> bool:
 
 
 def clean_stale(final: Path) -> None:
-    """Remove `<final>.tmp-<pid>` / `<final>.old-<pid>` directories whose process is gone (a crashed run).
+    """Remove `<final>.tmp-<pid>` / `<final>.old-<pid>` directories and `<final>.link-<pid>` pointers whose process
+    is gone (a crashed run).
 
     Pids are those of this host: run a pipeline's driver on one host (the Ray head) at a time."""
     if not final.parent.is_dir():
         return
     for path in final.parent.glob(f"{final.name}.*-*"):
         kind, _, pid = path.name[len(final.name) + 1:].partition("-")
-        if kind in ("tmp", "old") and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            print(f"[cleanup] removing {path}: temporary directory of a run that is no longer alive (pid {pid})",
-                  flush=True)
-            shutil.rmtree(path, ignore_errors=True)
+        if kind in ("tmp", "old", "link") and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            print(f"[cleanup] removing {path}: temporary {'pointer' if kind == 'link' else 'directory'} of a run "
+                  f"that is no longer alive (pid {pid})", flush=True)
+            if path.is_symlink():
+                path.unlink()
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def clean_stale_under(root: Path) -> None:
@@ -129,7 +134,72 @@ def clean_stale_under(root: Path) -> None:
     for parent in (root, root / "staging", root / "download"):
         if parent.is_dir():
             for path in parent.glob("*.*-*"):
-                clean_stale(path.with_name(path.name.split(".tmp-")[0].split(".old-")[0]))
+                clean_stale(path.with_name(path.name.split(".tmp-")[0].split(".old-")[0].split(".link-")[0]))
+
+
+def _version_number(pointer: Path, path: Path) -> int | None:
+    suffix = path.name[len(pointer.name):]
+    return int(suffix[2:]) if suffix.startswith(".v") and suffix[2:].isdigit() else None
+
+
+def versions(pointer: Path) -> list[Path]:
+    """The published versions of `pointer`: its `<name>.vNNNN` directories, oldest first."""
+    found = [p for p in pointer.parent.glob(f"{pointer.name}.v*")
+             if _version_number(pointer, p) is not None and p.is_dir() and not p.is_symlink()]
+    return sorted(found, key=lambda p: _version_number(pointer, p))
+
+
+def publish_version(directory: Path, pointer: Path) -> Path:
+    """A complete `directory` becomes the next immutable version `<pointer>.vNNNN`, and `pointer` (a symlink
+    naming it relative to its folder, so the output root can move) is moved to it in one rename: a reader sees the
+    old version or the new one, never a mix or nothing, and one that resolved the pointer keeps its version
+    (nothing here deletes a version: remove_old_versions). A `pointer` that is still a directory (published
+    before versions) becomes the version before the new one. Returns the new version's path.
+
+    A crash between the version's rename and the pointer's leaves a newest version the pointer does not name;
+    finish_publish (a rerun, before it looks at the pointer) moves the pointer to it."""
+    if pointer.is_dir() and not pointer.is_symlink():
+        pointer.rename(pointer.with_name(f"{pointer.name}.v{_next_version(pointer):04d}"))
+    version = pointer.with_name(f"{pointer.name}.v{_next_version(pointer):04d}")
+    directory.rename(version)
+    fsync_dir(pointer.parent)
+    _point(pointer, version)
+    return version
+
+
+def _next_version(pointer: Path) -> int:
+    existing = versions(pointer)
+    return _version_number(pointer, existing[-1]) + 1 if existing else 1
+
+
+def _point(pointer: Path, version: Path) -> None:
+    link = pointer.with_name(f"{pointer.name}.link-{os.getpid()}")
+    link.unlink(missing_ok=True)
+    os.symlink(version.name, link)
+    os.replace(link, pointer)  # atomic on POSIX file systems (local, NFS, Lustre, GPFS): one rename
+    fsync_dir(pointer.parent)
+
+
+def finish_publish(pointer: Path) -> None:
+    """Point `pointer` at its newest version when a crash stopped publish_version between its two renames."""
+    existing = versions(pointer)
+    if existing and pointer.is_symlink() and Path(os.readlink(pointer)).name != existing[-1].name:
+        print(f"[recover] {existing[-1]} was published but {pointer} still names {os.readlink(pointer)} (a run "
+              f"stopped in between): moving the pointer to it", flush=True)
+        _point(pointer, existing[-1])
+    elif existing and not pointer.exists() and not pointer.is_symlink():
+        print(f"[recover] {existing[-1]} was published, {pointer} does not exist yet: pointing it there", flush=True)
+        _point(pointer, existing[-1])
+
+
+def remove_old_versions(pointer: Path) -> list[Path]:
+    """Delete every version of `pointer` but the one it names now; returns what was removed. Only while no
+    training run reads an old version: a run reads the version it resolved at its start until it ends."""
+    current = Path(os.path.realpath(pointer)).name if pointer.exists() else None
+    removed = [p for p in versions(pointer) if p.name != current]
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
 
 
 def tmp_dir_for(final: Path) -> Path:

@@ -395,6 +395,7 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     print(f"[plan] about {plan['estimated_tokens']:,d} packed tokens, peak disk "
           f"{plan['peak_disk_bytes'] / 2**30:.2f} GiB ({plan['free_bytes'] / 2**30:.1f} GiB free)", flush=True)
     layout.clean_stale_under(cfg.root)
+    layout.finish_publish(cfg.root / "shards")
     steps = {"download": run_stage_download, "staging": run_stage_staging,
              "pack": run_stage_pack, "shuffle": run_stage_shuffle}
     result: dict = {}

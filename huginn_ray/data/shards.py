@@ -686,8 +686,21 @@ def read_manifest(shard_dir: str | Path) -> dict:
 
 
 def publish(work: Path, shard_root: Path, manifest: dict) -> None:
-    """The shards written under `work`/out become `shard_root`, with their manifest; the work directory goes."""
+    """The shards written under `work`/out, with their manifest, become a new immutable version
+    `<shard_root>.vNNNN`, and the pointer `shard_root` moves to it (layout.publish_version); the work directory
+    goes. A training run that resolved the pointer before (shard_version) keeps reading its own version."""
     layout.write_json(work / "out" / MANIFEST, manifest)
-    layout.replace_dir(work / "out", shard_root)
+    version = layout.publish_version(work / "out", shard_root)
     shutil.rmtree(work)
+    older = len(layout.versions(shard_root)) - 1
+    print(f"[shuffle] published {version}; {shard_root} points to it"
+          + (f"; {older} older versions kept (`jobs/prepare_data.py --gc-shards` removes them once no training run "
+             "reads them)" if older else ""), flush=True)
+
+
+def shard_version(shard_dir: str | Path) -> Path:
+    """The version directory `shard_dir` names now: the pointer `<output_dir>/shards` resolved to
+    `<output_dir>/shards.vNNNN` (a directory that is not a pointer: itself). A training run resolves it once and
+    reads that version to its end, whatever is published meanwhile."""
+    return Path(os.path.realpath(shard_dir))
 

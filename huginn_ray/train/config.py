@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -284,8 +285,8 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
     their own directories."""
     cfg = load_config(TrainConfig, path, overrides, removed=REMOVED_KEYS)
     cfg.out_dir = str(Path(cfg.out_dir).resolve())
-    if cfg.data.data_dir:
-        cfg.data.data_dir = str(Path(cfg.data.data_dir).resolve())
+    if cfg.data.data_dir:  # absolute, a pointer kept as a pointer: the preflight resolves it (RunPlan.data_dir)
+        cfg.data.data_dir = os.path.abspath(cfg.data.data_dir)
     if cfg.data.tokenizer_path:
         cfg.data.tokenizer_path = str(Path(cfg.data.tokenizer_path).resolve())
     cfg.init_from = str(Path(cfg.init_from).resolve()) if cfg.init_from else None

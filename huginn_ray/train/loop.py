@@ -174,7 +174,7 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
                                max_chunks_in_flight=cfg.grad_sync.max_chunks_in_flight)
     optimizer = build_optimizer(model, cfg.optim)
     reader = StepPrefetcher(
-        RankReader(order, rank, lambda stream: ShardReader(shard_path(cfg.data.data_dir, "train", stream), stream,
+        RankReader(order, rank, lambda stream: ShardReader(shard_path(plan.data_dir, "train", stream), stream,
                                                            cfg.seed, cfg.block_size + 1)),
         order.grad_accum, lambda rows: collate(rows, plan.pad_id, plan.eos_id, model_cfg.vocab_size),
         pin=device.type == "cuda")
@@ -408,7 +408,7 @@ def read_validation_batch(c: Components, cfg: TrainConfig, plan: RunPlan, rank: 
     """This rank's fixed validation rows; every rank stops alike when one cannot read them."""
     read_error, val_batch = None, None
     try:
-        val_batch = collate(validation_rows(cfg.data.data_dir, c.order, rank, cfg.eval_iters, cfg.block_size + 1),
+        val_batch = collate(validation_rows(plan.data_dir, c.order, rank, cfg.eval_iters, cfg.block_size + 1),
                             plan.pad_id, plan.eos_id, c.model_cfg.vocab_size)
     except DATA_ERRORS as err:
         read_error = f"validation data: {type(err).__name__}: {err}"
@@ -425,7 +425,8 @@ def restore_state(c: Components, cfg: TrainConfig, plan: RunPlan, rank: int, wor
     import ray.train
 
     state = ckpt.TrainerState(mlflow_run_id=plan.mlflow_run_id, world_size=world_size, layout=layout_name(c.shape),
-                              num_streams=plan.num_streams, global_batch_rows=plan.global_batch_rows)
+                              num_streams=plan.num_streams, global_batch_rows=plan.global_batch_rows,
+                              data_dir=plan.data_dir)
     checkpoint = ray.train.get_checkpoint()  # out_dir is a filesystem every node sees: the path is the directory
     registered = Path(checkpoint.path) if checkpoint is not None else None
     resumed = resume_from_checkpoint(c, cfg, plan, registered, rank, device)
