@@ -79,11 +79,12 @@ def test_an_elastic_worker_range_serves_every_count_in_it_and_counts_the_largest
         preflight(tiny(dataset, tmp_path, "scaling.num_workers=[2, 9]", "world_batch_size=8", "max_steps=10"))
 
 
-def checkpoint_in(run_dir: Path, step: int, global_batch_rows: int) -> None:
+def checkpoint_in(run_dir: Path, step: int, global_batch_rows: int, data_dir: str = "") -> None:
     """A complete checkpoint as far as the preflight looks: its trainer state and marker."""
     directory = run_dir / f"checkpoint_2026-11-24_05-00-{step:02d}.000000"
     directory.mkdir(parents=True)
-    state = ckpt.TrainerState(step=step, num_streams=2, global_batch_rows=global_batch_rows, rows_per_stream=step * 2)
+    state = ckpt.TrainerState(step=step, num_streams=2, global_batch_rows=global_batch_rows, rows_per_stream=step * 2,
+                              data_dir=data_dir)
     (directory / "trainer_state.json").write_text(json.dumps(state.__dict__))
     ckpt.write_marker(directory, step, {"trainer_state.json": (directory / "trainer_state.json").stat().st_size})
 
@@ -289,7 +290,7 @@ def test_shards_of_the_project_s_own_writer_pass(tmp_path):
     assert (summary.files, summary.row_groups_without_statistics) == (2, 0)
 
 
-def test_a_run_keeps_the_shard_version_it_resolved_while_a_new_one_is_published(tmp_path, monkeypatch, capsys):
+def test_a_run_keeps_the_shard_version_it_resolved_while_a_new_one_is_published(tmp_path, capsys):
     """`<output_dir>/shards` points to immutable versions: a publish writes shards.v0002 and moves the pointer. The
     preflight resolves the pointer once (RunPlan.data_dir, what every worker of every attempt reads); after a
     publish that run's files are unchanged, a new run gets the new version, and a run resuming from a checkpoint
@@ -298,7 +299,6 @@ def test_a_run_keeps_the_shard_version_it_resolved_while_a_new_one_is_published(
 
     from huginn_ray.data import layout
     from huginn_ray.data.shards import publish
-    from huginn_ray.train import launch
 
     out = tmp_path / "out"
     pointer = out / "shards"
@@ -331,10 +331,9 @@ def test_a_run_keeps_the_shard_version_it_resolved_while_a_new_one_is_published(
     assert pq.read_metadata(shard_path(pointer, "train", 1)).num_rows == 60
     assert preflight(cfg).data_dir == str(second)  # a new run reads the new version
 
-    # a resumed run (stand-in for its newest checkpoint on disk: the trainer state it records)
+    # the run resumed by a new job: its newest checkpoint records the version it was trained on
     capsys.readouterr()
-    monkeypatch.setattr(launch, "newest_checkpoint_state",
-                        lambda run_dir: ckpt.TrainerState(step=3, global_batch_rows=2, data_dir=str(first)))
+    checkpoint_in(cfg.run_dir, 3, global_batch_rows=plan.global_batch_rows, data_dir=plan.data_dir)
     assert preflight(cfg).data_dir == str(first)
     assert f"{pointer} now points to {second}; this run keeps reading {first}, the version it started with" in (
         capsys.readouterr().out)
