@@ -233,7 +233,8 @@ def _map_group(index: int, files: list[dict], offsets: dict, plans: dict, seed: 
             layout.write_json(work_dir / "map" / f"{index:06d}.sha256.json", hashes)
         for name in todo:
             plan = plans[name]
-            position = FeistelPermutation(plan["rows"], seed, f"shuffle:{name}")(offsets[name] + np.arange(counts[name]))
+            permutation = FeistelPermutation(plan["rows"], seed, f"shuffle:{name}")
+            position = permutation(offsets[name] + np.arange(counts[name]))
             kept = np.flatnonzero(position < plan["kept"])
             order = kept[np.argsort(position[kept], kind="stable")]
             position = position[order]

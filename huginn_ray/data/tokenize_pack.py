@@ -21,6 +21,10 @@ where the token is a training target), row-aligned with `input_ids`; its statist
 supervised tokens (loss-mask ones after a row's first token, which is never a target), padding and truncations. The rows, the files and their names are
 therefore a function of the staged data, the tokenizer and the settings only, whatever the number of CPUs.
 
+Memory: a task declares `pack_task_memory` from its source's mean document and its staged file's largest one
+(recorded by staging); a document longer than `max_document_chars` is refused by name before any task runs
+(`check_document_sizes`).
+
 Resumable: files are written under a temporary name and renamed when complete, in `packed.partial/`, keyed by the
 stage's fingerprint; a rerun after a crash keeps every committed file (its statistics are read back from its
 metadata) and packs only the missing batches.
@@ -90,12 +94,14 @@ def check_document_sizes(sources: list[Source], markers: dict[str, dict], stagin
                 continue
             path = staging_root / source.name / f["output"]
             table = pq.read_table(path, columns=["text", "doc_id"])
-            row = int(pc.index(pc.greater(pc.utf8_length(table.column("text")), max_document_chars), True).as_py())
+            lengths = pc.utf8_length(table.column("text"))
+            row = int(pc.index(pc.greater(lengths, max_document_chars), True).as_py())  # the first one
+            chars = lengths[row].as_py()
             raise DataError(
                 f"source {source.name!r}: document {row + 1} of {path} (from {f['input']}, doc_id="
-                f"{table.column('doc_id')[row].as_py()}) has {f['max_chars']:,} characters, more than "
+                f"{table.column('doc_id')[row].as_py()}) has {chars:,} characters, more than "
                 f"max_document_chars={max_document_chars:,}: its pack task would need about "
-                f"{pack_task_memory(1, 0, f['max_chars']) / 2**30:.1f} GiB; remove the document from the source, or "
+                f"{pack_task_memory(1, 0, chars) / 2**30:.1f} GiB; remove the document from the source, or "
                 "raise max_document_chars if the nodes have the memory (documents are refused, not split: a split "
                 "would change which of its tokens the packing rule keeps)")
 
@@ -271,7 +277,8 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
         print(f"[pack] {reused}/{len(results)} batches were already packed by an earlier run", flush=True)
     files.sort(key=lambda f: f["file"])
     marker = {
-        "fingerprint": fingerprint, "fingerprint_inputs": fingerprint_inputs, "seq_len": seq_len, "seed": seed, "token_dtype": dtype, "files": files,
+        "fingerprint": fingerprint, "fingerprint_inputs": fingerprint_inputs, "seq_len": seq_len, "seed": seed,
+        "token_dtype": dtype, "files": files,
         "sources": per_source,
         "train_rows": sum(f["train_rows"] for f in files), "val_rows": sum(f["val_rows"] for f in files),
         **extra_marker,
