@@ -567,7 +567,8 @@ def test_a_library_upgrade_changes_the_stage_fingerprint_and_the_rerun_names_it(
                                        "changed; the stage reruns\n")
     layout.write_json(tmp_path / layout.COMPLETE, {"fingerprint": "made before inputs were recorded"})
     assert layout.current_marker(tmp_path, upgraded, upgraded_inputs, "pack") is None
-    assert capsys.readouterr().out == f"[pack] {tmp_path}: its inputs (the output records none) changed; the stage reruns\n"
+    assert capsys.readouterr().out == (f"[pack] {tmp_path}: its inputs (the output records none) changed; the "
+                                       "stage reruns\n")
 
 
 def test_pack_memory_follows_the_largest_document_and_a_killed_task_never_reruns_with_the_same_memory():
