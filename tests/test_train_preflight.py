@@ -316,7 +316,8 @@ def test_a_run_keeps_the_shard_version_it_resolved_while_a_new_one_is_published(
     first = out / "shards.v0001"
     assert pointer.readlink() == Path("shards.v0001") and not work.exists()
     cfg = load_train_config(TINY, [f"out_dir={tmp_path}", f"data.data_dir={pointer}",
-                                   f"data.tokenizer_path={tokenizer}", "block_size=32", "model.overrides.vocab_size=64", "max_steps=20"])
+                                   f"data.tokenizer_path={tokenizer}", "block_size=32", "model.overrides.vocab_size=64",
+                                   "max_steps=20"])
     assert cfg.data.data_dir == str(pointer)  # the pointer, resolved by the preflight only
     plan = preflight(cfg)
     assert plan.data_dir == str(first)
