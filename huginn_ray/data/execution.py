@@ -170,12 +170,13 @@ def _run_once(fn: Callable, calls: list[tuple[int, tuple, int | None]], name: st
     datasets = []
     for declared, rows in operators.items():
         with warnings.catch_warnings():
-            # max_retries has no named parameter in Ray 2.60 and `ray_remote_args` warns that it is deprecated;
-            # tests/test_data_pipeline.py (a worker killed in pack and in the shuffle) fails if it stops applying
+            # max_retries has no named parameter in Ray 2.60: passed as a remote arg, which warns that remote args
+            # are deprecated; tests/test_data_pipeline.py (a worker killed in pack and in the shuffle, rerun with
+            # twice its memory) fails if it stops applying
             warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
             datasets.append(ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
                 udf, batch_size=1, compute=ray.data.TaskPoolStrategy(size=max_concurrent), num_cpus=num_cpus,
-                memory=declared, ray_remote_args={"max_retries": 0}))
+                memory=declared, max_retries=0))
     dataset = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
     for row in dataset.iter_rows():
         i = int(row["call"])
