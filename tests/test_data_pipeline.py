@@ -644,7 +644,7 @@ def test_staging_and_pack_resume_keeping_committed_files_and_clean_stale_tmp_dir
     reference = {p.name: p.read_bytes() for p in (out / "packed").glob("*.parquet")}
     # a crashed pack run: its work dir holds some committed files and a half-written one; a dead run's tmp dir
     marker = json.loads((out / "packed" / "_COMPLETE.json").read_text())
-    (out / "shards").unlink()  # the pointer (a crash right after a legacy shards/ became a version: recovered)
+    (out / "shards").unlink()  # the pointer: the rerun points it at the newest version again (finish_publish)
     (out / "packed").rename(out / "packed.partial")
     (out / "packed.partial" / "_COMPLETE.json").unlink()
     (out / "packed.partial" / "_PLAN.json").write_text(json.dumps({"fingerprint": marker["fingerprint"]}))
