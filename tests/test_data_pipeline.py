@@ -677,6 +677,8 @@ def test_staging_and_pack_resume_keeping_committed_files_and_clean_stale_tmp_dir
     assert not (out / "staging" / "prose.tmp-999999").exists()
     assert {p.name: p.read_bytes() for p in (out / "packed").glob("*.parquet")} == reference
     assert all((out / "packed" / name).stat().st_mtime_ns == m for name, m in mtimes.items())
+    assert f"[recover] {out / 'shards.v0001'} was published, {out / 'shards'} does not exist yet" in printed
+    assert (out / "shards").readlink() == Path("shards.v0001") and "[shuffle] complete" in printed
 
 
 def test_second_driver_on_the_same_output_dir_is_refused_before_ray_starts(tmp_path, capsys):
