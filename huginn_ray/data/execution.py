@@ -7,9 +7,10 @@ A stage hands `run_tasks` a function and one tuple of arguments per task. Each t
 (`from_items`, one row per block: the arguments pickled) and `map_batches(batch_size=1)` calls the function on
 it, so one Ray task runs one call and returns its (small) result as one row. Ray Data's streaming executor then
 does what the stages used to do with hand-written loops: it keeps as many tasks in flight as the cluster's CPUs
-and memory (and `max_concurrent`) allow, retries a task whose worker process died (Ray Data's map tasks have
-`max_retries=-1`; an exception the function raises is not retried and fails the stage), shows progress bars
-(rows, throughput, ETA; off under `prepare_data.py --quiet`) and per-operator metrics in the dashboard.
+and memory (and `max_concurrent`) allow, shows progress bars (rows, throughput, ETA; off under
+`prepare_data.py --quiet`) and per-operator metrics in the dashboard. An exception the function raises is not
+retried and fails the stage; a task whose worker was killed is rerun with twice its memory, never the same
+(run_tasks).
 
 Memory: tasks declare `memory=` to Ray. Calls with different declarations go to different operators (one per
 declaration, rounded up to an eighth of its power of two so that a few operators cover every size), unioned into
