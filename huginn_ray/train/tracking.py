@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlflow.entities import Metric, Param
+from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from huginn_ray.config import flatten, to_dict
@@ -124,7 +124,7 @@ class _Artifact:
 
 
 class MetricsLogger:
-    """Rank 0's metric sink. `log`, `log_artifact` and `log_drawn_artifact` only enqueue: they never block on the
+    """Rank 0's metric sink. `log`, `set_tag`, `log_artifact` and `log_drawn_artifact` only enqueue: they never block on the
     server and never raise, so a tracking outage cannot stop training, and drawing a plot costs the step loop
     nothing (the sender thread draws it).
 
@@ -136,6 +136,7 @@ class MetricsLogger:
     """
 
     BATCH = 1000  # MLflow's limit of metrics per log_batch
+    TAG_BATCH = 100  # and of tags
 
     def __init__(self, uri: str, run_id: str, max_pending: int = 100_000, flush_timeout_s: float = 60.0,
                  request_timeout_s: float = 10.0, max_backoff_s: float = 30.0, max_pending_artifacts: int = 64):
@@ -147,7 +148,7 @@ class MetricsLogger:
         self.client = MlflowClient(uri)
         self.max_pending, self.flush_timeout_s, self.max_backoff_s = max_pending, flush_timeout_s, max_backoff_s
         self.max_pending_artifacts = max_pending_artifacts
-        self._queue: deque[list[Metric]] = deque()
+        self._queue: deque[list[Metric | RunTag]] = deque()
         self._artifacts: deque[_Artifact] = deque()
         self._pending = 0
         self._inflight: list[Metric] | None = None
@@ -170,6 +171,15 @@ class MetricsLogger:
             for start in range(0, len(batch), self.BATCH):
                 self._queue.append(batch[start : start + self.BATCH])
                 self._pending += len(batch[start : start + self.BATCH])
+            while self._pending > self.max_pending and self._drop_oldest():
+                pass
+            self._cond.notify()
+
+    def set_tag(self, key: str, value: str) -> None:
+        """A run tag (text: which ranks straggled), queued in order with the metrics."""
+        with self._cond:
+            self._queue.append([RunTag(key, value[:5000])])
+            self._pending += 1
             while self._pending > self.max_pending and self._drop_oldest():
                 pass
             self._cond.notify()
@@ -231,13 +241,15 @@ class MetricsLogger:
         return False
 
     # ---- the sender thread
-    def _next_batch(self) -> list[list[Metric]]:
-        entries, size = [], 0
+    def _next_batch(self) -> list[list[Metric | RunTag]]:
+        entries, size, tags = [], 0, 0
         for entry in self._queue:
-            if entries and size + len(entry) > self.BATCH:
+            is_tag = isinstance(entry[0], RunTag)
+            if entries and (size + len(entry) > self.BATCH or (is_tag and tags == self.TAG_BATCH)):
                 break
             entries.append(entry)
             size += len(entry)
+            tags += is_tag
         return entries
 
     def _send_loop(self) -> None:
@@ -258,7 +270,9 @@ class MetricsLogger:
                 continue
             try:
                 if entries:
-                    self.client.log_batch(self.run_id, metrics=[m for e in entries for m in e])
+                    values = [value for entry in entries for value in entry]
+                    self.client.log_batch(self.run_id, metrics=[v for v in values if isinstance(v, Metric)],
+                                          tags=[v for v in values if isinstance(v, RunTag)])
                 else:
                     self.client.log_artifact(self.run_id, artifact.file, artifact.artifact_path)
             except Exception as err:  # noqa: BLE001 - the server is down, slow, or refused: retry later
