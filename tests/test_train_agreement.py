@@ -13,6 +13,7 @@ import io
 import json
 import socket
 import threading
+import time
 import traceback
 from contextlib import contextmanager, redirect_stdout
 from datetime import timedelta
@@ -248,3 +249,70 @@ def test_a_profiled_step_range_leaves_a_trace_and_says_the_snapshot_needs_cuda(o
     assert ("[huginn] profile: memory_snapshot needs CUDA; this run trains on cpu, so steps 5-6 get a profiler "
             "trace only") in observed_run["console"]
     assert f"[huginn] profile of steps 5-6: {trace}" in observed_run["console"]
+
+
+class RecordingLogger:
+    """Stands in for rank 0's MetricsLogger (the MLflow side is tested with a real server in test_train_ray.py):
+    keeps what the loop logs."""
+
+    def __init__(self):
+        self.metrics, self.tags = {}, {}
+
+    def log(self, metrics, step):
+        self.metrics.setdefault(step, {}).update(metrics)
+
+    def set_tag(self, key, value):
+        self.tags[key] = value
+
+    def log_drawn_artifact(self, name, draw, artifact_path=None):
+        pass
+
+
+def straggling_rank(rank, world_size):
+    """hsdp over 2 gloo ranks (one shard group), 4 steps by the loop's run_steps, logged every 2; rank 1 sleeps
+    0.3 s in every step while it waits for its data (a test-only stand-in for a slow host)."""
+    from huginn_ray.train import checkpoint as ckpt
+    from huginn_ray.train.shard_reader import collate
+
+    loop.ShardReader = MemoryReader
+    if rank == 1:
+        read = loop.read_batches
+
+        def slow_read(c, cfg):
+            time.sleep(0.3)
+            return read(c, cfg)
+        loop.read_batches = slow_read
+    cfg = train_config(["parallelism.mode=hsdp", "max_steps=4", "log_step_interval=2", "eval_depths=[1]",
+                        "checkpoint.save_step_interval=100", "checkpoint.save_last_step=false",
+                        "out_dir=/nonexistent/runs"])
+    plan = plan_for(cfg)
+    cpu = torch.device("cpu")
+    c = loop.build_components(cfg, plan, rank, cpu, local_world_size=2)
+    c.hosts = ckpt.all_ranks(socket.gethostname(), cpu)  # as start_worker gathers them
+    val_batch = collate(MemoryReader("val", rank, cfg.seed, cfg.block_size + 1).next_rows(2), plan.pad_id,
+                        plan.eos_id, plan.model_config.vocab_size)
+    logger = RecordingLogger() if rank == 0 else None
+    console = io.StringIO()
+    with redirect_stdout(console):
+        loop.run_steps(c, cfg, plan, ckpt.TrainerState(), val_batch, logger, rank, world_size, cpu)
+    return {"console": console.getvalue(), "host": socket.gethostname(),
+            "metrics": logger.metrics if logger else None, "tags": logger.tags if logger else None}
+
+
+def test_a_slow_rank_is_named_with_its_host_and_module_norms_are_global_under_hsdp(tmp_path):
+    ranks = spawn(straggling_rank, 2, tmp_path, timeout_s=120)
+    assert "error" not in ranks[0] and "error" not in ranks[1], ranks
+    report, host = ranks[0], ranks[0]["host"]
+    for step in ("2", "4"):
+        lines = [l for l in report["console"].splitlines() if l.startswith(f"[huginn] step {step} stragglers")]
+        assert len(lines) == 1, report["console"]
+        assert lines[0].startswith(f"[huginn] step {step} stragglers (own time above 1.5x the median): "
+                                   f"rank 1 on {host} "), lines
+        metrics = report["metrics"][step]
+        assert metrics["straggler/rank_1"] > 1.5 and "straggler/rank_0" not in metrics
+        assert report["tags"][f"straggler.step_00000{step}"] == lines[0].split("median): ", 1)[1]
+        # the module norms are global: their squares add up to the clip's global norm (sharded DTensors)
+        squares = sum(metrics[f"grad_norm/{m}"] ** 2 for m in ("embeddings", "prelude", "core", "coda"))
+        assert squares == pytest.approx(metrics["grad_norm"] ** 2, rel=1e-6)
+        assert metrics["update_norm/core"] > 0
+    assert ranks[1]["console"] == ""  # rank 1 prints nothing of its own
