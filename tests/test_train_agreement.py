@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import io
 import json
+import re
 import socket
 import threading
 import time
@@ -304,6 +305,9 @@ def test_a_slow_rank_is_named_with_its_host_and_module_norms_are_global_under_hs
     assert "error" not in ranks[0] and "error" not in ranks[1], ranks
     report, host = ranks[0], ranks[0]["host"]
     for step in ("2", "4"):
+        assert re.search(rf"^\[huginn\] step {step} time per step \(s\): data [0-9.]+ forward [0-9.]+ backward "
+                         r"[0-9.]+ comm [0-9.]+ optimizer [0-9.]+ validation [0-9.]+ checkpoint [0-9.]+$",
+                         report["console"], re.M), report["console"]
         lines = [l for l in report["console"].splitlines() if l.startswith(f"[huginn] step {step} stragglers")]
         assert len(lines) == 1, report["console"]
         assert lines[0].startswith(f"[huginn] step {step} stragglers (own time above 1.5x the median): "
