@@ -22,7 +22,6 @@ import os
 import random
 import resource
 import shutil
-import socket
 import tempfile
 import time
 from contextlib import nullcontext
@@ -130,7 +129,8 @@ class Components:
     resumed: bool = False
     """Model, optimizer and reader were loaded from a checkpoint."""
     hosts: list[str] | None = None
-    """Every rank's host name, gathered at startup (straggler lines name them); None outside Ray Train."""
+    """Every rank's host, as the IP address of its Ray node, gathered at startup with the placements (straggler
+    lines name them); None outside Ray Train."""
 
 
 def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.device,
@@ -420,15 +420,14 @@ def start_worker(cfg: TrainConfig, plan: RunPlan, ctx, device: torch.device) -> 
     rank = ctx.get_world_rank()
     register_node()
     placement = {"node_rank": ctx.get_node_rank(), "local_rank": ctx.get_local_rank(),
-                 "local_world_size": ctx.get_local_world_size(), "node_ip": ray.util.get_node_ip_address(),
-                 "host": socket.gethostname()}
+                 "local_world_size": ctx.get_local_world_size(), "node_ip": ray.util.get_node_ip_address()}
     try:
         c = build_components(cfg, plan, rank, device, local_world_size=ctx.get_local_world_size(),
                              initialise=False)  # a checkpoint may hold the weights: initialised after the resume
     except DataOrderError as err:  # the same on every rank, before any collective
         raise Stop(f"data order: {err}", reporter=rank == 0) from None
     placements = ckpt.all_ranks(placement, device)
-    c.hosts = [p["host"] for p in placements]
+    c.hosts = [p["node_ip"] for p in placements]
     parallel.check_node_layout(c.shape, placements)
     if rank == 0:
         print(f"[huginn] {parallel.describe_layout(c.shape, placements)}", flush=True)
