@@ -225,7 +225,7 @@ def test_a_log_interval_reads_the_device_once(observed_run):
 
 def test_no_mlflow_or_matplotlib_call_delays_a_step_of_rank_0(observed_run):
     """MLflow's calls and matplotlib's savefig wait until the loop has ended: every step of 3-8 ended before any
-    of them returned, and none ran on the loop's thread (they run on the logger's sender thread)."""
+    of them returned, and none ran on the loop's thread (they run on the logger's sender and drawing threads)."""
     events, main = observed_run["events"], observed_run["main"]
     order = [e for e in events if e[0] in ("step", "end", "loop ended")]
     assert [e[1] for e in order if e[0] == "step"] == [3, 4, 5, 6, 7, 8]
@@ -233,7 +233,9 @@ def test_no_mlflow_or_matplotlib_call_delays_a_step_of_rank_0(observed_run):
     assert order[first_end - 1] == ("loop ended", None, main)  # nothing returned while the loop ran
     calls = [e for e in events if e[0] == "start"]
     assert {name for _, name, _ in calls} == {"log_batch", "log_artifact", "savefig"}
-    assert {thread for _, _, thread in calls} == {"huginn-mlflow-sender"}, calls
+    assert {(name, thread) for _, name, thread in calls} == {
+        ("log_batch", "huginn-mlflow-sender"), ("log_artifact", "huginn-mlflow-sender"),
+        ("savefig", "huginn-mlflow-drawer")}, calls
     logged = {key for e in events if e[0] == "logged" for key in e[1]}
     for key in ("loss", "val_loss_2", "time/data", "time/forward", "time/backward", "time/comm", "time/optimizer",
                 "time/validation", "time/checkpoint", "grad_norm/core", "update_norm/embeddings",

@@ -554,7 +554,7 @@ def log_interval(c: Components, window: LogWindow, result: StepResult, validatio
     """The log interval's metrics, from one all-reduce and one device-to-host read (observe.read_interval) of
     everything the device holds for it: every rank's own step time, the module norms, the model's telemetry and
     the validation sums. Every rank takes part; rank 0 logs, prints the progress, phase, straggler and
-    validation lines, and queues the validation plot for the logger's sender thread."""
+    validation lines, and queues the validation plot for the logger's drawing thread."""
     step = state.step
     phases = {phase: seconds / window.steps for phase, seconds in clock.read().items()}
     summed = {"own_seconds": own_time_slot(sum(phases[p] for p in OWN_PHASES), rank, world_size)}
@@ -605,7 +605,7 @@ def log_validation(val: dict, step: int, train_depth: int, logger) -> None:
 def log_profile(written: list[Path], logger, device: torch.device) -> None:
     """After the profiled steps: every rank's files named to rank 0 (one gather, once per run), which queues
     those it can read (its own; every rank's on a shared file system) as MLflow artifacts under `profile/`, copied
-    by the logger's sender thread."""
+    by the logger's drawing thread."""
     files = ckpt.all_ranks([str(path) for path in written], device)
     if logger is None:
         return

@@ -4,7 +4,7 @@ on every rank, and a CUDA memory snapshot of them where there is CUDA.
 Every rank writes `<run_dir>/profile/rank<k>.trace.json` (Chrome trace format: chrome://tracing or
 https://ui.perfetto.dev) and, with memory_snapshot on CUDA, `<run_dir>/profile/rank<k>.memory.pickle`
 (https://pytorch.org/memory_viz). Rank 0 queues the files it can read (its own; every rank's on a shared file
-system) for MLflow's artifact `profile/` on the logger's sender thread.
+system) for MLflow's artifact `profile/`, copied and uploaded by the logger's threads.
 """
 
 from __future__ import annotations
