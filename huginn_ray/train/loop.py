@@ -3,14 +3,16 @@
 One step: read and check the step's micro-batches on the host, count their supervised labels over every rank (one
 small all-reduce, used on the device), sample the depth (n, k) from the step (the same on every rank),
 forward+backward every micro-batch, exchange gradients (fp32 mean), clip, set the scheduled lr in every group,
-step (not the first one), then log, validate and checkpoint on their intervals. The loss is the sum of the token
+step (not the first one), then validate, log and checkpoint on their intervals. The loss is the sum of the token
 losses of the whole global batch over its supervised tokens, divided by their count, on every layout, gradient
 accumulation and split of a micro-batch's rows over the ranks (they may differ by a row: data_order.py).
 
 All ranks decide alike with one small all-reduce per step, read once by the host (the step's only host sync):
 the loss, whether the loss or gradient norm is non-finite, a stop request (SIGTERM, the Slurm signal), the time
 budget running out, and a rank that could not read its data. A data error therefore stops every rank at the same
-step, within seconds, instead of leaving 4095 ranks waiting for the process-group timeout.
+step, within seconds, instead of leaving 4095 ranks waiting for the process-group timeout. A log step adds one
+all-reduce and one read for everything else the log shows (huginn_ray.train.observe: phase times, module norms,
+every rank's step time, the model's telemetry, the validation losses).
 """
 
 from __future__ import annotations
