@@ -3,9 +3,9 @@
 R ranks hold identical copies of each part of the state: under `hsdp` the replicas of a shard (the mesh's
 "replicate" dimension, R = W / S), under `replicate` every rank (R = W). Read naively, every one of them reads its
 part from the file system: the state is served R times. Here the R ranks divide the reading of their parts
-(`deal`): a tensor part is cut into R blocks of rows, and the blocks of successive tensors are dealt round the
-replicas like cards, so that every replica reads about 1/R of the bytes even when a part has fewer rows than
-there are replicas; a small part (`SMALL_BYTES`, a 0-dim tensor) is read whole by one replica, its owner. The
+(`deal`): a tensor part is cut into R blocks of rows, each tensor's blocks going to the replicas that have read
+the least so far, so that every replica reads about 1/R of the bytes even when a part has fewer rows than there
+are replicas; a small part (`SMALL_BYTES`, a 0-dim tensor) is read whole by one replica, its owner. The
 replicas then complete each other over their group (the network): one all-gather per split tensor, one broadcast
 from its owner per small one. Every rank reads about 1/W of the state from the file system and ends holding exactly
 the bytes a full read gives. Tensors are handled one at a time: no buffer larger than one tensor's local part.
@@ -74,7 +74,7 @@ def deal(parts: list[torch.Tensor], replicas: int) -> list[Share]:
     the replica that has read the fewest bytes. So no replica reads much more than 1/R of the bytes, even where
     parts have fewer rows than there are replicas. Needs only the parts' shapes: every replica computes the same
     shares."""
-    shares, load = [], torch.zeros(replicas, dtype=torch.float64)
+    shares, load = [], torch.zeros(replicas, dtype=torch.float64, device="cpu")  # bytes each has read so far
     for part in parts:
         nbytes = part.numel() * part.element_size()
         if part.dim() == 0 or nbytes <= SMALL_BYTES:
