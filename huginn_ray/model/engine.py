@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from huginn_ray.model.cache import IterationKVCache
+from huginn_ray.model.cache import CachePool
 from huginn_ray.model.generate import Request, Sequence, advance, start
 from huginn_ray.model.model import RecurrentGPT
 
@@ -96,7 +96,11 @@ class Engine:
     def __init__(self, model: RecurrentGPT, config: EngineConfig):
         self.model, self.config = model.eval(), config
         self.device = model.freqs_cis.device
-        self.element_size = next(model.parameters()).element_size()
+        parameter = next(model.parameters())
+        self.element_size = parameter.element_size()
+        entry_bytes = 2 * model.config.n_embd * self.element_size
+        self.caches = CachePool(model.config, self.device, parameter.dtype, config.max_cache_bytes // entry_bytes)
+        """Every request's keys/values, allocated at admission as it reserved them (so never beyond max_cache_bytes)."""
         self.waiting: deque[tuple[int, Request]] = deque()
         self.pool: dict[int, Sequence] = {}
         self.reserved: dict[int, int] = {}
@@ -117,7 +121,7 @@ class Engine:
 
     def reservation(self, request: Request) -> int:
         """Cache bytes a checked request reserves while in flight."""
-        return IterationKVCache.reserved_bytes(self.model.config, len(request.prompt) + request.max_new_tokens - 1,
+        return CachePool.reserved_bytes(self.model.config, len(request.prompt) + request.max_new_tokens - 1,
                                                request.cache, request.num_steps, self.element_size)
 
     def submit(self, request: Request) -> int:
@@ -188,11 +192,12 @@ class Engine:
                 break  # first come, first served: a large request is not overtaken
             self.waiting.popleft()
             generator = torch.Generator(device=self.device).manual_seed(request.seed)
-            self.pool[request_id] = Sequence(request, generator, self.device, self.model.config)
+            self.pool[request_id] = Sequence(request, generator, self.caches, self.model.config)
             self.reserved[request_id] = need
             admitted.append(self.pool[request_id])
         if admitted:
             start(self.model, admitted)
 
     def _free(self, request_id: int) -> None:
-        del self.pool[request_id], self.reserved[request_id]
+        self.pool.pop(request_id).cache.release()
+        del self.reserved[request_id]

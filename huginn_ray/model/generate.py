@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from huginn_ray.model.cache import IterationKVCache, RowBatchCache, parse_cache
+from huginn_ray.model.cache import CachePool, RowBatch, parse_cache
 from huginn_ray.model.config import ModelConfig
 from huginn_ray.model.flops import inference_flops_per_token
 from huginn_ray.model.model import RecurrentGPT
@@ -291,17 +291,19 @@ class Sequence:
     The forward in progress: `ids` (its positions' tokens), `injected` (the adapter's half for e), `state`
     (1, positions, D), `iteration` (core iterations done) and `criterion`. `advance` moves it on."""
 
-    def __init__(self, request: Request, generator: torch.Generator | None, device: torch.device,
+    def __init__(self, request: Request, generator: torch.Generator | None, caches: CachePool,
                  config: ModelConfig, input_states: Tensor | None = None, force_tokens: Tensor | None = None,
                  keep_states: bool = False):
         """`request` must be checked (Request.checked). `generator` draws the initial noise and the samples
-        (None: torch's global one). `input_states` (1, prompt, D) replaces the prefill's noise; `force_tokens`
+        (None: torch's global one). Its cache is a slot of `caches` (release it with `cache.release()` when the
+        pool outlives the sequence). `input_states` (1, prompt, D) replaces the prefill's noise; `force_tokens`
         (max_new_tokens,) are emitted instead of picked; `keep_states` records each forward's first and last
         latent state of the last position (GenerationResult)."""
         self.request, self.generator, self.force_tokens = request, generator, force_tokens
         self.input_states, self.keep_states = input_states, keep_states
-        self.cache = IterationKVCache(config, len(request.prompt) + request.max_new_tokens - 1, request.cache)
-        self.ids = torch.tensor(request.prompt, device=device)
+        self.cache = caches.allocate(config, len(request.prompt) + request.max_new_tokens - 1, request.cache,
+                                     request.num_steps)
+        self.ids = torch.tensor(request.prompt, device=caches.device)
         self.tokens: list[int] = list(request.prompt)
         self.steps: list[int] = []
         self.logprobs: list[float] = []
@@ -347,10 +349,9 @@ class Sequence:
         return model._pick(logits, request.temperature, request.top_k, self.generator, request.top_p)
 
     def emit(self, model: RecurrentGPT, token: Tensor, token_id: int, logprob: float) -> None:
-        """End the forward with its token ((1,) on the device, and its id) and that token's log-probability:
-        commit its positions, record it (`coda_evals` counts every coda + head run of the forward)."""
+        """End the forward, whose positions are committed, with its token ((1,) on the device, and its id) and
+        that token's log-probability: record it (`coda_evals` counts every coda + head run of the forward)."""
         request = self.request
-        self.cache.commit(self.length, self.iteration)
         self.steps.append(self.iteration)
         self.last_final_state = self.state[:, -1].clone()
         if self.keep_states:
@@ -368,7 +369,7 @@ class Sequence:
 def start(model: RecurrentGPT, sequences: list[Sequence]) -> None:
     """Run the prelude of each sequence's next forward (its prompt, or its last token) in one batched call and
     begin the forwards."""
-    rows = RowBatchCache([s.cache for s in sequences], [s.length for s in sequences])
+    rows = RowBatch([s.cache for s in sequences], [s.length for s in sequences], "prelude")
     ids = pad([s.ids[None, :, None] for s in sequences], rows.width)[..., 0]
     rope = rows.rope(model.freqs_cis)
     x = model.transformer.wte(ids) * model.config.embedding_scale
@@ -416,9 +417,13 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
     final = [sequence for sequence in ended if id(sequence) not in check_logits]
     final_logits = dict(zip(map(id, final), coda_head(model, final))) if final else {}
     logits = torch.cat([final_logits.get(id(sequence), check_logits.get(id(sequence))) for sequence in ended])
-    tokens = torch.cat([sequence.pick(model, logits[row : row + 1]) for row, sequence in enumerate(ended)])
+    if all(sequence.force_tokens is None and sequence.request.temperature == 0 for sequence in ended):
+        tokens = logits.argmax(dim=-1)  # greedy: what each row's own pick gives, in one call
+    else:
+        tokens = torch.cat([sequence.pick(model, logits[row : row + 1]) for row, sequence in enumerate(ended)])
     logprobs = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
     emitted = list(zip(ended, tokens.tolist()))  # the step's one read of the tokens (and one of their logprobs)
+    ended[0].cache.pool.commit([s.cache for s in ended], [s.length for s in ended], [s.iteration for s in ended])
     for row, ((sequence, token_id), logprob) in enumerate(zip(emitted, logprobs.tolist())):
         sequence.coda_evals += id(sequence) in final_logits
         sequence.emit(model, tokens[row : row + 1], token_id, logprob)
@@ -430,7 +435,8 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
 
 def iterate(model: RecurrentGPT, sequences: list[Sequence]) -> None:
     """One core iteration of the sequences' forwards, in one batched call."""
-    rows = RowBatchCache([s.cache for s in sequences], [s.length for s in sequences], [s.iteration for s in sequences])
+    rows = RowBatch([s.cache for s in sequences], [s.length for s in sequences], "core",
+                    [s.iteration for s in sequences])
     state = pad([s.state for s in sequences], rows.width)
     injected = pad([s.injected for s in sequences], rows.width)
     new = model._core(state, injected, rows.rope(model.freqs_cis), rows, 0)  # rows add their own iterations
@@ -442,7 +448,7 @@ def iterate(model: RecurrentGPT, sequences: list[Sequence]) -> None:
 def coda_head(model: RecurrentGPT, sequences: list[Sequence]) -> list[Tensor]:
     """The coda and head over the sequences' current states, in one batched call: each one's last-position
     logits over the real vocabulary, (1, V) fp32."""
-    rows = RowBatchCache([s.cache for s in sequences], [s.length for s in sequences])
+    rows = RowBatch([s.cache for s in sequences], [s.length for s in sequences], "coda")
     rope = rows.rope(model.freqs_cis)
     x = model.transformer.ln_f(pad([s.state for s in sequences], rows.width))
     for index, block in enumerate(model.transformer.coda):
@@ -495,12 +501,12 @@ def generate(
     model.eval()
     t0 = time.perf_counter()
     try:
-        pool = []
+        pool, caches = [], CachePool(model.config, input_ids.device, next(model.parameters()).dtype)
         for row, prompt in enumerate(input_ids.tolist()):
             request = Request(tuple(prompt), max_new_tokens, num_steps, exit_criterion, exit_threshold, min_steps,
                               check_every, exit_in_prefill, cache, warm_start, temperature, top_k, top_p,
                               stop_token_ids=() if eos_token_id is None else (eos_token_id,)).checked(model.config)
-            pool.append(Sequence(request, generator, input_ids.device, model.config,
+            pool.append(Sequence(request, generator, caches, model.config,
                                  None if input_states is None else input_states[row : row + 1],
                                  None if force_tokens is None else force_tokens[row], keep_states=True))
         rows = list(pool)
