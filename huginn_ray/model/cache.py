@@ -62,7 +62,7 @@ class CachePool:
     `latest`, `ring:N`), laid out so that a batched call over any rows reads and writes them with one indexing
     operation per block, whatever the rows' positions and iterations.
 
-    Storage: `entries` (capacity, 2, heads, head_dim), one entry = one position's keys and values of one block
+    Storage: `entries` (capacity, 2 x heads x head_dim), one entry = one position's keys and values of one block
     (entry TRASH is scratch). A sequence owns a slot and, from its allocation to its release, the entries of its
     table row: `table[slot, key, position]`, with keys: prelude blocks 0..P-1, coda blocks P..P+C-1, then core
     block j of kept plane q at P + C + L*q + j (iteration i in plane i mod kept: kept = num_steps, or N for
@@ -73,7 +73,7 @@ class CachePool:
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_entries: int | None = None):
         self.prelude, self.coda, self.core = cfg.n_layers_in_prelude, cfg.n_layers_in_coda, cfg.n_layers_in_recurrent_block
         self.device, self.max_entries = device, max_entries
-        self.entries = torch.zeros(1, 2, cfg.num_attention_heads, cfg.head_dim, device=device, dtype=dtype)
+        self.entries = torch.zeros(1, 2 * cfg.n_embd, device=device, dtype=dtype)  # keys, then values
         self.free = torch.empty(0, dtype=torch.long, device=device)  # entry indices not held
         self.table = torch.zeros(0, 0, 0, dtype=torch.long, device=device)
         self.depths = torch.zeros(0, 0, dtype=torch.long, device=device)
@@ -81,6 +81,8 @@ class CachePool:
         self.latest = torch.zeros(0, dtype=torch.long, device=device)    # per slot: key of core block 0's latest copy
         self.is_full = torch.zeros(0, dtype=torch.bool, device=device)   # per slot: strategy `full`
         self.free_slots: list[int] = []
+        self.layouts: dict[tuple, _Layout] = {}
+        """Index tensors of the batched calls since the last commit or allocation (RowBatch)."""
 
     @staticmethod
     def keys(cfg: ModelConfig, strategy: str, num_steps: int) -> int:
@@ -105,6 +107,7 @@ class CachePool:
         if need > self.free.numel():
             self._grow_entries(need - self.free.numel())
         taken, self.free = self.free[self.free.numel() - need :], self.free[: self.free.numel() - need]
+        self.layouts.clear()
         slot = self.free_slots.pop() if self.free_slots else self._new_slot()
         self._fit_table(keys, max_len)
         self.table[slot] = TRASH
@@ -150,17 +153,52 @@ class CachePool:
             self.table = _grown(self.table, shape, TRASH)
             self.depths = _grown(self.depths, (slots, shape[2]), NOT_YET)
 
+    def entry_of(self, row_keys: Tensor, positions: Tensor) -> Tensor:
+        """(rows, blocks, positions) entry indices of rows (slot x keys + key, (rows, blocks)) of the table at
+        (rows, positions) positions."""
+        flat = (row_keys * self.table.shape[2])[:, :, None] + positions[:, None, :]
+        return self.table.view(-1).index_select(0, flat.flatten()).view(flat.shape)
+
     def commit(self, caches: list["SequenceCache"], positions: list[int], iterations: list[int]) -> None:
         """The forwards of the next `positions[r]` positions of `caches[r]` ended after `iterations[r]` core
         iterations: one write for all of them."""
+        self.layouts.clear()
         slots, columns, depths = [], [], []
         for cache, count, iteration in zip(caches, positions, iterations):
             slots += [cache.slot] * count
             columns += range(cache.length, cache.length + count)
             depths += [iteration] * count
             cache.length += count
+            cache.shallowest = min(cache.shallowest, iteration)
         self.depths[torch.tensor(slots, device=self.device), torch.tensor(columns, device=self.device)] = torch.tensor(
             depths, device=self.device)
+
+
+class _Layout:
+    """What a batched call over rows in these slots, at these starts and lengths, needs whatever its blocks:
+    computed once and reused by every call until a commit moves the rows (CachePool.layouts)."""
+
+    def __init__(self, pool: CachePool, slots: tuple[int, ...], starts: tuple[int, ...], lengths: tuple[int, ...]):
+        device, limit = pool.device, pool.table.shape[2] - 1
+        self.pool, self.indices = pool, {}
+        self.slots = torch.tensor(slots, device=device)
+        start = torch.tensor(starts, device=device)
+        end = start + torch.tensor(lengths, device=device)
+        offset, width = max(starts), max(lengths)
+        positions = torch.arange(offset + width, device=device) - offset + start[:, None]
+        self.attendable = (positions >= 0) & (positions < end[:, None])  # (rows, columns): the rows' own
+        self.positions = positions.clamp(0, limit)
+        written = start[:, None] + torch.arange(width, device=device)  # (rows, width) positions written
+        self.write = written < end[:, None]
+        self.written = written.clamp_max(limit)
+
+    def reads_and_writes(self, keys: Tensor, skip: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """For (rows, blocks) table keys: the entries each column reads (rows, blocks, columns) and those each
+        new position writes (rows, blocks, width; TRASH for padding, and for the rows `skip` marks)."""
+        row_keys = (self.slots * self.pool.table.shape[1])[:, None] + keys
+        write = self.write if skip is None else self.write & ~skip[:, None]
+        return (self.pool.entry_of(row_keys, self.positions),
+                torch.where(write[:, None], self.pool.entry_of(row_keys, self.written), TRASH))
 
 
 def _grown(t: Tensor, shape: tuple[int, ...], fill) -> Tensor:
@@ -177,6 +215,8 @@ class SequenceCache:
         self.pool, self.slot, self.max_len, self.strategy, self.kept, self.taken = pool, slot, max_len, strategy, kept, taken
         self.length = 0
         """Committed positions (those of finished forwards)."""
+        self.shallowest = NOT_YET
+        """The fewest core iterations of a committed position: each has every plane below it."""
 
     def release(self) -> None:
         self.pool.release(self)
@@ -186,7 +226,7 @@ class SequenceCache:
         each position reached, up to the planes kept, and the latest-iteration copies), as a cache that
         allocated entries only when written would hold."""
         pool = self.pool
-        per_entry = pool.entries[0].numel() * pool.entries.element_size()
+        per_entry = pool.entries.shape[1] * pool.entries.element_size()
         depths = pool.depths[self.slot, : self.length]
         planes = int(depths.clamp_max(NOT_YET if parse_cache(self.strategy) is None else self.kept).sum())
         latest = 0 if self.strategy == "full" else pool.core * self.length
@@ -216,38 +256,38 @@ class RowBatch:
         self.starts, self.kind = starts, kind
         self.width, self.offset = max(lengths), max(starts)
         self.aligned = len(set(starts)) == 1 and min(lengths) == self.width
-        slots = torch.tensor([cache.slot for cache in caches], device=device)
-        start = torch.tensor(starts, device=device)
-        end = start + torch.tensor(lengths, device=device)
-        positions = torch.arange(self.offset + self.width, device=device) - self.offset + start[:, None]
-        attendable = (positions >= 0) & (positions < end[:, None])  # (rows, columns)
-        positions = positions.clamp(0, pool.table.shape[2] - 1)
-        written = start[:, None] + torch.arange(self.width, device=device)  # (rows, width) positions written
-        write = written < end[:, None]
-        written = written.clamp_max(pool.table.shape[2] - 1)
-        if kind == "prelude":
-            keys = torch.arange(pool.prelude, device=device).expand(len(caches), -1)
-        elif kind == "coda":
-            keys = torch.arange(pool.prelude, pool.prelude + pool.coda, device=device).expand(len(caches), -1)
+        key = (tuple(cache.slot for cache in caches), tuple(starts), tuple(lengths))
+        layout = pool.layouts.get(key) or pool.layouts.setdefault(key, _Layout(pool, *key))
+        slots, positions, attendable, written, write = (layout.slots, layout.positions, layout.attendable,
+                                                        layout.written, layout.write)
+        self.latest_writes, presence = None, False
+        if kind != "core":
+            if kind not in layout.indices:
+                first = 0 if kind == "prelude" else pool.prelude
+                keys = torch.arange(first, first + (pool.prelude if kind == "prelude" else pool.coda), device=device)
+                layout.indices[kind] = layout.reads_and_writes(keys.expand(len(caches), -1))
+            self.reads, self.writes = layout.indices[kind]
         else:
-            plane = torch.tensor(iterations, device=device) % pool.kept[slots]
+            planes = [iteration % cache.kept for iteration, cache in zip(iterations, caches)]
+            # a plane some committed position did not reach: `full` masks it, `latest` / `ring:N` read the latest
+            presence = any(plane >= cache.shallowest for plane, cache in zip(planes, caches))
+            plane = torch.tensor(planes, device=device)
             blocks = torch.arange(pool.core, device=device)
-            keys = (pool.prelude + pool.coda + pool.core * plane)[:, None] + blocks
-        slot = slots[:, None, None]
-        self.reads = pool.table[slot, keys[:, :, None], positions[:, None, :]]  # (rows, blocks, columns)
-        self.writes = torch.where(write[:, None], pool.table[slot, keys[:, :, None], written[:, None, :]], TRASH)
-        self.latest_writes = None
-        if kind == "core":
-            full = pool.is_full[slots]
-            present = pool.depths[slots[:, None], positions] > plane[:, None]  # the columns written at this plane
-            if not bool(full.all()):  # `latest` and `ring:N` read a missing plane from the latest copy
+            self.reads, self.writes = layout.reads_and_writes((pool.prelude + pool.coda + pool.core * plane)[:, None]
+                                                              + blocks)
+            full = [cache.strategy == "full" for cache in caches]
+            if not all(full):
                 latest = pool.latest[slots][:, None] + blocks
-                latest_reads = pool.table[slot, latest[:, :, None], positions[:, None, :]]
-                self.reads = torch.where((present | full[:, None])[:, None], self.reads, latest_reads)
-                self.latest_writes = torch.where((write & ~full[:, None])[:, None],
-                                                 pool.table[slot, latest[:, :, None], written[:, None, :]], TRASH)
-            attendable &= present | ~full[:, None]  # `full` leaves out the positions that did not reach the plane
-        self._attendable = None if self.offset == 0 else attendable  # at offset 0 the causal mask suffices
+                latest_reads, self.latest_writes = layout.reads_and_writes(latest, torch.tensor(full, device=device))
+            if presence:
+                present = pool.depths[slots[:, None], positions] > plane[:, None]  # the columns written at this plane
+                if not all(full):
+                    lacking = ~present & ~torch.tensor(full, device=device)[:, None]
+                    self.reads = torch.where(lacking[:, None], latest_reads, self.reads)
+                if any(full):
+                    attendable = attendable & (present | ~torch.tensor(full, device=device)[:, None])
+        # at offset 0, and for aligned rows with every plane present, the causal mask suffices
+        self._attendable = None if self.offset == 0 or (self.aligned and not presence) else attendable
 
     def rope(self, freqs_cis: Tensor) -> Tensor:
         """The rotary table of each row's positions, (rows, width, 1, head_dim / 2, 2) (padding: clamped)."""
@@ -263,11 +303,13 @@ class RowBatch:
     def update(self, index: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         pool = self.pool
         block = -1 - index if index < 0 else index if index < pool.prelude else index - pool.prelude
-        kv = torch.stack([k, v], dim=2).flatten(0, 1)  # (rows x width, 2, heads, head_dim)
-        pool.entries[self.writes[:, block].flatten()] = kv
+        rows, width, heads, head_dim = k.shape
+        kv = torch.stack([k, v], dim=2).view(rows * width, -1)  # (rows x width, 2 x heads x head_dim)
+        pool.entries.index_copy_(0, self.writes[:, block].flatten(), kv)
         if self.latest_writes is not None:
-            pool.entries[self.latest_writes[:, block].flatten()] = kv
-        entries = pool.entries[self.reads[:, block]]  # (rows, columns, 2, heads, head_dim)
+            pool.entries.index_copy_(0, self.latest_writes[:, block].flatten(), kv)
+        reads = self.reads[:, block]
+        entries = pool.entries.index_select(0, reads.flatten()).view(*reads.shape, 2, heads, head_dim)
         return entries[:, :, 0], entries[:, :, 1]
 
     def attendable(self, index: int) -> Tensor | None:
