@@ -80,6 +80,10 @@ class CachePool:
         self.kept = torch.zeros(0, dtype=torch.long, device=device)      # per slot: core planes kept
         self.latest = torch.zeros(0, dtype=torch.long, device=device)    # per slot: key of core block 0's latest copy
         self.is_full = torch.zeros(0, dtype=torch.bool, device=device)   # per slot: strategy `full`
+        self.states = torch.zeros(0, cfg.n_embd, device=device, dtype=dtype)
+        """(slots, D) the latent state of each slot's decoding forward (a one-position forward: huginn_ray.model.generate)."""
+        self.injected = torch.zeros(0, cfg.n_embd, device=device, dtype=dtype)
+        """(slots, D) the adapter's half for e of that forward (W[:, D:] e)."""
         self.free_slots: list[int] = []
         self.layouts: dict[tuple, _Layout] = {}
         """Index tensors of the batched calls since the last commit or allocation (RowBatch)."""
@@ -143,6 +147,8 @@ class CachePool:
         self.table = _grown(self.table, (grown, *self.table.shape[1:]), TRASH)
         self.depths = _grown(self.depths, (grown, self.depths.shape[1]), NOT_YET)
         self.kept, self.latest, self.is_full = (_grown(t, (grown,), 0) for t in (self.kept, self.latest, self.is_full))
+        self.states = _grown(self.states, (grown, self.states.shape[1]), 0)
+        self.injected = _grown(self.injected, (grown, self.injected.shape[1]), 0)
         self.free_slots += range(grown - 1, slots, -1)
         return slots
 
@@ -258,6 +264,7 @@ class RowBatch:
         self.aligned = len(set(starts)) == 1 and min(lengths) == self.width
         key = (tuple(cache.slot for cache in caches), tuple(starts), tuple(lengths))
         layout = pool.layouts.get(key) or pool.layouts.setdefault(key, _Layout(pool, *key))
+        self.slots = layout.slots
         slots, positions, attendable, written, write = (layout.slots, layout.positions, layout.attendable,
                                                         layout.written, layout.write)
         self.latest_writes, presence = None, False

@@ -318,6 +318,32 @@ class Sequence:
         """Positions of the forward in progress."""
         return self.ids.shape[0]
 
+    # A decoding forward's (one position) state and injected half live in its slot of the pool (CachePool.states,
+    # .injected), so that a batched step reads and writes them with one gather and one store; a prefill's here.
+    @property
+    def state(self) -> Tensor:
+        """(1, positions, D) latent state of the forward in progress."""
+        return self.cache.pool.states[self.cache.slot].view(1, 1, -1) if self.length == 1 else self._state
+
+    @state.setter
+    def state(self, value: Tensor) -> None:
+        if self.length == 1:
+            self.cache.pool.states[self.cache.slot] = value[0, 0]
+        else:
+            self._state = value
+
+    @property
+    def injected(self) -> Tensor:
+        """(1, positions, D) the adapter's half for e of the forward in progress."""
+        return self.cache.pool.injected[self.cache.slot].view(1, 1, -1) if self.length == 1 else self._injected
+
+    @injected.setter
+    def injected(self, value: Tensor) -> None:
+        if self.length == 1:
+            self.cache.pool.injected[self.cache.slot] = value[0, 0]
+        else:
+            self._injected = value
+
     def begin(self, model: RecurrentGPT, embedded: Tensor, injected: Tensor) -> None:
         """Start a forward from its prelude output (1, positions, D): the initial state and a fresh criterion."""
         request, prefill = self.request, not self.steps
@@ -409,7 +435,7 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
                 sequence.coda_evals += 1
             values = ExitCriterion.quantities(criteria, None, torch.cat([check_logits[id(s)] for s in group]))
         else:
-            values = ExitCriterion.quantities(criteria, torch.cat([s.state for s in group]), None)
+            values = ExitCriterion.quantities(criteria, states(group), None)
         ended += [sequence for sequence, exits in zip(group, ExitCriterion.exiting(criteria, values)) if exits]
     if not ended:
         return []
@@ -437,11 +463,18 @@ def iterate(model: RecurrentGPT, sequences: list[Sequence]) -> None:
     """One core iteration of the sequences' forwards, in one batched call."""
     rows = RowBatch([s.cache for s in sequences], [s.length for s in sequences], "core",
                     [s.iteration for s in sequences])
-    state = pad([s.state for s in sequences], rows.width)
-    injected = pad([s.injected for s in sequences], rows.width)
-    new = model._core(state, injected, rows.rope(model.freqs_cis), rows, 0)  # rows add their own iterations
-    for row, sequence in enumerate(sequences):
-        sequence.state = new[row : row + 1, : sequence.length]
+    rope = rows.rope(model.freqs_cis)
+    if rows.width == 1:  # decoding: the states and injected halves in the pool's slots
+        pool, slots = rows.pool, rows.slots
+        new = model._core(pool.states.index_select(0, slots)[:, None], pool.injected.index_select(0, slots)[:, None],
+                          rope, rows, 0)  # rows add their own iterations
+        pool.states.index_copy_(0, slots, new[:, 0])
+    else:
+        new = model._core(pad([s.state for s in sequences], rows.width), pad([s.injected for s in sequences], rows.width),
+                          rope, rows, 0)
+        for row, sequence in enumerate(sequences):
+            sequence.state = new[row : row + 1, : sequence.length]
+    for sequence in sequences:
         sequence.iteration += 1
 
 
@@ -450,12 +483,21 @@ def coda_head(model: RecurrentGPT, sequences: list[Sequence]) -> list[Tensor]:
     logits over the real vocabulary, (1, V) fp32."""
     rows = RowBatch([s.cache for s in sequences], [s.length for s in sequences], "coda")
     rope = rows.rope(model.freqs_cis)
-    x = model.transformer.ln_f(pad([s.state for s in sequences], rows.width))
+    x = model.transformer.ln_f(states(sequences, rows))
     for index, block in enumerate(model.transformer.coda):
         x = block(x, rope, rows, -1 - index)
     last = x[torch.arange(len(sequences)), torch.tensor([s.length - 1 for s in sequences])]
     logits = model.lm_head(model.transformer.ln_f(last)).float()[:, : model.config.vocab_size]
     return [logits[row : row + 1] for row in range(len(sequences))]
+
+
+def states(sequences: list[Sequence], rows: RowBatch | None = None) -> Tensor:
+    """The sequences' states side by side, (rows, width, D), padded after each one's length."""
+    if all(sequence.length == 1 for sequence in sequences):
+        pool = sequences[0].cache.pool
+        slots = rows.slots if rows is not None else torch.tensor([s.cache.slot for s in sequences], device=pool.device)
+        return pool.states.index_select(0, slots)[:, None]
+    return pad([s.state for s in sequences], max(s.length for s in sequences))
 
 
 def pad(tensors: list[Tensor], width: int) -> Tensor:
