@@ -45,7 +45,7 @@ class KVCache:
 
     def attendable(self, index: int) -> Tensor | None:
         """(batch, positions) which cached positions block `index` may attend to, None for all: every position
-        here. Generation with per-token depth (IterationKVCache) leaves out positions that exited."""
+        here. Generation with per-token depth (RowBatch) leaves out positions that exited."""
         return None
 
 

@@ -16,17 +16,19 @@ num_steps) runs the coda and head and emits a token; its next token's prelude jo
 step. A finished (or cancelled) request frees its row and its cache at once, and waiting requests are admitted
 at the start of a step, in the order they came, while both capacities allow: rows (`max_rows`, the batch of a
 core call) and key/value bytes (`max_cache_bytes`; a request reserves the most its cache can hold,
-IterationKVCache.reserved_bytes).
+CachePool.reserved_bytes).
 
 Each request draws its initial noise and its samples from its own generator, seeded with its `seed`, and
 attends only through its own cache at its own positions: its output is what `generate` gives it alone at
 batch size 1 with `generator=torch.Generator().manual_seed(seed)`, token for token and iteration for
 iteration, up to the rounding of batched matmuls (tests/test_model_engine.py).
 
-Layout: every request owns an IterationKVCache sized for its prompt + max_new_tokens; a batched call pads the
-rows to the longest forward and copies each row's keys/values into a padded batch per attention call
-(RowBatchCache), so the attention reads what it reads at batch 1 plus that copy and the padding. Simple and
-exact on a CPU; a paged layout that attends in place would save the copy on an accelerator.
+Layout: one CachePool holds every request's keys/values; a request takes a slot and, at admission, the
+entries it reserved (prompt + max_new_tokens positions x the blocks its strategy keeps), and gives both back
+when it finishes or is cancelled. A batched call reads and writes every row through index tensors computed once
+per call (RowBatch): per block one indexed store of the new keys/values and one gather of the attended ones, no
+per-row work; the attention then reads the gathered rows padded to the longest (one extra copy of what it reads,
+as `RecurrentGPT.generate`'s concatenation has).
 """
 
 from __future__ import annotations

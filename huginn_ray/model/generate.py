@@ -43,9 +43,10 @@ At a fixed depth (no exits) all three equal the model's full cache (`ring:N` wit
 noise (continuous chain-of-thought, the release's `continuous_compute`).
 
 How rows advance (shared with the serving engine, huginn_ray.model.engine): every sequence is a `Sequence` with
-its own cache, random generator and forward in progress. `advance` runs one loop step: a batched core
-iteration over every sequence in the pool, each at its own position and iteration (`RowBatchCache`; one call
-for the decoding sequences, one for those in their prompt's prefill); a
+its own slot of a `CachePool` (keys/values; a decoding forward's latent state), random generator and forward in
+progress. `advance` runs one loop step: a batched core iteration over every sequence in the pool, each at its
+own position and iteration (`RowBatch`: one gather and one indexed store per block, whatever the rows' positions;
+one call for the decoding sequences, one for those in their prompt's prefill); a
 sequence whose forward ends (its criterion, or its maximum depth) runs the coda and head, emits a token and
 starts its next token's forward (prelude, initial state), which joins the next loop step. So no row waits for
 another (the release iterates exited rows until the whole batch exits), and each row gets what it gets alone
