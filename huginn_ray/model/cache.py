@@ -188,6 +188,9 @@ class _Layout:
         device, limit = pool.device, pool.table.shape[2] - 1
         self.pool, self.indices = pool, {}
         self.slots = torch.tensor(slots, device=device)
+        kept = {int(k) for k in pool.kept[self.slots].tolist()} if len(slots) else set()
+        self.kept = kept.pop() if len(kept) == 1 else None
+        """The core planes every row keeps, None when they differ."""
         start = torch.tensor(starts, device=device)
         end = start + torch.tensor(lengths, device=device)
         offset, width = max(starts), max(lengths)
@@ -197,6 +200,21 @@ class _Layout:
         written = start[:, None] + torch.arange(width, device=device)  # (rows, width) positions written
         self.write = written < end[:, None]
         self.written = written.clamp_max(limit)
+
+    def every_plane(self, caches: list[SequenceCache]) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Reads and writes of every core block of every plane (rows, kept x L, ...), and the latest copies' writes
+        (None when every row is `full`): computed once per layout, sliced by each core call at one plane."""
+        if "every plane" not in self.indices:
+            pool, device = self.pool, self.pool.device
+            first = pool.prelude + pool.coda
+            keys = torch.arange(first, first + pool.core * self.kept, device=device).expand(len(caches), -1)
+            full = [cache.strategy == "full" for cache in caches]
+            latest_writes = None
+            if not all(full):
+                latest = pool.latest[self.slots][:, None] + torch.arange(pool.core, device=device)
+                latest_writes = self.reads_and_writes(latest, torch.tensor(full, device=device))[1]
+            self.indices["every plane"] = (*self.reads_and_writes(keys), latest_writes)
+        return self.indices["every plane"]
 
     def reads_and_writes(self, keys: Tensor, skip: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """For (rows, blocks) table keys: the entries each column reads (rows, blocks, columns) and those each
@@ -278,6 +296,13 @@ class RowBatch:
             planes = [iteration % cache.kept for iteration, cache in zip(iterations, caches)]
             # a plane some committed position did not reach: `full` masks it, `latest` / `ring:N` read the latest
             presence = any(plane >= cache.shallowest for plane, cache in zip(planes, caches))
+            if not presence and planes.count(planes[0]) == len(planes) and layout.kept is not None:
+                # every row at one plane, all present (fixed depth): slices of the layout's every-plane indices
+                reads, writes, self.latest_writes = layout.every_plane(caches)
+                blocks = slice(pool.core * planes[0], pool.core * (planes[0] + 1))
+                self.reads, self.writes = reads[:, blocks], writes[:, blocks]
+                self._attendable = None if self.offset == 0 or self.aligned else attendable
+                return
             plane = torch.tensor(planes, device=device)
             blocks = torch.arange(pool.core, device=device)
             self.reads, self.writes = layout.reads_and_writes((pool.prelude + pool.coda + pool.core * plane)[:, None]
