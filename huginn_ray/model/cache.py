@@ -184,21 +184,22 @@ class _Layout:
     """What a batched call over rows in these slots, at these starts and lengths, needs whatever its blocks:
     computed once and reused by every call until a commit moves the rows (CachePool.layouts)."""
 
-    def __init__(self, pool: CachePool, slots: tuple[int, ...], starts: tuple[int, ...], lengths: tuple[int, ...]):
+    def __init__(self, pool: CachePool, slots: tuple[int, ...], starts: tuple[int, ...], lengths: tuple[int, ...],
+                 kept: set[int]):
         device, limit = pool.device, pool.table.shape[2] - 1
         self.pool, self.indices = pool, {}
         self.slots = torch.tensor(slots, device=device)
-        kept = {int(k) for k in pool.kept[self.slots].tolist()} if len(slots) else set()
-        self.kept = kept.pop() if len(kept) == 1 else None
+        self.kept = next(iter(kept)) if len(kept) == 1 else None
         """The core planes every row keeps, None when they differ."""
-        start = torch.tensor(starts, device=device)
-        end = start + torch.tensor(lengths, device=device)
         offset, width = max(starts), max(lengths)
-        positions = torch.arange(offset + width, device=device) - offset + start[:, None]
-        self.attendable = (positions >= 0) & (positions < end[:, None])  # (rows, columns): the rows' own
+        start = torch.tensor(starts, device=device)[:, None]
+        end = torch.tensor([s + n for s, n in zip(starts, lengths)], device=device)[:, None]
+        positions = torch.arange(-offset, width, device=device) + start  # (rows, columns): each column's position
+        self.attendable = (positions >= 0) & (positions < end)  # the rows' own
         self.positions = positions.clamp(0, limit)
-        written = start[:, None] + torch.arange(width, device=device)  # (rows, width) positions written
-        self.write = written < end[:, None]
+        written = start if width == 1 else start + torch.arange(width, device=device)  # (rows, width) written
+        self.write = None if min(lengths) == width else written < end
+        """Which of `written` are real positions; None for all."""
         self.written = written.clamp_max(limit)
 
     def every_plane(self, caches: list[SequenceCache]) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -208,21 +209,42 @@ class _Layout:
             pool, device = self.pool, self.pool.device
             first = pool.prelude + pool.coda
             keys = torch.arange(first, first + pool.core * self.kept, device=device).expand(len(caches), -1)
-            full = [cache.strategy == "full" for cache in caches]
-            latest_writes = None
-            if not all(full):
-                latest = pool.latest[self.slots][:, None] + torch.arange(pool.core, device=device)
-                latest_writes = self.reads_and_writes(latest, torch.tensor(full, device=device))[1]
+            latest_writes = None if self.full(caches) is None else self.latest(caches)[1]
             self.indices["every plane"] = (*self.reads_and_writes(keys), latest_writes)
         return self.indices["every plane"]
+
+    def full(self, caches: list[SequenceCache]) -> Tensor | None:
+        """(rows,) which rows have the `full` strategy; None when all have."""
+        if "full" not in self.indices:
+            full = [cache.strategy == "full" for cache in caches]
+            self.indices["full"] = None if all(full) else torch.tensor(full, device=self.pool.device)
+        return self.indices["full"]
+
+    def latest(self, caches: list[SequenceCache]) -> tuple[Tensor, Tensor]:
+        """Reads and writes of the latest copies of the core blocks (`latest`, `ring:N`; `full` rows write TRASH)."""
+        if "latest" not in self.indices:
+            keys = self.pool.latest[self.slots][:, None] + torch.arange(self.pool.core, device=self.pool.device)
+            self.indices["latest"] = self.reads_and_writes(keys, self.full(caches))
+        return self.indices["latest"]
+
+    def depths(self) -> Tensor:
+        """(rows, columns) the core iterations of each column's position (NOT_YET: not committed)."""
+        if "depths" not in self.indices:
+            pool = self.pool
+            flat = (self.slots * pool.depths.shape[1])[:, None] + self.positions
+            self.indices["depths"] = pool.depths.view(-1).index_select(0, flat.flatten()).view(flat.shape)
+        return self.indices["depths"]
 
     def reads_and_writes(self, keys: Tensor, skip: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """For (rows, blocks) table keys: the entries each column reads (rows, blocks, columns) and those each
         new position writes (rows, blocks, width; TRASH for padding, and for the rows `skip` marks)."""
         row_keys = (self.slots * self.pool.table.shape[1])[:, None] + keys
-        write = self.write if skip is None else self.write & ~skip[:, None]
-        return (self.pool.entry_of(row_keys, self.positions),
-                torch.where(write[:, None], self.pool.entry_of(row_keys, self.written), TRASH))
+        write = self.write
+        if skip is not None:
+            write = ~skip[:, None] if write is None else write & ~skip[:, None]
+        writes = self.pool.entry_of(row_keys, self.written)
+        return self.pool.entry_of(row_keys, self.positions), writes if write is None else torch.where(
+            write[:, None], writes, TRASH)
 
 
 def _grown(t: Tensor, shape: tuple[int, ...], fill) -> Tensor:
@@ -281,11 +303,10 @@ class RowBatch:
         self.width, self.offset = max(lengths), max(starts)
         self.aligned = len(set(starts)) == 1 and min(lengths) == self.width
         key = (tuple(cache.slot for cache in caches), tuple(starts), tuple(lengths))
-        layout = pool.layouts.get(key) or pool.layouts.setdefault(key, _Layout(pool, *key))
+        layout = pool.layouts.get(key) or pool.layouts.setdefault(
+            key, _Layout(pool, *key, {cache.kept for cache in caches}))
         self.slots = layout.slots
-        slots, positions, attendable, written, write = (layout.slots, layout.positions, layout.attendable,
-                                                        layout.written, layout.write)
-        self.latest_writes, presence = None, False
+        attendable, self.latest_writes, presence = layout.attendable, None, False
         if kind != "core":
             if kind not in layout.indices:
                 first = 0 if kind == "prelude" else pool.prelude
@@ -307,17 +328,14 @@ class RowBatch:
             blocks = torch.arange(pool.core, device=device)
             self.reads, self.writes = layout.reads_and_writes((pool.prelude + pool.coda + pool.core * plane)[:, None]
                                                               + blocks)
-            full = [cache.strategy == "full" for cache in caches]
-            if not all(full):
-                latest = pool.latest[slots][:, None] + blocks
-                latest_reads, self.latest_writes = layout.reads_and_writes(latest, torch.tensor(full, device=device))
+            full = layout.full(caches)
+            if full is not None:
+                latest_reads, self.latest_writes = layout.latest(caches)
             if presence:
-                present = pool.depths[slots[:, None], positions] > plane[:, None]  # the columns written at this plane
-                if not all(full):
-                    lacking = ~present & ~torch.tensor(full, device=device)[:, None]
-                    self.reads = torch.where(lacking[:, None], latest_reads, self.reads)
-                if any(full):
-                    attendable = attendable & (present | ~torch.tensor(full, device=device)[:, None])
+                present = layout.depths() > plane[:, None]  # the columns written at this plane
+                if full is not None:
+                    self.reads = torch.where((~present & ~full[:, None])[:, None], latest_reads, self.reads)
+                attendable = attendable & (present if full is None else present | ~full[:, None])
         # at offset 0, and for aligned rows with every plane present, the causal mask suffices
         self._attendable = None if self.offset == 0 or (self.aligned and not presence) else attendable
 
