@@ -71,17 +71,15 @@ class CachePool:
     has plane q iff depths > q, so no per-entry flag is kept. Capacity grows on demand up to `max_entries`."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_entries: int | None = None):
-        self.prelude, self.coda, self.core = cfg.n_layers_in_prelude, cfg.n_layers_in_coda, cfg.n_layers_in_recurrent_block
+        self.prelude, self.coda = cfg.n_layers_in_prelude, cfg.n_layers_in_coda
+        self.core = cfg.n_layers_in_recurrent_block
         self.device, self.max_entries = device, max_entries
         self.entries = torch.zeros(1, 2 * cfg.n_embd, device=device, dtype=dtype)  # keys, then values
         self.free = torch.empty(0, dtype=torch.long, device=device)  # entry indices not held
         self.table = torch.zeros(0, 0, 0, dtype=torch.long, device=device)
         self.depths = torch.zeros(0, 0, dtype=torch.long, device=device)
-        self.kept = torch.zeros(0, dtype=torch.long, device=device)      # per slot: core planes kept
-        self.latest = torch.zeros(0, dtype=torch.long, device=device)    # per slot: key of core block 0's latest copy
-        self.is_full = torch.zeros(0, dtype=torch.bool, device=device)   # per slot: strategy `full`
         self.states = torch.zeros(0, cfg.n_embd, device=device, dtype=dtype)
-        """(slots, D) the latent state of each slot's decoding forward (a one-position forward: huginn_ray.model.generate)."""
+        """(slots, D) the latent state of each slot's decoding forward (one position; huginn_ray.model.generate)."""
         self.injected = torch.zeros(0, cfg.n_embd, device=device, dtype=dtype)
         """(slots, D) the adapter's half for e of that forward (W[:, D:] e)."""
         self.free_slots: list[int] = []
@@ -119,8 +117,6 @@ class CachePool:
         self.depths[slot] = NOT_YET
         ring = parse_cache(strategy)
         kept = num_steps if ring is None else min(ring, num_steps)
-        self.kept[slot], self.is_full[slot] = kept, strategy == "full"
-        self.latest[slot] = self.prelude + self.coda + self.core * kept
         return SequenceCache(self, slot, max_len, strategy, kept, taken)
 
     def release(self, cache: "SequenceCache") -> None:
@@ -142,11 +138,10 @@ class CachePool:
         self.free = torch.cat([self.free, torch.arange(capacity, grown, device=self.device)])
 
     def _new_slot(self) -> int:
-        slots = self.kept.shape[0]
+        slots = self.states.shape[0]
         grown = max(2 * slots, 1)
         self.table = _grown(self.table, (grown, *self.table.shape[1:]), TRASH)
         self.depths = _grown(self.depths, (grown, self.depths.shape[1]), NOT_YET)
-        self.kept, self.latest, self.is_full = (_grown(t, (grown,), 0) for t in (self.kept, self.latest, self.is_full))
         self.states = _grown(self.states, (grown, self.states.shape[1]), 0)
         self.injected = _grown(self.injected, (grown, self.injected.shape[1]), 0)
         self.free_slots += range(grown - 1, slots, -1)
@@ -223,7 +218,9 @@ class _Layout:
     def latest(self, caches: list[SequenceCache]) -> tuple[Tensor, Tensor]:
         """Reads and writes of the latest copies of the core blocks (`latest`, `ring:N`; `full` rows write TRASH)."""
         if "latest" not in self.indices:
-            keys = self.pool.latest[self.slots][:, None] + torch.arange(self.pool.core, device=self.pool.device)
+            pool = self.pool
+            first = torch.tensor([pool.prelude + pool.coda + pool.core * cache.kept for cache in caches], device=pool.device)
+            keys = first[:, None] + torch.arange(pool.core, device=pool.device)
             self.indices["latest"] = self.reads_and_writes(keys, self.full(caches))
         return self.indices["latest"]
 
@@ -258,7 +255,9 @@ class SequenceCache:
     """One sequence's part of a CachePool: its slot, its entries and how many positions it has committed."""
 
     def __init__(self, pool: CachePool, slot: int, max_len: int, strategy: str, kept: int, taken: Tensor):
-        self.pool, self.slot, self.max_len, self.strategy, self.kept, self.taken = pool, slot, max_len, strategy, kept, taken
+        self.pool, self.slot, self.max_len, self.strategy = pool, slot, max_len, strategy
+        self.kept, self.taken = kept, taken
+        """Core planes kept (num_steps, or N for `ring:N`); the pool entries held."""
         self.length = 0
         """Committed positions (those of finished forwards)."""
         self.shallowest = NOT_YET

@@ -495,8 +495,8 @@ def iterate(model: RecurrentGPT, sequences: list[Sequence]) -> None:
                           rope, rows, 0)  # rows add their own iterations
         pool.states.index_copy_(0, slots, new[:, 0])
     else:
-        new = model._core(pad([s.state for s in sequences], rows.width), pad([s.injected for s in sequences], rows.width),
-                          rope, rows, 0)
+        new = model._core(pad([s.state for s in sequences], rows.width),
+                          pad([s.injected for s in sequences], rows.width), rope, rows, 0)
         for row, sequence in enumerate(sequences):
             sequence.state = new[row : row + 1, : sequence.length]
     for sequence in sequences:
