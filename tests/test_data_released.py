@@ -241,7 +241,7 @@ def test_as_many_released_files_as_shards_become_the_shards_one_by_one(ray_insta
     assert prepare_data.main(["--quiet", "--config", str(_config(tmp_path, tokenizer, LOCAL))]) == 0
     shards = tmp_path / "out" / "shards"
     manifest = read_manifest(shards)
-    assert manifest["reshard_method"] == "hard_link"
+    assert manifest["reshard_method"] == {"train": "hard_link", "val": "hard_link"}
     assert manifest["source_files"] == {split: [f"{split}/{i:03d}_00000.parquet" for i in range(4)]
                                         for split in ("train", "val")}
     assert manifest["rows_per_shard"] == {"train": 30, "val": 11}
@@ -260,7 +260,8 @@ def test_as_many_released_files_as_shards_become_the_shards_one_by_one(ray_insta
     assert prepare_data.main(["--quiet", "--config", str(_config(wide, tokenizer, LOCAL))]) == 0
     shards = wide / "out" / "shards"
     manifest = read_manifest(shards)
-    assert manifest["reshard_method"] == "convert_uint16" and manifest["row_group_size"] == 4
+    assert manifest["reshard_method"] == {"train": "convert_uint16", "val": "convert_uint16"}
+    assert manifest["row_group_size"] == 4
     assert manifest["source_files"] == {split: [f"{split}/{i:03d}_00000.parquet" for i in range(4)]
                                         for split in ("train", "val")}
     assert manifest["rows_per_shard"] == {"train": 30, "val": 11}

@@ -1,26 +1,32 @@
 """Validation rows of released data that also occur in its training rows (`drop_val_duplicates`).
 
 The released tomg-group-umd/huginn-dataset split its validation files off after whole files had been duplicated
-for up-weighting, so a validation row can be byte-identical to a training row. Before the shuffle, two passes of
-tasks (one per file, Ray Data operators `dedup_hash_val` and `dedup_match_train`: huginn_ray/data/execution.py)
-find them:
+for up-weighting, so a validation row can be byte-identical to a training row. Before the shards are written, two
+passes of tasks (one per file, Ray Data operators `dedup_hash_val` and `dedup_match_train`:
+huginn_ray/data/execution.py) find them:
 
 1. every validation file: a 64-bit hash (blake2b) of each row in the storage type;
-2. every training file: which of those hashes its rows have (the validation hashes go to the tasks once, with
-   the operator's function, through the object store: 8 bytes per validation row).
+2. every training file: which of those hashes its rows have, by a binary search (`np.searchsorted`) of its row
+   hashes in the validation hashes, sorted and unique (they go to the tasks once, with the operator's function,
+   through the object store: 8 bytes per validation row). `np.isin` over the same arrays sorts both sides on every
+   call: 1.39 s per batch against 0.3 ms for the search (issue 29).
 
-The result is, per validation file, the row numbers that also occur in train. They are counted (manifest and
-console) and, with `drop_val_duplicates: true` (the default), left out of the validation shards: the shuffle's map
-tasks skip those rows, so they never reach a shard. Cost: one more read of every packed file (≈ D) and 8 bytes
-per validation row in the driver and in each training-file task.
+The result is, per validation file, the row numbers that also occur in train. It is saved (`result_path`, keyed by
+the caller with the inputs' fingerprint), so a rerun after a crash in the shard stage reads it instead of reading
+every file again. The rows are counted (manifest and console) and, with `drop_val_duplicates: true` (the default),
+left out of the validation shards: the shuffle's map tasks skip those rows, so they never reach a shard. Cost: one
+more read of every packed file (≈ D) and 8 bytes per validation row in the driver and in each training-file task.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+from pathlib import Path
 
 import numpy as np
 
+from huginn_ray.data import layout
 from huginn_ray.data.execution import run_tasks
 from huginn_ray.data.shards import _read_input
 
@@ -34,6 +40,15 @@ def row_hashes(rows: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
     return np.frombuffer(digests, "<u8").copy()
 
 
+def in_sorted(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """For every entry of `values`, whether it is in `sorted_set` (ascending): a binary search each, O(n log m),
+    with no sort of `values` and no copy of the set."""
+    if not len(sorted_set):
+        return np.zeros(len(values), bool)
+    at = np.minimum(np.searchsorted(sorted_set, values), len(sorted_set) - 1)
+    return sorted_set[at] == values
+
+
 def _val_file_hashes(entry: dict, row_len: int, dtype: str, vocab_size: int) -> np.ndarray:
     """Ray task: the hashes of a validation file's rows, in file order."""
     parts = [row_hashes(rows, mask) for _, rows, mask in _read_input(entry, row_len, dtype, vocab_size, None)
@@ -42,18 +57,30 @@ def _val_file_hashes(entry: dict, row_len: int, dtype: str, vocab_size: int) -> 
 
 
 def _train_file_matches(entry: dict, row_len: int, dtype: str, vocab_size: int, val_hashes: np.ndarray) -> np.ndarray:
-    """Ray task: the validation hashes (sorted, unique) that rows of this training file have."""
-    found = [h[np.isin(h, val_hashes)] for h in (row_hashes(rows, mask) for _, rows, mask in
-                                               _read_input(entry, row_len, dtype, vocab_size, None) if len(rows))]
+    """Ray task: the validation hashes (`val_hashes`: sorted, unique) that rows of this training file have; sorted,
+    unique."""
+    found = [h[in_sorted(h, val_hashes)] for h in (row_hashes(rows, mask) for _, rows, mask in
+                                                  _read_input(entry, row_len, dtype, vocab_size, None) if len(rows))]
     return np.unique(np.concatenate(found)) if found else np.zeros(0, np.uint64)
 
 
-def find_val_duplicates(train: list[dict], val: list[dict], row_len: int, dtype: str,
-                        vocab_size: int) -> dict[str, list[int]]:
-    """Per validation file path, the row numbers (in the file) whose bytes also occur in a training row."""
+def find_val_duplicates(train: list[dict], val: list[dict], row_len: int, dtype: str, vocab_size: int,
+                        result_path: Path) -> dict[str, list[int]]:
+    """Per validation file path, the row numbers (in the file) whose bytes also occur in a training row.
+
+    Read from `result_path` when a run with the same inputs saved it there; else found and saved there."""
+    if result_path.is_file():
+        saved = json.loads(result_path.read_text())
+        if sorted(saved) == sorted(e["path"] for e in val):
+            print(f"[dedup] validation rows also in train: read from {result_path} (found by an earlier run)",
+                  flush=True)
+            return saved
     per_file = run_tasks(_val_file_hashes, [(e, row_len, dtype, vocab_size) for e in val], name="dedup_hash_val")
     all_val = np.unique(np.concatenate(per_file)) if per_file else np.zeros(0, np.uint64)
     found = run_tasks(_train_file_matches, [(e, row_len, dtype, vocab_size) for e in train],
                       name="dedup_match_train", common={"val_hashes": all_val})
     in_train = np.unique(np.concatenate(found)) if found else np.zeros(0, np.uint64)
-    return {e["path"]: np.flatnonzero(np.isin(h, in_train)).tolist() for e, h in zip(val, per_file)}
+    duplicates = {e["path"]: np.flatnonzero(in_sorted(h, in_train)).tolist() for e, h in zip(val, per_file)}
+    result_path.parent.mkdir(parents=True, exist_ok=True)
+    layout.write_json(result_path, duplicates)
+    return duplicates
