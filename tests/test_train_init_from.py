@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from huginn_ray.config import ConfigError, load_config
 from huginn_ray.model import ModelConfig, RecurrentGPT, load_pretrained
+from huginn_ray.model.pretrained import resolve_model_dir
 from huginn_ray.train import init_from
 from huginn_ray.train.config import TrainConfig
 
@@ -351,7 +352,7 @@ def test_the_weights_digest_covers_the_tensors_bytes_in_either_layout(tmp_path):
 def test_init_from_takes_the_newest_complete_checkpoint_and_names_a_newer_incomplete_one(tmp_path, capsys):
     """An output directory with a complete checkpoint of step 1 and a newer one of step 2 without its completeness
     marker (a save that did not finish): init_from takes step 1 and says so, naming step 2 and why; named directly,
-    step 2 is refused."""
+    step 2 is refused. The jobs that read a --checkpoint resolve it the same way."""
     import os
     import shutil
 
@@ -378,3 +379,7 @@ def test_init_from_takes_the_newest_complete_checkpoint_and_names_a_newer_incomp
         with pytest.raises(ConfigError, match=rf"init_from: {re.escape(str(unfinished))} is not a complete "
                                               r"checkpoint: no checkpoint_complete.json: the save did not finish"):
             init_from.describe_source(str(named), shape)
+    # the serving, generation, evaluation and export jobs resolve --checkpoint by the same rule
+    assert resolve_model_dir(tmp_path / "out") == complete / "model"
+    with pytest.raises(ConfigError, match=rf"--checkpoint: {re.escape(str(unfinished))} is not a complete "):
+        resolve_model_dir(unfinished)

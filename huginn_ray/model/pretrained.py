@@ -21,6 +21,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from huginn_ray.config import ConfigError
 from huginn_ray.model import replica_read
 from huginn_ray.model.config import ModelConfig
 from huginn_ray.model.attention import rope_table
@@ -46,17 +47,42 @@ def save_pretrained(model: RecurrentGPT, directory: str | Path) -> Path:
     return directory
 
 
-def resolve_model_dir(path: str | Path) -> Path:
-    """The model directory (config.json + weights) of `path`: the directory itself, the `model/` of a training
-    checkpoint, or the newest checkpoint's `model/` under a training output directory."""
+def resolve_model_dir(path: str | Path, purpose: str = "--checkpoint", log=None) -> Path:
+    """The model directory (config.json + weights) that `path` names: a model directory, a training checkpoint
+    (or its `model/`), or the newest complete checkpoint under a training output directory (newest: its model's
+    config.json was written last). A training checkpoint is taken only when complete (its marker lists every file
+    with its size: huginn_ray.train.checkpoint.incomplete); errors start with `purpose` (the option or key that
+    gave the path), and `log` gets a line naming the checkpoint taken from an output directory and every newer one
+    skipped, with why."""
+    # imported here: the checkpoint module builds on this one (its model/ directory is written by save_pretrained)
+    from huginn_ray.train.checkpoint import incomplete
+
     path = Path(path)
     for candidate in (path, path / "model"):
         if (candidate / CONFIG_NAME).is_file():
+            checkpoint = _checkpoint_of(candidate)
+            if checkpoint is not None and (why := incomplete(checkpoint)) is not None:
+                raise ConfigError(f"{purpose}: {checkpoint} is not a complete checkpoint: {why}")
             return candidate
-    found = sorted(path.glob(f"**/model/{CONFIG_NAME}"), key=lambda p: p.stat().st_mtime)
+    found = sorted(path.glob(f"**/model/{CONFIG_NAME}"), key=lambda p: p.stat().st_mtime, reverse=True)
     if not found:
-        raise ValueError(f"no model ({CONFIG_NAME} + {WEIGHTS_NAME}) in or under {path}")
-    return found[-1].parent
+        raise ConfigError(f"{purpose}: no model ({CONFIG_NAME} + {WEIGHTS_NAME}) in or under {path}")
+    skipped = []
+    for config in found:
+        checkpoint = _checkpoint_of(config.parent)
+        why = incomplete(checkpoint) if checkpoint is not None else None
+        if why is None:
+            if log is not None:
+                log(f"[huginn] {purpose}: {checkpoint or config.parent}, the newest complete checkpoint under {path}"
+                    + (f"; skipped {'; '.join(skipped)}" if skipped else ""))
+            return config.parent
+        skipped.append(f"{checkpoint} ({why})")
+    raise ConfigError(f"{purpose}: no complete checkpoint under {path}: {'; '.join(skipped)}")
+
+
+def _checkpoint_of(model_dir: Path) -> Path | None:
+    """The training checkpoint whose `model/` is `model_dir` (it has the DCP `state/` beside), or None."""
+    return model_dir.parent if model_dir.name == "model" and (model_dir.parent / TRAINING_STATE_DIR).is_dir() else None
 
 
 def _weight_files(directory: Path) -> list[Path]:

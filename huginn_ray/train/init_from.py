@@ -20,8 +20,7 @@ from pathlib import Path
 from huginn_ray.config import ConfigError
 from huginn_ray.data.tokenizer import TOKENIZER_FILE
 from huginn_ray.model import ModelConfig
-from huginn_ray.model.pretrained import CONFIG_NAME, TRAINING_STATE_DIR, WEIGHTS_NAME, check_weights, weights_digest
-from huginn_ray.train import checkpoint as ckpt
+from huginn_ray.model.pretrained import CONFIG_NAME, check_weights, resolve_model_dir, weights_digest
 from huginn_ray.train.run_plan import WeightsSource
 
 # ModelConfig fields that are training choices of this run, not the shape of the weights
@@ -33,7 +32,7 @@ def model_config(cfg) -> ModelConfig:
     the directory's config.json, which an explicit `model` section must agree with field by field."""
     if not cfg.init_from:
         return section_config(cfg)
-    directory = source_dir(cfg.init_from)
+    directory = resolve_model_dir(cfg.init_from, "init_from")
     try:
         stored = ModelConfig.from_json(directory / CONFIG_NAME)
     except ValueError as err:
@@ -52,40 +51,6 @@ def section_config(cfg) -> ModelConfig:
     section = cfg.model or ModelSection()
     return ModelConfig.from_name(section.name, **{"activation_checkpointing": cfg.activation_checkpointing,
                                                   **section.overrides})
-
-
-def source_dir(init_from: str, log=None) -> Path:
-    """The model directory init_from names: a model directory, a training checkpoint (or its `model/`), or the
-    newest complete checkpoint under a training output directory (newest: its model's config.json was written
-    last). A training checkpoint is taken only when complete (its marker lists every file with its size,
-    huginn_ray.train.checkpoint.incomplete); `log` gets a line naming the checkpoint taken from an output
-    directory and every newer one skipped, with why."""
-    path = Path(init_from)
-    for candidate in (path, path / "model"):
-        if (candidate / CONFIG_NAME).is_file():
-            checkpoint = checkpoint_of(candidate)
-            if checkpoint is not None and (why := ckpt.incomplete(checkpoint)) is not None:
-                raise ConfigError(f"init_from: {checkpoint} is not a complete checkpoint: {why}")
-            return candidate
-    found = sorted(path.glob(f"**/model/{CONFIG_NAME}"), key=lambda p: p.stat().st_mtime, reverse=True)
-    if not found:
-        raise ConfigError(f"init_from: no model ({CONFIG_NAME} + {WEIGHTS_NAME}) in or under {path}")
-    skipped = []
-    for config in found:
-        checkpoint = checkpoint_of(config.parent)
-        why = ckpt.incomplete(checkpoint) if checkpoint is not None else None
-        if why is None:
-            if log is not None:
-                log(f"[huginn] init_from: {checkpoint or config.parent}, the newest complete checkpoint under {path}"
-                    + (f"; skipped {'; '.join(skipped)}" if skipped else ""))
-            return config.parent
-        skipped.append(f"{checkpoint} ({why})")
-    raise ConfigError(f"init_from: no complete checkpoint under {path}: {'; '.join(skipped)}")
-
-
-def checkpoint_of(model_dir: Path) -> Path | None:
-    """The training checkpoint whose `model/` is `model_dir` (it has the DCP `state/` beside), or None."""
-    return model_dir.parent if model_dir.name == "model" and (model_dir.parent / TRAINING_STATE_DIR).is_dir() else None
 
 
 def check_agrees(section, stored: ModelConfig, directory: Path) -> None:
@@ -130,7 +95,7 @@ def check_tokenizer(directory: Path, tokenizer_path: str, tokenizer_ids: dict) -
 def describe_source(init_from: str, model_cfg: ModelConfig) -> WeightsSource:
     """What the plan carries and MLflow records: the model directory, and the sha256 of its weights (read tensor by
     tensor); the weights are checked first (every parameter there with its shape: the files' headers only)."""
-    directory = source_dir(init_from, log=lambda line: print(line, flush=True))
+    directory = resolve_model_dir(init_from, "init_from", log=lambda line: print(line, flush=True))
     try:
         check_weights(directory, model_cfg)
     except ValueError as err:

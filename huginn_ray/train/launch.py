@@ -22,6 +22,7 @@ from huginn_ray.config import ConfigError
 from huginn_ray.data.shards import read_manifest
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, check_tokenizer_fits, file_sha256, special_token_ids
 from huginn_ray.model import ModelConfig
+from huginn_ray.model.pretrained import resolve_model_dir
 from huginn_ray.train import init_from, tracking
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig
@@ -143,7 +144,7 @@ def preflight(cfg: TrainConfig) -> RunPlan:
     source = None
     if cfg.init_from:
         try:
-            init_from.check_tokenizer(init_from.source_dir(cfg.init_from), cfg.data.tokenizer_path, ids)
+            init_from.check_tokenizer(resolve_model_dir(cfg.init_from, "init_from"), cfg.data.tokenizer_path, ids)
             source = init_from.describe_source(cfg.init_from, model_cfg)
         except ConfigError as err:
             raise PreflightError(str(err)) from None
