@@ -409,3 +409,23 @@ def test_one_validation_duplicate_keeps_the_training_split_per_file_and_resumes(
         assert (shards / "val" / f"{rank:05d}.parquet").read_bytes() == (
             both / "val" / f"{rank:05d}.parquet").read_bytes()
     assert tuple(duplicate) not in _shard_rows(shards, "val")
+
+    # --plan: read from the plan the run cached (no parquet footer read), made again when a file changes; the
+    # training split planned per file, the validation split (duplicates dropped) through the shuffle
+    footers = []
+    real_read_metadata = pq.read_metadata
+    monkeypatch.setattr(pq, "read_metadata", lambda *a, **k: footers.append(a[0]) or real_read_metadata(*a, **k))
+    capsys.readouterr()
+    assert prepare_data.main(["--plan", "--json", "--config", str(config)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [plan["cached"]] == [str(p) for p in (out / "plan").glob("*.json")] and footers == []
+    train_bytes = sum(len(data) for rel, data in files.items() if rel.startswith("train"))
+    val_bytes = sum(len(data) for rel, data in files.items() if rel.startswith("val"))
+    val_map_bytes = 44 * ((SEQ_LEN + 1) * 2 + 8)  # 44 rows in uint16, 8 bytes of position each
+    assert plan["reshard_method"] == {"train": "convert_uint16", "val": "shuffle"}
+    assert plan["io_bytes"]["dedup"] == {"read": train_bytes + val_bytes, "written": 0}
+    assert plan["io_bytes"]["shards_train"]["read"] == train_bytes
+    assert plan["io_bytes"]["shards_val"]["read"] == val_bytes + val_map_bytes
+    os.utime(released / "train" / "000_00000.parquet", ns=(1, 10**18))
+    assert prepare_data.main(["--plan", "--json", "--config", str(config)]) == 0
+    assert json.loads(capsys.readouterr().out)["cached"] is None and len(footers) == 8
