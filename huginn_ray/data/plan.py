@@ -142,14 +142,14 @@ def _hub_listings(cfg: DataConfig, sources: list[Source]) -> dict:
     return {s.name: list_repo_files(s, constants.ENDPOINT, token, cfg.download) for s in todo}
 
 
-def _sample(source: Source, files: list[tuple[str, int, str]], tokenizer, row_len: int, docs_per_batch: int,
+def _sample(source: Source, files: list[tuple[str, int]], tokenizer, row_len: int, docs_per_batch: int,
             dtype: str, row_group_size: int, chat_pack: bool = False) -> Ratios | None:
     """Format, encode and pack the first SAMPLE_BYTES of a source's files as the pipeline does (None: no text).
     A chat source's conversations are rendered with the chat template and laid out one per row or packed
     (`chat_pack`), in file order (the run lays out each split of a batch in a seeded order)."""
     texts: list[str] = []
     input_bytes = staged_bytes = read_text_bytes = text_bytes = 0
-    for path, size, _ in files:
+    for path, size in files:
         if input_bytes and input_bytes + size > SAMPLE_BYTES:
             break
         docs = []
@@ -285,7 +285,7 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict) -> dict:
         files, here, commit = inputs[source.name]
         ratios = None
         if here and tokenizer is not None and not source.is_packed and files:
-            ratios = _sample(source, files, tokenizer, row_len, cfg.docs_per_pack_batch, dtype,
+            ratios = _sample(source, [(path, size) for path, size, _ in files], tokenizer, row_len, cfg.docs_per_pack_batch, dtype,
                              cfg.shuffle.row_group_size, cfg.chat.pack)
             if ratios is None:  # no document in the sampled files: staging will report the source as empty
                 ratios = EMPTY

@@ -651,7 +651,7 @@ def per_file_method(files: list[dict], split: str, num_shards: int, token_dtype:
 
 
 def _write_hash(hashes: dict | None, hash_path: str | None) -> None:
-    if hash_path is not None:
+    if hash_path:
         layout.write_json(Path(hash_path), hashes)
 
 
