@@ -404,7 +404,7 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict) -> dict:
 
     cpus = cfg.local_ray.num_cpus or os.cpu_count() or 1
     text_total = sum(p.get("text_bytes", 0) for p in per_source)
-    doc_tokens = packed_tokens  # the encoder's work is about the packed tokens (copies are encoded once)
+    doc_tokens = 0.0 if all_packed else packed_tokens  # packed data is not encoded; the encoder's work is about the packed tokens (copies are encoded once)
     seconds = {
         "download": hub_bytes / THROUGHPUT["download_bytes_per_s"][0],
         "staging": text_total / (THROUGHPUT["staging_text_bytes_per_s_per_cpu"][0] * cpus),
