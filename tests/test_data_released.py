@@ -315,7 +315,7 @@ def _recording_convert(original, calls: Path, crash_after: int | None):
     rank `crash_after` waits until the train shards of the ranks before it are committed, then fails (a crash of
     the run in the middle of the conversion: the driver stops, the work directory stays as it is)."""
 
-    def convert(entry, target, *args):
+    def convert(entry, target, *args, **kwargs):
         target = Path(target)
         (calls / f"{target.parent.name}-{target.name}").touch()
         if crash_after is not None and target.name == f"{crash_after:05d}.parquet":
@@ -326,7 +326,7 @@ def _recording_convert(original, calls: Path, crash_after: int | None):
                     (target.parent / f"{r:05d}.parquet").exists() for r in range(crash_after)):
                 time.sleep(0.05)
             raise RuntimeError("simulated crash in the middle of the conversion")
-        return original(entry, str(target), *args)
+        return original(entry, str(target), *args, **kwargs)
 
     return convert
 
@@ -335,13 +335,19 @@ def test_one_validation_duplicate_keeps_the_training_split_per_file_and_resumes(
                                                                                 capsys, monkeypatch):
     """The released layout (4 + 4 int64 files for num_shards=4) with validation row 3 of val/001 a copy of training
     row 7 of train/002. The duplicate is dropped from validation; the validation split alone goes through the
-    shuffle, the training files are converted one by one. "Today's path except the dropped duplicate", exactly:
+    shuffle, the training files are converted one by one, and read once: the conversion tasks look their rows up
+    in the validation rows' hashes (no separate search task reads them). "Today's path except the dropped duplicate", exactly:
     the training shards are byte for byte those of the per-file path that keeps the duplicate (both splits per
     file), and the validation shards those of the two-pass shuffle of both splits with the row skipped (the path
     before issue 29). A crash after 3 of the 4 training files are converted: the rerun converts only the 4th, and
-    reads the duplicate search's saved result instead of searching again."""
+    reads the validation rows' saved hashes instead of hashing them again."""
+    from huginn_ray.data import dedup as dedup_mod
     from huginn_ray.data import shards as shards_mod
 
+    def separate_pass(*args):
+        raise AssertionError("the training files were read by a separate duplicate search")
+
+    monkeypatch.setattr(dedup_mod, "_train_file_matches", separate_pass)  # one pass: the conversion looks them up
     files = {f"{split}/{i:03d}_00000.parquet": _file_bytes(first + 100 * i, rows)
              for split, first, rows in (("train", 0, 30), ("val", 1000, 11)) for i in range(4)}
     table = {rel: pq.read_table(io.BytesIO(data)).column(0).to_pylist() for rel, data in files.items()}
@@ -366,22 +372,19 @@ def test_one_validation_duplicate_keeps_the_training_split_per_file_and_resumes(
     partial = out / "shards.partial" / "out"
     finished = {p.name: p.stat().st_mtime_ns for p in (partial / "train").glob("*.parquet")}
     assert sorted(finished) == ["00000.parquet", "00001.parquet", "00002.parquet"]
-    val_before = {p.name: p.stat().st_mtime_ns for p in (partial / "val").glob("*.parquet")}
-    assert len(val_before) == 4  # the validation split is shuffled before the training files are converted
-    assert len(list((out / "dedup").glob("*.json"))) == 1
+    assert not list((partial / "val").glob("*.parquet"))  # the validation split waits for the training files
+    assert len(list((out / "dedup").glob("*.npz"))) == 1  # the validation rows' hashes, saved
 
     monkeypatch.setattr(shards_mod, "_convert_file", _recording_convert(original, second_calls, crash_after=None))
     assert prepare_data.main(["--quiet", "--config", str(config)]) == 0
     printed = capsys.readouterr().out
     assert sorted(p.name for p in second_calls.iterdir()) == ["train-00003.parquet"]  # only the missing file
     assert "train: 3/4 per-file shards already written are kept" in printed
-    assert "[dedup] validation rows also in train: read from" in printed
+    assert "[dedup] validation row hashes read from" in printed
     assert "[dedup] released: 1 validation rows also occur in train, dropped from validation" in printed
     shards = out / "shards"
     for name, mtime in finished.items():
         assert (shards / "train" / name).stat().st_mtime_ns == mtime
-    for name, mtime in val_before.items():
-        assert (shards / "val" / name).stat().st_mtime_ns == mtime
 
     manifest = read_manifest(shards)
     assert manifest["reshard_method"] == {"train": "convert_uint16", "val": "shuffle"}

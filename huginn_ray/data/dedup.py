@@ -64,23 +64,47 @@ def _train_file_matches(entry: dict, row_len: int, dtype: str, vocab_size: int, 
     return np.unique(np.concatenate(found)) if found else np.zeros(0, np.uint64)
 
 
-def find_val_duplicates(train: list[dict], val: list[dict], row_len: int, dtype: str, vocab_size: int,
-                        result_path: Path) -> dict[str, list[int]]:
-    """Per validation file path, the row numbers (in the file) whose bytes also occur in a training row.
-
-    Read from `result_path` when a run with the same inputs saved it there; else found and saved there."""
-    if result_path.is_file():
-        saved = json.loads(result_path.read_text())
-        if sorted(saved) == sorted(e["path"] for e in val):
-            print(f"[dedup] validation rows also in train: read from {result_path} (found by an earlier run)",
-                  flush=True)
-            return saved
+def validation_hashes(val: list[dict], row_len: int, dtype: str, vocab_size: int, saved: Path) -> list[np.ndarray]:
+    """Per validation file, its rows' hashes in file order (operator `dedup_hash_val`); read from `saved` (an .npz
+    keyed by the caller with the inputs' fingerprint) when an earlier run wrote it, else found and saved there."""
+    if saved.is_file():
+        with np.load(saved) as stored:
+            if stored["paths"].tolist() == [e["path"] for e in val]:
+                print(f"[dedup] validation row hashes read from {saved} (found by an earlier run)", flush=True)
+                return [stored[f"file{i}"] for i in range(len(val))]
     per_file = run_tasks(_val_file_hashes, [(e, row_len, dtype, vocab_size) for e in val], name="dedup_hash_val")
-    all_val = np.unique(np.concatenate(per_file)) if per_file else np.zeros(0, np.uint64)
-    found = run_tasks(_train_file_matches, [(e, row_len, dtype, vocab_size) for e in train],
-                      name="dedup_match_train", common={"val_hashes": all_val})
-    in_train = np.unique(np.concatenate(found)) if found else np.zeros(0, np.uint64)
-    duplicates = {e["path"]: np.flatnonzero(in_sorted(h, in_train)).tolist() for e, h in zip(val, per_file)}
-    result_path.parent.mkdir(parents=True, exist_ok=True)
-    layout.write_json(result_path, duplicates)
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    tmp = layout.temp_path(saved)
+    with open(tmp, "wb") as f:
+        np.savez(f, paths=np.array([e["path"] for e in val]), **{f"file{i}": h for i, h in enumerate(per_file)})
+    layout.commit_file(tmp, saved)
+    return per_file
+
+
+def sorted_unique(parts: list[np.ndarray]) -> np.ndarray:
+    """The hashes of all `parts`, sorted and unique: the set `in_sorted` searches."""
+    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.uint64)
+
+
+def duplicates_found(val: list[dict], per_file: list[np.ndarray], in_train: np.ndarray) -> dict[str, list[int]]:
+    """Per validation file path, the row numbers whose hash is in `in_train` (sorted, unique)."""
+    return {e["path"]: np.flatnonzero(in_sorted(h, in_train)).tolist() for e, h in zip(val, per_file)}
+
+
+def find_val_duplicates(train: list[dict], val: list[dict], row_len: int, dtype: str, vocab_size: int,
+                        saved: Path) -> dict[str, list[int]]:
+    """Per validation file path, the row numbers (in the file) whose bytes also occur in a training row, by the
+    two passes (`dedup_hash_val`, `dedup_match_train`): for training files that are not read anyway. The
+    validation hashes are saved as `saved`.npz, the result as `saved`.json; a rerun reads them."""
+    result = saved.with_suffix(".json")
+    if result.is_file():
+        found = json.loads(result.read_text())
+        if sorted(found) == sorted(e["path"] for e in val):
+            print(f"[dedup] validation rows also in train: read from {result} (found by an earlier run)", flush=True)
+            return found
+    per_file = validation_hashes(val, row_len, dtype, vocab_size, saved.with_suffix(".npz"))
+    matches = run_tasks(_train_file_matches, [(e, row_len, dtype, vocab_size) for e in train],
+                        name="dedup_match_train", common={"val_hashes": sorted_unique(per_file)})
+    duplicates = duplicates_found(val, per_file, sorted_unique(matches))
+    layout.write_json(result, duplicates)
     return duplicates

@@ -21,9 +21,10 @@ from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_sources, downloaded_files
 from huginn_ray.data.plan import build_plan
-from huginn_ray.data.dedup import find_val_duplicates
+from huginn_ray.data.dedup import duplicates_found, find_val_duplicates, sorted_unique, validation_hashes
 from huginn_ray.data.execution import original_error
-from huginn_ray.data.shards import MANIFEST, per_file_method, run_shuffle, token_column_error, write_shards
+from huginn_ray.data.shards import (MANIFEST, per_file_method, per_file_shards, run_shuffle, shard_work_id,
+                                    token_column_error, write_shards)
 from huginn_ray.data.sources import Source, load_sources
 from huginn_ray.data.staging import list_local_files, stage_sources
 from huginn_ray.data.tokenize_pack import pack_fingerprint, run_pack
@@ -274,17 +275,12 @@ def run_provenance(cfg: DataConfig, sources: list[Source]) -> dict:
             "source_commits": commits}
 
 
-def drop_val_duplicates(cfg: DataConfig, per_source: dict, provenance: dict, vocab_size: int,
-                        input_fingerprint: str) -> dict:
-    """Count (and with cfg.drop_val_duplicates leave out) validation rows that also occur in train, per source.
+def drop_val_duplicates(cfg: DataConfig, per_source: dict, provenance: dict, duplicates: dict[str, list[int]]) -> dict:
+    """Count (and with cfg.drop_val_duplicates leave out) the validation rows that also occur in train
+    (`duplicates`: per validation file path, the row numbers), per source.
 
     Marks the rows to skip in the validation file entries (`skip_rows`, val_rows lowered) and records the counts
-    in `provenance`; returns the totals for the manifest. The search's result is saved under
-    `<output_dir>/dedup/`, keyed by the inputs' fingerprint, so a rerun does not read every file again."""
-    train = [f for v in per_source.values() for f in v["train"]]
-    val = [f for v in per_source.values() for f in v["val"]]
-    duplicates = find_val_duplicates(train, val, cfg.seq_len + 1, token_dtype(vocab_size), vocab_size,
-                                     cfg.root / "dedup" / f"{input_fingerprint}.json")
+    in `provenance`; returns the totals for the manifest."""
     found = 0
     for name, split_files in per_source.items():
         count = sum(len(duplicates[f["path"]]) for f in split_files["val"])
@@ -303,9 +299,12 @@ def drop_val_duplicates(cfg: DataConfig, per_source: dict, provenance: dict, voc
 def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
     """Already packed sources (e.g. the released Huginn data) straight into N + N shards, each split on its own:
     when a split is N files of one row count, one file per rank (hard-linked as they are when they meet the shard
-    contract, else converted to the storage type file by file: shards.per_file_method), else shuffled. A
-    validation split that loses duplicate rows is shuffled (its files no longer hold one row count); the
-    training split stays per file."""
+    contract, else converted to the storage type file by file: shards.per_file_method), else shuffled.
+
+    Validation rows that also occur in train (dedup.py) are found first. When the training split goes per file,
+    in one pass over its files: the tasks that convert (or verify) them also look their rows up in the validation
+    hashes, and its shards are committed before the validation split is written. A validation split that loses
+    duplicate rows is shuffled (its files no longer hold one row count); the training split stays per file."""
     facts = tokenizer_facts(cfg)
     per_source, provenance = {}, {}
     for source in sources:
@@ -335,31 +334,41 @@ def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
     if existing is not None and existing.get("fingerprint") == fingerprint:
         print(f"[shuffle] complete ({cfg.num_shards} + {cfg.num_shards} shards), skipped", flush=True)
         return existing
-    extra["val_duplicates"] = drop_val_duplicates(cfg, per_source, provenance, facts["vocab_size"],
-                                                  input_fingerprint)
-    dtype = token_dtype(facts["vocab_size"])
-    per_file, shuffle_files = {}, []
-    for split in ("train", "val"):
-        files = [f for v in per_source.values() for f in v[split]]
-        method, blocker = per_file_method(files, split, cfg.num_shards, dtype)
-        if blocker is None and any(f.get("skip_rows") for f in files):
-            method, blocker = "shuffle", f"{extra['val_duplicates']['dropped']} validation rows are left out"
-        if blocker is None:
-            per_file[split] = (method, files)
-            continue
-        if len(files) == cfg.num_shards:
+    dtype, vocab_size, row_len = token_dtype(facts["vocab_size"]), facts["vocab_size"], cfg.seq_len + 1
+    hash_inputs = any(s.is_local for s in sources)
+    settings = dict(row_len=row_len, token_dtype=dtype, vocab_size=vocab_size,
+                    row_group_size=cfg.shuffle.row_group_size, hash_inputs=hash_inputs)
+    train = [f for v in per_source.values() for f in v["train"]]
+    val = [f for v in per_source.values() for f in v["val"]]
+    saved = cfg.root / "dedup" / input_fingerprint
+    train_method, train_blocker = per_file_method(train, "train", cfg.num_shards, dtype)
+    per_file = {}
+    if train_blocker is None:
+        val_hashes = validation_hashes(val, row_len, dtype, vocab_size, saved.with_suffix(".npz"))
+        work_id = shard_work_id(fingerprint, cfg.shuffle.map_mib, cfg.shuffle.reducer_mib, dtype)
+        found = per_file_shards("train", train_method, train, cfg.root / "shards", work_id, fingerprint,
+                                lookup=sorted_unique(val_hashes), **settings)
+        duplicates = duplicates_found(val, val_hashes, sorted_unique(found))
+        per_file["train"] = (train_method, train)
+    else:
+        duplicates = find_val_duplicates(train, val, row_len, dtype, vocab_size, saved)
+    extra["val_duplicates"] = drop_val_duplicates(cfg, per_source, provenance, duplicates)
+    val_method, val_blocker = per_file_method(val, "val", cfg.num_shards, dtype)
+    if val_blocker is None and extra["val_duplicates"]["dropped"]:
+        val_method, val_blocker = "shuffle", f"{extra['val_duplicates']['dropped']} validation rows are left out"
+    if val_blocker is None:
+        per_file["val"] = (val_method, val)
+    for split, blocker, files in (("train", train_blocker, train), ("val", val_blocker, val)):
+        if blocker is not None and len(files) == cfg.num_shards:
             print(f"[shuffle] {split}: num_shards={cfg.num_shards} equals the released file count, but the files "
                   f"cannot become the shards one by one ({blocker}): re-sharding them through the shuffle",
                   flush=True)
-        shuffle_files += files
     # the shuffled files in the global row order of the sources' file lists (train before val per source)
-    order = {f["path"]: i for i, f in enumerate(f for v in per_source.values() for f in v["train"] + v["val"])}
-    shuffle_files.sort(key=lambda f: order[f["path"]])
-    return write_shards(shuffle_files, per_file, cfg.seq_len + 1, cfg.root / "shards", num_shards=cfg.num_shards,
-                        seed=cfg.seed, row_group_size=cfg.shuffle.row_group_size,
-                        reducer_mib=cfg.shuffle.reducer_mib, map_mib=cfg.shuffle.map_mib, token_dtype=dtype,
-                        vocab_size=facts["vocab_size"], fingerprint=fingerprint, manifest_extra=extra,
-                        hash_inputs=any(s.is_local for s in sources))
+    shuffle_files = [f for v in per_source.values() for split in ("train", "val") if split not in per_file
+                     for f in v[split]]
+    return write_shards(shuffle_files, per_file, shard_root=cfg.root / "shards", num_shards=cfg.num_shards,
+                        seed=cfg.seed, reducer_mib=cfg.shuffle.reducer_mib, map_mib=cfg.shuffle.map_mib,
+                        fingerprint=fingerprint, manifest_extra=extra, **settings)
 
 
 def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:

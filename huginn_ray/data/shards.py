@@ -407,6 +407,41 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, **settings) -
     return write_shards(files, {}, row_len, shard_root, **settings)
 
 
+def shard_work_id(fingerprint: str, map_mib: int, reducer_mib: int, token_dtype: str) -> str:
+    """What the files in `<shard_root>.partial` are valid for: the inputs and shard settings (`fingerprint`) and
+    the grouping of the shuffle's tasks (map_mib, reducer_mib change which rows a map file holds, not the shards)."""
+    return layout.fingerprint({"fingerprint": fingerprint, "map_mib": map_mib, "reducer_mib": reducer_mib,
+                               "token_dtype": token_dtype})
+
+
+def open_work(shard_root: Path, work_id: str, fingerprint: str) -> tuple[Path, bool]:
+    """`<shard_root>.partial` and whether it was kept, with what an interrupted run of the same `work_id` committed
+    there (its temp files removed); else it is made anew."""
+    work = shard_root.with_name(shard_root.name + ".partial")
+    previous = layout.read_marker(work, layout.PLAN)
+    if previous is not None and previous.get("id") == work_id:
+        for stale in work.glob("*/*/*.tmp"):  # half-written by a crashed attempt: never read, removed
+            stale.unlink()
+        return work, True
+    if work.exists():
+        print(f"[shuffle] removing {work}: left by a run with other inputs or settings", flush=True)
+        shutil.rmtree(work)
+    for name in SPLITS:
+        for part in ("map", "out", "records"):
+            (work / part / name).mkdir(parents=True)
+    layout.write_json(work / layout.PLAN, {"id": work_id, "fingerprint": fingerprint})
+    return work, False
+
+
+def per_file_shards(split: str, method: str, files: list[dict], shard_root: Path, work_id: str, fingerprint: str,
+                    **settings) -> list[np.ndarray]:
+    """One split's shards from its files one per rank (`_per_file_split`), committed into `<shard_root>.partial`
+    ahead of `write_shards` (which keeps them: same `work_id`); returns per file the `lookup` hashes its rows
+    have."""
+    work, _ = open_work(Path(shard_root), work_id, fingerprint)
+    return _per_file_split(split, method, files, work, digests={}, **settings)
+
+
 def write_shards(shuffle_files: list[dict], per_file: dict[str, tuple[str, list[dict]]], row_len: int,
                  shard_root: Path, *, num_shards: int, seed: int, row_group_size: int, reducer_mib: int,
                  map_mib: int, token_dtype: str, vocab_size: int, fingerprint: str, manifest_extra: dict,
@@ -441,29 +476,12 @@ def write_shards(shuffle_files: list[dict], per_file: dict[str, tuple[str, list[
                                  f"of {row_len} ids, more than the {MAX_LIST_IDS} ids a parquet list column "
                                  "addresses; raise num_shards")
         groups = _group_files(shuffle_files, row_bytes, map_mib << 20)
-    work_plan = {"fingerprint": fingerprint, "map_mib": map_mib, "reducer_mib": reducer_mib,
-                 "groups": [[str(f["path"]) for f in g] for g in groups], "token_dtype": token_dtype,
-                 "per_file": {name: [method, [str(f["path"]) for f in files]]
-                              for name, (method, files) in per_file.items()}}
-    work_id = layout.fingerprint(work_plan)
-    previous = layout.read_marker(work, layout.PLAN)
-    if previous is not None and previous.get("id") == work_id:
+    work, resumed = open_work(shard_root, shard_work_id(fingerprint, map_mib, reducer_mib, token_dtype), fingerprint)
+    if resumed:
         done_maps = sum(1 for _ in (work / "map").glob("*/*.idx.npy"))
         done_shards = sum(1 for _ in (work / "out").glob("*/*.parquet"))
         print(f"[shuffle] resuming {work}: {done_maps}/{2 * len(groups)} map files and "
               f"{done_shards}/{2 * num_shards} shards already written are kept", flush=True)
-        for stale in work.glob("*/*/*.tmp"):  # half-written by a crashed attempt: never read, removed
-            stale.unlink()
-    else:
-        if work.exists():
-            print(f"[shuffle] removing {work}: left by a run with other inputs or settings", flush=True)
-            shutil.rmtree(work)
-        for name in SPLITS:
-            (work / "map" / name).mkdir(parents=True)
-            (work / "out" / name).mkdir(parents=True)
-            (work / "hashes" / name).mkdir(parents=True)
-        layout.write_json(work / layout.PLAN, {"id": work_id, "fingerprint": fingerprint,
-                                               "map_tasks": len(groups), "num_shards": num_shards})
 
     last_run_stats.clear()
     digests: dict[str, str] = {}
@@ -563,49 +581,59 @@ def _shuffle_splits(files: list[dict], groups: list[list[dict]], plans: dict, wo
             for name in plans}
 
 
-def _hash_path(work: Path, split: str, rank: int) -> Path:
-    return work / "hashes" / split / f"{rank:05d}.json"
+def _record_path(work: Path, split: str, rank: int) -> Path:
+    return work / "records" / split / f"{rank:05d}.json"
 
 
 def _per_file_split(split: str, method: str, files: list[dict], work: Path, *, row_len: int, token_dtype: str,
-                    vocab_size: int, row_group_size: int, hash_inputs: bool, digests: dict) -> None:
+                    vocab_size: int, row_group_size: int, hash_inputs: bool, digests: dict,
+                    lookup: np.ndarray | None = None) -> list[np.ndarray]:
     """One split's files become its shards one per rank (rank r = the split's r-th file in name order), into
     `work`/out; a file whose shard an interrupted run already committed is not read again.
 
     hard_link: every file is verified (each row read: row length, id range; local files hashed), then hard-linked
-    as `<split>/RRRRR.parquet`. A hard link, not a symlink: the shard is an ordinary file inside the shard
-    directory that stays valid when the download directory is removed, and costs no bytes. Where the inputs are
-    on another file system (a local_dir source elsewhere; a link cannot cross file systems), the file is copied.
+    as `<split>/RRRRR.parquet`, each as soon as it is verified. A hard link, not a symlink: the shard is an ordinary
+    file inside the shard directory that stays valid when the download directory is removed, and costs no bytes.
+    Where the inputs are on another file system (a local_dir source elsewhere; a link cannot cross file systems),
+    the file is copied.
 
     convert_<dtype>: one task per file reads it (the same checks) and writes its rows, in order, as the shard in
     the storage type (`_convert_file`), streaming: a task's memory is bounded by a row group, not by the file.
 
-    With `hash_inputs` a file's sha256 is committed (`hashes/<split>/RRRRR.json`) before its shard, so a resumed
-    run still records the hashes of the files it skips."""
+    `lookup` (sorted, unique row hashes, dedup.row_hashes): the same read also finds which of them the file's rows
+    have (the validation rows also in train: the released data's one pass over its training files). A file's
+    record (`records/<split>/RRRRR.json`: its sha256 with `hash_inputs`, the hashes found) is committed before its
+    shard, so a resumed run has both for the files it skips. Returns the hashes found per file (empty arrays
+    without a `lookup`) and adds the sha256 of every file to `digests`."""
     todo = [(rank, {"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]})
             for rank, f in enumerate(files) if not shard_path(work / "out", split, rank).exists()]
     if len(todo) < len(files):
         print(f"[shuffle] {split}: {len(files) - len(todo)}/{len(files)} per-file shards already written are kept",
               flush=True)
-    hash_paths = [str(_hash_path(work, split, rank)) if hash_inputs else None for rank, _ in todo]
+    recorded = hash_inputs or lookup is not None
+    records = [str(_record_path(work, split, rank)) if recorded else None for rank, _ in todo]
+    common = {"hash_input": hash_inputs, "lookup": lookup}
     if method == "hard_link":
         def link(i: int, result: dict) -> None:  # as each file is verified: a crash keeps the links made
             rank, entry = todo[i]
             _link_or_copy(Path(entry["path"]), shard_path(work / "out", split, rank))
 
-        calls = [(entry, row_len, token_dtype, vocab_size, path) for (_, entry), path in zip(todo, hash_paths)]
-        run_tasks(_verify_file, calls, name="verify_released", on_result=link)
+        calls = [(entry, row_len, token_dtype, vocab_size, record) for (_, entry), record in zip(todo, records)]
+        run_tasks(_verify_file, calls, name="verify_released", on_result=link, common=common)
     else:
         calls = [(entry, str(shard_path(work / "out", split, rank)), row_len, token_dtype, vocab_size,
-                  row_group_size, path) for (rank, entry), path in zip(todo, hash_paths)]
-        results = run_tasks(_convert_file, calls, name="convert_released", memory=[
-            convert_task_memory(c[0], row_len, token_dtype, row_group_size, c[-1] is not None) for c in calls])
+                  row_group_size, record) for (rank, entry), record in zip(todo, records)]
+        results = run_tasks(_convert_file, calls, name="convert_released", common=common, memory=[
+            convert_task_memory(c[0], row_len, token_dtype, row_group_size, hash_inputs) for c in calls])
         if results:
             last_run_stats["max_task_peak_rss_mib"] = max(
                 [last_run_stats.get("max_task_peak_rss_mib", 0.0)] + [r["peak_rss_mib"] for r in results])
-    if hash_inputs:
-        for rank in range(len(files)):
-            digests.update(json.loads(_hash_path(work, split, rank).read_text()))
+    found = []
+    for rank in range(len(files)):
+        record = json.loads(_record_path(work, split, rank).read_text()) if recorded else {}
+        digests.update(record.get("sha256") or {})
+        found.append(np.asarray(record.get("found") or [], np.uint64))
+    return found
 
 
 def shard_supervised_tokens(path: Path, row_len: int) -> int:
@@ -650,27 +678,48 @@ def per_file_method(files: list[dict], split: str, num_shards: int, token_dtype:
     return ("hard_link" if linkable else f"convert_{token_dtype}"), None
 
 
-def _write_hash(hashes: dict | None, hash_path: str | None) -> None:
-    if hash_path:
-        layout.write_json(Path(hash_path), hashes)
+class _RowReader:
+    """A task's reading of one packed file: its rows (row length and id range checked, as the shuffle's map tasks
+    do), its sha256 when `hash_input` (read once: hashed and parsed), and which of the `lookup` hashes its rows have
+    (dedup.row_hashes, looked up by binary search). `commit(record_path)` writes what it found there."""
+
+    def __init__(self, entry: dict, row_len: int, dtype: str, vocab_size: int, hash_input: bool,
+                 lookup: np.ndarray | None):
+        self.hashes: dict | None = {} if hash_input else None
+        self.parts = _read_input(entry, row_len, dtype, vocab_size, self.hashes)
+        self.lookup, self.found = lookup, []
+
+    def __iter__(self):
+        from huginn_ray.data.dedup import in_sorted, row_hashes
+
+        for _, part, mask in self.parts:
+            if self.lookup is not None and len(part):
+                hashes = row_hashes(part, mask)
+                self.found.append(hashes[in_sorted(hashes, self.lookup)])
+            yield part
+
+    def commit(self, record_path: str | None) -> None:
+        if record_path:
+            found = np.unique(np.concatenate(self.found)) if self.found else np.zeros(0, np.uint64)
+            layout.write_json(Path(record_path), {"sha256": self.hashes,
+                                                  "found": [int(h) for h in found] if self.lookup is not None else None})
 
 
-def _verify_file(entry: dict, row_len: int, dtype: str, vocab_size: int, hash_path: str | None) -> dict:
-    """Task: read every row of a file to be linked as a shard (row length and id range checked, as the shuffle's
-    map tasks do) and, with a `hash_path`, commit its sha256 there."""
-    hashes: dict | None = {} if hash_path else None
-    rows = sum(len(part) for _, part, _ in _read_input(entry, row_len, dtype, vocab_size, hashes))
-    _write_hash(hashes, hash_path)
+def _verify_file(entry: dict, row_len: int, dtype: str, vocab_size: int, record_path: str | None,
+                 hash_input: bool = False, lookup: np.ndarray | None = None) -> dict:
+    """Task: read every row of a file to be linked as a shard (`_RowReader`) and commit its record."""
+    reader = _RowReader(entry, row_len, dtype, vocab_size, hash_input, lookup)
+    rows = sum(len(part) for part in reader)
+    reader.commit(record_path)
     return {"rows": rows}
 
 
 def _convert_file(entry: dict, target: str, row_len: int, dtype: str, vocab_size: int, row_group_size: int,
-                  hash_path: str | None) -> dict:
-    """Task: one packed file -> its rank's shard at `target`: every row read (row length and id range checked, as
-    the shuffle's map tasks do), in file order, READ_BATCH_ROWS at a time, and written as list<dtype> in row groups
-    of `row_group_size`, as a reducer writes a shard. Holds one batch and one row group, not the file. With a
-    `hash_path`, the file's sha256 is committed there before the shard."""
-    hashes: dict | None = {} if hash_path else None
+                  record_path: str | None, hash_input: bool = False, lookup: np.ndarray | None = None) -> dict:
+    """Task: one packed file -> its rank's shard at `target`: every row read (`_RowReader`), in file order,
+    READ_BATCH_ROWS at a time, and written as list<dtype> in row groups of `row_group_size`, as a reducer writes a
+    shard. Holds one batch and one row group, not the file. The file's record is committed before the shard."""
+    reader = _RowReader(entry, row_len, dtype, vocab_size, hash_input, lookup)
     schema = row_schema(dtype)
 
     def write(block: np.ndarray) -> None:
@@ -680,7 +729,7 @@ def _convert_file(entry: dict, target: str, row_len: int, dtype: str, vocab_size
     tmp = layout.temp_path(Path(target))
     pending, rows = np.empty((0, row_len), numpy_dtype(dtype)), 0
     with pq.ParquetWriter(tmp, schema, **parquet_options(schema.empty_table())) as writer:
-        for _, part, _ in _read_input(entry, row_len, dtype, vocab_size, hashes):
+        for part in reader:
             pending, rows = np.concatenate([pending, part]), rows + len(part)
             whole = len(pending) - len(pending) % row_group_size  # whole row groups go out, the rest waits
             if whole:
@@ -688,7 +737,7 @@ def _convert_file(entry: dict, target: str, row_len: int, dtype: str, vocab_size
                 pending = pending[whole:]
         if len(pending):
             write(pending)
-    _write_hash(hashes, hash_path)
+    reader.commit(record_path)
     layout.commit_file(tmp, Path(target))
     return {"rows": rows, "peak_rss_mib": _peak_rss_mib()}
 
