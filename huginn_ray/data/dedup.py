@@ -1,21 +1,23 @@
 """Validation rows of released data that also occur in its training rows (`drop_val_duplicates`).
 
 The released tomg-group-umd/huginn-dataset split its validation files off after whole files had been duplicated
-for up-weighting, so a validation row can be byte-identical to a training row. Before the shards are written, two
-passes of tasks (one per file, Ray Data operators `dedup_hash_val` and `dedup_match_train`:
-huginn_ray/data/execution.py) find them:
+for up-weighting, so a validation row can be byte-identical to a training row. They are found by a 64-bit hash
+(blake2b) of each row in the storage type:
 
-1. every validation file: a 64-bit hash (blake2b) of each row in the storage type;
-2. every training file: which of those hashes its rows have, by a binary search (`np.searchsorted`) of its row
-   hashes in the validation hashes, sorted and unique (they go to the tasks once, with the operator's function,
-   through the object store: 8 bytes per validation row). `np.isin` over the same arrays sorts both sides on every
-   call: 1.39 s per batch against 0.3 ms for the search (issue 29).
+1. every validation file: its rows' hashes (Ray Data operator `dedup_hash_val`, one task per file), saved as
+   `<output_dir>/dedup/<input fingerprint>.npz`, so a rerun does not read the validation files again;
+2. every training file: which of those hashes its rows have, by a binary search (`in_sorted`, `np.searchsorted`)
+   of its row hashes in the validation hashes, sorted and unique (they go to the tasks once, through the object
+   store: 8 bytes per validation row). `np.isin` over the same arrays sorts both sides on every call: 1.39 s per
+   batch against 0.3 ms for the search (issue 29). When the training split becomes the shards one file per rank,
+   the tasks that convert or verify its files do this lookup in the same read (shards._RowReader: one pass over
+   the training data, and each file's result is committed with its shard, so a resumed run keeps it); otherwise
+   the operator `dedup_match_train` reads every training file once more, before the shuffle, and the result is
+   saved as `<output_dir>/dedup/<input fingerprint>.json`.
 
-The result is, per validation file, the row numbers that also occur in train. It is saved (`result_path`, keyed by
-the caller with the inputs' fingerprint), so a rerun after a crash in the shard stage reads it instead of reading
-every file again. The rows are counted (manifest and console) and, with `drop_val_duplicates: true` (the default),
-left out of the validation shards: the shuffle's map tasks skip those rows, so they never reach a shard. Cost: one
-more read of every packed file (≈ D) and 8 bytes per validation row in the driver and in each training-file task.
+The result is, per validation file, the row numbers that also occur in train. They are counted (manifest and
+console) and, with `drop_val_duplicates: true` (the default), left out of the validation shards: the shuffle's map
+tasks skip those rows, so they never reach a shard.
 """
 
 from __future__ import annotations

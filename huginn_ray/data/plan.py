@@ -391,8 +391,10 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict) -> dict:
 
     # bytes each stage reads and writes under output_dir (or reads from a local_dir)
     io = {"download": {"read": hub_bytes, "written": hub_bytes}}  # read: each file hashed once when verified
-    if all_packed:
-        io["dedup"] = {"read": sum(split_input.values()), "written": 0}  # every file read once more
+    if all_packed:  # the validation files read once more; the training files too unless they go per file (their
+        # tasks then look their rows up while they convert them: one pass)
+        io["dedup"] = {"read": split_input["val"] + (split_input["train"] if methods["train"] == "shuffle" else 0),
+                       "written": 0}
     else:
         io["staging"] = {"read": sum(e["input_bytes"] for e in entries), "written": staged_bytes}
         io["pack"] = {"read": staged_bytes, "written": packed_file_bytes}
@@ -419,6 +421,8 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict) -> dict:
         "map_task": map_task_memory([{"train_rows": group_rows, "val_rows": 0}], row_len, dtype, input_width, False),
         "reduce_task": max([reduce_task_memory(p, row_len, dtype) for p in split_plans.values()], default=0),
     }
+    dedup_tasks = (packed["val"]["files"] + (packed["train"]["files"] if methods["train"] == "shuffle" else 0)
+                   if all_packed else 0)
     counts = {
         "input_files": sum(e["files"] for e in entries),
         "staged_files": sum(e["files"] for e in entries if not e.get("packed")),
@@ -428,7 +432,7 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict) -> dict:
         "per_file_tasks": sum(cfg.num_shards for method in methods.values() if method != "shuffle"),
         "reducers": sum(reducers.values()),
         "shard_files": 2 * cfg.num_shards,
-        "ray_tasks": int(sum(e["files"] for e in entries) * (2 if all_packed else 1) + pack_tasks + map_tasks
+        "ray_tasks": int(sum(e["files"] for e in entries) + dedup_tasks + pack_tasks + map_tasks
                          + sum(reducers.values()) + sum(cfg.num_shards for m in methods.values() if m != "shuffle")),
     }
     plan = {
