@@ -8,8 +8,10 @@ maximum of the two) through the real code paths of a run of `configs/train/front
     init_from build_components without weights, then load_initial_weights from a released-layout directory
     save      rank 0's small files, finish_save (agreement, marker), with DCP's own save planner deciding which
               rank writes which piece
-    resume    resume(): the candidate list, the completeness check, the agreement, with DCP's own load planner
-              deciding which pieces (files, bytes) this rank reads
+    resume    resume(): the candidate list, the completeness check, the agreement, and read_tensors through the
+              replica-spread read (huginn_ray.model.replica_read: its own plan of which rows this rank reads and
+              its own load planner deciding which pieces (files, bytes) they are in, then the all-gathers and
+              broadcasts over the replicate group, then the optimizer state set back)
 
 over stand-ins that count instead of communicating (what they stand in for: 4,096 processes on 512 nodes):
 
@@ -26,8 +28,9 @@ over stand-ins that count instead of communicating (what they stand in for: 4,09
   of their sizes (no 13 GB written).
 
 What DCP itself does inside dcp.save/dcp.load (its plan exchange, the reads and writes) cannot run over the fake
-group; those figures come from DCP's planners and are marked "planned" in the output and the README; everything
-else is counted as it happens.
+group; those figures come from the planners (DCP's save planner; replica_read's load planner, with what its
+RangeReader reads per requested piece) and are marked "planned" in the output and the README; everything else is
+counted as it happens.
 
     python bench/scale_sim.py --world-sizes 8,64,512,4096 [--json]
 """
@@ -38,6 +41,7 @@ import argparse
 import builtins
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -55,10 +59,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.device_mesh as device_mesh
 import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -66,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from huginn_ray.config import load_config  # noqa: E402
 from huginn_ray.model import ModelConfig, RecurrentGPT  # noqa: E402
-from huginn_ray.model import pretrained  # noqa: E402
+from huginn_ray.model import pretrained, replica_read  # noqa: E402
 from huginn_ray.train import checkpoint as ckpt  # noqa: E402
 from huginn_ray.train import loop, parallel  # noqa: E402
 from huginn_ray.train.config import TrainConfig  # noqa: E402
@@ -88,7 +92,8 @@ ITEMS = {
     "collective_bytes_startup": "bytes those operations deliver to this rank (counted)",
     "peak_model_bytes_startup": "largest model state (parameters, buffers, optimizer state) this rank holds at "
                                 "once during startup (counted at every allocation of the model and optimizer)",
-    "bytes_read_init_from": "bytes of the safetensors slices this rank requests (counted)",
+    "bytes_read_init_from": "bytes of the safetensors slices this rank requests and the headers of the files it "
+                            "opens (counted)",
     "fs_metadata_ops_init_from": "stat/open/list calls of load_initial_weights (counted)",
     "collectives_per_step": "c10d operations of one train_step (counted on a model of the nebel's depth and "
                             "64 wide; its chunk-stream exchanges replaced by the nebel's number, from the chunk "
@@ -100,10 +105,10 @@ ITEMS = {
     "fs_metadata_ops_save": "stat/open/list calls of the save after DCP's writes (counted)",
     "fs_metadata_ops_resume_checks": "stat/open/list calls of resume outside DCP's load: candidates, marker, "
                                      "completeness check, trainer state (counted)",
-    "fs_metadata_ops_resume": "stat/open/list calls of resume (counted) plus the files DCP opens to read this "
-                              "rank's pieces and its .metadata (planned)",
-    "bytes_read_resume": "bytes resume reads: marker and trainer state (counted) plus this rank's pieces "
-                         "(planned: DCP's load planner)",
+    "fs_metadata_ops_resume": "stat/open/list calls of resume (counted) plus the files the replica-spread read "
+                              "opens for this rank's rows and the .metadata (planned)",
+    "bytes_read_resume": "bytes resume reads: marker and trainer state (counted) plus the .metadata, each "
+                         "requested piece's archive header and this rank's rows (planned: replica_read's plan)",
     "collectives_resume": "c10d operations of resume (counted; DCP's own plan exchange not included)",
     "collective_bytes_resume": "bytes those operations deliver to this rank (counted)",
 }
@@ -281,7 +286,9 @@ class CountingSafetensors:
 
     def __call__(self, filename, framework="pt", device="cpu"):
         self.counts.add("fs_metadata_ops")
-        return _SafeFile(self, Path(filename).name)
+        file = _SafeFile(self, Path(filename).name)
+        self.counts.add("bytes_read", file.header_bytes())
+        return file
 
 
 class _SafeFile:
@@ -296,6 +303,17 @@ class _SafeFile:
 
     def keys(self):
         return [key for key, file in released_files(self.source.shapes).items() if file == self.name]
+
+    def header_bytes(self) -> int:
+        """What safe_open reads of the file: its 8-byte length and its JSON header (every tensor's dtype, shape,
+        offsets), as safetensors writes it."""
+        header, offset = {}, 0
+        for key in sorted(self.keys()):
+            nbytes = math.prod(self.source.shapes[key]) * 4
+            header[key] = {"dtype": "F32", "shape": list(self.source.shapes[key]), "data_offsets": [offset,
+                                                                                               offset + nbytes]}
+            offset += nbytes
+        return 8 + len(json.dumps(header, separators=(",", ":")))
 
     def get_slice(self, key):
         return _Slice(self.source, self.source.shapes[key])
@@ -438,8 +456,12 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) ->
             warmup_allreduce(META, setup.cfg.warmup_allreduce_mib, timeout_s=setup.cfg.warmup_timeout_s)
             results["peak_model_bytes_startup"] = model_bytes.peak
             results["chunk_exchanges"] = chunk_exchanges(c)
-            if save_plans(setup, c, world_size, rank)[0] is None:
+            plans, metadata = save_plans(setup, c, world_size, rank)
+            if plans is None:
                 return {}  # priming: this shard index's local plan is recorded
+            tensors = [md for md in metadata.state_dict_metadata.values() if isinstance(md, TensorStorageMetadata)]
+            results["state_bytes"] = sum(md.size.numel() * md.properties.dtype.itemsize for md in tensors)
+            results["state_tensors"] = len(tensors)
 
             counts.phase = "save"
             results["bytes_written_save"] = simulated_save(setup, c, world_size, rank, counts)
@@ -472,6 +494,8 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) ->
         "collectives_resume": counts.get("resume", "collectives"),
         "collective_bytes_resume": counts.get("resume", "collective_bytes"),
         "chunk_exchanges": results["chunk_exchanges"],
+        "state_bytes": results["state_bytes"],
+        "state_tensors": results["state_tensors"],
     }
 
 
@@ -557,9 +581,10 @@ def simulated_save(setup: Setup, c, world_size: int, rank: int, counts: Counts) 
 
 
 def simulated_resume(setup: Setup, c, world_size: int, rank: int, counts: Counts) -> tuple[int, int]:
-    """resume() over the saved checkpoint, counted, with DCP's load itself planned (DefaultLoadPlanner on this
-    rank's state dict against the `.metadata`): returns the planned bytes and files (the pieces' files and the
-    `.metadata`, which every rank opens)."""
+    """resume() over the saved checkpoint, counted, through the replica-spread read that runs (ckpt.read_tensors
+    with the mesh's replicate group: huginn_ray.model.replica_read's plan, its collectives over the fake group,
+    the optimizer state set back), with only DCP's load itself planned (`planned_dcp_read`): returns the planned
+    bytes and files."""
     run_dir = setup.root / "runs" / f"{world_size:06d}"
     directory = next(run_dir.glob("checkpoint_*"))
     with uncounted():
@@ -567,25 +592,55 @@ def simulated_resume(setup: Setup, c, world_size: int, rank: int, counts: Counts
             metadata = pickle.load(f)
     planned = {}
 
-    def planned_read(directory, model, optimizer, replicas=None):
-        # today's plain path (replicas=None): the replica-spread read (huginn_ray.model.replica_read) is not
-        # simulated yet; its bytes and files per rank are those divided over the replicas
-        # DefaultLoadPlanner's own planning function, on the flattened state dict as its set_up_planner gives it
-        # (without the allocation of meta tensors that set_up_planner would make)
-        flat, _ = flatten_state_dict(state_dict_of(c))
-        items = create_default_local_load_plan(flat, metadata).items
-        pieces = [metadata.storage_data[item.storage_index] for item in items]
-        planned["bytes"] = sum(piece.length for piece in pieces) + metadata_bytes(directory)
-        planned["files"] = len({piece.relative_path for piece in pieces}) + 1
+    def planned_read(parts, state_dir):
+        planned["bytes"], planned["files"] = planned_dcp_read(parts, metadata, metadata_bytes(directory))
 
-    real_read = ckpt.read_tensors
-    ckpt.read_tensors = planned_read
+    real_read = replica_read.read_dcp_parts
+    replica_read.read_dcp_parts = planned_read
     try:
-        resumed = ckpt.resume(directory, run_dir, rank, c.model, c.optimizer, CPU, log=lambda message: None)
+        resumed = ckpt.resume(directory, run_dir, rank, c.model, c.optimizer, CPU, log=lambda message: None,
+                              replicas=c.mesh.get_group("replicate"))
     finally:
-        ckpt.read_tensors = real_read
+        replica_read.read_dcp_parts = real_read
     assert resumed is not None and resumed.state.step == 128, resumed
     return planned["bytes"], planned["files"]
+
+
+def planned_dcp_read(parts: replica_read.DcpParts, metadata: Metadata, metadata_size: int) -> tuple[int, int]:
+    """What replica_read.read_dcp_parts reads from the file system for `parts` (its dcp.load cannot run over the
+    fake group: DCP gathers the plans; the pieces here are sparse files): replica_read's own load planner on this
+    rank's reads against the `.metadata`, and per requested item what its RangeReader reads: the piece's archive
+    header (torch.load of the header alone, measured on a real archive of a tensor of that dtype and rank) and the
+    rows' bytes (a BYTE_IO item: the whole piece). Every rank reads the `.metadata` (DCP's read_metadata).
+    Returns (bytes, files opened)."""
+    planner = replica_read._PartsPlanner(parts)
+    # what set_up_planner sets, without its allocation of the meta tensors' storage
+    planner.state_dict, planner.original_state_dict, planner.metadata = parts.reads, parts.reads, metadata
+    planner.mappings, planner.is_coordinator = parts.mappings, False
+    nbytes, files = metadata_size, {".metadata"}
+    for item in planner.create_local_plan().items:
+        info = metadata.storage_data[item.storage_index]
+        files.add(info.relative_path)
+        if item.type == LoadItemType.BYTE_IO:
+            nbytes += info.length
+            continue
+        properties = metadata.state_dict_metadata[item.storage_index.fqn].properties
+        nbytes += archive_header_bytes(properties.dtype, len(item.lengths))
+        nbytes += math.prod(item.lengths) * properties.dtype.itemsize
+    return nbytes, len(files)
+
+
+@functools.cache
+def archive_header_bytes(dtype: torch.dtype, dims: int) -> int:
+    """Bytes torch.load(map_location="meta") reads of a DCP piece (a torch.save archive) holding one tensor of
+    `dtype` with `dims` dimensions: RangeReader's read of the header before the rows, measured."""
+    with uncounted():
+        archive = io.BytesIO()
+        torch.save(torch.zeros([2] * dims, dtype=dtype), archive)
+    archive.seek(0)
+    with replica_read.counting_reads() as count:
+        torch.load(replica_read._CountingStream(archive), map_location="meta", weights_only=True)
+    return count.bytes
 
 
 def metadata_bytes(directory: Path) -> int:
@@ -726,9 +781,13 @@ def simulate(world_sizes: list[int]) -> dict:
             steps = in_children([(step_collectives_quietly, (setup, world_size, rank)) for rank in ranks])
             for result, (narrow, narrow_exchanges) in zip(results, steps):
                 result["collectives_per_step"] = narrow - narrow_exchanges + result.pop("chunk_exchanges")
+            state_bytes, state_tensors = {(result.pop("state_bytes"), result.pop("state_tensors"))
+                                          for result in results}.pop()
             for item in results[0]:
                 per_rank.setdefault(item, []).append(max(result[item] for result in results))
-    return {"world_sizes": world_sizes, "per_rank": per_rank}
+    parameter_bytes = sum(shape.numel() * 4 for shape in setup.shapes.values())
+    return {"world_sizes": world_sizes, "per_rank": per_rank,
+            "sizes": {"state_bytes": state_bytes, "state_tensors": state_tensors, "parameter_bytes": parameter_bytes}}
 
 
 def in_children(tasks: list, parallel: int = 2) -> list:
@@ -787,6 +846,11 @@ def table(result: dict) -> str:
     lines = [f"{'per rank (max of rank 0 and rank W-1)':<34}" + "".join(f"{'W=' + str(w):>16}" for w in sizes)]
     for item, values in result["per_rank"].items():
         lines.append(f"{item:<34}" + "".join(f"{v:>16,}" for v in values))
+    state, parameters = result["sizes"]["state_bytes"], result["sizes"]["parameter_bytes"]
+    for item, whole in (("bytes_read_resume", state), ("bytes_read_init_from", parameters)):
+        lines.append(f"{item + ' x W / ' + ('state' if whole == state else 'P'):<34}"
+                     + "".join(f"{v * w / whole:>16.3f}" for v, w in zip(result["per_rank"][item], sizes)))
+    lines.append(f"state (the checkpoint's tensors) {state:,} bytes, P (the parameters, fp32) {parameters:,} bytes")
     lines.append("")
     lines += [f"{item}: {ITEMS[item]}" for item in result["per_rank"]]
     return "\n".join(lines)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import shutil
@@ -74,7 +75,9 @@ def test_hsdp_over_ray_s_nodes_loses_a_node_and_finishes_on_the_rest(nodes, tmp_
     hsdp's shard groups (Ray's local world size) are the nodes. After the step-4 checkpoint rank 1 stops answering
     (fault injection: the group is frozen at step 5's first collective) and the test removes the second Ray node
     for good. Ray Train restarts the group on the 2 workers it can get, one shard group on the head node, from the
-    step-4 checkpoint; the run ends at max_steps, in one MLflow run, and says `resize at step 4: 4 -> 2 workers`."""
+    step-4 checkpoint; the run ends at max_steps, in one MLflow run, and says `resize at step 4: 4 -> 2 workers`.
+    Then a node takes the lost one's place and 4 gloo ranks, 2 on each node, read the step-4 checkpoint back both
+    ways: the replica-spread read gives the bits of today's path (every rank reading its whole part)."""
     cluster, second = nodes
     out_dir = tmp_path / "runs"
     dataset = make_dataset(tmp_path / "data", num_shards=4, rows_per_shard=64, seq_len=32)
@@ -126,6 +129,88 @@ def test_hsdp_over_ray_s_nodes_loses_a_node_and_finishes_on_the_rest(nodes, tmp_
     workers = [(m.step, m.value) for m in sorted(client.get_metric_history(runs[0].info.run_id, "num_workers"),
                                                   key=lambda m: m.timestamp)]
     assert workers == [(0, 4.0), (4, 2.0)]
+    # the step-4 checkpoint read back by 4 gloo ranks as 2 Ray nodes x 2, both ways (a node takes the lost one's
+    # place): through the replica-spread read each rank reads its half of its shard group's part and gets the
+    # other half from its replica on the other node; today's path (every rank reading its whole part) gives the
+    # same bits
+    cluster.add_node(num_cpus=CPUS_PER_NODE, node_ip_address=WORKER_NODE)
+    cluster.wait_for_nodes()
+    reports = read_back_on_two_nodes(cluster, saved[4][0], args)
+    assert sorted(report["node_ip"] for report in reports) == [HEAD, HEAD, WORKER_NODE, WORKER_NODE]
+    for rank, report in enumerate(reports):
+        assert report["tensors"] > 0 and report["differing"] == [], (rank, report)
+        # hsdp: shard groups of 2 (the nodes), 2 replicas of each part: half of the whole part's bytes, about
+        assert 0.4 * report["read_whole"] <= report["read_spread"] <= 0.6 * report["read_whole"], (rank, report)
+
+
+def read_back_on_two_nodes(cluster, checkpoint: Path, args: list[str]) -> list[dict]:
+    """Ranks 0-1 on the head node and 2-3 on the other, one gloo group of 4: each reads `checkpoint` into the
+    run's model and optimizer (hsdp, the shard groups the nodes) by `read_both_ways`; their reports, by rank."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}})
+    try:
+        nodes = sorted((node["NodeManagerAddress"], node["NodeID"]) for node in ray.nodes() if node["Alive"])
+        assert [ip for ip, _ in nodes] == [HEAD, WORKER_NODE], nodes
+        with socket.socket() as s:
+            s.bind((HEAD, 0))
+            port = s.getsockname()[1]
+        reader = ray.remote(num_cpus=1)(read_both_ways)
+        return ray.get([reader.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[rank // 2][1],
+                                                                                           soft=False))
+                        .remote(rank, port, str(checkpoint), args) for rank in range(4)], timeout=120)
+    finally:
+        ray.shutdown()
+
+
+def read_both_ways(rank: int, port: int, checkpoint: str, args: list[str]) -> dict:
+    """One of 4 gloo ranks (a Ray task): build the run's model and optimizer as the loop does (without their
+    init), read `checkpoint` into them with today's path (replicas=None) and into another pair through the
+    replica-spread read (the mesh's replicate group), and compare every local tensor (torch.equal)."""
+    from datetime import timedelta
+
+    import ray
+    import torch
+    import torch.distributed as dist
+
+    from huginn_ray.config import load_config
+    from huginn_ray.model.replica_read import counting_reads
+    from huginn_ray.train import checkpoint as ckpt
+    from huginn_ray.train import loop
+    from huginn_ray.train.config import TrainConfig
+    from huginn_ray.train.init_from import model_config
+    from huginn_ray.train.parallel import local
+    from huginn_ray.train.run_plan import RunPlan
+    from test_train_parallel import MemoryReader
+
+    dist.init_process_group("gloo", init_method=f"tcp://{HEAD}:{port}", rank=rank, world_size=4,
+                            timeout=timedelta(seconds=60))
+    try:
+        cfg = load_config(TrainConfig, REPO / "configs/train/tiny_cpu.yaml", args)
+        plan = RunPlan(global_batch_rows=cfg.micro_batch_size * 4, num_streams=4, schedule_steps=STEPS, pad_id=0,
+                       eos_id=1, precision="fp32", model_config=model_config(cfg))
+        loop.ShardReader = MemoryReader
+        loaded, reads = [], []
+        for replicas in (None, "replicate"):
+            c = loop.build_components(cfg, plan, rank, torch.device("cpu"), local_world_size=2, initialise=False)
+            with counting_reads() as count:
+                ckpt.read_tensors(Path(checkpoint), c.model, c.optimizer,
+                                  c.mesh.get_group(replicas) if replicas else None)
+            reads.append(count.bytes)
+            names = {p: name for name, p in c.model.named_parameters()}
+            tensors = {name: local(p.detach()).clone() for name, p in c.model.named_parameters()}
+            for p, values in c.optimizer.state.items():
+                tensors.update({f"{key} of {names[p]}": local(v).clone() for key, v in values.items()
+                                if torch.is_tensor(v)})
+            loaded.append(tensors)
+        whole, spread = loaded
+        differing = sorted(set(whole) ^ set(spread)) + [k for k in whole if k in spread
+                                                         and not torch.equal(whole[k], spread[k])]
+        return {"node_ip": ray.util.get_node_ip_address(), "tensors": len(whole), "differing": differing,
+                "read_whole": reads[0], "read_spread": reads[1]}
+    finally:
+        dist.destroy_process_group()
 
 
 def registered_checkpoints(run_dir: Path) -> list[tuple[Path, dict]]:

@@ -124,7 +124,8 @@ def final_data_position(out_dir: Path, name: str) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def uninterrupted(cluster, mlflow_server, dataset, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("runs")
-    run = train(cluster, overrides("straight", out_dir, dataset, mlflow_server))
+    # profiled steps 2-3: the losses of every other run of this module are compared with these (bitwise)
+    run = train(cluster, overrides("straight", out_dir, dataset, mlflow_server, "profile.steps=[2, 3]"))
     return {"out_dir": out_dir, "run_id": run_id_of(run.stdout), "stdout": run.stdout,
             "losses": losses(mlflow_server, run_id_of(run.stdout))}
 
@@ -144,6 +145,27 @@ def test_two_worker_run_loss_falls(uninterrupted, mlflow_server):
     plots = [a.path for a in MlflowClient(mlflow_server).list_artifacts(uninterrupted["run_id"], "depth_scaling")]
     assert plots and all(p.startswith("depth_scaling/step_") and p.endswith(".png") for p in plots), plots
     assert "MLflow:" in uninterrupted["stdout"] and "mlflow ui" not in uninterrupted["stdout"]
+    # seeing inside the run: per-phase time per step and module norms at every log step; the module norms are
+    # global (replicated gradients counted once): their squares add up to the global gradient norm
+    client = MlflowClient(mlflow_server)
+    for phase in ("data", "forward", "backward", "comm", "optimizer", "validation", "checkpoint"):
+        assert sorted(losses(mlflow_server, uninterrupted["run_id"], f"time/{phase}")) == list(range(1, STEPS + 1))
+    assert run.data.metrics["time/forward"] > 0 and run.data.metrics["time/backward"] > 0
+    assert losses(mlflow_server, uninterrupted["run_id"], "time/checkpoint")[5] > 0  # step 4's save, in 5's window
+    grad_norms = losses(mlflow_server, uninterrupted["run_id"], "grad_norm")
+    modules = {m: losses(mlflow_server, uninterrupted["run_id"], f"grad_norm/{m}")
+               for m in ("embeddings", "prelude", "core", "coda")}
+    for step in (2, STEPS):
+        assert sum(m[step] ** 2 for m in modules.values()) == pytest.approx(grad_norms[step] ** 2, rel=1e-6)
+    assert losses(mlflow_server, uninterrupted["run_id"], "update_norm/core")[STEPS] > 0
+    assert "straggler/slowest_ratio" in run.data.metrics
+    # the profiled steps: a trace per rank in the run directory, both logged (a shared file system here)
+    profile_dir = uninterrupted["out_dir"] / "straight" / "profile"
+    assert sorted(p.name for p in profile_dir.iterdir()) == ["rank0.trace.json", "rank1.trace.json"]
+    for trace in profile_dir.iterdir():
+        assert any(e.get("name", "").startswith("aten::") for e in json.loads(trace.read_text())["traceEvents"])
+    assert sorted(a.path for a in client.list_artifacts(uninterrupted["run_id"], "profile")) == [
+        "profile/rank0.trace.json", "profile/rank1.trace.json"]
     # saved at steps 4, 8, 12, 16; checkpoint.keep=2 keeps the newest two
     kept = sorted(json.loads(p.read_text())["step"]
                   for p in (uninterrupted["out_dir"] / "straight").glob("checkpoint_*/trainer_state.json"))
@@ -304,7 +326,8 @@ def running(pid: int) -> bool:
 def test_a_hung_rank_makes_the_next_collective_time_out_and_every_rank_exit(cluster, mlflow_server, dataset, tmp_path):
     """Rank 1 stops answering after step 2. Rank 0's gradient all-reduce of step 3 raises after pg_timeout_s
     (launch.py passes it to Ray's TorchConfig, and gloo honours it on CPU); with max_failures=0 Ray Train ends
-    the worker group, the hung rank included, and the driver exits non-zero naming the timeout."""
+    the worker group, the hung rank included, and the driver exits non-zero naming the timeout. Before that, at
+    half the timeout, the hang watch dumps both ranks' flight recorders and names rank 1 (hang_watch.py)."""
     timeout_s, bound_s = 10, 90  # the bound leaves room for a loaded 2-core machine; no lower bound is asserted
     args = overrides("hung", tmp_path, dataset, mlflow_server, "max_steps=4", f"pg_timeout_s={timeout_s}",
                      "max_failures=0", "fault_injection.hang_rank_at_step=2", "fault_injection.hang_rank=1")
@@ -323,6 +346,13 @@ def test_a_hung_rank_makes_the_next_collective_time_out_and_every_rank_exit(clus
     assert re.search(rf"^\[huginn\] training failed, rank 0: \S+: .*timed out waiting {timeout_s * 1000} ?ms",
                      run.stdout, re.M | re.IGNORECASE), output[-4000:]
     assert driver_exited - hung_at < bound_s, (driver_exited - hung_at, output[-4000:])
+    # at half the timeout both ranks dumped their flight recorder and rank 0 named the rank that did not arrive
+    watch = re.findall(r"\[huginn\] hang watch: .*", run.stdout)
+    assert len(watch) == 1 and re.match(r"\[huginn\] hang watch: rank 0 has waited \d+\.\d s in gloo:all_reduce #\d+ "
+                                        rf"of process group 0 \(ranks \[0, 1\], pg_timeout_s={timeout_s}\); did not "
+                                        r"arrive: rank 1 \(node .*\); did not answer: none;", watch[0]), watch
+    dumps = tmp_path / "hung" / "flight_recorder"
+    assert sorted(p.name for p in dumps.iterdir()) == ["rank_0", "rank_1"]
     workers = {int(pid) for pid in re.findall(r"RayTrainWorker pid=(\d+)", output)}
     assert len(workers) == 2 and int(marker.read_text().split("pid ")[1]) in workers, (workers, marker.read_text())
     while any(running(pid) for pid in workers) and time.time() < hung_at + bound_s:

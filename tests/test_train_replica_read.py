@@ -44,7 +44,7 @@ def plan_for(cfg, world_size):
     from huginn_ray.train.run_plan import RunPlan
 
     model_cfg = ModelConfig.from_name("raven-tiny", vocab_size=64, n_embd=256, intermediate_size=1024)
-    return RunPlan(global_batch_rows=cfg.micro_batch_size * world_size, num_streams=world_size,
+    return RunPlan(global_batch_rows=cfg.micro_batch_size * world_size, num_streams=world_size, data_dir=cfg.data.data_dir,
                    schedule_steps=cfg.max_steps, pad_id=0, eos_id=1, precision="fp32",
                    model_config=model_cfg)
 
@@ -268,3 +268,52 @@ def test_resume_and_init_from_read_a_quarter_of_the_state_per_rank_and_load_the_
                 assert reads[f"init_from {source}, whole part"] >= model / shard_size, (rank, mode, reads)
                 assert 0.95 * model / 4 <= reads[f"init_from {source}, spread"] <= 1.1 * model / 4, (rank, reads)
         assert sum(spread) <= 1.1 * state  # the file system serves the state once
+
+
+def test_the_replicas_of_the_frontier_layout_each_read_a_512th_of_its_shard_groups_part():
+    """How huginn_ray.model.replica_read.deal divides the reading among R = 512 replicas (4,096 ranks in shard
+    groups of 8, configs/train/frontier_nebel_512_nodes.yaml), on the shapes of the nebel's parts: every byte of a
+    part is read by exactly one replica, and no replica reads more than 1.05 x its 1/R, for the parameters
+    (init_from) and for the state (resume: the parameters, Adam's moments and steps, the RoPE buffer of shape
+    (1, 4096, 1, 48, 2), which is cut along its second dim). Arithmetic only: no process group."""
+    import math
+
+    from huginn_ray.config import load_config
+    from huginn_ray.model import RecurrentGPT
+    from huginn_ray.model.replica_read import deal, portion, split_dim
+    from huginn_ray.train.config import TrainConfig
+    from huginn_ray.train.init_from import model_config
+
+    class Replica:  # the group's rank and size: all that portion() asks of a process group
+        def __init__(self, rank, size):
+            self._rank, self._size = rank, size
+
+        def rank(self):
+            return self._rank
+
+        def size(self):
+            return self._size
+
+    cfg = load_config(TrainConfig, Path(__file__).resolve().parents[1] / "configs/train/frontier_nebel_512_nodes.yaml",
+                      ["compile=false"])
+    with torch.device("meta"):
+        model = RecurrentGPT(model_config(cfg))
+        params = [torch.empty((math.ceil(p.shape[0] / 8), *p.shape[1:])) for p in model.parameters()]  # FSDP2's
+        state = [*params, model.freqs_cis] + [t for p in params for t in (torch.empty(()), p, p)]
+    replicas = 512
+    for name, parts in (("parameters", params), ("state", state)):
+        reads = [0] * replicas
+        for part, share in zip(parts, deal(parts, replicas)):
+            dim, pieces = split_dim(part), []
+            for rank in range(replicas):
+                index = portion(part, share, Replica(rank, replicas))
+                if index is not None:
+                    pieces.append(index[dim] if index else slice(0, 1))  # a 0-dim part: its one element
+                    reads[rank] += part[index].numel() * part.element_size()
+                    assert all(s == slice(0, n) for d, (s, n) in enumerate(zip(index, part.shape)) if d != dim)
+            # the pieces tile the part's rows: each row read once
+            pieces.sort(key=lambda s: s.start)
+            assert [s.start for s in pieces] == [0] + [s.stop for s in pieces[:-1]], (name, part.shape, share)
+            assert pieces[-1].stop == (part.shape[dim] if part.dim() else 1), (name, part.shape, share)
+        total = sum(part.numel() * part.element_size() for part in parts)
+        assert sum(reads) == total and max(reads) <= 1.05 * total / replicas, (name, max(reads) * replicas / total)

@@ -205,19 +205,19 @@ def load_weights_into(model: RecurrentGPT, directory: str | Path, replicas=None)
         if list(stored.shape) != list(param.shape):
             raise ValueError(f"{stored.file}: {key} has shape {stored.shape}, the model's is {list(param.shape)}")
     handles, error = {}, None
+    parts = {key: replica_read.local_rows(param) for key, param in params.items()}
+    shares = dict(zip(parts, replica_read.deal([target for target, _ in parts.values()], replicas.size())
+                      if replicas is not None else [None] * len(parts)))
     try:
-        for key, param in params.items():
-            file = location[key].file
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt", device="cpu")
-            target, rows = replica_read.local_rows(param)
-            start = rows.start if rows is not None else 0
-            read = replica_read.replica_rows(target.shape[0], replicas.size(), replicas.rank()) \
-                if replicas is not None else slice(0, target.shape[0])
-            if read.stop > read.start:
-                values = handles[file].get_slice(key)[start + read.start:start + read.stop]
+        for key, (target, rows) in parts.items():
+            index = replica_read.portion(target, shares[key], replicas)
+            if index is not None:
+                file = location[key].file
+                if file not in handles:  # opened (its header read) once, by a rank that reads from it
+                    handles[file] = safe_open(str(file), framework="pt", device="cpu")
+                values = handles[file].get_slice(key)[replica_read.in_whole(index, rows.start if rows else 0)]
                 replica_read.count_read(values.numel() * values.element_size())
-                target[read].copy_(values)
+                target[index].copy_(values)
     except (SafetensorError, OSError) as err:
         error = f"{directory}: a weights file cannot be read: {err}"
     finally:
@@ -232,8 +232,8 @@ def load_weights_into(model: RecurrentGPT, directory: str | Path, replicas=None)
     if error is not None:
         raise ValueError(error)
     if replicas is not None:
-        for param in params.values():
-            replica_read.complete_over_replicas(replica_read.local_rows(param)[0], replicas)
+        for key, (target, _) in parts.items():
+            replica_read.complete_over_replicas(target, shares[key], replicas)
 
 
 def check_weights(directory: str | Path, config: ModelConfig) -> None:

@@ -2,16 +2,19 @@
 
 R ranks hold identical copies of each part of the state: under `hsdp` the replicas of a shard (the mesh's
 "replicate" dimension, R = W / S), under `replicate` every rank (R = W). Read naively, every one of them reads its
-part from the file system: the state is served R times. Here each of the R ranks reads 1/R of its part's rows (dim
-0: `replica_rows`), and the replicas then complete each other with one all-gather per tensor over their group (the
-network), so every rank reads about 1/W of the state from the file system and ends holding exactly the bytes a
-full read gives. Tensors are handled one at a time: no buffer larger than one tensor's local part.
+part from the file system: the state is served R times. Here the R ranks divide the reading of their parts
+(`deal`): a tensor part is cut into R blocks of rows, each tensor's blocks going to the replicas that have read
+the least so far, so that every replica reads about 1/R of the bytes even when a part has fewer rows than there
+are replicas; a small part (`SMALL_BYTES`, a 0-dim tensor) is read whole by one replica, its owner. The
+replicas then complete each other over their group (the network): one all-gather per split tensor, one broadcast
+from its owner per small one. Every rank reads about 1/W of the state from the file system and ends holding exactly
+the bytes a full read gives. Tensors are handled one at a time: no buffer larger than one tensor's local part.
 
 - `local_rows`: the part of a (possibly FSDP2-sharded) tensor this rank holds, and its rows of the whole tensor.
-- `replica_rows` / `complete_over_replicas`: which rows of its part a replica reads, and the all-gather after.
+- `deal` / `portion` / `complete_over_replicas`: who reads which rows of each part, and the collective after.
 - `plan_dcp_read` / `read_dcp_parts` / `complete_dcp_parts`: the same for a torch.distributed.checkpoint (DCP)
   directory: a load plan for this rank's rows only, a reader that reads only their bytes from the stored pieces
-  (`RangeReader`), then the all-gather.
+  (`RangeReader`), then the collectives.
 - `counting_reads`: bytes read from the file system by this process (what the tests and bench/scale_sim.py count).
 """
 
@@ -42,30 +45,124 @@ def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, slice | None]:
     return tensor.to_local(), slice(offset[0], offset[0] + shape[0])
 
 
-def replica_rows(rows: int, replicas: int, index: int) -> slice:
-    """The rows of a part of `rows` rows that replica `index` of `replicas` reads: blocks of ceil(rows / replicas)
+def replica_rows(rows: int, replicas: int, block_index: int) -> slice:
+    """Rows of block `block_index` of a part of `rows` rows cut into `replicas` blocks of ceil(rows / replicas)
     rows (the last ones shorter or empty), so that one padded all-gather completes the part."""
     block = math.ceil(rows / replicas)
-    return slice(min(index * block, rows), min((index + 1) * block, rows))
+    return slice(min(block_index * block, rows), min((block_index + 1) * block, rows))
 
 
-def complete_over_replicas(part: torch.Tensor, group) -> None:
-    """Fill `part` (this rank's local tensor, of which it has read its `replica_rows`) with the rows its replicas
-    read: one all-gather over `group`. A 0-dim tensor is read whole by every replica: nothing to do."""
+SMALL_BYTES = 64 * 1024
+"""A part of at most this many bytes (or a 0-dim tensor) is read whole by one replica: split R ways, its reads
+would be a few rows each, R requests (and R archive headers in a DCP piece) for what one read serves."""
+
+
+@dataclass(frozen=True)
+class Share:
+    """How the replicas of one tensor part divide its reading."""
+
+    owner: int | None
+    """Small part: the replica (index in the group) that reads it whole and broadcasts it; None: split by rows."""
+    first: int = 0
+    """Split part: the replica that reads block 0 of its rows; replica i reads block (i - first) mod R."""
+
+
+def deal(parts: list[torch.Tensor], replicas: int) -> list[Share]:
+    """Who reads what of each part (in this order, the same on every replica). A split part's non-empty blocks go
+    to consecutive replicas (mod R): the window that has read the fewest bytes so far, or, when every replica gets
+    a block, the start that gives the short last block to the replica that has read the most; a small part goes to
+    the replica that has read the fewest bytes. So no replica reads much more than 1/R of the bytes, even where
+    parts have fewer rows than there are replicas. Needs only the parts' shapes: every replica computes the same
+    shares."""
+    shares, load = [], torch.zeros(replicas, dtype=torch.float64, device="cpu")  # bytes each has read so far
+    for part in parts:
+        nbytes = part.numel() * part.element_size()
+        if part.dim() == 0 or nbytes <= SMALL_BYTES:
+            owner = int(torch.argmin(load))
+            load[owner] += nbytes
+            shares.append(Share(owner=owner))
+            continue
+        rows = part.shape[split_dim(part)]
+        block = math.ceil(rows / replicas)
+        blocks = math.ceil(rows / block)  # the non-empty ones
+        row_bytes = nbytes // rows
+        if blocks == replicas:
+            first = (int(torch.argmax(load)) - (blocks - 1)) % replicas
+        else:
+            cyclic = torch.cat([load, load[: blocks - 1]]).cumsum(0)
+            windows = cyclic[blocks - 1: blocks - 1 + replicas] - torch.cat([cyclic.new_zeros(1), cyclic[: replicas - 1]])
+            first = int(torch.argmin(windows))
+        receivers = [(first + b) % replicas for b in range(blocks)]
+        load[receivers] += block * row_bytes
+        load[receivers[-1]] -= (blocks * block - rows) * row_bytes
+        shares.append(Share(owner=None, first=first))
+    return shares
+
+
+def split_dim(part: torch.Tensor) -> int:
+    """The dim a part is cut along: its first of more than one element (a buffer of shape (1, 4096, ...) is cut
+    along its 4096), 0 when there is none. Every dim before it has one element, so a block is contiguous."""
+    return next((dim for dim, size in enumerate(part.shape) if size > 1), 0)
+
+
+def rows_read(part: torch.Tensor, share: Share | None, group) -> slice:
+    """The rows (along `split_dim`) of `part` (dim >= 1) this rank reads: all of them without replicas (`share` or
+    `group` None)."""
+    rows = part.shape[split_dim(part)]
+    if share is None or group is None:
+        return slice(0, rows)
+    if share.owner is not None:
+        return slice(0, rows) if group.rank() == share.owner else slice(0, 0)
     replicas = group.size()
-    if replicas == 1 or part.dim() == 0 or part.shape[0] == 0:
+    return replica_rows(rows, replicas, (group.rank() - share.first) % replicas)
+
+
+def portion(part: torch.Tensor, share: Share | None, group) -> tuple[slice, ...] | None:
+    """The index of `part` this rank reads (a slice per dim: `rows_read` along `split_dim`, the rest whole), or
+    None when it reads none of it (a 0-dim part: () when it reads it)."""
+    if part.dim() == 0:
+        return () if share is None or group is None or share.owner == group.rank() else None
+    read, dim = rows_read(part, share, group), split_dim(part)
+    if read.stop == read.start:
+        return None
+    return tuple(read if d == dim else slice(0, size) for d, size in enumerate(part.shape))
+
+
+def in_whole(index: tuple[slice, ...], start: int) -> tuple[slice, ...]:
+    """`index` of a part as an index of the whole tensor, the part being its rows from `start` on (dim 0)."""
+    if not index:
+        return index
+    return (slice(index[0].start + start, index[0].stop + start), *index[1:])
+
+
+def complete_over_replicas(part: torch.Tensor, share: Share, group) -> None:
+    """Fill `part` (this rank's local tensor, of which it has read its `rows_read`) with what its replicas read: a
+    broadcast from the owner of a small part, one all-gather of the blocks of a split one (gathered in replica
+    order, block b coming from replica (b + first) mod R)."""
+    replicas = group.size()
+    if replicas == 1 or part.numel() == 0:
         return
+    if share.owner is not None:
+        source = part if part.is_contiguous() else part.contiguous()
+        dist.broadcast(source, src=dist.get_global_rank(group, share.owner), group=group)
+        if source is not part:
+            part.copy_(source)
+        return
+    mine = rows_read(part, share, group)
+    part = part[(0,) * split_dim(part)]  # a view without the leading dims of one element
     rows = part.shape[0]
     block = math.ceil(rows / replicas)
-    mine = replica_rows(rows, replicas, group.rank())
     send = part.new_zeros((block, *part.shape[1:]))
     send[: mine.stop - mine.start] = part[mine]
-    if rows == block * replicas and part.is_contiguous():
+    if share.first == 0 and rows == block * replicas and part.is_contiguous():
         dist.all_gather_into_tensor(part, send, group=group)
         return
     gathered = part.new_empty((block * replicas, *part.shape[1:]))
     dist.all_gather_into_tensor(gathered, send, group=group)
-    part.copy_(gathered[:rows])
+    # gathered holds blocks first, first + 1, ... (mod R): rotate them back into block order
+    head = min(rows, (replicas - share.first) * block)
+    part[:head].copy_(gathered[share.first * block: share.first * block + head])
+    part[head:].copy_(gathered[: rows - head])
 
 
 # ---- counting ------------------------------------------------------------------------------------------------
@@ -173,7 +270,7 @@ def range_reader(state_dir):
                             continue
                         stored = None if info.transform_descriptors else torch.load(
                             view, map_location="meta", weights_only=True)
-                        if stored is not None and _whole_rows(stored, item):
+                        if stored is not None and _contiguous(stored, item):
                             tensor = _read_rows(stream, info.offset, stored, item)
                         else:
                             view.seek(0)
@@ -193,18 +290,23 @@ def range_reader(state_dir):
     return reader
 
 
-def _whole_rows(stored: torch.Tensor, item) -> bool:
-    """The request is rows [a, b) of a contiguous stored tensor, every other dim whole: one byte range."""
-    return stored.is_contiguous() and all(
-        offset == 0 and length == size
-        for offset, length, size in zip(item.storage_offsets[1:], item.lengths[1:], stored.shape[1:]))
+def _contiguous(stored: torch.Tensor, item) -> bool:
+    """The request is one byte range of a contiguous stored tensor: every dim before the first it takes more
+    than one element of is taken one element of, every dim after it whole."""
+    if not stored.is_contiguous():
+        return False
+    lengths, sizes = list(item.lengths), list(stored.shape)
+    first = next((dim for dim, length in enumerate(lengths) if length > 1), len(lengths))
+    return all(length == size for length, size in zip(lengths[first + 1:], sizes[first + 1:]))
 
 
 def _read_rows(stream, piece_offset: int, stored: torch.Tensor, item) -> torch.Tensor:
-    """The requested rows' bytes, read straight from the archive's data record of the stored tensor."""
+    """The requested elements' bytes (one range: `_contiguous`), read straight from the archive's data record of
+    the stored tensor."""
     lengths = list(item.lengths)
     nbytes = math.prod(lengths) * stored.element_size()
-    first = stored.storage_offset() + (item.storage_offsets[0] * stored.stride(0) if stored.dim() else 0)
+    first = stored.storage_offset() + sum(offset * stride for offset, stride in zip(item.storage_offsets,
+                                                                                   stored.stride()))
     stream.seek(piece_offset + stored.untyped_storage()._checkpoint_offset + first * stored.element_size())
     data = bytearray(nbytes)
     if nbytes and stream.readinto(memoryview(data)) != nbytes:
@@ -223,8 +325,11 @@ class DcpParts:
     """The replicas of this rank's part (the mesh's "replicate" dimension)."""
     targets: dict = field(default_factory=dict)
     """Flattened name (DCP's) -> this rank's whole local part of that tensor, in one order on every rank."""
+    shares: dict = field(default_factory=dict)
+    """Flattened name -> how the replicas divide its reading (`deal`)."""
     reads: dict = field(default_factory=dict)
-    """Flattened name -> what this rank reads: the rows of its local part (a view) or a non-tensor value."""
+    """Flattened name -> what this rank reads: the rows of its local part (a view, empty when it reads none of
+    it) or a non-tensor value."""
     offsets: dict = field(default_factory=dict)
     """Flattened name -> the global offset of the rows read."""
     shapes: dict = field(default_factory=dict)
@@ -234,25 +339,26 @@ class DcpParts:
 
 
 def plan_dcp_read(state: dict, group) -> DcpParts:
-    """Split every tensor of `state` (plain tensors or FSDP2 DTensors) into the rows this rank reads: rank i of its
-    replica group reads block i of its local part (`replica_rows`)."""
+    """Split every tensor of `state` (plain tensors or FSDP2 DTensors) into what this rank reads (`deal` in the
+    flattened state dict's order, then `portion`)."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     flat, mappings = flatten_state_dict(state)
     parts = DcpParts(state, group, mappings=mappings)
-    replicas, index = group.size(), group.rank()
     for name, value in flat.items():
         if not isinstance(value, torch.Tensor):
             parts.reads[name] = value
             continue
         local, rows = local_rows(value)
-        start = rows.start if rows is not None else 0
-        read = replica_rows(local.shape[0], replicas, index) if local.dim() else slice(0, 0)
         parts.targets[name] = local
         parts.shapes[name] = value.shape
-        parts.reads[name] = local[read] if local.dim() else local
-        parts.offsets[name] = torch.Size([start + read.start, *[0] * (local.dim() - 1)]) if local.dim() else \
-            torch.Size([])
+    shares = deal(list(parts.targets.values()), group.size())
+    for (name, local), share in zip(parts.targets.items(), shares):
+        parts.shares[name] = share
+        rows = local_rows(flat[name])[1]
+        index = portion(local, share, group)
+        parts.reads[name] = local[index] if index is not None else local.new_empty(0)
+        parts.offsets[name] = torch.Size([s.start for s in in_whole(index or (), rows.start if rows else 0)])
     return parts
 
 
@@ -269,9 +375,9 @@ def read_dcp_parts(parts: DcpParts, state_dir) -> None:
 
 
 def complete_dcp_parts(parts: DcpParts) -> None:
-    """The all-gather over the replica group that completes every tensor (collective; same order on every rank)."""
-    for local in parts.targets.values():
-        complete_over_replicas(local, parts.group)
+    """The collectives over the replica group that complete every tensor (same order on every rank)."""
+    for name, local in parts.targets.items():
+        complete_over_replicas(local, parts.shares[name], parts.group)
 
 
 def _PartsPlanner(parts: DcpParts):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -10,11 +11,55 @@ from huginn_ray.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigError, R
 
 
 @dataclass
+class ModelOverrides:
+    """ModelConfig fields to change from the registry's (the reference's `model_overwrite`); each left null keeps
+    the registry's value. The fields are huginn_ray.model.ModelConfig's, less `name` (model.name) and
+    `activation_checkpointing` (a run setting: the top-level `activation_checkpointing`)."""
+
+    block_size: int | None = None
+    """Longest sequence the model accepts (the RoPE table's length)."""
+    vocab_size: int | None = None
+    """Tokenizer vocabulary size; token ids must be below it."""
+    padding_multiple: int | None = None
+    """The embedding and head have vocab_size rounded up to a multiple of this."""
+    n_embd: int | None = None
+    """Width of the residual stream and of the latent state."""
+    num_attention_heads: int | None = None
+    """Attention heads (head_dim = n_embd / heads)."""
+    intermediate_size: int | None = None
+    """Hidden width of the gated MLP."""
+    n_layers_in_prelude: int | None = None
+    """Sandwich blocks applied once to the embedded tokens."""
+    n_layers_in_recurrent_block: int | None = None
+    """Sandwich blocks of the core, applied once per recurrent iteration."""
+    n_layers_in_coda: int | None = None
+    """Sandwich blocks applied once after the recurrence."""
+    mean_recurrence: int | None = None
+    """Mean number of core iterations in training; the default depth at evaluation."""
+    mean_backprop_depth: int | None = None
+    """The last min(depth, this) iterations get gradients (truncated backprop)."""
+    state_init: Literal["like-init", "zero"] | None = None
+    """Initial latent state: trunc-normal noise ('like-init', as trained) or zeros."""
+    rope_base: float | None = None
+    """RoPE base frequency."""
+    norm_eps: float | None = None
+    """RMSNorm epsilon."""
+    qk_bias: bool | None = None
+    """Learned additive bias on queries and keys."""
+    tie_embeddings: bool | None = None
+    """lm_head shares the embedding matrix."""
+
+    def given(self) -> dict[str, Any]:
+        """The fields set, as ModelConfig keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass
 class ModelSection:
     name: str = "raven-tiny"
     """Registry name of the architecture (huginn_ray.model.ModelConfig.from_name)."""
-    overrides: dict[str, Any] = field(default_factory=dict)
-    """ModelConfig fields to change (the reference's `model_overwrite`), e.g. vocab_size, mean_recurrence."""
+    overrides: ModelOverrides = field(default_factory=ModelOverrides)
+    """ModelConfig fields to change, e.g. vocab_size, mean_recurrence."""
 
 
 @dataclass
@@ -91,6 +136,27 @@ class ParallelismSection:
 
 
 @dataclass
+class CompileOptions:
+    """Keyword arguments of torch.compile for the sandwich blocks (with `compile: true`); null: torch's default."""
+
+    mode: Literal["default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"] | None = None
+    """null: max-autotune-no-cudagraphs on GPUs (GPU_COMPILE_MODE), torch's default mode on CPU. Modes with CUDA
+    graphs (max-autotune, reduce-overhead) are refused: a compiled core block runs k times per step, and a CUDA
+    graph's replay overwrites the outputs of the previous one that backward still needs."""
+    fullgraph: bool | None = None
+    """Refuse graph breaks inside a block instead of splitting it."""
+    dynamic: bool | None = None
+    """Dynamic shapes: true compiles shape-generic kernels at once, false never does (a new shape recompiles);
+    null: torch marks a dimension dynamic after it changes once."""
+    backend: str | None = None
+    """Compiler backend (inductor; aot_eager or eager to find a compiler bug)."""
+
+    def given(self) -> dict[str, Any]:
+        """The options set, as torch.compile keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass
 class DataSection:
     data_dir: str = ""
     """Shard directory: train/{rank:05d}.parquet, val/{rank:05d}.parquet and manifest.json."""
@@ -145,6 +211,27 @@ class MlflowSection:
     """Metric values rank 0 buffers while the server is down or slow; beyond that the oldest are dropped."""
     flush_timeout_s: float = 60.0
     """At the end of a run, how long rank 0 waits for buffered metrics to reach the server."""
+
+
+@dataclass
+class ProfileSection:
+    steps: list[int] | None = None
+    """[a, b]: every rank records a torch profiler trace of steps a to b (1 <= a <= b <= max_steps), written to
+    <run_dir>/profile/rank<k>.trace.json and logged to MLflow (huginn_ray.train.profiling). None: no profiling."""
+    memory_snapshot: bool = False
+    """Also a CUDA memory snapshot of those steps, <run_dir>/profile/rank<k>.memory.pickle (CUDA only; on other
+    devices the console says none is written)."""
+
+
+@dataclass
+class ObserveSection:
+    straggler_ratio: float = 1.5
+    """At every log interval, a rank whose own time per step (its phases without the step's collectives)
+    exceeds this many times the median rank's is named, with its host, in the console and MLflow."""
+    module_norms: bool = True
+    """Gradient and update norms of the embeddings, prelude, core and coda at the log interval (MLflow
+    grad_norm/<module>, update_norm/<module>). The update norm keeps a copy of this rank's parameters (its
+    shards under hsdp) during the optimizer step of log steps."""
 
 
 @dataclass
@@ -220,11 +307,8 @@ class TrainConfig:
     compile: bool = False
     """torch.compile every sandwich block (huginn_ray.model.compile_blocks, regional compilation): a new depth
     does not recompile. Costs compile time at the start of every worker (about a minute on CPU)."""
-    compile_options: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of torch.compile for the blocks. Without a `mode`: max-autotune-no-cudagraphs on GPUs
-    (GPU_COMPILE_MODE), torch's default mode on CPU. Modes with CUDA graphs (max-autotune, reduce-overhead) are
-    refused: a compiled core block runs k times per step, and a CUDA graph's replay overwrites the outputs of
-    the previous one that backward still needs."""
+    compile_options: CompileOptions = field(default_factory=CompileOptions)
+    """torch.compile's options for the blocks."""
     loss_chunk_tokens: int = 1024
     """Head + cross-entropy over chunks of this many tokens (huginn_ray.model.chunked_cross_entropy): at most
     loss_chunk_tokens x padded_vocab fp32 logits exist at a time instead of all tokens' logits and their
@@ -270,6 +354,10 @@ class TrainConfig:
     (64 for an MI250X GCD) or, on CPU, the machine's RAM divided by the workers."""
     memory_headroom: float = 0.9
     """The preflight refuses a plan above device_memory_gib x memory_headroom."""
+    profile: ProfileSection = field(default_factory=ProfileSection)
+    """Profiler trace (and CUDA memory snapshot) of chosen steps."""
+    observe: ObserveSection = field(default_factory=ObserveSection)
+    """What the log interval shows besides loss and speed: module norms, stragglers."""
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
     """Testing only."""
 
@@ -284,8 +372,8 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
     their own directories."""
     cfg = load_config(TrainConfig, path, overrides, removed=REMOVED_KEYS)
     cfg.out_dir = str(Path(cfg.out_dir).resolve())
-    if cfg.data.data_dir:
-        cfg.data.data_dir = str(Path(cfg.data.data_dir).resolve())
+    if cfg.data.data_dir:  # absolute, a pointer kept as a pointer: the preflight resolves it (RunPlan.data_dir)
+        cfg.data.data_dir = os.path.abspath(cfg.data.data_dir)
     if cfg.data.tokenizer_path:
         cfg.data.tokenizer_path = str(Path(cfg.data.tokenizer_path).resolve())
     cfg.init_from = str(Path(cfg.init_from).resolve()) if cfg.init_from else None
@@ -304,6 +392,7 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
             raise ConfigError(f"fault_injection.{key}: must be in [0, {cfg.scaling.min_workers - 1}] "
                               f"(scaling.num_workers={cfg.scaling.num_workers}), got {rank}")
     check_sharding_config(cfg)
+    check_profile_steps(cfg)
     check_compile_options(cfg)
     check_param_dtype(cfg)
     return cfg
@@ -331,9 +420,10 @@ CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")
 
 def compile_options_for(cfg: TrainConfig, device_type: str) -> dict[str, Any]:
     """torch.compile's keyword arguments for the blocks on a device of `device_type` (cuda, cpu)."""
-    if device_type == "cpu" or "mode" in cfg.compile_options:
-        return dict(cfg.compile_options)
-    return {"mode": GPU_COMPILE_MODE, **cfg.compile_options}
+    options = cfg.compile_options.given()
+    if device_type == "cpu" or "mode" in options:
+        return options
+    return {"mode": GPU_COMPILE_MODE, **options}
 
 
 def check_param_dtype(cfg: TrainConfig) -> None:
@@ -346,8 +436,20 @@ def check_param_dtype(cfg: TrainConfig) -> None:
                           f"{', on CPU' if cfg.precision == 'auto' else ''} trains in fp32)")
 
 
+def check_profile_steps(cfg: TrainConfig) -> None:
+    """profile.steps is [a, b] with 1 <= a <= b, within max_steps when the config sets it (with max_tokens alone
+    the run's length is known later; steps past its end are not profiled)."""
+    steps = cfg.profile.steps
+    if steps is None:
+        return
+    if len(steps) != 2 or steps[0] > steps[1]:
+        raise ConfigError(f"profile.steps: [first, last] with first <= last, got {steps}")
+    if cfg.max_steps is not None and steps[1] > cfg.max_steps:
+        raise ConfigError(f"profile.steps: {steps} ends after the run's last step (max_steps={cfg.max_steps})")
+
+
 def check_compile_options(cfg: TrainConfig) -> None:
-    mode = cfg.compile_options.get("mode")
+    mode = cfg.compile_options.mode
     if mode in CUDA_GRAPH_MODES:
         raise ConfigError(f"compile_options.mode={mode}: this mode records CUDA graphs, which the recurrence breaks "
                           f"(a compiled core block runs k times per step); use {GPU_COMPILE_MODE} (the default on "
@@ -404,4 +506,13 @@ TRAIN_RANGES: dict[str, Range] = {
     "device_memory_gib": POSITIVE,
     "memory_headroom": Range(0, 1, lo_open=True),
     "loss_chunk_tokens": NON_NEGATIVE,  # 0: full logits
+    **{f"model.overrides.{name}": AT_LEAST_1 for name in (
+        "block_size", "vocab_size", "padding_multiple", "n_embd", "num_attention_heads", "intermediate_size",
+        "n_layers_in_recurrent_block", "mean_recurrence", "mean_backprop_depth")},
+    "model.overrides.n_layers_in_prelude": NON_NEGATIVE,
+    "model.overrides.n_layers_in_coda": NON_NEGATIVE,
+    "model.overrides.rope_base": POSITIVE,
+    "model.overrides.norm_eps": POSITIVE,
+    "profile.steps": AT_LEAST_1,
+    "observe.straggler_ratio": Range(1, lo_open=True),
 }

@@ -19,11 +19,11 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from huginn_ray.cluster.devices import DeviceSelectionError, check_ray_train_gpu_environment, distributed_backend
 from huginn_ray.config import ConfigError
-from huginn_ray.data.shards import read_manifest
+from huginn_ray.data.shards import read_manifest, shard_version
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, check_tokenizer_fits, file_sha256, special_token_ids
 from huginn_ray.model import ModelConfig
 from huginn_ray.model.pretrained import resolve_model_dir
-from huginn_ray.train import init_from, tracking
+from huginn_ray.train import hang_watch, init_from, tracking
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.data_order import DataOrder, DataOrderError, largest_micro_batch
@@ -31,6 +31,14 @@ from huginn_ray.train.memory import GIB, plan_memory
 from huginn_ray.train.shard_check import ShardCheckError, check_shards
 from huginn_ray.train.loop import stopped_file, train_loop_per_worker
 from huginn_ray.train.run_plan import RunPlan, WorkerConfig
+
+
+def train_worker(worker: WorkerConfig) -> None:
+    """What every Ray Train worker runs (its process group is up): the training loop, under the hang watch that
+    dumps the flight recorder and names the ranks that did not arrive when a collective hangs
+    (huginn_ray.train.hang_watch)."""
+    with hang_watch.watching(worker.cfg.run_dir, worker.cfg.pg_timeout_s):
+        train_loop_per_worker(worker)
 
 
 class PreflightError(ValueError):
@@ -46,6 +54,26 @@ def newest_checkpoint_state(run_dir: Path) -> ckpt.TrainerState | None:
             except ckpt.CheckpointError:
                 continue
     return None
+
+
+def data_version(data_dir: Path, resumed: ckpt.TrainerState | None) -> Path:
+    """The shard version the run reads, resolved once here and handed to every worker (RunPlan.data_dir): the
+    version `data.data_dir` points to now (huginn_ray.data.shards.shard_version), or, when the run resumes, the
+    version its checkpoint was trained on if that is a version of the same pointer (a publish since the run
+    started does not change its data). A recorded version that is gone is refused by name."""
+    current = shard_version(data_dir)
+    recorded = Path(resumed.data_dir) if resumed is not None and resumed.data_dir else None
+    if recorded is None or recorded == current or recorded.parent != data_dir.parent or not (
+            recorded.name.startswith(f"{data_dir.name}.v")):
+        return current
+    if not recorded.is_dir():
+        raise PreflightError(
+            f"data.data_dir: the run's newest checkpoint (step {resumed.step}) was trained on {recorded}, which no "
+            f"longer exists ({data_dir} now points to {current}); a run keeps the shard version it started with: "
+            "restore it, or start a new run_name (init_from the checkpoint's model) on the new version")
+    print(f"[huginn] {data_dir} now points to {current}; this run keeps reading {recorded}, the version it "
+          "started with", flush=True)
+    return recorded
 
 
 def data_order(cfg: TrainConfig, num_streams: int, resumed: ckpt.TrainerState | None) -> DataOrder:
@@ -114,14 +142,15 @@ def preflight(cfg: TrainConfig) -> RunPlan:
         raise PreflightError(str(err)) from None
     if not cfg.data.data_dir:
         raise PreflightError("data.data_dir is not set")
-    data_dir = Path(cfg.data.data_dir)
-    if not data_dir.is_dir():
-        raise PreflightError(f"data.data_dir: directory not found: {data_dir}")
+    if not Path(cfg.data.data_dir).is_dir():
+        raise PreflightError(f"data.data_dir: directory not found: {cfg.data.data_dir}")
+    resumed = newest_checkpoint_state(cfg.run_dir)
+    data_dir = data_version(Path(cfg.data.data_dir), resumed)
     try:
         manifest = read_manifest(data_dir)
     except ValueError as err:
         raise PreflightError(f"data.data_dir: {err}") from None
-    order = data_order(cfg, manifest["num_shards"], newest_checkpoint_state(cfg.run_dir))
+    order = data_order(cfg, manifest["num_shards"], resumed)
     if manifest["seq_len"] != cfg.block_size:
         raise PreflightError(f"block_size={cfg.block_size} but the shards in {data_dir} hold seq_len={manifest['seq_len']}")
 
@@ -177,7 +206,8 @@ def preflight(cfg: TrainConfig) -> RunPlan:
           + (f"; {shards.row_groups_without_statistics} row groups carry no id statistics (their ids are "
              "range-checked by collate during training only)" if shards.row_groups_without_statistics else ""), flush=True)
     precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if cfg.scaling.use_gpu else "fp32")
-    return RunPlan(global_batch_rows=order.global_batch_rows, num_streams=order.num_streams, schedule_steps=steps,
+    return RunPlan(global_batch_rows=order.global_batch_rows, num_streams=order.num_streams, data_dir=str(data_dir),
+                   schedule_steps=steps,
                    pad_id=ids["pad"], eos_id=ids["eos"], precision=precision, model_config=model_cfg,
                    stop_at_unix=stop_at_unix(cfg, time.time(), os.environ), init_from=source)
 
@@ -245,8 +275,9 @@ def run_training(cfg: TrainConfig, plan: RunPlan, ray_train_log_level: str = "IN
     plan.mlflow_run_id = tracking.open_run(cfg, uri, run_dir, plan.init_from)
 
     backend = distributed_backend(torch.device("cuda" if cfg.scaling.use_gpu else "cpu"))
+    hang_watch.dump_dir(cfg.run_dir).mkdir(parents=True, exist_ok=True)  # NCCL's dump does not create it
     trainer = TorchTrainer(
-        train_loop_per_worker,
+        train_worker,
         train_loop_config=WorkerConfig(cfg, plan, ray_train_log_level),
         torch_config=TorchConfig(backend=backend, timeout_s=cfg.pg_timeout_s),
         scaling_config=ScalingConfig(
@@ -263,6 +294,8 @@ def run_training(cfg: TrainConfig, plan: RunPlan, ray_train_log_level: str = "IN
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=cfg.max_failures),
             logging_config=LoggingConfig(log_level=ray_train_log_level),
+            # set before each worker's process group exists: the flight recorder's size and dump path
+            worker_runtime_env={"env_vars": hang_watch.flight_recorder_env(cfg.run_dir)},
         ),
     )
     ok = False
