@@ -102,7 +102,8 @@ def dedup_bucket(bucket: int, lo: int, hi: int, *, tables: list[str], out_dir: s
 
 def filter_file(ordinal: int, staged: str, out: str, drop_rows: list[int], *, duplicate_files: list[str]) -> dict:
     """Ray task: one staged file without `drop_rows` (contaminated) and its exact duplicates; returns the kept
-    rows and characters and the duplicates dropped (not counting rows also in drop_rows)."""
+    rows, characters and longest document's characters, and the duplicates dropped (not counting rows also in
+    drop_rows)."""
     duplicates = duplicate_rows(duplicate_files, ordinal)
     contaminated = np.asarray(drop_rows, np.int64)
     out_path = Path(out)
@@ -119,7 +120,7 @@ def filter_file(ordinal: int, staged: str, out: str, drop_rows: list[int], *, du
             source = pq.ParquetFile(staged)
             keep = np.ones(source.metadata.num_rows, bool)
             keep[np.union1d(duplicates, contaminated)] = False
-            rows = chars = start = 0
+            rows = chars = max_chars = start = 0
             with pq.ParquetWriter(tmp, STAGING_SCHEMA) as writer:
                 for batch in source.iter_batches(batch_size=READ_BATCH_ROWS):
                     kept = batch.filter(pa.array(keep[start:start + batch.num_rows]))
@@ -127,12 +128,16 @@ def filter_file(ordinal: int, staged: str, out: str, drop_rows: list[int], *, du
                     if kept.num_rows:
                         writer.write_batch(kept)
                         rows += kept.num_rows
-                        chars += int(pc.sum(pc.utf8_length(kept.column("text"))).as_py() or 0)
-                writer.add_key_value_metadata({STATS_KEY: json.dumps({"rows": rows, "chars": chars})})
+                        lengths = pc.utf8_length(kept.column("text"))
+                        chars += int(pc.sum(lengths).as_py() or 0)
+                        max_chars = max(max_chars, int(pc.max(lengths).as_py() or 0))
+                writer.add_key_value_metadata({STATS_KEY: json.dumps({"rows": rows, "chars": chars,
+                                                                      "max_chars": max_chars})})
         layout.commit_file(tmp, out_path)
     metadata = pq.read_metadata(out_path).metadata or {}
     stats = json.loads(metadata.get(STATS_KEY) or metadata[STAGING_STATS_KEY])
-    return {"rows": stats["rows"], "chars": stats["chars"], "duplicates_dropped": duplicates_dropped}
+    return {"rows": stats["rows"], "chars": stats["chars"], "max_chars": stats["max_chars"],
+            "duplicates_dropped": duplicates_dropped}
 
 
 def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Path, out_root: Path, *,
@@ -188,7 +193,8 @@ def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Pa
         entry["chars"] += result["chars"]
         entry["documents_in"] += f["rows"]
         entry["exact_duplicates_dropped"] += result["duplicates_dropped"]
-        entry["files"].append({"input": f["input"], "output": f["output"], "rows": result["rows"]})
+        entry["files"].append({"input": f["input"], "output": f["output"], "rows": result["rows"],
+                               "max_chars": result["max_chars"]})
         report += [{"source": source.name, "file": f["input"], "doc_id": m["doc_id"], "gram": m["gram"],
                     "item": ngrams.sources[m["item"]], "dropped": dropping} for m in scan["matches"]]
     for source in sources:
