@@ -316,7 +316,7 @@ def train_config(config: ModelConfig, seq_len: int, micro_batch_size: int, setup
 def train_plan(cfg: TrainConfig, config: ModelConfig, setup: Setup) -> RunPlan:
     """What preflight hands the workers, for this one-rank run (one shard)."""
     return RunPlan(global_batch_rows=cfg.micro_batch_size, num_streams=1, schedule_steps=cfg.max_steps,
-                   pad_id=config.vocab_size - 1, eos_id=config.vocab_size - 2,
+                   data_dir=cfg.data.data_dir, pad_id=config.vocab_size - 1, eos_id=config.vocab_size - 2,
                    precision="bf16-mixed" if setup.on_gpu else "fp32", model_config=config)
 
 

@@ -197,7 +197,7 @@ def main() -> None:
     # --count-syncs: one rank, one shard, grad_accum micro-batches; else one shard per worker, no accumulation
     streams = 1 if args.count_syncs else args.workers
     plan = RunPlan(global_batch_rows=args.micro_batch * (args.grad_accum if args.count_syncs else args.workers),
-                   num_streams=streams, schedule_steps=10**6, pad_id=model_cfg.vocab_size - 1,
+                   num_streams=streams, schedule_steps=10**6, data_dir=cfg.data.data_dir, pad_id=model_cfg.vocab_size - 1,
                    eos_id=model_cfg.vocab_size - 2, precision="bf16-mixed" if use_gpu else "fp32",
                    model_config=model_cfg)
     spec = {"cfg": to_dict(cfg), "plan": {**asdict(plan), "model_config": model_cfg.to_hf_dict()}, "steps": args.steps,

@@ -59,6 +59,7 @@ def test_a_hung_collective_leaves_a_dump_per_rank_and_names_the_rank_that_did_no
     assert f"did not arrive: rank 1 (node {host}, last entered gloo:broadcast #2); did not answer: none" in lines[0]
 
     dumps = hang_watch.dump_dir(run_dir)
+    assert lines[0].endswith(f"every rank's flight recorder in {dumps}/rank_<rank>"), lines[0]
     assert sorted(p.name for p in dumps.iterdir()) == ["rank_0", "rank_1", "rank_2"]
     for rank in range(3):
         entries = pickle.loads((dumps / f"rank_{rank}").read_bytes())["entries"]

@@ -1,6 +1,6 @@
 """Exact values of a training step and of validation, from the project's own per-rank code (real gloo groups).
 
-`huginn_ray.train.loop.build_components`, `train_step` and `validate` run in process groups of 1 rank (this
+`huginn_ray.train.loop.build_components`, `train_step` and `validation_sums` run in process groups of 1 rank (this
 process) and 2 ranks (spawned by tests/test_train_grad_sync.py::spawn), on raven-tiny with a 64-token vocabulary
 and rows from an in-memory reader (tests/test_train_parallel.py::MemoryReader, seeded per rank). Every value is
 held to one computed another way: the 2-rank loss and validation loss to the mean of the 1-rank values of each
@@ -175,7 +175,15 @@ def masked_validation(rank: int) -> dict:
     c = loop.build_components(cfg, plan, rank, CPU)
     parts = masked_batches(rank, VALIDATION_SUPERVISED[rank])
     batch = Batch(*(torch.cat([getattr(part, name) for part in parts]) for name in ("inputs", "labels", "keys")))
-    return loop.validate(c.model, batch, cfg, plan, CPU, c.autocast)
+    return validate(c.model, batch, cfg, plan, CPU, c.autocast)
+
+
+def validate(model, batch, cfg, plan, device, autocast) -> dict:
+    """What a validation step logs: every rank's validation_sums all-reduced (the loop carries them in the log
+    interval's all-reduce), then validation_metrics."""
+    sums = loop.validation_sums(model, batch, cfg, plan, device, autocast)
+    dist.all_reduce(sums)
+    return loop.validation_metrics(cfg, sums.tolist())
 
 
 def rank_report(rank: int, world_size: int) -> dict:
@@ -183,7 +191,7 @@ def rank_report(rank: int, world_size: int) -> dict:
     cfg = config()
     plan = plan_for(cfg, grad_accum=2)
     c = loop.build_components(cfg, plan, rank, CPU)
-    validation = loop.validate(c.model, validation_batch(rank, cfg, plan), cfg, plan, CPU, c.autocast)
+    validation = validate(c.model, validation_batch(rank, cfg, plan), cfg, plan, CPU, c.autocast)
     return {
         "validation": validation,
         "loss": loop.train_step(c, 1, cfg, plan, CPU).loss,
@@ -221,7 +229,7 @@ def test_two_rank_validation_is_the_mean_of_each_ranks_own_validation(one_rank, 
     cfg = config()
     plan = plan_for(cfg, grad_accum=2)
     c = loop.build_components(cfg, plan, 0, CPU)
-    local = [loop.validate(c.model, validation_batch(r, cfg, plan), cfg, plan, CPU, c.autocast) for r in (0, 1)]
+    local = [validate(c.model, validation_batch(r, cfg, plan), cfg, plan, CPU, c.autocast) for r in (0, 1)]
     for depth in (1, 3):
         key = f"val_loss_{depth}"
         mean = (local[0][key] + local[1][key]) / 2

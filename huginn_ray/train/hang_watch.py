@@ -23,8 +23,9 @@ All of this happens before the collective's own timeout raises, while every rank
 rank that is merely slow past half the timeout is named too (the line says how long the others waited). One
 dump per process: a restarted worker group is a new set of processes.
 
-The dumps are torch's own format: `python -m torch.distributed.flight_recorder.fr_trace <run_dir>/flight_recorder
--p rank_` matches the ranks' collectives and reports mismatches.
+The dumps are torch's own pickle (NCCL's dump format). torch's analyzer, `python -m
+torch.distributed.flight_recorder.fr_trace <run_dir>/flight_recorder -p rank_`, is made for them, but in torch
+2.13 it stops on gloo's dumps (gloo's recorder leaves the groups' ranks out of `pg_config`), hence this line.
 """
 
 from __future__ import annotations
@@ -198,9 +199,8 @@ class HangWatch:
                 behind.append(f"rank {r} ({self._node(r)}, last entered {op} #{seq})")
         return (f"[huginn] hang watch: rank {signal['rank']} has waited {signal['waited_s']:.1f} s in "
                 f"{hung.describe()} (ranks {ranks}, pg_timeout_s={self.timeout_s:g}); did not arrive: "
-                f"{', '.join(behind) or 'none'}; did not answer: {', '.join(silent) or 'none'}; flight recorder "
-                f"dumps in {self.dumps} (python -m torch.distributed.flight_recorder.fr_trace {self.dumps} "
-                f"-p {DUMP_PREFIX})")
+                f"{', '.join(behind) or 'none'}; did not answer: {', '.join(silent) or 'none'}; every rank's flight "
+                f"recorder in {self.dumps}/{DUMP_PREFIX}<rank>")
 
     def _node(self, rank: int) -> str:
         key = f"{WARMUP_PREFIX}/host/{rank}"  # registered by every rank at startup (warmup.register_node)

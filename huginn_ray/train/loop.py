@@ -726,13 +726,6 @@ def eta(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def validate(model, batch: Batch, cfg: TrainConfig, plan: RunPlan, device, autocast) -> dict:
-    """Loss at every eval depth over every rank's validation rows (validation_sums, all-reduced and read)."""
-    sums = validation_sums(model, batch, cfg, plan, device, autocast)
-    dist.all_reduce(sums)
-    return validation_metrics(cfg, sums.tolist())
-
-
 @torch.no_grad()
 def validation_sums(model, batch: Batch, cfg: TrainConfig, plan: RunPlan, device, autocast) -> torch.Tensor:
     """This rank's [token loss sums at every eval depth..., supervised tokens] (device fp64): summed over the
