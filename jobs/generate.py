@@ -2,7 +2,7 @@
 
     python jobs/generate.py --checkpoint DIR --prompt TEXT [--num-steps 32] [--max-new-tokens 64]
         [--exit-criterion kl --exit-threshold 1e-3] [--min-steps 0] [--check-every 1] [--no-exit-in-prefill]
-        [--warm-start] [--cache full|latest|ring:16] [--tokenizer DIR] [--temperature 0] [--seed 0]
+        [--warm-start] [--cache full|latest|ring:16] [--tokenizer DIR] [--temperature 0] [--top-k K] [--top-p P] [--seed 0]
         [--chat [--system TEXT]] [--device cpu|cuda] [--dtype float32|bfloat16]
 
 Prints the text, then tokens/s, mean core iterations per token, the iterations of each token, FLOPs per token
@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-start", action="store_true", help="continuous chain-of-thought")
     parser.add_argument("--cache", default="full", help="full, latest or ring:N")
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-k", type=int, default=None, help="with --temperature: sample among the k most probable")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="with --temperature: sample among the most probable tokens whose probability reaches P")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chat", action="store_true", help="the prompt is a user message, in the chat template")
     parser.add_argument("--system", default="", help="with --chat: a system message before the prompt")
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold, min_steps=args.min_steps,
             check_every=args.check_every, exit_in_prefill=not args.no_exit_in_prefill, cache=args.cache,
             warm_start=args.warm_start,
-            temperature=args.temperature, top_k=args.top_k, eos_token_id=stop,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=stop,
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
     python jobs/prepare_data.py --config configs/data/demo.yaml [--stage pack ...] [--quiet] [key=value ...]
     python jobs/prepare_data.py --config configs/data/huginn.yaml --plan [--json]   # nothing is written
+    python jobs/prepare_data.py --config configs/data/demo.yaml --gc-shards        # delete old shard versions
     ray job submit --working-dir . -- python jobs/prepare_data.py --config configs/data/huginn.yaml
 
 Started directly it runs on a private local Ray; under `ray job submit` it uses that cluster (output_dir must
@@ -17,6 +18,7 @@ import sys
 import time
 
 from huginn_ray.config import ConfigError
+from huginn_ray.data import layout
 from huginn_ray.data.config import load_data_config
 from huginn_ray.data.pipeline import (STAGES, check_chat_not_mixed, check_sources, init_ray, packed_only,
                                       print_last_error, root_error, run)
@@ -34,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="print what the run means (files, bytes, tokens, disk, memory, time) and exit; "
                              "nothing is downloaded or written")
     parser.add_argument("--json", action="store_true", help="with --plan: one JSON object instead of the table")
+    parser.add_argument("--gc-shards", action="store_true",
+                        help="delete every published shard version but the current one (<output_dir>/shards.vNNNN; "
+                             "a training run reads the version it started with to its end: only when none reads an "
+                             "old one) and exit")
     parser.add_argument("--quiet", action="store_true", help="no Ray Data progress bars (the stages' own lines stay)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. num_shards=8")
     args = parser.parse_args(argv)
@@ -64,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if message:
         print(f"prepare_data: {message}", flush=True)
+    if args.gc_shards:
+        try:
+            for path in layout.remove_old_versions(cfg.root / "shards"):
+                print(f"prepare_data: removed {path}", flush=True)
+        finally:
+            lock.release()
+        return 0
     stop_ray, error = None, None
     try:
         check_sources(load_sources(cfg.sources))  # a list the pipeline refuses is refused before Ray starts

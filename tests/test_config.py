@@ -79,3 +79,19 @@ def test_removed_sharding_keys_and_bad_layouts_are_refused_pointing_at_paralleli
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_train_config(None, ["max_steps=1", *override.split()])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("profile.steps=[3, 2]", "profile.steps: [first, last] with first <= last, got [3, 2]"),
+    ("profile.steps=[3]", "profile.steps: [first, last] with first <= last, got [3]"),
+    ("profile.steps=[5, 21]", "profile.steps: [5, 21] ends after the run's last step (max_steps=20)"),
+    ("profile.steps=[0, 2]", "profile.steps"),
+    ("observe.straggler_ratio=1", "observe.straggler_ratio"),
+])
+def test_profiled_steps_lie_within_the_run_and_the_straggler_ratio_above_1(override, message):
+    from huginn_ray.train.config import load_train_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_train_config(None, ["max_steps=20", override])
+    cfg = load_train_config(None, ["max_steps=20", "profile={steps: [5, 20], memory_snapshot: true}"])
+    assert cfg.profile.steps == [5, 20] and cfg.profile.memory_snapshot

@@ -205,6 +205,37 @@ def test_no_row_lost_or_duplicated_and_validation_held_out(prepared):
     assert set(pairs) == allowed, pairs  # every transition occurs (chat documents and plain ones), no other
 
 
+def test_staging_records_the_largest_document_and_pack_refuses_one_over_the_bound_by_name(prepared):
+    """Each staged file's largest document (characters) is in the staging marker; a document longer than
+    max_document_chars is refused before packing, naming source, staged and input file, row and doc_id."""
+    from huginn_ray.data import layout
+    from huginn_ray.data.formatting import DataError
+    from huginn_ray.data.sources import load_sources
+    from huginn_ray.data.tokenize_pack import check_document_sizes
+
+    root, _ = prepared
+    staging = root / "out" / "staging"
+    markers = {name: layout.read_marker(staging / name) for name in ("prose", "chat", "notes", "empty")}
+    lengths = {}
+    for name, marker in markers.items():
+        for f in marker["files"]:
+            texts = pq.read_table(staging / name / f["output"]).column("text").to_pylist()
+            lengths[(name, f["output"])] = [len(t) for t in texts]
+            assert f["max_chars"] == max(lengths[(name, f["output"])], default=0)
+    notes = [(n, max(v)) for (name, n), v in lengths.items() if name == "notes"]
+    file, longest = max(notes, key=lambda item: item[1])
+    row = lengths[("notes", file)].index(longest)
+    sources = load_sources(str(root / "sources.yaml"))
+    assert max(max(v, default=0) for (name, _), v in lengths.items() if name != "notes") < longest
+    check_document_sizes(sources, markers, staging, longest)  # at the bound: taken
+    with pytest.raises(DataError) as refused:
+        check_document_sizes(sources, markers, staging, longest - 1)
+    assert str(refused.value).startswith(
+        f"source 'notes': document {row + 1} of {staging / 'notes' / file} (from "
+        f"{markers['notes']['files'][int(file[:5])]['input']}, doc_id={(int(file[:5]) << 32) + row}) has "
+        f"{longest:,} characters, more than max_document_chars={longest - 1:,}: its pack task would need about ")
+
+
 def test_weights_sacred_and_empty_source_in_manifest(prepared):
     root, _ = prepared
     manifest = read_manifest(root / "out" / "shards")
@@ -268,15 +299,24 @@ def test_same_bytes_from_a_separate_ray_with_one_cpu(prepared, chat_prepared, tm
 
 def _killed_once(fn, flag: Path):
     """fn, except that the first attempt of the first call SIGKILLs its own worker process in the middle of the
-    task: after its first output is fully written under its temp name, before that output is committed."""
+    task: after its first output is fully written under its temp name, before that output is committed. Every
+    attempt appends (call, memory= Ray gave it, killed or ran) to `<flag>.memory`."""
 
     def first_attempt_dies(*args, **kwargs):
+        import ray
+
+        call = args[0]["name"] if isinstance(args[0], dict) else args[0]
+        memory = ray.get_runtime_context().get_assigned_resources().get("memory")
         try:
             os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
         except FileExistsError:  # a later call, or the retry of the killed attempt: the real task
+            with open(flag.with_suffix(".memory"), "a") as f:
+                f.write(json.dumps([call, memory, "ran"]) + "\n")
             return fn(*args, **kwargs)
         from huginn_ray.data import layout
 
+        with open(flag.with_suffix(".memory"), "a") as f:
+            f.write(json.dumps([call, memory, "killed"]) + "\n")
         layout.commit_file = lambda tmp, final: os.kill(os.getpid(), signal.SIGKILL)  # this worker only
         return fn(*args, **kwargs)
 
@@ -285,8 +325,9 @@ def _killed_once(fn, flag: Path):
 
 def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(prepared, tmp_path, monkeypatch):
     """One worker process dies (SIGKILL) in the middle of a tokenize+pack task and one in the middle of a shuffle
-    map task; Ray Data retries both tasks and the run writes the same packed files and shards, byte for byte, as
-    the undisturbed run, with no temp file left behind."""
+    map task; both tasks run again, each with twice the memory it had (never the same: execution.run_tasks), and
+    the run writes the same packed files and shards, byte for byte, as the undisturbed run, with no temp file left
+    behind."""
     from huginn_ray.data import shards as shards_mod
     from huginn_ray.data import tokenize_pack as pack_mod
 
@@ -297,6 +338,11 @@ def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(pre
     assert prepare_data.main(["--quiet", "--config", str(config), f"output_dir={out}",
                               f"tokenizer.path={root / 'out' / 'tokenizer'}"]) == 0
     assert (tmp_path / "pack").exists() and (tmp_path / "map").exists()  # both kills happened
+    for stage in ("pack", "map"):
+        attempts = [json.loads(line) for line in (tmp_path / f"{stage}.memory").read_text().splitlines()]
+        [(killed_call, killed_memory)] = [(call, memory) for call, memory, what in attempts if what == "killed"]
+        reruns = [memory for call, memory, what in attempts if call == killed_call and what == "ran"]
+        assert killed_memory > 0 and reruns == [2 * killed_memory], (stage, attempts)
 
     def outputs(base: Path) -> dict:
         return {p.relative_to(base).as_posix(): p.read_bytes()
@@ -598,7 +644,7 @@ def test_staging_and_pack_resume_keeping_committed_files_and_clean_stale_tmp_dir
     reference = {p.name: p.read_bytes() for p in (out / "packed").glob("*.parquet")}
     # a crashed pack run: its work dir holds some committed files and a half-written one; a dead run's tmp dir
     marker = json.loads((out / "packed" / "_COMPLETE.json").read_text())
-    shutil.rmtree(out / "shards")
+    (out / "shards").unlink()  # the pointer: the rerun points it at the newest version again (finish_publish)
     (out / "packed").rename(out / "packed.partial")
     (out / "packed.partial" / "_COMPLETE.json").unlink()
     (out / "packed.partial" / "_PLAN.json").write_text(json.dumps({"fingerprint": marker["fingerprint"]}))
@@ -631,6 +677,8 @@ def test_staging_and_pack_resume_keeping_committed_files_and_clean_stale_tmp_dir
     assert not (out / "staging" / "prose.tmp-999999").exists()
     assert {p.name: p.read_bytes() for p in (out / "packed").glob("*.parquet")} == reference
     assert all((out / "packed" / name).stat().st_mtime_ns == m for name, m in mtimes.items())
+    assert f"[recover] {out / 'shards.v0001'} was published, {out / 'shards'} does not exist yet" in printed
+    assert (out / "shards").readlink() == Path("shards.v0001") and "[shuffle] complete" in printed
 
 
 def test_second_driver_on_the_same_output_dir_is_refused_before_ray_starts(tmp_path, capsys):

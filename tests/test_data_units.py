@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ from huginn_ray.config import ConfigError, parse_yaml
 from huginn_ray.data.chat import document_text
 from huginn_ray.data.formatting import chat_template, format_rows
 from huginn_ray.data.packing import copy_fractions, pack, pack_row_starts, unit_hash
-from huginn_ray.data.shards import FeistelPermutation, plan_split
+from huginn_ray.data.permutation import FeistelPermutation
+from huginn_ray.data.shards import plan_split
 from huginn_ray.data.sources import Source, parse_sources
 
 GOOD = """
@@ -157,11 +159,26 @@ def test_copy_fractions_and_hash_selection():
 
 @pytest.mark.parametrize("n", [1, 2, 3, 17, 1000, 4097])
 def test_feistel_permutation_is_a_bijection(n):
-    perm = FeistelPermutation(n, seed=3, salt=0)(np.arange(n))
+    perm = FeistelPermutation(n, seed=3, stage="shuffle:train")(np.arange(n))
     assert sorted(perm.tolist()) == list(range(n))
     if n > 16:
         assert perm.tolist() != list(range(n))
-        assert perm.tolist() != FeistelPermutation(n, seed=4, salt=0)(np.arange(n)).tolist()
+        assert perm.tolist() != FeistelPermutation(n, seed=4, stage="shuffle:train")(np.arange(n)).tolist()
+        assert perm.tolist() != FeistelPermutation(n, seed=3, stage="shuffle:val")(np.arange(n)).tolist()
+
+
+def test_permutations_are_the_stored_sequences():
+    """The data order is defined by the project's code (huginn_ray/data/permutation.py): a library upgrade, or a
+    change of the keyed hash or the rounds, that would reorder a resumed run's data fails here."""
+    from huginn_ray.data.packing import copy_order
+    from huginn_ray.data.permutation import permutation_key
+
+    assert permutation_key(1337, "shuffle:train", 0) == 2118523322511634502
+    assert FeistelPermutation(20, seed=1337, stage="shuffle:train")(np.arange(20)).tolist() == [
+        1, 4, 2, 17, 8, 5, 11, 6, 13, 3, 16, 7, 18, 14, 12, 10, 19, 0, 15, 9]
+    assert FeistelPermutation(1000, seed=1337, stage="shuffle:train")(np.array([0, 1, 2, 997, 998, 999])).tolist() == [
+        826, 138, 464, 124, 478, 765]
+    assert copy_order(1337, 1, (3 << 32) + 4096, 12).tolist() == [5, 8, 9, 1, 3, 10, 2, 4, 0, 11, 7, 6]
 
 
 def test_plan_split_drops_surplus_and_refuses_too_few_rows():
@@ -525,3 +542,84 @@ except runlock.RunLockError as err:
     assert outs[1].startswith(f"refused another job is writing run directory {tmp_path} (host "
                               f"{socket.gethostname()}, PID {jobs[0].pid},"), outs
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # the winner released it; no takeover file left
+
+
+def test_a_library_upgrade_changes_the_stage_fingerprint_and_the_rerun_names_it(tmp_path, monkeypatch, capsys):
+    """Fingerprints hold the versions of the libraries that shape the bytes; a marker records the fingerprint's
+    inputs, so a rerun after an upgrade (or a setting change) says what changed instead of rerunning silently."""
+    import importlib.metadata
+
+    from huginn_ray.data import layout
+
+    assert layout.library_versions() == {name: importlib.metadata.version(name)
+                                         for name in ("tokenizers", "pyarrow", "numpy")}
+    digest, inputs = layout.stage_fingerprint({"seed": 1, "tokenizer": "ab" * 32})
+    layout.write_json(tmp_path / layout.COMPLETE, {"fingerprint": digest, "fingerprint_inputs": inputs})
+    assert layout.current_marker(tmp_path, digest, inputs, "pack")["fingerprint"] == digest
+    assert capsys.readouterr().out == ""
+
+    real = layout.library_versions()
+    monkeypatch.setattr(layout, "library_versions", lambda: {**real, "tokenizers": "99.0.0"})
+    assert layout.stage_fingerprint({"seed": 1, "tokenizer": "ab" * 32})[0] != digest  # the upgrade alone
+    upgraded, upgraded_inputs = layout.stage_fingerprint({"seed": 2, "tokenizer": "ab" * 32})
+    assert layout.current_marker(tmp_path, upgraded, upgraded_inputs, "pack") is None
+    assert capsys.readouterr().out == (f"[pack] {tmp_path}: seed 1 -> 2, tokenizers {real['tokenizers']} -> 99.0.0 "
+                                       "changed; the stage reruns\n")
+    layout.write_json(tmp_path / layout.COMPLETE, {"fingerprint": "made before inputs were recorded"})
+    assert layout.current_marker(tmp_path, upgraded, upgraded_inputs, "pack") is None
+    assert capsys.readouterr().out == (f"[pack] {tmp_path}: its inputs (the output records none) changed; the "
+                                       "stage reruns\n")
+
+
+def test_pack_memory_follows_the_largest_document_and_a_killed_task_never_reruns_with_the_same_memory():
+    from huginn_ray.data.execution import KilledTaskError, memory_after_kill
+    from huginn_ray.data.tokenize_pack import pack_task_memory
+
+    # 256 MiB + 24 B x 4,096 documents of 1,000 characters + 180 B x the largest document's 2 M characters
+    assert pack_task_memory(4096, 1000.0, 2_000_000) == 268_435_456 + 98_304_000 + 360_000_000
+    assert pack_task_memory(4096, 1000.0, 20_000_000) - pack_task_memory(4096, 1000.0, 2_000_000) == 3_240_000_000
+    gib = 1 << 30
+    assert memory_after_kill(300 << 20, 8 * gib, "tokenize_pack") == 600 << 20
+    assert memory_after_kill(None, 8 * gib, "staging") == 2 * gib  # declared nothing: taken as UNDECLARED_MEMORY
+    assert memory_after_kill(5 * gib, 8 * gib, "tokenize_pack") == 8 * gib  # at most the largest node's
+    assert memory_after_kill(5 * gib, 0, "tokenize_pack") == 10 * gib  # the cluster reports no memory
+    with pytest.raises(KilledTaskError, match=r"tokenize_pack: a task killed with memory=8.00 GiB, the most a node "
+                                              r"offers; a rerun cannot get more"):
+        memory_after_kill(8 * gib, 8 * gib, "tokenize_pack")
+
+
+def test_publish_turns_an_old_shards_directory_into_a_version_and_a_crash_between_renames_is_finished(
+        tmp_path, monkeypatch, capsys):
+    from huginn_ray.data import layout
+
+    pointer = tmp_path / "shards"
+    pointer.mkdir()
+    (pointer / "manifest.json").write_text("published before versions")
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "manifest.json").write_text("new")
+    assert layout.publish_version(new, pointer) == tmp_path / "shards.v0002"
+    assert pointer.readlink() == Path("shards.v0002") and (pointer / "manifest.json").read_text() == "new"
+    assert (tmp_path / "shards.v0001" / "manifest.json").read_text() == "published before versions"
+
+    # a crash after the version's rename, before the pointer's: the rerun's finish_publish moves the pointer
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    monkeypatch.setattr(layout, "_point", lambda pointer, version: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        layout.publish_version(newer, pointer)
+    monkeypatch.undo()
+    assert pointer.readlink() == Path("shards.v0002") and (tmp_path / "shards.v0003").is_dir()
+    capsys.readouterr()
+    layout.finish_publish(pointer)
+    assert pointer.readlink() == Path("shards.v0003")
+    assert capsys.readouterr().out.startswith(f"[recover] {tmp_path / 'shards.v0003'} was published but {pointer} "
+                                              "still names shards.v0002")
+    layout.finish_publish(pointer)  # nothing left to do
+    assert capsys.readouterr().out == ""
+    # a dead run's temporary pointer is removed with the other stale temporaries
+    (tmp_path / "shards.link-999999999").symlink_to("shards.v0003")
+    layout.clean_stale(pointer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards", "shards.v0001", "shards.v0002", "shards.v0003"]
+    assert [p.name for p in layout.remove_old_versions(pointer)] == ["shards.v0001", "shards.v0002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards", "shards.v0003"]

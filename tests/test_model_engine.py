@@ -193,6 +193,8 @@ def test_capacity_in_cache_bytes_holds_admission_and_freed_rows_are_reused(model
         assert engine.cache_bytes_reserved <= capacity
         in_flight.append(engine.rows_in_flight)
     assert max(in_flight) == 2 and len(in_flight) > 2 * 4  # two at a time, freed capacity reused
+    entry_bytes = 2 * cfg.n_embd * 4
+    assert (engine.caches.entries.shape[0] - 1) * entry_bytes <= capacity  # the pool's storage too (less scratch)
     assert [outputs[request_id] for request_id in ids] == [alone(model, request)[0] for request in wanted]
 
     # cancel frees the row at once: the waiting request takes it in the next step

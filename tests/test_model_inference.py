@@ -79,6 +79,15 @@ def test_generate_job_runs_in_bfloat16_and_gives_what_the_library_gives(model_di
     assert f"(per token: {steps})" in printed
     assert job.main([*args, "--device", "tpu"]) == 2
     assert "device must be one of cpu, cuda" in capsys.readouterr().err
+    # --top-p reaches the sampler: the same draws as the library's with top_p
+    sampling = ["--temperature", "1.0", "--top-p", "0.3"]
+    assert job.main([*args, *sampling, "--device", "cpu", "--dtype", "bfloat16"]) == 0
+    torch.manual_seed(7)
+    result = generate(model, torch.tensor([ids]), 5, num_steps=3, exit_criterion="kl", temperature=1.0, top_p=0.3)
+    assert capsys.readouterr().out.startswith(
+        "def main(" + tokenizer.decode(result.tokens[0, len(ids):].tolist(), skip_special_tokens=False) + "\n")
+    assert job.main([*args, "--top-p", "0"]) == 2
+    assert "top_p must be a number > 0 and <= 1, got 0.0" in capsys.readouterr().err
 
 
 def test_depth_scaling_loss_in_bfloat16_is_near_but_not_the_fp32_loss(model_dir):

@@ -84,7 +84,7 @@ def plan_for(cfg, grad_accum=1, world_size=None):
 
     world_size = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
     model_cfg = ModelConfig.from_name("raven-tiny", vocab_size=64, activation_checkpointing=True)
-    return RunPlan(global_batch_rows=cfg.micro_batch_size * world_size * grad_accum, num_streams=world_size,
+    return RunPlan(global_batch_rows=cfg.micro_batch_size * world_size * grad_accum, num_streams=world_size, data_dir=cfg.data.data_dir,
                    schedule_steps=cfg.max_steps, pad_id=0, eos_id=1,
                    precision="fp32" if cfg.precision == "auto" else cfg.precision,
                    model_config=model_cfg)

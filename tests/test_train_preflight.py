@@ -79,11 +79,12 @@ def test_an_elastic_worker_range_serves_every_count_in_it_and_counts_the_largest
         preflight(tiny(dataset, tmp_path, "scaling.num_workers=[2, 9]", "world_batch_size=8", "max_steps=10"))
 
 
-def checkpoint_in(run_dir: Path, step: int, global_batch_rows: int) -> None:
+def checkpoint_in(run_dir: Path, step: int, global_batch_rows: int, data_dir: str = "") -> None:
     """A complete checkpoint as far as the preflight looks: its trainer state and marker."""
     directory = run_dir / f"checkpoint_2026-11-24_05-00-{step:02d}.000000"
     directory.mkdir(parents=True)
-    state = ckpt.TrainerState(step=step, num_streams=2, global_batch_rows=global_batch_rows, rows_per_stream=step * 2)
+    state = ckpt.TrainerState(step=step, num_streams=2, global_batch_rows=global_batch_rows, rows_per_stream=step * 2,
+                              data_dir=data_dir)
     (directory / "trainer_state.json").write_text(json.dumps(state.__dict__))
     ckpt.write_marker(directory, step, {"trainer_state.json": (directory / "trainer_state.json").stat().st_size})
 
@@ -287,3 +288,58 @@ def test_shards_of_the_project_s_own_writer_pass(tmp_path):
                 "rows_per_shard": {"train": 24, "val": 24}}
     summary = check_shards(tmp_path, manifest, model_vocab_size=320)
     assert (summary.files, summary.row_groups_without_statistics) == (2, 0)
+
+
+def test_a_run_keeps_the_shard_version_it_resolved_while_a_new_one_is_published(tmp_path, capsys):
+    """`<output_dir>/shards` points to immutable versions: a publish writes shards.v0002 and moves the pointer. The
+    preflight resolves the pointer once (RunPlan.data_dir, what every worker of every attempt reads); after a
+    publish that run's files are unchanged, a new run gets the new version, and a run resuming from a checkpoint
+    keeps the version the checkpoint records until that version is removed (then it is refused by name)."""
+    import shutil
+
+    from huginn_ray.data import layout
+    from huginn_ray.data.shards import publish
+
+    out = tmp_path / "out"
+    pointer = out / "shards"
+
+    def finished_shuffle(name: str, rows: int) -> tuple[Path, dict, Path]:
+        """A shuffle's work directory, out/shards.partial, holding shards of `rows` rows each under out/."""
+        shards, tokenizer = make_dataset(tmp_path / name, num_shards=2, rows_per_shard=rows, seq_len=32)
+        work = out / "shards.partial"
+        work.mkdir(parents=True)
+        shutil.move(shards, work / "out")
+        return work, json.loads((work / "out" / "manifest.json").read_text()), tokenizer
+
+    work, manifest, tokenizer = finished_shuffle("a", 40)
+    publish(work, pointer, manifest)
+    first = out / "shards.v0001"
+    assert pointer.readlink() == Path("shards.v0001") and not work.exists()
+    cfg = load_train_config(TINY, [f"out_dir={tmp_path}", f"data.data_dir={pointer}",
+                                   f"data.tokenizer_path={tokenizer}", "block_size=32", "model.overrides.vocab_size=64",
+                                   "max_steps=20"])
+    assert cfg.data.data_dir == str(pointer)  # the pointer, resolved by the preflight only
+    plan = preflight(cfg)
+    assert plan.data_dir == str(first)
+    before = shard_path(plan.data_dir, "train", 1).read_bytes()
+
+    work, manifest, _ = finished_shuffle("b", 60)
+    publish(work, pointer, manifest)
+    second = out / "shards.v0002"
+    assert pointer.readlink() == Path("shards.v0002")
+    assert shard_path(plan.data_dir, "train", 1).read_bytes() == before  # the running run's files
+    assert pq.read_metadata(shard_path(plan.data_dir, "train", 1)).num_rows == 40
+    assert pq.read_metadata(shard_path(pointer, "train", 1)).num_rows == 60
+    assert preflight(cfg).data_dir == str(second)  # a new run reads the new version
+
+    # the run resumed by a new job: its newest checkpoint records the version it was trained on
+    capsys.readouterr()
+    checkpoint_in(cfg.run_dir, 3, global_batch_rows=plan.global_batch_rows, data_dir=plan.data_dir)
+    assert preflight(cfg).data_dir == str(first)
+    assert f"{pointer} now points to {second}; this run keeps reading {first}, the version it started with" in (
+        capsys.readouterr().out)
+    assert layout.remove_old_versions(pointer) == [first] and not first.exists() and second.is_dir()
+    with pytest.raises(PreflightError, match=re.escape(
+            f"data.data_dir: the run's newest checkpoint (step 3) was trained on {first}, which no longer exists "
+            f"({pointer} now points to {second})")):
+        preflight(cfg)

@@ -124,7 +124,8 @@ def final_data_position(out_dir: Path, name: str) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def uninterrupted(cluster, mlflow_server, dataset, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("runs")
-    run = train(cluster, overrides("straight", out_dir, dataset, mlflow_server))
+    # profiled steps 2-3: the losses of every other run of this module are compared with these (bitwise)
+    run = train(cluster, overrides("straight", out_dir, dataset, mlflow_server, "profile.steps=[2, 3]"))
     return {"out_dir": out_dir, "run_id": run_id_of(run.stdout), "stdout": run.stdout,
             "losses": losses(mlflow_server, run_id_of(run.stdout))}
 
@@ -144,6 +145,27 @@ def test_two_worker_run_loss_falls(uninterrupted, mlflow_server):
     plots = [a.path for a in MlflowClient(mlflow_server).list_artifacts(uninterrupted["run_id"], "depth_scaling")]
     assert plots and all(p.startswith("depth_scaling/step_") and p.endswith(".png") for p in plots), plots
     assert "MLflow:" in uninterrupted["stdout"] and "mlflow ui" not in uninterrupted["stdout"]
+    # seeing inside the run: per-phase time per step and module norms at every log step; the module norms are
+    # global (replicated gradients counted once): their squares add up to the global gradient norm
+    client = MlflowClient(mlflow_server)
+    for phase in ("data", "forward", "backward", "comm", "optimizer", "validation", "checkpoint"):
+        assert sorted(losses(mlflow_server, uninterrupted["run_id"], f"time/{phase}")) == list(range(1, STEPS + 1))
+    assert run.data.metrics["time/forward"] > 0 and run.data.metrics["time/backward"] > 0
+    assert losses(mlflow_server, uninterrupted["run_id"], "time/checkpoint")[5] > 0  # step 4's save, in 5's window
+    grad_norms = losses(mlflow_server, uninterrupted["run_id"], "grad_norm")
+    modules = {m: losses(mlflow_server, uninterrupted["run_id"], f"grad_norm/{m}")
+               for m in ("embeddings", "prelude", "core", "coda")}
+    for step in (2, STEPS):
+        assert sum(m[step] ** 2 for m in modules.values()) == pytest.approx(grad_norms[step] ** 2, rel=1e-6)
+    assert losses(mlflow_server, uninterrupted["run_id"], "update_norm/core")[STEPS] > 0
+    assert "straggler/slowest_ratio" in run.data.metrics
+    # the profiled steps: a trace per rank in the run directory, both logged (a shared file system here)
+    profile_dir = uninterrupted["out_dir"] / "straight" / "profile"
+    assert sorted(p.name for p in profile_dir.iterdir()) == ["rank0.trace.json", "rank1.trace.json"]
+    for trace in profile_dir.iterdir():
+        assert any(e.get("name", "").startswith("aten::") for e in json.loads(trace.read_text())["traceEvents"])
+    assert sorted(a.path for a in client.list_artifacts(uninterrupted["run_id"], "profile")) == [
+        "profile/rank0.trace.json", "profile/rank1.trace.json"]
     # saved at steps 4, 8, 12, 16; checkpoint.keep=2 keeps the newest two
     kept = sorted(json.loads(p.read_text())["step"]
                   for p in (uninterrupted["out_dir"] / "straight").glob("checkpoint_*/trainer_state.json"))

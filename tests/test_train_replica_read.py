@@ -44,7 +44,7 @@ def plan_for(cfg, world_size):
     from huginn_ray.train.run_plan import RunPlan
 
     model_cfg = ModelConfig.from_name("raven-tiny", vocab_size=64, n_embd=256, intermediate_size=1024)
-    return RunPlan(global_batch_rows=cfg.micro_batch_size * world_size, num_streams=world_size,
+    return RunPlan(global_batch_rows=cfg.micro_batch_size * world_size, num_streams=world_size, data_dir=cfg.data.data_dir,
                    schedule_steps=cfg.max_steps, pad_id=0, eos_id=1, precision="fp32",
                    model_config=model_cfg)
 

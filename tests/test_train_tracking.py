@@ -83,11 +83,13 @@ def test_metrics_survive_an_mlflow_server_restart(tmp_path, fast_failing_client,
         for step in range(6, 16):  # "training" goes on while the server is down
             t0 = time.perf_counter()
             logger.log({"loss": 10.0 - step, "lr": 0.1}, step)
+            if step == 8:
+                logger.set_tag("straggler.step_000008", "rank 1 on node-b 0.512 s (2.31x)")
             slowest = max(slowest, time.perf_counter() - t0)
             time.sleep(0.05)
         assert slowest < 0.05, f"log() blocked {slowest:.3f} s on a down server"
         time.sleep(1.0)
-        assert logger.pending() == 20  # 10 steps x 2 values wait in the buffer
+        assert logger.pending() == 21  # 10 steps x 2 values and a tag wait in the buffer
         artifact = tmp_path / "val_plot.txt"
         artifact.write_text("a plot\n")
         logger.log_artifact(artifact, "plots")
@@ -98,6 +100,7 @@ def test_metrics_survive_an_mlflow_server_restart(tmp_path, fast_failing_client,
         history = {m.step: m.value for m in client.get_metric_history(run_id, "loss")}
         assert history == {step: 10.0 - step for step in range(1, 16)}
         assert [a.path for a in client.list_artifacts(run_id, "plots")] == ["plots/val_plot.txt"]
+        assert client.get_run(run_id).data.tags["straggler.step_000008"] == "rank 1 on node-b 0.512 s (2.31x)"
         out = capsys.readouterr().out
         assert "not reachable" in out and "reachable again" in out and "dropped" not in out
 

@@ -90,6 +90,10 @@ class DataConfig:
     """Share of documents held out for validation (chosen by a seeded hash of the document text)."""
     docs_per_pack_batch: int = 4096
     """Documents tokenised and packed together (leftovers shorter than a row are dropped per batch)."""
+    max_document_chars: int = 1 << 25
+    """Longest document (in characters) the pack stage takes: a longer one is refused before packing, naming its
+    source, file and row. A pack task's memory grows by ~180 bytes per character of its largest document
+    (huginn_ray/data/tokenize_pack.py, pack_task_memory): 32 Mi characters, about 6 GiB."""
     drop_val_duplicates: bool = True
     """Packed sources: validation rows whose bytes also occur in a training row are counted and left out of the
     validation shards (false: counted and kept)."""
@@ -106,7 +110,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         positive = {"seq_len": self.seq_len, "num_shards": self.num_shards,
-                    "docs_per_pack_batch": self.docs_per_pack_batch,
+                    "docs_per_pack_batch": self.docs_per_pack_batch, "max_document_chars": self.max_document_chars,
                     "download.max_in_flight": self.download.max_in_flight,
                     "download.max_attempts": self.download.max_attempts,
                     "shuffle.reducer_mib": self.shuffle.reducer_mib, "shuffle.map_mib": self.shuffle.map_mib,

@@ -7,9 +7,10 @@ A stage hands `run_tasks` a function and one tuple of arguments per task. Each t
 (`from_items`, one row per block: the arguments pickled) and `map_batches(batch_size=1)` calls the function on
 it, so one Ray task runs one call and returns its (small) result as one row. Ray Data's streaming executor then
 does what the stages used to do with hand-written loops: it keeps as many tasks in flight as the cluster's CPUs
-and memory (and `max_concurrent`) allow, retries a task whose worker process died (Ray Data's map tasks have
-`max_retries=-1`; an exception the function raises is not retried and fails the stage), shows progress bars
-(rows, throughput, ETA; off under `prepare_data.py --quiet`) and per-operator metrics in the dashboard.
+and memory (and `max_concurrent`) allow, shows progress bars (rows, throughput, ETA; off under
+`prepare_data.py --quiet`) and per-operator metrics in the dashboard. An exception the function raises is not
+retried and fails the stage; a task whose worker was killed is rerun with twice its memory, never the same
+(run_tasks).
 
 Memory: tasks declare `memory=` to Ray. Calls with different declarations go to different operators (one per
 declaration, rounded up to an eighth of its power of two so that a few operators cover every size), unioned into
@@ -23,6 +24,7 @@ or which worker ran a call.
 from __future__ import annotations
 
 import pickle
+import warnings
 from typing import Callable
 
 
@@ -77,35 +79,109 @@ def _one_call(fn: Callable, common: dict, name: str) -> Callable:
     return call
 
 
+KILL_RETRIES = 4
+"""Times a stage reruns the calls that a killed worker interrupted, each time with twice the memory (so up to 16x
+the first declaration); one more kill fails the stage, naming it."""
+
+UNDECLARED_MEMORY = 1 << 30
+"""What a call that declares no memory (downloads, staging) is taken to have had when its worker is killed: its
+rerun declares twice this."""
+
+
+def killed_worker_errors() -> tuple[type, ...]:
+    """How Ray reports a task whose worker was killed: OutOfMemoryError (Ray's memory monitor killed it),
+    WorkerCrashedError (the process died: the kernel's OOM killer, a SIGKILL), NodeDiedError (its node is gone)."""
+    from ray.exceptions import NodeDiedError, OutOfMemoryError, WorkerCrashedError
+
+    return OutOfMemoryError, WorkerCrashedError, NodeDiedError
+
+
+class KilledTaskError(RuntimeError):
+    """A task's worker was killed and a rerun cannot help: it already had the most memory a node offers, or
+    workers were killed KILL_RETRIES + 1 times."""
+
+
+def memory_after_kill(declared: int | None, cap: int, name: str) -> int:
+    """The memory= of a call rerun after its worker was killed: twice what it declared (UNDECLARED_MEMORY when
+    nothing), at most `cap` (the largest node's memory; 0: unknown). Never the same: a call that had `cap` already
+    raises KilledTaskError naming the operator."""
+    if cap and declared is not None and declared >= cap:
+        raise KilledTaskError(f"{name}: a task killed with memory={declared / 2**30:.2f} GiB, the most a node "
+                              "offers; a rerun cannot get more (give the nodes more memory, or make the task smaller)")
+    grown = 2 * (declared or UNDECLARED_MEMORY)
+    return min(grown, cap) if cap else grown
+
+
 def run_tasks(fn: Callable, calls: list[tuple], *, name: str, common: dict | None = None,
               memory: list[int] | int | None = None, num_cpus: float = 1.0, max_concurrent: int | None = None,
               on_result: Callable[[int, object], None] | None = None) -> list:
     """fn(*call, **common) for every call, one Ray task each, on Ray Data's streaming executor.
 
     `memory`: one declaration for all calls or one per call. `on_result(i, result)` is called on the driver as
-    results arrive (any order); the results are returned in call order."""
-    import ray.data
+    results arrive (any order); the results are returned in call order.
 
+    A killed worker (killed_worker_errors) is not retried with the memory it had (Ray Data's default,
+    max_retries=-1, retries forever with the same declaration): the tasks run with max_retries=0, the stage's
+    dataset stops at the kill, and the calls that had not returned run again with twice their memory
+    (memory_after_kill), up to KILL_RETRIES times. Ray Data does not say which task was killed, so every unfinished
+    call grows; a call's outputs are committed files that its rerun finds and keeps."""
     if not calls:
         return []
     per_call = memory if isinstance(memory, list) else [memory] * len(calls)
     cap = node_memory_cap()
+    declared = [declared_memory(estimate, cap) for estimate in per_call]
+    results: list = [None] * len(calls)
+    todo, kills = list(range(len(calls))), 0
+    while todo:
+        finished: set[int] = set()
+        try:
+            for i, result in _run_once(fn, [(i, calls[i], declared[i]) for i in todo], name, common or {},
+                                       num_cpus, max_concurrent):
+                results[i] = result
+                finished.add(i)
+                if on_result is not None:
+                    on_result(i, result)
+        except Exception as err:
+            killed = original_error(err, killed_worker_errors())
+            if not isinstance(killed, killed_worker_errors()):
+                raise
+            kills += 1
+            if kills > KILL_RETRIES:
+                raise KilledTaskError(f"{name}: workers were killed {kills} times, the last: {killed}") from err
+            todo = [i for i in todo if i not in finished]
+            for i in todo:
+                declared[i] = memory_after_kill(declared[i], cap, name)
+            print(f"[{name}] a worker was killed ({type(killed).__name__}); rerunning the {len(todo)} calls that "
+                  "had not finished, each with twice its memory", flush=True)
+            continue
+        todo = []
+    return results
+
+
+def _run_once(fn: Callable, calls: list[tuple[int, tuple, int | None]], name: str, common: dict,
+              num_cpus: float, max_concurrent: int | None):
+    """Yield (call index, result) of every (index, args, memory=) as it arrives: one Ray Data pass, one operator
+    per memory declaration, unioned; a task whose worker dies is not retried (max_retries=0)."""
+    import ray.data
+
     operators: dict[int | None, list[dict]] = {}
-    for i, (args, estimate) in enumerate(zip(calls, per_call)):
-        operators.setdefault(declared_memory(estimate, cap), []).append({"call": i, "args": pickle.dumps(args)})
-    udf = _one_call(fn, common or {}, name)
+    for i, args, declared in calls:
+        operators.setdefault(declared, []).append({"call": i, "args": pickle.dumps(args)})
+    udf = _one_call(fn, common, name)
     datasets = []
     for declared, rows in operators.items():
-        remote_args = {"num_cpus": num_cpus} | ({"memory": declared} if declared else {})
-        datasets.append(ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
-            udf, batch_size=1, compute=ray.data.TaskPoolStrategy(size=max_concurrent), **remote_args))
+        with warnings.catch_warnings():
+            # max_retries has no named parameter in Ray 2.60: passed as a remote arg, which warns that remote args
+            # are deprecated; tests/test_data_pipeline.py (a worker killed in pack and in the shuffle, rerun with
+            # twice its memory) fails if it stops applying
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            datasets.append(ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
+                udf, batch_size=1, compute=ray.data.TaskPoolStrategy(size=max_concurrent), num_cpus=num_cpus,
+                memory=declared, max_retries=0))
     dataset = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
-    results: list = [None] * len(calls)
     for row in dataset.iter_rows():
         i = int(row["call"])
-        results[i] = pickle.loads(row["result"])
+        result = pickle.loads(row["result"])
         if row["failed"]:
-            raise results[i]
-        if on_result is not None:
-            on_result(i, results[i])
-    return results
+            raise result
+        yield i, result

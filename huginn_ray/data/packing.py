@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from huginn_ray.data.permutation import FeistelPermutation
+
 
 def pack_row_starts(lengths: Sequence[int], sacred: Sequence[bool], row_len: int) -> list[int]:
     """Start offsets, in the concatenation of the documents, of the rows the packing rule cuts."""
@@ -76,5 +78,6 @@ def unit_hash(seed: int, salt: str, text: str) -> float:
 
 
 def copy_order(seed: int, copy: int, first_doc_id: int, n: int) -> np.ndarray:
-    """The document order copy `copy` of a batch is packed in."""
-    return np.random.default_rng([seed, copy, first_doc_id & (2**63 - 1)]).permutation(n)
+    """The document order copy `copy` of a batch (named by its first document) is packed in: the project's own
+    keyed permutation (huginn_ray/data/permutation.py), so the order does not move with a NumPy upgrade."""
+    return FeistelPermutation(n, seed, f"pack:copy{copy}:batch{first_doc_id}")(np.arange(n))

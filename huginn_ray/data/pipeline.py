@@ -178,8 +178,9 @@ def run_stage_pack(cfg: DataConfig, sources: list[Source]) -> dict:
     markers = staging_markers(cfg, sources)
     facts = tokenizer_facts(cfg)
     check_document_delimiters(facts["tokenizer_file"], facts["bos_id"], facts["eos_id"])
-    fingerprint = pack_fingerprint(sources, markers, facts["tokenizer_sha256"], cfg.seq_len, cfg.seed,
-                                   cfg.val_fraction, cfg.docs_per_pack_batch, cfg.chat.pack)
+    fingerprint, fingerprint_inputs = pack_fingerprint(sources, markers, facts["tokenizer_sha256"], cfg.seq_len,
+                                                       cfg.seed, cfg.val_fraction, cfg.docs_per_pack_batch,
+                                                       cfg.chat.pack)
     if any(s.is_chat for s in sources):
         from tokenizers import Tokenizer
 
@@ -191,7 +192,8 @@ def run_stage_pack(cfg: DataConfig, sources: list[Source]) -> dict:
     return run_pack(sources, markers, cfg.root / "staging", Path(facts["tokenizer_file"]), cfg.root / "packed",
                     seq_len=cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
                     docs_per_batch=cfg.docs_per_pack_batch, vocab_size=facts["vocab_size"],
-                    fingerprint=fingerprint, extra_marker=facts, chat_pack=cfg.chat.pack)
+                    fingerprint=fingerprint, fingerprint_inputs=fingerprint_inputs, extra_marker=facts,
+                    max_document_chars=cfg.max_document_chars, chat_pack=cfg.chat.pack)
 
 
 def check_token_column(source: Source, path: Path, schema) -> None:
@@ -325,14 +327,14 @@ def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
         "packed": {name: [(f["path"], f["size"], f["hash"] or os.stat(f["path"]).st_mtime_ns) for f in v["train"] + v["val"]]
                    for name, v in per_source.items()},
         "tokenizer": facts["tokenizer_sha256"], "seq_len": cfg.seq_len})
-    fingerprint = layout.fingerprint({"packed": input_fingerprint, "num_shards": cfg.num_shards, "seed": cfg.seed,
-                                      "row_group_size": cfg.shuffle.row_group_size,
-                                      "drop_val_duplicates": cfg.drop_val_duplicates})
+    fingerprint, fingerprint_inputs = layout.stage_fingerprint({
+        "packed": input_fingerprint, "num_shards": cfg.num_shards, "seed": cfg.seed,
+        "row_group_size": cfg.shuffle.row_group_size, "drop_val_duplicates": cfg.drop_val_duplicates})
     extra = {key: facts[key] for key in ("tokenizer_sha256", "vocab_size", "bos_id", "eos_id", "pad_id")}
-    extra.update(input_fingerprint=input_fingerprint, sources=provenance, empty_sources=[], staged_documents={},
-                 provenance=run_provenance(cfg, sources))
-    existing = layout.read_marker(cfg.root / "shards", MANIFEST)
-    if existing is not None and existing.get("fingerprint") == fingerprint:
+    extra.update(input_fingerprint=input_fingerprint, fingerprint_inputs=fingerprint_inputs, sources=provenance,
+                 empty_sources=[], staged_documents={}, provenance=run_provenance(cfg, sources))
+    existing = layout.current_marker(cfg.root / "shards", fingerprint, fingerprint_inputs, "shuffle", MANIFEST)
+    if existing is not None:
         print(f"[shuffle] complete ({cfg.num_shards} + {cfg.num_shards} shards), skipped", flush=True)
         return existing
     extra["val_duplicates"] = drop_val_duplicates(cfg, per_source, provenance, facts["vocab_size"])
@@ -367,10 +369,12 @@ def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:
     empty = sorted(name for name, m in markers.items() if m["rows"] == 0)
     for name in empty:
         print(f"[shuffle] WARNING: source {name!r} has no rows", flush=True)
-    fingerprint = layout.fingerprint({"packed": pack_marker["fingerprint"], "num_shards": cfg.num_shards,
-                                      "seed": cfg.seed, "row_group_size": cfg.shuffle.row_group_size})
+    fingerprint, fingerprint_inputs = layout.stage_fingerprint({
+        "packed": pack_marker["fingerprint"], "num_shards": cfg.num_shards, "seed": cfg.seed,
+        "row_group_size": cfg.shuffle.row_group_size})
     extra = {key: pack_marker[key] for key in ("tokenizer_sha256", "vocab_size", "bos_id", "eos_id", "pad_id")}
-    extra.update(input_fingerprint=pack_marker["fingerprint"], sources=pack_marker["sources"],
+    extra.update(input_fingerprint=pack_marker["fingerprint"], fingerprint_inputs=fingerprint_inputs,
+                 sources=pack_marker["sources"],
                  empty_sources=empty, staged_documents={n: m["rows"] for n, m in markers.items()},
                  records={n: {k: v for k, v in m["records"].items() if k != "first_bad"} for n, m in markers.items()},
                  provenance=run_provenance(cfg, sources))
@@ -391,6 +395,7 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     print(f"[plan] about {plan['estimated_tokens']:,d} packed tokens, peak disk "
           f"{plan['peak_disk_bytes'] / 2**30:.2f} GiB ({plan['free_bytes'] / 2**30:.1f} GiB free)", flush=True)
     layout.clean_stale_under(cfg.root)
+    layout.finish_publish(cfg.root / "shards")
     steps = {"download": run_stage_download, "staging": run_stage_staging,
              "pack": run_stage_pack, "shuffle": run_stage_shuffle}
     result: dict = {}

@@ -53,6 +53,7 @@ import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
 from huginn_ray.data.execution import run_tasks
+from huginn_ray.data.permutation import FeistelPermutation
 from huginn_ray.data.tokens import (DTYPES, MASK, MAX_LIST_IDS, arrow_type, check_ids, fixed_rows, numpy_dtype,
                                     parquet_options, row_schema, rows_to_arrow)
 
@@ -64,43 +65,6 @@ _TASK_OVERHEAD = 256 << 20  # a worker's own footprint (interpreter, pyarrow, nu
 
 def shard_path(shard_dir: str | Path, split: str, rank: int) -> Path:
     return Path(shard_dir) / split / f"{rank:05d}.parquet"
-
-
-class FeistelPermutation:
-    """A seeded bijection of [0, n), evaluated on numpy arrays."""
-
-    ROUNDS = 4
-
-    def __init__(self, n: int, seed: int, salt: int):
-        self.n = n
-        bits = max(2, math.ceil(math.log2(max(n, 2))))
-        self.half = (bits + 1) // 2
-        self.mask = np.uint64((1 << self.half) - 1)
-        keys = np.random.default_rng([seed, salt]).integers(0, 2**63, size=self.ROUNDS, dtype=np.int64)
-        self.keys = keys.astype(np.uint64)
-
-    def _round(self, x: np.ndarray) -> np.ndarray:
-        left, right = x >> np.uint64(self.half), x & self.mask
-        for key in self.keys:
-            left, right = right, left ^ (_mix64(right ^ key) & self.mask)
-        return (left << np.uint64(self.half)) | right
-
-    def __call__(self, index: np.ndarray) -> np.ndarray:
-        out = self._round(index.astype(np.uint64))
-        outside = out >= np.uint64(self.n)
-        while outside.any():  # cycle walking: stays a bijection of [0, n)
-            out[outside] = self._round(out[outside])
-            outside = out >= np.uint64(self.n)
-        return out.astype(np.int64)
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a good 64-bit mixing function."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
 
 
 def plan_split(total_rows: int, num_shards: int, row_bytes: int, reducer_bytes: int, split: str) -> dict:
@@ -268,8 +232,9 @@ def _map_group(index: int, files: list[dict], offsets: dict, plans: dict, seed: 
         if hash_inputs:  # before any map file is committed, so a resumed task finds them
             layout.write_json(work_dir / "map" / f"{index:06d}.sha256.json", hashes)
         for name in todo:
-            plan, code = plans[name], SPLITS[name]
-            position = FeistelPermutation(plan["rows"], seed, code)(offsets[name] + np.arange(counts[name]))
+            plan = plans[name]
+            permutation = FeistelPermutation(plan["rows"], seed, f"shuffle:{name}")
+            position = permutation(offsets[name] + np.arange(counts[name]))
             kept = np.flatnonzero(position < plan["kept"])
             order = kept[np.argsort(position[kept], kind="stable")]
             position = position[order]
@@ -396,9 +361,10 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
 
     Skipped when `shard_root` holds a manifest of the same fingerprint; resumes from `<shard_root>.partial`."""
     shard_root = Path(shard_root)
-    existing = layout.read_marker(shard_root, MANIFEST)
+    existing = layout.current_marker(shard_root, fingerprint, manifest_extra.get("fingerprint_inputs", {}),
+                                     "shuffle", MANIFEST)
     work = shard_root.with_name(shard_root.name + ".partial")
-    if existing is not None and existing.get("fingerprint") == fingerprint:
+    if existing is not None:
         shutil.rmtree(work, ignore_errors=True)
         print(f"[shuffle] complete ({num_shards} + {num_shards} shards), skipped", flush=True)
         return existing
@@ -721,8 +687,21 @@ def read_manifest(shard_dir: str | Path) -> dict:
 
 
 def publish(work: Path, shard_root: Path, manifest: dict) -> None:
-    """The shards written under `work`/out become `shard_root`, with their manifest; the work directory goes."""
+    """The shards written under `work`/out, with their manifest, become a new immutable version
+    `<shard_root>.vNNNN`, and the pointer `shard_root` moves to it (layout.publish_version); the work directory
+    goes. A training run that resolved the pointer before (shard_version) keeps reading its own version."""
     layout.write_json(work / "out" / MANIFEST, manifest)
-    layout.replace_dir(work / "out", shard_root)
+    version = layout.publish_version(work / "out", shard_root)
     shutil.rmtree(work)
+    older = len(layout.versions(shard_root)) - 1
+    print(f"[shuffle] published {version}; {shard_root} points to it"
+          + (f"; {older} older versions kept (`jobs/prepare_data.py --gc-shards` removes them once no training run "
+             "reads them)" if older else ""), flush=True)
+
+
+def shard_version(shard_dir: str | Path) -> Path:
+    """The version directory `shard_dir` names now: the pointer `<output_dir>/shards` resolved to
+    `<output_dir>/shards.vNNNN` (a directory that is not a pointer: itself). A training run resolves it once and
+    reads that version to its end, whatever is published meanwhile."""
+    return Path(os.path.realpath(shard_dir))
 

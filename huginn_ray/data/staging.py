@@ -46,11 +46,12 @@ def list_local_files(source: Source) -> list[Path]:
     return sorted(files)
 
 
-def input_fingerprint(source: Source, files: list[Path]) -> str:
+def input_fingerprint(source: Source, files: list[Path]) -> tuple[str, dict]:
+    """The staging fingerprint of a source and its inputs (layout.stage_fingerprint; the file list by its hash)."""
     stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    return layout.fingerprint({
+    return layout.stage_fingerprint({
         "format_version": FORMAT_VERSION, "features": source.features,
-        "chat": source.needs_chat_templating, "files": stats,
+        "chat": source.needs_chat_templating, "files": layout.fingerprint(stats),
         # a chat source's staged documents are its conversations (huginn_ray/data/formatting.py); other sources'
         # fingerprints stay as they were
         **({"kind": source.kind, "system_prompt": source.system_prompt} if source.is_chat else {}),
@@ -66,18 +67,20 @@ def stage_sources(inputs: list[tuple[Source, list[Path]]], staging_root: Path) -
     todo, calls = [], []
     for source, files in inputs:
         final = staging_root / source.name
-        expected = input_fingerprint(source, files)
+        expected, fingerprint_inputs = input_fingerprint(source, files)
         layout.finish_commit(final)
-        if layout.is_complete(final, expected):
-            markers[source.name] = layout.read_marker(final)
+        if (marker := layout.current_marker(final, expected, fingerprint_inputs, "staging")) is not None:
+            markers[source.name] = marker
             check_bad_records(source, markers[source.name]["records"])  # the limit may have changed since
             print(f"[staging] {source.name}: complete ({markers[source.name]['rows']} documents), skipped", flush=True)
             continue
         quarantine = staging_root.parent / "quarantine" / source.name
         if not layout.is_complete(final.with_name(final.name + ".partial"), expected, layout.PLAN):
             shutil.rmtree(quarantine, ignore_errors=True)  # of other inputs: a fresh staging writes its own
-        work = layout.resumable_work_dir(final, expected, "staging", "staged files", len(files))
+        work = layout.resumable_work_dir(final, expected, "staging", "staged files", len(files),
+                                         fingerprint_inputs)
         todo.append({"source": source, "files": files, "work": work, "final": final, "fingerprint": expected,
+                     "fingerprint_inputs": fingerprint_inputs,
                      "results": [None] * len(files), "remaining": len(files), "quarantine": quarantine})
         calls += [(source, i, str(p), str(work), str(quarantine)) for i, p in enumerate(files)]
     owner = [(t, i) for t in todo for i in range(len(t["files"]))]
@@ -94,9 +97,11 @@ def stage_sources(inputs: list[tuple[Source, list[Path]]], staging_root: Path) -
                    "first_bad": next((r["first_bad"] for r in results if r["first_bad"]), None)}
         check_bad_records(source, records)
         marker = {
-            "source": source.name, "fingerprint": task["fingerprint"], "rows": rows,
+            "source": source.name, "fingerprint": task["fingerprint"],
+            "fingerprint_inputs": task["fingerprint_inputs"], "rows": rows,
             "chars": sum(r["chars"] for r in results), "records": records,
-            "files": [{"input": str(p), "output": r["output"], "rows": r["rows"]} for p, r in zip(task["files"], results)],
+            "files": [{"input": str(p), "output": r["output"], "rows": r["rows"], "max_chars": r["max_chars"]}
+                      for p, r in zip(task["files"], results)],
         }
         layout.commit_work_dir(task["work"], task["final"], marker)
         markers[source.name] = marker
@@ -127,7 +132,7 @@ def stage_file(source: Source, index: int, path: str, out_dir: str, quarantine_d
     if output.exists():
         return {**json.loads(pq.read_metadata(output).metadata[STATS_KEY]), "output": output.name}
     tmp = layout.temp_path(output)
-    rows = chars = read = empty = 0
+    rows = chars = max_chars = read = empty = 0
     bad: list[BadRecord] = []
     with pq.ParquetWriter(tmp, STAGING_SCHEMA) as writer:
         for batch in iter_documents(path, source):
@@ -144,7 +149,8 @@ def stage_file(source: Source, index: int, path: str, out_dir: str, quarantine_d
             }))
             rows += len(texts)
             chars += sum(len(t) for t in texts)
-        stats = {"rows": rows, "chars": chars, "read": read, "empty": empty,
+            max_chars = max(max_chars, max(len(t) for t in texts))
+        stats = {"rows": rows, "chars": chars, "max_chars": max_chars, "read": read, "empty": empty,
                  "quarantined": dict(sorted(collections.Counter(r.reason for r in bad).items())),
                  "first_bad": f"{bad[0].where}: {bad[0].reason}: {bad[0].detail}" if bad else None}
         writer.add_key_value_metadata({STATS_KEY: json.dumps(stats)})

@@ -21,6 +21,10 @@ where the token is a training target), row-aligned with `input_ids`; its statist
 supervised tokens (loss-mask ones after a row's first token, which is never a target), padding and truncations. The rows, the files and their names are
 therefore a function of the staged data, the tokenizer and the settings only, whatever the number of CPUs.
 
+Memory: a task declares `pack_task_memory` from its source's mean document and its staged file's largest one
+(recorded by staging); a document longer than `max_document_chars` is refused by name before any task runs
+(`check_document_sizes`).
+
 Resumable: files are written under a temporary name and renamed when complete, in `packed.partial/`, keyed by the
 stage's fingerprint; a rerun after a crash keeps every committed file (its statistics are read back from its
 metadata) and packs only the missing batches.
@@ -40,6 +44,7 @@ import pyarrow.parquet as pq
 from huginn_ray.data import layout
 from huginn_ray.data.chat import pack_rows, pad_rows, render, render_document
 from huginn_ray.data.execution import run_tasks
+from huginn_ray.data.formatting import DataError
 from huginn_ray.data.packing import copy_fractions, copy_order, pack, unit_hash
 from huginn_ray.data.shards import TRAIN, VAL
 from huginn_ray.data.sources import Source
@@ -47,12 +52,58 @@ from huginn_ray.data.tokenizer import load_text_tokenizer
 from huginn_ray.data.tokens import (MASK, TokenRangeError, arrow_type, check_ids, parquet_options, rows_to_arrow,
                                     token_dtype)
 
-PACK_VERSION = 3  # 3: special-token strings in documents are encoded as text
+PACK_VERSION = 4  # 3: special-token strings in documents are encoded as text; 4: copy order by permutation.py
 ENCODE_CHUNK = 256
 STATS_KEY = b"huginn_ray.pack"
 _STAT_KEYS = ("docs", "copied_docs", "doc_tokens", "train_rows", "val_rows")
 CHAT_STAT_KEYS = ("supervised_tokens", "pad_tokens", "truncated_conversations")
 """A chat source's statistics besides _STAT_KEYS (its docs are conversations)."""
+
+
+TASK_OVERHEAD = 256 << 20
+"""A pack worker's own footprint (interpreter, pyarrow, the tokenizer), part of every task's memory=."""
+BATCH_BYTES_PER_CHAR = 24
+"""Memory per character of a batch's documents: their text, ids and packed rows, and the encodings of one
+ENCODE_CHUNK of documents of the mean size."""
+DOC_BYTES_PER_CHAR = 180
+"""Memory per character of the batch's largest document while it is encoded: its `Encoding` (ids, offsets,
+tokens, ~290 bytes per token) and ids. Measured 161-173 bytes per character (ru_maxrss growth of encoding one
+document of 10 M and 40 M characters of English prose with the demo's 4,096-id tokenizer, 1.76 characters per
+token; 2026-11-25, the 2-core machine); a larger vocabulary's tokens cover more characters."""
+
+
+def pack_task_memory(count: int, mean_chars: float, max_chars: int) -> int:
+    """The memory= of a pack task of `count` documents of `mean_chars` characters on average (its source's), the
+    largest of which (its staged file's, recorded by staging) has `max_chars`: one very large document is what
+    a mean-sized estimate misses (its Encoding alone grows by DOC_BYTES_PER_CHAR per character)."""
+    return int(TASK_OVERHEAD + BATCH_BYTES_PER_CHAR * mean_chars * count + DOC_BYTES_PER_CHAR * max_chars)
+
+
+def check_document_sizes(sources: list[Source], markers: dict[str, dict], staging_root: Path,
+                         max_document_chars: int) -> None:
+    """Refuse, before any pack task runs, a document longer than `max_document_chars` characters, naming its source,
+    staged file (and the input file it came from), row and doc_id. Staging recorded each file's largest document,
+    so only a file that holds one is read (its text lengths)."""
+    import pyarrow.compute as pc
+
+    for source in sources:
+        if source.weight == 0:
+            continue
+        for f in markers[source.name]["files"]:
+            if f["max_chars"] <= max_document_chars:
+                continue
+            path = staging_root / source.name / f["output"]
+            table = pq.read_table(path, columns=["text", "doc_id"])
+            lengths = pc.utf8_length(table.column("text"))
+            row = int(pc.index(pc.greater(lengths, max_document_chars), True).as_py())  # the first one
+            chars = lengths[row].as_py()
+            raise DataError(
+                f"source {source.name!r}: document {row + 1} of {path} (from {f['input']}, doc_id="
+                f"{table.column('doc_id')[row].as_py()}) has {chars:,} characters, more than "
+                f"max_document_chars={max_document_chars:,}: its pack task would need about "
+                f"{pack_task_memory(1, 0, chars) / 2**30:.1f} GiB; remove the document from the source, or "
+                "raise max_document_chars if the nodes have the memory (documents are refused, not split: a split "
+                "would change which of its tokens the packing rule keeps)")
 
 
 def packed_schema(dtype: str, chat: bool = False) -> pa.Schema:
@@ -152,8 +203,10 @@ def tokenize_and_pack(task: dict, *, tokenizer_file: str, row_len: int, seed: in
 
 
 def pack_fingerprint(sources: list[Source], staging_markers: dict[str, dict], tokenizer_sha256: str,
-                     seq_len: int, seed: int, val_fraction: float, docs_per_batch: int, chat_pack: bool) -> str:
-    return layout.fingerprint({
+                     seq_len: int, seed: int, val_fraction: float, docs_per_batch: int,
+                     chat_pack: bool) -> tuple[str, dict]:
+    """The pack stage's fingerprint and its inputs (layout.stage_fingerprint: with the libraries' versions)."""
+    return layout.stage_fingerprint({
         "version": PACK_VERSION, "tokenizer": tokenizer_sha256, "seq_len": seq_len, "seed": seed,
         "val_fraction": val_fraction, "docs_per_batch": docs_per_batch,
         "sources": [(s.name, s.weight, s.every_token_is_sacred, staging_markers[s.name]["fingerprint"],
@@ -176,6 +229,7 @@ def pack_tasks(sources: list[Source], staging_root: Path, markers: dict[str, dic
                 tasks.append({"name": f"{index:04d}-{first_doc:016x}.parquet", "source_index": index,
                               "source": source.name, "path": str(staging_root / source.name / f["output"]),
                               "start": start, "count": min(docs_per_batch, f["rows"] - start),
+                              "max_chars": f["max_chars"],
                               "weight": source.weight, "sacred": source.every_token_is_sacred, "chat": chat,
                               "templated": source.needs_chat_templating})
     return tasks
@@ -183,23 +237,23 @@ def pack_tasks(sources: list[Source], staging_root: Path, markers: dict[str, dic
 
 def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path, tokenizer_file: Path,
              out_root: Path, *, seq_len: int, seed: int, val_fraction: float, docs_per_batch: int, vocab_size: int,
-             fingerprint: str, extra_marker: dict, chat_pack: bool = False) -> dict:
+             fingerprint: str, fingerprint_inputs: dict, extra_marker: dict, max_document_chars: int,
+             chat_pack: bool = False) -> dict:
     """Tokenise and pack every source into `out_root` (skipped when complete); returns the pack marker."""
     layout.finish_commit(out_root)
-    if layout.is_complete(out_root, fingerprint):
-        marker = layout.read_marker(out_root)
+    if (marker := layout.current_marker(out_root, fingerprint, fingerprint_inputs, "pack")) is not None:
         print(f"[pack] complete ({marker['train_rows']} train + {marker['val_rows']} val rows), skipped", flush=True)
         return marker
 
+    check_document_sizes(sources, markers, staging_root, max_document_chars)
     dtype = token_dtype(vocab_size)
-    work = layout.resumable_work_dir(out_root, fingerprint, "pack", "packed files")
+    work = layout.resumable_work_dir(out_root, fingerprint, "pack", "packed files", inputs=fingerprint_inputs)
 
     tasks = pack_tasks(sources, staging_root, markers, docs_per_batch, chat_pack, extra_marker["pad_id"])
-    # memory= per task, from its own batch: the batch's text plus its encodings (~100 bytes per token alive per
-    # encode chunk) and packed rows, estimated from its source's mean document size (a batch of short documents
-    # does not wait for the memory a batch of books needs)
+    # memory= per task, from its own batch (a batch of short documents does not wait for the memory a batch of
+    # books needs): its source's mean document size and its staged file's largest document
     mean_chars = {s.name: markers[s.name]["chars"] / max(1, markers[s.name]["rows"]) for s in sources}
-    memory = [int(256 * 2**20 + 24 * mean_chars[t["source"]] * t["count"]) for t in tasks]
+    memory = [pack_task_memory(t["count"], mean_chars[t["source"]], t["max_chars"]) for t in tasks]
     kwargs = {"tokenizer_file": str(tokenizer_file), "row_len": seq_len + 1, "seed": seed,
               "val_fraction": val_fraction, "vocab_size": vocab_size, "dtype": dtype, "out_dir": str(work)}
     results = run_tasks(tokenize_and_pack, [(t,) for t in tasks], name="tokenize_pack", common=kwargs,
@@ -223,7 +277,8 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
         print(f"[pack] {reused}/{len(results)} batches were already packed by an earlier run", flush=True)
     files.sort(key=lambda f: f["file"])
     marker = {
-        "fingerprint": fingerprint, "seq_len": seq_len, "seed": seed, "token_dtype": dtype, "files": files,
+        "fingerprint": fingerprint, "fingerprint_inputs": fingerprint_inputs, "seq_len": seq_len, "seed": seed,
+        "token_dtype": dtype, "files": files,
         "sources": per_source,
         "train_rows": sum(f["train_rows"] for f in files), "val_rows": sum(f["val_rows"] for f in files),
         **extra_marker,

@@ -16,17 +16,19 @@ num_steps) runs the coda and head and emits a token; its next token's prelude jo
 step. A finished (or cancelled) request frees its row and its cache at once, and waiting requests are admitted
 at the start of a step, in the order they came, while both capacities allow: rows (`max_rows`, the batch of a
 core call) and key/value bytes (`max_cache_bytes`; a request reserves the most its cache can hold,
-IterationKVCache.reserved_bytes).
+CachePool.reserved_bytes).
 
 Each request draws its initial noise and its samples from its own generator, seeded with its `seed`, and
 attends only through its own cache at its own positions: its output is what `generate` gives it alone at
 batch size 1 with `generator=torch.Generator().manual_seed(seed)`, token for token and iteration for
 iteration, up to the rounding of batched matmuls (tests/test_model_engine.py).
 
-Layout: every request owns an IterationKVCache sized for its prompt + max_new_tokens; a batched call pads the
-rows to the longest forward and copies each row's keys/values into a padded batch per attention call
-(RowBatchCache), so the attention reads what it reads at batch 1 plus that copy and the padding. Simple and
-exact on a CPU; a paged layout that attends in place would save the copy on an accelerator.
+Layout: one CachePool holds every request's keys/values; a request takes a slot and, at admission, the
+entries it reserved (prompt + max_new_tokens positions x the blocks its strategy keeps), and gives both back
+when it finishes or is cancelled. A batched call reads and writes every row through index tensors computed once
+per call (RowBatch): per block one indexed store of the new keys/values and one gather of the attended ones, no
+per-row work; the attention then reads the gathered rows padded to the longest (one extra copy of what it reads,
+as `RecurrentGPT.generate`'s concatenation has).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from huginn_ray.model.cache import IterationKVCache
+from huginn_ray.model.cache import CachePool
 from huginn_ray.model.generate import Request, Sequence, advance, start
 from huginn_ray.model.model import RecurrentGPT
 
@@ -96,7 +98,11 @@ class Engine:
     def __init__(self, model: RecurrentGPT, config: EngineConfig):
         self.model, self.config = model.eval(), config
         self.device = model.freqs_cis.device
-        self.element_size = next(model.parameters()).element_size()
+        parameter = next(model.parameters())
+        self.element_size = parameter.element_size()
+        entry_bytes = 2 * model.config.n_embd * self.element_size
+        self.caches = CachePool(model.config, self.device, parameter.dtype, config.max_cache_bytes // entry_bytes)
+        """Every request's keys/values, allocated at admission as it reserved them (so never beyond max_cache_bytes)."""
         self.waiting: deque[tuple[int, Request]] = deque()
         self.pool: dict[int, Sequence] = {}
         self.reserved: dict[int, int] = {}
@@ -117,7 +123,7 @@ class Engine:
 
     def reservation(self, request: Request) -> int:
         """Cache bytes a checked request reserves while in flight."""
-        return IterationKVCache.reserved_bytes(self.model.config, len(request.prompt) + request.max_new_tokens - 1,
+        return CachePool.reserved_bytes(self.model.config, len(request.prompt) + request.max_new_tokens - 1,
                                                request.cache, request.num_steps, self.element_size)
 
     def submit(self, request: Request) -> int:
@@ -188,11 +194,12 @@ class Engine:
                 break  # first come, first served: a large request is not overtaken
             self.waiting.popleft()
             generator = torch.Generator(device=self.device).manual_seed(request.seed)
-            self.pool[request_id] = Sequence(request, generator, self.device, self.model.config)
+            self.pool[request_id] = Sequence(request, generator, self.caches, self.model.config)
             self.reserved[request_id] = need
             admitted.append(self.pool[request_id])
         if admitted:
             start(self.model, admitted)
 
     def _free(self, request_id: int) -> None:
-        del self.pool[request_id], self.reserved[request_id]
+        self.pool.pop(request_id).cache.release()
+        del self.reserved[request_id]

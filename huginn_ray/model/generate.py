@@ -43,9 +43,10 @@ At a fixed depth (no exits) all three equal the model's full cache (`ring:N` wit
 noise (continuous chain-of-thought, the release's `continuous_compute`).
 
 How rows advance (shared with the serving engine, huginn_ray.model.engine): every sequence is a `Sequence` with
-its own cache, random generator and forward in progress. `advance` runs one loop step: a batched core
-iteration over every sequence in the pool, each at its own position and iteration (`RowBatchCache`; one call
-for the decoding sequences, one for those in their prompt's prefill); a
+its own slot of a `CachePool` (keys/values; a decoding forward's latent state), random generator and forward in
+progress. `advance` runs one loop step: a batched core iteration over every sequence in the pool, each at its
+own position and iteration (`RowBatch`: one gather and one indexed store per block, whatever the rows' positions;
+one call for the decoding sequences, one for those in their prompt's prefill); a
 sequence whose forward ends (its criterion, or its maximum depth) runs the coda and head, emits a token and
 starts its next token's forward (prelude, initial state), which joins the next loop step. So no row waits for
 another (the release iterates exited rows until the whole batch exits), and each row gets what it gets alone
@@ -61,7 +62,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from huginn_ray.model.cache import IterationKVCache, RowBatchCache, parse_cache
+from huginn_ray.model.cache import CachePool, RowBatch, parse_cache
 from huginn_ray.model.config import ModelConfig
 from huginn_ray.model.flops import inference_flops_per_token
 from huginn_ray.model.model import RecurrentGPT
@@ -291,17 +292,22 @@ class Sequence:
     The forward in progress: `ids` (its positions' tokens), `injected` (the adapter's half for e), `state`
     (1, positions, D), `iteration` (core iterations done) and `criterion`. `advance` moves it on."""
 
-    def __init__(self, request: Request, generator: torch.Generator | None, device: torch.device,
+    def __init__(self, request: Request, generator: torch.Generator | None, caches: CachePool,
                  config: ModelConfig, input_states: Tensor | None = None, force_tokens: Tensor | None = None,
                  keep_states: bool = False):
         """`request` must be checked (Request.checked). `generator` draws the initial noise and the samples
-        (None: torch's global one). `input_states` (1, prompt, D) replaces the prefill's noise; `force_tokens`
+        (None: torch's global one). Its cache is a slot of `caches` (release it with `cache.release()` when the
+        pool outlives the sequence). `input_states` (1, prompt, D) replaces the prefill's noise; `force_tokens`
         (max_new_tokens,) are emitted instead of picked; `keep_states` records each forward's first and last
         latent state of the last position (GenerationResult)."""
         self.request, self.generator, self.force_tokens = request, generator, force_tokens
         self.input_states, self.keep_states = input_states, keep_states
-        self.cache = IterationKVCache(config, len(request.prompt) + request.max_new_tokens - 1, request.cache)
-        self.ids = torch.tensor(request.prompt, device=device)
+        self.cache = caches.allocate(config, len(request.prompt) + request.max_new_tokens - 1, request.cache,
+                                     request.num_steps)
+        self.ids = torch.tensor(request.prompt, device=caches.device)
+        """The prompt's ids while its prefill runs; None after (a decoding forward's id is tokens[-1])."""
+        self.length = len(request.prompt)
+        """Positions of the forward in progress."""
         self.tokens: list[int] = list(request.prompt)
         self.steps: list[int] = []
         self.logprobs: list[float] = []
@@ -311,27 +317,54 @@ class Sequence:
         self.finish_reason: str | None = None
         """None while generating; "stop" after a stop token, "length" after max_new_tokens."""
 
+    # A decoding forward's (one position) state and injected half live in its slot of the pool (CachePool.states,
+    # .injected), so that a batched step reads and writes them with one gather and one store; a prefill's here.
     @property
-    def length(self) -> int:
-        """Positions of the forward in progress."""
-        return self.ids.shape[0]
+    def state(self) -> Tensor:
+        """(1, positions, D) latent state of the forward in progress."""
+        return self.cache.pool.states[self.cache.slot].view(1, 1, -1) if self.length == 1 else self._state
 
-    def begin(self, model: RecurrentGPT, embedded: Tensor, injected: Tensor) -> None:
-        """Start a forward from its prelude output (1, positions, D): the initial state and a fresh criterion."""
-        request, prefill = self.request, not self.steps
-        if prefill and self.input_states is not None:
-            state = self.input_states.clone()
-        elif not prefill and request.warm_start:
-            state = self.last_final_state[:, None].clone()
+    @state.setter
+    def state(self, value: Tensor) -> None:
+        if self.length == 1:
+            self.cache.pool.states[self.cache.slot] = value[0, 0]
         else:
-            state = model._initial_state(embedded, self.generator)
+            self._state = value
+
+    @property
+    def injected(self) -> Tensor:
+        """(1, positions, D) the adapter's half for e of the forward in progress."""
+        return self.cache.pool.injected[self.cache.slot].view(1, 1, -1) if self.length == 1 else self._injected
+
+    @injected.setter
+    def injected(self, value: Tensor) -> None:
+        if self.length == 1:
+            self.cache.pool.injected[self.cache.slot] = value[0, 0]
+        else:
+            self._injected = value
+
+    def initial_state(self, model: RecurrentGPT, embedded: Tensor) -> Tensor:
+        """The next forward's initial state, (1, positions, D), from its prelude output: the prefill's
+        `input_states`, the previous token's final state (warm start), or noise from the sequence's generator."""
+        prefill = not self.steps
+        if prefill and self.input_states is not None:
+            return self.input_states
+        if not prefill and self.request.warm_start:
+            return self.last_final_state[:, None]
+        return model._initial_state(embedded, self.generator)
+
+    def begin(self, model: RecurrentGPT, initial: Tensor, row: int) -> None:
+        """Start a forward from row `row` of the batch's initial states (rows, width, D) (`start` places the state
+        and the injected half): a fresh criterion."""
+        request, prefill = self.request, not self.steps
+        state = initial[row : row + 1, : self.length]
         if self.keep_states:
             self.initial_states.append(state[0, -1].clone())
         self.criterion = None
         if request.exit_criterion is not None and (not prefill or request.exit_in_prefill):
             self.criterion = ExitCriterion(request.exit_criterion, request.exit_threshold, model.config.vocab_size,
                                            state)
-        self.state, self.injected, self.iteration, self.coda_evals = state, injected, 0, 0
+        self.iteration, self.coda_evals = 0, 0
 
     def checks_now(self) -> bool:
         """Whether the criterion is checked after the iteration just done (never after the last: nothing to save)."""
@@ -346,19 +379,19 @@ class Sequence:
         request = self.request
         return model._pick(logits, request.temperature, request.top_k, self.generator, request.top_p)
 
-    def emit(self, model: RecurrentGPT, token: Tensor, token_id: int, logprob: float) -> None:
-        """End the forward with its token ((1,) on the device, and its id) and that token's log-probability:
-        commit its positions, record it (`coda_evals` counts every coda + head run of the forward)."""
+    def emit(self, model: RecurrentGPT, token_id: int, logprob: float) -> None:
+        """End the forward, whose positions are committed, with its token and that token's log-probability:
+        record it (`coda_evals` counts every coda + head run of the forward)."""
         request = self.request
-        self.cache.commit(self.length, self.iteration)
         self.steps.append(self.iteration)
-        self.last_final_state = self.state[:, -1].clone()
-        if self.keep_states:
-            self.final_states.append(self.last_final_state[0])
+        if request.warm_start or self.keep_states:
+            self.last_final_state = self.state[:, -1].clone()
+            if self.keep_states:
+                self.final_states.append(self.last_final_state[0])
         self.flops.append(inference_flops_per_token(model.config, self.iteration, self.cache.length, self.coda_evals))
         self.logprobs.append(logprob)
         self.tokens.append(token_id)
-        self.ids = token
+        self.ids, self.length = None, 1
         if token_id in request.stop_token_ids:
             self.finish_reason = "stop"
         elif len(self.steps) == request.max_new_tokens:
@@ -368,15 +401,28 @@ class Sequence:
 def start(model: RecurrentGPT, sequences: list[Sequence]) -> None:
     """Run the prelude of each sequence's next forward (its prompt, or its last token) in one batched call and
     begin the forwards."""
-    rows = RowBatchCache([s.cache for s in sequences], [s.length for s in sequences])
-    ids = pad([s.ids[None, :, None] for s in sequences], rows.width)[..., 0]
+    rows = RowBatch([s.cache for s in sequences], [s.length for s in sequences], "prelude")
+    device = rows.pool.device
+    if rows.width == 1:
+        ids = torch.tensor([s.tokens[-1:] for s in sequences], device=device)
+    else:
+        ids = pad([(torch.tensor(s.tokens[-1:], device=device) if s.ids is None else s.ids)[None, :, None]
+                   for s in sequences], rows.width)[..., 0]
     rope = rows.rope(model.freqs_cis)
     x = model.transformer.wte(ids) * model.config.embedding_scale
     for index, block in enumerate(model.transformer.prelude):
         x = block(x, rope, rows, index)
     injected = model._inject(x)
+    initial = pad([s.initial_state(model, x[row : row + 1, : s.length]) for row, s in enumerate(sequences)], rows.width)
     for row, sequence in enumerate(sequences):
-        sequence.begin(model, x[row : row + 1, : sequence.length], injected[row : row + 1, : sequence.length])
+        sequence.begin(model, initial, row)
+    if rows.width == 1:  # decoding forwards: into their slots at once
+        rows.pool.states.index_copy_(0, rows.slots, initial[:, 0])
+        rows.pool.injected.index_copy_(0, rows.slots, injected[:, 0])
+    else:
+        for row, sequence in enumerate(sequences):
+            sequence.state = initial[row : row + 1, : sequence.length].clone()
+            sequence.injected = injected[row : row + 1, : sequence.length]
 
 
 def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, int]]:
@@ -385,8 +431,9 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
     prompt does not pad every decoding row to its length). Those whose forward ends (criterion, or maximum
     depth) run the coda and head, emit a token and, unless finished, begin their next forward (which joins the
     next loop step). Returns (sequence, token id) for each token emitted."""
-    decoding = [sequence for sequence in pool if sequence.length == 1]
-    prefilling = [sequence for sequence in pool if sequence.length > 1]
+    decoding, prefilling = [], []
+    for sequence in pool:
+        (decoding if sequence.length == 1 else prefilling).append(sequence)
     for group in (decoding, prefilling):
         if group:
             iterate(model, group)
@@ -394,34 +441,43 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
     for sequence in decoding + prefilling:
         if sequence.iteration == sequence.request.num_steps:
             ended.append(sequence)
-        elif sequence.checks_now():
+        elif sequence.criterion is not None and sequence.checks_now():
             criterion = sequence.criterion
             checks.setdefault((criterion.name, 0 if criterion.uses_logits else sequence.length), []).append(sequence)
-    check_logits = {}
     logit_checks = [sequence for (name, _), group in checks.items() if name in LOGIT_CRITERIA for sequence in group]
-    if logit_checks:
-        check_logits = dict(zip(map(id, logit_checks), coda_head(model, logit_checks)))
+    check_row = {id(sequence): row for row, sequence in enumerate(logit_checks)}
+    check_logits = coda_head(model, logit_checks) if logit_checks else None
     for (name, _), group in checks.items():  # one computation per criterion (and length, for latent ones)
         criteria = [sequence.criterion for sequence in group]
         if name in LOGIT_CRITERIA:
             for sequence in group:
                 sequence.coda_evals += 1
-            values = ExitCriterion.quantities(criteria, None, torch.cat([check_logits[id(s)] for s in group]))
+            logits = check_logits if len(group) == len(logit_checks) else check_logits[
+                torch.tensor([check_row[id(s)] for s in group], device=check_logits.device)]
+            values = ExitCriterion.quantities(criteria, None, logits)
         else:
-            values = ExitCriterion.quantities(criteria, torch.cat([s.state for s in group]), None)
+            values = ExitCriterion.quantities(criteria, states(group), None)
         ended += [sequence for sequence, exits in zip(group, ExitCriterion.exiting(criteria, values)) if exits]
     if not ended:
         return []
     # a forward that ends at a logit check already has its logits: the coda and head ran on its final state
-    final = [sequence for sequence in ended if id(sequence) not in check_logits]
-    final_logits = dict(zip(map(id, final), coda_head(model, final))) if final else {}
-    logits = torch.cat([final_logits.get(id(sequence), check_logits.get(id(sequence))) for sequence in ended])
-    tokens = torch.cat([sequence.pick(model, logits[row : row + 1]) for row, sequence in enumerate(ended)])
+    final = [sequence for sequence in ended if id(sequence) not in check_row]
+    final_row = {id(sequence): row for row, sequence in enumerate(final)}
+    logits = coda_head(model, final) if final else None
+    if len(final) < len(ended):
+        both = check_logits if logits is None else torch.cat([logits, check_logits])
+        logits = both[torch.tensor([final_row[id(s)] if id(s) in final_row else len(final) + check_row[id(s)]
+                                    for s in ended], device=both.device)]
+    if all(sequence.force_tokens is None and sequence.request.temperature == 0 for sequence in ended):
+        tokens = logits.argmax(dim=-1)  # greedy: what each row's own pick gives, in one call
+    else:
+        tokens = torch.cat([sequence.pick(model, logits[row : row + 1]) for row, sequence in enumerate(ended)])
     logprobs = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
     emitted = list(zip(ended, tokens.tolist()))  # the step's one read of the tokens (and one of their logprobs)
-    for row, ((sequence, token_id), logprob) in enumerate(zip(emitted, logprobs.tolist())):
-        sequence.coda_evals += id(sequence) in final_logits
-        sequence.emit(model, tokens[row : row + 1], token_id, logprob)
+    ended[0].cache.pool.commit([s.cache for s in ended], [s.length for s in ended], [s.iteration for s in ended])
+    for (sequence, token_id), logprob in zip(emitted, logprobs.tolist()):
+        sequence.coda_evals += id(sequence) in final_row
+        sequence.emit(model, token_id, logprob)
     going_on = [sequence for sequence, _ in emitted if sequence.finish_reason is None]
     if going_on:
         start(model, going_on)
@@ -430,26 +486,42 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
 
 def iterate(model: RecurrentGPT, sequences: list[Sequence]) -> None:
     """One core iteration of the sequences' forwards, in one batched call."""
-    rows = RowBatchCache([s.cache for s in sequences], [s.length for s in sequences], [s.iteration for s in sequences])
-    state = pad([s.state for s in sequences], rows.width)
-    injected = pad([s.injected for s in sequences], rows.width)
-    new = model._core(state, injected, rows.rope(model.freqs_cis), rows, 0)  # rows add their own iterations
-    for row, sequence in enumerate(sequences):
-        sequence.state = new[row : row + 1, : sequence.length]
+    rows = RowBatch([s.cache for s in sequences], [s.length for s in sequences], "core",
+                    [s.iteration for s in sequences])
+    rope = rows.rope(model.freqs_cis)
+    if rows.width == 1:  # decoding: the states and injected halves in the pool's slots
+        pool, slots = rows.pool, rows.slots
+        new = model._core(pool.states.index_select(0, slots)[:, None], pool.injected.index_select(0, slots)[:, None],
+                          rope, rows, 0)  # rows add their own iterations
+        pool.states.index_copy_(0, slots, new[:, 0])
+    else:
+        new = model._core(pad([s.state for s in sequences], rows.width),
+                          pad([s.injected for s in sequences], rows.width), rope, rows, 0)
+        for row, sequence in enumerate(sequences):
+            sequence.state = new[row : row + 1, : sequence.length]
+    for sequence in sequences:
         sequence.iteration += 1
 
 
-def coda_head(model: RecurrentGPT, sequences: list[Sequence]) -> list[Tensor]:
-    """The coda and head over the sequences' current states, in one batched call: each one's last-position
-    logits over the real vocabulary, (1, V) fp32."""
-    rows = RowBatchCache([s.cache for s in sequences], [s.length for s in sequences])
+def coda_head(model: RecurrentGPT, sequences: list[Sequence]) -> Tensor:
+    """The coda and head over the sequences' current states, in one batched call: their last positions' logits
+    over the real vocabulary, (rows, V) fp32."""
+    rows = RowBatch([s.cache for s in sequences], [s.length for s in sequences], "coda")
     rope = rows.rope(model.freqs_cis)
-    x = model.transformer.ln_f(pad([s.state for s in sequences], rows.width))
+    x = model.transformer.ln_f(states(sequences, rows))
     for index, block in enumerate(model.transformer.coda):
         x = block(x, rope, rows, -1 - index)
     last = x[torch.arange(len(sequences)), torch.tensor([s.length - 1 for s in sequences])]
-    logits = model.lm_head(model.transformer.ln_f(last)).float()[:, : model.config.vocab_size]
-    return [logits[row : row + 1] for row in range(len(sequences))]
+    return model.lm_head(model.transformer.ln_f(last)).float()[:, : model.config.vocab_size]
+
+
+def states(sequences: list[Sequence], rows: RowBatch | None = None) -> Tensor:
+    """The sequences' states side by side, (rows, width, D), padded after each one's length."""
+    if all(sequence.length == 1 for sequence in sequences):
+        pool = sequences[0].cache.pool
+        slots = rows.slots if rows is not None else torch.tensor([s.cache.slot for s in sequences], device=pool.device)
+        return pool.states.index_select(0, slots)[:, None]
+    return pad([s.state for s in sequences], max(s.length for s in sequences))
 
 
 def pad(tensors: list[Tensor], width: int) -> Tensor:
@@ -495,12 +567,12 @@ def generate(
     model.eval()
     t0 = time.perf_counter()
     try:
-        pool = []
+        pool, caches = [], CachePool(model.config, input_ids.device, next(model.parameters()).dtype)
         for row, prompt in enumerate(input_ids.tolist()):
             request = Request(tuple(prompt), max_new_tokens, num_steps, exit_criterion, exit_threshold, min_steps,
                               check_every, exit_in_prefill, cache, warm_start, temperature, top_k, top_p,
                               stop_token_ids=() if eos_token_id is None else (eos_token_id,)).checked(model.config)
-            pool.append(Sequence(request, generator, input_ids.device, model.config,
+            pool.append(Sequence(request, generator, caches, model.config,
                                  None if input_states is None else input_states[row : row + 1],
                                  None if force_tokens is None else force_tokens[row], keep_states=True))
         rows = list(pool)
@@ -525,7 +597,7 @@ def result(rows: list[Sequence], eos_token_id: int | None, seconds: float) -> Ge
     decoded = [flops for row in rows for flops in row.flops[1:]] or [row.flops[0] for row in rows]
     held = sum(row.cache.bytes_held() for row in rows)
     return GenerationResult(
-        tokens=tokens.to(rows[0].ids.device), steps=torch.tensor([padded(row.steps, 0) for row in rows]),
+        tokens=tokens.to(rows[0].cache.pool.device), steps=torch.tensor([padded(row.steps, 0) for row in rows]),
         flops_per_token=sum(decoded) / len(decoded),
         cache_bytes_per_token=held / sum(row.cache.length for row in rows), seconds=seconds,
         initial_states=[torch.stack([row.initial_states[i] if i < len(row.initial_states) else zeros for row in rows])

@@ -60,6 +60,9 @@ class TrainerState:
     """Train shards of the data order (huginn_ray.train.data_order)."""
     global_batch_rows: int = 0
     """Rows per optimizer step of the data order."""
+    data_dir: str = ""
+    """The shard version the run reads (RunPlan.data_dir); a resumed run keeps it ("": written before it was
+    recorded)."""
     rows_per_stream: int = 0
     """The data position: rows every stream has given (step x global_batch_rows / num_streams)."""
     world_size: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -148,6 +149,27 @@ class MlflowSection:
 
 
 @dataclass
+class ProfileSection:
+    steps: list[int] | None = None
+    """[a, b]: every rank records a torch profiler trace of steps a to b (1 <= a <= b <= max_steps), written to
+    <run_dir>/profile/rank<k>.trace.json and logged to MLflow (huginn_ray.train.profiling). None: no profiling."""
+    memory_snapshot: bool = False
+    """Also a CUDA memory snapshot of those steps, <run_dir>/profile/rank<k>.memory.pickle (CUDA only; on other
+    devices the console says none is written)."""
+
+
+@dataclass
+class ObserveSection:
+    straggler_ratio: float = 1.5
+    """At every log interval, a rank whose own time per step (its phases without the step's collectives)
+    exceeds this many times the median rank's is named, with its host, in the console and MLflow."""
+    module_norms: bool = True
+    """Gradient and update norms of the embeddings, prelude, core and coda at the log interval (MLflow
+    grad_norm/<module>, update_norm/<module>). The update norm keeps a copy of this rank's parameters (its
+    shards under hsdp) during the optimizer step of log steps."""
+
+
+@dataclass
 class FaultInjection:
     kill_rank_at_step: int | None = None
     """Testing only: worker `kill_rank` calls os._exit(1) once, after this step (a marker file in out_dir
@@ -270,6 +292,10 @@ class TrainConfig:
     (64 for an MI250X GCD) or, on CPU, the machine's RAM divided by the workers."""
     memory_headroom: float = 0.9
     """The preflight refuses a plan above device_memory_gib x memory_headroom."""
+    profile: ProfileSection = field(default_factory=ProfileSection)
+    """Profiler trace (and CUDA memory snapshot) of chosen steps."""
+    observe: ObserveSection = field(default_factory=ObserveSection)
+    """What the log interval shows besides loss and speed: module norms, stragglers."""
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
     """Testing only."""
 
@@ -284,8 +310,8 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
     their own directories."""
     cfg = load_config(TrainConfig, path, overrides, removed=REMOVED_KEYS)
     cfg.out_dir = str(Path(cfg.out_dir).resolve())
-    if cfg.data.data_dir:
-        cfg.data.data_dir = str(Path(cfg.data.data_dir).resolve())
+    if cfg.data.data_dir:  # absolute, a pointer kept as a pointer: the preflight resolves it (RunPlan.data_dir)
+        cfg.data.data_dir = os.path.abspath(cfg.data.data_dir)
     if cfg.data.tokenizer_path:
         cfg.data.tokenizer_path = str(Path(cfg.data.tokenizer_path).resolve())
     cfg.init_from = str(Path(cfg.init_from).resolve()) if cfg.init_from else None
@@ -304,6 +330,7 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
             raise ConfigError(f"fault_injection.{key}: must be in [0, {cfg.scaling.min_workers - 1}] "
                               f"(scaling.num_workers={cfg.scaling.num_workers}), got {rank}")
     check_sharding_config(cfg)
+    check_profile_steps(cfg)
     check_compile_options(cfg)
     check_param_dtype(cfg)
     return cfg
@@ -344,6 +371,18 @@ def check_param_dtype(cfg: TrainConfig) -> None:
     if cfg.precision == "fp32" or (cfg.precision == "auto" and not cfg.scaling.use_gpu):
         raise ConfigError(f"parallelism.param_dtype=bfloat16 needs precision=bf16-mixed (precision={cfg.precision}"
                           f"{', on CPU' if cfg.precision == 'auto' else ''} trains in fp32)")
+
+
+def check_profile_steps(cfg: TrainConfig) -> None:
+    """profile.steps is [a, b] with 1 <= a <= b, within max_steps when the config sets it (with max_tokens alone
+    the run's length is known later; steps past its end are not profiled)."""
+    steps = cfg.profile.steps
+    if steps is None:
+        return
+    if len(steps) != 2 or steps[0] > steps[1]:
+        raise ConfigError(f"profile.steps: [first, last] with first <= last, got {steps}")
+    if cfg.max_steps is not None and steps[1] > cfg.max_steps:
+        raise ConfigError(f"profile.steps: {steps} ends after the run's last step (max_steps={cfg.max_steps})")
 
 
 def check_compile_options(cfg: TrainConfig) -> None:
@@ -404,4 +443,6 @@ TRAIN_RANGES: dict[str, Range] = {
     "device_memory_gib": POSITIVE,
     "memory_headroom": Range(0, 1, lo_open=True),
     "loss_chunk_tokens": NON_NEGATIVE,  # 0: full logits
+    "profile.steps": AT_LEAST_1,
+    "observe.straggler_ratio": Range(1, lo_open=True),
 }

@@ -19,7 +19,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from huginn_ray.cluster.devices import DeviceSelectionError, check_ray_train_gpu_environment, distributed_backend
 from huginn_ray.config import ConfigError
-from huginn_ray.data.shards import read_manifest
+from huginn_ray.data.shards import read_manifest, shard_version
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, check_tokenizer_fits, file_sha256, special_token_ids
 from huginn_ray.model import ModelConfig
 from huginn_ray.model.pretrained import resolve_model_dir
@@ -46,6 +46,26 @@ def newest_checkpoint_state(run_dir: Path) -> ckpt.TrainerState | None:
             except ckpt.CheckpointError:
                 continue
     return None
+
+
+def data_version(data_dir: Path, resumed: ckpt.TrainerState | None) -> Path:
+    """The shard version the run reads, resolved once here and handed to every worker (RunPlan.data_dir): the
+    version `data.data_dir` points to now (huginn_ray.data.shards.shard_version), or, when the run resumes, the
+    version its checkpoint was trained on if that is a version of the same pointer (a publish since the run
+    started does not change its data). A recorded version that is gone is refused by name."""
+    current = shard_version(data_dir)
+    recorded = Path(resumed.data_dir) if resumed is not None and resumed.data_dir else None
+    if recorded is None or recorded == current or recorded.parent != data_dir.parent or not (
+            recorded.name.startswith(f"{data_dir.name}.v")):
+        return current
+    if not recorded.is_dir():
+        raise PreflightError(
+            f"data.data_dir: the run's newest checkpoint (step {resumed.step}) was trained on {recorded}, which no "
+            f"longer exists ({data_dir} now points to {current}); a run keeps the shard version it started with: "
+            "restore it, or start a new run_name (init_from the checkpoint's model) on the new version")
+    print(f"[huginn] {data_dir} now points to {current}; this run keeps reading {recorded}, the version it "
+          "started with", flush=True)
+    return recorded
 
 
 def data_order(cfg: TrainConfig, num_streams: int, resumed: ckpt.TrainerState | None) -> DataOrder:
@@ -114,14 +134,15 @@ def preflight(cfg: TrainConfig) -> RunPlan:
         raise PreflightError(str(err)) from None
     if not cfg.data.data_dir:
         raise PreflightError("data.data_dir is not set")
-    data_dir = Path(cfg.data.data_dir)
-    if not data_dir.is_dir():
-        raise PreflightError(f"data.data_dir: directory not found: {data_dir}")
+    if not Path(cfg.data.data_dir).is_dir():
+        raise PreflightError(f"data.data_dir: directory not found: {cfg.data.data_dir}")
+    resumed = newest_checkpoint_state(cfg.run_dir)
+    data_dir = data_version(Path(cfg.data.data_dir), resumed)
     try:
         manifest = read_manifest(data_dir)
     except ValueError as err:
         raise PreflightError(f"data.data_dir: {err}") from None
-    order = data_order(cfg, manifest["num_shards"], newest_checkpoint_state(cfg.run_dir))
+    order = data_order(cfg, manifest["num_shards"], resumed)
     if manifest["seq_len"] != cfg.block_size:
         raise PreflightError(f"block_size={cfg.block_size} but the shards in {data_dir} hold seq_len={manifest['seq_len']}")
 
@@ -177,7 +198,8 @@ def preflight(cfg: TrainConfig) -> RunPlan:
           + (f"; {shards.row_groups_without_statistics} row groups carry no id statistics (their ids are "
              "range-checked by collate during training only)" if shards.row_groups_without_statistics else ""), flush=True)
     precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if cfg.scaling.use_gpu else "fp32")
-    return RunPlan(global_batch_rows=order.global_batch_rows, num_streams=order.num_streams, schedule_steps=steps,
+    return RunPlan(global_batch_rows=order.global_batch_rows, num_streams=order.num_streams, data_dir=str(data_dir),
+                   schedule_steps=steps,
                    pad_id=ids["pad"], eos_id=ids["eos"], precision=precision, model_config=model_cfg,
                    stop_at_unix=stop_at_unix(cfg, time.time(), os.environ), init_from=source)
 

@@ -3,14 +3,16 @@
 One step: read and check the step's micro-batches on the host, count their supervised labels over every rank (one
 small all-reduce, used on the device), sample the depth (n, k) from the step (the same on every rank),
 forward+backward every micro-batch, exchange gradients (fp32 mean), clip, set the scheduled lr in every group,
-step (not the first one), then log, validate and checkpoint on their intervals. The loss is the sum of the token
+step (not the first one), then validate, log and checkpoint on their intervals. The loss is the sum of the token
 losses of the whole global batch over its supervised tokens, divided by their count, on every layout, gradient
 accumulation and split of a micro-batch's rows over the ranks (they may differ by a row: data_order.py).
 
 All ranks decide alike with one small all-reduce per step, read once by the host (the step's only host sync):
 the loss, whether the loss or gradient norm is non-finite, a stop request (SIGTERM, the Slurm signal), the time
 budget running out, and a rank that could not read its data. A data error therefore stops every rank at the same
-step, within seconds, instead of leaving 4095 ranks waiting for the process-group timeout.
+step, within seconds, instead of leaving 4095 ranks waiting for the process-group timeout. A log step adds one
+all-reduce and one read for everything else the log shows (huginn_ray.train.observe: phase times, module norms,
+every rank's step time, the model's telemetry, the validation losses).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import os
 import random
 import resource
+import shutil
 import tempfile
 import time
 from contextlib import nullcontext
@@ -39,6 +42,9 @@ from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, c
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig, compile_options_for
 from huginn_ray.train.grad_sync import build_grad_sync, build_hsdp_grad_sync
+from huginn_ray.train.observe import (MODULES, NO_CLOCK, OWN_PHASES, ModuleNorms, PhaseClock, find_stragglers,
+                                      own_time_slot, read_interval)
+from huginn_ray.train.profiling import StepProfiler
 from huginn_ray.train.optim import apply_config_on_resume, build_optimizer, set_lr, trapezoid_lr
 from huginn_ray.train import parallel
 from huginn_ray.train.data_order import DataOrder, DataOrderError
@@ -124,6 +130,9 @@ class Components:
     shape: parallel.MeshShape
     resumed: bool = False
     """Model, optimizer and reader were loaded from a checkpoint."""
+    hosts: list[str] | None = None
+    """Every rank's host, as the IP address of its Ray node, gathered at startup with the placements (straggler
+    lines name them); None outside Ray Train."""
 
 
 def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.device,
@@ -174,7 +183,7 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
                                max_chunks_in_flight=cfg.grad_sync.max_chunks_in_flight)
     optimizer = build_optimizer(model, cfg.optim)
     reader = StepPrefetcher(
-        RankReader(order, rank, lambda stream: ShardReader(shard_path(cfg.data.data_dir, "train", stream), stream,
+        RankReader(order, rank, lambda stream: ShardReader(shard_path(plan.data_dir, "train", stream), stream,
                                                            cfg.seed, cfg.block_size + 1)),
         order.grad_accum, lambda rows: collate(rows, plan.pad_id, plan.eos_id, model_cfg.vocab_size),
         pin=device.type == "cuda")
@@ -213,12 +222,16 @@ class StepResult:
     """Global L2 norm of the averaged gradients before clipping."""
     num_steps: tuple[int, int]
     """Depth (n, k) of the step's last micro-batch."""
-    telemetry: dict | None
+    telemetry: dict[str, torch.Tensor] | None
+    """The model's latent-state telemetry of the last micro-batch (device scalars), when asked for."""
     stop_reason: str | None
     """Save and stop after this step: "request" (a rank saw the STOP file: SIGTERM, the Slurm signal) or
     "time limit" (a rank found the time budget running out); None: go on."""
     depths: list = None
     """Depth (n, k) of every micro-batch of the step."""
+    module_norms: torch.Tensor | None = None
+    """With `norms`: this rank's shares of the squared gradient norms, then of the squared update norms, of
+    observe.MODULES (device fp64; the log interval's all-reduce sums them)."""
 
     @property
     def stop_requested(self) -> bool:
@@ -232,14 +245,20 @@ def micro_step(step: int, micro: int, grad_accum: int) -> int:
 
 
 def train_step(c: Components, step: int, cfg: TrainConfig, plan: RunPlan, device: torch.device,
-               want_telemetry: bool = False, stop_here: bool = False, time_up: bool = False) -> StepResult:
+               want_telemetry: bool = False, stop_here: bool = False, time_up: bool = False,
+               clock: PhaseClock = NO_CLOCK, norms: ModuleNorms | None = None) -> StepResult:
     """One optimizer step (reference §3.4): identical depth on all ranks, micro-batches, exchange, clip, step.
 
     `stop_here` / `time_up`: this rank asks every rank to save and stop after this step (the STOP file, the time
-    budget). Losses and the gradient norm stay on the device until the step's one all-reduce is read."""
+    budget). Losses and the gradient norm stay on the device until the step's one all-reduce is read. `clock`
+    times the step's phases (observe.PHASES); with `norms` the step also leaves its module gradient and update
+    norms on the device (log steps)."""
     grad_accum = c.order.grad_accum
+    clock.start()
     batches, data_error = read_batches(c, cfg)
+    clock.lap("data")
     counts, global_count = supervised_counts(batches, plan.pad_id, device)
+    clock.lap("comm")
     telemetry = None
     # no supervised token in the whole step: a non-finite step (on_nonfinite decides)
     local_loss = torch.zeros((), dtype=torch.float64, device=device).masked_fill(global_count == 0, math.nan)
@@ -257,6 +276,7 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: RunPlan, device
             with c.autocast:
                 out = c.sync.module(inputs, labels=labels, num_steps=(n, k), input_states=states,
                                     ignore_index=plan.pad_id, return_telemetry=want_telemetry and last)
+            clock.lap("forward")
             if counts[micro]:
                 # out.loss is this micro-batch's mean over its supervised tokens; the gradient exchange divides
                 # by the world size: out.loss / (N / (W n)) makes the step's loss sum / N over the global batch
@@ -265,14 +285,18 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: RunPlan, device
                 local_loss += out.loss.detach().double() / divisor
             else:  # nothing supervised: its mean is 0/0; a zero gradient keeps every collective of the step
                 (out.loss * 0.0).backward()
+        clock.lap("backward")
         telemetry = out.telemetry or telemetry
     c.sync.finish()
+    clock.lap("comm")
+    grad_squares = norms.grads() if norms is not None else None  # before clipping
 
     # a function of the optimizer step alone, so a resume on another worker count or accumulation keeps it
     lr = trapezoid_lr(step, cfg.optim.lr, cfg.schedule.warmup_steps, cfg.schedule.cooldown_steps,
                       plan.schedule_steps, cfg.schedule.min_lr)
     set_lr(c.optimizer, lr, cfg.schedule.reference_lr_quirk, c.resumed)
     grad_norm = clip_gradients(c, cfg.grad_clip)
+    clock.lap("optimizer")
 
     # the step's agreement: [loss sum, non-finite ranks, stop requests, time-ups, data errors, grad norm (rank 0's)];
     # built on the device (no host round trip), reduced once, read once
@@ -288,6 +312,7 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: RunPlan, device
     dist.all_reduce(agreed)
     loss_sum, nonfinite_ranks, stop_ranks, time_up_ranks, data_error_ranks, grad_norm = agreed.tolist()
     loss = loss_sum / world_size
+    clock.lap("comm")
 
     if data_error_ranks:
         c.optimizer.zero_grad(set_to_none=True)
@@ -299,10 +324,17 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: RunPlan, device
         if rank == 0:
             print(f"[huginn] {message}; optimizer step skipped (on_nonfinite=skip)", flush=True)
     elif not (step == 1 and cfg.skip_first_optimizer_step):
+        if norms is not None:
+            norms.snapshot()
         c.optimizer.step()
+    module_norms = None
+    if norms is not None:  # no snapshot: no step taken, a zero update
+        updates = norms.updates() if norms.before is not None else torch.zeros_like(grad_squares)
+        module_norms = torch.cat([grad_squares, updates])
     c.optimizer.zero_grad(set_to_none=True)
+    clock.lap("optimizer")
     stop_reason = "request" if stop_ranks else "time limit" if time_up_ranks else None
-    return StepResult(loss, lr, grad_norm, (n, k), telemetry, stop_reason, depths)
+    return StepResult(loss, lr, grad_norm, (n, k), telemetry, stop_reason, depths, module_norms)
 
 
 def supervised_counts(batches: list[Batch], pad_id: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
@@ -397,6 +429,7 @@ def start_worker(cfg: TrainConfig, plan: RunPlan, ctx, device: torch.device) -> 
     except DataOrderError as err:  # the same on every rank, before any collective
         raise Stop(f"data order: {err}", reporter=rank == 0) from None
     placements = ckpt.all_ranks(placement, device)
+    c.hosts = [p["node_ip"] for p in placements]
     parallel.check_node_layout(c.shape, placements)
     if rank == 0:
         print(f"[huginn] {parallel.describe_layout(c.shape, placements)}", flush=True)
@@ -408,7 +441,7 @@ def read_validation_batch(c: Components, cfg: TrainConfig, plan: RunPlan, rank: 
     """This rank's fixed validation rows; every rank stops alike when one cannot read them."""
     read_error, val_batch = None, None
     try:
-        val_batch = collate(validation_rows(cfg.data.data_dir, c.order, rank, cfg.eval_iters, cfg.block_size + 1),
+        val_batch = collate(validation_rows(plan.data_dir, c.order, rank, cfg.eval_iters, cfg.block_size + 1),
                             plan.pad_id, plan.eos_id, c.model_cfg.vocab_size)
     except DATA_ERRORS as err:
         read_error = f"validation data: {type(err).__name__}: {err}"
@@ -425,7 +458,8 @@ def restore_state(c: Components, cfg: TrainConfig, plan: RunPlan, rank: int, wor
     import ray.train
 
     state = ckpt.TrainerState(mlflow_run_id=plan.mlflow_run_id, world_size=world_size, layout=layout_name(c.shape),
-                              num_streams=plan.num_streams, global_batch_rows=plan.global_batch_rows)
+                              num_streams=plan.num_streams, global_batch_rows=plan.global_batch_rows,
+                              data_dir=plan.data_dir)
     checkpoint = ray.train.get_checkpoint()  # out_dir is a filesystem every node sees: the path is the directory
     registered = Path(checkpoint.path) if checkpoint is not None else None
     resumed = resume_from_checkpoint(c, cfg, plan, registered, rank, device)
@@ -464,36 +498,51 @@ def open_logger(cfg: TrainConfig, state: ckpt.TrainerState, rank: int, world_siz
 
 def run_steps(c: Components, cfg: TrainConfig, plan: RunPlan, state: ckpt.TrainerState, val_batch: Batch, logger,
               rank: int, world_size: int, device: torch.device) -> None:
-    """Steps until the schedule ends or a stop is requested: each trains, then logs, validates and checkpoints on
-    its interval (`logger`: rank 0's, None elsewhere)."""
+    """Steps until the schedule ends or a stop is requested: each trains, validates, logs and checkpoints on its
+    interval (`logger`: rank 0's, None elsewhere). A validation step is also a log step: its losses travel in
+    the log interval's one read."""
     max_steps = plan.schedule_steps
     tokens_per_step = plan.global_batch_rows * cfg.block_size
     window = LogWindow()
     start_step = state.step
     step_seconds = 0.0
     checkpointer = Checkpointer(async_save_enabled(cfg), rank, device)
+    clock = PhaseClock(device)
+    norms = ModuleNorms(c.model, world_size) if cfg.observe.module_norms else None
+    profiler = StepProfiler(cfg.profile, cfg.run_dir, rank, device)
 
     while state.step < max_steps:
         state.step += 1
         step = state.step
-        log_step = step % cfg.log_step_interval == 0 or step == max_steps
+        last_step = step == max_steps
+        validation_step = step % cfg.eval_step_interval == 0 or last_step
+        log_step = step % cfg.log_step_interval == 0 or validation_step
+        profiler.before_step(step)
         step_start = time.time()
         result = train_step(c, step, cfg, plan, device, want_telemetry=cfg.telemetry and log_step,
                             stop_here=rank == 0 and any(path.exists() for path in stop_files(cfg)),
-                            time_up=rank == 0 and time_is_up(plan.stop_at_unix, step_start, step_seconds))
+                            time_up=rank == 0 and time_is_up(plan.stop_at_unix, step_start, step_seconds),
+                            clock=clock, norms=norms if log_step else None)
         step_seconds = time.time() - step_start
         state.tokens += tokens_per_step
         flops = sum(training_flops_per_token(c.model_cfg, depth, cfg.block_size) for depth in result.depths)
         window.add(result, flops / len(result.depths) * tokens_per_step, tokens_per_step)
+        validation = None
+        if validation_step:
+            clock.start()
+            validation = validation_sums(c.model, val_batch, cfg, plan, device, c.autocast)
+            clock.lap("validation")
+        if cfg.profile.steps and step == cfg.profile.steps[1]:
+            log_profile(profiler.after_step(step), logger, device)
         if log_step:
-            log_window(window, result, state, max_steps, cfg, logger, world_size, device)
+            log_interval(c, window, result, validation, clock, state, max_steps, cfg, logger, rank, world_size,
+                         device)
             window = LogWindow()
-        last_step = step == max_steps
-        if step % cfg.eval_step_interval == 0 or last_step:
-            validate_and_log(c, cfg, plan, val_batch, step, logger, device)
         if (step % cfg.checkpoint.save_step_interval == 0 or (last_step and cfg.checkpoint.save_last_step)
                 or result.stop_requested):
+            clock.start()
             save_checkpoint(c, checkpointer, state, result, last_step, logger, rank, device)
+            clock.lap("checkpoint")
         if result.stop_requested:
             if rank == 0:
                 report_stop(cfg, result, step)
@@ -502,28 +551,74 @@ def run_steps(c: Components, cfg: TrainConfig, plan: RunPlan, state: ckpt.Traine
     checkpointer.finish()
 
 
-def log_window(window: LogWindow, result: StepResult, state: ckpt.TrainerState, max_steps: int, cfg: TrainConfig,
-               logger, world_size: int, device: torch.device) -> None:
-    """The log interval's metrics (every rank computes them: the device memory is each rank's own); rank 0 logs
-    them and prints the progress line."""
+def log_interval(c: Components, window: LogWindow, result: StepResult, validation: torch.Tensor | None,
+                 clock: PhaseClock, state: ckpt.TrainerState, max_steps: int, cfg: TrainConfig, logger, rank: int,
+                 world_size: int, device: torch.device) -> None:
+    """The log interval's metrics, from one all-reduce and one device-to-host read (observe.read_interval) of
+    everything the device holds for it: every rank's own step time, the module norms, the model's telemetry and
+    the validation sums. Every rank takes part; rank 0 logs, prints the progress, phase, straggler and
+    validation lines, and queues the validation plot for the logger's drawing thread."""
+    step = state.step
+    phases = {phase: seconds / window.steps for phase, seconds in clock.read().items()}
+    summed = {"own_seconds": own_time_slot(sum(phases[p] for p in OWN_PHASES), rank, world_size)}
+    if result.module_norms is not None:
+        summed["module_norms"] = result.module_norms
+    if validation is not None:
+        summed["validation"] = validation
+    telemetry = result.telemetry or {}
+    from_rank0 = {"telemetry": torch.stack(list(telemetry.values()))} if telemetry else {}
+    values = read_interval(summed, from_rank0, rank, device)
     metrics = window.metrics(result, state.tokens, world_size, cfg.peak_flops_per_device, device)
-    if logger is not None:
-        logger.log(metrics, state.step)
-        print(progress_line(state.step, max_steps, metrics), flush=True)
+    if logger is None:
+        return
+    metrics.update({f"time/{phase}": seconds for phase, seconds in phases.items()})
+    metrics.update({f"telemetry/{key}": value for key, value in zip(telemetry, values.get("telemetry", []))})
+    if "module_norms" in values:
+        squares = values["module_norms"]
+        for i, module in enumerate(MODULES):
+            metrics[f"grad_norm/{module}"] = math.sqrt(squares[i])
+            metrics[f"update_norm/{module}"] = math.sqrt(squares[len(MODULES) + i])
+    stragglers = find_stragglers(values["own_seconds"], cfg.observe.straggler_ratio)
+    metrics["straggler/slowest_ratio"] = stragglers.slowest_ratio
+    print(progress_line(step, max_steps, metrics), flush=True)
+    print(f"[huginn] step {step} time per step (s): " + " ".join(f"{p} {s:.4f}" for p, s in phases.items()),
+          flush=True)
+    if stragglers.ranks:
+        described = stragglers.describe(c.hosts or ["?"] * world_size)
+        print(f"[huginn] step {step} stragglers (own time above {cfg.observe.straggler_ratio:g}x the median): "
+              f"{described}", flush=True)
+        metrics.update({f"straggler/rank_{r}": seconds / stragglers.median_s for r, seconds in stragglers.ranks})
+        logger.set_tag(f"straggler.step_{step:06d}", described)
+    logger.log(metrics, step)
+    if validation is not None:
+        log_validation(validation_metrics(cfg, values["validation"]), step, c.model_cfg.mean_recurrence, logger)
 
 
-def validate_and_log(c: Components, cfg: TrainConfig, plan: RunPlan, val_batch: Batch, step: int, logger,
-                     device: torch.device) -> None:
-    """Validation on every rank; rank 0 logs it, queues the depth-scaling plot for the logger's sender thread
-    (drawn and uploaded off the step loop) and prints it."""
+def log_validation(val: dict, step: int, train_depth: int, logger) -> None:
+    """Rank 0: the validation losses logged and printed, the depth-scaling plot queued for the logger's sender
+    thread (drawn and uploaded off the step loop)."""
     from huginn_ray.eval.depth_scaling import validation_plot
 
-    val = validate(c.model, val_batch, cfg, plan, device, c.autocast)
-    if logger is not None:
-        logger.log(val, step)
-        logger.log_drawn_artifact(f"depth-scaling plot of step {step}", functools.partial(
-            validation_plot, val, step, c.model_cfg.mean_recurrence), "depth_scaling")
-        print(f"[huginn] step {step} validation " + " ".join(f"{k}={v:.4f}" for k, v in val.items()), flush=True)
+    logger.log(val, step)
+    logger.log_drawn_artifact(f"depth-scaling plot of step {step}",
+                              functools.partial(validation_plot, val, step, train_depth), "depth_scaling")
+    print(f"[huginn] step {step} validation " + " ".join(f"{k}={v:.4f}" for k, v in val.items()), flush=True)
+
+
+def log_profile(written: list[Path], logger, device: torch.device) -> None:
+    """After the profiled steps: every rank's files named to rank 0 (one gather, once per run), which queues
+    those it can read (its own; every rank's on a shared file system) as MLflow artifacts under `profile/`, copied
+    by the logger's drawing thread."""
+    files = ckpt.all_ranks([str(path) for path in written], device)
+    if logger is None:
+        return
+    for path in (Path(p) for rank_files in files for p in rank_files):
+        if path.is_file():
+            logger.log_drawn_artifact(str(path), functools.partial(copy_into, path), "profile")
+
+
+def copy_into(path: Path, directory: Path) -> Path:
+    return Path(shutil.copy2(path, directory))
 
 
 def save_checkpoint(c: Components, checkpointer: "Checkpointer", state: ckpt.TrainerState, result: StepResult,
@@ -615,8 +710,6 @@ class LogWindow:
             torch.cuda.reset_peak_memory_stats(device)
         else:
             metrics["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        for key, value in (result.telemetry or {}).items():
-            metrics[f"telemetry/{key}"] = value
         return metrics
 
 
@@ -633,9 +726,17 @@ def eta(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-@torch.no_grad()
 def validate(model, batch: Batch, cfg: TrainConfig, plan: RunPlan, device, autocast) -> dict:
-    """Loss at every eval depth: the token losses of every rank's fixed rows summed over their supervised tokens,
+    """Loss at every eval depth over every rank's validation rows (validation_sums, all-reduced and read)."""
+    sums = validation_sums(model, batch, cfg, plan, device, autocast)
+    dist.all_reduce(sums)
+    return validation_metrics(cfg, sums.tolist())
+
+
+@torch.no_grad()
+def validation_sums(model, batch: Batch, cfg: TrainConfig, plan: RunPlan, device, autocast) -> torch.Tensor:
+    """This rank's [token loss sums at every eval depth..., supervised tokens] (device fp64): summed over the
+    ranks, the loss at a depth is the token losses of every rank's fixed rows summed over their supervised tokens,
     divided by their count (as the training loss; masked rows weigh by what they supervise).
 
     The initial latent noise is keyed by row (RecurrentGPT.keyed_initial_state), so validation neither depends
@@ -646,7 +747,6 @@ def validate(model, batch: Batch, cfg: TrainConfig, plan: RunPlan, device, autoc
     micro_batch = len(batch.keys) // cfg.eval_iters
     micro_batches = [slice(b * micro_batch, (b + 1) * micro_batch) for b in range(cfg.eval_iters)]
     counts = [host_count(batch.labels[rows] != plan.pad_id) for rows in micro_batches]
-    # [token loss sums at every depth..., supervised tokens]: one all-reduce
     sums = torch.zeros(len(cfg.eval_depths) + 1, dtype=torch.float64, device=device)
     sums[-1] = sum(counts)
     for i, depth in enumerate(cfg.eval_depths):
@@ -657,11 +757,15 @@ def validate(model, batch: Batch, cfg: TrainConfig, plan: RunPlan, device, autoc
                 out = model(inputs[rows], labels=labels[rows], num_steps=(depth, 0), input_states=states[rows],
                             ignore_index=plan.pad_id)
             sums[i] += out.loss.double() * count
-    dist.all_reduce(sums)
-    losses = sums[:-1] / sums[-1]
     model.train()
+    return sums
+
+
+def validation_metrics(cfg: TrainConfig, sums: list[float]) -> dict:
+    """val_loss_D and val_ppl_D of every eval depth from the summed validation_sums; val_loss is the last
+    depth's."""
     metrics = {}
-    for depth, value in zip(cfg.eval_depths, losses.tolist()):
+    for depth, value in zip(cfg.eval_depths, [loss_sum / sums[-1] for loss_sum in sums[:-1]]):
         metrics[f"val_loss_{depth}"] = value
         metrics[f"val_ppl_{depth}"] = math.exp(min(value, 50.0))
     metrics["val_loss"] = metrics[f"val_loss_{cfg.eval_depths[-1]}"]

@@ -29,6 +29,10 @@ class RunPlan:
     micro_batch_size x workers at the run's first start. Fixed for the whole run, whatever the worker count."""
     num_streams: int
     """Train shards in the data directory (huginn_ray.train.data_order)."""
+    data_dir: str
+    """The shard version every worker of every attempt reads (`<output_dir>/shards.vNNNN`): data.data_dir's pointer
+    resolved once by the driver's preflight, or the version a resumed run's checkpoint records
+    (huginn_ray.train.launch.data_version); a publish during the run does not change it."""
     schedule_steps: int
     """Optimizer steps the LR schedule spans; the run ends there."""
     pad_id: int

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlflow.entities import Metric, Param
+from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from huginn_ray.config import flatten, to_dict
@@ -124,9 +124,10 @@ class _Artifact:
 
 
 class MetricsLogger:
-    """Rank 0's metric sink. `log`, `log_artifact` and `log_drawn_artifact` only enqueue: they never block on the
-    server and never raise, so a tracking outage cannot stop training, and drawing a plot costs the step loop
-    nothing (the sender thread draws it).
+    """Rank 0's metric sink. `log`, `set_tag`, `log_artifact` and `log_drawn_artifact` only enqueue: they never
+    block on the server and never raise, so a tracking outage cannot stop training, and drawing a plot costs the
+    step loop nothing (a drawing thread of its own makes the file, so that metrics keep flowing meanwhile: a worker
+    that dies soon after a validation still has its last steps' metrics sent).
 
     A background thread sends the queue in order, in batches of up to 1000 values, with MLflow's own HTTP
     retries off and a short request timeout; on failure it retries with backoff (up to `max_backoff_s`) until the
@@ -136,6 +137,7 @@ class MetricsLogger:
     """
 
     BATCH = 1000  # MLflow's limit of metrics per log_batch
+    TAG_BATCH = 100  # and of tags
 
     def __init__(self, uri: str, run_id: str, max_pending: int = 100_000, flush_timeout_s: float = 60.0,
                  request_timeout_s: float = 10.0, max_backoff_s: float = 30.0, max_pending_artifacts: int = 64):
@@ -147,8 +149,10 @@ class MetricsLogger:
         self.client = MlflowClient(uri)
         self.max_pending, self.flush_timeout_s, self.max_backoff_s = max_pending, flush_timeout_s, max_backoff_s
         self.max_pending_artifacts = max_pending_artifacts
-        self._queue: deque[list[Metric]] = deque()
-        self._artifacts: deque[_Artifact] = deque()
+        self._queue: deque[list[Metric | RunTag]] = deque()
+        self._artifacts: deque[_Artifact] = deque()  # files ready to upload
+        self._draws: deque[_Artifact] = deque()  # waiting for the drawing thread
+        self._drawing = False
         self._pending = 0
         self._inflight: list[Metric] | None = None
         self._dropped = 0  # in the current outage, not yet reported
@@ -160,6 +164,8 @@ class MetricsLogger:
         self._spool = tempfile.mkdtemp(prefix="huginn_artifacts_")
         self._thread = threading.Thread(target=self._send_loop, name="huginn-mlflow-sender", daemon=True)
         self._thread.start()
+        self._drawer = threading.Thread(target=self._draw_loop, name="huginn-mlflow-drawer", daemon=True)
+        self._drawer.start()
         _LOGGERS.append(self)
 
     # ---- the training side: never blocks, never raises
@@ -172,7 +178,16 @@ class MetricsLogger:
                 self._pending += len(batch[start : start + self.BATCH])
             while self._pending > self.max_pending and self._drop_oldest():
                 pass
-            self._cond.notify()
+            self._cond.notify_all()
+
+    def set_tag(self, key: str, value: str) -> None:
+        """A run tag (text: which ranks straggled), queued in order with the metrics."""
+        with self._cond:
+            self._queue.append([RunTag(key, value[:5000])])
+            self._pending += 1
+            while self._pending > self.max_pending and self._drop_oldest():
+                pass
+            self._cond.notify_all()
 
     def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a file (a table) to the run; the file is copied now, so the caller may delete it."""
@@ -188,26 +203,53 @@ class MetricsLogger:
 
     def log_drawn_artifact(self, name: str, draw: Callable[[Path], Path | None],
                            artifact_path: str | None = None) -> None:
-        """Upload the file `draw(directory)` makes (a plot); `draw` runs on the sender thread, so matplotlib never
-        runs in the step loop. A `draw` that returns None (nothing to show) or raises logs nothing."""
-        self._enqueue_artifact(_Artifact(name, artifact_path, None, draw))
+        """Upload the file `draw(directory)` makes (a plot, a copy); `draw` runs on the logger's drawing thread, so
+        matplotlib never runs in the step loop. A `draw` that returns None (nothing to show) or raises logs
+        nothing."""
+        with self._cond:
+            self._append_bounded(self._draws, _Artifact(name, artifact_path, None, draw))
 
     def _enqueue_artifact(self, artifact: _Artifact) -> None:
         with self._cond:
-            if len(self._artifacts) >= self.max_pending_artifacts:
-                self._discard(self._artifacts.popleft())
-                self._dropped += 1
-                self.dropped_total += 1
-            self._artifacts.append(artifact)
-            self._cond.notify()
+            self._append_bounded(self._artifacts, artifact)
+
+    def _append_bounded(self, queue: deque, artifact: _Artifact) -> None:
+        """Under the lock: `artifact` appended, the oldest dropped when `max_pending_artifacts` wait."""
+        if len(queue) >= self.max_pending_artifacts:
+            self._discard(queue.popleft())
+            self._dropped += 1
+            self.dropped_total += 1
+        queue.append(artifact)
+        self._cond.notify_all()
 
     @staticmethod
     def _discard(artifact: _Artifact) -> None:
         if artifact.file is not None:
             shutil.rmtree(Path(artifact.file).parent, ignore_errors=True)
 
+    def _draw_loop(self) -> None:
+        """The drawing thread: makes each queued artifact's file and hands it to the sender."""
+        while True:
+            with self._cond:
+                while not self._draws and not self._closing:
+                    self._cond.wait()
+                if not self._draws:
+                    self._cond.notify_all()  # the sender waits for the last drawing before it ends
+                    return
+                artifact, self._drawing = self._draws.popleft(), True
+            drawn = self._draw(artifact)
+            with self._cond:
+                self._drawing = False
+                if drawn:
+                    self._append_bounded(self._artifacts, artifact)
+                self._cond.notify_all()
+
+    def _drawings_done(self) -> bool:
+        """Under the lock: closing, and nothing left to draw."""
+        return self._closing and not self._draws and not self._drawing
+
     def _draw(self, artifact: _Artifact) -> bool:
-        """Make a drawn artifact's file (sender thread, outside the lock); False when there is nothing to send."""
+        """Make a drawn artifact's file (drawing thread, outside the lock); False when there is nothing to send."""
         directory = Path(tempfile.mkdtemp(dir=self._spool))
         try:
             path = artifact.draw(directory)
@@ -231,34 +273,33 @@ class MetricsLogger:
         return False
 
     # ---- the sender thread
-    def _next_batch(self) -> list[list[Metric]]:
-        entries, size = [], 0
+    def _next_batch(self) -> list[list[Metric | RunTag]]:
+        entries, size, tags = [], 0, 0
         for entry in self._queue:
-            if entries and size + len(entry) > self.BATCH:
+            is_tag = isinstance(entry[0], RunTag)
+            if entries and (size + len(entry) > self.BATCH or (is_tag and tags == self.TAG_BATCH)):
                 break
             entries.append(entry)
             size += len(entry)
+            tags += is_tag
         return entries
 
     def _send_loop(self) -> None:
         backoff = 0.5
         while True:
             with self._cond:
-                while not self._queue and not self._artifacts and not self._closing:
+                while not self._queue and not self._artifacts and not self._drawings_done():
                     self._cond.wait()
                 if not self._queue and not self._artifacts:
-                    return  # closing, and everything is sent
+                    return  # closing, everything drawn and sent
                 entries = self._next_batch()
                 self._inflight = entries[0] if entries else None
                 artifact = self._artifacts[0] if not entries else None
-            if artifact is not None and artifact.draw is not None and not self._draw(artifact):
-                with self._cond:
-                    if self._artifacts and self._artifacts[0] is artifact:
-                        self._artifacts.popleft()
-                continue
             try:
                 if entries:
-                    self.client.log_batch(self.run_id, metrics=[m for e in entries for m in e])
+                    values = [value for entry in entries for value in entry]
+                    self.client.log_batch(self.run_id, metrics=[v for v in values if isinstance(v, Metric)],
+                                          tags=[v for v in values if isinstance(v, RunTag)])
                 else:
                     self.client.log_artifact(self.run_id, artifact.file, artifact.artifact_path)
             except Exception as err:  # noqa: BLE001 - the server is down, slow, or refused: retry later
@@ -300,7 +341,7 @@ class MetricsLogger:
 
     def pending(self) -> int:
         with self._cond:
-            return self._pending + len(self._artifacts)
+            return self._pending + len(self._artifacts) + len(self._draws) + self._drawing
 
     def close(self, timeout_s: float | None = None) -> None:
         """Send what is buffered, waiting at most `timeout_s` (default flush_timeout_s); never raises."""
@@ -309,12 +350,14 @@ class MetricsLogger:
             self._closing = True
             self._close_deadline = time.monotonic() + timeout_s
             self._cond.notify_all()
-        self._thread.join(timeout_s + 1.0)
+        self._thread.join(timeout_s + 1.0)  # the sender ends after the drawer's last file
+        self._drawer.join(1.0)
         with self._cond:
             self._report_dropped()
-            if self._pending or self._artifacts:
+            artifacts = len(self._artifacts) + len(self._draws) + self._drawing
+            if self._pending or artifacts:
                 print(f"[huginn] warning: MLflow at {redact_uri(self.uri)} did not take {self._pending} metric "
-                      f"values and {len(self._artifacts)} artifacts within {timeout_s:.0f} s; they are not logged",
+                      f"values and {artifacts} artifacts within {timeout_s:.0f} s; they are not logged",
                       flush=True)
         shutil.rmtree(self._spool, ignore_errors=True)
         if self in _LOGGERS:

@@ -1,0 +1,60 @@
+"""The profiled steps (`profile: {steps: [a, b], memory_snapshot: true}`): a torch profiler trace of steps a to b
+on every rank, and a CUDA memory snapshot of them where there is CUDA.
+
+Every rank writes `<run_dir>/profile/rank<k>.trace.json` (Chrome trace format: chrome://tracing or
+https://ui.perfetto.dev) and, with memory_snapshot on CUDA, `<run_dir>/profile/rank<k>.memory.pickle`
+(https://pytorch.org/memory_viz). Rank 0 queues the files it can read (its own; every rank's on a shared file
+system) for MLflow's artifact `profile/`, copied and uploaded by the logger's threads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from huginn_ray.train.config import ProfileSection
+
+
+class StepProfiler:
+    """Starts before step a, stops after step b (each rank). Outside those steps it costs nothing."""
+
+    def __init__(self, cfg: ProfileSection, run_dir: Path, rank: int, device: torch.device):
+        self.cfg, self.rank, self.device = cfg, rank, device
+        self.directory = run_dir / "profile"
+        self.profiler = None
+        self.snapshot = cfg.memory_snapshot and device.type == "cuda"
+        if cfg.steps and cfg.memory_snapshot and not self.snapshot and rank == 0:
+            print(f"[huginn] profile: memory_snapshot needs CUDA; this run trains on {device.type}, so steps "
+                  f"{cfg.steps[0]}-{cfg.steps[1]} get a profiler trace only", flush=True)
+
+    def before_step(self, step: int) -> None:
+        if not self.cfg.steps or step != self.cfg.steps[0]:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        if self.snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self.profiler.start()
+
+    def after_step(self, step: int) -> list[Path]:
+        """The files this rank wrote, after the profiled steps' last one (else nothing)."""
+        if self.profiler is None or step != self.cfg.steps[1]:
+            return []
+        self.profiler.stop()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        trace = self.directory / f"rank{self.rank}.trace.json"
+        self.profiler.export_chrome_trace(str(trace))
+        self.profiler = None
+        written = [trace]
+        if self.snapshot:
+            snapshot = self.directory / f"rank{self.rank}.memory.pickle"
+            torch.cuda.memory._dump_snapshot(str(snapshot))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            written.append(snapshot)
+        if self.rank == 0:
+            print(f"[huginn] profile of steps {self.cfg.steps[0]}-{step}: {', '.join(map(str, written))}",
+                  flush=True)
+        return written
