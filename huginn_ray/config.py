@@ -1,6 +1,7 @@
 """Typed configs: dataclasses loaded from YAML, with dotted `key=value` overrides.
 
-Every config in huginn_ray (training, data preparation) is a tree of small dataclasses. This module turns
+Every config in huginn_ray (training, data preparation) is a tree of small dataclasses (a field is a section,
+a list or a scalar: no free-form mappings, so every key has a type and a docstring). This module turns
 a YAML file plus command-line overrides into such a tree and refuses anything it does not recognise:
 
     cfg = load_config(TrainConfig, "configs/train/tiny_cpu.yaml", ["optim.lr=1e-3", "max_steps=20"])
@@ -160,11 +161,6 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         item_type = args[0] if args else Any
         items = [_coerce(item_type, v, f"{key}[{i}]") for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
-        value_type = args[1] if len(args) == 2 else Any
-        return {k: _coerce(value_type, v, f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true/false, got {value!r}")
@@ -221,7 +217,7 @@ def check_ranges(cfg: Any, ranges: dict[str, Range]) -> None:
     for key, allowed in ranges.items():
         value = cfg
         for part in key.split("."):
-            value = getattr(value, part)
+            value = getattr(value, part) if value is not None else None  # an optional section left out
         if value is None:
             continue
         items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]

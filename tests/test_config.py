@@ -81,6 +81,43 @@ def test_removed_sharding_keys_and_bad_layouts_are_refused_pointing_at_paralleli
         load_train_config(None, ["max_steps=1", *override.split()])
 
 
+def test_model_overrides_are_the_model_config_s_fields_typed_and_refused_by_dotted_name():
+    import dataclasses
+
+    from huginn_ray.model import ModelConfig
+    from huginn_ray.train.config import ModelOverrides, load_train_config
+    from huginn_ray.train.init_from import RUN_FIELDS
+
+    assert [f.name for f in dataclasses.fields(ModelOverrides)] == \
+        [f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUN_FIELDS]
+    cfg = load_train_config(None, ["max_steps=1", "model.overrides.vocab_size=64", "model.overrides.rope_base=1e4",
+                                   "model.overrides.state_init=zero"])
+    assert cfg.model.overrides.given() == {"vocab_size": 64, "state_init": "zero", "rope_base": 10000.0}
+    for override, message in [
+            ("model.overrides.n_emb=8", "unknown config key 'model.overrides.n_emb'"),
+            ("model.overrides.vocab_size=big", "model.overrides.vocab_size: expected an integer, got 'big'"),
+            ("model.overrides.state_init=noise", "model.overrides.state_init: 'noise' is not one of"),
+            ("model.overrides.n_layers_in_coda=-1", "model.overrides.n_layers_in_coda: must be in [0, inf)"),
+            ("model.overrides.activation_checkpointing=true",
+             "unknown config key 'model.overrides.activation_checkpointing'"),
+            ("model.overrides={vocab_size: 64, n_heads: 4}", "unknown config key 'model.overrides.n_heads'")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_train_config(None, ["max_steps=1", override])
+
+
+def test_compile_options_are_typed_and_an_unknown_one_is_refused_by_dotted_name():
+    from huginn_ray.train.config import compile_options_for, load_train_config
+
+    cfg = load_train_config(None, ["max_steps=1", "compile_options.dynamic=false", "compile_options.backend=aot_eager"])
+    assert compile_options_for(cfg, "cpu") == {"dynamic": False, "backend": "aot_eager"}
+    assert compile_options_for(cfg, "cuda") == {"mode": "max-autotune-no-cudagraphs", "dynamic": False,
+                                                "backend": "aot_eager"}
+    with pytest.raises(ConfigError, match=re.escape("unknown config key 'compile_options.fulgraph'")):
+        load_train_config(None, ["max_steps=1", "compile_options={fulgraph: true}"])
+    with pytest.raises(ConfigError, match=re.escape("compile_options.fullgraph: expected true/false, got 'sometimes'")):
+        load_train_config(None, ["max_steps=1", "compile_options.fullgraph=sometimes"])
+
+
 @pytest.mark.parametrize("override, message", [
     ("profile.steps=[3, 2]", "profile.steps: [first, last] with first <= last, got [3, 2]"),
     ("profile.steps=[3]", "profile.steps: [first, last] with first <= last, got [3]"),

@@ -71,6 +71,8 @@ def test_every_numeric_train_field_has_a_range():
     def numeric_keys(cls, prefix=""):
         for f in dataclasses.fields(cls):
             tp = typing.get_type_hints(cls)[f.name]
+            optional = [arg for arg in typing.get_args(tp) if dataclasses.is_dataclass(arg)]  # `Section | None`
+            tp = optional[0] if optional else tp
             if dataclasses.is_dataclass(tp):
                 yield from numeric_keys(tp, f"{prefix}{f.name}.")
             elif any(t in (int, float) for t in (tp, *typing.get_args(tp), *[

@@ -6,6 +6,7 @@ it at import) and HF_TOKEN set; it starts its own local Ray, whose tasks do the 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -249,3 +250,44 @@ def test_plan_of_the_113_huginn_sources_offline_against_the_local_hub(tmp_path, 
     assert plan["counts"]["shard_files"] == 2 * 4096 and not (tmp_path / "out").exists()
     # the one source a run refuses (its files are in Software Heritage's bucket) is named, not silently left out
     assert plan["unsupported_sources"] == [s.name for s in sources if s.requires_software_heritage_aws_download]
+
+
+def test_a_verified_file_is_trusted_by_its_record_until_its_size_or_mtime_changes(tmp_path, monkeypatch):
+    """fetch_file records a verified file's size, mtime and hash; called again it neither fetches nor hashes the
+    file while both match the record, hashes it again (no fetch) when only its mtime changed, and fetches it again
+    when the hash then differs."""
+    from huginn_ray.data import hub_download
+    from huginn_ray.data.config import DownloadConfig
+
+    repo = _repo()
+    path = PARQUETS[1]
+    hub_file = hub_download.HubFile(path, len(repo.files[path]), hashlib.sha256(repo.files[path]).hexdigest(), None)
+    hashed = []
+    real_verify = hub_download.verify
+    monkeypatch.setattr(hub_download, "verify", lambda p, e: hashed.append(p.name) or real_verify(p, e))
+    folder = tmp_path / "mix"
+    with FakeHub([repo]) as hub:
+        def fetch() -> dict:
+            return hub_download.fetch_file(repo.repo_id, repo.commit, hub_file, str(folder), hub.endpoint, None,
+                                           DownloadConfig(max_attempts=2))
+
+        assert fetch() == {"path": path, "size": hub_file.size, "skipped": False, "trusted": False}
+        target = folder / path
+        stat = target.stat()
+        assert json.loads((folder / ".huginn_verified" / f"{path}.json").read_text()) == {
+            "size": hub_file.size, "mtime_ns": stat.st_mtime_ns, "hash": hub_file.sha256}
+        hashed.clear()
+        assert fetch()["trusted"] and hashed == [] and _file_gets(hub, path) == 1  # neither hashed nor fetched
+
+        os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched: hashed again, not fetched
+        assert fetch() == {"path": path, "size": hub_file.size, "skipped": True, "trusted": False}
+        assert hashed == ["train-00001.parquet"] and _file_gets(hub, path) == 1
+        hashed.clear()
+        assert fetch()["trusted"] and hashed == []  # its new mtime was recorded with the hash
+
+        data = bytearray(target.read_bytes())  # same size, other bytes, a new mtime: hashed, refused, fetched
+        data[100] ^= 0xFF
+        target.write_bytes(bytes(data))
+        os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
+        assert fetch()["skipped"] is False and _file_gets(hub, path) == 2
+        assert target.read_bytes() == repo.files[path]

@@ -241,7 +241,7 @@ def test_as_many_released_files_as_shards_become_the_shards_one_by_one(ray_insta
     assert prepare_data.main(["--quiet", "--config", str(_config(tmp_path, tokenizer, LOCAL))]) == 0
     shards = tmp_path / "out" / "shards"
     manifest = read_manifest(shards)
-    assert manifest["reshard_method"] == "hard_link"
+    assert manifest["reshard_method"] == {"train": "hard_link", "val": "hard_link"}
     assert manifest["source_files"] == {split: [f"{split}/{i:03d}_00000.parquet" for i in range(4)]
                                         for split in ("train", "val")}
     assert manifest["rows_per_shard"] == {"train": 30, "val": 11}
@@ -260,7 +260,8 @@ def test_as_many_released_files_as_shards_become_the_shards_one_by_one(ray_insta
     assert prepare_data.main(["--quiet", "--config", str(_config(wide, tokenizer, LOCAL))]) == 0
     shards = wide / "out" / "shards"
     manifest = read_manifest(shards)
-    assert manifest["reshard_method"] == "convert_uint16" and manifest["row_group_size"] == 4
+    assert manifest["reshard_method"] == {"train": "convert_uint16", "val": "convert_uint16"}
+    assert manifest["row_group_size"] == 4
     assert manifest["source_files"] == {split: [f"{split}/{i:03d}_00000.parquet" for i in range(4)]
                                         for split in ("train", "val")}
     assert manifest["rows_per_shard"] == {"train": 30, "val": 11}
@@ -290,3 +291,144 @@ def test_as_many_released_files_as_shards_become_the_shards_one_by_one(ray_insta
     err = capsys.readouterr().err
     assert "val/002_00000.parquet" in err and "token id 4099 does not fit" in err
     assert not (bad / "out" / "shards").exists()
+
+
+def test_sorted_duplicate_search_gives_exact_membership():
+    from huginn_ray.data.dedup import in_sorted
+
+    top = np.iinfo(np.uint64).max
+    values = np.array([5, 1, 9, 7, 0, top, 8, 8], np.uint64)
+    assert in_sorted(values, np.array([1, 7, 8, top], np.uint64)).tolist() == [
+        False, True, False, True, False, True, True, True]
+    assert in_sorted(values, np.zeros(0, np.uint64)).tolist() == [False] * 8
+    assert in_sorted(np.zeros(0, np.uint64), np.array([3], np.uint64)).tolist() == []
+
+
+def _rows_bytes(rows: list) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"input_ids": pa.array(rows, pa.list_(pa.int64()))}), buf)
+    return buf.getvalue()
+
+
+def _recording_convert(original, calls: Path, crash_after: int | None):
+    """shards._convert_file, recording each call as a file under `calls`; with `crash_after`, the call for train
+    rank `crash_after` waits until the train shards of the ranks before it are committed, then fails (a crash of
+    the run in the middle of the conversion: the driver stops, the work directory stays as it is)."""
+
+    def convert(entry, target, *args, **kwargs):
+        target = Path(target)
+        (calls / f"{target.parent.name}-{target.name}").touch()
+        if crash_after is not None and target.name == f"{crash_after:05d}.parquet":
+            import time
+
+            deadline = time.time() + 60
+            while time.time() < deadline and not all(
+                    (target.parent / f"{r:05d}.parquet").exists() for r in range(crash_after)):
+                time.sleep(0.05)
+            raise RuntimeError("simulated crash in the middle of the conversion")
+        return original(entry, str(target), *args, **kwargs)
+
+    return convert
+
+
+def test_one_validation_duplicate_keeps_the_training_split_per_file_and_resumes(ray_instance, tokenizer, tmp_path,
+                                                                                capsys, monkeypatch):
+    """The released layout (4 + 4 int64 files for num_shards=4) with validation row 3 of val/001 a copy of training
+    row 7 of train/002. The duplicate is dropped from validation; the validation split alone goes through the
+    shuffle, the training files are converted one by one, and read once: the conversion tasks look their rows up
+    in the validation rows' hashes (no separate search task reads them). "Today's path except the dropped duplicate", exactly:
+    the training shards are byte for byte those of the per-file path that keeps the duplicate (both splits per
+    file), and the validation shards those of the two-pass shuffle of both splits with the row skipped (the path
+    before issue 29). A crash after 3 of the 4 training files are converted: the rerun converts only the 4th, and
+    reads the validation rows' saved hashes instead of hashing them again."""
+    from huginn_ray.data import dedup as dedup_mod
+    from huginn_ray.data import shards as shards_mod
+
+    def separate_pass(*args):
+        raise AssertionError("the training files were read by a separate duplicate search")
+
+    monkeypatch.setattr(dedup_mod, "_train_file_matches", separate_pass)  # one pass: the conversion looks them up
+    files = {f"{split}/{i:03d}_00000.parquet": _file_bytes(first + 100 * i, rows)
+             for split, first, rows in (("train", 0, 30), ("val", 1000, 11)) for i in range(4)}
+    table = {rel: pq.read_table(io.BytesIO(data)).column(0).to_pylist() for rel, data in files.items()}
+    duplicate = table["train/002_00000.parquet"][7]
+    table["val/001_00000.parquet"][3] = duplicate
+    files["val/001_00000.parquet"] = _rows_bytes(table["val/001_00000.parquet"])
+    released = _write_local(tmp_path, files)
+    config = _config(tmp_path, tokenizer, LOCAL)
+    out = tmp_path / "out"
+
+    kept = tmp_path / "kept"  # the duplicate kept: both splits per file (what today's code gives with no duplicate)
+    assert prepare_data.main(["--quiet", "--config", str(config), f"output_dir={kept}",
+                              "drop_val_duplicates=false"]) == 0
+    assert read_manifest(kept / "shards")["reshard_method"] == {"train": "convert_uint16", "val": "convert_uint16"}
+
+    first_calls, second_calls = tmp_path / "calls1", tmp_path / "calls2"
+    first_calls.mkdir(), second_calls.mkdir()
+    original = shards_mod._convert_file
+    monkeypatch.setattr(shards_mod, "_convert_file", _recording_convert(original, first_calls, crash_after=3))
+    assert prepare_data.main(["--quiet", "--config", str(config)]) == 1
+    assert "simulated crash in the middle of the conversion" in capsys.readouterr().err
+    partial = out / "shards.partial" / "out"
+    finished = {p.name: p.stat().st_mtime_ns for p in (partial / "train").glob("*.parquet")}
+    assert sorted(finished) == ["00000.parquet", "00001.parquet", "00002.parquet"]
+    assert not list((partial / "val").glob("*.parquet"))  # the validation split waits for the training files
+    assert len(list((out / "dedup").glob("*.npz"))) == 1  # the validation rows' hashes, saved
+
+    monkeypatch.setattr(shards_mod, "_convert_file", _recording_convert(original, second_calls, crash_after=None))
+    assert prepare_data.main(["--quiet", "--config", str(config)]) == 0
+    printed = capsys.readouterr().out
+    assert sorted(p.name for p in second_calls.iterdir()) == ["train-00003.parquet"]  # only the missing file
+    assert "train: 3/4 per-file shards already written are kept" in printed
+    assert "[dedup] validation row hashes read from" in printed
+    assert "[dedup] released: 1 validation rows also occur in train, dropped from validation" in printed
+    shards = out / "shards"
+    for name, mtime in finished.items():
+        assert (shards / "train" / name).stat().st_mtime_ns == mtime
+
+    manifest = read_manifest(shards)
+    assert manifest["reshard_method"] == {"train": "convert_uint16", "val": "shuffle"}
+    assert manifest["val_duplicates"] == {"found": 1, "dropped": 1}
+    assert manifest["source_files"] == {"train": [f"train/{i:03d}_00000.parquet" for i in range(4)]}
+    assert manifest["rows_per_shard"] == {"train": 30, "val": 10} and manifest["dropped_surplus_rows"] == {
+        "train": 0, "val": 3}
+    assert {f["path"]: f["hash"] for f in manifest["sources"]["released"]["files"]} == {
+        rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}
+    for rank in range(4):  # training: byte for byte the per-file shards, each its file's rows in order
+        shard = shards / "train" / f"{rank:05d}.parquet"
+        assert shard.read_bytes() == (kept / "shards" / "train" / f"{rank:05d}.parquet").read_bytes()
+        assert pq.read_table(shard).column(0).to_pylist() == table[f"train/{rank:03d}_00000.parquet"]
+
+    # validation: byte for byte the two-pass shuffle of both splits with the duplicate skipped
+    entries = [{"path": str(released / rel), "train_rows": 30 if rel.startswith("train") else 0,
+                "val_rows": 0 if rel.startswith("train") else 11, "skip_rows": []} for rel in sorted(files)]
+    entries[5].update(val_rows=10, skip_rows=[3])
+    assert entries[5]["path"].endswith("val/001_00000.parquet")
+    both = tmp_path / "both_shuffled" / "shards"
+    shards_mod.run_shuffle(entries, SEQ_LEN + 1, both, num_shards=4, seed=manifest["seed"], row_group_size=4,
+                           reducer_mib=1024, map_mib=1024, token_dtype="uint16", vocab_size=VOCAB, fingerprint="x",
+                           manifest_extra={})
+    for rank in range(4):
+        assert (shards / "val" / f"{rank:05d}.parquet").read_bytes() == (
+            both / "val" / f"{rank:05d}.parquet").read_bytes()
+    assert tuple(duplicate) not in _shard_rows(shards, "val")
+
+    # --plan: read from the plan the run cached (no parquet footer read), made again when a file changes; the
+    # training split planned per file, the validation split (duplicates dropped) through the shuffle
+    footers = []
+    real_read_metadata = pq.read_metadata
+    monkeypatch.setattr(pq, "read_metadata", lambda *a, **k: footers.append(a[0]) or real_read_metadata(*a, **k))
+    capsys.readouterr()
+    assert prepare_data.main(["--plan", "--json", "--config", str(config)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [plan["cached"]] == [str(p) for p in (out / "plan").glob("*.json")] and footers == []
+    train_bytes = sum(len(data) for rel, data in files.items() if rel.startswith("train"))
+    val_bytes = sum(len(data) for rel, data in files.items() if rel.startswith("val"))
+    val_map_bytes = 44 * ((SEQ_LEN + 1) * 2 + 8)  # 44 rows in uint16, 8 bytes of position each
+    assert plan["reshard_method"] == {"train": "convert_uint16", "val": "shuffle"}
+    assert plan["io_bytes"]["dedup"] == {"read": val_bytes, "written": 0}  # train: looked up while converted
+    assert plan["io_bytes"]["shards_train"]["read"] == train_bytes
+    assert plan["io_bytes"]["shards_val"]["read"] == val_bytes + val_map_bytes
+    os.utime(released / "train" / "000_00000.parquet", ns=(1, 10**18))
+    assert prepare_data.main(["--plan", "--json", "--config", str(config)]) == 0
+    assert json.loads(capsys.readouterr().out)["cached"] is None and len(footers) == 8

@@ -32,7 +32,7 @@ def small_config(*extra):
 
 def model_config(cfg):
     return ModelConfig.from_name(cfg.model.name, activation_checkpointing=cfg.activation_checkpointing,
-                                 **cfg.model.overrides)
+                                 **cfg.model.overrides.given())
 
 
 def batch(cfg):

@@ -326,7 +326,8 @@ def running(pid: int) -> bool:
 def test_a_hung_rank_makes_the_next_collective_time_out_and_every_rank_exit(cluster, mlflow_server, dataset, tmp_path):
     """Rank 1 stops answering after step 2. Rank 0's gradient all-reduce of step 3 raises after pg_timeout_s
     (launch.py passes it to Ray's TorchConfig, and gloo honours it on CPU); with max_failures=0 Ray Train ends
-    the worker group, the hung rank included, and the driver exits non-zero naming the timeout."""
+    the worker group, the hung rank included, and the driver exits non-zero naming the timeout. Before that, at
+    half the timeout, the hang watch dumps both ranks' flight recorders and names rank 1 (hang_watch.py)."""
     timeout_s, bound_s = 10, 90  # the bound leaves room for a loaded 2-core machine; no lower bound is asserted
     args = overrides("hung", tmp_path, dataset, mlflow_server, "max_steps=4", f"pg_timeout_s={timeout_s}",
                      "max_failures=0", "fault_injection.hang_rank_at_step=2", "fault_injection.hang_rank=1")
@@ -345,6 +346,13 @@ def test_a_hung_rank_makes_the_next_collective_time_out_and_every_rank_exit(clus
     assert re.search(rf"^\[huginn\] training failed, rank 0: \S+: .*timed out waiting {timeout_s * 1000} ?ms",
                      run.stdout, re.M | re.IGNORECASE), output[-4000:]
     assert driver_exited - hung_at < bound_s, (driver_exited - hung_at, output[-4000:])
+    # at half the timeout both ranks dumped their flight recorder and rank 0 named the rank that did not arrive
+    watch = re.findall(r"\[huginn\] hang watch: .*", run.stdout)
+    assert len(watch) == 1 and re.match(r"\[huginn\] hang watch: rank 0 has waited \d+\.\d s in gloo:all_reduce #\d+ "
+                                        rf"of process group 0 \(ranks \[0, 1\], pg_timeout_s={timeout_s}\); did not "
+                                        r"arrive: rank 1 \(node .*\); did not answer: none;", watch[0]), watch
+    dumps = tmp_path / "hung" / "flight_recorder"
+    assert sorted(p.name for p in dumps.iterdir()) == ["rank_0", "rank_1"]
     workers = {int(pid) for pid in re.findall(r"RayTrainWorker pid=(\d+)", output)}
     assert len(workers) == 2 and int(marker.read_text().split("pid ")[1]) in workers, (workers, marker.read_text())
     while any(running(pid) for pid in workers) and time.time() < hung_at + bound_s:

@@ -7,7 +7,9 @@ The driver resolves the requested revision to a commit and lists the repo's file
 the git blob sha1 otherwise). Transient failures (429 honouring Retry-After, 5xx, 408,
 dropped connections, truncated bodies, hash mismatches) are retried with exponential backoff and full jitter;
 a file still failing after `download.max_attempts` fails the run with its name. Files already present and
-verified are skipped; a partial file is resumed or refetched (a mismatching one is deleted first).
+verified are skipped; a partial file is resumed or refetched (a mismatching one is deleted first). A file's
+verification is recorded (`.huginn_verified/<path>.json`: size, mtime, hash), so a resumed download trusts a file
+whose size and mtime are those recorded for the hash the Hub reports, without reading it again.
 
 The Hub endpoint comes from HF_ENDPOINT (read by huggingface_hub at import) and is passed to the tasks
 explicitly; the token comes from HF_TOKEN / the login cache and is passed as a task argument, never logged.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import random
 import shutil
 import time
@@ -113,16 +116,54 @@ def verify(path: Path, expected: HubFile) -> bool:
     return digest.hexdigest() == (expected.sha256 or expected.git_sha1)
 
 
+VERIFIED = ".huginn_verified"
+"""Under a source's download folder: one record per verified file, `<path>.json` = the size, mtime and hash it had
+when its hash was checked."""
+
+
+def _record_path(local_dir: Path, path: str) -> Path:
+    return local_dir / VERIFIED / f"{path}.json"
+
+
+def _verification(target: Path, expected: HubFile) -> dict:
+    stat = target.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "hash": expected.sha256 or expected.git_sha1}
+
+
+def verified_before(local_dir: Path, expected: HubFile) -> bool:
+    """Whether `expected`'s file was verified by an earlier task and has not changed since: its record holds the
+    hash the Hub reports now and the file's present size and mtime. Such a file is trusted without reading it (a
+    resumed download of thousands of large files does not hash them all again); a change of size or mtime, or
+    another hash on the Hub, sends it back to `verify`."""
+    target = local_dir / expected.path
+    try:
+        record = json.loads(_record_path(local_dir, expected.path).read_text())
+    except (OSError, ValueError):
+        return False
+    return target.is_file() and target.stat().st_size == expected.size and record == _verification(target, expected)
+
+
+def record_verified(local_dir: Path, expected: HubFile) -> None:
+    record = _record_path(local_dir, expected.path)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    layout.write_json(record, _verification(local_dir / expected.path, expected))
+
+
 def fetch_file(repo: str, commit: str, hub_file: HubFile, local_dir: str, endpoint: str, token: str | None,
                cfg: DownloadConfig) -> dict:
-    """Ray task: make `local_dir/<path>` a verified copy of the Hub file; returns what it did."""
+    """Ray task: make `local_dir/<path>` a verified copy of the Hub file; returns what it did (`skipped`: it was
+    already there, `trusted`: by its verification record, without reading it)."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import disable_progress_bars
 
     disable_progress_bars()
-    target = Path(local_dir) / hub_file.path
+    folder = Path(local_dir)
+    target = folder / hub_file.path
+    if verified_before(folder, hub_file):
+        return {"path": hub_file.path, "size": hub_file.size, "skipped": True, "trusted": True}
     if verify(target, hub_file):
-        return {"path": hub_file.path, "size": hub_file.size, "skipped": True}
+        record_verified(folder, hub_file)
+        return {"path": hub_file.path, "size": hub_file.size, "skipped": True, "trusted": False}
     target.unlink(missing_ok=True)
 
     def attempt() -> None:
@@ -130,11 +171,12 @@ def fetch_file(repo: str, commit: str, hub_file: HubFile, local_dir: str, endpoi
                         endpoint=endpoint, token=token)
         if not verify(target, hub_file):
             target.unlink(missing_ok=True)
-            _forget_partial(Path(local_dir), hub_file.path)
+            _forget_partial(folder, hub_file.path)
             raise OSError(f"{hub_file.path}: size or hash differs from what the Hub reports")
 
     with_retries(f"{repo}@{commit[:12]}: {hub_file.path}", cfg, attempt)
-    return {"path": hub_file.path, "size": hub_file.size, "skipped": False}
+    record_verified(folder, hub_file)
+    return {"path": hub_file.path, "size": hub_file.size, "skipped": False, "trusted": False}
 
 
 def _forget_partial(local_dir: Path, path: str) -> None:
@@ -215,7 +257,8 @@ def download_sources(sources: list[Source], download_root: Path, cfg: DownloadCo
         raise (cause if isinstance(cause, DownloadError) else DownloadError(str(err))) from None
     if results:
         print(f"[download] {len(results)} files of {len(listed)} source(s), {total_bytes / 2**20:.1f} MiB "
-              f"({sum(r['skipped'] for r in results)} already complete)", flush=True)
+              f"({sum(r['skipped'] for r in results)} already complete, {sum(r['trusted'] for r in results)} of "
+              "them by their verification record)", flush=True)
     return provenance
 
 

@@ -21,9 +21,10 @@ from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_sources, downloaded_files
 from huginn_ray.data.plan import build_plan
-from huginn_ray.data.dedup import find_val_duplicates
+from huginn_ray.data.dedup import duplicates_found, find_val_duplicates, sorted_unique, validation_hashes
 from huginn_ray.data.execution import original_error
-from huginn_ray.data.shards import MANIFEST, per_file_method, run_shuffle, shards_per_file
+from huginn_ray.data.shards import (MANIFEST, per_file_method, per_file_shards, run_shuffle, shard_work_id,
+                                    token_column_error, write_shards)
 from huginn_ray.data.sources import Source, load_sources
 from huginn_ray.data.staging import list_local_files, stage_sources
 from huginn_ray.data.tokenize_pack import pack_fingerprint, run_pack
@@ -199,13 +200,9 @@ def run_stage_pack(cfg: DataConfig, sources: list[Source]) -> dict:
 def check_token_column(source: Source, path: Path, schema) -> None:
     """Refuse a packed file whose `input_ids` is not a list of integers (floats would be truncated, strings
     cannot be ids), naming source, file and type, before any path (dedup, per file, shuffle) reads it."""
-    import pyarrow as pa
-
-    ids = schema.field("input_ids").type if "input_ids" in schema.names else None
-    if ids is None or not (pa.types.is_list(ids) or pa.types.is_large_list(ids)) or not (
-            pa.types.is_integer(ids.value_type)):
-        raise DataError(f"source {source.name!r}: {path}: column input_ids must hold lists of integer token ids, "
-                        f"got {'no such column' if ids is None else ids}")
+    why = token_column_error(schema)
+    if why:
+        raise DataError(f"source {source.name!r}: {path}: {why}")
 
 
 def packed_source_files(cfg: DataConfig, source: Source) -> dict[str, list[dict]]:
@@ -280,14 +277,12 @@ def run_provenance(cfg: DataConfig, sources: list[Source]) -> dict:
             "source_commits": commits}
 
 
-def drop_val_duplicates(cfg: DataConfig, per_source: dict, provenance: dict, vocab_size: int) -> dict:
-    """Count (and with cfg.drop_val_duplicates leave out) validation rows that also occur in train, per source.
+def drop_val_duplicates(cfg: DataConfig, per_source: dict, provenance: dict, duplicates: dict[str, list[int]]) -> dict:
+    """Count (and with cfg.drop_val_duplicates leave out) the validation rows that also occur in train
+    (`duplicates`: per validation file path, the row numbers), per source.
 
     Marks the rows to skip in the validation file entries (`skip_rows`, val_rows lowered) and records the counts
     in `provenance`; returns the totals for the manifest."""
-    train = [f for v in per_source.values() for f in v["train"]]
-    val = [f for v in per_source.values() for f in v["val"]]
-    duplicates = find_val_duplicates(train, val, cfg.seq_len + 1, token_dtype(vocab_size), vocab_size)
     found = 0
     for name, split_files in per_source.items():
         count = sum(len(duplicates[f["path"]]) for f in split_files["val"])
@@ -304,11 +299,16 @@ def drop_val_duplicates(cfg: DataConfig, per_source: dict, provenance: dict, voc
 
 
 def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
-    """Already packed sources (e.g. the released Huginn data) straight into N + N shards: when they are N + N files
-    of one row count per split, one file per rank (hard-linked as they are when they meet the shard contract,
-    else converted to the storage type file by file: shards.per_file_method), else shuffled."""
+    """Already packed sources (e.g. the released Huginn data) straight into N + N shards, each split on its own:
+    when a split is N files of one row count, one file per rank (hard-linked as they are when they meet the shard
+    contract, else converted to the storage type file by file: shards.per_file_method), else shuffled.
+
+    Validation rows that also occur in train (dedup.py) are found first. When the training split goes per file,
+    in one pass over its files: the tasks that convert (or verify) them also look their rows up in the validation
+    hashes, and its shards are committed before the validation split is written. A validation split that loses
+    duplicate rows is shuffled (its files no longer hold one row count); the training split stays per file."""
     facts = tokenizer_facts(cfg)
-    per_source, files, provenance = {}, [], {}
+    per_source, provenance = {}, {}
     for source in sources:
         split_files = packed_source_files(cfg, source)
         marker = None if source.is_local else layout.read_marker(cfg.root / "download" / source.name, PROVENANCE)
@@ -322,7 +322,6 @@ def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
                       for split in ("train", "val") for f in split_files[split]],
         }
         per_source[source.name] = split_files
-        files += split_files["train"] + split_files["val"]
     input_fingerprint = layout.fingerprint({
         "packed": {name: [(f["path"], f["size"], f["hash"] or os.stat(f["path"]).st_mtime_ns) for f in v["train"] + v["val"]]
                    for name, v in per_source.items()},
@@ -337,26 +336,41 @@ def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
     if existing is not None:
         print(f"[shuffle] complete ({cfg.num_shards} + {cfg.num_shards} shards), skipped", flush=True)
         return existing
-    extra["val_duplicates"] = drop_val_duplicates(cfg, per_source, provenance, facts["vocab_size"])
-    by_split = {split: [f for v in per_source.values() for f in v[split]] for split in ("train", "val")}
-    dtype = token_dtype(facts["vocab_size"])
-    method, blocker = per_file_method(by_split, cfg.num_shards, dtype)
-    if blocker is None and extra["val_duplicates"]["dropped"]:
-        method, blocker = "shuffle", f"{extra['val_duplicates']['dropped']} validation rows are left out"
-    if blocker is None:
-        return shards_per_file(by_split, cfg.seq_len + 1, cfg.root / "shards", method=method, seed=cfg.seed,
-                               token_dtype=dtype, vocab_size=facts["vocab_size"],
-                               row_group_size=cfg.shuffle.row_group_size, fingerprint=fingerprint,
-                               manifest_extra=extra, hash_inputs=any(s.is_local for s in sources))
-    if all(len(by_split[split]) == cfg.num_shards for split in by_split):
-        print(f"[shuffle] num_shards={cfg.num_shards} equals the released file count, but the files cannot become "
-              f"the shards one by one ({blocker}): re-sharding them through the shuffle", flush=True)
-    manifest = run_shuffle(files, cfg.seq_len + 1, cfg.root / "shards", num_shards=cfg.num_shards, seed=cfg.seed,
-                           row_group_size=cfg.shuffle.row_group_size, reducer_mib=cfg.shuffle.reducer_mib,
-                           map_mib=cfg.shuffle.map_mib, token_dtype=token_dtype(facts["vocab_size"]),
-                           vocab_size=facts["vocab_size"], fingerprint=fingerprint, manifest_extra=extra,
-                           hash_inputs=any(s.is_local for s in sources))
-    return manifest
+    dtype, vocab_size, row_len = token_dtype(facts["vocab_size"]), facts["vocab_size"], cfg.seq_len + 1
+    hash_inputs = any(s.is_local for s in sources)
+    settings = dict(row_len=row_len, token_dtype=dtype, vocab_size=vocab_size,
+                    row_group_size=cfg.shuffle.row_group_size, hash_inputs=hash_inputs)
+    train = [f for v in per_source.values() for f in v["train"]]
+    val = [f for v in per_source.values() for f in v["val"]]
+    saved = cfg.root / "dedup" / input_fingerprint
+    train_method, train_blocker = per_file_method(train, "train", cfg.num_shards, dtype)
+    per_file = {}
+    if train_blocker is None:
+        val_hashes = validation_hashes(val, row_len, dtype, vocab_size, saved.with_suffix(".npz"))
+        work_id = shard_work_id(fingerprint, cfg.shuffle.map_mib, cfg.shuffle.reducer_mib, dtype)
+        found = per_file_shards("train", train_method, train, cfg.root / "shards", work_id, fingerprint,
+                                lookup=sorted_unique(val_hashes), **settings)
+        duplicates = duplicates_found(val, val_hashes, sorted_unique(found))
+        per_file["train"] = (train_method, train)
+    else:
+        duplicates = find_val_duplicates(train, val, row_len, dtype, vocab_size, saved)
+    extra["val_duplicates"] = drop_val_duplicates(cfg, per_source, provenance, duplicates)
+    val_method, val_blocker = per_file_method(val, "val", cfg.num_shards, dtype)
+    if val_blocker is None and extra["val_duplicates"]["dropped"]:
+        val_method, val_blocker = "shuffle", f"{extra['val_duplicates']['dropped']} validation rows are left out"
+    if val_blocker is None:
+        per_file["val"] = (val_method, val)
+    for split, blocker, files in (("train", train_blocker, train), ("val", val_blocker, val)):
+        if blocker is not None and len(files) == cfg.num_shards:
+            print(f"[shuffle] {split}: num_shards={cfg.num_shards} equals the released file count, but the files "
+                  f"cannot become the shards one by one ({blocker}): re-sharding them through the shuffle",
+                  flush=True)
+    # the shuffled files in the global row order of the sources' file lists (train before val per source)
+    shuffle_files = [f for v in per_source.values() for split in ("train", "val") if split not in per_file
+                     for f in v[split]]
+    return write_shards(shuffle_files, per_file, shard_root=cfg.root / "shards", num_shards=cfg.num_shards,
+                        seed=cfg.seed, reducer_mib=cfg.shuffle.reducer_mib, map_mib=cfg.shuffle.map_mib,
+                        fingerprint=fingerprint, manifest_extra=extra, **settings)
 
 
 def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:

@@ -2,7 +2,8 @@
 
     python jobs/prepare_data.py --config configs/data/huginn.yaml --plan [--json]
 
-Nothing is downloaded or written. Per source the files and their bytes come from the local files, the download
+Nothing is downloaded; nothing is written but the plan itself, cached under an output_dir that already exists
+(`build_plan`). Per source the files and their bytes come from the local files, the download
 stage's provenance when the source is already downloaded, or else the Hub's listing (file sizes from
 `dataset_info(files_metadata=True)`, the same call the download stage makes). A source whose files are on this
 machine is *sampled*: up to SAMPLE_BYTES of its input files, in file order, are formatted exactly as staging does,
@@ -15,6 +16,10 @@ Estimates, all per split-less total (train + validation together):
 - `estimated_tokens`: packed training tokens after weighting (rows x (seq_len + 1));
 - peak disk per stage: what is on disk under output_dir at the end of each stage (nothing is deleted before the
   shuffle ends; its map files live until the last shard is written): download + staging + packed + map + shards;
+- bytes each stage reads and writes (`io_bytes`); the shard stage per split, with how the split's shards are made
+  (`reshard_method`: shuffle, or for already packed data whose split is num_shards files of one row count, one file
+  per rank, hard-linked or converted; a validation split is planned as shuffled when `drop_val_duplicates` is on,
+  since which of its files lose rows is known only after the duplicate search);
 - memory per task: the `memory=` the stages declare (tokenize_pack.py; shards.map_task_memory and
   reduce_task_memory), for the largest task of each kind;
 - time: input volumes over the throughputs of THROUGHPUT (BENCHMARKS.md figures where measured, marked assumed
@@ -26,6 +31,7 @@ plan (and a real run, which checks the same at its start) is refused naming the 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -47,7 +53,7 @@ from huginn_ray.data.packing import pack_row_starts
 from huginn_ray.data.shards import map_task_memory, plan_split, reduce_task_memory
 from huginn_ray.data.sources import Source
 from huginn_ray.data.staging import STAGING_SCHEMA, list_local_files
-from huginn_ray.data.tokens import parquet_options, rows_to_arrow, token_dtype
+from huginn_ray.data.tokens import arrow_type, parquet_options, rows_to_arrow, token_dtype
 
 SAMPLE_BYTES = 8 << 20
 """Per source: input bytes read to measure its ratios (whole files, in file order, at least one), and text bytes
@@ -100,16 +106,28 @@ THROUGHPUT = {
 """Rates the time estimate uses, with where each figure comes from."""
 
 
-def _input_files(cfg: DataConfig, source: Source, listing: dict) -> tuple[list[tuple[str, int]], bool, str | None]:
-    """(path, bytes) of a source's input files, whether they are on this machine, and the Hub commit if known."""
+def _input_files(cfg: DataConfig, source: Source, listing: dict) -> tuple[list[tuple[str, int, str]], bool, str | None]:
+    """(path, bytes, name in the source) of a source's input files, whether they are on this machine, and the Hub
+    commit if known."""
     if source.is_local:
-        return [(str(p), p.stat().st_size) for p in list_local_files(source)], True, None
+        root = source.resolved_local_dir()
+        return ([(str(p), p.stat().st_size, p.relative_to(root).as_posix()) for p in list_local_files(source)], True,
+                None)
     marker = layout.read_marker(cfg.root / "download" / source.name, PROVENANCE)
     if marker is not None:
         root = cfg.root / "download" / source.name
-        return [(str(root / f["path"]), int(f["size"])) for f in marker["files"]], True, marker["commit"]
+        return [(str(root / f["path"]), int(f["size"]), f["path"]) for f in marker["files"]], True, marker["commit"]
     commit, files = listing[source.name]
-    return [(f.path, f.size) for f in files], False, commit
+    return [(f.path, f.size, f.path) for f in files], False, commit
+
+
+def _packed_splits(source: Source, files: list[tuple[str, int, str]]) -> dict[str, list[tuple[str, int]]]:
+    """A packed source's files per split, by its train_files / val_files patterns (a run refuses a file that
+    matches both or a split that matches none: pipeline.packed_source_files)."""
+    import fnmatch
+
+    return {split: [(path, size) for path, size, rel in files if any(fnmatch.fnmatch(rel, p) for p in patterns)]
+            for split, patterns in (("train", source.train_files), ("val", source.val_files))}
 
 
 def _hub_listings(cfg: DataConfig, sources: list[Source]) -> dict:
@@ -205,49 +223,113 @@ def _tokenizer(cfg: DataConfig):
     return load_text_tokenizer(path), special_token_ids(cfg.tokenizer_dir)["vocab_size"]
 
 
+PLAN_FORMAT = 2
+"""The layout of a plan; plans cached under another layout are not read."""
+
+
+def _planned(source: Source) -> bool:
+    """Whether the plan counts a source's files (a run leaves out sources of weight 0 and those it refuses)."""
+    return source.is_packed or (source.weight > 0 and not source.requires_software_heritage_aws_download)
+
+
 def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
-    """The plan of a run (see the module docstring); raises DataError when its peak disk does not fit."""
+    """The plan of a run (see the module docstring); raises DataError when its peak disk does not fit.
+
+    Cached under an existing output_dir, `<output_dir>/plan/<key>.json`, keyed by the config, the tokenizer file
+    (size, mtime) and every source's file listing (names, sizes and mtimes of files on this machine; a Hub source
+    not downloaded yet: its commit, names and sizes): a rerun on unchanged inputs reads no parquet footer and
+    samples no file again (the released data: 8,192 footers). The disk check is made on every call."""
+    from huginn_ray.data.tokenizer import TOKENIZER_FILE
+
+    listing = _hub_listings(cfg, sources)
+    inputs = {s.name: _input_files(cfg, s, listing) for s in sources if _planned(s)}
+
+    def mtime(path: str | Path) -> int | None:
+        try:
+            return os.stat(path).st_mtime_ns
+        except OSError:
+            return None
+
+    tokenizer_file = cfg.tokenizer_dir / TOKENIZER_FILE
+    key = layout.fingerprint({
+        "format": PLAN_FORMAT, "config": dataclasses.asdict(cfg),
+        "tokenizer": [tokenizer_file.stat().st_size, mtime(tokenizer_file)] if tokenizer_file.is_file() else None,
+        "inputs": {name: [commit, here, [[rel, size, mtime(path) if here else None] for path, size, rel in files]]
+                   for name, (files, here, commit) in inputs.items()}})
+    cache = cfg.root / "plan" / f"{key}.json"
+    if cache.is_file():
+        plan = json.loads(cache.read_text())
+        plan["cached"] = str(cache)
+    else:
+        plan = _compute_plan(cfg, sources, inputs)
+        if cfg.root.is_dir():  # a --plan of a new output_dir writes nothing
+            cache.parent.mkdir(exist_ok=True)
+            layout.write_json(cache, plan)
+        plan["cached"] = None
+    plan.update(check_disk(cfg, plan["peak_disk_bytes"]))
+    return plan
+
+
+def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict) -> dict:
+    """The plan from the sources' input files ({name: _input_files(...)} of the sources the plan counts)."""
     tokenizer, vocab_size = _tokenizer(cfg)
     dtype = token_dtype(vocab_size)
     itemsize = 2 if dtype == "uint16" else 4
     row_len = cfg.seq_len + 1
-    listing = _hub_listings(cfg, sources)
     entries, sampled = [], []
     for source in sources:
-        unsupported = source.requires_software_heritage_aws_download  # refused by a run (check_supported)
-        if (source.weight == 0 or unsupported) and not source.is_packed:
+        if not _planned(source):
             entries.append({"name": source.name, "files": 0, "input_bytes": 0, "weight": 0.0, "estimated_tokens": 0,
                             "hub_bytes": 0, "ratios": None, "sampled": False, "commit": None})
             continue
-        files, here, commit = _input_files(cfg, source, listing)
+        files, here, commit = inputs[source.name]
         ratios = None
         if here and tokenizer is not None and not source.is_packed and files:
-            ratios = _sample(source, files, tokenizer, row_len, cfg.docs_per_pack_batch, dtype,
+            ratios = _sample(source, [(path, size) for path, size, _ in files], tokenizer, row_len, cfg.docs_per_pack_batch, dtype,
                              cfg.shuffle.row_group_size, cfg.chat.pack)
             if ratios is None:  # no document in the sampled files: staging will report the source as empty
                 ratios = EMPTY
             else:
                 sampled.append(ratios)
-        entries.append({"name": source.name, "files": len(files), "input_bytes": sum(s for _, s in files),
-                        "hub_bytes": 0 if source.is_local else sum(s for _, s in files), "weight": source.weight,
+        entries.append({"name": source.name, "files": len(files), "input_bytes": sum(s for _, s, _ in files),
+                        "hub_bytes": 0 if source.is_local else sum(s for _, s, _ in files), "weight": source.weight,
                         "ratios": ratios, "sampled": ratios is not None, "commit": commit,
-                        "paths": [p for p, _ in files], "packed": source.is_packed, "here": here})
+                        "paths": [p for p, _, _ in files], "packed": source.is_packed, "here": here,
+                        "splits": _packed_splits(source, files) if source.is_packed else None})
     fallback = _mean(sampled)
 
     staged_bytes = packed_tokens = packed_file_bytes = shard_token_bytes = pack_tasks = 0.0
     worst_pack_chars = 0.0
     per_source = []
+    packed = {split: {"files": 0, "bytes": 0, "rows": 0.0, "row_counts": set(), "linkable": True}
+              for split in ("train", "val")}
     for e in entries:
         if not e["files"] or e["ratios"] is EMPTY:
             per_source.append({k: e[k] for k in ("name", "files", "input_bytes")}
                               | {"estimated_tokens": 0, "sampled": e["ratios"] is EMPTY})
             continue
         if e["packed"]:  # released rows: exact from the parquet footers when the files are here
-            tokens = (sum(pq.ParquetFile(p).metadata.num_rows for p in e["paths"]) * row_len if e["here"]
-                      else e["input_bytes"] / DEFAULTS.packed_file_per_token)
+            source_rows = 0.0
+            for split, split_files in e["splits"].items():
+                info = packed[split]
+                for path, size in split_files:
+                    if e["here"]:
+                        meta = pq.read_metadata(path)
+                        file_rows = float(meta.num_rows)
+                        arrow = meta.schema.to_arrow_schema()
+                        info["linkable"] &= arrow.names == ["input_ids"] and arrow.field(
+                            "input_ids").type == pa.list_(arrow_type(dtype))
+                        info["row_counts"].add(file_rows)
+                    else:  # not on this machine: the rows its bytes hold as packed uint16 files do
+                        file_rows = size / DEFAULTS.packed_file_per_token / row_len
+                        info["linkable"] = False
+                    info["files"] += 1
+                    info["bytes"] += size
+                    info["rows"] += file_rows
+                    source_rows += file_rows
+            tokens = source_rows * row_len
             packed_tokens += tokens
-            packed_file_bytes += e["input_bytes"]
-            shard_token_bytes += e["input_bytes"]
+            shard_token_bytes += tokens * DEFAULTS.shard_per_token
             per_source.append({"name": e["name"], "files": e["files"], "input_bytes": e["input_bytes"],
                                "estimated_tokens": int(tokens), "sampled": False, "commit": e["commit"]})
             continue
@@ -272,48 +354,86 @@ def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
 
     rows = packed_tokens / row_len
     row_bytes = row_len * itemsize + 8
-    map_bytes = rows * row_bytes
-    val_share = 0.0 if entries and all(e.get("packed") for e in entries if e["files"]) else cfg.val_fraction
-    map_tasks = max(1, math.ceil(map_bytes / (cfg.shuffle.map_mib << 20)))
-    splits = {"train": rows * (1 - val_share), "val": rows * val_share}
-    split_plans = {name: plan_split(max(int(n), cfg.num_shards), cfg.num_shards, row_bytes,
-                                    cfg.shuffle.reducer_mib << 20, name) for name, n in splits.items()}
+    all_packed = bool(entries) and all(e.get("packed") for e in entries if e["files"])
+    if all_packed:  # each split on its own (pipeline.run_stage_shuffle_packed)
+        split_rows = {split: info["rows"] for split, info in packed.items()}
+        split_input = {split: info["bytes"] for split, info in packed.items()}
+        methods = {}
+        for split, info in packed.items():
+            # the validation split is shuffled when duplicates of training rows are dropped from it: the released
+            # data has such rows (issue 29), and which files lose rows is known only after the search
+            shuffled = (info["files"] != cfg.num_shards or len(info["row_counts"]) > 1
+                        or (split == "val" and cfg.drop_val_duplicates))
+            methods[split] = "shuffle" if shuffled else "hard_link" if info["linkable"] else f"convert_{dtype}"
+    else:
+        split_rows = {"train": rows * (1 - cfg.val_fraction), "val": rows * cfg.val_fraction}
+        split_input = {split: packed_file_bytes * n / max(rows, 1) for split, n in split_rows.items()}
+        methods = {"train": "shuffle", "val": "shuffle"}
+    shuffled = [split for split, method in methods.items() if method == "shuffle"]
+    map_split_bytes = {split: split_rows[split] * row_bytes if split in shuffled else 0.0 for split in methods}
+    map_bytes = sum(map_split_bytes.values())
+    map_tasks = math.ceil(map_bytes / (cfg.shuffle.map_mib << 20)) if shuffled else 0
+    split_plans = {name: plan_split(max(int(split_rows[name]), cfg.num_shards), cfg.num_shards, row_bytes,
+                                    cfg.shuffle.reducer_mib << 20, name) for name in shuffled}
     reducers = {name: plan["reducers"] for name, plan in split_plans.items()}
-    shard_bytes = shard_token_bytes + 2 * cfg.num_shards * fallback.parquet_file_bytes  # same rows, same encoding
+    shard_split_bytes = {  # same rows, same encoding; a hard-linked file is no new byte
+        split: 0.0 if method == "hard_link" else (shard_token_bytes * split_rows[split] / max(rows, 1)
+                                                  + cfg.num_shards * fallback.parquet_file_bytes)
+        for split, method in methods.items()}
     hub_bytes = sum(e["hub_bytes"] for e in entries)
     disk = {"download": hub_bytes}
     disk["staging"] = disk["download"] + staged_bytes
     disk["pack"] = disk["staging"] + packed_file_bytes
-    disk["shuffle"] = disk["pack"] + map_bytes + 8 * (cfg.num_shards + 1) * 2 * map_tasks + shard_bytes
+    disk["shuffle"] = (disk["pack"] + map_bytes + 8 * (cfg.num_shards + 1) * len(shuffled) * map_tasks
+                       + sum(shard_split_bytes.values()))
     disk = {k: int(v) for k, v in disk.items()}
     peak = max(disk.values())
 
+    # bytes each stage reads and writes under output_dir (or reads from a local_dir)
+    io = {"download": {"read": hub_bytes, "written": hub_bytes}}  # read: each file hashed once when verified
+    if all_packed:  # the validation files read once more; the training files too unless they go per file (their
+        # tasks then look their rows up while they convert them: one pass)
+        io["dedup"] = {"read": split_input["val"] + (split_input["train"] if methods["train"] == "shuffle" else 0),
+                       "written": 0}
+    else:
+        io["staging"] = {"read": sum(e["input_bytes"] for e in entries), "written": staged_bytes}
+        io["pack"] = {"read": staged_bytes, "written": packed_file_bytes}
+    for split, method in methods.items():
+        io[f"shards_{split}"] = {
+            "read": split_input[split] + map_split_bytes[split],  # the shuffle reads its map files back
+            "written": map_split_bytes[split] + shard_split_bytes[split]}
+    io = {stage: {k: int(v) for k, v in figures.items()} for stage, figures in io.items()}
+
     cpus = cfg.local_ray.num_cpus or os.cpu_count() or 1
     text_total = sum(p.get("text_bytes", 0) for p in per_source)
-    doc_tokens = packed_tokens  # the encoder's work is about the packed tokens (copies are encoded once)
+    doc_tokens = 0.0 if all_packed else packed_tokens  # packed data is not encoded; the encoder's work is about the packed tokens (copies are encoded once)
     seconds = {
         "download": hub_bytes / THROUGHPUT["download_bytes_per_s"][0],
         "staging": text_total / (THROUGHPUT["staging_text_bytes_per_s_per_cpu"][0] * cpus),
         "pack": doc_tokens / (THROUGHPUT["pack_tokens_per_s_per_cpu"][0] * cpus),
-        "shuffle": packed_file_bytes / (THROUGHPUT["shuffle_bytes_per_s_per_cpu"][0] * cpus),
+        "shuffle": sum(split_input.values()) / (THROUGHPUT["shuffle_bytes_per_s_per_cpu"][0] * cpus),
     }
     # the largest map group, taken as one file (an upper bound); released files are read as int64 (8 bytes)
     group_rows = int(min(rows, (cfg.shuffle.map_mib << 20) // row_bytes + 1))
-    input_width = 8 if val_share == 0.0 else itemsize
+    input_width = 8 if all_packed else itemsize
     memory = {
         "pack_task": int(256 * 2**20 + 24 * worst_pack_chars),
         "map_task": map_task_memory([{"train_rows": group_rows, "val_rows": 0}], row_len, dtype, input_width, False),
-        "reduce_task": max(reduce_task_memory(p, row_len, dtype) for p in split_plans.values()),
+        "reduce_task": max([reduce_task_memory(p, row_len, dtype) for p in split_plans.values()], default=0),
     }
+    dedup_tasks = (packed["val"]["files"] + (packed["train"]["files"] if methods["train"] == "shuffle" else 0)
+                   if all_packed else 0)
     counts = {
         "input_files": sum(e["files"] for e in entries),
         "staged_files": sum(e["files"] for e in entries if not e.get("packed")),
         "pack_tasks": int(pack_tasks),
         "map_tasks": map_tasks,
-        "map_files": 4 * map_tasks,  # per split: data + index
+        "map_files": 2 * len(shuffled) * map_tasks,  # per shuffled split: data + index
+        "per_file_tasks": sum(cfg.num_shards for method in methods.values() if method != "shuffle"),
         "reducers": sum(reducers.values()),
         "shard_files": 2 * cfg.num_shards,
-        "ray_tasks": int(sum(e["files"] for e in entries) + pack_tasks + map_tasks + sum(reducers.values())),
+        "ray_tasks": int(sum(e["files"] for e in entries) + dedup_tasks + pack_tasks + map_tasks
+                         + sum(reducers.values()) + sum(cfg.num_shards for m in methods.values() if m != "shuffle")),
     }
     plan = {
         "sources": per_source,
@@ -323,6 +443,8 @@ def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
         "token_dtype": dtype,
         "peak_disk_bytes": peak,
         "disk_after_stage_bytes": disk,
+        "io_bytes": io,
+        "reshard_method": methods,
         "memory_per_task_bytes": memory,
         "object_store_bytes_per_task": 4096,  # tasks return a few integers; data moves through files
         "counts": counts,
@@ -333,7 +455,6 @@ def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
         "unsupported_sources": [s.name for s in sources if s.requires_software_heritage_aws_download
                                 and s.weight > 0 and not s.is_packed],
     }
-    plan.update(check_disk(cfg, peak))
     return plan
 
 
@@ -386,6 +507,12 @@ def format_plan(plan: dict) -> str:
     lines.append("disk under output_dir after each stage: " + ", ".join(
         f"{k} {_size(v)}" for k, v in plan["disk_after_stage_bytes"].items()) +
         f"; peak {_size(plan['peak_disk_bytes'])}, free {_size(plan['free_bytes'])}")
+    lines.append("bytes read / written per stage: " + ", ".join(
+        f"{k} {_size(v['read'])} / {_size(v['written'])}" for k, v in plan["io_bytes"].items()) +
+        f"; in all {_size(sum(v['read'] for v in plan['io_bytes'].values()))} / "
+        f"{_size(sum(v['written'] for v in plan['io_bytes'].values()))}")
+    lines.append("shards from the packed rows: " + ", ".join(
+        f"{split} {method}" for split, method in plan["reshard_method"].items()))
     lines.append("memory per task: " + ", ".join(
         f"{k} {_size(v)}" for k, v in plan["memory_per_task_bytes"].items()) +
         f"; object store per task: {_size(plan['object_store_bytes_per_task'])} (results only)")
@@ -393,6 +520,9 @@ def format_plan(plan: dict) -> str:
     total = sum(plan["estimated_seconds"].values())
     lines.append(f"estimated time at {plan['cpus']} CPUs: " + ", ".join(
         f"{k} {_duration(v)}" for k, v in plan["estimated_seconds"].items()) + f"; total {_duration(total)}")
+    if plan["cached"]:
+        lines.append(f"(read from {plan['cached']}: the sources' files, the config and the tokenizer are those it was "
+                     "made for)")
     if plan["unsampled_sources"]:
         lines.append(f"{len(plan['unsampled_sources'])} source(s) not sampled (files not on this machine or no "
                      "tokenizer yet): estimated from the sampled sources' mean or defaults")

@@ -54,8 +54,8 @@ import pyarrow.parquet as pq
 from huginn_ray.data import layout
 from huginn_ray.data.execution import run_tasks
 from huginn_ray.data.permutation import FeistelPermutation
-from huginn_ray.data.tokens import (DTYPES, MASK, MAX_LIST_IDS, arrow_type, check_ids, fixed_rows, numpy_dtype,
-                                    parquet_options, row_schema, rows_to_arrow)
+from huginn_ray.data.tokens import (DTYPES, MASK, MAX_LIST_IDS, TokenRangeError, arrow_type, check_ids, fixed_rows,
+                                    numpy_dtype, parquet_options, row_schema, rows_to_arrow)
 
 TRAIN, VAL = 0, 1
 SPLITS = {"train": TRAIN, "val": VAL}
@@ -125,8 +125,9 @@ def _read_input(entry: dict, row_len: int, dtype: str, vocab_size: int, hashes: 
         source = path
     pf = pq.ParquetFile(source, pre_buffer=False)
     names = pf.schema_arrow.names
-    if "input_ids" not in names:
-        raise ValueError(f"{path}: no column 'input_ids' (columns: {', '.join(names)})")
+    why = token_column_error(pf.schema_arrow)
+    if why:
+        raise TokenRangeError(f"{path}: {why}")
     has_split, has_mask = "split" in names, MASK in names
     seen = dict.fromkeys(SPLITS, 0)
     row = 0
@@ -160,6 +161,17 @@ def _read_input(entry: dict, row_len: int, dtype: str, vocab_size: int, hashes: 
             raise ValueError(f"{path}: {'more than ' if seen[name] > entry[f'{name}_rows'] else ''}{seen[name]} "
                              f"{name} rows, the plan expected {entry[f'{name}_rows']} (the file changed since it "
                              "was listed)")
+
+
+def token_column_error(schema: pa.Schema) -> str | None:
+    """Why a file's `input_ids` column cannot be read as token ids (None when it can): it must be a list of
+    integers. Floats would be truncated to ids without a word, strings cannot be ids."""
+    ids = schema.field("input_ids").type if "input_ids" in schema.names else None
+    if ids is None:
+        return f"no column input_ids (columns: {', '.join(schema.names)})"
+    if not (pa.types.is_list(ids) or pa.types.is_large_list(ids)) or not pa.types.is_integer(ids.value_type):
+        return f"column input_ids must hold lists of integer token ids, got {ids}"
+    return None
 
 
 def _mask_rows(column, row_len: int, where: str, first_row: int) -> np.ndarray:
@@ -210,7 +222,7 @@ def _map_group(index: int, files: list[dict], offsets: dict, plans: dict, seed: 
     """Ray task: sort one group's rows by destination position and write one map file (+ index) per split.
     `with_mask`: every input file has a loss_mask column (else none may have one)."""
     work_dir = Path(work)
-    todo = [name for name in SPLITS if not _map_paths(work_dir, name, index)[1].exists()]
+    todo = [name for name in plans if not _map_paths(work_dir, name, index)[1].exists()]
     written = 0
     hashes: dict | None = {} if hash_inputs else None
     if todo:
@@ -351,15 +363,61 @@ def _reduce(split: str, reducer: int, plan: dict, work: str, row_len: int, dtype
 
 
 last_run_stats: dict = {}
-"""Figures of the latest run_shuffle in this process (tasks, bytes, task peak RSS), for bench/shuffle_scale.py."""
+"""Figures of the latest write_shards in this process (tasks, bytes, task peak RSS), for bench/shuffle_scale.py."""
 
 
-def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards: int, seed: int,
-                row_group_size: int, reducer_mib: int, map_mib: int, token_dtype: str, vocab_size: int,
-                fingerprint: str, manifest_extra: dict, hash_inputs: bool = False) -> dict:
-    """Shuffle rows of `files` ({path, train_rows, val_rows}, in global order) into shards; returns the manifest.
+def run_shuffle(files: list[dict], row_len: int, shard_root: Path, **settings) -> dict:
+    """Shuffle the rows of both splits of `files` ({path, train_rows, val_rows}, in global order) into shards;
+    returns the manifest (write_shards with no split made per file)."""
+    return write_shards(files, {}, row_len, shard_root, **settings)
 
-    Skipped when `shard_root` holds a manifest of the same fingerprint; resumes from `<shard_root>.partial`."""
+
+def shard_work_id(fingerprint: str, map_mib: int, reducer_mib: int, token_dtype: str) -> str:
+    """What the files in `<shard_root>.partial` are valid for: the inputs and shard settings (`fingerprint`) and
+    the grouping of the shuffle's tasks (map_mib, reducer_mib change which rows a map file holds, not the shards)."""
+    return layout.fingerprint({"fingerprint": fingerprint, "map_mib": map_mib, "reducer_mib": reducer_mib,
+                               "token_dtype": token_dtype})
+
+
+def open_work(shard_root: Path, work_id: str, fingerprint: str) -> tuple[Path, bool]:
+    """`<shard_root>.partial` and whether it was kept, with what an interrupted run of the same `work_id` committed
+    there (its temp files removed); else it is made anew."""
+    work = shard_root.with_name(shard_root.name + ".partial")
+    previous = layout.read_marker(work, layout.PLAN)
+    if previous is not None and previous.get("id") == work_id:
+        for stale in work.glob("*/*/*.tmp"):  # half-written by a crashed attempt: never read, removed
+            stale.unlink()
+        return work, True
+    if work.exists():
+        print(f"[shuffle] removing {work}: left by a run with other inputs or settings", flush=True)
+        shutil.rmtree(work)
+    for name in SPLITS:
+        for part in ("map", "out", "records"):
+            (work / part / name).mkdir(parents=True)
+    layout.write_json(work / layout.PLAN, {"id": work_id, "fingerprint": fingerprint})
+    return work, False
+
+
+def per_file_shards(split: str, method: str, files: list[dict], shard_root: Path, work_id: str, fingerprint: str,
+                    **settings) -> list[np.ndarray]:
+    """One split's shards from its files one per rank (`_per_file_split`), committed into `<shard_root>.partial`
+    ahead of `write_shards` (which keeps them: same `work_id`); returns per file the `lookup` hashes its rows
+    have."""
+    work, _ = open_work(Path(shard_root), work_id, fingerprint)
+    return _per_file_split(split, method, files, work, digests={}, **settings)
+
+
+def write_shards(shuffle_files: list[dict], per_file: dict[str, tuple[str, list[dict]]], row_len: int,
+                 shard_root: Path, *, num_shards: int, seed: int, row_group_size: int, reducer_mib: int,
+                 map_mib: int, token_dtype: str, vocab_size: int, fingerprint: str, manifest_extra: dict,
+                 hash_inputs: bool = False) -> dict:
+    """The N train + N validation shards: each split in `per_file` ({split: (method, files)}, methods from
+    `per_file_method`) from its files one per rank, with nothing shuffled again; every other split by the two-pass
+    shuffle of the rows `shuffle_files` hold for it. Returns the manifest.
+
+    Skipped when `shard_root` holds a manifest of the same fingerprint. Resumes from `<shard_root>.partial` when a
+    run with the same inputs and layout left it: committed map files, shards and per-file shards are kept, only
+    the rest is done."""
     shard_root = Path(shard_root)
     existing = layout.current_marker(shard_root, fingerprint, manifest_extra.get("fingerprint_inputs", {}),
                                      "shuffle", MANIFEST)
@@ -368,44 +426,91 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         shutil.rmtree(work, ignore_errors=True)
         print(f"[shuffle] complete ({num_shards} + {num_shards} shards), skipped", flush=True)
         return existing
-
-    # every input comes from one producer (the pack stage, or one released dataset): the first file's columns
-    # stand for all of them (the map tasks refuse a file that differs)
-    first_schema = pq.read_schema(files[0]["path"])
-    with_mask = MASK in first_schema.names
-    itemsize = np.dtype(np.uint16 if token_dtype == "uint16" else np.int32).itemsize + with_mask
-    row_bytes = row_len * itemsize + 8
-    plans = {name: plan_split(sum(f[f"{name}_rows"] for f in files), num_shards, row_bytes,
-                              reducer_mib << 20, name) for name in SPLITS}
-    for name, plan in plans.items():
-        if plan["rows_per_shard"] * row_len > MAX_LIST_IDS:  # a shard's input_ids column is one list<> array
-            raise ValueError(f"num_shards={num_shards}: a {name} shard would hold {plan['rows_per_shard']} rows of "
-                             f"{row_len} ids, more than the {MAX_LIST_IDS} ids a parquet list column addresses; "
-                             f"raise num_shards")
-    groups = _group_files(files, row_bytes, map_mib << 20)
-    work_plan = {"fingerprint": fingerprint, "map_mib": map_mib, "reducer_mib": reducer_mib,
-                 "groups": [[str(f["path"]) for f in g] for g in groups], "token_dtype": token_dtype}
-    work_id = layout.fingerprint(work_plan)
-    previous = layout.read_marker(work, layout.PLAN)
-    if previous is not None and previous.get("id") == work_id:
+    shuffled = [name for name in SPLITS if name not in per_file]
+    plans, groups, with_mask = {}, [], False
+    if shuffled:
+        # every input comes from one producer (the pack stage, or one released dataset): the first file's columns
+        # stand for all of them (the map tasks refuse a file that differs)
+        with_mask = MASK in pq.read_schema(shuffle_files[0]["path"]).names
+        itemsize = np.dtype(numpy_dtype(token_dtype)).itemsize + with_mask
+        row_bytes = row_len * itemsize + 8
+        plans = {name: plan_split(sum(f[f"{name}_rows"] for f in shuffle_files), num_shards, row_bytes,
+                                  reducer_mib << 20, name) for name in shuffled}
+        for name, plan in plans.items():
+            if plan["rows_per_shard"] * row_len > MAX_LIST_IDS:  # a shard's input_ids column is one list<> array
+                raise ValueError(f"num_shards={num_shards}: a {name} shard would hold {plan['rows_per_shard']} rows "
+                                 f"of {row_len} ids, more than the {MAX_LIST_IDS} ids a parquet list column "
+                                 "addresses; raise num_shards")
+        groups = _group_files(shuffle_files, row_bytes, map_mib << 20)
+    work, resumed = open_work(shard_root, shard_work_id(fingerprint, map_mib, reducer_mib, token_dtype), fingerprint)
+    if resumed:
         done_maps = sum(1 for _ in (work / "map").glob("*/*.idx.npy"))
         done_shards = sum(1 for _ in (work / "out").glob("*/*.parquet"))
         print(f"[shuffle] resuming {work}: {done_maps}/{2 * len(groups)} map files and "
               f"{done_shards}/{2 * num_shards} shards already written are kept", flush=True)
-        for stale in work.glob("*/*/*.tmp"):  # half-written by a crashed attempt: never read, removed
-            stale.unlink()
-    else:
-        if work.exists():
-            print(f"[shuffle] removing {work}: left by a run with other inputs or settings", flush=True)
-            shutil.rmtree(work)
-        for name in SPLITS:
-            (work / "map" / name).mkdir(parents=True)
-            (work / "out" / name).mkdir(parents=True)
-        layout.write_json(work / layout.PLAN, {"id": work_id, "fingerprint": fingerprint,
-                                        "map_tasks": len(groups), "num_shards": num_shards})
 
+    last_run_stats.clear()
+    digests: dict[str, str] = {}
+    supervised: dict[str, int] = {}
+    if shuffled:
+        supervised = _shuffle_splits(shuffle_files, groups, plans, work, row_len=row_len, seed=seed,
+                                     row_group_size=row_group_size, token_dtype=token_dtype, vocab_size=vocab_size,
+                                     hash_inputs=hash_inputs, with_mask=with_mask, digests=digests)
+    for name, (method, files) in per_file.items():
+        _per_file_split(name, method, files, work, row_len=row_len, token_dtype=token_dtype, vocab_size=vocab_size,
+                        row_group_size=row_group_size, hash_inputs=hash_inputs, digests=digests)
+    for name in SPLITS:
+        written = sorted(p.name for p in (work / "out" / name).glob("*.parquet"))
+        if written != [f"{r:05d}.parquet" for r in range(num_shards)]:
+            raise RuntimeError(f"wrote {len(written)} {name} shards, expected {num_shards}")
+        layout.fsync_dir(work / "out" / name)
+
+    if hash_inputs:
+        _record_local_hashes(manifest_extra, digests)
+    rows = {name: plans[name]["rows_per_shard"] if name in plans else per_file[name][1][0][f"{name}_rows"]
+            for name in SPLITS}
+    methods = {name: per_file[name][0] if name in per_file else "shuffle" for name in SPLITS}
+    manifest = {
+        "format": "huginn_ray.shards/2",
+        "fingerprint": fingerprint,
+        "num_shards": num_shards,
+        "seq_len": row_len - 1,
+        "row_len": row_len,
+        "token_dtype": token_dtype,
+        "seed": seed,
+        # linked shards keep the released files' own row groups
+        **({"row_group_size": row_group_size} if set(methods.values()) != {"hard_link"} else {}),
+        "rows_per_shard": rows,
+        "tokens_per_shard": {name: rows[name] * row_len for name in SPLITS},
+        "total_rows": {name: rows[name] * num_shards for name in SPLITS},
+        "dropped_surplus_rows": {name: plans[name]["dropped"] if name in plans else 0 for name in SPLITS},
+        "reshard_method": methods,
+        **({"source_files": {name: [f["rel"] for f in files] for name, (_, files) in per_file.items()}}
+           if per_file else {}),
+        **manifest_extra,
+    }
+    if with_mask:
+        manifest[MASK] = {"dtype": "uint8", "supervised_tokens": supervised}
+    publish(work, shard_root, manifest)
+    for name in SPLITS:
+        if name in plans:
+            print(f"[shuffle] {name}: {num_shards} shards x {plans[name]['rows_per_shard']} rows "
+                  f"({plans[name]['dropped']} surplus rows dropped)", flush=True)
+        else:
+            done = ("hard-linked as the shards" if methods[name] == "hard_link"
+                    else f"converted to {token_dtype} shards one by one")
+            print(f"[shuffle] {name}: {num_shards} released files verified and {done} ({rows[name]} rows each), "
+                  "not shuffled again", flush=True)
+    return manifest
+
+
+def _shuffle_splits(files: list[dict], groups: list[list[dict]], plans: dict, work: Path, *, row_len: int, seed: int,
+                    row_group_size: int, token_dtype: str, vocab_size: int, hash_inputs: bool, with_mask: bool,
+                    digests: dict) -> dict[str, int]:
+    """The two passes for the splits of `plans`, into `work`/out; returns the supervised tokens per split (chat
+    rows) and adds the sha256 of every file read to `digests` (with `hash_inputs`)."""
     started = time.time()
-    input_width = first_schema.field("input_ids").type.value_type.bit_width // 8
+    input_width = pq.read_schema(files[0]["path"]).field("input_ids").type.value_type.bit_width // 8
     calls, memory, running = [], [], {name: 0 for name in SPLITS}
     for index, group in enumerate(groups):
         entries = [{"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"],
@@ -418,8 +523,8 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
                 running[name] += f[f"{name}_rows"]
     map_results = run_tasks(_map_group, calls, name="shuffle_map", memory=memory)
     map_s = time.time() - started
-    for name in SPLITS:
-        write_split_index(work, name, len(groups), num_shards)
+    for name, plan in plans.items():
+        write_split_index(work, name, len(groups), plan["num_shards"])
 
     calls, memory = [], []
     for name, plan in plans.items():
@@ -429,12 +534,6 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
     reduce_results = run_tasks(_reduce, calls, name="shuffle_reduce", memory=memory)
     for stale in work.glob("out/*/*.tmp"):  # left by an attempt whose worker died (its retry committed the file)
         stale.unlink()
-
-    for name in SPLITS:
-        written = sorted(p.name for p in (work / "out" / name).glob("*.parquet"))
-        if written != [f"{r:05d}.parquet" for r in range(num_shards)]:
-            raise RuntimeError(f"shuffle wrote {len(written)} {name} shards, expected {num_shards}")
-    last_run_stats.clear()
     last_run_stats.update(
         map_tasks=len(groups), reducers=len(calls), map_s=map_s, total_s=time.time() - started,
         intermediate_bytes_written=sum(r["bytes_written"] for r in map_results),
@@ -442,35 +541,65 @@ def run_shuffle(files: list[dict], row_len: int, shard_root: Path, *, num_shards
         shard_bytes_written=sum(r["bytes_written"] for r in reduce_results),
         map_files_opened=sum(r["map_files_opened"] for r in reduce_results),
         max_task_peak_rss_mib=max(r["peak_rss_mib"] for r in map_results + reduce_results))
+    for r in map_results:
+        digests.update(r["sha256"] or {})
+    return {name: sum(r["supervised_tokens"] for c, r in zip(calls, reduce_results) if c[0] == name)
+            for name in plans}
 
-    if hash_inputs:
-        _record_local_hashes(manifest_extra, {path: digest for r in map_results
-                                              for path, digest in (r["sha256"] or {}).items()})
-    manifest = {
-        "format": "huginn_ray.shards/2",
-        "fingerprint": fingerprint,
-        "num_shards": num_shards,
-        "seq_len": row_len - 1,
-        "row_len": row_len,
-        "token_dtype": token_dtype,
-        "seed": seed,
-        "row_group_size": row_group_size,
-        "rows_per_shard": {name: plans[name]["rows_per_shard"] for name in SPLITS},
-        "tokens_per_shard": {name: plans[name]["rows_per_shard"] * row_len for name in SPLITS},
-        "total_rows": {name: plans[name]["kept"] for name in SPLITS},
-        "dropped_surplus_rows": {name: plans[name]["dropped"] for name in SPLITS},
-        "reshard_method": "shuffle",
-        **manifest_extra,
-    }
-    if with_mask:
-        manifest[MASK] = {"dtype": "uint8", "supervised_tokens": {
-            name: sum(r["supervised_tokens"] for c, r in zip(calls, reduce_results) if c[0] == name)
-            for name in SPLITS}}
-    publish(work, shard_root, manifest)
-    for name in SPLITS:
-        print(f"[shuffle] {name}: {num_shards} shards x {plans[name]['rows_per_shard']} rows "
-              f"({plans[name]['dropped']} surplus rows dropped)", flush=True)
-    return manifest
+
+def _record_path(work: Path, split: str, rank: int) -> Path:
+    return work / "records" / split / f"{rank:05d}.json"
+
+
+def _per_file_split(split: str, method: str, files: list[dict], work: Path, *, row_len: int, token_dtype: str,
+                    vocab_size: int, row_group_size: int, hash_inputs: bool, digests: dict,
+                    lookup: np.ndarray | None = None) -> list[np.ndarray]:
+    """One split's files become its shards one per rank (rank r = the split's r-th file in name order), into
+    `work`/out; a file whose shard an interrupted run already committed is not read again.
+
+    hard_link: every file is verified (each row read: row length, id range; local files hashed), then hard-linked
+    as `<split>/RRRRR.parquet`, each as soon as it is verified. A hard link, not a symlink: the shard is an ordinary
+    file inside the shard directory that stays valid when the download directory is removed, and costs no bytes.
+    Where the inputs are on another file system (a local_dir source elsewhere; a link cannot cross file systems),
+    the file is copied.
+
+    convert_<dtype>: one task per file reads it (the same checks) and writes its rows, in order, as the shard in
+    the storage type (`_convert_file`), streaming: a task's memory is bounded by a row group, not by the file.
+
+    `lookup` (sorted, unique row hashes, dedup.row_hashes): the same read also finds which of them the file's rows
+    have (the validation rows also in train: the released data's one pass over its training files). A file's
+    record (`records/<split>/RRRRR.json`: its sha256 with `hash_inputs`, the hashes found) is committed before its
+    shard, so a resumed run has both for the files it skips. Returns the hashes found per file (empty arrays
+    without a `lookup`) and adds the sha256 of every file to `digests`."""
+    todo = [(rank, {"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]})
+            for rank, f in enumerate(files) if not shard_path(work / "out", split, rank).exists()]
+    if len(todo) < len(files):
+        print(f"[shuffle] {split}: {len(files) - len(todo)}/{len(files)} per-file shards already written are kept",
+              flush=True)
+    recorded = hash_inputs or lookup is not None
+    records = [str(_record_path(work, split, rank)) if recorded else None for rank, _ in todo]
+    common = {"hash_input": hash_inputs, "lookup": lookup}
+    if method == "hard_link":
+        def link(i: int, result: dict) -> None:  # as each file is verified: a crash keeps the links made
+            rank, entry = todo[i]
+            _link_or_copy(Path(entry["path"]), shard_path(work / "out", split, rank))
+
+        calls = [(entry, row_len, token_dtype, vocab_size, record) for (_, entry), record in zip(todo, records)]
+        run_tasks(_verify_file, calls, name="verify_released", on_result=link, common=common)
+    else:
+        calls = [(entry, str(shard_path(work / "out", split, rank)), row_len, token_dtype, vocab_size,
+                  row_group_size, record) for (rank, entry), record in zip(todo, records)]
+        results = run_tasks(_convert_file, calls, name="convert_released", common=common, memory=[
+            convert_task_memory(c[0], row_len, token_dtype, row_group_size, hash_inputs) for c in calls])
+        if results:
+            last_run_stats["max_task_peak_rss_mib"] = max(
+                [last_run_stats.get("max_task_peak_rss_mib", 0.0)] + [r["peak_rss_mib"] for r in results])
+    found = []
+    for rank in range(len(files)):
+        record = json.loads(_record_path(work, split, rank).read_text()) if recorded else {}
+        digests.update(record.get("sha256") or {})
+        found.append(np.asarray(record.get("found") or [], np.uint64))
+    return found
 
 
 def shard_supervised_tokens(path: Path, row_len: int) -> int:
@@ -488,49 +617,75 @@ def _record_local_hashes(manifest_extra: dict, digests: dict[str, str]) -> None:
                 f["hash"] = digests.get(str(Path(root) / f["path"]))
 
 
-def per_file_method(files: dict[str, list[dict]], num_shards: int, token_dtype: str) -> tuple[str, str | None]:
-    """How already packed files become the shards one file per rank, from their footers: ("hard_link", None) when
-    they already are shards, ("convert_<token_dtype>", None) when their ids only need the storage type, else
-    ("shuffle", why not per file).
+def per_file_method(files: list[dict], split: str, num_shards: int, token_dtype: str) -> tuple[str, str | None]:
+    """How one split's already packed files become its shards one file per rank, from their footers:
+    ("hard_link", None) when they already are shards, ("convert_<token_dtype>", None) when their ids only need the
+    storage type, else ("shuffle", why not per file).
 
-    Per file needs each split to have exactly `num_shards` files, all of one row count, with a column `input_ids`
+    Per file needs the split to have exactly `num_shards` files, all of one row count, with a column `input_ids`
     of integer lists. They are linked when every file holds that column only, as list<token_dtype> (what the
     training preflight, huginn_ray/train/shard_check.py, asks of a shard); otherwise each file is converted (the
     release stores list<int64>: 4x the uint16 width)."""
     wanted = pa.list_(arrow_type(token_dtype))
+    if len(files) != num_shards:
+        return "shuffle", f"{len(files)} {split} files for num_shards={num_shards}"
+    counts = {f[f"{split}_rows"] for f in files}
+    if len(counts) > 1:
+        return "shuffle", f"the {split} files hold {min(counts)} to {max(counts)} rows, shards hold one count"
     linkable = True
-    for name in SPLITS:
-        if len(files[name]) != num_shards:
-            return "shuffle", f"{len(files[name])} {name} files for num_shards={num_shards}"
-        counts = {f[f"{name}_rows"] for f in files[name]}
-        if len(counts) > 1:
-            return "shuffle", f"the {name} files hold {min(counts)} to {max(counts)} rows, shards hold one count"
-        for f in files[name]:
-            schema = pq.read_schema(f["path"])
-            ids = schema.field("input_ids").type if "input_ids" in schema.names else None
-            if ids is None or not (pa.types.is_list(ids) or pa.types.is_large_list(ids)) or not (
-                    pa.types.is_integer(ids.value_type)):
-                return "shuffle", f"{f['path']} has no input_ids column of integer lists ({schema})".replace("\n", ", ")
-            if MASK in schema.names:  # the per-file paths write input_ids only
-                return "shuffle", f"{f['path']} has a {MASK} column"
-            linkable = linkable and schema.names == ["input_ids"] and ids == wanted
+    for f in files:
+        schema = pq.read_schema(f["path"])
+        why = token_column_error(schema)
+        if why:
+            raise TokenRangeError(f"{f['path']}: {why}")
+        if MASK in schema.names:  # the per-file paths write input_ids only
+            return "shuffle", f"{f['path']} has a {MASK} column"
+        linkable = linkable and schema.names == ["input_ids"] and schema.field("input_ids").type == wanted
     return ("hard_link" if linkable else f"convert_{token_dtype}"), None
 
 
-def _verify_file(entry: dict, row_len: int, dtype: str, vocab_size: int, hash_input: bool) -> dict:
-    """Task: read every row of a file to be linked as a shard (row length and id range checked, as the shuffle's
-    map tasks do) and, for a local file, hash it."""
-    hashes: dict | None = {} if hash_input else None
-    rows = sum(len(part) for _, part, _ in _read_input(entry, row_len, dtype, vocab_size, hashes))
-    return {"rows": rows, "sha256": hashes}
+class _RowReader:
+    """A task's reading of one packed file: its rows (row length and id range checked, as the shuffle's map tasks
+    do), its sha256 when `hash_input` (read once: hashed and parsed), and which of the `lookup` hashes its rows have
+    (dedup.row_hashes, looked up by binary search). `commit(record_path)` writes what it found there."""
+
+    def __init__(self, entry: dict, row_len: int, dtype: str, vocab_size: int, hash_input: bool,
+                 lookup: np.ndarray | None):
+        self.hashes: dict | None = {} if hash_input else None
+        self.parts = _read_input(entry, row_len, dtype, vocab_size, self.hashes)
+        self.lookup, self.found = lookup, []
+
+    def __iter__(self):
+        from huginn_ray.data.dedup import in_sorted, row_hashes
+
+        for _, part, mask in self.parts:
+            if self.lookup is not None and len(part):
+                hashes = row_hashes(part, mask)
+                self.found.append(hashes[in_sorted(hashes, self.lookup)])
+            yield part
+
+    def commit(self, record_path: str | None) -> None:
+        if record_path:
+            found = np.unique(np.concatenate(self.found)) if self.found else np.zeros(0, np.uint64)
+            layout.write_json(Path(record_path), {"sha256": self.hashes,
+                                                  "found": [int(h) for h in found] if self.lookup is not None else None})
+
+
+def _verify_file(entry: dict, row_len: int, dtype: str, vocab_size: int, record_path: str | None,
+                 hash_input: bool = False, lookup: np.ndarray | None = None) -> dict:
+    """Task: read every row of a file to be linked as a shard (`_RowReader`) and commit its record."""
+    reader = _RowReader(entry, row_len, dtype, vocab_size, hash_input, lookup)
+    rows = sum(len(part) for part in reader)
+    reader.commit(record_path)
+    return {"rows": rows}
 
 
 def _convert_file(entry: dict, target: str, row_len: int, dtype: str, vocab_size: int, row_group_size: int,
-                  hash_input: bool) -> dict:
-    """Task: one packed file -> its rank's shard at `target`: every row read (row length and id range checked, as
-    the shuffle's map tasks do), in file order, READ_BATCH_ROWS at a time, and written as list<dtype> in row groups
-    of `row_group_size`, as a reducer writes a shard. Holds one batch and one row group, not the file."""
-    hashes: dict | None = {} if hash_input else None
+                  record_path: str | None, hash_input: bool = False, lookup: np.ndarray | None = None) -> dict:
+    """Task: one packed file -> its rank's shard at `target`: every row read (`_RowReader`), in file order,
+    READ_BATCH_ROWS at a time, and written as list<dtype> in row groups of `row_group_size`, as a reducer writes a
+    shard. Holds one batch and one row group, not the file. The file's record is committed before the shard."""
+    reader = _RowReader(entry, row_len, dtype, vocab_size, hash_input, lookup)
     schema = row_schema(dtype)
 
     def write(block: np.ndarray) -> None:
@@ -540,7 +695,7 @@ def _convert_file(entry: dict, target: str, row_len: int, dtype: str, vocab_size
     tmp = layout.temp_path(Path(target))
     pending, rows = np.empty((0, row_len), numpy_dtype(dtype)), 0
     with pq.ParquetWriter(tmp, schema, **parquet_options(schema.empty_table())) as writer:
-        for _, part, _ in _read_input(entry, row_len, dtype, vocab_size, hashes):
+        for part in reader:
             pending, rows = np.concatenate([pending, part]), rows + len(part)
             whole = len(pending) - len(pending) % row_group_size  # whole row groups go out, the rest waits
             if whole:
@@ -548,8 +703,9 @@ def _convert_file(entry: dict, target: str, row_len: int, dtype: str, vocab_size
                 pending = pending[whole:]
         if len(pending):
             write(pending)
+    reader.commit(record_path)
     layout.commit_file(tmp, Path(target))
-    return {"rows": rows, "sha256": hashes, "peak_rss_mib": _peak_rss_mib()}
+    return {"rows": rows, "peak_rss_mib": _peak_rss_mib()}
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
@@ -584,68 +740,6 @@ def convert_task_memory(entry: dict, row_len: int, dtype: str, row_group_size: i
     return (batch * row_len * input_width * CONVERT_READ_FACTOR + CONVERT_READER_BYTES
             + (os.path.getsize(entry["path"]) if hashed else 0)
             + 2 * (row_group_size + batch) * row_len * width + _TASK_OVERHEAD)
-
-
-def shards_per_file(files: dict[str, list[dict]], row_len: int, shard_root: Path, *, method: str, seed: int,
-                    token_dtype: str, vocab_size: int, row_group_size: int, fingerprint: str, manifest_extra: dict,
-                    hash_inputs: bool = False) -> dict:
-    """Packed files for which `per_file_method` chose a per-file method become the shards one file per rank
-    (rank r = the split's r-th file in name order), with nothing shuffled again. Returns the manifest.
-
-    hard_link: every file is verified (each row read: row length, id range; local files hashed), then hard-linked
-    as `<split>/RRRRR.parquet`. A hard link, not a symlink: the shard is an ordinary file inside `shard_root` that
-    stays valid when the download directory is removed, and costs no bytes. Where the inputs are on another file
-    system than `shard_root` (a local_dir source elsewhere; a link cannot cross file systems), the file is copied.
-
-    convert_<dtype>: one task per file reads it (the same checks) and writes its rows, in order, as the shard in
-    the storage type (`_convert_file`), streaming: a task's memory is bounded by a row group, not by the file."""
-    entries = {name: [{"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]}
-                      for f in files[name]] for name in SPLITS}
-    work = shard_root.with_name(shard_root.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)
-    for name in SPLITS:
-        (work / "out" / name).mkdir(parents=True)
-    if method == "hard_link":
-        calls = [(e, row_len, token_dtype, vocab_size, hash_inputs) for name in SPLITS for e in entries[name]]
-        results = run_tasks(_verify_file, calls, name="verify_released")
-    else:
-        calls = [(e, str(shard_path(work / "out", name, rank)), row_len, token_dtype, vocab_size, row_group_size,
-                  hash_inputs) for name in SPLITS for rank, e in enumerate(entries[name])]
-        results = run_tasks(_convert_file, calls, name="convert_released", memory=[
-            convert_task_memory(c[0], row_len, token_dtype, row_group_size, hash_inputs) for c in calls])
-        last_run_stats.clear()
-        last_run_stats.update(max_task_peak_rss_mib=max(r["peak_rss_mib"] for r in results))
-    for name in SPLITS:
-        if method == "hard_link":
-            for rank, f in enumerate(files[name]):
-                _link_or_copy(Path(f["path"]), shard_path(work / "out", name, rank))
-        layout.fsync_dir(work / "out" / name)
-    if hash_inputs:
-        _record_local_hashes(manifest_extra, {p: d for r in results for p, d in (r["sha256"] or {}).items()})
-    rows = {name: files[name][0][f"{name}_rows"] for name in SPLITS}
-    manifest = {
-        "format": "huginn_ray.shards/2",
-        "fingerprint": fingerprint,
-        "num_shards": len(files["train"]),
-        "seq_len": row_len - 1,
-        "row_len": row_len,
-        "token_dtype": token_dtype,
-        "seed": seed,
-        **({} if method == "hard_link" else {"row_group_size": row_group_size}),  # linked: the file's own
-        "rows_per_shard": rows,
-        "tokens_per_shard": {name: rows[name] * row_len for name in SPLITS},
-        "total_rows": {name: rows[name] * len(files[name]) for name in SPLITS},
-        "dropped_surplus_rows": {name: 0 for name in SPLITS},
-        "reshard_method": method,
-        "source_files": {name: [f["rel"] for f in files[name]] for name in SPLITS},
-        **manifest_extra,
-    }
-    publish(work, shard_root, manifest)
-    done = "hard-linked as the shards" if method == "hard_link" else f"converted to {token_dtype} shards one by one"
-    for name in SPLITS:
-        print(f"[shuffle] {name}: {len(files[name])} released files verified and {done} ({rows[name]} rows each), "
-              "not shuffled again", flush=True)
-    return manifest
 
 
 _REQUIRED = {

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -11,11 +11,55 @@ from huginn_ray.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigError, R
 
 
 @dataclass
+class ModelOverrides:
+    """ModelConfig fields to change from the registry's (the reference's `model_overwrite`); each left null keeps
+    the registry's value. The fields are huginn_ray.model.ModelConfig's, less `name` (model.name) and
+    `activation_checkpointing` (a run setting: the top-level `activation_checkpointing`)."""
+
+    block_size: int | None = None
+    """Longest sequence the model accepts (the RoPE table's length)."""
+    vocab_size: int | None = None
+    """Tokenizer vocabulary size; token ids must be below it."""
+    padding_multiple: int | None = None
+    """The embedding and head have vocab_size rounded up to a multiple of this."""
+    n_embd: int | None = None
+    """Width of the residual stream and of the latent state."""
+    num_attention_heads: int | None = None
+    """Attention heads (head_dim = n_embd / heads)."""
+    intermediate_size: int | None = None
+    """Hidden width of the gated MLP."""
+    n_layers_in_prelude: int | None = None
+    """Sandwich blocks applied once to the embedded tokens."""
+    n_layers_in_recurrent_block: int | None = None
+    """Sandwich blocks of the core, applied once per recurrent iteration."""
+    n_layers_in_coda: int | None = None
+    """Sandwich blocks applied once after the recurrence."""
+    mean_recurrence: int | None = None
+    """Mean number of core iterations in training; the default depth at evaluation."""
+    mean_backprop_depth: int | None = None
+    """The last min(depth, this) iterations get gradients (truncated backprop)."""
+    state_init: Literal["like-init", "zero"] | None = None
+    """Initial latent state: trunc-normal noise ('like-init', as trained) or zeros."""
+    rope_base: float | None = None
+    """RoPE base frequency."""
+    norm_eps: float | None = None
+    """RMSNorm epsilon."""
+    qk_bias: bool | None = None
+    """Learned additive bias on queries and keys."""
+    tie_embeddings: bool | None = None
+    """lm_head shares the embedding matrix."""
+
+    def given(self) -> dict[str, Any]:
+        """The fields set, as ModelConfig keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass
 class ModelSection:
     name: str = "raven-tiny"
     """Registry name of the architecture (huginn_ray.model.ModelConfig.from_name)."""
-    overrides: dict[str, Any] = field(default_factory=dict)
-    """ModelConfig fields to change (the reference's `model_overwrite`), e.g. vocab_size, mean_recurrence."""
+    overrides: ModelOverrides = field(default_factory=ModelOverrides)
+    """ModelConfig fields to change, e.g. vocab_size, mean_recurrence."""
 
 
 @dataclass
@@ -89,6 +133,27 @@ class ParallelismSection:
     unit (embedding = head, recurrent-state adapter, final norm) are always fp32. bfloat16 halves those gathers
     and needs precision bf16-mixed (autocast feeds the matmuls bf16 activations); auto: bfloat16 when the run
     trains in bf16-mixed (GPUs by default), float32 otherwise (CPU)."""
+
+
+@dataclass
+class CompileOptions:
+    """Keyword arguments of torch.compile for the sandwich blocks (with `compile: true`); null: torch's default."""
+
+    mode: Literal["default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"] | None = None
+    """null: max-autotune-no-cudagraphs on GPUs (GPU_COMPILE_MODE), torch's default mode on CPU. Modes with CUDA
+    graphs (max-autotune, reduce-overhead) are refused: a compiled core block runs k times per step, and a CUDA
+    graph's replay overwrites the outputs of the previous one that backward still needs."""
+    fullgraph: bool | None = None
+    """Refuse graph breaks inside a block instead of splitting it."""
+    dynamic: bool | None = None
+    """Dynamic shapes: true compiles shape-generic kernels at once, false never does (a new shape recompiles);
+    null: torch marks a dimension dynamic after it changes once."""
+    backend: str | None = None
+    """Compiler backend (inductor; aot_eager or eager to find a compiler bug)."""
+
+    def given(self) -> dict[str, Any]:
+        """The options set, as torch.compile keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
 @dataclass
@@ -242,11 +307,8 @@ class TrainConfig:
     compile: bool = False
     """torch.compile every sandwich block (huginn_ray.model.compile_blocks, regional compilation): a new depth
     does not recompile. Costs compile time at the start of every worker (about a minute on CPU)."""
-    compile_options: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of torch.compile for the blocks. Without a `mode`: max-autotune-no-cudagraphs on GPUs
-    (GPU_COMPILE_MODE), torch's default mode on CPU. Modes with CUDA graphs (max-autotune, reduce-overhead) are
-    refused: a compiled core block runs k times per step, and a CUDA graph's replay overwrites the outputs of
-    the previous one that backward still needs."""
+    compile_options: CompileOptions = field(default_factory=CompileOptions)
+    """torch.compile's options for the blocks."""
     loss_chunk_tokens: int = 1024
     """Head + cross-entropy over chunks of this many tokens (huginn_ray.model.chunked_cross_entropy): at most
     loss_chunk_tokens x padded_vocab fp32 logits exist at a time instead of all tokens' logits and their
@@ -358,9 +420,10 @@ CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")
 
 def compile_options_for(cfg: TrainConfig, device_type: str) -> dict[str, Any]:
     """torch.compile's keyword arguments for the blocks on a device of `device_type` (cuda, cpu)."""
-    if device_type == "cpu" or "mode" in cfg.compile_options:
-        return dict(cfg.compile_options)
-    return {"mode": GPU_COMPILE_MODE, **cfg.compile_options}
+    options = cfg.compile_options.given()
+    if device_type == "cpu" or "mode" in options:
+        return options
+    return {"mode": GPU_COMPILE_MODE, **options}
 
 
 def check_param_dtype(cfg: TrainConfig) -> None:
@@ -386,7 +449,7 @@ def check_profile_steps(cfg: TrainConfig) -> None:
 
 
 def check_compile_options(cfg: TrainConfig) -> None:
-    mode = cfg.compile_options.get("mode")
+    mode = cfg.compile_options.mode
     if mode in CUDA_GRAPH_MODES:
         raise ConfigError(f"compile_options.mode={mode}: this mode records CUDA graphs, which the recurrence breaks "
                           f"(a compiled core block runs k times per step); use {GPU_COMPILE_MODE} (the default on "
@@ -443,6 +506,13 @@ TRAIN_RANGES: dict[str, Range] = {
     "device_memory_gib": POSITIVE,
     "memory_headroom": Range(0, 1, lo_open=True),
     "loss_chunk_tokens": NON_NEGATIVE,  # 0: full logits
+    **{f"model.overrides.{name}": AT_LEAST_1 for name in (
+        "block_size", "vocab_size", "padding_multiple", "n_embd", "num_attention_heads", "intermediate_size",
+        "n_layers_in_recurrent_block", "mean_recurrence", "mean_backprop_depth")},
+    "model.overrides.n_layers_in_prelude": NON_NEGATIVE,
+    "model.overrides.n_layers_in_coda": NON_NEGATIVE,
+    "model.overrides.rope_base": POSITIVE,
+    "model.overrides.norm_eps": POSITIVE,
     "profile.steps": AT_LEAST_1,
     "observe.straggler_ratio": Range(1, lo_open=True),
 }

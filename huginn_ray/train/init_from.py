@@ -50,13 +50,13 @@ def section_config(cfg) -> ModelConfig:
 
     section = cfg.model or ModelSection()
     return ModelConfig.from_name(section.name, **{"activation_checkpointing": cfg.activation_checkpointing,
-                                                  **section.overrides})
+                                                  **section.overrides.given()})
 
 
 def check_agrees(section, stored: ModelConfig, directory: Path) -> None:
     """Refuse an explicit `model` section that describes another shape than the directory's, naming the field."""
     try:
-        explicit = ModelConfig.from_name(section.name, **section.overrides)
+        explicit = ModelConfig.from_name(section.name, **section.overrides.given())
     except (TypeError, ValueError) as err:
         raise ConfigError(f"model: {err}") from None
     for field in dataclasses.fields(ModelConfig):
@@ -64,7 +64,7 @@ def check_agrees(section, stored: ModelConfig, directory: Path) -> None:
             continue
         mine, theirs = getattr(explicit, field.name), getattr(stored, field.name)
         if mine != theirs:
-            given = (f"model.overrides.{field.name}={mine!r}" if field.name in section.overrides
+            given = (f"model.overrides.{field.name}={mine!r}" if field.name in section.overrides.given()
                      else f"model.name={section.name} gives {field.name}={mine!r}")
             raise ConfigError(f"{given}, but init_from {directory / CONFIG_NAME} has {field.name}={theirs!r}: the "
                               "shape comes from init_from (leave the model section out, or make it agree)")

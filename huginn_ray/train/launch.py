@@ -23,7 +23,7 @@ from huginn_ray.data.shards import read_manifest, shard_version
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, check_tokenizer_fits, file_sha256, special_token_ids
 from huginn_ray.model import ModelConfig
 from huginn_ray.model.pretrained import resolve_model_dir
-from huginn_ray.train import init_from, tracking
+from huginn_ray.train import hang_watch, init_from, tracking
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.data_order import DataOrder, DataOrderError, largest_micro_batch
@@ -31,6 +31,14 @@ from huginn_ray.train.memory import GIB, plan_memory
 from huginn_ray.train.shard_check import ShardCheckError, check_shards
 from huginn_ray.train.loop import stopped_file, train_loop_per_worker
 from huginn_ray.train.run_plan import RunPlan, WorkerConfig
+
+
+def train_worker(worker: WorkerConfig) -> None:
+    """What every Ray Train worker runs (its process group is up): the training loop, under the hang watch that
+    dumps the flight recorder and names the ranks that did not arrive when a collective hangs
+    (huginn_ray.train.hang_watch)."""
+    with hang_watch.watching(worker.cfg.run_dir, worker.cfg.pg_timeout_s):
+        train_loop_per_worker(worker)
 
 
 class PreflightError(ValueError):
@@ -267,8 +275,9 @@ def run_training(cfg: TrainConfig, plan: RunPlan, ray_train_log_level: str = "IN
     plan.mlflow_run_id = tracking.open_run(cfg, uri, run_dir, plan.init_from)
 
     backend = distributed_backend(torch.device("cuda" if cfg.scaling.use_gpu else "cpu"))
+    hang_watch.dump_dir(cfg.run_dir).mkdir(parents=True, exist_ok=True)  # NCCL's dump does not create it
     trainer = TorchTrainer(
-        train_loop_per_worker,
+        train_worker,
         train_loop_config=WorkerConfig(cfg, plan, ray_train_log_level),
         torch_config=TorchConfig(backend=backend, timeout_s=cfg.pg_timeout_s),
         scaling_config=ScalingConfig(
@@ -285,6 +294,8 @@ def run_training(cfg: TrainConfig, plan: RunPlan, ray_train_log_level: str = "IN
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=cfg.max_failures),
             logging_config=LoggingConfig(log_level=ray_train_log_level),
+            # set before each worker's process group exists: the flight recorder's size and dump path
+            worker_runtime_env={"env_vars": hang_watch.flight_recorder_env(cfg.run_dir)},
         ),
     )
     ok = False
