@@ -750,8 +750,8 @@ def step_collectives_quietly(setup: Setup, world_size: int, rank: int) -> tuple[
 def make_setup(root: Path) -> Setup:
     cfg = load_config(TrainConfig, CONFIG, ["out_dir=" + str(root / "runs"), "compile=false"])
     model_cfg = cfg_model(cfg)
-    plan = RunPlan(global_batch_rows=cfg.world_batch_size, num_streams=8, schedule_steps=238_418, pad_id=0,
-                   eos_id=1, precision="fp32", model_config=model_cfg)
+    plan = RunPlan(global_batch_rows=cfg.world_batch_size, num_streams=8, data_dir=cfg.data.data_dir,
+                   schedule_steps=238_418, pad_id=0, eos_id=1, precision="fp32", model_config=model_cfg)
     with torch.device("meta"):
         model = RecurrentGPT(model_cfg)
     return Setup(cfg, plan, model_cfg, NODE_SIZE, root,

@@ -188,8 +188,8 @@ def read_both_ways(rank: int, port: int, checkpoint: str, args: list[str]) -> di
                             timeout=timedelta(seconds=60))
     try:
         cfg = load_config(TrainConfig, REPO / "configs/train/tiny_cpu.yaml", args)
-        plan = RunPlan(global_batch_rows=cfg.micro_batch_size * 4, num_streams=4, schedule_steps=STEPS, pad_id=0,
-                       eos_id=1, precision="fp32", model_config=model_config(cfg))
+        plan = RunPlan(global_batch_rows=cfg.micro_batch_size * 4, num_streams=4, data_dir=cfg.data.data_dir,
+                       schedule_steps=STEPS, pad_id=0, eos_id=1, precision="fp32", model_config=model_config(cfg))
         loop.ShardReader = MemoryReader
         loaded, reads = [], []
         for replicas in (None, "replicate"):

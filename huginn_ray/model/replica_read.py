@@ -89,8 +89,8 @@ def deal(parts: list[torch.Tensor], replicas: int) -> list[Share]:
         if blocks == replicas:
             first = (int(torch.argmax(load)) - (blocks - 1)) % replicas
         else:
-            cyclic = torch.cat([load, load[: blocks - 1]]).cumsum(0)
-            windows = cyclic[blocks - 1: blocks - 1 + replicas] - torch.cat([cyclic.new_zeros(1), cyclic[: replicas - 1]])
+            cyclic = torch.cat([load.new_zeros(1), load, load[: blocks - 1]]).cumsum(0)
+            windows = cyclic[blocks: blocks + replicas] - cyclic[:replicas]  # bytes read by replicas f .. f + blocks - 1
             first = int(torch.argmin(windows))
         receivers = [(first + b) % replicas for b in range(blocks)]
         load[receivers] += block * row_bytes
