@@ -208,18 +208,27 @@ def recording_keys(c) -> list:
     return steps
 
 
+def validate(model, batch, cfg, plan, device, autocast) -> dict:
+    """What a validation step logs: every rank's validation_sums all-reduced (the loop carries them in the log
+    interval's all-reduce), then validation_metrics."""
+    from huginn_ray.train import loop
+
+    sums = loop.validation_sums(model, batch, cfg, plan, device, autocast)
+    dist.all_reduce(sums)
+    return loop.validation_metrics(cfg, sums.tolist())
+
+
 def validation_loss(c, cfg, plan, rank) -> float:
-    """loop.validate at depth 1 of one fixed global micro-batch of R rows, each rank validating its rows of it
+    """Validation at depth 1 of one fixed global micro-batch of R rows, each rank validating its rows of it
     (huginn_ray.train.data_order: the ranks' shares differ by a row at most)."""
     from dataclasses import replace
 
-    from huginn_ray.train import loop
     from huginn_ray.train.shard_reader import collate
 
     rows = MemoryReader(None, 99, 0, cfg.block_size + 1).next_rows(c.order.rows_per_micro_batch)
     batch = collate(rows[np.array(c.order.rows(rank))], plan.pad_id, plan.eos_id)
-    return loop.validate(c.model, batch, replace(cfg, eval_depths=[1], eval_iters=1), plan, torch.device("cpu"),
-                         c.autocast)["val_loss"]
+    return validate(c.model, batch, replace(cfg, eval_depths=[1], eval_iters=1), plan, torch.device("cpu"),
+                    c.autocast)["val_loss"]
 
 
 def reshard(rank, world_size, directory):

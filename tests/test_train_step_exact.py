@@ -22,7 +22,7 @@ import torch.distributed as dist
 from huginn_ray.train import loop
 from huginn_ray.train.shard_reader import Rows, collate
 from test_train_grad_sync import free_port, spawn
-from test_train_parallel import MemoryReader, plan_for, train_config
+from test_train_parallel import MemoryReader, plan_for, train_config, validate
 
 CPU = torch.device("cpu")
 POISONED_STEP = 3
@@ -176,14 +176,6 @@ def masked_validation(rank: int) -> dict:
     parts = masked_batches(rank, VALIDATION_SUPERVISED[rank])
     batch = Batch(*(torch.cat([getattr(part, name) for part in parts]) for name in ("inputs", "labels", "keys")))
     return validate(c.model, batch, cfg, plan, CPU, c.autocast)
-
-
-def validate(model, batch, cfg, plan, device, autocast) -> dict:
-    """What a validation step logs: every rank's validation_sums all-reduced (the loop carries them in the log
-    interval's all-reduce), then validation_metrics."""
-    sums = loop.validation_sums(model, batch, cfg, plan, device, autocast)
-    dist.all_reduce(sums)
-    return loop.validation_metrics(cfg, sums.tolist())
 
 
 def rank_report(rank: int, world_size: int) -> dict:
