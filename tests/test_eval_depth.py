@@ -81,7 +81,7 @@ def test_depth_scaling_job_writes_table_csv_plot_and_mlflow(setup):
 
 def test_validation_plot_is_drawn_and_uploaded_by_the_logger_s_thread_not_the_step_loop(tmp_path, capsys):
     """Training's validation plot: the step loop only enqueues it (MetricsLogger.log_drawn_artifact); matplotlib
-    runs on the sender thread. A draw that fails or has nothing to show logs nothing and raises nowhere."""
+    runs on the logger's drawing thread. A draw that fails or has nothing to show logs nothing and raises nowhere."""
     import threading
 
     from mlflow.tracking import MlflowClient
@@ -107,6 +107,6 @@ def test_validation_plot_is_drawn_and_uploaded_by_the_logger_s_thread_not_the_st
     logger.log_drawn_artifact("plot of step 26", lambda d: validation_plot({"val_loss_1": 5.0}, 26, 4, d),
                               "depth_scaling")  # one depth: nothing to draw
     logger.close()
-    assert drawn_on == ["huginn-mlflow-sender"]
+    assert drawn_on == ["huginn-mlflow-drawer"]
     assert [a.path for a in client.list_artifacts(run_id, "depth_scaling")] == ["depth_scaling/step_000025.png"]
     assert "[huginn] warning: plot of step 24 not logged: RuntimeError: no display" in capsys.readouterr().out

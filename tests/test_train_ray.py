@@ -248,11 +248,13 @@ def test_killed_worker_is_restarted_from_checkpoint_with_the_same_final_loss(
     runs = client.search_runs([experiment.experiment_id], filter_string="attributes.run_name = 'killed'")
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     # the steps after the checkpoint the restart resumed from (step 8, or step 4 if Ray had not registered the
-    # step-8 report when the worker died) up to step 10 ran twice; the run did not start over
+    # step-8 report when the worker died) up to step 10 ran twice; the run did not start over. The killed attempt's
+    # step-10 metrics may still be in rank 0's sender queue when Ray ends the group (MLflow logging is
+    # asynchronous), so step 10 is logged once or twice.
     counts = times_logged(mlflow_server, runs[0].info.run_id)
     resumed_at = min(s for s, n in counts.items() if n == 2) - 1
-    assert resumed_at in (4, 8)
-    assert counts == {s: 2 if resumed_at < s <= 10 else 1 for s in range(1, STEPS + 1)}
+    assert resumed_at in (4, 8) and counts[10] in (1, 2)
+    assert counts == {s: counts[10] if s == 10 else 2 if resumed_at < s < 10 else 1 for s in range(1, STEPS + 1)}
     killed = losses(mlflow_server, runs[0].info.run_id)
     assert killed[STEPS] == uninterrupted["losses"][STEPS]
     assert killed == uninterrupted["losses"]
@@ -277,7 +279,8 @@ def test_hsdp_run_stopped_rerun_and_killed_resumes_exactly(cluster, mlflow_serve
     run_id = run_id_of(second.stdout)
     assert run_id_of(first.stdout) == run_id
     counts = times_logged(mlflow_server, run_id)
-    assert all(counts[s] == 1 for s in range(1, 8)) and counts[10] == 2  # resumed at 7, replayed after the kill
+    # resumed at 7, steps 8-10 replayed after the kill (the killed attempt's step 10 may die in its sender queue)
+    assert all(counts[s] == 1 for s in range(1, 8)) and counts[8] == counts[9] == 2 and counts[10] in (1, 2)
     assert "the previous complete checkpoint stays the newest" not in second.stdout
     got = losses(mlflow_server, run_id)  # a replayed step must log bitwise the same loss
     expected = uninterrupted["losses"]
