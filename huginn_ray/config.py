@@ -138,13 +138,16 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
+        errors = {}
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _coerce(arg, value, key)
             except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}")
+                errors[arg] = str(err)
+        sections = [arg for arg in errors if dataclasses.is_dataclass(arg)]
+        if isinstance(value, dict) and len(sections) == 1:  # a mapping meant the section: its error names the key
+            raise ConfigError(errors[sections[0]])
+        raise ConfigError(next(iter(errors.values())) if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}")
     if origin is typing.Literal:
         if value not in args:
             raise ConfigError(f"{key}: {value!r} is not one of {list(args)}")

@@ -195,3 +195,28 @@ class FakeHub:
                 self.wfile.write(body)
 
         return Handler
+
+
+HUB_QUESTIONS = ["Tom has three red apples and buys seven more green apples at the market on Sunday; how many now?",
+                 "A train leaves at noon and travels sixty miles per hour for three hours; how far does it go?"]
+"""The test split's questions of `gsm8k_repo`."""
+
+
+def _question_parquet(questions: list[str]) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    answers = [f"Add up what the question gives to get the total it asks for. #### {i + 7}" for i in range(len(questions))]
+    pq.write_table(pa.table({"question": questions, "answer": answers}), buf)
+    return buf.getvalue()
+
+
+def gsm8k_repo(questions: list[str] = HUB_QUESTIONS) -> HubRepo:
+    """A dataset repo laid out as openai/gsm8k is on the Hub: `main/{test,train}-00000-of-00001.parquet` with
+    `question` and `answer` columns, and a dataset card."""
+    return HubRepo("openai/gsm8k", {"main/test-00000-of-00001.parquet": _question_parquet(questions),
+                                    "main/train-00000-of-00001.parquet": _question_parquet(["a training question"]),
+                                    "README.md": b"# GSM8k\n"})

@@ -1,5 +1,7 @@
-"""Decontamination's normalisation and n-gram matching, exact deduplication's decision, and the config's checks,
-with exact expected values (no Ray; the stage end to end is in tests/test_data_pipeline.py)."""
+"""Decontamination's normalisation and n-gram matching, Hub evaluation sets (the real huggingface_hub client
+against tests/data_hub_server.py), exact deduplication's decision, and the config's checks, with exact expected
+values (no Ray; the stage end to end is in tests/test_data_pipeline.py, with a Hub set in
+tests/test_data_hub_download.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ import pytest
 
 from huginn_ray.config import ConfigError
 from huginn_ray.data.config import load_data_config
-from huginn_ray.data.decontaminate import (Match, build_ngram_set, document_words, first_match, gram_hashes,
-                                           normalise)
+from huginn_ray.data.decontaminate import (EvalFile, Match, build_ngram_set, document_words, eval_files,
+                                           first_match, gram_hashes, normalise)
 from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_duplicates, duplicate_rows, hash_table,
                                        merge_hash_tables)
 from huginn_ray.data.formatting import DataError
+from data_hub_server import HUB_QUESTIONS, FakeHub, gsm8k_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +48,7 @@ def test_ngram_set_matches_13_grams_after_normalisation_and_short_items_whole(tm
     evals = tmp_path / "eval.jsonl"
     question = "One two three four five six seven eight nine ten eleven twelve thirteen fourteen?"
     evals.write_text(json.dumps({"question": question, "answer": "Short answer: 42."}) + "\n\n")
-    ngrams = build_ngram_set([str(evals)], 13)
+    ngrams = build_ngram_set([EvalFile(evals, str(evals))], 13)
     assert (ngrams.n, len(ngrams.hashes), ngrams.lengths) == (13, 2 + 1, (3, 13))
     assert ngrams.sources == [f"{evals}, line 1, question", f"{evals}, line 1, answer"]
 
@@ -63,7 +66,12 @@ def test_ngram_set_matches_13_grams_after_normalisation_and_short_items_whole(tm
     assert match(json.dumps([{"role": "user", "content": "So: short answer\n42"}]), chat=True) == Match(
         "short answer 42", 1)  # the newline as whitespace, not as JSON's `\n`
     assert match(json.dumps([["user", "x"], "then: short answer 42"]), chat=True) == Match("short answer 42", 1)
-    assert build_ngram_set([str(evals)], 13).digest == ngrams.digest != build_ngram_set([str(evals)], 12).digest
+    local = [EvalFile(evals, str(evals))]
+    assert build_ngram_set(local, 13).digest == ngrams.digest != build_ngram_set(local, 12).digest
+    # a Hub set's commit is part of the digest: the same questions at another commit are another set
+    at = [{"hub": "openai/gsm8k", "commit": "a" * 40}]
+    assert build_ngram_set(local, 13, tuple(at)).digest != ngrams.digest
+    assert build_ngram_set(local, 13, tuple(at)).digest != build_ngram_set(local, 13, ({**at[0], "commit": "b" * 40},)).digest
 
 
 def test_bad_evaluation_files_are_named(tmp_path):
@@ -71,10 +79,10 @@ def test_bad_evaluation_files_are_named(tmp_path):
     evals.write_text('{"question": "q", "answer": "a"}\n{"question": "q2"}\n')
     with pytest.raises(DataError, match=rf"^decontaminate.against: {evals}, line 2: field 'answer' must be a "
                                         r"string, got NoneType$"):
-        build_ngram_set([str(evals)], 13)
+        build_ngram_set([EvalFile(evals, str(evals))], 13)
     evals.write_text('{"question": "q", "answer": "a"}\nnot json\n')
     with pytest.raises(DataError, match=rf"^decontaminate.against: {evals}, line 2: invalid JSON"):
-        build_ngram_set([str(evals)], 13)
+        build_ngram_set([EvalFile(evals, str(evals))], 13)
 
 
 def test_data_config_refuses_bad_decontaminate_and_dedup_keys_by_name(tmp_path):
@@ -93,6 +101,137 @@ def test_data_config_refuses_bad_decontaminate_and_dedup_keys_by_name(tmp_path):
             (["decontaminate.colour=red"], "colour")):
         with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
             load_data_config(config, overrides)
+
+
+def test_hub_evaluation_sets_are_typed_entries_refused_by_name_when_malformed(tmp_path):
+    from huginn_ray.data.config import HubEvalSet
+
+    config = tmp_path / "data.yaml"
+    (tmp_path / "gsm8k.jsonl").write_text('{"question": "q", "answer": "a"}\n')
+    config.write_text(f"output_dir: {tmp_path / 'out'}\nsources: s.yaml\ndecontaminate:\n  mode: drop\n  against:\n"
+                      "    - gsm8k.jsonl\n    - {hub: openai/gsm8k, config: main}\n"
+                      "    - {hub: cais/mmlu, config: all, split: test, revision: v1.0, fields: [question]}\n")
+    cfg = load_data_config(config)
+    assert cfg.decontaminate.against == [
+        str(tmp_path / "gsm8k.jsonl"), HubEvalSet("openai/gsm8k", "main", "test", "main", ["question", "answer"]),
+        HubEvalSet("cais/mmlu", "all", "test", "v1.0", ["question"])]
+    assert cfg.decontaminate.against[1].patterns == ["main/test-*.parquet"]
+    assert HubEvalSet("acme/evals").patterns == ["data/test-*.parquet"]  # push_to_hub's default configuration
+    for entry, message in (
+            ("{hub: openai/gsm8k, colour: red}", "unknown config key 'decontaminate.against[0].colour'"),
+            ("{config: main}", "decontaminate.against[0]: HubEvalSet.__init__() missing 1 required positional "
+                               "argument: 'hub'"),
+            ("{hub: 'openai/gsm8k/extra'}", "decontaminate.against[0].hub: 'openai/gsm8k/extra' is not a Hub repo id"),
+            ("{hub: openai/gsm8k, config: 'main/*'}", "decontaminate.against[0].config: 'main/*' must be a non-empty "
+                                                      "name without / or wildcards"),
+            ("{hub: openai/gsm8k, split: ''}", "decontaminate.against[0].split: '' must be a non-empty name"),
+            ("{hub: openai/gsm8k, fields: []}", "decontaminate.against[0].fields: must list at least one column name"),
+            ("{hub: openai/gsm8k, fields: question}", "decontaminate.against[0].fields: expected a list")):
+        with pytest.raises(ConfigError) as err:
+            load_data_config(config, [f"decontaminate.against=[{entry}]"])
+        assert str(err.value).startswith(message), (entry, str(err.value))
+
+
+def _use_endpoint(monkeypatch, hub: FakeHub) -> None:
+    """What HF_ENDPOINT=<the local server> does when huggingface_hub is imported: its endpoint and the file URL
+    template built from it (a subprocess with the variable set: tests/test_data_hub_download.py)."""
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+    monkeypatch.setattr("huggingface_hub.constants.HUGGINGFACE_CO_URL_TEMPLATE",
+                        hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+
+
+TOKEN = "hf_local_test_token_do_not_log_0123456789"
+
+
+def test_a_hub_evaluation_set_is_resolved_fetched_once_and_read_with_its_commit(tmp_path, monkeypatch):
+    """eval_files against the local Hub server (HF_ENDPOINT's constant and HF_TOKEN as the download stage uses
+    them): the split's file is fetched at the resolved commit into <root>/eval_sets/, its items name repo, commit
+    and file, the origin records commit, files and hashes; a second call fetches nothing; with fetch=False a set
+    not cached yet gives None and writes nothing."""
+    import hashlib
+
+    from huginn_ray.data.config import DownloadConfig, HubEvalSet
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    repo = gsm8k_repo()
+    entry = HubEvalSet("openai/gsm8k", "main")
+    local = tmp_path / "local.jsonl"
+    local.write_text('{"question": "How many legs do four spiders have?", "answer": "#### 32"}\n')
+    with FakeHub([repo], token=TOKEN) as hub:
+        _use_endpoint(monkeypatch, hub)
+        download = DownloadConfig(max_attempts=2)
+        assert eval_files([str(local), entry], tmp_path / "root", download, fetch=False) is None
+        assert not (tmp_path / "root").exists()
+        files, origins = eval_files([str(local), entry], tmp_path / "root", download)
+        cached = tmp_path / "root" / "eval_sets" / f"openai/gsm8k@{repo.commit}" / "main/test-00000-of-00001.parquet"
+        assert files == [EvalFile(local, str(local)),
+                         EvalFile(cached, f"openai/gsm8k@{repo.commit[:12]}/main/test-00000-of-00001.parquet",
+                                  ("question", "answer"))]
+        assert cached.read_bytes() == repo.files["main/test-00000-of-00001.parquet"]
+        data = repo.files["main/test-00000-of-00001.parquet"]
+        assert origins == ({"path": str(local)}, {
+            "hub": "openai/gsm8k", "config": "main", "split": "test", "revision": "main", "commit": repo.commit,
+            "files": [{"path": "main/test-00000-of-00001.parquet", "size": len(data),
+                       "hash": hashlib.sha256(data).hexdigest()}]})
+        gets = [p for method, p, _ in hub.log if method == "GET" and "/resolve/" in p]
+        assert gets == [f"/datasets/openai/gsm8k/resolve/{repo.commit}/main/test-00000-of-00001.parquet"]
+        assert eval_files([entry], tmp_path / "root", download) == (files[1:], origins[1:])
+        assert eval_files([entry], tmp_path / "root", download, fetch=False) == (files[1:], origins[1:])
+        assert [p for method, p, _ in hub.log if method == "GET" and "/resolve/" in p] == gets  # cached
+    ngrams = build_ngram_set(files, 13, origins)
+    assert ngrams.sources[-4:] == [f"openai/gsm8k@{repo.commit[:12]}/main/test-00000-of-00001.parquet, row {r}, {f}"
+                                   for r in (1, 2) for f in ("question", "answer")]
+    match = first_match(document_words(f"Intro. {HUB_QUESTIONS[1]} Outro.", False), ngrams.hashes, ngrams.items,
+                        ngrams.lengths)
+    assert match is not None and ngrams.sources[match.item].endswith("row 2, question")
+
+
+def test_a_missing_hub_repo_revision_split_or_field_is_named_before_anything_is_fetched(tmp_path, monkeypatch):
+    from huginn_ray.data.config import DownloadConfig, HubEvalSet
+
+    download = DownloadConfig(max_attempts=1)
+    good = HubEvalSet("openai/gsm8k", "main")
+    with FakeHub([gsm8k_repo()]) as hub:
+        _use_endpoint(monkeypatch, hub)
+        for entry, message in (
+                (HubEvalSet("openai/gsm9k", "main"), r"^decontaminate.against\[1\]: Hub dataset 'openai/gsm9k' "
+                                                     r"\(revision 'main'\): openai/gsm9k@main \(listing\): failed"),
+                (HubEvalSet("openai/gsm8k", "main", revision="v9"),
+                 r"^decontaminate.against\[1\]: Hub dataset 'openai/gsm8k' \(revision 'v9'\)"),
+                (HubEvalSet("openai/gsm8k", "main", split="validation"),
+                 r"^decontaminate.against\[1\]: Hub dataset openai/gsm8k@\w{12} has no file "
+                 r"main/validation-\*.parquet \(config 'main', split 'validation'\)$"),
+                (HubEvalSet("openai/gsm8k", "socratic"), r"^decontaminate.against\[1\]: Hub dataset openai/gsm8k@\w{12} "
+                                                         r"has no file socratic/test-\*.parquet")):
+            with pytest.raises(DataError, match=message):
+                eval_files([good, entry], tmp_path / "root", download)
+        assert not any("/resolve/" in p for _, p, _ in hub.log) and not (tmp_path / "root").exists()
+        files, _ = eval_files([HubEvalSet("openai/gsm8k", "main", fields=["question", "solution"])], tmp_path / "root",
+                              download)
+    with pytest.raises(DataError, match=r"^decontaminate.against: openai/gsm8k@\w{12}/main/test-00000-of-00001.parquet: "
+                                        r"no column 'solution' \(expected \['question', 'solution'\]"):
+        build_ngram_set(files, 13)
+
+
+def test_a_run_refuses_a_missing_hub_evaluation_set_before_any_stage(tmp_path, monkeypatch):
+    """pipeline.run resolves the Hub sets first: a repo the Hub does not have fails the run naming the entry and
+    the repo before the plan samples a file or any stage writes under output_dir."""
+    from huginn_ray.data import pipeline
+
+    (tmp_path / "web").mkdir()
+    (tmp_path / "web" / "docs.jsonl").write_text('{"text": "a document"}\n')
+    (tmp_path / "sources.yaml").write_text("- {name: web, local_dir: web, features: [text]}\n")
+    config = tmp_path / "data.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'out'}\nsources: sources.yaml\n"
+                      "decontaminate: {mode: drop, against: [{hub: openai/gsm9k, config: main}]}\n")
+    sampled = []
+    monkeypatch.setattr(pipeline, "build_plan", lambda *args: sampled.append(args))
+    with FakeHub([gsm8k_repo()]) as hub:
+        _use_endpoint(monkeypatch, hub)
+        with pytest.raises(DataError, match=r"^decontaminate.against\[0\]: Hub dataset 'openai/gsm9k' \(revision "
+                                            r"'main'\): openai/gsm9k@main \(listing\): failed after 1 attempt"):
+            pipeline.run(load_data_config(config, ["download.max_attempts=1"]))
+    assert sampled == [] and not (tmp_path / "out").exists()
 
 
 def test_exact_dedup_keeps_the_first_occurrence_whatever_the_bucket_count(tmp_path):

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_hub_server import FAULTS, FakeHub, HubRepo
+from data_hub_server import FAULTS, HUB_QUESTIONS, FakeHub, HubRepo, gsm8k_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_local_test_token_do_not_log_0123456789"
@@ -59,14 +59,15 @@ local_ray: {{num_cpus: 2, object_store_mib: 128}}
     return config
 
 
-def _prepare(config: Path, hub: FakeHub, home: Path) -> subprocess.CompletedProcess:
+def _prepare(config: Path, hub: FakeHub, home: Path, stages: tuple[str, ...] = ("download", "staging")
+             ) -> subprocess.CompletedProcess:
     temp_dir = tempfile.mkdtemp(prefix="hrdh_", dir="/tmp")
     env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_TOKEN": TOKEN, "HF_HOME": str(home),
            "HF_HUB_DISABLE_TELEMETRY": "1", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     try:
         return subprocess.run(
-            [sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--config", str(config), "--stage", "download",
-             "--stage", "staging", f"local_ray.temp_dir={temp_dir}"],
+            [sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--config", str(config),
+             *[arg for stage in stages for arg in ("--stage", stage)], f"local_ray.temp_dir={temp_dir}"],
             env=env, capture_output=True, text=True, timeout=400)
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -291,3 +292,40 @@ def test_a_verified_file_is_trusted_by_its_record_until_its_size_or_mtime_change
         os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
         assert fetch()["skipped"] is False and _file_gets(hub, path) == 2
         assert target.read_bytes() == repo.files[path]
+
+
+def test_a_hub_evaluation_set_decontaminates_a_local_source_end_to_end(tmp_path):
+    """decontaminate.against names a Hub dataset: prepare_data (its own local Ray; HF_ENDPOINT and HF_TOKEN in its
+    environment, as a user sets them) resolves it to a commit, fetches its test split into <output_dir>/eval_sets/,
+    and the filter stage drops the one training document holding a question of it, counted, the match naming repo,
+    commit, file and row; the n-gram set records the commit and file hash; the token is never printed."""
+    repo = gsm8k_repo()
+    web = [f"document {i}: " + "some words about nothing in particular " * 3 for i in range(6)]
+    web[4] = f"Homework. {HUB_QUESTIONS[1].upper()} Show your work."
+    (tmp_path / "web").mkdir()
+    (tmp_path / "web" / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in web))
+    (tmp_path / "sources.yaml").write_text("- {name: web, local_dir: web, features: [text]}\n")
+    config = tmp_path / "data.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'out'}\nsources: sources.yaml\n"
+                      "local_ray: {num_cpus: 2, object_store_mib: 128}\n"
+                      "decontaminate: {mode: drop, against: [{hub: openai/gsm8k, config: main, split: test}]}\n")
+    with FakeHub([repo], token=TOKEN) as hub:
+        result = _prepare(config, hub, tmp_path / "hf_home", stages=("staging", "filter"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert TOKEN not in result.stdout + result.stderr
+    assert (f"[decontaminate] openai/gsm8k (main, test) at {repo.commit[:12]}: 1 file(s) in {tmp_path / 'out'}/"
+            "eval_sets") in result.stdout
+    assert ("[filter] web: 6 documents -> 5 kept; decontaminated: 1 dropped; exact duplicates dropped: 0 (dedup off)"
+            in result.stdout)
+    out = tmp_path / "out"
+    kept = pq.read_table(out / "filtered" / "web" / "00000.parquet").column("text").to_pylist()
+    assert kept == web[:4] + web[5:]
+    (match,) = [json.loads(line) for line in (out / "filtered" / "decontamination.jsonl").read_text().splitlines()]
+    assert (match["doc_id"], match["item"], match["dropped"]) == (
+        4, f"openai/gsm8k@{repo.commit[:12]}/main/test-00000-of-00001.parquet, row 2, question", True)
+    data = repo.files["main/test-00000-of-00001.parquet"]
+    assert json.loads((out / "filtered" / "ngrams.json").read_text())["origins"] == [{
+        "hub": "openai/gsm8k", "config": "main", "split": "test", "revision": "main", "commit": repo.commit,
+        "files": [{"path": "main/test-00000-of-00001.parquet", "size": len(data),
+                   "hash": hashlib.sha256(data).hexdigest()}]}]
+    assert (out / "eval_sets" / f"openai/gsm8k@{repo.commit}" / "main/test-00000-of-00001.parquet").read_bytes() == data

@@ -1104,6 +1104,7 @@ def test_decontamination_drops_or_reports_planted_test_questions_and_exact_dupli
         "mirror": {"decontaminated": {"dropped": 0}, "exact_duplicates_dropped": 4},
         "talk": {"decontaminated": {"dropped": 1}, "exact_duplicates_dropped": 0}}
     assert {name: s["docs"] for name, s in manifest["sources"].items()} == {"web": 37, "mirror": 5, "talk": 7}
+    assert manifest["provenance"]["eval_sets"] == [{"path": str(GSM8K_SAMPLE)}]  # as filtered/ngrams.json has it
     filtered = {name: pq.read_table(out / "filtered" / name / "00000.parquet").column("text").to_pylist()
                 for name in texts}
     assert filtered == {"web": [t for i, t in enumerate(texts["web"]) if i not in (5, 17, 30)],

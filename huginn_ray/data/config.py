@@ -66,15 +66,44 @@ class ChatRowsConfig:
 
 
 @dataclass
+class HubEvalSet:
+    """An evaluation set on the Hugging Face Hub, an entry of `decontaminate.against`:
+
+        against: [{hub: openai/gsm8k, config: main, split: test}]
+
+    Its files are the repo's `<config>/<split>-*.parquet` at `revision` (the layout `datasets`' `push_to_hub`
+    writes, and GSM8k's on the Hub); each run resolves the revision to a commit and fetches them into
+    `<output_dir>/eval_sets/` (huginn_ray/data/decontaminate.py)."""
+
+    hub: str
+    """Dataset repo id, e.g. `openai/gsm8k`."""
+    config: str = "default"
+    """The dataset's configuration (subset): the repo folder holding its files, e.g. `main` for GSM8k; `default`
+    is the folder `data/` (what `push_to_hub` names a dataset's only configuration)."""
+    split: str = "test"
+    """The split read: files named `<config folder>/<split>-*.parquet`."""
+    revision: str = "main"
+    """Branch, tag or commit; resolved to a commit when a run starts, recorded with the n-gram set (and part of its
+    digest, so a moved branch is a changed evaluation set)."""
+    fields: list[str] = field(default_factory=lambda: ["question", "answer"])
+    """Columns whose values (strings) are checked, each value one evaluation item (GSM8k: question and answer)."""
+
+    @property
+    def patterns(self) -> list[str]:
+        """The repo paths of the split's files."""
+        return [f"{'data' if self.config == 'default' else self.config}/{self.split}-*.parquet"]
+
+
+@dataclass
 class DecontaminateConfig:
     mode: Literal["none", "drop", "report"] = "none"
     """'drop': training documents that share an n-gram with an evaluation set are left out (and listed);
     'report': listed and kept; 'none': not checked. The list: `<output_dir>/filtered/decontamination.jsonl`."""
     ngram: int = 13
     """Words per n-gram (GPT-3 and Llama 2 use 13); an evaluation item with fewer words is one gram of all of them."""
-    against: list[str] = field(default_factory=list)
-    """Evaluation files: JSONL or parquet records with `question` and `answer` strings (GSM8k's test format);
-    relative to the config file."""
+    against: list[str | HubEvalSet] = field(default_factory=list)
+    """Evaluation sets: a local file (a path, relative to the config file: JSONL or parquet records with `question`
+    and `answer` strings, GSM8k's test format) or a Hub dataset (a mapping, `HubEvalSet`)."""
 
 
 @dataclass
@@ -144,6 +173,9 @@ class DataConfig:
         if self.decontaminate.mode != "none" and not self.decontaminate.against:
             raise ConfigError(f"decontaminate.against: mode {self.decontaminate.mode!r} needs at least one "
                               "evaluation file")
+        for i, entry in enumerate(self.decontaminate.against):
+            if isinstance(entry, HubEvalSet):
+                check_hub_eval_set(entry, f"decontaminate.against[{i}]")
         if not self.output_dir:
             raise ConfigError("output_dir: must be set")
 
@@ -154,6 +186,24 @@ class DataConfig:
     @property
     def root(self) -> Path:
         return Path(self.output_dir)
+
+
+def check_hub_eval_set(entry: HubEvalSet, key: str) -> None:
+    """Refuse a malformed Hub evaluation set naming its key: a repo id the Hub would refuse, a config or split that
+    is not one plain path part, no field."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(entry.hub)
+    except HFValidationError as err:
+        raise ConfigError(f"{key}.hub: {entry.hub!r} is not a Hub repo id: {err}") from None
+    for name in ("config", "split", "revision"):
+        value = getattr(entry, name)
+        if not value or (name != "revision" and any(c in value for c in "/*?[]")):
+            raise ConfigError(f"{key}.{name}: {value!r} must be a non-empty name"
+                              f"{'' if name == 'revision' else ' without / or wildcards'}")
+    if not entry.fields or any(not f for f in entry.fields):
+        raise ConfigError(f"{key}.fields: must list at least one column name, got {entry.fields!r}")
 
 
 # allowed ranges of the numeric fields not checked above
@@ -173,9 +223,9 @@ def load_data_config(path: str | Path, overrides: list[str] | tuple[str, ...] = 
     path = Path(path).resolve()
     cfg = load_config(DataConfig, path, overrides)
     base = path.parent
-    against = [str(_resolve(p, base)) for p in cfg.decontaminate.against]
+    against = [str(_resolve(p, base)) if isinstance(p, str) else p for p in cfg.decontaminate.against]
     for i, p in enumerate(against):
-        if not Path(p).is_file():
+        if isinstance(p, str) and not Path(p).is_file():
             raise ConfigError(f"decontaminate.against[{i}]: no such file: {p}")
     return dataclasses.replace(
         cfg,

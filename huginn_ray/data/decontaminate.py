@@ -1,7 +1,15 @@
 """Decontamination: which training documents share an n-gram with an evaluation set.
 
-    ngrams = build_ngram_set(["configs/eval/gsm8k_test_sample.jsonl"], n=13)   # once, on the driver
-    match = first_match(document_words(text, chat=False), ngrams)              # per document, in a task
+    files, origins = eval_files(cfg.decontaminate.against, cfg.root, cfg.download)  # on the driver
+    ngrams = build_ngram_set(files, n=13, origins=origins)                          # once, on the driver
+    match = first_match(document_words(text, chat=False), ngrams.hashes, ngrams.items, ngrams.lengths)  # in a task
+
+Evaluation sets are local files (GSM8k's test format: `question`, `answer`) or Hub datasets
+(`config.HubEvalSet`). A Hub set is fetched with huggingface_hub as the download stage fetches sources
+(huginn_ray/data/hub_download.py: HF_ENDPOINT, HF_TOKEN, retries, size and hash verified, a verified file trusted
+by its record): every Hub set is first resolved to a commit and listed (metadata only; a missing repo, revision
+or split is refused by name before anything is fetched), then its files are fetched into
+`<output_dir>/eval_sets/<repo>@<commit>/`, where a rerun at the same commit finds them.
 
 Normalisation, as the GPT-3 (Brown et al. 2020, appendix C) and Llama 2 (Touvron et al. 2023, §4.6) reports do
 it: lowercase, strip punctuation (every character that is neither a word character nor whitespace, and `_`), split
@@ -25,13 +33,17 @@ from pathlib import Path
 
 import numpy as np
 
+from huginn_ray.data.config import DownloadConfig, HubEvalSet
 from huginn_ray.data.formatting import DataError
 
 POLY = np.uint64(0x9E3779B97F4A7C15)
 """The polynomial's base (odd, so no gram's hash loses its first words' bits)."""
 _NOT_WORD = re.compile(r"[^\w\s]|_")
 EVAL_FIELDS = ("question", "answer")
-"""The fields of an evaluation record (GSM8k's test format) whose text is checked, each as its own item."""
+"""The fields of a local evaluation file's records (GSM8k's test format) whose text is checked, each as its own
+item."""
+EVAL_CACHE = "eval_sets"
+"""Under the data root: the Hub evaluation sets' files, `<repo>@<commit>/<path in the repo>`."""
 
 
 def normalise(text: str) -> list[str]:
@@ -81,35 +93,117 @@ def gram_hashes(words: list[str], n: int) -> np.ndarray:
 class NgramSet:
     """The evaluation sets' grams: `hashes` sorted (uint64), `items[i]` the evaluation item of hashes[i], `lengths`
     the gram lengths to check (n, and the word counts of items shorter than n), `sources` per item its file and
-    1-based line or row."""
+    1-based line or row, `origins` per evaluation set where it came from (`eval_files`)."""
 
     n: int
     hashes: np.ndarray
     items: np.ndarray
     lengths: tuple[int, ...]
     sources: list[str]
+    origins: tuple[dict, ...] = ()
 
     @property
     def digest(self) -> str:
-        """sha256 of the set's content: part of every downstream fingerprint."""
-        h = hashlib.sha256(json.dumps([self.n, list(self.lengths)]).encode())
+        """sha256 of the set's content and of the Hub sets' commits: part of every downstream fingerprint."""
+        commits = [origin["commit"] for origin in self.origins if "commit" in origin]
+        h = hashlib.sha256(json.dumps([self.n, list(self.lengths), commits]).encode())
         h.update(self.hashes.tobytes())
         return h.hexdigest()
 
 
-def read_eval_items(path: Path) -> list[tuple[str, str]]:
-    """(where, text) of every question and answer of an evaluation file: JSONL or parquet records holding
-    `question` and `answer` strings (GSM8k's test format). A file or record without them is refused by name."""
+@dataclass(frozen=True)
+class EvalFile:
+    """One file of an evaluation set as the n-gram set reads it: where it is, how its items name it (the local
+    path; a Hub file: `<repo>@<commit 12>/<path in the repo>`) and the fields whose values are items."""
+
+    path: Path
+    label: str
+    fields: tuple[str, ...] = EVAL_FIELDS
+
+
+def _hub_sets(against: list) -> list[tuple[str, HubEvalSet]]:
+    return [(f"decontaminate.against[{i}]", e) for i, e in enumerate(against) if isinstance(e, HubEvalSet)]
+
+
+def resolve_hub_eval_sets(against: list, download: DownloadConfig) -> list[tuple[str, list]]:
+    """(commit, files) of every Hub set of `against`, in order: its revision resolved and its split's files listed
+    (metadata only, with the download's retries), at HF_ENDPOINT with HF_TOKEN. A repo or revision the Hub does
+    not have, or a split without files, is refused naming the entry before anything is fetched."""
+    from huggingface_hub import constants, get_token
+
+    from huginn_ray.data.hub_download import DownloadError, list_repo_files
+
+    hub_sets = _hub_sets(against)
+    token = get_token() if hub_sets else None
+    resolved = []
+    for key, entry in hub_sets:
+        try:
+            commit, files = list_repo_files(entry.hub, entry.revision, entry.patterns, constants.ENDPOINT, token,
+                                            download)
+        except DownloadError as err:
+            raise DataError(f"{key}: Hub dataset {entry.hub!r} (revision {entry.revision!r}): {err}") from None
+        if not files:
+            raise DataError(f"{key}: Hub dataset {entry.hub}@{commit[:12]} has no file {entry.patterns[0]} "
+                            f"(config {entry.config!r}, split {entry.split!r})")
+        resolved.append((commit, files))
+    return resolved
+
+
+def eval_files(against: list, root: Path, download: DownloadConfig, fetch: bool = True
+               ) -> tuple[list[EvalFile], tuple[dict, ...]] | None:
+    """The files of every evaluation set of `against` on this machine, and per set its origin (a local file: its
+    path; a Hub set: repo, config, split, revision, the resolved commit, and its files with size and hash).
+    Hub sets are resolved first (`resolve_hub_eval_sets`), then fetched into `<root>/eval_sets/<repo>@<commit>/`
+    (verified; a file verified there before is trusted). With `fetch` false nothing is fetched or written, and
+    None is returned when a Hub set is not there yet (`--plan`)."""
+    from huginn_ray.data.hub_download import check_inside, fetch_file, verified_before
+
+    resolved = iter(resolve_hub_eval_sets(against, download))
+    endpoint, token = None, None
+    files, origins = [], []
+    for entry in against:
+        if isinstance(entry, str):
+            files.append(EvalFile(Path(entry), entry))
+            origins.append({"path": entry})
+            continue
+        commit, hub_files = next(resolved)
+        folder = root / EVAL_CACHE / f"{entry.hub}@{commit}"
+        for hub_file in hub_files:
+            check_inside(folder, hub_file.path, entry.hub)
+            if not fetch:
+                if not verified_before(folder, hub_file):
+                    return None
+                continue
+            if endpoint is None:
+                from huggingface_hub import constants, get_token
+
+                endpoint, token = constants.ENDPOINT, get_token()
+            folder.mkdir(parents=True, exist_ok=True)
+            fetch_file(entry.hub, commit, hub_file, str(folder), endpoint, token, download)
+        files += [EvalFile(folder / f.path, f"{entry.hub}@{commit[:12]}/{f.path}", tuple(entry.fields))
+                  for f in hub_files]
+        origins.append({"hub": entry.hub, "config": entry.config, "split": entry.split, "revision": entry.revision,
+                        "commit": commit, "files": [{"path": f.path, "size": f.size, "hash": f.sha256 or f.git_sha1}
+                                                    for f in hub_files]})
+    return files, tuple(origins)
+
+
+def read_eval_items(file: EvalFile) -> list[tuple[str, str]]:
+    """(where, text) of every value of the fields of an evaluation file: JSONL or parquet records holding them
+    as strings (GSM8k's test format: `question` and `answer`). A file or record without them is refused by
+    name."""
+    path, label, fields = file.path, file.label, list(file.fields)
     if not path.is_file():
         raise DataError(f"decontaminate.against: no such file: {path}")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         table = pq.read_table(path)
-        missing = [f for f in EVAL_FIELDS if f not in table.column_names]
+        missing = [f for f in fields if f not in table.column_names]
         if missing:
-            raise DataError(f"decontaminate.against: {path}: no column {missing[0]!r} (expected {list(EVAL_FIELDS)})")
-        records = [(f"row {i + 1}", r) for i, r in enumerate(table.select(list(EVAL_FIELDS)).to_pylist())]
+            raise DataError(f"decontaminate.against: {label}: no column {missing[0]!r} (expected {fields}; it has "
+                            f"{table.column_names})")
+        records = [(f"row {i + 1}", r) for i, r in enumerate(table.select(fields).to_pylist())]
     elif path.name.endswith(".jsonl"):
         records = []
         for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
@@ -117,27 +211,27 @@ def read_eval_items(path: Path) -> list[tuple[str, str]]:
                 try:
                     records.append((f"line {i + 1}", json.loads(line)))
                 except json.JSONDecodeError as err:
-                    raise DataError(f"decontaminate.against: {path}, line {i + 1}: invalid JSON: {err}") from None
+                    raise DataError(f"decontaminate.against: {label}, line {i + 1}: invalid JSON: {err}") from None
     else:
-        raise DataError(f"decontaminate.against: {path}: expected a .jsonl or .parquet file of {list(EVAL_FIELDS)}")
+        raise DataError(f"decontaminate.against: {label}: expected a .jsonl or .parquet file of {fields}")
     items = []
     for where, record in records:
-        for field in EVAL_FIELDS:
+        for field in fields:
             value = record.get(field) if isinstance(record, dict) else None
             if not isinstance(value, str):
-                raise DataError(f"decontaminate.against: {path}, {where}: field {field!r} must be a string, "
+                raise DataError(f"decontaminate.against: {label}, {where}: field {field!r} must be a string, "
                                 f"got {type(value).__name__}")
-            items.append((f"{path}, {where}, {field}", value))
+            items.append((f"{label}, {where}, {field}", value))
     if not items:
-        raise DataError(f"decontaminate.against: {path}: no records")
+        raise DataError(f"decontaminate.against: {label}: no records")
     return items
 
 
-def build_ngram_set(paths: list[str], n: int) -> NgramSet:
-    """Every n-gram of every question and answer of the evaluation files (an item shorter than n: itself)."""
+def build_ngram_set(files: list[EvalFile], n: int, origins: tuple[dict, ...] = ()) -> NgramSet:
+    """Every n-gram of every item of the evaluation files (an item shorter than n: itself)."""
     hashes, items, lengths, sources = [], [], {n}, []
-    for path in paths:
-        for where, text in read_eval_items(Path(path)):
+    for file in files:
+        for where, text in read_eval_items(file):
             words = normalise(text)
             if not words:
                 continue
@@ -150,11 +244,12 @@ def build_ngram_set(paths: list[str], n: int) -> NgramSet:
     all_hashes = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
     all_items = np.concatenate(items) if items else np.zeros(0, np.uint32)
     order = np.lexsort((all_items, all_hashes))  # by hash, then item: the same set for the same files
-    return NgramSet(n, all_hashes[order], all_items[order], tuple(sorted(lengths)), sources)
+    return NgramSet(n, all_hashes[order], all_items[order], tuple(sorted(lengths)), sources, origins)
 
 
 def save_ngram_set(ngrams: NgramSet, directory: Path) -> None:
-    """`ngrams.npy` (hash, item) and `ngrams.json` (n, lengths, item sources, digest) under `directory`."""
+    """`ngrams.npy` (hash, item) and `ngrams.json` (n, lengths, item sources, the sets' origins, digest) under
+    `directory`."""
     from huginn_ray.data import layout
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -164,7 +259,7 @@ def save_ngram_set(ngrams: NgramSet, directory: Path) -> None:
     layout.commit_file(tmp, directory / "ngrams.npy")
     layout.write_json(directory / "ngrams.json", {"n": ngrams.n, "lengths": list(ngrams.lengths),
                                                   "grams": len(ngrams.hashes), "items": ngrams.sources,
-                                                  "digest": ngrams.digest})
+                                                  "origins": list(ngrams.origins), "digest": ngrams.digest})
 
 
 def document_words(text: str, chat: bool) -> list[list[str]]:

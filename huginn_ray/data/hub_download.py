@@ -80,21 +80,23 @@ def with_retries(what: str, cfg: DownloadConfig, fn):
     raise DownloadError(f"{what}: failed after {attempt + 1} attempt(s): {type(last).__name__}: {last}")
 
 
-def list_repo_files(source: Source, endpoint: str, token: str | None, cfg: DownloadConfig) -> tuple[str, list[HubFile]]:
-    """Resolve the source's revision to a commit sha and list the files its patterns select."""
+def list_repo_files(repo: str, revision: str, patterns: list[str], endpoint: str, token: str | None,
+                    cfg: DownloadConfig) -> tuple[str, list[HubFile]]:
+    """Resolve a dataset repo's revision to a commit sha and list the files the patterns select (a source's files,
+    an evaluation set's split)."""
     from huggingface_hub import HfApi
 
     api = HfApi(endpoint=endpoint)
     info = with_retries(
-        f"{source.address}@{source.revision} (listing)", cfg,
-        lambda: api.dataset_info(source.address, revision=source.revision, files_metadata=True, token=token),
+        f"{repo}@{revision} (listing)", cfg,
+        lambda: api.dataset_info(repo, revision=revision, files_metadata=True, token=token),
     )
     files = []
     for sibling in info.siblings or []:
-        if not any(fnmatch.fnmatch(sibling.rfilename, p) for p in source.file_patterns):
+        if not any(fnmatch.fnmatch(sibling.rfilename, p) for p in patterns):
             continue
         if sibling.size is None:
-            raise DownloadError(f"{source.address}: the Hub reported no size for {sibling.rfilename}")
+            raise DownloadError(f"{repo}: the Hub reported no size for {sibling.rfilename}")
         files.append(HubFile(sibling.rfilename, int(sibling.size),
                              sibling.lfs.sha256 if sibling.lfs else None, sibling.blob_id))
     return info.sha, sorted(files, key=lambda f: f.path)
@@ -217,7 +219,8 @@ def download_sources(sources: list[Source], download_root: Path, cfg: DownloadCo
             print(f"[download] {source.name}: complete at {previous['commit'][:12]}, skipped", flush=True)
             provenance[source.name] = previous
             continue
-        commit, files = list_repo_files(source, endpoint, token, cfg)
+        commit, files = list_repo_files(source.address, source.revision, source.file_patterns, endpoint, token,
+                                        cfg)
         for f in files:  # every name checked before anything of this source is written
             check_inside(local_dir, f.path, source.address)
         if not files:

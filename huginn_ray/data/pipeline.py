@@ -8,6 +8,7 @@ and `--stage NAME` runs one stage alone.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import shutil
@@ -22,7 +23,7 @@ from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_sources, downloaded_files
 from huginn_ray.data.plan import build_plan
-from huginn_ray.data.decontaminate import NgramSet, build_ngram_set
+from huginn_ray.data.decontaminate import EVAL_CACHE, NgramSet, build_ngram_set, eval_files
 from huginn_ray.data.dedup import duplicates_found, find_val_duplicates, sorted_unique, validation_hashes
 from huginn_ray.data.doc_filter import filter_counts, filter_fingerprint, run_filter
 from huginn_ray.data.execution import original_error
@@ -156,12 +157,21 @@ def filters_on(cfg: DataConfig) -> bool:
     return cfg.decontaminate.mode != "none" or cfg.dedup != "none"
 
 
-def eval_ngrams(cfg: DataConfig) -> NgramSet | None:
+def eval_ngrams(cfg: DataConfig, fetch: bool = True) -> NgramSet | None:
     """The evaluation sets' n-gram set (None when decontamination is off); built from small files, so every run
-    builds it first, refusing a bad evaluation file by name before any stage runs."""
+    builds it first, on the driver, refusing a missing Hub set or a bad evaluation file by name before any stage
+    runs. With `fetch` false (`--plan`) nothing is fetched: None when a Hub set is not in the cache yet."""
     if cfg.decontaminate.mode == "none":
         return None
-    return build_ngram_set(cfg.decontaminate.against, cfg.decontaminate.ngram)
+    found = eval_files(cfg.decontaminate.against, cfg.root, cfg.download, fetch)
+    if found is None:
+        return None
+    files, origins = found
+    for origin in origins if fetch else ():  # (--plan --json prints nothing but the plan)
+        if "commit" in origin:
+            print(f"[decontaminate] {origin['hub']} ({origin['config']}, {origin['split']}) at "
+                  f"{origin['commit'][:12]}: {len(origin['files'])} file(s) in {cfg.root / EVAL_CACHE}", flush=True)
+    return build_ngram_set(files, cfg.decontaminate.ngram, origins)
 
 
 def expected_filter_fingerprint(cfg: DataConfig, sources: list[Source], markers: dict[str, dict],
@@ -293,7 +303,9 @@ def run_provenance(cfg: DataConfig, sources: list[Source]) -> dict:
     """What produced these shards besides the data: library versions, the config (and its hash), source commits.
 
     `huginn_ray_git` is the commit of this package's checkout (None outside a git checkout; `+dirty` when it has
-    uncommitted changes); a source's commit is the Hub commit its files were downloaded at (None for local_dir)."""
+    uncommitted changes); a source's commit is the Hub commit its files were downloaded at (None for local_dir);
+    `eval_sets`, with decontamination on, the origin of each evaluation set (a Hub set's resolved commit and files
+    with their hashes), as the filter stage recorded it with the n-gram set."""
     import dataclasses
     import importlib.metadata
     import subprocess
@@ -317,9 +329,12 @@ def run_provenance(cfg: DataConfig, sources: list[Source]) -> dict:
     for source in sources:
         marker = None if source.is_local else layout.read_marker(cfg.root / "download" / source.name, PROVENANCE)
         commits[source.name] = marker["commit"] if marker else None
+    ngrams = cfg.root / "filtered" / "ngrams.json"
+    eval_sets = json.loads(ngrams.read_text())["origins"] if cfg.decontaminate.mode != "none" and ngrams.is_file() \
+        else None
     return {"versions": {name: version(name) for name in ("huginn_ray", "ray", "pyarrow", "tokenizers", "numpy")},
             "huginn_ray_git": commit, "config": config, "config_sha256": layout.fingerprint(config),
-            "source_commits": commits}
+            "source_commits": commits, "eval_sets": eval_sets}
 
 
 def drop_val_duplicates(cfg: DataConfig, per_source: dict, provenance: dict, duplicates: dict[str, list[int]]) -> dict:

@@ -139,7 +139,8 @@ def _hub_listings(cfg: DataConfig, sources: list[Source]) -> dict:
     todo = [s for s in sources if not s.is_local and (s.weight > 0 or s.is_packed)
             and not s.requires_software_heritage_aws_download and layout.read_marker(cfg.root / "download" / s.name, PROVENANCE) is None]
     token = get_token() if todo else None
-    return {s.name: list_repo_files(s, constants.ENDPOINT, token, cfg.download) for s in todo}
+    return {s.name: list_repo_files(s.address, s.revision, s.file_patterns, constants.ENDPOINT, token, cfg.download)
+            for s in todo}
 
 
 def _sample(source: Source, files: list[tuple[str, int]], tokenizer, row_len: int, docs_per_batch: int,
