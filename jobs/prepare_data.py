@@ -20,8 +20,8 @@ import time
 from huginn_ray.config import ConfigError
 from huginn_ray.data import layout
 from huginn_ray.data.config import load_data_config
-from huginn_ray.data.pipeline import (STAGES, check_chat_not_mixed, check_sources, init_ray, packed_only,
-                                      print_last_error, root_error, run)
+from huginn_ray.data.pipeline import (STAGES, check_chat_not_mixed, check_sources, eval_ngrams, init_ray,
+                                      packed_only, print_last_error, root_error, run)
 from huginn_ray.data.plan import build_plan, format_plan
 from huginn_ray.data.sources import load_sources
 from huginn_ray.train.runlock import RunLock, RunLockError
@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             # planned without and named (a run refuses them: check_sources)
             packed_only(sources)
             check_chat_not_mixed(sources)
-            plan = build_plan(cfg, sources)
+            # the evaluation n-gram set, unless a Hub evaluation set would have to be fetched for it
+            plan = build_plan(cfg, sources, eval_ngrams(cfg, fetch=False))
         except Exception as err:
             print(f"prepare_data: error: {root_error(err)}", file=sys.stderr)
             return 1

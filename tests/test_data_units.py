@@ -623,3 +623,76 @@ def test_publish_turns_an_old_shards_directory_into_a_version_and_a_crash_betwee
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shards", "shards.v0001", "shards.v0002", "shards.v0003"]
     assert [p.name for p in layout.remove_old_versions(pointer)] == ["shards.v0001", "shards.v0002"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shards", "shards.v0003"]
+
+
+def test_plan_counts_the_filter_stage_bytes_tasks_memory_and_ngram_set_exactly(tmp_path, capsys):
+    """`--plan` of a small config with decontaminate (drop, the GSM8k sample) and dedup exact, no tokenizer (so
+    the stated DEFAULTS: 1 text byte per jsonl byte, staged 0.5 byte per text byte, 4,096 text bytes per document):
+    the filter stage's reads and writes, disk, tasks, the dedup task's memory and the n-gram set, each exact; with
+    mode report and no dedup nothing is rewritten; with both off the plan has no filter stage."""
+    import importlib.util
+
+    from huginn_ray.data.decontaminate import normalise
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("prepare_data", root / "jobs" / "prepare_data.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    sizes = {"web/a.jsonl": 40960, "web/b.jsonl": 20480, "code/c.jsonl": 12288}
+    for rel, size in sizes.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text('{"text": "' + "a" * (size - 13) + '"}\n')
+        assert (tmp_path / rel).stat().st_size == size
+    (tmp_path / "sources.yaml").write_text("- {name: web, local_dir: web, features: [text]}\n"
+                                           "- {name: code, local_dir: code, features: [text]}\n"
+                                           "- {name: unused, local_dir: code, features: [text], weight: 0}\n")
+    gsm8k = root / "configs" / "eval" / "gsm8k_test_sample.jsonl"
+    config = tmp_path / "data.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'out'}\nsources: sources.yaml\nseq_len: 255\nnum_shards: 2\n"
+                      f"tokenizer: {{path: {tmp_path / 'no_tokenizer'}}}\nlocal_ray: {{num_cpus: 2}}\n"
+                      f"decontaminate: {{mode: drop, ngram: 13, against: [{gsm8k}]}}\ndedup: exact\n")
+
+    def plan(*overrides: str) -> dict:
+        capsys.readouterr()
+        assert job.main(["--config", str(config), "--plan", "--json", *overrides]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    p = plan()
+    docs = 73728 / 4096  # 18 documents in 3 staged files (the weight-0 source is neither staged nor filtered)
+    staged = 73728 * 0.5
+    tables = 16 * docs + 128 * 3  # doc_scan: (hash, row) per document + an npy header per file
+    keys = 8 * docs + 128 * 1  # doc_dedup: at most every document's key, one bucket
+    items = [json.loads(line)[f] for line in gsm8k.read_text().splitlines() for f in ("question", "answer")]
+    grams = sum(max(1, len(normalise(t)) - 12) for t in items)
+    assert (grams, len(items)) == (129, 8)
+    ngram_file = 16 * grams + 128
+    assert p["filter"] == {
+        "documents": 18, "staged_bytes": 36864, "rewritten_bytes": 36864, "hash_table_bytes": int(tables),
+        "duplicate_key_bytes": int(keys),
+        "ngram_set": {"built_on": "driver, before any stage (pipeline.eval_ngrams); to the doc_scan tasks through "
+                                  "Ray's object store, one copy per node",
+                      "grams": 129, "items": 8, "file_bytes": ngram_file, "object_store_bytes": 129 * 12,
+                      "eval_sets": [str(gsm8k)]}}
+    assert p["io_bytes"]["filter"] == {"read": int(staged + tables + keys + staged),
+                                       "written": int(tables + keys + staged + ngram_file)}
+    assert p["io_bytes"]["pack"]["read"] == 36864  # the filtered files hold the staged documents that remain
+    disk = p["disk_after_stage_bytes"]
+    assert set(disk) == {"download", "staging", "filter", "pack", "shuffle"}
+    assert disk["filter"] == int(staged + staged + ngram_file + tables + keys)
+    assert disk["pack"] - int(staged + staged + ngram_file) == int(p["io_bytes"]["pack"]["written"])
+    assert {k: p["counts"][k] for k in ("scan_tasks", "dedup_tasks", "filter_tasks")} == {
+        "scan_tasks": 3, "dedup_tasks": 1, "filter_tasks": 3}
+    assert p["memory_per_task_bytes"]["dedup_task"] == 256 * 2**20 + 48 * 18
+    assert set(p["estimated_seconds"]) == {"download", "staging", "filter", "pack", "shuffle"}
+
+    report = plan("decontaminate.mode=report", "dedup=none")  # nothing dropped: every filtered file a hard link
+    assert report["filter"]["rewritten_bytes"] == report["filter"]["duplicate_key_bytes"] == 0
+    assert report["io_bytes"]["filter"] == {"read": 36864, "written": int(tables + ngram_file)}
+    assert "dedup_task" not in report["memory_per_task_bytes"] and report["counts"]["dedup_tasks"] == 0
+    off = plan("decontaminate.mode=none", "dedup=none")
+    assert off["filter"] is None and "filter" not in off["io_bytes"] and "filter" not in off["disk_after_stage_bytes"]
+    assert off["counts"]["ray_tasks"] == p["counts"]["ray_tasks"] - (3 + 1 + 3)
+    assert job.main(["--config", str(config), "--plan"]) == 0  # the table names the filter stage
+    assert ("filter: scans 18 documents (36.00 KiB staged), rewrites at most 36.00 KiB; hash tables 672 B, duplicate "
+            "keys at most 272 B; n-gram set 129 grams of 8 items (2.14 KiB file, 1.51 KiB in the object store), built "
+            "on the driver") in capsys.readouterr().out

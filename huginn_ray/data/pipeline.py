@@ -471,7 +471,7 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     sources = load_sources(cfg.sources)
     check_sources(sources)  # before the plan samples their files
     ngrams = eval_ngrams(cfg)  # a bad evaluation file is refused before the plan and any stage
-    plan = build_plan(cfg, sources)  # refuses a run whose peak disk does not fit output_dir's free space
+    plan = build_plan(cfg, sources, ngrams)  # refuses a run whose peak disk does not fit output_dir's free space
     print(f"[plan] about {plan['estimated_tokens']:,d} packed tokens, peak disk "
           f"{plan['peak_disk_bytes'] / 2**30:.2f} GiB ({plan['free_bytes'] / 2**30:.1f} GiB free)", flush=True)
     layout.clean_stale_under(cfg.root)

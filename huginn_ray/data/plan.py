@@ -15,13 +15,23 @@ sampled sources, or the DEFAULTS below when none was sampled; the report says wh
 Estimates, all per split-less total (train + validation together):
 - `estimated_tokens`: packed training tokens after weighting (rows x (seq_len + 1));
 - peak disk per stage: what is on disk under output_dir at the end of each stage (nothing is deleted before the
-  shuffle ends; its map files live until the last shard is written): download + staging + packed + map + shards;
+  shuffle ends; its map files live until the last shard is written): download + staging (+ filtered, and the
+  filter stage's hash tables until it commits) + packed + map + shards;
 - bytes each stage reads and writes (`io_bytes`); the shard stage per split, with how the split's shards are made
   (`reshard_method`: shuffle, or for already packed data whose split is num_shards files of one row count, one file
   per rank, hard-linked or converted; a validation split is planned as shuffled when `drop_val_duplicates` is on,
   since which of its files lose rows is known only after the duplicate search);
+- the filter stage (`decontaminate` / `dedup` on; huginn_ray/data/doc_filter.py), `filter` in the plan: the
+  staged documents and bytes it scans, its dedup buckets, and the evaluation n-gram set (grams, bytes as a file
+  and in the object store; built on the driver before any stage, from the `ngrams` given, which `--plan` builds
+  only when no Hub evaluation set has to be fetched). Its bytes: `doc_scan` reads the staged files (S) and writes
+  16 B per document of hash tables (+ an npy header per file); `doc_dedup` reads those tables and writes at most
+  8 B per document (its duplicates' keys); `doc_filter` reads the duplicate keys and rewrites every file that loses a
+  document: planned as every file (S read, S written), the upper bound a run reaches when duplicates or matches
+  are spread over all files (a file that loses none is a hard link: no byte); nothing is rewritten with
+  `mode: report` and `dedup: none`;
 - memory per task: the `memory=` the stages declare (tokenize_pack.py; shards.map_task_memory and
-  reduce_task_memory), for the largest task of each kind;
+  reduce_task_memory; doc_filter.py's dedup tasks), for the largest task of each kind;
 - time: input volumes over the throughputs of THROUGHPUT (BENCHMARKS.md figures where measured, marked assumed
   where not), at the CPUs of `local_ray.num_cpus` (or this machine's).
 
@@ -47,6 +57,8 @@ import pyarrow.parquet as pq
 from huginn_ray.data import layout
 from huginn_ray.data.chat import pack_groups, render, render_document
 from huginn_ray.data.config import DataConfig
+from huginn_ray.data.decontaminate import NgramSet
+from huginn_ray.data.doc_filter import DOCS_PER_BUCKET
 from huginn_ray.data.formatting import DataError, iter_documents
 from huginn_ray.data.hub_download import PROVENANCE
 from huginn_ray.data.packing import pack_row_starts
@@ -102,6 +114,10 @@ THROUGHPUT = {
                                                 "reader, web and math text)"),
     "pack_tokens_per_s_per_cpu": (750e3, "measured, BENCHMARKS.md: 4k vocabulary on code, 1 CPU"),
     "shuffle_bytes_per_s_per_cpu": (11e6, "measured, BENCHMARKS.md: ~22 MiB/s of packed bytes on 2 CPUs"),
+    "filter_scan_text_bytes_per_s_per_cpu": (14.7 * 2**20, "measured, BENCHMARKS.md: bench/doc_filter.py, the n-gram "
+                                                           "check 334 us per 750-word document, one core"),
+    "filter_hash_text_bytes_per_s_per_cpu": (689 * 2**20, "measured, BENCHMARKS.md: bench/doc_filter.py, content "
+                                                          "hash alone (dedup without decontamination)"),
 }
 """Rates the time estimate uses, with where each figure comes from."""
 
@@ -224,7 +240,7 @@ def _tokenizer(cfg: DataConfig):
     return load_text_tokenizer(path), special_token_ids(cfg.tokenizer_dir)["vocab_size"]
 
 
-PLAN_FORMAT = 2
+PLAN_FORMAT = 3
 """The layout of a plan; plans cached under another layout are not read."""
 
 
@@ -233,11 +249,13 @@ def _planned(source: Source) -> bool:
     return source.is_packed or (source.weight > 0 and not source.requires_software_heritage_aws_download)
 
 
-def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
-    """The plan of a run (see the module docstring); raises DataError when its peak disk does not fit.
+def build_plan(cfg: DataConfig, sources: list[Source], ngrams: NgramSet | None = None) -> dict:
+    """The plan of a run (see the module docstring); raises DataError when its peak disk does not fit. `ngrams`:
+    the evaluation n-gram set (pipeline.eval_ngrams; None when decontamination is off or a Hub evaluation set is not
+    fetched yet).
 
-    Cached under an existing output_dir, `<output_dir>/plan/<key>.json`, keyed by the config, the tokenizer file
-    (size, mtime) and every source's file listing (names, sizes and mtimes of files on this machine; a Hub source
+    Cached under an existing output_dir, `<output_dir>/plan/<key>.json`, keyed by the config, the n-gram set's
+    digest, the tokenizer file (size, mtime) and every source's file listing (names, sizes and mtimes of files on this machine; a Hub source
     not downloaded yet: its commit, names and sizes): a rerun on unchanged inputs reads no parquet footer and
     samples no file again (the released data: 8,192 footers). The disk check is made on every call."""
     from huginn_ray.data.tokenizer import TOKENIZER_FILE
@@ -253,7 +271,7 @@ def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
 
     tokenizer_file = cfg.tokenizer_dir / TOKENIZER_FILE
     key = layout.fingerprint({
-        "format": PLAN_FORMAT, "config": dataclasses.asdict(cfg),
+        "format": PLAN_FORMAT, "config": dataclasses.asdict(cfg), "ngrams": ngrams.digest if ngrams else None,
         "tokenizer": [tokenizer_file.stat().st_size, mtime(tokenizer_file)] if tokenizer_file.is_file() else None,
         "inputs": {name: [commit, here, [[rel, size, mtime(path) if here else None] for path, size, rel in files]]
                    for name, (files, here, commit) in inputs.items()}})
@@ -262,7 +280,7 @@ def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
         plan = json.loads(cache.read_text())
         plan["cached"] = str(cache)
     else:
-        plan = _compute_plan(cfg, sources, inputs)
+        plan = _compute_plan(cfg, sources, inputs, ngrams)
         if cfg.root.is_dir():  # a --plan of a new output_dir writes nothing
             cache.parent.mkdir(exist_ok=True)
             layout.write_json(cache, plan)
@@ -271,7 +289,11 @@ def build_plan(cfg: DataConfig, sources: list[Source]) -> dict:
     return plan
 
 
-def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict) -> dict:
+NPY_HEADER = 128
+"""Bytes of an .npy file's header (format 1.0, padded to 64-byte blocks; 128 for these arrays)."""
+
+
+def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict, ngrams: NgramSet | None) -> dict:
     """The plan from the sources' input files ({name: _input_files(...)} of the sources the plan counts)."""
     tokenizer, vocab_size = _tokenizer(cfg)
     dtype = token_dtype(vocab_size)
@@ -299,7 +321,7 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict) -> dict:
                         "splits": _packed_splits(source, files) if source.is_packed else None})
     fallback = _mean(sampled)
 
-    staged_bytes = packed_tokens = packed_file_bytes = shard_token_bytes = pack_tasks = 0.0
+    staged_bytes = packed_tokens = packed_file_bytes = shard_token_bytes = pack_tasks = documents = 0.0
     worst_pack_chars = 0.0
     per_source = []
     packed = {split: {"files": 0, "bytes": 0, "rows": 0.0, "row_counts": set(), "linkable": True}
@@ -343,6 +365,7 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict) -> dict:
         staged_bytes += text * r.staged_per_text_byte
         packed_tokens += tokens
         docs = text * r.docs_per_text_byte
+        documents += docs
         batches = max(e["files"], math.ceil(docs / cfg.docs_per_pack_batch))
         pack_tasks += batches
         packed_file_bytes += tokens * r.packed_file_per_token + batches * r.parquet_file_bytes
@@ -384,7 +407,16 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict) -> dict:
     hub_bytes = sum(e["hub_bytes"] for e in entries)
     disk = {"download": hub_bytes}
     disk["staging"] = disk["download"] + staged_bytes
-    disk["pack"] = disk["staging"] + packed_file_bytes
+    staged_files = sum(e["files"] for e in entries if not e.get("packed"))
+    filtering = not all_packed and (cfg.decontaminate.mode != "none" or cfg.dedup != "none")
+    buckets = max(1, math.ceil(documents / DOCS_PER_BUCKET)) if filtering and cfg.dedup == "exact" else 0
+    hash_tables = 16 * documents + NPY_HEADER * staged_files if filtering else 0.0  # doc_scan: (hash, row) per doc
+    duplicate_keys = 8 * documents + NPY_HEADER * buckets if buckets else 0.0  # doc_dedup, at most every document
+    rewritten = staged_bytes if filtering and (cfg.decontaminate.mode == "drop" or cfg.dedup == "exact") else 0.0
+    ngram_file = 16 * len(ngrams.hashes) + NPY_HEADER if filtering and ngrams is not None else 0.0
+    if filtering:  # the filtered files stay; the hash tables and duplicate keys until the stage commits
+        disk["filter"] = disk["staging"] + rewritten + ngram_file + hash_tables + duplicate_keys
+    disk["pack"] = disk["staging"] + rewritten + ngram_file + packed_file_bytes
     disk["shuffle"] = (disk["pack"] + map_bytes + 8 * (cfg.num_shards + 1) * len(shuffled) * map_tasks
                        + sum(shard_split_bytes.values()))
     disk = {k: int(v) for k, v in disk.items()}
@@ -398,6 +430,9 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict) -> dict:
                        "written": 0}
     else:
         io["staging"] = {"read": sum(e["input_bytes"] for e in entries), "written": staged_bytes}
+        if filtering:
+            io["filter"] = {"read": staged_bytes + (hash_tables + duplicate_keys if buckets else 0) + rewritten,
+                            "written": hash_tables + duplicate_keys + rewritten + ngram_file}
         io["pack"] = {"read": staged_bytes, "written": packed_file_bytes}
     for split, method in methods.items():
         io[f"shards_{split}"] = {
@@ -408,9 +443,12 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict) -> dict:
     cpus = cfg.local_ray.num_cpus or os.cpu_count() or 1
     text_total = sum(p.get("text_bytes", 0) for p in per_source)
     doc_tokens = 0.0 if all_packed else packed_tokens  # packed data is not encoded; the encoder's work is about the packed tokens (copies are encoded once)
+    filter_rate = ("filter_scan_text_bytes_per_s_per_cpu" if cfg.decontaminate.mode != "none"
+                   else "filter_hash_text_bytes_per_s_per_cpu")  # the n-gram check dominates when it runs
     seconds = {
         "download": hub_bytes / THROUGHPUT["download_bytes_per_s"][0],
         "staging": text_total / (THROUGHPUT["staging_text_bytes_per_s_per_cpu"][0] * cpus),
+        **({"filter": text_total / (THROUGHPUT[filter_rate][0] * cpus)} if filtering else {}),
         "pack": doc_tokens / (THROUGHPUT["pack_tokens_per_s_per_cpu"][0] * cpus),
         "shuffle": sum(split_input.values()) / (THROUGHPUT["shuffle_bytes_per_s_per_cpu"][0] * cpus),
     }
@@ -422,11 +460,13 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict) -> dict:
         "map_task": map_task_memory([{"train_rows": group_rows, "val_rows": 0}], row_len, dtype, input_width, False),
         "reduce_task": max([reduce_task_memory(p, row_len, dtype) for p in split_plans.values()], default=0),
     }
+    if buckets:  # doc_filter.run_filter's declaration
+        memory["dedup_task"] = int(256 * 2**20 + 48 * documents / buckets)
     dedup_tasks = (packed["val"]["files"] + (packed["train"]["files"] if methods["train"] == "shuffle" else 0)
                    if all_packed else 0)
     counts = {
         "input_files": sum(e["files"] for e in entries),
-        "staged_files": sum(e["files"] for e in entries if not e.get("packed")),
+        "staged_files": staged_files,
         "pack_tasks": int(pack_tasks),
         "map_tasks": map_tasks,
         "map_files": 2 * len(shuffled) * map_tasks,  # per shuffled split: data + index
@@ -434,8 +474,11 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict) -> dict:
         "reducers": sum(reducers.values()),
         "shard_files": 2 * cfg.num_shards,
         "ray_tasks": int(sum(e["files"] for e in entries) + dedup_tasks + pack_tasks + map_tasks
-                         + sum(reducers.values()) + sum(cfg.num_shards for m in methods.values() if m != "shuffle")),
+                         + sum(reducers.values()) + sum(cfg.num_shards for m in methods.values() if m != "shuffle")
+                         + (2 * staged_files + buckets if filtering else 0)),
     }
+    if filtering:  # doc_scan and doc_filter: one task per staged file; doc_dedup: one per bucket
+        counts.update(scan_tasks=staged_files, dedup_tasks=buckets, filter_tasks=staged_files)
     plan = {
         "sources": per_source,
         "input_bytes": int(sum(e["input_bytes"] for e in entries)),
@@ -447,6 +490,17 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict) -> dict:
         "io_bytes": io,
         "reshard_method": methods,
         "memory_per_task_bytes": memory,
+        "filter": None if not filtering else {
+            "documents": int(documents), "staged_bytes": int(staged_bytes), "rewritten_bytes": int(rewritten),
+            "hash_table_bytes": int(hash_tables), "duplicate_key_bytes": int(duplicate_keys),
+            "ngram_set": None if cfg.decontaminate.mode == "none" else {
+                "built_on": "driver, before any stage (pipeline.eval_ngrams); to the doc_scan tasks through Ray's "
+                            "object store, one copy per node",
+                **({"grams": None, "why": "a Hub evaluation set is not fetched yet: built when the run starts"}
+                   if ngrams is None else
+                   {"grams": len(ngrams.hashes), "items": len(ngrams.sources), "file_bytes": int(ngram_file),
+                    "object_store_bytes": int(ngrams.hashes.nbytes + ngrams.items.nbytes),
+                    "eval_sets": [o.get("path") or f"{o['hub']}@{o['commit'][:12]}" for o in ngrams.origins]})}},
         "object_store_bytes_per_task": 4096,  # tasks return a few integers; data moves through files
         "counts": counts,
         "estimated_seconds": {k: round(v, 1) for k, v in seconds.items()},
@@ -512,6 +566,15 @@ def format_plan(plan: dict) -> str:
         f"{k} {_size(v['read'])} / {_size(v['written'])}" for k, v in plan["io_bytes"].items()) +
         f"; in all {_size(sum(v['read'] for v in plan['io_bytes'].values()))} / "
         f"{_size(sum(v['written'] for v in plan['io_bytes'].values()))}")
+    if plan["filter"]:
+        f = plan["filter"]
+        grams = f["ngram_set"]
+        lines.append(f"filter: scans {f['documents']:,d} documents ({_size(f['staged_bytes'])} staged), rewrites at "
+                     f"most {_size(f['rewritten_bytes'])}; hash tables {_size(f['hash_table_bytes'])}, duplicate keys "
+                     f"at most {_size(f['duplicate_key_bytes'])}; n-gram set " + (
+                         "off" if grams is None else f"not built yet ({grams['why']})" if grams["grams"] is None else
+                         f"{grams['grams']:,d} grams of {grams['items']:,d} items ({_size(grams['file_bytes'])} file, "
+                         f"{_size(grams['object_store_bytes'])} in the object store), built on the driver"))
     lines.append("shards from the packed rows: " + ", ".join(
         f"{split} {method}" for split, method in plan["reshard_method"].items()))
     lines.append("memory per task: " + ", ".join(
