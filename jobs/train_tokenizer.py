@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = {"vocab_size": cfg.tokenizer.vocab_size, "manual_tokens": cfg.tokenizer.manual_tokens,
                     "rows_per_source": cfg.tokenizer.rows_per_source, "seed": cfg.seed,
                     "max_chars_per_doc": cfg.tokenizer.max_chars_per_doc,
-                    "max_token_length": cfg.tokenizer.max_token_length, "corpus": 2,
+                    "max_token_length": cfg.tokenizer.max_token_length, "corpus": 3,
                     "staged": {name: m["fingerprint"] for name, m in markers.items()}}
         fingerprint = layout.fingerprint(settings)
         out_dir = cfg.tokenizer_dir

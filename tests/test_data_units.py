@@ -414,6 +414,26 @@ def test_tokenizer_corpus_reads_only_the_files_it_needs_and_uses_message_content
         "Be brief.\nhi\nhello\nthere"]
 
 
+def test_tokenizer_corpus_order_is_the_keyed_hash_permutation_pinned(tmp_path):
+    """The corpus sample's file order and row order are permutation.FeistelPermutation's (keyed hash of seed,
+    source, file, row group), not a library stream: a fixed seed gives this exact sequence with any NumPy."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from huginn_ray.data.tokenizer_corpus import corpus_texts, sample_order
+
+    files = []
+    for i in range(5):
+        files.append(tmp_path / f"{i:05d}.parquet")
+        pq.write_table(pa.table({"text": [f"f{i}r{j}" for j in range(7)]}), files[-1], row_group_size=3)
+    assert sample_order(5, 233, "tokenizer_corpus:web").tolist() == [4, 3, 2, 0, 1]
+    assert sample_order(10, 233, "tokenizer_corpus:web").tolist() == [4, 6, 7, 9, 5, 8, 3, 2, 1, 0]
+    assert list(corpus_texts({"web": files}, 9, 100, seed=233)) == [
+        "f4r0", "f4r1", "f4r2", "f4r4", "f4r3", "f4r5", "f4r6", "f3r1", "f3r2"]
+    assert list(corpus_texts({"code": files}, 9, 100, seed=233))[:7] != [
+        "f4r0", "f4r1", "f4r2", "f4r4", "f4r3", "f4r5", "f4r6"]  # another source, another order
+
+
 def test_plan_sample_encodes_the_first_sample_bytes_of_a_large_file_and_reads_the_rest(tmp_path, monkeypatch):
     """A first file larger than the sample: every document is read (text per input byte over the whole file), only
     the first SAMPLE_BYTES of text are encoded and packed."""

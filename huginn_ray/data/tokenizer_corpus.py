@@ -1,8 +1,11 @@
 """The tokenizer's training corpus, sampled per source at file level from the staged data (§6.1).
 
-Per source: the staged files in a seeded random order (seeded by the run seed and the source name), read row
-group by row group, each file's rows in a seeded random order, until `rows_per_source` documents are taken, so a
-source contributes about as many bytes as it keeps, not all of its staged rows. Each document is cut to
+Per source: the staged files in a seeded order, read row group by row group, each row group's rows in a seeded
+order, until `rows_per_source` documents are taken, so a source contributes about as many bytes as it keeps, not
+all of its staged rows. Both orders are the project's keyed-hash permutations (huginn_ray/data/permutation.py:
+`FeistelPermutation` under the run seed, its stage naming the source, and the file and row group for a row
+order), not a library random stream, so the sample is defined by this code alone; tests/test_data_units.py pins
+one. Each document is cut to
 `max_chars_per_doc` characters. Chat sources contribute their message contents joined by newlines (as §6.1
 does), not the chat-templated text the model trains on; so do `kind: chat` sources, whose staged documents are
 conversations in JSON. The reference's fastText English filter is not applied.
@@ -10,13 +13,15 @@ conversations in JSON. The reference's fastText English filter is not applied.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
+
+from huginn_ray.data.permutation import FeistelPermutation
+
 
 def message_contents(staged: str) -> str:
     """A pretraining chat source's staged document (its parts in JSON: text strings and `[role, content]`
@@ -32,19 +37,20 @@ def conversation_contents(staged: str) -> str:
     return "\n".join(message["content"] for message in json.loads(staged))
 
 
-def _rng(seed: int, name: str, salt: int) -> np.random.Generator:
-    return np.random.default_rng([seed, salt, int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")])
+def sample_order(n: int, seed: int, stage: str) -> np.ndarray:
+    """The seeded order of n items (files of a source, rows of a row group) the sample takes them in."""
+    return FeistelPermutation(n, seed, stage)(np.arange(n))
 
 
 def source_sample(name: str, files: list[Path], rows_per_source: int, max_chars: int, seed: int,
                   chat: bool, conversations: bool = False) -> Iterator[str]:
     """Up to `rows_per_source` documents of one source, reading only the files (and row groups) it needs."""
     taken = 0
-    for file_index in _rng(seed, name, 0).permutation(len(files)):
+    for file_index in sample_order(len(files), seed, f"tokenizer_corpus:{name}"):
         pf = pq.ParquetFile(files[file_index])
         for group in range(pf.num_row_groups):
             texts = pf.read_row_group(group, columns=["text"]).column("text").to_pylist()
-            for i in _rng(seed, f"{name}/{file_index}/{group}", 1).permutation(len(texts)):
+            for i in sample_order(len(texts), seed, f"tokenizer_corpus:{name}:{file_index}:{group}"):
                 text = (conversation_contents(texts[i]) if conversations else
                         message_contents(texts[i]) if chat else texts[i])
                 yield text[:max_chars]
