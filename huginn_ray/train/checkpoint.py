@@ -80,8 +80,9 @@ shared file system must not mark a good checkpoint as broken."""
 
 def with_retries(what: str, action):
     """`action()`, retried up to IO_ATTEMPTS times on the file system's errors (OSError); DCP reports a failure on
-    any rank as a CheckpointException on every rank alike, so every rank retries it together. Other errors (a
-    missing key, another shape) are raised at once."""
+    any rank as a CheckpointException on every rank alike, and the replica-spread read an OSError on every replica
+    of the group alike, so the ranks that share a collective retry it together. Other errors (a missing key,
+    another shape) are raised at once."""
     for attempt in range(1, IO_ATTEMPTS + 1):
         try:
             return action()
@@ -322,21 +323,19 @@ def read_tensors(directory: Path, model, optimizer, replicas=None) -> None:
     CheckpointError on every rank.
 
     `replicas`: the process group of the ranks that hold the same part of the state as this one (the mesh's
-    "replicate" dimension). With it, each of them reads 1/R of its part's rows from the file system and an
-    all-gather over the group completes them (huginn_ray.model.replica_read): the file system serves the state
-    once, not once per replica. Without it (one process), this rank reads its whole part."""
+    "replicate" dimension). With it, each of them reads one contiguous 1/R of the stored bytes the group needs
+    and the replicas complete each other in rounds of all-gather (huginn_ray.model.replica_read.read_dcp): the
+    file system serves the state once, not once per replica. Without it (one process), this rank reads its whole
+    part through DCP's load."""
     tensors = {"model": model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
     state_dir = directory / TRAINING_STATE_DIR
-    parts = replica_read.plan_dcp_read(tensors, replicas) if replicas is not None else None
     try:
         with_retries(f"reading {state_dir}",
                      lambda: dcp.load(tensors, storage_reader=replica_read.counting_reader(state_dir))
-                     if parts is None else replica_read.read_dcp_parts(parts, state_dir))
+                     if replicas is None else replica_read.read_dcp(state_dir, tensors, replicas))
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's errors: missing file, short read, shape
         raise CheckpointError(f"{state_dir}: cannot be loaded into this model and optimizer "
                               f"({describe_error(err)[:600]})") from None
-    if parts is not None:
-        replica_read.complete_dcp_parts(parts)
     set_optimizer_state_dict(model, optimizer, tensors["optim"])
 
 
