@@ -2,20 +2,28 @@
 
 R ranks hold identical copies of each part of the state: under `hsdp` the replicas of a shard (the mesh's
 "replicate" dimension, R = W / S), under `replicate` every rank (R = W). Read naively, every one of them reads its
-part from the file system: the state is served R times. Here the R ranks divide the reading of their parts
-(`deal`): a tensor part is cut into R blocks of rows, each tensor's blocks going to the replicas that have read
-the least so far, so that every replica reads about 1/R of the bytes even when a part has fewer rows than there
-are replicas; a small part (`SMALL_BYTES`, a 0-dim tensor) is read whole by one replica, its owner. The
-replicas then complete each other over their group (the network): one all-gather per split tensor, one broadcast
-from its owner per small one. Every rank reads about 1/W of the state from the file system and ends holding exactly
-the bytes a full read gives. Tensors are handled one at a time: no buffer larger than one tensor's local part.
+part from the file system: the state is served R times. Here the R ranks divide the reading and complete each
+other over their group (the network), so that every rank reads about 1/W of the state and ends holding exactly
+the bytes a full read gives. Two readers:
+
+- A torch.distributed.checkpoint (DCP) directory (resume, and init_from a training checkpoint): `read_dcp`. The
+  stored bytes the group needs (of every stored piece the rows that overlap the group's part, in any save layout;
+  every non-tensor piece whole) are laid end to end in file order (file, offset): B bytes. Replica r reads the
+  contiguous bytes [r B / R, (r + 1) B / R): a few files, whatever W is. The replica whose span holds a piece's
+  first needed byte reads that piece's archive header (where its data starts; one all-reduce gives every replica
+  every start). Then in equal rounds of one all-gather each (about `ROUND_BYTES` gathered per round, the same
+  count of rounds at every R), every replica gets the others' bytes and copies them into its tensors: no padding
+  but the last replica's fewer-than-R bytes, no buffer but one round's beside the part. The replicas agree on
+  failure (an all-reduce before the rounds, one after), so a replica group raises together.
+- A safetensors directory (init_from a released model): `deal` / `portion` / `complete_over_replicas`. A tensor
+  part is cut into R blocks of rows, each tensor's blocks going to the replicas that have read the least so far;
+  a small part (`SMALL_BYTES`, a 0-dim tensor) is read whole by one replica, its owner; then one all-gather per
+  split tensor, one broadcast per small one. The file count of a released model is fixed (its shards), so a rank
+  opens at most those files at any W.
 
 - `local_rows`: the part of a (possibly FSDP2-sharded) tensor this rank holds, and its rows of the whole tensor.
-- `deal` / `portion` / `complete_over_replicas`: who reads which rows of each part, and the collective after.
-- `plan_dcp_read` / `read_dcp_parts` / `complete_dcp_parts`: the same for a torch.distributed.checkpoint (DCP)
-  directory: a load plan for this rank's rows only, a reader that reads only their bytes from the stored pieces
-  (`RangeReader`), then the collectives.
-- `counting_reads`: bytes read from the file system by this process (what the tests and bench/scale_sim.py count).
+- `counting_reads`: bytes read from the file system by this process (what the tests and bench/scale_sim.py count);
+  `counting_reader`: DCP's own reader, counted (a rank reading its whole part, without replicas).
 """
 
 from __future__ import annotations
@@ -275,67 +283,93 @@ class GroupBytes:
     targets: dict
     """fqn -> this rank's part of the tensor as one flat run of bytes (a view: writing it writes the tensor)."""
     non_tensors: dict
-    """fqn -> a host buffer for a non-tensor piece's pickled bytes."""
+    """fqn -> a buffer (on the tensors' device) for a non-tensor piece's pickled bytes."""
     total: int
 
 
 def read_dcp(state_dir, state: dict, group, round_bytes: int = ROUND_BYTES) -> None:
     """Load `state` (a nested state dict of plain tensors and FSDP2 DTensors sharded on dim 0, and non-tensor
-    values) in place from the DCP directory `state_dir`, the file system serving each byte the replica group needs
-    once. A collective over `group` (the replicas of this rank's part): every member calls it with the same
-    layout.
+    values) in place from the DCP directory `state_dir`, the file system serving each byte once. A collective over
+    the default group: every rank calls it, `group` being the replicas of its part (the mesh's "replicate" dim).
 
-    The group's bytes (`plan_group_bytes`) are cut into R equal spans, one per replica, each a few files' worth of
-    contiguous reads. The owner of each stored piece's first needed byte reads the piece's archive header (where
-    its data starts: `data_start`), and one all-reduce gives every replica every piece's data start. Then, round
-    by round, each replica reads the next `chunk` bytes of its span and an all-gather gives every replica every
-    replica's chunk, which it copies into its tensors: R x chunk (about `round_bytes`) is the one buffer it holds
-    beside its part; only the last replica's span is shorter (by fewer than R bytes), its chunks padded.
+    Two passes of `read_spread`: the values every rank holds whole (plain tensors: the RoPE buffer, the optimizer's
+    step counters; non-tensor values), spread over every rank (the default group: they are stored once, in pieces
+    DCP spreads over all the ranks' files, so a group of fewer ranks would open many files for a few bytes each);
+    then this rank's part of every DTensor, spread over `group`.
 
     Raises ValueError naming the file and key for a checkpoint that does not hold what `state` asks (a missing key
     or rows, another shape or dtype, a piece that is not a plain torch.save of a contiguous tensor), OSError when a
-    replica of the group could not read its bytes (on every replica alike, so that all may retry together)."""
-    import torch.distributed.checkpoint as dcp
+    file could not be read; on every rank alike (the failing ranks with their own error, the others saying how many
+    failed), so that all may retry together."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.tensor import DTensor
 
-    replicas, me = group.size(), group.rank()
     flat, mappings = flatten_state_dict(state)
     device = next((t.device for t in flat.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    plan, errors = None, _Errors(state_dir)
+    everyone, errors, passes = dist.group.WORLD, _Errors(state_dir), []
     with errors.caught():
-        plan = plan_group_bytes(dcp.FileSystemReader(state_dir).read_metadata(), flat, state_dir)
-    errors.agree(group, device)  # a rank that could not plan has no layout to exchange
+        metadata = counting_reader(state_dir).read_metadata()
+        passes = [(plan_group_bytes(metadata, {fqn: value for fqn, value in flat.items()
+                                               if isinstance(value, DTensor) == sharded}, state_dir, device),
+                   group if sharded else everyone) for sharded in (False, True)]
+    errors.settle(everyone, device)  # a rank that could not plan has no layout to exchange: all stop here
+    with _Files(state_dir) as files:
+        for plan, replicas in passes:
+            if plan.segments:  # the same on every rank: the state's keys decide it
+                read_spread(plan, replicas, files, errors, device, round_bytes)
+    errors.settle(everyone, device)
+    for plan, _ in passes:
+        set_non_tensors(plan, state, mappings)
+
+
+def read_spread(plan: GroupBytes, group, files: _Files, errors: _Errors, device, round_bytes: int) -> None:
+    """Fill this rank's tensors of `plan`, which every rank of `group` needs alike, each rank reading 1/R of them.
+
+    The group's bytes are cut into R equal spans, one per replica, each a few files' worth of contiguous reads.
+    The owner of each stored piece's first needed byte reads the piece's archive header (where its data starts),
+    and one all-reduce gives every replica every piece's data start (and whether a replica failed: then the group
+    skips its rounds together). Then, round by round, each replica reads the next `chunk` bytes of its span and
+    an all-gather gives every replica every replica's chunk, which it copies into its tensors: R x chunk (about
+    `round_bytes`) is the one buffer it holds beside its part; only the last replica's span is shorter (by fewer
+    than R bytes), its chunks padded. A read that fails is recorded in `errors`, the rounds going on."""
+    replicas, me = group.size(), group.rank()
     span = max(math.ceil(plan.total / replicas), 1)
-    with _Files(state_dir, errors) as files:
-        data_starts = [0] * len(plan.segments)
-        for index, segment in enumerate(plan.segments):
-            if segment.chunk_sizes is not None and segment.position // span == me:
-                with errors.caught():
-                    data_starts[index] = files.data_start(segment)
-        data_starts = errors.agree(group, device, data_starts)
-        chunk, rounds = round_layout(plan.total, replicas, round_bytes)
-        host = torch.empty(chunk, dtype=torch.uint8)
-        positions = [segment.position for segment in plan.segments]
-        for round_index in range(rounds):
-            width = min(chunk, span - round_index * chunk)
-            first = me * span + round_index * chunk
-            stop = min(first + width, plan.total)
-            host[max(stop - first, 0): width].zero_()  # the last replica's padding
+    data_starts = [0] * len(plan.segments)
+    for index, segment in enumerate(plan.segments):
+        if segment.chunk_sizes is not None and segment.position // span == me:
             with errors.caught():
-                files.read(plan, positions, data_starts, first, stop, host)
-            if replicas == 1:
-                gathered = host[:width].to(device)
-            else:
-                gathered = torch.empty(width * replicas, dtype=torch.uint8, device=device)
-                dist.all_gather_into_tensor(gathered, host[:width].to(device), group=group)
-            for replica in range(replicas):
-                start = replica * span + round_index * chunk
-                _scatter(plan, positions, start, min(start + width, plan.total),
-                         gathered[replica * width: (replica + 1) * width])
-    errors.agree(group, device)
+                data_starts[index] = files.data_start(segment)
+    data_starts, failed = errors.exchange(group, device, data_starts)
+    if failed:
+        return
+    chunk, rounds = round_layout(plan.total, replicas, round_bytes)
+    host = torch.empty(chunk, dtype=torch.uint8)
+    positions = [segment.position for segment in plan.segments]
+    for round_index in range(rounds):
+        width = min(chunk, span - round_index * chunk)
+        first = me * span + round_index * chunk
+        stop = min(first + width, plan.total)
+        host[max(stop - first, 0): width].zero_()  # the last replica's padding
+        with errors.caught():
+            files.read(plan, positions, data_starts, first, stop, host)
+        if replicas == 1:
+            gathered = host[:width].to(device)
+        else:
+            gathered = torch.empty(width * replicas, dtype=torch.uint8, device=device)
+            dist.all_gather_into_tensor(gathered, host[:width].to(device), group=group)
+        for replica in range(replicas):
+            start = replica * span + round_index * chunk
+            _scatter(plan, positions, start, min(start + width, plan.total),
+                     gathered[replica * width: (replica + 1) * width])
+
+
+def set_non_tensors(plan: GroupBytes, state: dict, mappings: dict) -> None:
+    """Put the non-tensor values (their pickled pieces, gathered with the tensors' bytes) into `state`, as DCP's
+    load does."""
+    from torch.distributed.checkpoint._traverse import set_element
+
     for fqn, buffer in plan.non_tensors.items():
-        set_element(state, mappings[fqn], torch.load(io.BytesIO(buffer.numpy().tobytes()), weights_only=False))
+        set_element(state, mappings[fqn], torch.load(io.BytesIO(buffer.cpu().numpy().tobytes()), weights_only=False))
 
 
 def round_layout(total: int, replicas: int, round_bytes: int) -> tuple[int, int]:
@@ -349,7 +383,7 @@ def round_layout(total: int, replicas: int, round_bytes: int) -> tuple[int, int]
     return chunk, math.ceil(span / chunk)
 
 
-def plan_group_bytes(metadata, flat: dict, state_dir) -> GroupBytes:
+def plan_group_bytes(metadata, flat: dict, state_dir, device) -> GroupBytes:
     """The segments this rank's replica group needs (the same on every replica: only this rank's rows of each
     tensor, which its replicas share, and the metadata decide it): of every stored chunk of a tensor the rows that
     overlap this rank's part, every non-tensor piece whole; in file order (file, offset)."""
@@ -365,7 +399,7 @@ def plan_group_bytes(metadata, flat: dict, state_dir) -> GroupBytes:
                 raise ValueError(f"{state_dir}: {fqn} is a tensor in the checkpoint, not a {type(value).__name__}")
             info = _storage(metadata, MetadataIndex(fqn), state_dir)
             pieces.append((info, 0, info.length, 0, None, fqn))
-            non_tensors[fqn] = torch.empty(info.length, dtype=torch.uint8)
+            non_tensors[fqn] = torch.empty(info.length, dtype=torch.uint8, device=device)
             continue
         if isinstance(stored, BytesStorageMetadata):
             raise ValueError(f"{state_dir}: {fqn} is not a tensor in the checkpoint")
@@ -442,8 +476,8 @@ def _scatter(plan: GroupBytes, positions: list[int], first: int, stop: int, data
 class _Files:
     """The files of this replica's span, each opened once (at its first read) and closed at the end."""
 
-    def __init__(self, state_dir, errors):
-        self.state_dir, self.errors, self.open = state_dir, errors, {}
+    def __init__(self, state_dir):
+        self.state_dir, self.open = state_dir, {}
 
     def __enter__(self):
         return self
@@ -494,8 +528,8 @@ class _Files:
 
 
 class _Errors:
-    """This rank's first error reading the group's bytes, and the group's agreement on whether any replica had
-    one: every replica takes part in every collective even after a failure, then all raise together."""
+    """This rank's first error reading the checkpoint, and the ranks' agreement on whether any had one: every rank
+    takes part in every collective even after a failure, then all raise together."""
 
     def __init__(self, state_dir):
         self.state_dir, self.error = state_dir, None
@@ -507,21 +541,27 @@ class _Errors:
         except (OSError, ValueError) as err:
             self.error = self.error or err
 
-    def agree(self, group, device, values=None) -> list[int] | None:
-        """All-reduce (sum) of `values` (each set by one replica, zero on the others) and of the replicas'
-        failures, OSError and other apart."""
-        values = list(values or [])
-        mine = [int(isinstance(self.error, OSError)), int(self.error is not None and
-                                                          not isinstance(self.error, OSError))]
-        summed = torch.tensor(values + mine, dtype=torch.int64, device=device)
+    def exchange(self, group, device, values: list[int]) -> tuple[list[int], bool]:
+        """The sum over `group` of `values` (each set by one replica, zero on the others), and whether a replica
+        of the group has failed so far."""
+        summed = torch.tensor([*values, int(self.error is not None)], dtype=torch.int64, device=device)
         if group.size() > 1:
             dist.all_reduce(summed, group=group)
-        summed = summed.tolist()
+        *values, failed = summed.tolist()
+        return values, failed > 0
+
+    def settle(self, everyone, device) -> None:
+        """Raise on every rank when any has failed: this rank's own error, or how many ranks failed (an OSError
+        when every failure is one, so that all retry together)."""
+        mine = [int(isinstance(self.error, OSError)), int(self.error is not None and not isinstance(self.error,
+                                                                                                    OSError))]
+        failed = torch.tensor(mine, dtype=torch.int64, device=device)
+        if everyone.size() > 1:
+            dist.all_reduce(failed, group=everyone)
+        io_failed, other_failed = failed.tolist()
         if self.error is not None:
             raise self.error
-        io_failed, other_failed = summed[-2:]
         if io_failed or other_failed:
-            message = (f"{self.state_dir}: a replica of this rank's part (ranks {dist.get_process_group_ranks(group)})"
-                       " could not read its bytes")
+            message = (f"{self.state_dir}: {io_failed + other_failed} other rank(s) could not read their bytes of "
+                       "the checkpoint (each names its file)")
             raise OSError(message) if not other_failed else ValueError(message)
-        return summed[:-2]

@@ -34,13 +34,15 @@ import json
 import stat
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, \
     set_optimizer_state_dict
 
@@ -151,14 +153,42 @@ def start_save(directory: Path, rank: int, model, optimizer, state: TrainerState
     future = Future()
     try:
         if background_group is None:
-            with_retries(f"writing {directory / TRAINING_STATE_DIR}", lambda: dcp.save(tensors, storage_writer=writer))
+            with_retries(f"writing {directory / TRAINING_STATE_DIR}",
+                         lambda: dcp.save(tensors, storage_writer=writer, planner=SmallValuesOnRankZero()))
             future.set_result(None)
         else:
-            saving = dcp.async_save(tensors, storage_writer=writer, process_group=background_group)
+            saving = dcp.async_save(tensors, storage_writer=writer, process_group=background_group,
+                                    planner=SmallValuesOnRankZero())
             future = getattr(saving, "upload_completion", saving)  # a Future, or an AsyncSaveResponse holding one
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises on every rank alike; finish_save reports
         future.set_exception(err)
     return PendingSave(directory, state.step, rank, future)
+
+
+class SmallValuesOnRankZero(DefaultSavePlanner):
+    """DCP's save planner, except that the small values every rank holds whole (non-tensor values, plain tensors of
+    at most replica_read.SMALL_BYTES: the optimizer's step counters) are written by rank 0 alone, one run of its
+    file. DCP's own deduplication would deal them one by one over the ranks' files (about 300 of them for the
+    nebel), and the ranks reading them back at resume would open one file for each few bytes."""
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        if not self.is_coordinator:
+            self.plan = plan = self.without_rank_zero_values(plan)
+        return plan
+
+    @staticmethod
+    def without_rank_zero_values(plan: SavePlan) -> SavePlan:
+        """The plan of a rank other than 0: without the small values every rank holds whole."""
+        return replace(plan, items=[item for item in plan.items if not written_by_rank_zero(item)])
+
+
+def written_by_rank_zero(item: WriteItem) -> bool:
+    """A non-tensor value, or a plain (not DTensor: every rank holds it whole) tensor of a few bytes."""
+    if item.type == WriteItemType.BYTE_IO:
+        return True
+    return item.type == WriteItemType.TENSOR and \
+        item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize <= replica_read.SMALL_BYTES
 
 
 def finish_save(pending: PendingSave, device) -> bool:
