@@ -31,7 +31,7 @@ from __future__ import annotations
 import io
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -293,9 +293,9 @@ def read_dcp(state_dir, state: dict, group, round_bytes: int = ROUND_BYTES) -> N
     the default group: every rank calls it, `group` being the replicas of its part (the mesh's "replicate" dim).
 
     Two passes of `read_spread`: the values every rank holds whole (plain tensors: the RoPE buffer, the optimizer's
-    step counters; non-tensor values), spread over every rank (the default group: they are stored once, in pieces
-    DCP spreads over all the ranks' files, so a group of fewer ranks would open many files for a few bytes each);
-    then this rank's part of every DTensor, spread over `group`.
+    step counters; non-tensor values), which every rank needs alike, spread over every rank (the default group;
+    the small ones are one run of rank 0's file: checkpoint.SmallValuesOnRankZero); then this rank's part of every
+    DTensor, spread over `group`.
 
     Raises ValueError naming the file and key for a checkpoint that does not hold what `state` asks (a missing key
     or rows, another shape or dtype, a piece that is not a plain torch.save of a contiguous tensor), OSError when a
