@@ -6,8 +6,8 @@ maximum of the two) through the real code paths of a run of `configs/train/front
     startup   register_node, build_components (mesh, model, FSDP2 units, optimizer), the placements' all-gather,
               warm_mesh, the data check's all-reduce, check_replicas_agree, warmup_allreduce (128 MiB, 8 stages)
     init_from build_components without weights, then load_initial_weights from a released-layout directory
-    save      rank 0's small files, finish_save (agreement, marker), with DCP's own save planner deciding which
-              rank writes which piece
+    save      rank 0's small files, finish_save (agreement, marker), with the project's DCP save planner
+              (checkpoint.SmallValuesOnRankZero) deciding which rank writes which piece
     resume    resume(): the candidate list, the completeness check, the agreement, and read_tensors through the
               replica-spread read (huginn_ray.model.replica_read.read_dcp: the group's bytes from the `.metadata`,
               this rank's contiguous span of them read from the files, the rounds of all-gather over the
@@ -30,9 +30,9 @@ over stand-ins that count instead of communicating (what they stand in for: 4,09
 What DCP itself does inside dcp.save (its plan exchange, the writes) cannot run over the fake group; that figure
 comes from DCP's save planner. The resume's read runs, over sparse pieces without torch.save archives around
 them: the archive header a rank reads for each piece whose data start it finds is measured on a real archive of
-that dtype and rank; the gathered bytes are not copied into the (meta) tensors, nor the non-tensor values
-unpickled. Those are marked "planned" in the output and the
-README; everything else is counted as it happens.
+that dtype and rank (marked "planned" in the output and the README, with the save's figure); the gathered bytes
+are not copied into the (meta) tensors, nor the non-tensor values unpickled. Everything else is counted as it
+happens.
 
     python bench/scale_sim.py --world-sizes 8,64,512,4096 [--json]
 """
@@ -106,7 +106,8 @@ ITEMS = {
     "fs_metadata_ops_resume_checks": "stat/open/list calls of resume outside the tensors' read: candidates, "
                                      "marker, completeness check, trainer state (counted)",
     "fs_metadata_ops_resume": "stat/open/list calls of resume: the checks, the .metadata and the files of this "
-                              "rank's span of its replica group's bytes (counted)",
+                              "rank's spans of its replica group's bytes and of the values every rank holds "
+                              "whole (counted)",
     "bytes_read_resume": "bytes resume reads: marker, trainer state, .metadata and this rank's span (counted) plus "
                          "the archive header of each piece whose data start it reads (planned)",
     "collectives_resume": "c10d operations of resume (counted)",
@@ -489,7 +490,8 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) ->
         "fs_metadata_ops_save": counts.get("save", "fs_metadata_ops"),
         "fs_metadata_ops_resume_checks": counts.get("resume", "fs_metadata_ops"),
         "fs_metadata_ops_resume": sum(counts.get(phase, "fs_metadata_ops") for phase in RESUME),
-        "bytes_read_resume": sum(counts.get(phase, "bytes_read") for phase in RESUME) + results["planned_resume_bytes"],
+        "bytes_read_resume": sum(counts.get(phase, "bytes_read") for phase in RESUME)
+        + results["planned_resume_bytes"],
         "collectives_resume": sum(counts.get(phase, "collectives") for phase in RESUME),
         "collective_bytes_resume": sum(counts.get(phase, "collective_bytes") for phase in RESUME),
         "chunk_exchanges": results["chunk_exchanges"],
