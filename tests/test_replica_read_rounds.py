@@ -122,7 +122,7 @@ def _run(rank: int, port: int, directory: str) -> None:
     os._exit(0)
 
 
-def test_the_replica_spread_read_loads_what_dcp_loads_in_any_layout_and_fails_the_whole_group(tmp_path):
+def test_the_replica_spread_read_loads_what_dcp_loads_in_any_layout_and_fails_every_rank_alike(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
