@@ -6,12 +6,12 @@ maximum of the two) through the real code paths of a run of `configs/train/front
     startup   register_node, build_components (mesh, model, FSDP2 units, optimizer), the placements' all-gather,
               warm_mesh, the data check's all-reduce, check_replicas_agree, warmup_allreduce (128 MiB, 8 stages)
     init_from build_components without weights, then load_initial_weights from a released-layout directory
-    save      rank 0's small files, finish_save (agreement, marker), with DCP's own save planner deciding which
-              rank writes which piece
+    save      rank 0's small files, finish_save (agreement, marker), with the project's DCP save planner
+              (checkpoint.SmallValuesOnRankZero) deciding which rank writes which piece
     resume    resume(): the candidate list, the completeness check, the agreement, and read_tensors through the
-              replica-spread read (huginn_ray.model.replica_read: its own plan of which rows this rank reads and
-              its own load planner deciding which pieces (files, bytes) they are in, then the all-gathers and
-              broadcasts over the replicate group, then the optimizer state set back)
+              replica-spread read (huginn_ray.model.replica_read.read_dcp: the group's bytes from the `.metadata`,
+              this rank's contiguous span of them read from the files, the rounds of all-gather over the
+              replicate group, the copies into the tensors), then the optimizer state set back
 
 over stand-ins that count instead of communicating (what they stand in for: 4,096 processes on 512 nodes):
 
@@ -27,10 +27,12 @@ over stand-ins that count instead of communicating (what they stand in for: 4,09
   synthesised: DCP's `.metadata` from DCP's planner (which rank writes which piece), its tensor files sparse files
   of their sizes (no 13 GB written).
 
-What DCP itself does inside dcp.save/dcp.load (its plan exchange, the reads and writes) cannot run over the fake
-group; those figures come from the planners (DCP's save planner; replica_read's load planner, with what its
-RangeReader reads per requested piece) and are marked "planned" in the output and the README; everything else is
-counted as it happens.
+What DCP itself does inside dcp.save (its plan exchange, the writes) cannot run over the fake group; that figure
+comes from DCP's save planner. The resume's read runs, over sparse pieces without torch.save archives around
+them: the archive header a rank reads for each piece whose data start it finds is measured on a real archive of
+that dtype and rank (marked "planned" in the output and the README, with the save's figure); the gathered bytes
+are not copied into the (meta) tensors, nor the non-tensor values unpickled. Everything else is counted as it
+happens.
 
     python bench/scale_sim.py --world-sizes 8,64,512,4096 [--json]
 """
@@ -59,10 +61,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.device_mesh as device_mesh
 import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -103,13 +103,14 @@ ITEMS = {
     "collectives_save": "c10d operations of finish_save (counted; DCP's own plan exchange not included)",
     "collective_bytes_save": "bytes those operations deliver to this rank (counted)",
     "fs_metadata_ops_save": "stat/open/list calls of the save after DCP's writes (counted)",
-    "fs_metadata_ops_resume_checks": "stat/open/list calls of resume outside DCP's load: candidates, marker, "
-                                     "completeness check, trainer state (counted)",
-    "fs_metadata_ops_resume": "stat/open/list calls of resume (counted) plus the files the replica-spread read "
-                              "opens for this rank's rows and the .metadata (planned)",
-    "bytes_read_resume": "bytes resume reads: marker and trainer state (counted) plus the .metadata, each "
-                         "requested piece's archive header and this rank's rows (planned: replica_read's plan)",
-    "collectives_resume": "c10d operations of resume (counted; DCP's own plan exchange not included)",
+    "fs_metadata_ops_resume_checks": "stat/open/list calls of resume outside the tensors' read: candidates, "
+                                     "marker, completeness check, trainer state (counted)",
+    "fs_metadata_ops_resume": "stat/open/list calls of resume: the checks, the .metadata and the files of this "
+                              "rank's spans of its replica group's bytes and of the values every rank holds "
+                              "whole (counted)",
+    "bytes_read_resume": "bytes resume reads: marker, trainer state, .metadata and this rank's span (counted) plus "
+                         "the archive header of each piece whose data start it reads (planned)",
+    "collectives_resume": "c10d operations of resume (counted)",
     "collective_bytes_resume": "bytes those operations deliver to this rank (counted)",
 }
 
@@ -466,7 +467,7 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) ->
             counts.phase = "save"
             results["bytes_written_save"] = simulated_save(setup, c, world_size, rank, counts)
             counts.phase = "resume"
-            results["planned_resume"] = simulated_resume(setup, c, world_size, rank, counts)
+            results["planned_resume_bytes"] = simulated_resume(setup, c, world_size, rank, counts)
 
             counts.phase = "init_from"
             init_from_model(setup, world_size, rank, counts)
@@ -475,7 +476,6 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) ->
             setattr(owner, name, value)
         if dist.is_initialized():
             dist.destroy_process_group()
-    planned_bytes, planned_files = results.pop("planned_resume")
     return {
         "store_ops_startup": counts.get("startup", "store_ops"),
         "process_groups_created_startup": new_groups["startup"],
@@ -489,14 +489,19 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) ->
         "collective_bytes_save": counts.get("save", "collective_bytes"),
         "fs_metadata_ops_save": counts.get("save", "fs_metadata_ops"),
         "fs_metadata_ops_resume_checks": counts.get("resume", "fs_metadata_ops"),
-        "fs_metadata_ops_resume": counts.get("resume", "fs_metadata_ops") + planned_files,
-        "bytes_read_resume": counts.get("resume", "bytes_read") + planned_bytes,
-        "collectives_resume": counts.get("resume", "collectives"),
-        "collective_bytes_resume": counts.get("resume", "collective_bytes"),
+        "fs_metadata_ops_resume": sum(counts.get(phase, "fs_metadata_ops") for phase in RESUME),
+        "bytes_read_resume": sum(counts.get(phase, "bytes_read") for phase in RESUME)
+        + results["planned_resume_bytes"],
+        "collectives_resume": sum(counts.get(phase, "collectives") for phase in RESUME),
+        "collective_bytes_resume": sum(counts.get(phase, "collective_bytes") for phase in RESUME),
         "chunk_exchanges": results["chunk_exchanges"],
         "state_bytes": results["state_bytes"],
         "state_tensors": results["state_tensors"],
     }
+
+
+RESUME = ("resume", "resume_read")
+"""resume's phases: its checks, and the tensors' read."""
 
 
 @contextlib.contextmanager
@@ -505,7 +510,8 @@ def host_reads_of_meta():
     exchanged, and zero (no rank failed, no rank disagrees) is what the agreements read when all is well."""
     real_item, real_tolist = torch.Tensor.item, torch.Tensor.tolist
     torch.Tensor.item = lambda self: 0 if self.is_meta else real_item(self)
-    torch.Tensor.tolist = lambda self: torch.zeros(self.shape).tolist() if self.is_meta else real_tolist(self)
+    torch.Tensor.tolist = lambda self: (torch.zeros(self.shape, dtype=self.dtype).tolist() if self.is_meta
+                                      else real_tolist(self))
     try:
         yield
     finally:
@@ -517,20 +523,22 @@ def state_dict_of(c) -> dict:
 
 
 def save_plans(setup: Setup, c, world_size: int, rank: int) -> tuple[list, Metadata]:
-    """DCP's save planning over W ranks: every rank's local plan (rank r holds shard r mod S of every tensor, as
-    this rank's DTensors say) and DCP's global plan (which rank writes which replicated piece), with the
+    """DCP's save planning over W ranks with the project's planner (ckpt.SmallValuesOnRankZero): every rank's
+    local plan (rank r holds shard r mod S of every tensor, as this rank's DTensors say; rank 0 alone the small
+    values every rank holds whole) and DCP's global plan (which rank writes which replicated piece), with the
     `.metadata` a FileSystemWriter would record (pieces back to back in one file per rank)."""
     local_plans = setup.local_plans_by_shard
     if rank % setup.shard_size not in local_plans:
-        planner = DefaultSavePlanner()
-        planner.set_up_planner(state_dict_of(c), is_coordinator=rank == 0)
+        planner = ckpt.SmallValuesOnRankZero()
+        planner.set_up_planner(state_dict_of(c), is_coordinator=True)  # rank 0's plan; the others' below
         local_plans[rank % setup.shard_size] = planner.create_local_plan()
     if len(local_plans) < setup.shard_size:
         return None, None
-    planner = DefaultSavePlanner()
+    planner = ckpt.SmallValuesOnRankZero()
     planner.set_up_planner({}, is_coordinator=True)
-    global_plans, metadata = planner.create_global_plan([local_plans[r % setup.shard_size]
-                                                         for r in range(world_size)])
+    global_plans, metadata = planner.create_global_plan(
+        [local_plans[0]] + [ckpt.SmallValuesOnRankZero.without_rank_zero_values(local_plans[r % setup.shard_size])
+                            for r in range(1, world_size)])
     storage = {}
     for r, plan in enumerate(global_plans):
         offset = 0
@@ -580,60 +588,55 @@ def simulated_save(setup: Setup, c, world_size: int, rank: int, counts: Counts) 
     return pieces + counts.get("save", "bytes_written") - written_before
 
 
-def simulated_resume(setup: Setup, c, world_size: int, rank: int, counts: Counts) -> tuple[int, int]:
-    """resume() over the saved checkpoint, counted, through the replica-spread read that runs (ckpt.read_tensors
-    with the mesh's replicate group: huginn_ray.model.replica_read's plan, its collectives over the fake group,
-    the optimizer state set back), with only DCP's load itself planned (`planned_dcp_read`): returns the planned
-    bytes and files."""
+def simulated_resume(setup: Setup, c, world_size: int, rank: int, counts: Counts) -> int:
+    """resume() over the saved checkpoint, counted, through the replica-spread read (ckpt.read_tensors with the
+    mesh's replicate group: replica_read.read_dcp's plan, its opens and reads of the checkpoint's files, its
+    all-gathers over the fake group, the optimizer state set back). Planned only: the archive header of each piece
+    whose data start this rank reads (the synthesised pieces are raw bytes, no torch.save archive). Not run: the
+    copies of the gathered bytes into the tensors (meta here, the optimizer's step counters on the host; no file or
+    collective in them) and the non-tensor values' unpickling (their pieces hold no pickle). Returns the planned
+    header bytes."""
     run_dir = setup.root / "runs" / f"{world_size:06d}"
     directory = next(run_dir.glob("checkpoint_*"))
     with uncounted():
         with open(directory / pretrained.TRAINING_STATE_DIR / ".metadata", "rb") as f:
             metadata = pickle.load(f)
-    planned = {}
+    planned = Counter()
 
-    def planned_read(parts, state_dir):
-        planned["bytes"], planned["files"] = planned_dcp_read(parts, metadata, metadata_bytes(directory))
+    def planned_data_start(files, segment) -> int:
+        files.stream(segment.relative_path)  # opened as the real header read opens it (counted)
+        dtype = metadata.state_dict_metadata[segment.fqn].properties.dtype
+        planned["header_bytes"] += archive_header_bytes(dtype, len(segment.chunk_sizes))
+        return 0  # the synthesised piece is the tensor's bytes alone
 
-    real_read = replica_read.read_dcp_parts
-    replica_read.read_dcp_parts = planned_read
+    real_read = replica_read.read_dcp
+
+    def read_dcp(*args, **kwargs):  # counted apart from resume's checks
+        counts.phase = "resume_read"
+        try:
+            return real_read(*args, **kwargs)
+        finally:
+            counts.phase = "resume"
+
+    patches = [(replica_read._Files, "data_start", planned_data_start), (replica_read, "read_dcp", read_dcp),
+               (replica_read, "set_non_tensors", lambda *args: None), (replica_read, "_scatter", lambda *args: None)]
+    real = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
     try:
         resumed = ckpt.resume(directory, run_dir, rank, c.model, c.optimizer, CPU, log=lambda message: None,
                               replicas=c.mesh.get_group("replicate"))
     finally:
-        replica_read.read_dcp_parts = real_read
+        for owner, name, value in real:
+            setattr(owner, name, value)
     assert resumed is not None and resumed.state.step == 128, resumed
-    return planned["bytes"], planned["files"]
-
-
-def planned_dcp_read(parts: replica_read.DcpParts, metadata: Metadata, metadata_size: int) -> tuple[int, int]:
-    """What replica_read.read_dcp_parts reads from the file system for `parts` (its dcp.load cannot run over the
-    fake group: DCP gathers the plans; the pieces here are sparse files): replica_read's own load planner on this
-    rank's reads against the `.metadata`, and per requested item what its RangeReader reads: the piece's archive
-    header (torch.load of the header alone, measured on a real archive of a tensor of that dtype and rank) and the
-    rows' bytes (a BYTE_IO item: the whole piece). Every rank reads the `.metadata` (DCP's read_metadata).
-    Returns (bytes, files opened)."""
-    planner = replica_read._PartsPlanner(parts)
-    # what set_up_planner sets, without its allocation of the meta tensors' storage
-    planner.state_dict, planner.original_state_dict, planner.metadata = parts.reads, parts.reads, metadata
-    planner.mappings, planner.is_coordinator = parts.mappings, False
-    nbytes, files = metadata_size, {".metadata"}
-    for item in planner.create_local_plan().items:
-        info = metadata.storage_data[item.storage_index]
-        files.add(info.relative_path)
-        if item.type == LoadItemType.BYTE_IO:
-            nbytes += info.length
-            continue
-        properties = metadata.state_dict_metadata[item.storage_index.fqn].properties
-        nbytes += archive_header_bytes(properties.dtype, len(item.lengths))
-        nbytes += math.prod(item.lengths) * properties.dtype.itemsize
-    return nbytes, len(files)
+    return planned["header_bytes"]
 
 
 @functools.cache
 def archive_header_bytes(dtype: torch.dtype, dims: int) -> int:
     """Bytes torch.load(map_location="meta") reads of a DCP piece (a torch.save archive) holding one tensor of
-    `dtype` with `dims` dimensions: RangeReader's read of the header before the rows, measured."""
+    `dtype` with `dims` dimensions: read_dcp's read of where the piece's data starts, measured."""
     with uncounted():
         archive = io.BytesIO()
         torch.save(torch.zeros([2] * dims, dtype=dtype), archive)
@@ -641,11 +644,6 @@ def archive_header_bytes(dtype: torch.dtype, dims: int) -> int:
     with replica_read.counting_reads() as count:
         torch.load(replica_read._CountingStream(archive), map_location="meta", weights_only=True)
     return count.bytes
-
-
-def metadata_bytes(directory: Path) -> int:
-    with uncounted():
-        return (directory / pretrained.TRAINING_STATE_DIR / ".metadata").stat().st_size
 
 
 PAUSED = []

@@ -120,26 +120,23 @@ def _load_training_checkpoint(state_dir: Path, config: ModelConfig, device, dtyp
 def _load_dcp_model(state_dir: Path, tensors: dict, one_process: bool = False, replicas=None) -> None:
     """Read a training checkpoint's model tensors in place into `tensors` (name -> tensor or DTensor): by this one
     process, or (one_process=False) collectively, every rank reading the pieces of what it holds; with `replicas`
-    (the ranks holding the same part as this one) each reads 1/R of its part and the replicas complete each other
-    (huginn_ray.model.replica_read)."""
+    (the ranks holding the same part as this one) each reads a contiguous 1/R of the stored bytes they need and
+    the replicas complete each other (huginn_ray.model.replica_read.read_dcp)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    parts = replica_read.plan_dcp_read({"model": tensors}, replicas) if replicas is not None else None
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            if parts is None:
+            if replicas is None:
                 dcp.load({"model": tensors}, storage_reader=replica_read.counting_reader(state_dir),
                          no_dist=one_process)
             else:
-                replica_read.read_dcp_parts(parts, state_dir)
+                replica_read.read_dcp(state_dir, {"model": tensors}, replicas)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps the file system's and planner's errors
         failures = getattr(err, "failures", {0: (err, None)})
         raise ValueError(f"{state_dir}: the training checkpoint's model cannot be read ("
                          + "; ".join(f"{type(e).__name__}: {e}" for e, _ in failures.values())[:400] + ")") from None
-    if parts is not None:
-        replica_read.complete_dcp_parts(parts)
 
 
 def load_pretrained(directory: str | Path, device: str | torch.device = "cpu",

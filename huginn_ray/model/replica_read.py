@@ -2,20 +2,28 @@
 
 R ranks hold identical copies of each part of the state: under `hsdp` the replicas of a shard (the mesh's
 "replicate" dimension, R = W / S), under `replicate` every rank (R = W). Read naively, every one of them reads its
-part from the file system: the state is served R times. Here the R ranks divide the reading of their parts
-(`deal`): a tensor part is cut into R blocks of rows, each tensor's blocks going to the replicas that have read
-the least so far, so that every replica reads about 1/R of the bytes even when a part has fewer rows than there
-are replicas; a small part (`SMALL_BYTES`, a 0-dim tensor) is read whole by one replica, its owner. The
-replicas then complete each other over their group (the network): one all-gather per split tensor, one broadcast
-from its owner per small one. Every rank reads about 1/W of the state from the file system and ends holding exactly
-the bytes a full read gives. Tensors are handled one at a time: no buffer larger than one tensor's local part.
+part from the file system: the state is served R times. Here the R ranks divide the reading and complete each
+other over their group (the network), so that every rank reads about 1/W of the state and ends holding exactly
+the bytes a full read gives. Two readers:
+
+- A torch.distributed.checkpoint (DCP) directory (resume, and init_from a training checkpoint): `read_dcp`. The
+  stored bytes the group needs (of every stored piece the rows that overlap the group's part, in any save layout;
+  every non-tensor piece whole) are laid end to end in file order (file, offset): B bytes. Replica r reads the
+  contiguous bytes [r B / R, (r + 1) B / R): a few files, whatever W is. The replica whose span holds a piece's
+  first needed byte reads that piece's archive header (where its data starts; one all-reduce gives every replica
+  every start). Then in equal rounds of one all-gather each (about `ROUND_BYTES` gathered per round, the same
+  count of rounds at every R), every replica gets the others' bytes and copies them into its tensors: no padding
+  but the last replica's fewer-than-R bytes, no buffer but one round's beside the part. The replicas agree on
+  failure (an all-reduce before the rounds, one after), so a replica group raises together.
+- A safetensors directory (init_from a released model): `deal` / `portion` / `complete_over_replicas`. A tensor
+  part is cut into R blocks of rows, each tensor's blocks going to the replicas that have read the least so far;
+  a small part (`SMALL_BYTES`, a 0-dim tensor) is read whole by one replica, its owner; then one all-gather per
+  split tensor, one broadcast per small one. The file count of a released model is fixed (its shards), so a rank
+  opens at most those files at any W.
 
 - `local_rows`: the part of a (possibly FSDP2-sharded) tensor this rank holds, and its rows of the whole tensor.
-- `deal` / `portion` / `complete_over_replicas`: who reads which rows of each part, and the collective after.
-- `plan_dcp_read` / `read_dcp_parts` / `complete_dcp_parts`: the same for a torch.distributed.checkpoint (DCP)
-  directory: a load plan for this rank's rows only, a reader that reads only their bytes from the stored pieces
-  (`RangeReader`), then the collectives.
-- `counting_reads`: bytes read from the file system by this process (what the tests and bench/scale_sim.py count).
+- `counting_reads`: bytes read from the file system by this process (what the tests and bench/scale_sim.py count);
+  `counting_reader`: DCP's own reader, counted (a rank reading its whole part, without replicas).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from __future__ import annotations
 import io
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -243,170 +251,317 @@ def counting_reader(state_dir):
     return reader
 
 
-def range_reader(state_dir):
-    """A DCP FileSystemReader that reads, of every stored piece, only the bytes of the rows asked for.
-
-    DCP's own reader loads a whole stored piece (a `torch.save` archive inside the .distcp file) for any part of
-    it. The archive stores the tensor's bytes uncompressed: its header (read with map_location="meta", no tensor
-    data) gives where they start, and a request for whole rows of a contiguous tensor is one contiguous byte range.
-    Anything else (an extension-transformed item, a request cutting dims past 0) is read as DCP reads it."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed._shard._utils import narrow_tensor_by_index
-    from torch.distributed.checkpoint.planner import LoadItemType
-    from torch.distributed.checkpoint.utils import _create_file_view
-
-    class RangeReader(dcp.FileSystemReader):
-        def read_data(self, plan, planner):
-            per_file: dict[str, list] = {}
-            for item in plan.items:
-                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-            for relative_path, items in per_file.items():
-                with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
-                    for item in items:
-                        info = self.storage_data[item.storage_index]
-                        view = _create_file_view(stream, info.offset, info.length)
-                        if item.type == LoadItemType.BYTE_IO:
-                            planner.load_bytes(item, io.BytesIO(view.read(-1)))
-                            continue
-                        stored = None if info.transform_descriptors else torch.load(
-                            view, map_location="meta", weights_only=True)
-                        if stored is not None and _contiguous(stored, item):
-                            tensor = _read_rows(stream, info.offset, stored, item)
-                        else:
-                            view.seek(0)
-                            tensor = narrow_tensor_by_index(torch.load(view, map_location="cpu", weights_only=True),
-                                                            item.storage_offsets, item.lengths)
-                        target = planner.resolve_tensor(item).detach()
-                        if target.size() != tensor.size():
-                            raise AssertionError(f"{item.storage_index}: read {tensor.size()}, expected {target.size()}")
-                        target.copy_(tensor)
-                        planner.commit_tensor(item, target)
-            done = torch.futures.Future()
-            done.set_result(None)
-            return done
-
-    reader = RangeReader(state_dir)
-    reader.fs = _counting_file_system()
-    return reader
+ROUND_BYTES = 64 * 2**20
+"""About what one round of the replicas' exchange gathers (the bounded buffer a rank holds beside its part)."""
 
 
-def _contiguous(stored: torch.Tensor, item) -> bool:
-    """The request is one byte range of a contiguous stored tensor: every dim before the first it takes more
-    than one element of is taken one element of, every dim after it whole."""
-    if not stored.is_contiguous():
-        return False
-    lengths, sizes = list(item.lengths), list(stored.shape)
-    first = next((dim for dim, length in enumerate(lengths) if length > 1), len(lengths))
-    return all(length == size for length, size in zip(lengths[first + 1:], sizes[first + 1:]))
+@dataclass(frozen=True)
+class Segment:
+    """Bytes the replica group needs of one stored piece: a run of whole rows of one tensor's stored chunk (or a
+    whole non-tensor piece), at `position` in the group's bytes laid end to end."""
 
-
-def _read_rows(stream, piece_offset: int, stored: torch.Tensor, item) -> torch.Tensor:
-    """The requested elements' bytes (one range: `_contiguous`), read straight from the archive's data record of
-    the stored tensor."""
-    lengths = list(item.lengths)
-    nbytes = math.prod(lengths) * stored.element_size()
-    first = stored.storage_offset() + sum(offset * stride for offset, stride in zip(item.storage_offsets,
-                                                                                   stored.stride()))
-    stream.seek(piece_offset + stored.untyped_storage()._checkpoint_offset + first * stored.element_size())
-    data = bytearray(nbytes)
-    if nbytes and stream.readinto(memoryview(data)) != nbytes:
-        raise OSError(f"short read of {item.storage_index.fqn}: the checkpoint file is truncated")
-    return torch.frombuffer(data, dtype=stored.dtype).reshape(lengths) if nbytes else \
-        torch.empty(lengths, dtype=stored.dtype)
+    fqn: str
+    relative_path: str
+    piece_offset: int
+    """Where the piece (a torch.save archive, or a non-tensor's pickled bytes) starts in its file."""
+    piece_length: int
+    start: int
+    """The first byte needed, counted from the start of the stored tensor's data (a non-tensor piece: 0)."""
+    length: int
+    target_start: int
+    """Where those bytes go in this rank's part of the tensor, as bytes (a non-tensor piece: 0)."""
+    chunk_sizes: tuple | None
+    """The stored chunk's shape (checked against the archive's header); None for a non-tensor piece."""
+    position: int
 
 
 @dataclass
-class DcpParts:
-    """What one rank reads of a (nested) state dict, and how its replicas complete it."""
+class GroupBytes:
+    """What a replica group reads of a DCP checkpoint: its segments in file order (file, offset), end to end."""
 
-    state: dict
-    """The nested state dict loaded in place (tensors), its other values replaced as DCP loads them."""
-    group: object
-    """The replicas of this rank's part (the mesh's "replicate" dimension)."""
-    targets: dict = field(default_factory=dict)
-    """Flattened name (DCP's) -> this rank's whole local part of that tensor, in one order on every rank."""
-    shares: dict = field(default_factory=dict)
-    """Flattened name -> how the replicas divide its reading (`deal`)."""
-    reads: dict = field(default_factory=dict)
-    """Flattened name -> what this rank reads: the rows of its local part (a view, empty when it reads none of
-    it) or a non-tensor value."""
-    offsets: dict = field(default_factory=dict)
-    """Flattened name -> the global offset of the rows read."""
-    shapes: dict = field(default_factory=dict)
-    """Flattened name -> the whole tensor's shape."""
-    mappings: dict = field(default_factory=dict)
-    """Flattened name -> its path in `state`."""
+    segments: list[Segment]
+    targets: dict
+    """fqn -> this rank's part of the tensor as one flat run of bytes (a view: writing it writes the tensor)."""
+    non_tensors: dict
+    """fqn -> a buffer (on the tensors' device) for a non-tensor piece's pickled bytes."""
+    total: int
 
 
-def plan_dcp_read(state: dict, group) -> DcpParts:
-    """Split every tensor of `state` (plain tensors or FSDP2 DTensors) into what this rank reads (`deal` in the
-    flattened state dict's order, then `portion`)."""
+def read_dcp(state_dir, state: dict, group, round_bytes: int = ROUND_BYTES) -> None:
+    """Load `state` (a nested state dict of plain tensors and FSDP2 DTensors sharded on dim 0, and non-tensor
+    values) in place from the DCP directory `state_dir`, the file system serving each byte once. A collective over
+    the default group: every rank calls it, `group` being the replicas of its part (the mesh's "replicate" dim).
+
+    Two passes of `read_spread`: the values every rank holds whole (plain tensors: the RoPE buffer, the optimizer's
+    step counters; non-tensor values), which every rank needs alike, spread over every rank (the default group;
+    the small ones are one run of rank 0's file: checkpoint.SmallValuesOnRankZero); then this rank's part of every
+    DTensor, spread over `group`.
+
+    Raises ValueError naming the file and key for a checkpoint that does not hold what `state` asks (a missing key
+    or rows, another shape or dtype, a piece that is not a plain torch.save of a contiguous tensor), OSError when a
+    file could not be read; on every rank alike (the failing ranks with their own error, the others saying how many
+    failed), so that all may retry together."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.tensor import DTensor
 
     flat, mappings = flatten_state_dict(state)
-    parts = DcpParts(state, group, mappings=mappings)
-    for name, value in flat.items():
-        if not isinstance(value, torch.Tensor):
-            parts.reads[name] = value
-            continue
-        local, rows = local_rows(value)
-        parts.targets[name] = local
-        parts.shapes[name] = value.shape
-    shares = deal(list(parts.targets.values()), group.size())
-    for (name, local), share in zip(parts.targets.items(), shares):
-        parts.shares[name] = share
-        rows = local_rows(flat[name])[1]
-        index = portion(local, share, group)
-        parts.reads[name] = local[index] if index is not None else local.new_empty(0)
-        parts.offsets[name] = torch.Size([s.start for s in in_whole(index or (), rows.start if rows else 0)])
-    return parts
+    device = next((t.device for t in flat.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    everyone, errors, passes = dist.group.WORLD, _Errors(state_dir), []
+    with errors.caught():
+        metadata = counting_reader(state_dir).read_metadata()
+        passes = [(plan_group_bytes(metadata, {fqn: value for fqn, value in flat.items()
+                                               if isinstance(value, DTensor) == sharded}, state_dir, device),
+                   group if sharded else everyone) for sharded in (False, True)]
+    errors.settle(everyone, device)  # a rank that could not plan has no layout to exchange: all stop here
+    with _Files(state_dir) as files:
+        for plan, replicas in passes:
+            if plan.segments:  # the same on every rank: the state's keys decide it
+                read_spread(plan, replicas, files, errors, device, round_bytes)
+    errors.settle(everyone, device)
+    for plan, _ in passes:
+        set_non_tensors(plan, state, mappings)
 
 
-def read_dcp_parts(parts: DcpParts, state_dir) -> None:
-    """Read this rank's rows from the DCP directory (a collective: every rank calls it). Raises DCP's errors."""
-    import torch.distributed.checkpoint as dcp
+def read_spread(plan: GroupBytes, group, files: _Files, errors: _Errors, device, round_bytes: int) -> None:
+    """Fill this rank's tensors of `plan`, which every rank of `group` needs alike, each rank reading 1/R of them.
 
-    dcp.load(parts.reads, storage_reader=range_reader(state_dir), planner=_PartsPlanner(parts))
+    The group's bytes are cut into R equal spans, one per replica, each a few files' worth of contiguous reads.
+    The owner of each stored piece's first needed byte reads the piece's archive header (where its data starts),
+    and one all-reduce gives every replica every piece's data start (and whether a replica failed: then the group
+    skips its rounds together). Then, round by round, each replica reads the next `chunk` bytes of its span and
+    an all-gather gives every replica every replica's chunk, which it copies into its tensors: R x chunk (about
+    `round_bytes`) is the one buffer it holds beside its part; only the last replica's span is shorter (by fewer
+    than R bytes), its chunks padded. A read that fails is recorded in `errors`, the rounds going on."""
+    replicas, me = group.size(), group.rank()
+    span = max(math.ceil(plan.total / replicas), 1)
+    data_starts = [0] * len(plan.segments)
+    for index, segment in enumerate(plan.segments):
+        if segment.chunk_sizes is not None and segment.position // span == me:
+            with errors.caught():
+                data_starts[index] = files.data_start(segment)
+    data_starts, failed = errors.exchange(group, device, data_starts)
+    if failed:
+        return
+    chunk, rounds = round_layout(plan.total, replicas, round_bytes)
+    host = torch.empty(chunk, dtype=torch.uint8)
+    positions = [segment.position for segment in plan.segments]
+    for round_index in range(rounds):
+        width = min(chunk, span - round_index * chunk)
+        first = me * span + round_index * chunk
+        stop = min(first + width, plan.total)
+        host[max(stop - first, 0): width].zero_()  # the last replica's padding
+        with errors.caught():
+            files.read(plan, positions, data_starts, first, stop, host)
+        if replicas == 1:
+            gathered = host[:width].to(device)
+        else:
+            gathered = torch.empty(width * replicas, dtype=torch.uint8, device=device)
+            dist.all_gather_into_tensor(gathered, host[:width].to(device), group=group)
+        for replica in range(replicas):
+            start = replica * span + round_index * chunk
+            _scatter(plan, positions, start, min(start + width, plan.total),
+                     gathered[replica * width: (replica + 1) * width])
+
+
+def set_non_tensors(plan: GroupBytes, state: dict, mappings: dict) -> None:
+    """Put the non-tensor values (their pickled pieces, gathered with the tensors' bytes) into `state`, as DCP's
+    load does."""
     from torch.distributed.checkpoint._traverse import set_element
 
-    for name, value in parts.reads.items():
-        if name not in parts.targets:
-            set_element(parts.state, parts.mappings[name], value)
+    for fqn, buffer in plan.non_tensors.items():
+        set_element(state, mappings[fqn], torch.load(io.BytesIO(buffer.cpu().numpy().tobytes()), weights_only=False))
 
 
-def complete_dcp_parts(parts: DcpParts) -> None:
-    """The collectives over the replica group that complete every tensor (same order on every rank)."""
-    for name, local in parts.targets.items():
-        complete_over_replicas(local, parts.shares[name], parts.group)
+def round_layout(total: int, replicas: int, round_bytes: int) -> tuple[int, int]:
+    """(chunk, rounds): each replica's span of ceil(total / R) bytes read and gathered in `rounds` chunks of
+    `chunk` bytes (the last one shorter), as many rounds as `total` needs in about `round_bytes` each: the same
+    count at every R."""
+    span = math.ceil(total / replicas)
+    if span == 0:
+        return 0, 0
+    chunk = math.ceil(span / math.ceil(total / round_bytes))
+    return chunk, math.ceil(span / chunk)
 
 
-def _PartsPlanner(parts: DcpParts):
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
-    from torch.distributed.checkpoint.planner import LoadPlan
-    from torch.distributed.checkpoint.planner_helpers import _create_read_items, create_read_items_for_chunk_list
+def plan_group_bytes(metadata, flat: dict, state_dir, device) -> GroupBytes:
+    """The segments this rank's replica group needs (the same on every replica: only this rank's rows of each
+    tensor, which its replicas share, and the metadata decide it): of every stored chunk of a tensor the rows that
+    overlap this rank's part, every non-tensor piece whole; in file order (file, offset)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    class PartsPlanner(DefaultLoadPlanner):
-        """DCP's default load planner for plain tensors that are rows of a larger tensor, at `parts.offsets`."""
+    pieces, targets, non_tensors = [], {}, {}
+    for fqn, value in flat.items():
+        stored = metadata.state_dict_metadata.get(fqn)
+        if stored is None:
+            raise ValueError(f"{state_dir}: {fqn} is not in the checkpoint (its .metadata)")
+        if not isinstance(value, torch.Tensor):
+            if not isinstance(stored, BytesStorageMetadata):
+                raise ValueError(f"{state_dir}: {fqn} is a tensor in the checkpoint, not a {type(value).__name__}")
+            info = _storage(metadata, MetadataIndex(fqn), state_dir)
+            pieces.append((info, 0, info.length, 0, None, fqn))
+            non_tensors[fqn] = torch.empty(info.length, dtype=torch.uint8, device=device)
+            continue
+        if isinstance(stored, BytesStorageMetadata):
+            raise ValueError(f"{state_dir}: {fqn} is not a tensor in the checkpoint")
+        if stored.size != value.shape or stored.properties.dtype != value.dtype:
+            raise ValueError(f"{state_dir}: {fqn} is stored as {stored.properties.dtype} {list(stored.size)}, "
+                             f"this run's is {value.dtype} {list(value.shape)}")
+        local, rows = local_rows(value)
+        if not local.is_contiguous():
+            raise ValueError(f"{fqn}: this rank's part is not contiguous: it cannot be filled as bytes")
+        targets[fqn] = local.reshape(-1).view(torch.uint8)
+        whole = value.shape[0] if value.dim() else 1
+        rows = rows or slice(0, whole)
+        row_bytes = math.prod(value.shape[1:]) * value.element_size()
+        covered = 0
+        for chunk_index, chunk in enumerate(stored.chunks):
+            first_row, chunk_rows = (chunk.offsets[0], chunk.sizes[0]) if value.dim() else (0, 1)
+            if list(chunk.offsets[1:]) != [0] * (value.dim() - 1) or list(chunk.sizes[1:]) != list(value.shape[1:]):
+                raise ValueError(f"{state_dir}: {fqn} is stored in pieces cut along another dim than 0 "
+                                 f"({list(chunk.offsets)} + {list(chunk.sizes)}): they cannot be read as rows")
+            low, high = max(rows.start, first_row), min(rows.stop, first_row + chunk_rows)
+            if low >= high:
+                continue
+            covered += high - low
+            info = _storage(metadata, MetadataIndex(fqn, chunk.offsets, chunk_index), state_dir)
+            pieces.append((info, (low - first_row) * row_bytes, (high - low) * row_bytes,
+                           (low - rows.start) * row_bytes, tuple(chunk.sizes), fqn))
+        if covered != rows.stop - rows.start:
+            raise ValueError(f"{state_dir}: rows {rows.start}..{rows.stop} of {fqn} are not all in the checkpoint's "
+                             f"pieces ({covered} of them are)")
+    pieces.sort(key=lambda piece: (piece[0].relative_path, piece[0].offset, piece[1]))
+    segments, position = [], 0
+    for info, start, length, target_start, chunk_sizes, fqn in pieces:
+        if info.transform_descriptors:
+            raise ValueError(f"{state_dir / info.relative_path}: the piece of {fqn} is stored transformed "
+                             f"({info.transform_descriptors}): only plain torch.save pieces are read")
+        segments.append(Segment(fqn, info.relative_path, info.offset, info.length, start, length, target_start,
+                                chunk_sizes, position))
+        position += length
+    return GroupBytes(segments, targets, non_tensors, position)
 
-        def create_local_plan(self) -> LoadPlan:
-            requests = []
-            for name, value in self.state_dict.items():
-                if name not in self.metadata.state_dict_metadata:
-                    raise RuntimeError(f"Missing key in checkpoint state_dict: {name}.")
-                md = self.metadata.state_dict_metadata[name]
-                if name not in parts.targets:
-                    requests += _create_read_items(name, md, value)
-                    continue
-                if isinstance(md, TensorStorageMetadata) and md.size != parts.shapes[name]:
-                    raise ValueError(f"Size mismatch between saved {md.size} and current: {parts.shapes[name]} "
-                                     f"for {name}")
-                if value.numel():
-                    chunk = ChunkStorageMetadata(offsets=parts.offsets[name], sizes=value.size())
-                    requests += create_read_items_for_chunk_list(name, md, [chunk])
-            return LoadPlan(requests)
 
-        def lookup_tensor(self, index):
-            return self.state_dict[index.fqn]
+def _storage(metadata, index, state_dir):
+    info = metadata.storage_data.get(index)
+    if info is None:
+        raise ValueError(f"{state_dir}: the piece of {index.fqn}" + (f" at {list(index.offset)}" if index.offset
+                         is not None else "") + " is missing from the checkpoint's .metadata storage data")
+    return info
 
-    return PartsPlanner()
+
+def _overlapping(plan: GroupBytes, positions: list[int], first: int, stop: int):
+    """(segment, its first byte in [first, stop), that run's end) for every segment overlapping those bytes."""
+    from bisect import bisect_right
+
+    index = max(bisect_right(positions, first) - 1, 0)
+    while index < len(plan.segments) and positions[index] < stop:
+        segment = plan.segments[index]
+        low, high = max(first, segment.position), min(stop, segment.position + segment.length)
+        if low < high:
+            yield index, segment, low, high
+        index += 1
+
+
+def _scatter(plan: GroupBytes, positions: list[int], first: int, stop: int, data: torch.Tensor) -> None:
+    """Copy the group's bytes [first, stop), which `data` holds from its start, into this rank's tensors."""
+    for _, segment, low, high in _overlapping(plan, positions, first, stop):
+        source = data[low - first: high - first]
+        if segment.chunk_sizes is None:
+            plan.non_tensors[segment.fqn][low - segment.position: high - segment.position].copy_(source)
+        else:
+            at = segment.target_start + low - segment.position
+            plan.targets[segment.fqn][at: at + high - low].copy_(source)
+
+
+class _Files:
+    """The files of this replica's span, each opened once (at its first read) and closed at the end."""
+
+    def __init__(self, state_dir):
+        self.state_dir, self.open = state_dir, {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for stream in self.open.values():
+            stream.raw.close()
+
+    def stream(self, relative_path: str):
+        if relative_path not in self.open:
+            self.open[relative_path] = _CountingStream(open(f"{self.state_dir}/{relative_path}", "rb"))
+        return self.open[relative_path]
+
+    def data_start(self, segment: Segment) -> int:
+        """Where the stored tensor's data starts in its piece: the piece's torch.save archive read with
+        map_location="meta" (its header and record directory, no tensor data)."""
+        from torch.distributed.checkpoint.utils import _create_file_view
+
+        path = f"{self.state_dir}/{segment.relative_path}"
+        try:
+            stored = torch.load(_create_file_view(self.stream(segment.relative_path), segment.piece_offset,
+                                                  segment.piece_length), map_location="meta", weights_only=True)
+        except OSError:
+            raise
+        except Exception as err:  # noqa: BLE001 - torch raises RuntimeError, UnpicklingError, ... for a bad piece
+            raise ValueError(f"{path}: the piece of {segment.fqn} at byte {segment.piece_offset} is not a torch.save "
+                             f"archive ({type(err).__name__}: {str(err)[:200]})") from None
+        if not isinstance(stored, torch.Tensor) or tuple(stored.shape) != segment.chunk_sizes \
+                or not stored.is_contiguous():
+            raise ValueError(f"{path}: the piece of {segment.fqn} at byte {segment.piece_offset} is not a contiguous "
+                             f"tensor of shape {list(segment.chunk_sizes)}")
+        return stored.untyped_storage()._checkpoint_offset + stored.storage_offset() * stored.element_size()
+
+    def read(self, plan: GroupBytes, positions, data_starts, first: int, stop: int, host: torch.Tensor) -> None:
+        """The group's bytes [first, stop) into `host` from its start, piece by piece from the files."""
+        into = memoryview(host.numpy())
+        for index, segment, low, high in _overlapping(plan, positions, first, stop):
+            stream = self.stream(segment.relative_path)
+            stream.seek(segment.piece_offset + data_starts[index] + segment.start + low - segment.position)
+            wanted = into[low - first: high - first]
+            got = 0
+            while got < len(wanted):
+                n = stream.readinto(wanted[got:])
+                if not n:
+                    raise OSError(f"{self.state_dir}/{segment.relative_path}: short read of the piece of "
+                                  f"{segment.fqn}: the checkpoint file is truncated")
+                got += n
+
+
+class _Errors:
+    """This rank's first error reading the checkpoint, and the ranks' agreement on whether any had one: every rank
+    takes part in every collective even after a failure, then all raise together."""
+
+    def __init__(self, state_dir):
+        self.state_dir, self.error = state_dir, None
+
+    @contextmanager
+    def caught(self):
+        try:
+            yield
+        except (OSError, ValueError) as err:
+            self.error = self.error or err
+
+    def exchange(self, group, device, values: list[int]) -> tuple[list[int], bool]:
+        """The sum over `group` of `values` (each set by one replica, zero on the others), and whether a replica
+        of the group has failed so far."""
+        summed = torch.tensor([*values, int(self.error is not None)], dtype=torch.int64, device=device)
+        if group.size() > 1:
+            dist.all_reduce(summed, group=group)
+        *values, failed = summed.tolist()
+        return values, failed > 0
+
+    def settle(self, everyone, device) -> None:
+        """Raise on every rank when any has failed: this rank's own error, or how many ranks failed (an OSError
+        when every failure is one, so that all retry together)."""
+        mine = [int(isinstance(self.error, OSError)), int(self.error is not None and not isinstance(self.error,
+                                                                                                    OSError))]
+        failed = torch.tensor(mine, dtype=torch.int64, device=device)
+        if everyone.size() > 1:
+            dist.all_reduce(failed, group=everyone)
+        io_failed, other_failed = failed.tolist()
+        if self.error is not None:
+            raise self.error
+        if io_failed or other_failed:
+            message = (f"{self.state_dir}: {io_failed + other_failed} other rank(s) could not read their bytes of "
+                       "the checkpoint (each names its file)")
+            raise OSError(message) if not other_failed else ValueError(message)

@@ -34,13 +34,15 @@ import json
 import stat
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, \
     set_optimizer_state_dict
 
@@ -80,8 +82,9 @@ shared file system must not mark a good checkpoint as broken."""
 
 def with_retries(what: str, action):
     """`action()`, retried up to IO_ATTEMPTS times on the file system's errors (OSError); DCP reports a failure on
-    any rank as a CheckpointException on every rank alike, so every rank retries it together. Other errors (a
-    missing key, another shape) are raised at once."""
+    any rank as a CheckpointException on every rank alike, and the replica-spread read an OSError on every replica
+    of the group alike, so the ranks that share a collective retry it together. Other errors (a missing key,
+    another shape) are raised at once."""
     for attempt in range(1, IO_ATTEMPTS + 1):
         try:
             return action()
@@ -150,14 +153,42 @@ def start_save(directory: Path, rank: int, model, optimizer, state: TrainerState
     future = Future()
     try:
         if background_group is None:
-            with_retries(f"writing {directory / TRAINING_STATE_DIR}", lambda: dcp.save(tensors, storage_writer=writer))
+            with_retries(f"writing {directory / TRAINING_STATE_DIR}",
+                         lambda: dcp.save(tensors, storage_writer=writer, planner=SmallValuesOnRankZero()))
             future.set_result(None)
         else:
-            saving = dcp.async_save(tensors, storage_writer=writer, process_group=background_group)
+            saving = dcp.async_save(tensors, storage_writer=writer, process_group=background_group,
+                                    planner=SmallValuesOnRankZero())
             future = getattr(saving, "upload_completion", saving)  # a Future, or an AsyncSaveResponse holding one
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises on every rank alike; finish_save reports
         future.set_exception(err)
     return PendingSave(directory, state.step, rank, future)
+
+
+class SmallValuesOnRankZero(DefaultSavePlanner):
+    """DCP's save planner, except that the small values every rank holds whole (non-tensor values, plain tensors of
+    at most replica_read.SMALL_BYTES: the optimizer's step counters) are written by rank 0 alone, one run of its
+    file. DCP's own deduplication would deal them one by one over the ranks' files (about 300 of them for the
+    nebel), and the ranks reading them back at resume would open one file for each few bytes."""
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        if not self.is_coordinator:
+            self.plan = plan = self.without_rank_zero_values(plan)
+        return plan
+
+    @staticmethod
+    def without_rank_zero_values(plan: SavePlan) -> SavePlan:
+        """The plan of a rank other than 0: without the small values every rank holds whole."""
+        return replace(plan, items=[item for item in plan.items if not written_by_rank_zero(item)])
+
+
+def written_by_rank_zero(item: WriteItem) -> bool:
+    """A non-tensor value, or a plain (not DTensor: every rank holds it whole) tensor of a few bytes."""
+    if item.type == WriteItemType.BYTE_IO:
+        return True
+    return item.type == WriteItemType.TENSOR and \
+        item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize <= replica_read.SMALL_BYTES
 
 
 def finish_save(pending: PendingSave, device) -> bool:
@@ -322,21 +353,19 @@ def read_tensors(directory: Path, model, optimizer, replicas=None) -> None:
     CheckpointError on every rank.
 
     `replicas`: the process group of the ranks that hold the same part of the state as this one (the mesh's
-    "replicate" dimension). With it, each of them reads 1/R of its part's rows from the file system and an
-    all-gather over the group completes them (huginn_ray.model.replica_read): the file system serves the state
-    once, not once per replica. Without it (one process), this rank reads its whole part."""
+    "replicate" dimension). With it, each of them reads one contiguous 1/R of the stored bytes the group needs
+    and the replicas complete each other in rounds of all-gather (huginn_ray.model.replica_read.read_dcp): the
+    file system serves the state once, not once per replica. Without it (one process), this rank reads its whole
+    part through DCP's load."""
     tensors = {"model": model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
     state_dir = directory / TRAINING_STATE_DIR
-    parts = replica_read.plan_dcp_read(tensors, replicas) if replicas is not None else None
     try:
         with_retries(f"reading {state_dir}",
                      lambda: dcp.load(tensors, storage_reader=replica_read.counting_reader(state_dir))
-                     if parts is None else replica_read.read_dcp_parts(parts, state_dir))
+                     if replicas is None else replica_read.read_dcp(state_dir, tensors, replicas))
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's errors: missing file, short read, shape
         raise CheckpointError(f"{state_dir}: cannot be loaded into this model and optimizer "
                               f"({describe_error(err)[:600]})") from None
-    if parts is not None:
-        replica_read.complete_dcp_parts(parts)
     set_optimizer_state_dict(model, optimizer, tensors["optim"])
 
 
