@@ -33,12 +33,7 @@ def rope_table(head_dim: int, length: int, base: float) -> Tensor:
     return torch.stack([angles.cos(), angles.sin()], dim=-1)[None, :, None]
 
 
-def apply_rope(q: Tensor, k: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate adjacent pairs (2j, 2j+1) of every head vector (GPT-J convention), in fp32."""
-    return _rotate(q, table), _rotate(k, table)
-
-
-def _rotate(x: Tensor, table: Tensor) -> Tensor:
+def rotate(x: Tensor, table: Tensor) -> Tensor:
     """Rotate adjacent pairs (2j, 2j+1) of every head vector (GPT-J convention), in fp32. One elementwise
     expression, which a compiled block fuses with the qk_bias add and the casts into a single pass."""
     pairs = x.float().unflatten(-1, (-1, 2))
@@ -157,7 +152,7 @@ class CausalSelfAttention(nn.Module):
         qk, v = qkv[:, :, :2], qkv[:, :, 2]
         if hasattr(self, "qk_bias"):
             qk = (qk + self.qk_bias[:, 0]).to(qk.dtype)
-        q, k = _rotate(qk, rope[:, :, None]).unbind(dim=2)
+        q, k = rotate(qk, rope[:, :, None]).unbind(dim=2)
         mask, causal = None, True
         if cache is not None:
             mask = cache.attention_mask(block_index, length)  # before update: the queries follow the past
