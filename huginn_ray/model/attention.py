@@ -147,8 +147,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor, rope: Tensor, cache: KVCache | None = None, block_index: int = 0) -> Tensor:
         batch, length, width = x.shape
         qkv = self.Wqkv(x).view(batch, length, 3, self.heads, self.head_dim)
-        # q and k side by side (a view, no copy): one bias add and one rotation for both, half the elementwise
-        # calls of treating them apart, which is what a small model's step costs
+        # q and k side by side, a view of the projection (no copy): one bias add and one rotation for both
         qk, v = qkv[:, :, :2], qkv[:, :, 2]
         if hasattr(self, "qk_bias"):
             qk = (qk + self.qk_bias[:, 0]).to(qk.dtype)
