@@ -18,7 +18,7 @@ from huginn_ray.model import (
     save_pretrained,
     training_flops_per_token,
 )
-from huginn_ray.model.attention import apply_rope, rope_table
+from huginn_ray.model.attention import rope_table, rotate
 from huginn_ray.model.model import RMSNorm
 
 
@@ -153,7 +153,7 @@ def test_rope_pairs_adjacent_elements_with_base_50000():
     table = rope_table(head_dim, 16, base)
     q = torch.randn(1, 16, 2, head_dim)
     k = torch.randn(1, 16, 2, head_dim)
-    q_rot, k_rot = apply_rope(q, k, table)
+    q_rot, k_rot = rotate(q, table), rotate(k, table)
     for t in (0, 1, 7, 15):
         for j in range(head_dim // 2):
             angle = t / base ** (2 * j / head_dim)

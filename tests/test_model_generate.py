@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from huginn_ray.model import KVCache, ModelConfig, RecurrentGPT
 from huginn_ray.model.flops import inference_flops_per_token
 from huginn_ray.model.generate import DEFAULT_THRESHOLDS, ExitCriterion, generate
-from huginn_ray.model.attention import apply_rope
+from huginn_ray.model.attention import rotate
 
 CRITERIA = list(DEFAULT_THRESHOLDS)
 
@@ -180,7 +180,7 @@ def masked_sandwich(block, x, rope, mask):
     attn, (batch, length, width) = block.attn, x.shape
     h = block.norm_1(x)
     q, k, v = attn.Wqkv(h).view(batch, length, 3, attn.heads, attn.head_dim).unbind(dim=2)
-    q, k = apply_rope(q + attn.qk_bias[0], k + attn.qk_bias[1], rope)
+    q, k = rotate(q + attn.qk_bias[0], rope), rotate(k + attn.qk_bias[1], rope)
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
     x = block.norm_2(attn.proj(y.transpose(1, 2).reshape(batch, length, width)) + x)
     return block.norm_4(block.mlp(block.norm_3(x)) + x)

@@ -33,14 +33,9 @@ def rope_table(head_dim: int, length: int, base: float) -> Tensor:
     return torch.stack([angles.cos(), angles.sin()], dim=-1)[None, :, None]
 
 
-def apply_rope(q: Tensor, k: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate adjacent pairs (2j, 2j+1) of every head vector (GPT-J convention), in fp32."""
-    return _rotate(q, table), _rotate(k, table)
-
-
-def _rotate(x: Tensor, table: Tensor) -> Tensor:
-    # One elementwise expression per tensor (no concatenation of q and k), which a compiled block fuses with
-    # the qk_bias add and the casts into a single pass over q and over k.
+def rotate(x: Tensor, table: Tensor) -> Tensor:
+    """Rotate adjacent pairs (2j, 2j+1) of every head vector (GPT-J convention), in fp32. One elementwise
+    expression, which a compiled block fuses with the qk_bias add and the casts into a single pass."""
     pairs = x.float().unflatten(-1, (-1, 2))
     cos, sin = table[..., 0], table[..., 1]
     even, odd = pairs[..., 0], pairs[..., 1]
@@ -151,21 +146,17 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, rope: Tensor, cache: KVCache | None = None, block_index: int = 0) -> Tensor:
         batch, length, width = x.shape
-        q, k, v = self.Wqkv(x).view(batch, length, 3, self.heads, self.head_dim).unbind(dim=2)
+        qkv = self.Wqkv(x).view(batch, length, 3, self.heads, self.head_dim)
+        # q and k side by side, a view of the projection (no copy): one bias add and one rotation for both
+        qk, v = qkv[:, :, :2], qkv[:, :, 2]
         if hasattr(self, "qk_bias"):
-            q = (q + self.qk_bias[0]).to(q.dtype)
-            k = (k + self.qk_bias[1]).to(q.dtype)
-        q, k = apply_rope(q, k, rope)
+            qk = (qk + self.qk_bias[:, 0]).to(qk.dtype)
+        q, k = rotate(qk, rope[:, :, None]).unbind(dim=2)
         mask, causal = None, True
         if cache is not None:
-            past = cache.past_length(block_index)
+            mask = cache.attention_mask(block_index, length)  # before update: the queries follow the past
             k, v = cache.update(block_index, k, v)
-            attendable = cache.attendable(block_index)
-            if past or attendable is not None:  # queries sit at past..past+length-1: is_causal would align them at 0
-                mask = torch.ones(length, past + length, dtype=torch.bool, device=x.device).tril(diagonal=past)
-                if attendable is not None:
-                    mask = mask & attendable[:, None, None, :]
-                causal = False
+            causal = mask is None
         with sdpa_kernel(self.sdpa_backends) if self.sdpa_backends else nullcontext():
             y = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal

@@ -5,7 +5,7 @@ keys/values of every sequence in adaptive-compute generation (huginn_ray.model.g
 where tokens exit the recurrence at different iterations and a deeper token meets past positions that have no
 entry for its iteration; each sequence owns a slot of it (`SequenceCache`), and `RowBatch` lets one batched call
 read and write any of them, each row at its own position and iteration. `KVCache` and `RowBatch` are read
-through the same three calls from `CausalSelfAttention`: `past_length`, `update`, `attendable`.
+through the same two calls from `CausalSelfAttention`: `attention_mask`, `update`.
 
 Block indices: prelude blocks 0..P-1, core block j of iteration i gets P + L*i + j, coda blocks -1, -2, ...
 """
@@ -32,9 +32,13 @@ class KVCache:
         """Number of positions cached (read off the first prelude/core block)."""
         return next(iter(self.entries.values()))[0].shape[1] if self.entries else 0
 
-    def past_length(self, index: int) -> int:
-        """Positions already cached for block `index` (the attention's query offset)."""
-        return self.entries[index][0].shape[1] if index in self.entries else 0
+    def attention_mask(self, index: int, length: int) -> Tensor | None:
+        """(length, past + length) which cached and new positions the `length` new queries of block `index` attend
+        to, called before `update`; None when the causal mask at offset 0 is right (nothing cached yet)."""
+        past = self.entries[index][0].shape[1] if index in self.entries else 0
+        if not past:
+            return None
+        return torch.ones(length, past + length, dtype=torch.bool, device=self.entries[index][0].device).tril(past)
 
     def update(self, index: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if index in self.entries:
@@ -42,12 +46,6 @@ class KVCache:
             k, v = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)
         self.entries[index] = (k, v)
         return k, v
-
-    def attendable(self, index: int) -> Tensor | None:
-        """(batch, positions) which cached positions block `index` may attend to, None for all: every position
-        here. Generation with per-token depth (RowBatch) leaves out positions that exited."""
-        return None
-
 
 
 NOT_YET = 2**62
@@ -279,14 +277,14 @@ class SequenceCache:
 
 
 class RowBatch:
-    """The KV-cache protocol of `CausalSelfAttention` (`past_length`, `update`, `attendable`) for one batched
+    """The KV-cache protocol of `CausalSelfAttention` (`attention_mask`, `update`) for one batched
     call over rows of a CachePool, each row at its own position and (in a core call) its own iteration.
 
     Row r holds lengths[r] real positions (the rest of the call's `width` is padding) starting at its committed
     length. The keys handed to the attention are laid out so that its single causal offset fits every row: with S
     the largest start, row r's position p sits in column p + S - start_r, so its queries see their own past at
     the columns the causal mask of offset S opens; columns left of a row's first position, and right of its
-    last, are padding that `attendable` leaves out. Everything row-dependent (which entry each column reads, which
+    last, are padding that the mask leaves out. Everything row-dependent (which entry each column reads, which
     entry each new position writes, which columns may be attended) is computed once per call as index tensors;
     each block then writes its new keys/values with one indexed store and reads the rows' attended ones with one
     gather from the pool. Padding writes to TRASH.
@@ -304,7 +302,7 @@ class RowBatch:
         key = (tuple(cache.slot for cache in caches), tuple(starts), tuple(lengths))
         layout = pool.layouts.get(key) or pool.layouts.setdefault(
             key, _Layout(pool, *key, {cache.kept for cache in caches}))
-        self.slots = layout.slots
+        self.slots, self._mask = layout.slots, None
         attendable, self.latest_writes, presence = layout.attendable, None, False
         if kind != "core":
             if kind not in layout.indices:
@@ -346,9 +344,6 @@ class RowBatch:
             self.width, device=freqs_cis.device)
         return freqs_cis[0, positions.clamp_max(freqs_cis.shape[1] - 1)]
 
-    def past_length(self, index: int) -> int:
-        return self.offset
-
     def update(self, index: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         pool = self.pool
         block = -1 - index if index < 0 else index if index < pool.prelude else index - pool.prelude
@@ -361,9 +356,16 @@ class RowBatch:
         entries = pool.entries.index_select(0, reads.flatten()).view(*reads.shape, 2, heads, head_dim)
         return entries[:, :, 0], entries[:, :, 1]
 
-    def attendable(self, index: int) -> Tensor | None:
-        """(rows, columns) which key columns the queries may attend to; None for all the causal mask opens."""
-        return self._attendable
+    def attention_mask(self, index: int, length: int) -> Tensor | None:
+        """(rows, 1, width, columns) which key columns each query attends to, the same for every block of the call
+        (built at its first): the causal mask at offset `offset` and the columns the rows may attend; None when the
+        causal mask at offset 0 is right."""
+        if self.offset == 0 and self._attendable is None:
+            return None
+        if self._mask is None:
+            mask = torch.ones(length, self.offset + length, dtype=torch.bool, device=self.pool.device).tril(self.offset)
+            self._mask = mask if self._attendable is None else mask & self._attendable[:, None, None, :]
+        return self._mask
 
 
 def parse_cache(strategy: str) -> int | None:

@@ -65,7 +65,7 @@ from torch import Tensor
 from huginn_ray.model.cache import CachePool, RowBatch, parse_cache
 from huginn_ray.model.config import ModelConfig
 from huginn_ray.model.flops import inference_flops_per_token
-from huginn_ray.model.model import RecurrentGPT
+from huginn_ray.model.model import TRUNC_NORMAL_UNIFORM, RecurrentGPT
 
 DEFAULT_THRESHOLDS = {
     "entropy-diff": 1e-3,
@@ -343,15 +343,16 @@ class Sequence:
         else:
             self._injected = value
 
-    def initial_state(self, model: RecurrentGPT, embedded: Tensor) -> Tensor:
-        """The next forward's initial state, (1, positions, D), from its prelude output: the prefill's
-        `input_states`, the previous token's final state (warm start), or noise from the sequence's generator."""
+    def given_initial_state(self) -> Tensor | None:
+        """The next forward's initial state, (1, positions, D), when it is not noise: the prefill's
+        `input_states`, or the previous token's final state (warm start); None when it is noise drawn from the
+        sequence's generator (`start`)."""
         prefill = not self.steps
         if prefill and self.input_states is not None:
             return self.input_states
         if not prefill and self.request.warm_start:
             return self.last_final_state[:, None]
-        return model._initial_state(embedded, self.generator)
+        return None
 
     def begin(self, model: RecurrentGPT, initial: Tensor, row: int) -> None:
         """Start a forward from row `row` of the batch's initial states (rows, width, D) (`start` places the state
@@ -413,7 +414,18 @@ def start(model: RecurrentGPT, sequences: list[Sequence]) -> None:
     for index, block in enumerate(model.transformer.prelude):
         x = block(x, rope, rows, index)
     injected = model._inject(x)
-    initial = pad([s.initial_state(model, x[row : row + 1, : s.length]) for row, s in enumerate(sequences)], rows.width)
+    given = [sequence.given_initial_state() for sequence in sequences]
+    if model.config.state_init == "zero":
+        initial = torch.zeros_like(x)
+    else:  # each row's noise from its own generator, mapped to the truncated normal in one pass
+        uniform = torch.zeros_like(x)
+        for row, (sequence, state) in enumerate(zip(sequences, given)):
+            if state is None:
+                uniform[row, : sequence.length].uniform_(*TRUNC_NORMAL_UNIFORM, generator=sequence.generator)
+        initial = model._noise_state(uniform)
+    for row, state in enumerate(given):
+        if state is not None:
+            initial[row, : state.shape[1]] = state[0]
     for row, sequence in enumerate(sequences):
         sequence.begin(model, initial, row)
     if rows.width == 1:  # decoding forwards: into their slots at once

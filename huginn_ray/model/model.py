@@ -366,8 +366,12 @@ class RecurrentGPT(nn.Module):
         """The latent state the recurrence starts from: noise drawn from `generator` (None: torch's global one)."""
         if self.config.state_init == "zero":
             return torch.zeros_like(embedded)
-        std = self.config.init_std
-        return trunc_normal_no_sync(torch.empty_like(embedded), std, generator) * self.config.embedding_scale
+        return self._noise_state(torch.empty_like(embedded).uniform_(*TRUNC_NORMAL_UNIFORM, generator=generator))
+
+    def _noise_state(self, uniform: Tensor) -> Tensor:
+        """Initial states from draws on TRUNC_NORMAL_UNIFORM (overwritten): truncated normal noise, scaled. A batch
+        whose rows draw from their own generators draws each row, then maps them all at once."""
+        return trunc_normal_from_uniform_(uniform, self.config.init_std) * self.config.embedding_scale
 
     def keyed_initial_state(self, keys: Tensor, seq_len: int, seed: int, device: torch.device) -> Tensor:
         """The initial latent state of rows with these keys (training's row keys, huginn_ray.train.shard_reader),
@@ -379,8 +383,8 @@ class RecurrentGPT(nn.Module):
             return state.zero_()
         for row, key in enumerate(keys.tolist()):
             generator = torch.Generator(device=device).manual_seed(row_seed(seed, key))
-            trunc_normal_no_sync(state[row], self.config.init_std, generator)
-        return state * self.config.embedding_scale
+            state[row].uniform_(*TRUNC_NORMAL_UNIFORM, generator=generator)
+        return self._noise_state(state)
 
     def _resolve_num_steps(self, num_steps: int | tuple[int, int] | None) -> tuple[int, int]:
         backprop = self.config.mean_backprop_depth
@@ -519,6 +523,14 @@ def row_seed(seed: int, key: int) -> int:
     return int.from_bytes(digest, "little")
 
 
+def _normal_cdf(x: float) -> float:
+    return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+
+TRUNC_NORMAL_UNIFORM = (2 * _normal_cdf(-3.0) - 1, 2 * _normal_cdf(3.0) - 1)
+"""The uniform range whose inverse-CDF image is N(0, 1) truncated to [-3, 3] (trunc_normal_no_sync)."""
+
+
 @torch.no_grad()
 def trunc_normal_no_sync(tensor: Tensor, std: float, generator: torch.Generator | None = None) -> Tensor:
     """Fill with N(0, std^2) truncated to [-3 std, 3 std] by the inverse CDF, in place.
@@ -526,11 +538,13 @@ def trunc_normal_no_sync(tensor: Tensor, std: float, generator: torch.Generator 
     This is how torch's `nn.init.trunc_normal_` sampled up to torch 2.5 (the reference's). Newer torch versions
     resample rejected values in a loop whose `mask.any()` reads the device once or more per call; the initial
     latent state is drawn in every forward, so that would be a host sync per micro-batch."""
-    def normal_cdf(x: float) -> float:
-        return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+    return trunc_normal_from_uniform_(tensor.uniform_(*TRUNC_NORMAL_UNIFORM, generator=generator), std)
 
-    low, high = normal_cdf(-3.0), normal_cdf(3.0)
-    tensor.uniform_(2 * low - 1, 2 * high - 1, generator=generator)
+
+@torch.no_grad()
+def trunc_normal_from_uniform_(tensor: Tensor, std: float) -> Tensor:
+    """The second half of trunc_normal_no_sync, in place: draws uniform on TRUNC_NORMAL_UNIFORM (each row from
+    its own generator, say) to their truncated normal values, element by element, in one pass for all rows."""
     tensor.erfinv_()
     tensor.mul_(std * math.sqrt(2.0))
     return tensor.clamp_(min=-3 * std, max=3 * std)
