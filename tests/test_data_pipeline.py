@@ -305,7 +305,7 @@ def _killed_once(fn, flag: Path):
     def first_attempt_dies(*args, **kwargs):
         import ray
 
-        call = args[0]["name"] if isinstance(args[0], dict) else args[0]
+        call = args[0]
         memory = ray.get_runtime_context().get_assigned_resources().get("memory")
         try:
             os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
@@ -323,16 +323,44 @@ def _killed_once(fn, flag: Path):
     return first_attempt_dies
 
 
+def _encoder_killed_once(encoder: type, flag: Path) -> type:
+    """The pack stage's encoder, except that the first call of the first actor SIGKILLs its own process in the
+    middle of a unit of pack batches (encoded, nothing written yet). Every call appends (its batches, memory= Ray
+    gave the actor, killed or ran) to `<flag>.memory`."""
+
+    class KilledOnce(encoder):
+        def __call__(self, table):
+            import ray
+
+            from huginn_ray.data.tokenize_pack import whole_batches
+
+            call = [batch["name"] for batch, _ in whole_batches(table)]
+            memory = ray.get_runtime_context().get_assigned_resources().get("memory")
+            encoded = super().__call__(table)
+            try:
+                os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:  # a later call, or the rerun of the killed one
+                with open(flag.with_suffix(".memory"), "a") as f:
+                    f.write(json.dumps([call, memory, "ran"]) + "\n")
+                return encoded
+            with open(flag.with_suffix(".memory"), "a") as f:
+                f.write(json.dumps([call, memory, "killed"]) + "\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return KilledOnce
+
+
 def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(prepared, tmp_path, monkeypatch):
-    """One worker process dies (SIGKILL) in the middle of a tokenize+pack task and one in the middle of a shuffle
-    map task; both tasks run again, each with twice the memory it had (never the same: execution.run_tasks), and
-    the run writes the same packed files and shards, byte for byte, as the undisturbed run, with no temp file left
-    behind."""
+    """One worker process dies (SIGKILL): a pack encoder actor in the middle of a call, and a shuffle map task in
+    the middle of its task; the call's batches and the task run again, each with twice the memory it had (never the same:
+    execution.rerun_killed), and the run writes the same packed files and shards, byte for byte, as the
+    undisturbed run, with no temp file left behind."""
     from huginn_ray.data import shards as shards_mod
     from huginn_ray.data import tokenize_pack as pack_mod
 
     root, config = prepared
-    monkeypatch.setattr(pack_mod, "tokenize_and_pack", _killed_once(pack_mod.tokenize_and_pack, tmp_path / "pack"))
+    monkeypatch.setattr(pack_mod, "TokenizeDocuments", _encoder_killed_once(pack_mod.TokenizeDocuments,
+                                                                            tmp_path / "pack"))
     monkeypatch.setattr(shards_mod, "_map_group", _killed_once(shards_mod._map_group, tmp_path / "map"))
     out = tmp_path / "killed"
     assert prepare_data.main(["--quiet", "--config", str(config), f"output_dir={out}",
