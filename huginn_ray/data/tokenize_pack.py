@@ -380,9 +380,10 @@ def pack_dataset(units: list[list[dict]], memory: int | None, *, encoder: dict, 
         # it stops applying
         warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
         # one read task and one block per unit (override_num_blocks: Ray Data would otherwise split the blocks of a
-        # read with fewer tasks than it wants); reads take no CPU, so that the encoders may hold every CPU
-        return ray.data.read_datasource(staged_documents(units), override_num_blocks=len(units),
-                                        num_cpus=0).map_batches(
+        # read with fewer tasks than it wants); reads take no CPU, so that the encoders may hold every CPU, and at
+        # most `actors` run at once (each task in flight is a worker process)
+        return ray.data.read_datasource(staged_documents(units), override_num_blocks=len(units), num_cpus=0,
+                                        concurrency=actors).map_batches(
             TokenizeDocuments, fn_constructor_kwargs=encoder, batch_size=None, batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, min(actors, len(units)))),
             num_cpus=1, memory=memory, max_restarts=0)
@@ -439,7 +440,7 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
             sink = packed_files(writer)
             try:
                 pack_dataset(members, memory, encoder=encoder, actors=actors).write_datasink(
-                    sink, ray_remote_args={"num_cpus": 0, "max_retries": 0})
+                    sink, ray_remote_args={"num_cpus": 0, "max_retries": 0}, concurrency=actors)
             finally:
                 for r in sink.results:
                     results[r["file"]] = r
