@@ -1,24 +1,31 @@
-"""How every stage runs its tasks: as Ray Data operators on the streaming executor.
+"""How the stages run on Ray Data's streaming executor.
+
+The tokenize+pack stage, where the records are many and the work per record is the pipeline's largest, is a
+dataset of documents: a read, `map_batches` with a callable class on an actor pool (the tokenizer loaded once per
+actor), a write (huginn_ray/data/tokenize_pack.py). Ray Data streams the records between the operators with its
+backpressure and shows their progress in records.
+
+The other stages do a few large units of work each (a file to download, stage, scan or convert; a group of
+packed files to map; a run of shards to reduce) and hand `run_tasks` a function and one tuple of arguments per
+unit:
 
     results = run_tasks(fetch_file, [(repo, commit, f, ...) for f in files], name="download",
                         num_cpus=0.25, max_concurrent=8)
 
-A stage hands `run_tasks` a function and one tuple of arguments per task. Each task is one row of a dataset
-(`from_items`, one row per block: the arguments pickled) and `map_batches(batch_size=1)` calls the function on
-it, so one Ray task runs one call and returns its (small) result as one row. Ray Data's streaming executor then
-does what the stages used to do with hand-written loops: it keeps as many tasks in flight as the cluster's CPUs
-and memory (and `max_concurrent`) allow, shows progress bars (rows, throughput, ETA; off under
-`prepare_data.py --quiet`) and per-operator metrics in the dashboard. An exception the function raises is not
-retried and fails the stage; a task whose worker was killed is rerun with twice its memory, never the same
-(run_tasks).
+Each call is one row of a dataset (`from_items`, one row per block: the arguments pickled) and
+`map_batches(batch_size=1)` calls the function on it, so one Ray task runs one call and returns its (small) result
+as one row. Ray Data keeps as many tasks in flight as the cluster's CPUs and memory (and `max_concurrent`) allow,
+shows progress bars (calls, throughput, ETA; off under `prepare_data.py --quiet`) and per-operator metrics in the
+dashboard. An exception the function raises is not retried and fails the stage.
 
-Memory: tasks declare `memory=` to Ray. Calls with different declarations go to different operators (one per
-declaration, rounded up to an eighth of its power of two so that a few operators cover every size), unioned into
-one dataset; a declaration is capped at the largest node's memory, so every task can be scheduled.
+Memory: tasks and actors declare `memory=` to Ray. Calls with different declarations go to different operators
+(one per declaration, rounded up to an eighth of its power of two so that a few operators cover every size); a
+declaration is capped at the largest node's memory, so every task can be scheduled. A unit whose worker was killed
+runs again with twice its memory, never the same (rerun_killed, for both shapes).
 
-The functions write their outputs themselves (unique temp name, fsync, rename: huginn_ray/data/layout.py), so a
-retried attempt rewrites what a dead one left half-done, and the stage's output does not depend on which attempt
-or which worker ran a call.
+The functions and the pack stage's writer write their outputs themselves (unique temp name, fsync, rename:
+huginn_ray/data/layout.py), so a retried attempt rewrites what a dead one left half-done, and the stage's output
+does not depend on which attempt or which worker ran a unit.
 """
 
 from __future__ import annotations

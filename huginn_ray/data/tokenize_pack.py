@@ -1,33 +1,45 @@
 """Tokenise + pack: staged documents -> rows of seq_len + 1 ids in `packed/`, independent of the cluster.
 
-Work is cut by document identity, not by how a reader happens to split files into blocks: one task of the Ray
-Data operator `tokenize_pack` (huginn_ray/data/execution.py) per (staged file, run of `docs_per_pack_batch`
-consecutive documents of that file). A task reads exactly that row
-range of the staged parquet file, encodes it with the Rust `tokenizers` batch encoder (the post-processor adds
-BOS/EOS per document; a special token's string inside a document is encoded as text, so EOS marks only the end
-of a document: `load_text_tokenizer`; a pretraining chat document is rendered from its staged parts, the
-template's structure as ids: huginn_ray/data/chat.py `render_document`), splits held-out validation documents
-from training documents (a seeded hash of the text,
-so a document and all its up-weighted copies are on one side), up-weights, packs (huginn_ray/data/packing.py),
-and writes `packed/SSSS-DDDDDDDDDDDDDDDD.parquet` (source index, hex doc_id of the batch's first document) with
-columns `input_ids` (list<uint16> for vocabularies <= 65,536 ids, else list<int32>) and `split` (0 train,
-1 val); the batch's statistics are stored in the file's schema metadata.
+One Ray Data dataset carries the documents as records, streaming from operator to operator (Ray Data's
+backpressure between them, progress in records):
+
+    read_datasource(staged_documents)    the documents (text, doc_id, their batch), one read task per unit
+      -> map_batches(TokenizeDocuments)   actor pool, one actor per CPU, the tokenizer loaded once per actor: ids
+                                          (a chat conversation: ids and loss mask), hold-out and copy decisions
+      -> write_datasink(packed_files)     per pack batch: up-weighting, packing, one parquet file, committed
+
+Work is cut by document identity, not by how a reader happens to split files into blocks: a pack batch is a
+staged file's run of `docs_per_pack_batch` consecutive documents (`pack_batches`), named by its first document;
+a read unit is one batch, or consecutive small batches of at most `docs_per_pack_batch` documents together
+(`read_units`), and every block from the read to the write holds whole batches (Ray Data's splitting of blocks is
+off while the stage runs; `whole_batches` refuses a block that holds part of one). The encoder uses the Rust
+`tokenizers` batch encoder (the post-processor adds BOS/EOS per document; a special token's string inside a
+document is encoded as text, so EOS marks only the end of a document: `load_text_tokenizer`; a pretraining chat
+document is rendered from its staged parts, the template's structure as ids: huginn_ray/data/chat.py
+`render_document`) and decides per document, from seeded hashes of its text, validation hold-out (so a document
+and all its up-weighted copies are on one side) and membership of a partial copy. The writer up-weights, packs
+(huginn_ray/data/packing.py) and writes `packed/SSSS-DDDDDDDDDDDDDDDD.parquet` (source index, hex doc_id of the
+batch's first document) with columns `input_ids` (list<uint16> for vocabularies <= 65,536 ids, else list<int32>)
+and `split` (0 train, 1 val); the batch's statistics are stored in the file's schema metadata.
 
 A chat source's batch (`kind: chat`, staged as one JSON conversation per document) is rendered with the released
 chat template (huginn_ray/data/chat.py) instead of encoded, held out and up-weighted by the same rules, and laid out
 in rows with the data config's `chat.pack`: one conversation per row, padded (the reference's layout), or whole
 conversations packed in order, as many per row as fit. Its file has a third column, `loss_mask` (list<uint8>, 1
 where the token is a training target), row-aligned with `input_ids`; its statistics add the conversations'
-supervised tokens (loss-mask ones after a row's first token, which is never a target), padding and truncations. The rows, the files and their names are
-therefore a function of the staged data, the tokenizer and the settings only, whatever the number of CPUs.
+supervised tokens (loss-mask ones after a row's first token, which is never a target), padding and truncations. The
+rows, the files and their names are therefore a function of the staged data, the tokenizer and the settings only,
+whatever the number of CPUs.
 
-Memory: a task declares `pack_task_memory` from its source's mean document and its staged file's largest one
-(recorded by staging); a document longer than `max_document_chars` is refused by name before any task runs
-(`check_document_sizes`).
+Memory: an encoder actor declares `pack_task_memory` of its read units (their sources' mean document and their
+staged files' largest one, recorded by staging); units of different declarations go to different datasets, run one
+after the other, each with its own actor pool. A document longer than `max_document_chars` is refused by name
+before anything runs (`check_document_sizes`). A killed actor or writer: the units not yet written run again with
+twice the memory (execution.rerun_killed).
 
 Resumable: files are written under a temporary name and renamed when complete, in `packed.partial/`, keyed by the
-stage's fingerprint; a rerun after a crash keeps every committed file (its statistics are read back from its
-metadata) and packs only the missing batches.
+stage's fingerprint; a rerun reads the statistics of every committed file back from its metadata and reads,
+encodes and packs only the missing batches.
 """
 
 from __future__ import annotations
@@ -82,9 +94,9 @@ def pack_task_memory(count: int, mean_chars: float, max_chars: int) -> int:
 
 def check_document_sizes(sources: list[Source], markers: dict[str, dict], staging_root: Path,
                          max_document_chars: int) -> None:
-    """Refuse, before any pack task runs, a document longer than `max_document_chars` characters, naming its source,
-    staged file (and the input file it came from), row and doc_id. Staging recorded each file's largest document,
-    so only a file that holds one is read (its text lengths)."""
+    """Refuse, before the stage reads a document, a document longer than `max_document_chars` characters, naming
+    its source, staged file (and the input file it came from), row and doc_id. Staging recorded each file's largest
+    document, so only a file that holds one is read (its text lengths)."""
     import pyarrow.compute as pc
 
     for source in sources:
@@ -374,6 +386,7 @@ def pack_dataset(units: list[list[dict]], memory: int | None, *, encoder: dict, 
     of at most `actors`); the caller writes it (`.write_datasink(packed_files(...))`)."""
     import ray.data
 
+    actors = max(1, min(actors, len(units)))
     with warnings.catch_warnings():
         # max_restarts has no named parameter in Ray 2.60: passed as a remote arg, which warns that remote args are
         # deprecated; tests/test_data_pipeline.py (a worker killed in pack, rerun with twice its memory) fails if
@@ -385,7 +398,7 @@ def pack_dataset(units: list[list[dict]], memory: int | None, *, encoder: dict, 
         return ray.data.read_datasource(staged_documents(units), override_num_blocks=len(units), num_cpus=0,
                                         concurrency=actors).map_batches(
             TokenizeDocuments, fn_constructor_kwargs=encoder, batch_size=None, batch_format="pyarrow",
-            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, min(actors, len(units)))),
+            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors),
             num_cpus=1, memory=memory, max_restarts=0)
 
 
@@ -440,7 +453,7 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
             sink = packed_files(writer)
             try:
                 pack_dataset(members, memory, encoder=encoder, actors=actors).write_datasink(
-                    sink, ray_remote_args={"num_cpus": 0, "max_retries": 0}, concurrency=actors)
+                    sink, ray_remote_args={"num_cpus": 0, "max_retries": 0}, concurrency=min(actors, len(members)))
             finally:
                 for r in sink.results:
                     results[r["file"]] = r
