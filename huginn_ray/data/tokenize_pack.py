@@ -195,7 +195,7 @@ def staged_documents(units: list[list[dict]]):
 
 def whole_batches(table: pa.Table) -> list[tuple[dict, pa.Table]]:
     """The pack batches a block holds, each with its records, checked whole (Ray Data must not have split the
-    read's blocks: pack_dataset turns its block shaping off)."""
+    read's blocks: run_pack turns their splitting off)."""
     names = table.column(BATCH)
     out, row = [], 0
     while row < table.num_rows:
