@@ -16,7 +16,8 @@ kept in --tokenizer DIR when given (reused when DIR already holds one), then mea
           after the pack stage (their mean is the reference), with the tokenizer as the pack stage loads it
           (special-token strings encoded as text: load_text_tokenizer); once more with the special tokens matched
           (Tokenizer.from_file as is), for the cost of encoding them as text;
-  pack  - the pack stage on a local Ray with --cpus CPUs (read + encode + hold-out + pack + write);
+  pack  - the pack stage on a local Ray with --cpus CPUs (read + encode + hold-out + pack + write), in tokens/s
+          and in records (documents) per second;
   shuffle - the shuffle stage over the packed rows (map/reduce into 2*num_shards files).
 Figures are printed; nothing is asserted.
 """
@@ -186,6 +187,7 @@ def main() -> None:
     shuffle_s = time.perf_counter() - start
 
     pack_tokens = sum(s["doc_tokens"] for s in marker["sources"].values())
+    pack_docs = sum(s["docs"] for s in marker["sources"].values())
     raw = (raw_before + raw_after) / 2
     pack_rate = pack_tokens / pack_s / args.cpus
     print("\n=== data pipeline benchmark ===")
@@ -198,7 +200,8 @@ def main() -> None:
           f"strings matched as control tokens (Tokenizer.from_file as is), before the pack stage: "
           f"{raw_live / 1e3:.0f}k tokens/s")
     print(f"pack stage: {pack_tokens / 1e6:.1f}M tokens in {pack_s:.1f}s = {pack_rate / 1e3:.0f}k tokens/s per CPU "
-          f"({pack_rate / raw:.0%} of raw)")
+          f"({pack_rate / raw:.0%} of raw); {pack_docs:,d} records (documents) = {pack_docs / pack_s:,.0f} records/s, "
+          f"{pack_docs / pack_s / args.cpus:,.0f} per CPU")
     print(f"shuffle stage: {packed_bytes / 2**20:.0f} MiB packed in {shuffle_s:.1f}s = "
           f"{packed_bytes / 2**20 / shuffle_s:.1f} MiB/s")
     import ray

@@ -166,7 +166,7 @@ def test_special_token_strings_in_documents_and_chat_content_stay_text(tokenizer
     from huginn_ray.data.chat import render_document
     from huginn_ray.data.formatting import format_rows
     from huginn_ray.data.sources import Source
-    from huginn_ray.data.tokenize_pack import tokenize_and_pack
+    from huginn_ray.data.tokenize_pack import TokenizeDocuments, read_unit, pack_batch
     from huginn_ray.data.tokenizer import SPECIAL_TOKENS, load_text_tokenizer
 
     control = set(range(4096 - 32, 4096))
@@ -186,9 +186,11 @@ def test_special_token_strings_in_documents_and_chat_content_stay_text(tokenizer
     pq.write_table(pa.table({"text": pa.array(docs, pa.large_string()), "doc_id": pa.array([0, 1, 2], pa.int64())}),
                    staged)
     task = {"name": "0000-0000000000000000.parquet", "source_index": 0, "source": "web", "path": str(staged),
-            "start": 0, "count": 3, "weight": 1.0, "sacred": True, "chat": None, "templated": False}
-    result = tokenize_and_pack(task, tokenizer_file=str(tokenizer_dir / "tokenizer.json"), row_len=total, seed=0,
-                               val_fraction=0.0, vocab_size=4096, dtype="uint16", out_dir=str(tmp_path))
+            "start": 0, "count": 3, "first_doc": 0, "weight": 1.0, "sacred": True, "chat": None, "templated": False}
+    encoder = TokenizeDocuments(str(tokenizer_dir / "tokenizer.json"), seed=0, val_fraction=0.0, vocab_size=4096,
+                                dtype="uint16")  # the stage's read, encoder and writer, in this process
+    (documents,) = read_unit([task])
+    result = pack_batch(task, encoder(documents), row_len=total, seed=0, dtype="uint16", out_dir=str(tmp_path))
     ids = np.concatenate(pq.read_table(tmp_path / task["name"]).column("input_ids").to_numpy(zero_copy_only=False))
     assert result["doc_tokens"] == total == len(ids)
     assert (ids == 4065).sum() == (ids == 4064).sum() == len(docs)

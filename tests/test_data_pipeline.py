@@ -164,6 +164,48 @@ def test_shards_have_exact_counts_lengths_and_types(prepared):
     assert (manifest["bos_id"], manifest["eos_id"], manifest["pad_id"]) == (4064, 4065, 4069)
 
 
+def test_packed_files_hold_the_rows_the_packing_rule_gives_each_batch(prepared):
+    """Every packed file of the run holds exactly the rows that its batch gives when computed here, in this process
+    and without Ray, from the staged documents: encoded (special-token strings as text; the templated chat source
+    rendered), held out and up-weighted by the seeded hashes, packed copy by copy in permutation.py's order, train
+    then validation. Ray Data's read, encoder actors and writer move, merge or drop no record."""
+    from huginn_ray.data import layout
+    from huginn_ray.data.chat import render_document
+    from huginn_ray.data.packing import copy_fractions, copy_order, pack, unit_hash
+    from huginn_ray.data.sources import load_sources
+    from huginn_ray.data.tokenizer import load_text_tokenizer
+
+    root, _ = prepared
+    out, seed, val_fraction, per_batch, row_len = root / "out", 233, 0.2, 64, SEQ_LEN + 1
+    assert json.loads((out / "packed" / "_COMPLETE.json").read_text())["seed"] == seed
+    tokenizer = load_text_tokenizer(out / "tokenizer" / "tokenizer.json")
+    checked = 0
+    for index, source in enumerate(load_sources(root / "sources.yaml")):
+        for f in layout.read_marker(out / "staging" / source.name)["files"]:
+            staged = pq.read_table(out / "staging" / source.name / f["output"])
+            for start in range(0, f["rows"], per_batch):
+                first_doc = (int(Path(f["output"]).stem) << 32) + start
+                texts = staged.column("text").to_pylist()[start:start + per_batch]
+                docs = [render_document(json.loads(t), tokenizer) if source.needs_chat_templating else
+                        tokenizer.encode(t).ids for t in texts]
+                held_out = [unit_hash(seed, "val", t) < val_fraction for t in texts]
+                rows, splits = [], []
+                for copy, fraction in enumerate(copy_fractions(source.weight)):
+                    member = [fraction >= 1.0 or unit_hash(seed, f"copy{copy}", t) < fraction for t in texts]
+                    order = copy_order(seed, copy, first_doc, len(texts))
+                    for split in (0, 1):
+                        chosen = [docs[i] for i in order if member[i] and held_out[i] == bool(split)]
+                        packed = pack(chosen, [source.every_token_is_sacred] * len(chosen), row_len).tolist()
+                        rows += packed
+                        splits += [split] * len(packed)
+                table = pq.read_table(out / "packed" / f"{index:04d}-{first_doc:016x}.parquet")
+                assert table.column("input_ids").to_pylist() == rows, (source.name, start)
+                assert table.column("split").to_pylist() == splits, (source.name, start)
+                checked += len(rows)
+    marker = json.loads((out / "packed" / "_COMPLETE.json").read_text())
+    assert checked == marker["train_rows"] + marker["val_rows"] > 0
+
+
 def test_no_row_lost_or_duplicated_and_validation_held_out(prepared):
     root, _ = prepared
     out = root / "out"
@@ -305,7 +347,7 @@ def _killed_once(fn, flag: Path):
     def first_attempt_dies(*args, **kwargs):
         import ray
 
-        call = args[0]["name"] if isinstance(args[0], dict) else args[0]
+        call = args[0]
         memory = ray.get_runtime_context().get_assigned_resources().get("memory")
         try:
             os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
@@ -323,16 +365,44 @@ def _killed_once(fn, flag: Path):
     return first_attempt_dies
 
 
+def _encoder_killed_once(encoder: type, flag: Path) -> type:
+    """The pack stage's encoder, except that the first call of the first actor SIGKILLs its own process in the
+    middle of a unit of pack batches (encoded, nothing written yet). Every call appends (its batches, memory= Ray
+    gave the actor, killed or ran) to `<flag>.memory`."""
+
+    class KilledOnce(encoder):
+        def __call__(self, table):
+            import ray
+
+            from huginn_ray.data.tokenize_pack import whole_batches
+
+            call = [batch["name"] for batch, _ in whole_batches(table)]
+            memory = ray.get_runtime_context().get_assigned_resources().get("memory")
+            encoded = super().__call__(table)
+            try:
+                os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:  # a later call, or the rerun of the killed one
+                with open(flag.with_suffix(".memory"), "a") as f:
+                    f.write(json.dumps([call, memory, "ran"]) + "\n")
+                return encoded
+            with open(flag.with_suffix(".memory"), "a") as f:
+                f.write(json.dumps([call, memory, "killed"]) + "\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return KilledOnce
+
+
 def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(prepared, tmp_path, monkeypatch):
-    """One worker process dies (SIGKILL) in the middle of a tokenize+pack task and one in the middle of a shuffle
-    map task; both tasks run again, each with twice the memory it had (never the same: execution.run_tasks), and
-    the run writes the same packed files and shards, byte for byte, as the undisturbed run, with no temp file left
-    behind."""
+    """One worker process dies (SIGKILL): a pack encoder actor in the middle of a call, and a shuffle map task in
+    the middle of its task; the call's batches and the task run again, each with twice the memory it had (never
+    the same: execution.rerun_killed), and the run writes the same packed files and shards, byte for byte, as the
+    undisturbed run, with no temp file left behind."""
     from huginn_ray.data import shards as shards_mod
     from huginn_ray.data import tokenize_pack as pack_mod
 
     root, config = prepared
-    monkeypatch.setattr(pack_mod, "tokenize_and_pack", _killed_once(pack_mod.tokenize_and_pack, tmp_path / "pack"))
+    monkeypatch.setattr(pack_mod, "TokenizeDocuments", _encoder_killed_once(pack_mod.TokenizeDocuments,
+                                                                            tmp_path / "pack"))
     monkeypatch.setattr(shards_mod, "_map_group", _killed_once(shards_mod._map_group, tmp_path / "map"))
     out = tmp_path / "killed"
     assert prepare_data.main(["--quiet", "--config", str(config), f"output_dir={out}",

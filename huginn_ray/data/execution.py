@@ -1,24 +1,31 @@
-"""How every stage runs its tasks: as Ray Data operators on the streaming executor.
+"""How the stages run on Ray Data's streaming executor.
+
+The tokenize+pack stage, where the records are many and the work per record is the pipeline's largest, is a
+dataset of documents: a read, `map_batches` with a callable class on an actor pool (the tokenizer loaded once per
+actor), a write (huginn_ray/data/tokenize_pack.py). Ray Data streams the records between the operators with its
+backpressure and shows their progress in records.
+
+The other stages do a few large units of work each (a file to download, stage, scan or convert; a group of
+packed files to map; a run of shards to reduce) and hand `run_tasks` a function and one tuple of arguments per
+unit:
 
     results = run_tasks(fetch_file, [(repo, commit, f, ...) for f in files], name="download",
                         num_cpus=0.25, max_concurrent=8)
 
-A stage hands `run_tasks` a function and one tuple of arguments per task. Each task is one row of a dataset
-(`from_items`, one row per block: the arguments pickled) and `map_batches(batch_size=1)` calls the function on
-it, so one Ray task runs one call and returns its (small) result as one row. Ray Data's streaming executor then
-does what the stages used to do with hand-written loops: it keeps as many tasks in flight as the cluster's CPUs
-and memory (and `max_concurrent`) allow, shows progress bars (rows, throughput, ETA; off under
-`prepare_data.py --quiet`) and per-operator metrics in the dashboard. An exception the function raises is not
-retried and fails the stage; a task whose worker was killed is rerun with twice its memory, never the same
-(run_tasks).
+Each call is one row of a dataset (`from_items`, one row per block: the arguments pickled) and
+`map_batches(batch_size=1)` calls the function on it, so one Ray task runs one call and returns its (small) result
+as one row. Ray Data keeps as many tasks in flight as the cluster's CPUs and memory (and `max_concurrent`) allow,
+shows progress bars (calls, throughput, ETA; off under `prepare_data.py --quiet`) and per-operator metrics in the
+dashboard. An exception the function raises is not retried and fails the stage.
 
-Memory: tasks declare `memory=` to Ray. Calls with different declarations go to different operators (one per
-declaration, rounded up to an eighth of its power of two so that a few operators cover every size), unioned into
-one dataset; a declaration is capped at the largest node's memory, so every task can be scheduled.
+Memory: tasks and actors declare `memory=` to Ray. Calls with different declarations go to different operators
+(one per declaration, rounded up to an eighth of its power of two so that a few operators cover every size); a
+declaration is capped at the largest node's memory, so every task can be scheduled. A unit whose worker was killed
+runs again with twice its memory, never the same (rerun_killed, for both shapes).
 
-The functions write their outputs themselves (unique temp name, fsync, rename: huginn_ray/data/layout.py), so a
-retried attempt rewrites what a dead one left half-done, and the stage's output does not depend on which attempt
-or which worker ran a call.
+The functions and the pack stage's writer write their outputs themselves (unique temp name, fsync, rename:
+huginn_ray/data/layout.py), so a retried attempt rewrites what a dead one left half-done, and the stage's output
+does not depend on which attempt or which worker ran a unit.
 """
 
 from __future__ import annotations
@@ -90,10 +97,20 @@ rerun declares twice this."""
 
 def killed_worker_errors() -> tuple[type, ...]:
     """How Ray reports a task whose worker was killed: OutOfMemoryError (Ray's memory monitor killed it),
-    WorkerCrashedError (the process died: the kernel's OOM killer, a SIGKILL), NodeDiedError (its node is gone)."""
-    from ray.exceptions import NodeDiedError, OutOfMemoryError, WorkerCrashedError
+    WorkerCrashedError (the process died: the kernel's OOM killer, a SIGKILL), NodeDiedError (its node is gone),
+    ActorDiedError (an actor's process died; see killed_worker)."""
+    from ray.exceptions import ActorDiedError, NodeDiedError, OutOfMemoryError, WorkerCrashedError
 
-    return OutOfMemoryError, WorkerCrashedError, NodeDiedError
+    return OutOfMemoryError, WorkerCrashedError, NodeDiedError, ActorDiedError
+
+
+def killed_worker(err: BaseException) -> BaseException | None:
+    """The error behind `err` that says a worker was killed, else None (an actor whose __init__ raised died of
+    that error, not of a kill)."""
+    killed = original_error(err, killed_worker_errors())
+    if not isinstance(killed, killed_worker_errors()) or getattr(killed, "actor_init_failed", False):
+        return None
+    return killed
 
 
 class KilledTaskError(RuntimeError):
@@ -112,49 +129,60 @@ def memory_after_kill(declared: int | None, cap: int, name: str) -> int:
     return min(grown, cap) if cap else grown
 
 
+def rerun_killed(run: Callable[[list[int], list[int | None]], None], declared: list[int | None], *, name: str,
+                 unfinished: Callable[[list[int]], list[int]]) -> None:
+    """run(todo, declared) for the units 0..n-1, each with its memory= declaration, until it returns; when a worker
+    was killed (killed_worker), the units that had not finished (`unfinished(todo)`) run again, each with twice
+    its memory (memory_after_kill), up to KILL_RETRIES times.
+
+    Ray Data's default for a killed worker (max_retries=-1, and actors restarted) retries forever with the same
+    declaration; the stages run with max_retries=0 and actors never restarted, so the dataset stops at the kill
+    and this loop decides. Ray Data does not say which unit's worker was killed, so every unfinished one grows;
+    a unit's outputs are committed files that its rerun finds and keeps."""
+    cap = node_memory_cap()
+    todo, kills = list(range(len(declared))), 0
+    while todo:
+        try:
+            run(todo, declared)
+            return
+        except Exception as err:
+            killed = killed_worker(err)
+            if killed is None:
+                raise
+            kills += 1
+            if kills > KILL_RETRIES:
+                raise KilledTaskError(f"{name}: workers were killed {kills} times, the last: {killed}") from err
+            todo = unfinished(todo)
+            for i in todo:
+                declared[i] = memory_after_kill(declared[i], cap, name)
+            print(f"[{name}] a worker was killed ({type(killed).__name__}); rerunning the {len(todo)} units that "
+                  "had not finished, each with twice its memory", flush=True)
+
+
 def run_tasks(fn: Callable, calls: list[tuple], *, name: str, common: dict | None = None,
               memory: list[int] | int | None = None, num_cpus: float = 1.0, max_concurrent: int | None = None,
               on_result: Callable[[int, object], None] | None = None) -> list:
     """fn(*call, **common) for every call, one Ray task each, on Ray Data's streaming executor.
 
     `memory`: one declaration for all calls or one per call. `on_result(i, result)` is called on the driver as
-    results arrive (any order); the results are returned in call order.
-
-    A killed worker (killed_worker_errors) is not retried with the memory it had (Ray Data's default,
-    max_retries=-1, retries forever with the same declaration): the tasks run with max_retries=0, the stage's
-    dataset stops at the kill, and the calls that had not returned run again with twice their memory
-    (memory_after_kill), up to KILL_RETRIES times. Ray Data does not say which task was killed, so every unfinished
-    call grows; a call's outputs are committed files that its rerun finds and keeps."""
+    results arrive (any order); the results are returned in call order. A killed worker: rerun_killed."""
     if not calls:
         return []
     per_call = memory if isinstance(memory, list) else [memory] * len(calls)
     cap = node_memory_cap()
     declared = [declared_memory(estimate, cap) for estimate in per_call]
     results: list = [None] * len(calls)
-    todo, kills = list(range(len(calls))), 0
-    while todo:
-        finished: set[int] = set()
-        try:
-            for i, result in _run_once(fn, [(i, calls[i], declared[i]) for i in todo], name, common or {},
-                                       num_cpus, max_concurrent):
-                results[i] = result
-                finished.add(i)
-                if on_result is not None:
-                    on_result(i, result)
-        except Exception as err:
-            killed = original_error(err, killed_worker_errors())
-            if not isinstance(killed, killed_worker_errors()):
-                raise
-            kills += 1
-            if kills > KILL_RETRIES:
-                raise KilledTaskError(f"{name}: workers were killed {kills} times, the last: {killed}") from err
-            todo = [i for i in todo if i not in finished]
-            for i in todo:
-                declared[i] = memory_after_kill(declared[i], cap, name)
-            print(f"[{name}] a worker was killed ({type(killed).__name__}); rerunning the {len(todo)} calls that "
-                  "had not finished, each with twice its memory", flush=True)
-            continue
-        todo = []
+    finished: set[int] = set()
+
+    def run(todo: list[int], declared: list[int | None]) -> None:
+        for i, result in _run_once(fn, [(i, calls[i], declared[i]) for i in todo], name, common or {},
+                                   num_cpus, max_concurrent):
+            results[i] = result
+            finished.add(i)
+            if on_result is not None:
+                on_result(i, result)
+
+    rerun_killed(run, declared, name=name, unfinished=lambda todo: [i for i in todo if i not in finished])
     return results
 
 

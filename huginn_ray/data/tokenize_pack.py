@@ -1,33 +1,45 @@
 """Tokenise + pack: staged documents -> rows of seq_len + 1 ids in `packed/`, independent of the cluster.
 
-Work is cut by document identity, not by how a reader happens to split files into blocks: one task of the Ray
-Data operator `tokenize_pack` (huginn_ray/data/execution.py) per (staged file, run of `docs_per_pack_batch`
-consecutive documents of that file). A task reads exactly that row
-range of the staged parquet file, encodes it with the Rust `tokenizers` batch encoder (the post-processor adds
-BOS/EOS per document; a special token's string inside a document is encoded as text, so EOS marks only the end
-of a document: `load_text_tokenizer`; a pretraining chat document is rendered from its staged parts, the
-template's structure as ids: huginn_ray/data/chat.py `render_document`), splits held-out validation documents
-from training documents (a seeded hash of the text,
-so a document and all its up-weighted copies are on one side), up-weights, packs (huginn_ray/data/packing.py),
-and writes `packed/SSSS-DDDDDDDDDDDDDDDD.parquet` (source index, hex doc_id of the batch's first document) with
-columns `input_ids` (list<uint16> for vocabularies <= 65,536 ids, else list<int32>) and `split` (0 train,
-1 val); the batch's statistics are stored in the file's schema metadata.
+One Ray Data dataset carries the documents as records, streaming from operator to operator (Ray Data's
+backpressure between them, progress in records):
+
+    read_datasource(staged_documents)    the documents (text, doc_id, their batch), one read task per unit
+      -> map_batches(TokenizeDocuments)   actor pool, one actor per CPU, the tokenizer loaded once per actor: ids
+                                          (a chat conversation: ids and loss mask), hold-out and copy decisions
+      -> write_datasink(packed_files)     per pack batch: up-weighting, packing, one parquet file, committed
+
+Work is cut by document identity, not by how a reader happens to split files into blocks: a pack batch is a
+staged file's run of `docs_per_pack_batch` consecutive documents (`pack_batches`), named by its first document;
+a read unit is one batch, or consecutive small batches of at most `docs_per_pack_batch` documents together
+(`read_units`), and every block from the read to the write holds whole batches (Ray Data's splitting of blocks is
+off while the stage runs; `whole_batches` refuses a block that holds part of one). The encoder uses the Rust
+`tokenizers` batch encoder (the post-processor adds BOS/EOS per document; a special token's string inside a
+document is encoded as text, so EOS marks only the end of a document: `load_text_tokenizer`; a pretraining chat
+document is rendered from its staged parts, the template's structure as ids: huginn_ray/data/chat.py
+`render_document`) and decides per document, from seeded hashes of its text, validation hold-out (so a document
+and all its up-weighted copies are on one side) and membership of a partial copy. The writer up-weights, packs
+(huginn_ray/data/packing.py) and writes `packed/SSSS-DDDDDDDDDDDDDDDD.parquet` (source index, hex doc_id of the
+batch's first document) with columns `input_ids` (list<uint16> for vocabularies <= 65,536 ids, else list<int32>)
+and `split` (0 train, 1 val); the batch's statistics are stored in the file's schema metadata.
 
 A chat source's batch (`kind: chat`, staged as one JSON conversation per document) is rendered with the released
 chat template (huginn_ray/data/chat.py) instead of encoded, held out and up-weighted by the same rules, and laid out
 in rows with the data config's `chat.pack`: one conversation per row, padded (the reference's layout), or whole
 conversations packed in order, as many per row as fit. Its file has a third column, `loss_mask` (list<uint8>, 1
 where the token is a training target), row-aligned with `input_ids`; its statistics add the conversations'
-supervised tokens (loss-mask ones after a row's first token, which is never a target), padding and truncations. The rows, the files and their names are
-therefore a function of the staged data, the tokenizer and the settings only, whatever the number of CPUs.
+supervised tokens (loss-mask ones after a row's first token, which is never a target), padding and truncations. The
+rows, the files and their names are therefore a function of the staged data, the tokenizer and the settings only,
+whatever the number of CPUs.
 
-Memory: a task declares `pack_task_memory` from its source's mean document and its staged file's largest one
-(recorded by staging); a document longer than `max_document_chars` is refused by name before any task runs
-(`check_document_sizes`).
+Memory: an encoder actor declares `pack_task_memory` of its read units (their sources' mean document and their
+staged files' largest one, recorded by staging); units of different declarations go to different datasets, run one
+after the other, each with its own actor pool. A document longer than `max_document_chars` is refused by name
+before anything runs (`check_document_sizes`). A killed actor or writer: the units not yet written run again with
+twice the memory (execution.rerun_killed).
 
 Resumable: files are written under a temporary name and renamed when complete, in `packed.partial/`, keyed by the
-stage's fingerprint; a rerun after a crash keeps every committed file (its statistics are read back from its
-metadata) and packs only the missing batches.
+stage's fingerprint; a rerun reads the statistics of every committed file back from its metadata and reads,
+encodes and packs only the missing batches.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +56,7 @@ import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
 from huginn_ray.data.chat import pack_rows, pad_rows, render, render_document
-from huginn_ray.data.execution import run_tasks
+from huginn_ray.data.execution import declared_memory, node_memory_cap, rerun_killed
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.packing import copy_fractions, copy_order, pack, unit_hash
 from huginn_ray.data.shards import TRAIN, VAL
@@ -81,9 +94,9 @@ def pack_task_memory(count: int, mean_chars: float, max_chars: int) -> int:
 
 def check_document_sizes(sources: list[Source], markers: dict[str, dict], staging_root: Path,
                          max_document_chars: int) -> None:
-    """Refuse, before any pack task runs, a document longer than `max_document_chars` characters, naming its source,
-    staged file (and the input file it came from), row and doc_id. Staging recorded each file's largest document,
-    so only a file that holds one is read (its text lengths)."""
+    """Refuse, before the stage reads a document, a document longer than `max_document_chars` characters, naming
+    its source, staged file (and the input file it came from), row and doc_id. Staging recorded each file's largest
+    document, so only a file that holds one is read (its text lengths)."""
     import pyarrow.compute as pc
 
     for source in sources:
@@ -111,13 +124,6 @@ def packed_schema(dtype: str, chat: bool = False) -> pa.Schema:
                       *([(MASK, pa.list_(pa.uint8()))] if chat else []), ("split", pa.uint8())])
 
 
-@functools.lru_cache(maxsize=2)
-def _tokenizer(path: str):
-    # One Ray task = one CPU: keep the Rust encoder on this task's core.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    return load_text_tokenizer(path)  # a special token's string inside a document is text
-
-
 def read_row_range(path: str | Path, start: int, count: int, columns: list[str]) -> pa.Table:
     """Rows [start, start + count) of a parquet file, reading only the row groups that hold them."""
     pf = pq.ParquetFile(path)
@@ -134,72 +140,212 @@ def read_row_range(path: str | Path, start: int, count: int, columns: list[str])
     return table.slice(start - first_row, count)
 
 
-def tokenize_and_pack(task: dict, *, tokenizer_file: str, row_len: int, seed: int, val_fraction: float,
-                      vocab_size: int, dtype: str, out_dir: str) -> dict:
-    """Ray task: one batch of staged documents (a row range of one staged file) -> one packed parquet file."""
-    out = Path(out_dir) / task["name"]
-    if out.exists():  # committed by an earlier (crashed) run of the same plan
-        stats = json.loads(pq.read_schema(out).metadata[STATS_KEY])
-        return {**stats, "file": task["name"], "source_index": task["source_index"], "reused": True}
-    batch = read_row_range(task["path"], task["start"], task["count"], ["text", "doc_id"])
-    texts = batch.column("text").to_pylist()
-    first_doc_id = int(batch.column("doc_id")[0].as_py())
-    tokenizer = _tokenizer(tokenizer_file)
-    if task["chat"] is not None:
-        docs = [np.asarray(render(json.loads(t), tokenizer, task["chat"]["loss_on"]), np.int32) for t in texts]
-    elif task["templated"]:  # a pretraining chat document, staged as its parts
-        docs = [np.asarray(render_document(json.loads(t), tokenizer), np.int32) for t in texts]
-    else:
-        docs = []
-        for i in range(0, len(texts), ENCODE_CHUNK):  # Encoding objects cost ~100 bytes per token: keep few alive
-            docs += [np.asarray(e.ids, np.int32) for e in tokenizer.encode_batch_fast(texts[i:i + ENCODE_CHUNK])]
-    ids = [d[0] for d in docs] if task["chat"] is not None else docs  # a chat doc: (2, n) ids and loss mask
-    try:
-        check_ids(np.concatenate(ids) if ids else np.zeros(0, np.int32), vocab_size, dtype, "")
-    except TokenRangeError:  # name the document: nothing of this batch has been written
-        for i, d in enumerate(ids):
-            check_ids(d, vocab_size, dtype, f"source {task['source']!r}: {task['path']}, document "
-                                            f"doc_id={first_doc_id + i}")
-    held_out = np.array([unit_hash(seed, "val", t) < val_fraction for t in texts])
+BATCH = "batch"
+"""The column that names a record's pack batch (its plan entry as JSON) through the stage's operators."""
+
+
+def read_unit(unit: list[dict]) -> list[pa.Table]:
+    """The read of one unit (consecutive pack batches): their documents (`text`, `doc_id`) and batch, one block."""
+    tables = []
+    for batch in unit:
+        table = read_row_range(batch["path"], batch["start"], batch["count"], ["text", "doc_id"])
+        if table.num_rows != batch["count"]:
+            raise DataError(f"source {batch['source']!r}: {batch['path']} holds {table.num_rows} documents from row "
+                            f"{batch['start'] + 1}, its staging marker {batch['count']}: staged again since it "
+                            "was planned; rerun the staging stage")
+        tables.append(table.append_column(BATCH, pa.array([json.dumps(batch)] * table.num_rows, pa.string())))
+    return [pa.concat_tables(tables)]
+
+
+def read_units(batches: list[dict], docs: int) -> list[list[dict]]:
+    """The batches in read units: consecutive batches of at most `docs` documents together (a batch of `docs`
+    documents alone), so that small batches (small files) do not each cost a read task, an encoder call and a
+    write task."""
+    units: list[list[dict]] = []
+    for batch in batches:
+        if units and sum(b["count"] for b in units[-1]) + batch["count"] <= docs:
+            units[-1].append(batch)
+        else:
+            units.append([batch])
+    return units
+
+
+def staged_documents(units: list[list[dict]]):
+    """The stage's read: a Ray Data datasource of the staged documents, one read task and one block per unit of
+    whole pack batches (so that a batch's documents reach the encoder and the writer together)."""
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import Datasource, ReadTask
+
+    class StagedDocuments(Datasource):
+        def estimate_inmemory_data_size(self) -> int | None:
+            return None
+
+        def get_name(self) -> str:
+            return "staged_documents"
+
+        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                           data_context=None) -> list[ReadTask]:
+            return [ReadTask(functools.partial(read_unit, unit),
+                             BlockMetadata(num_rows=sum(b["count"] for b in unit), size_bytes=None,
+                                           input_files=sorted({b["path"] for b in unit}), exec_stats=None))
+                    for unit in units]
+
+    return StagedDocuments()
+
+
+def whole_batches(table: pa.Table) -> list[tuple[dict, pa.Table]]:
+    """The pack batches a block holds, each with its records, checked whole (Ray Data must not have split the
+    read's blocks: run_pack turns their splitting off)."""
+    names = table.column(BATCH)
+    out, row = [], 0
+    while row < table.num_rows:
+        batch = json.loads(names[row].as_py())
+        records = table.slice(row, batch["count"])
+        if records.num_rows != batch["count"] or records.column(BATCH).unique().to_pylist() != [names[row].as_py()]:
+            raise RuntimeError(f"tokenize_pack: a block holds part of pack batch {batch['name']} (from row {row}), "
+                               f"not its {batch['count']} records together")
+        out.append((batch, records))
+        row += batch["count"]
+    return out
+
+
+class TokenizeDocuments:
+    """The stage's encoder, a callable class on an actor pool: the tokenizer is loaded once per actor. One call =
+    one pack batch (a block): each document becomes its ids (a chat conversation: ids and loss mask, rendered with
+    the template), checked against the vocabulary, with its hold-out and partial-copy decisions (seeded hashes of
+    its text), so that the writer needs no text."""
+
+    def __init__(self, tokenizer_file: str, seed: int, val_fraction: float, vocab_size: int, dtype: str):
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one actor = one CPU: keep the Rust encoder on it
+        self.tokenizer = load_text_tokenizer(tokenizer_file)  # a special token's string inside a document is text
+        self.seed, self.val_fraction, self.vocab_size, self.dtype = seed, val_fraction, vocab_size, dtype
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        return pa.concat_tables([self.encode(batch, records) for batch, records in whole_batches(table)])
+
+    def encode(self, batch: dict, table: pa.Table) -> pa.Table:
+        texts = table.column("text").to_pylist()
+        first_doc_id = int(table.column("doc_id")[0].as_py())
+        if batch["chat"] is not None:
+            docs = [np.asarray(render(json.loads(t), self.tokenizer, batch["chat"]["loss_on"]), np.int32)
+                    for t in texts]
+        elif batch["templated"]:  # a pretraining chat document, staged as its parts
+            docs = [np.asarray(render_document(json.loads(t), self.tokenizer), np.int32) for t in texts]
+        else:
+            docs = []
+            for i in range(0, len(texts), ENCODE_CHUNK):  # Encoding objects cost ~100 bytes per token: keep few
+                docs += [np.asarray(e.ids, np.int32)
+                         for e in self.tokenizer.encode_batch_fast(texts[i:i + ENCODE_CHUNK])]
+        ids = [d[0] for d in docs] if batch["chat"] is not None else docs  # a chat doc: (2, n) ids and loss mask
+        try:
+            check_ids(np.concatenate(ids) if ids else np.zeros(0, np.int32), self.vocab_size, self.dtype, "")
+        except TokenRangeError:  # name the document: nothing of this batch has been written
+            for i, d in enumerate(ids):
+                check_ids(d, self.vocab_size, self.dtype, f"source {batch['source']!r}: {batch['path']}, document "
+                                                          f"doc_id={first_doc_id + i}")
+        fractions = copy_fractions(batch["weight"])
+        partial = len(fractions) - 1 if fractions[-1] < 1.0 else None
+        # every batch's block has the same columns (a chat source's mask; empty lists elsewhere), so that blocks
+        # of several sources concatenate
+        masks = [d[1] for d in docs] if batch["chat"] is not None else [np.zeros(0, np.uint8)] * len(docs)
+        return pa.table({
+            "ids": _lists(ids, pa.int32()),
+            MASK: _lists(masks, pa.uint8()),
+            "val": pa.array([unit_hash(self.seed, "val", t) < self.val_fraction for t in texts]),
+            "partial": pa.array([partial is not None and unit_hash(self.seed, f"copy{partial}", t) < fractions[-1]
+                                 for t in texts]),
+            BATCH: table.column(BATCH)})
+
+
+def _lists(arrays: list[np.ndarray], type_: pa.DataType) -> pa.LargeListArray:
+    """One list per array, without a Python loop over the elements (64-bit offsets: a batch may hold more than
+    2^31 ids)."""
+    lengths = np.fromiter((len(a) for a in arrays), np.int64, len(arrays))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    values = np.concatenate(arrays).astype(type_.to_pandas_dtype()) if arrays else np.zeros(0, np.int32)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values, type_))
+
+
+def _arrays(column: pa.ChunkedArray, dtype) -> list[np.ndarray]:
+    """A list column back to one array per record (views of its values, no copy)."""
+    array = column.combine_chunks()
+    offsets = array.offsets.to_numpy()
+    values = array.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    return [values[offsets[i]:offsets[i + 1]] for i in range(len(array))]
+
+
+def pack_batch(batch: dict, table: pa.Table, *, row_len: int, seed: int, dtype: str, out_dir: str) -> dict:
+    """One pack batch's encoded documents (TokenizeDocuments' records of it) -> up-weighted, packed, written as
+    the batch's file, committed; returns its statistics."""
+    out = Path(out_dir) / batch["name"]
+    ids = _arrays(table.column("ids"), np.int32)
+    chat = batch["chat"]
+    masks_in = _arrays(table.column(MASK), np.uint8) if chat is not None else None
+    held_out = table.column("val").to_numpy(zero_copy_only=False)
+    in_partial = table.column("partial").to_numpy(zero_copy_only=False)
+    count, first_doc_id = len(ids), batch["first_doc"]
 
     parts, masks, splits = [], [], []
     copied_docs = pad_tokens = truncated = 0
-    for copy, fraction in enumerate(copy_fractions(task["weight"])):
-        member = np.ones(len(texts), bool) if fraction >= 1.0 else \
-            np.array([unit_hash(seed, f"copy{copy}", t) < fraction for t in texts])
-        order = copy_order(seed, copy, first_doc_id, len(texts))
+    for copy, fraction in enumerate(copy_fractions(batch["weight"])):
+        member = np.ones(count, bool) if fraction >= 1.0 else in_partial
+        order = copy_order(seed, copy, first_doc_id, count)
         for split in (TRAIN, VAL):
-            chosen = [docs[i] for i in order if member[i] and held_out[i] == (split == VAL)]
+            chosen = [i for i in order if member[i] and held_out[i] == (split == VAL)]
             copied_docs += len(chosen)
-            if task["chat"] is not None:
-                layout_rows = pack_rows if task["chat"]["pack"] else pad_rows
-                chat = layout_rows([(d[0], d[1]) for d in chosen], row_len, task["chat"]["pad_id"])
-                rows = chat.input_ids
-                masks.append(chat.loss_mask)
-                pad_tokens += chat.pad_tokens
-                truncated += chat.truncated
+            if chat is not None:
+                layout_rows = pack_rows if chat["pack"] else pad_rows
+                rows_chat = layout_rows([(ids[i], masks_in[i]) for i in chosen], row_len, chat["pad_id"])
+                rows = rows_chat.input_ids
+                masks.append(rows_chat.loss_mask)
+                pad_tokens += rows_chat.pad_tokens
+                truncated += rows_chat.truncated
             else:
-                rows = pack(chosen, [task["sacred"]] * len(chosen), row_len)
+                rows = pack([ids[i] for i in chosen], [batch["sacred"]] * len(chosen), row_len)
             parts.append(rows)
             splits.append(np.full(len(rows), split, np.uint8))
     rows = np.concatenate(parts)
     split_col = np.concatenate(splits)
-    stats = {"docs": len(texts), "copied_docs": copied_docs, "doc_tokens": int(sum(len(d) for d in ids)),
+    stats = {"docs": count, "copied_docs": copied_docs, "doc_tokens": int(sum(len(d) for d in ids)),
              "train_rows": int((split_col == TRAIN).sum()), "val_rows": int((split_col == VAL).sum())}
     columns = {"input_ids": rows_to_arrow(rows, dtype)}
-    if task["chat"] is not None:
+    if chat is not None:
         mask = np.concatenate(masks)
         stats.update(supervised_tokens=int(mask[:, 1:].sum()), pad_tokens=pad_tokens,
                      truncated_conversations=truncated)
         columns[MASK] = rows_to_arrow(mask, "uint8")
     columns["split"] = pa.array(split_col)
-    schema = packed_schema(dtype, task["chat"] is not None).with_metadata(
+    schema = packed_schema(dtype, chat is not None).with_metadata(
         {STATS_KEY: json.dumps(stats, sort_keys=True).encode()})
-    table = pa.table(columns, schema=schema)
+    packed = pa.table(columns, schema=schema)
     tmp = layout.temp_path(out)
-    pq.write_table(table, tmp, **parquet_options(table))
+    pq.write_table(packed, tmp, **parquet_options(packed))
     layout.commit_file(tmp, out)
-    return {**stats, "file": task["name"], "source_index": task["source_index"], "reused": False}
+    return {**stats, "file": batch["name"], "source_index": batch["source_index"]}
+
+
+def packed_files(settings: dict):
+    """The stage's write: a Ray Data datasink that packs each pack batch of its blocks (whole batches of encoded
+    documents) and writes it as the batch's file; the files' statistics are in `.results` once the write
+    completes."""
+    from ray.data.block import BlockAccessor
+    from ray.data.datasource import Datasink
+
+    class PackedFiles(Datasink):
+        def __init__(self):
+            self.results: list[dict] = []
+
+        def get_name(self) -> str:
+            return "packed_files"
+
+        def write(self, blocks, ctx) -> list[dict]:
+            return [pack_batch(batch, records, **settings) for block in blocks
+                    for batch, records in whole_batches(BlockAccessor.for_block(block).to_arrow())]
+
+        def on_write_complete(self, write_result) -> None:
+            self.results = [r for returned in write_result.write_returns for r in returned]
+
+    return PackedFiles()
 
 
 def pack_fingerprint(sources: list[Source], staging_markers: dict[str, dict], tokenizer_sha256: str,
@@ -214,10 +360,10 @@ def pack_fingerprint(sources: list[Source], staging_markers: dict[str, dict], to
     })
 
 
-def pack_tasks(sources: list[Source], staging_root: Path, markers: dict[str, dict], docs_per_batch: int,
-               chat_pack: bool = False, pad_id: int | None = None) -> list:
+def pack_batches(sources: list[Source], staging_root: Path, markers: dict[str, dict], docs_per_batch: int,
+                 chat_pack: bool = False, pad_id: int | None = None) -> list[dict]:
     """Every batch of the pack stage, in the packed data's global order: (source, staged file, row range)."""
-    tasks = []
+    batches = []
     for index, source in enumerate(sources):
         if source.weight == 0:
             continue
@@ -226,13 +372,34 @@ def pack_tasks(sources: list[Source], staging_root: Path, markers: dict[str, dic
             file_index = int(Path(f["output"]).stem)
             for start in range(0, f["rows"], docs_per_batch):
                 first_doc = (file_index << 32) + start
-                tasks.append({"name": f"{index:04d}-{first_doc:016x}.parquet", "source_index": index,
-                              "source": source.name, "path": str(staging_root / source.name / f["output"]),
-                              "start": start, "count": min(docs_per_batch, f["rows"] - start),
-                              "max_chars": f["max_chars"],
-                              "weight": source.weight, "sacred": source.every_token_is_sacred, "chat": chat,
-                              "templated": source.needs_chat_templating})
-    return tasks
+                batches.append({"name": f"{index:04d}-{first_doc:016x}.parquet", "source_index": index,
+                                "source": source.name, "path": str(staging_root / source.name / f["output"]),
+                                "start": start, "count": min(docs_per_batch, f["rows"] - start),
+                                "first_doc": first_doc, "max_chars": f["max_chars"],
+                                "weight": source.weight, "sacred": source.every_token_is_sacred, "chat": chat,
+                                "templated": source.needs_chat_templating})
+    return batches
+
+
+def pack_dataset(units: list[list[dict]], memory: int | None, *, encoder: dict, actors: int):
+    """The stage's dataset for `units` (read_units), whose encoders declare `memory`: read -> encode (an actor pool
+    of at most `actors`); the caller writes it (`.write_datasink(packed_files(...))`)."""
+    import ray.data
+
+    actors = max(1, min(actors, len(units)))
+    with warnings.catch_warnings():
+        # max_restarts has no named parameter in Ray 2.60: passed as a remote arg, which warns that remote args are
+        # deprecated; tests/test_data_pipeline.py (a worker killed in pack, rerun with twice its memory) fails if
+        # it stops applying
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        # one read task and one block per unit (override_num_blocks: Ray Data would otherwise split the blocks of a
+        # read with fewer tasks than it wants); reads take no CPU, so that the encoders may hold every CPU, and at
+        # most `actors` run at once (each task in flight is a worker process)
+        return ray.data.read_datasource(staged_documents(units), override_num_blocks=len(units), num_cpus=0,
+                                        concurrency=actors).map_batches(
+            TokenizeDocuments, fn_constructor_kwargs=encoder, batch_size=None, batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors),
+            num_cpus=1, memory=memory, max_restarts=0)
 
 
 def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path, tokenizer_file: Path,
@@ -240,6 +407,9 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
              fingerprint: str, fingerprint_inputs: dict, extra_marker: dict, max_document_chars: int,
              chat_pack: bool = False) -> dict:
     """Tokenise and pack every source into `out_root` (skipped when complete); returns the pack marker."""
+    import ray
+    from ray.data import DataContext
+
     layout.finish_commit(out_root)
     if (marker := layout.current_marker(out_root, fingerprint, fingerprint_inputs, "pack")) is not None:
         print(f"[pack] complete ({marker['train_rows']} train + {marker['val_rows']} val rows), skipped", flush=True)
@@ -249,15 +419,55 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
     dtype = token_dtype(vocab_size)
     work = layout.resumable_work_dir(out_root, fingerprint, "pack", "packed files", inputs=fingerprint_inputs)
 
-    tasks = pack_tasks(sources, staging_root, markers, docs_per_batch, chat_pack, extra_marker["pad_id"])
-    # memory= per task, from its own batch (a batch of short documents does not wait for the memory a batch of
-    # books needs): its source's mean document size and its staged file's largest document
+    batches = pack_batches(sources, staging_root, markers, docs_per_batch, chat_pack, extra_marker["pad_id"])
+    results: dict[str, dict] = {}
+
+    def read_back(names: list[str]) -> None:  # files committed by an earlier run or a killed attempt
+        for name in names:
+            if name not in results and (work / name).exists():
+                stats = json.loads(pq.read_schema(work / name).metadata[STATS_KEY])
+                results[name] = {**stats, "file": name, "source_index": int(name[:4])}
+
+    read_back([b["name"] for b in batches])
+    reused = len(results)
+    units = read_units([b for b in batches if b["name"] not in results], docs_per_batch)
+    # memory= per unit (a unit of short documents does not wait for the memory a batch of books needs): its
+    # sources' mean document size and its staged files' largest document; one encoder pool per declaration
     mean_chars = {s.name: markers[s.name]["chars"] / max(1, markers[s.name]["rows"]) for s in sources}
-    memory = [pack_task_memory(t["count"], mean_chars[t["source"]], t["max_chars"]) for t in tasks]
-    kwargs = {"tokenizer_file": str(tokenizer_file), "row_len": seq_len + 1, "seed": seed,
-              "val_fraction": val_fraction, "vocab_size": vocab_size, "dtype": dtype, "out_dir": str(work)}
-    results = run_tasks(tokenize_and_pack, [(t,) for t in tasks], name="tokenize_pack", common=kwargs,
-                        memory=memory)
+    cap = node_memory_cap()
+    declared = []
+    for unit in units:
+        docs = sum(b["count"] for b in unit)
+        chars = sum(mean_chars[b["source"]] * b["count"] for b in unit)
+        declared.append(declared_memory(pack_task_memory(docs, chars / docs, max(b["max_chars"] for b in unit)), cap))
+    encoder = {"tokenizer_file": str(tokenizer_file), "seed": seed, "val_fraction": val_fraction,
+               "vocab_size": vocab_size, "dtype": dtype}
+    writer = {"row_len": seq_len + 1, "seed": seed, "dtype": dtype, "out_dir": str(work)}
+    actors = int(ray.cluster_resources().get("CPU", 1))
+
+    def run(todo: list[int], declared: list[int | None]) -> None:
+        classes: dict[int | None, list[list[dict]]] = {}
+        for i in todo:
+            classes.setdefault(declared[i], []).append(units[i])
+        for memory, members in sorted(classes.items(), key=lambda kv: kv[0] or 0):  # one dataset per class
+            sink = packed_files(writer)
+            try:
+                pack_dataset(members, memory, encoder=encoder, actors=actors).write_datasink(
+                    sink, ray_remote_args={"num_cpus": 0, "max_retries": 0}, concurrency=min(actors, len(members)))
+            finally:
+                for r in sink.results:
+                    results[r["file"]] = r
+                read_back([b["name"] for unit in members for b in unit])
+
+    context = DataContext.get_current()
+    shaping = context.target_max_block_size
+    context.target_max_block_size = None  # whole pack batches in every block from read to write: no size splits
+    try:
+        rerun_killed(run, declared, name="tokenize_pack",
+                     unfinished=lambda todo: [i for i in todo if any(b["name"] not in results for b in units[i])])
+    finally:
+        context.target_max_block_size = shaping
+    results_in_order = [results[b["name"]] for b in batches]
 
     per_source = {s.name: {**{k: 0 for k in _STAT_KEYS}, "weight": s.weight,
                            "every_token_is_sacred": s.every_token_is_sacred} for s in sources}
@@ -266,15 +476,14 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
             per_source[s.name].update({"kind": "chat", "loss_on": s.loss_on, "pack": chat_pack,
                                        **{k: 0 for k in CHAT_STAT_KEYS}})
     files = []
-    for r in results:
+    for r in results_in_order:
         stats = per_source[sources[r["source_index"]].name]
         for key in _STAT_KEYS + (CHAT_STAT_KEYS if "supervised_tokens" in r else ()):
             stats[key] += int(r[key])
         if r["train_rows"] + r["val_rows"]:
             files.append({"file": r["file"], "train_rows": int(r["train_rows"]), "val_rows": int(r["val_rows"])})
-    reused = sum(1 for r in results if r["reused"])
     if reused:
-        print(f"[pack] {reused}/{len(results)} batches were already packed by an earlier run", flush=True)
+        print(f"[pack] {reused}/{len(batches)} batches were already packed by an earlier run", flush=True)
     files.sort(key=lambda f: f["file"])
     marker = {
         "fingerprint": fingerprint, "fingerprint_inputs": fingerprint_inputs, "seq_len": seq_len, "seed": seed,
