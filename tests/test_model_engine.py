@@ -253,3 +253,16 @@ def test_capacities_are_checked(model):
     engine = Engine(model, EngineConfig(max_rows=2, max_cache_bytes=1000))
     with pytest.raises(ValueError, match="exceeds max_cache_bytes=1,000"):
         engine.submit(Request((1, 2), 3))
+
+
+def test_a_full_row_with_the_most_cache_keys_batches_with_a_latest_row(model):
+    """The `full` row, in the last slot, keeps more table keys than any other; batched with a `latest` row it
+    must not index past its own keys for the latest copies it does not keep."""
+    mixed = [Request((5, 6, 7), max_new_tokens=4, num_steps=4, cache="latest", seed=1),
+             Request((8, 9), max_new_tokens=4, num_steps=8, cache="full", seed=2)]
+    engine = Engine(model, EngineConfig(max_rows=2, max_cache_bytes=10**9))
+    outputs = {engine.submit(request): [] for request in mixed}
+    while engine.busy:
+        for event in engine.step():
+            outputs[event.request_id].append(event.token_id)
+    assert list(outputs.values()) == [alone(model, request)[0] for request in mixed]

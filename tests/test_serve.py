@@ -1,13 +1,15 @@
 """jobs/serve.py end to end: the OpenAI-compatible server on Ray Serve, on loopback in the private namespace.
 
-One server (its own private local Ray, as a user starts it) answers 8 concurrent clients (completions and chat,
-streamed and not, through plain HTTP and the `openai` client) each exactly as `generate` answers that request
-alone at batch size 1; refuses bad requests with HTTP 400 naming the field; frees the slot of a client that
-disconnects mid-stream; and stops on SIGINT with exit 0, leaving no process behind.
+One server with two replicas (its own private local Ray, as a user starts it) answers 9 concurrent clients
+(completions and chat, streamed and not, through plain HTTP and the `openai` client) each exactly as `generate`
+answers that request alone at batch size 1, spreading them over both replicas as its /stats counts them; refuses
+bad requests with HTTP 400 naming the field; frees the slot of a client that disconnects mid-stream; and stops on
+SIGINT with exit 0, leaving no process behind.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import http.client
 import json
@@ -27,7 +29,7 @@ from huginn_ray.data.tokenizer import train_tokenizer
 from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.model.generate import generate
 from huginn_ray.model.pretrained import load_pretrained, save_pretrained
-from isolation import free_port, private_namespace_problem, wait_for
+from isolation import free_port, private_namespace_problem
 
 REPO = Path(__file__).resolve().parents[1]
 MARKER = "HUGINN_TEST_SERVE"
@@ -65,13 +67,15 @@ def checkpoint(tmp_path_factory):
     return root / "model"
 
 
-def post(port: int, route: str, body: dict) -> tuple[int, dict | list]:
-    """(status, JSON body), or for a stream (status, [chunk, ...]) up to `data: [DONE]`."""
+def post(port: int, route: str, body: dict) -> tuple[int, dict | list, str]:
+    """(status, JSON body, the replica that answered), or for a stream (status, [chunk, ...], replica) up to
+    `data: [DONE]`."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     connection.request("POST", f"/v1/{route}", json.dumps(body), {"Content-Type": "application/json"})
     response = connection.getresponse()
+    replica = response.getheader("Huginn-Replica")
     if not body.get("stream") or response.status != 200:
-        return response.status, json.loads(response.read())
+        return response.status, json.loads(response.read()), replica
     chunks = []
     for line in response:
         line = line.decode().strip()
@@ -80,18 +84,18 @@ def post(port: int, route: str, body: dict) -> tuple[int, dict | list]:
         if line:
             chunks.append(json.loads(line.removeprefix("data: ")))
     connection.close()
-    return response.status, chunks
+    return response.status, chunks, replica
 
 
 def answer(route: str, body: dict, port: int) -> dict:
-    """text, finish_reason, token_ids, core_iterations and usage of a response, streamed or not."""
-    status, got = post(port, route, {**body, "return_token_ids": True})
+    """text, finish_reason, token_ids, core_iterations, usage and replica of a response, streamed or not."""
+    status, got, replica = post(port, route, {**body, "return_token_ids": True})
     assert status == 200, got
     if not body.get("stream"):
         [choice] = got["choices"]
         text = choice["message"]["content"] if route.startswith("chat") else choice["text"]
         return dict(text=text, finish_reason=choice["finish_reason"], token_ids=choice["token_ids"],
-                    core_iterations=choice["core_iterations"], usage=got["usage"])
+                    core_iterations=choice["core_iterations"], usage=got["usage"], replica=replica)
     assert all(chunk["object"] == ("chat.completion.chunk" if route.startswith("chat") else "text_completion")
                for chunk in got)
     if body.get("stream_options", {}).get("include_usage"):
@@ -102,7 +106,7 @@ def answer(route: str, body: dict, port: int) -> dict:
     return dict(text="".join(pieces), finish_reason=choices[-1]["finish_reason"],
                 token_ids=[t for c in choices for t in c["token_ids"]],
                 core_iterations=[s for c in choices for s in c["core_iterations"]],
-                usage=last["usage"] if body.get("stream_options") else None)
+                usage=last["usage"] if body.get("stream_options") else None, replica=replica)
 
 
 def alone(model, tokenizer, route: str, body: dict) -> dict:
@@ -135,6 +139,14 @@ def stats(port: int) -> dict:
     return json.loads(connection.getresponse().read())
 
 
+def stats_when(port: int, settled) -> dict:
+    """/stats once `settled(stats)` holds (the replicas report as requests end), or as it is after 60 s."""
+    deadline = time.monotonic() + 60
+    while not settled(served := stats(port)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return served
+
+
 def processes_marked(marker: str) -> list[str]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -148,7 +160,7 @@ def processes_marked(marker: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_serve_answers_concurrent_clients_as_alone_refuses_bad_requests_and_stops_on_sigint(checkpoint, tmp_path):
+def test_serve_spreads_concurrent_clients_over_replicas_answers_as_alone_and_stops_on_sigint(checkpoint, tmp_path):
     problem = private_namespace_problem()
     if problem:
         pytest.skip(f"starts a private local Ray and an HTTP server: {problem}")
@@ -159,31 +171,42 @@ def test_serve_answers_concurrent_clients_as_alone_refuses_bad_requests_and_stop
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen([sys.executable, str(REPO / "jobs" / "serve.py"), "--checkpoint", str(checkpoint),
-                               "--port", str(port), "--max-rows", "4", "--device", "cpu"],
+                               "--port", str(port), "--replicas", "2", "--max-rows", "4", "--device", "cpu"],
                               env={**env, MARKER: marker}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
-        wait_for(f"http://127.0.0.1:{port}/v1/models", 180, alive=lambda: server.poll() is None)
+        # up once serve.run returned with every replica running (one may answer before the other is up)
+        deadline = time.monotonic() + 180
+        while "[huginn] serving" not in (tmp_path / "serve.log").read_text():
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.3)
         tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer" / "tokenizer.json"))
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
 
         def through_openai():  # the real client, a sampled completion with the depth fields in extra_body
             body = dict(prompt="def main", max_tokens=6, temperature=0.9, seed=21, num_steps=4)
-            response = client.completions.create(model="model", prompt=body["prompt"], max_tokens=6,
-                                                 temperature=0.9, seed=21, extra_body={"num_steps": 4,
-                                                                                        "return_token_ids": True})
+            raw = client.completions.with_raw_response.create(
+                model="model", prompt=body["prompt"], max_tokens=6, temperature=0.9, seed=21,
+                extra_body={"num_steps": 4, "return_token_ids": True})
+            response = raw.parse()
             [choice] = response.choices
             return body, dict(text=choice.text, finish_reason=choice.finish_reason, token_ids=choice.token_ids,
                               core_iterations=choice.core_iterations,
                               usage={key: getattr(response.usage, key) for key in
-                                     ("prompt_tokens", "completion_tokens", "total_tokens", "core_iterations")})
+                                     ("prompt_tokens", "completion_tokens", "total_tokens", "core_iterations")},
+                              replica=raw.headers["Huginn-Replica"])
 
         with concurrent.futures.ThreadPoolExecutor(len(REQUESTS) + 1) as pool:
             running = [pool.submit(answer, route, body, port) for route, body in REQUESTS]
             from_openai = pool.submit(through_openai)
             answers = [future.result() for future in running]
             openai_body, openai_answer = from_openai.result()
-        served = stats(port)
-        assert served["requests_finished"] == len(REQUESTS) + 1 and served["rows_in_flight"] == 0
+        # both replicas took requests; each counts exactly those whose responses name it
+        served = stats_when(port, lambda served: served["total"]["requests_finished"] == len(REQUESTS) + 1)
+        answered_by = collections.Counter(got["replica"] for got in answers + [openai_answer])
+        assert len(served["replicas"]) == 2 and len(answered_by) == 2, (served, answered_by)
+        assert {replica: counts["requests_finished"] for replica, counts in served["replicas"].items()} == \
+            answered_by, (served, answered_by)
+        assert [counts["rows_in_flight"] for counts in served["replicas"].values()] == [0, 0], served
 
         model, threads = load_pretrained(checkpoint).eval(), torch.get_num_threads()
         torch.set_num_threads(1)  # as in the replica (Ray gives a 1-CPU actor one thread)
@@ -219,7 +242,7 @@ def test_serve_answers_concurrent_clients_as_alone_refuses_bad_requests_and_stop
             ("chat/completions", dict(messages=[{"role": "robot", "content": "hi"}]), "messages"),
             ("completions", dict(prompt="x", best_of=3), "best_of"),
         ]:
-            status, got = post(port, route, body)
+            status, got, _ = post(port, route, body)
             assert status == 400 and got["error"]["param"] == param and param in got["error"]["message"], got
 
         # a client that disconnects mid-stream frees its row: its request is cancelled, not run to the end
@@ -231,11 +254,10 @@ def test_serve_answers_concurrent_clients_as_alone_refuses_bad_requests_and_stop
         assert response.readline().startswith(b"data: ")
         connection.sock.shutdown(2)
         connection.close()
-        deadline = time.monotonic() + 60
-        while (served := stats(port))["requests_cancelled"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert served["requests_cancelled"] == 1 and served["rows_in_flight"] == 0, served
-        assert served["requests_finished"] == len(REQUESTS) + 2  # the openai chat stream
+        served = stats_when(port, lambda served: served["total"]["requests_cancelled"] == 1 and
+                            served["total"]["requests_finished"] == len(REQUESTS) + 2)["total"]  # + the chat stream
+        assert served["requests_cancelled"] == 1 and served["requests_finished"] == len(REQUESTS) + 2, served
+        assert served["rows_in_flight"] == 0, served
     finally:
         server.send_signal(signal.SIGINT)
         try:

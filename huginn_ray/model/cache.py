@@ -214,10 +214,12 @@ class _Layout:
         return self.indices["full"]
 
     def latest(self, caches: list[SequenceCache]) -> tuple[Tensor, Tensor]:
-        """Reads and writes of the latest copies of the core blocks (`latest`, `ring:N`; `full` rows write TRASH)."""
+        """Reads and writes of the latest copies of the core blocks (`latest`, `ring:N`; `full` rows, which keep
+        none, write TRASH and have their reads ignored: they index their first plane, within their own keys)."""
         if "latest" not in self.indices:
             pool = self.pool
-            first = torch.tensor([pool.prelude + pool.coda + pool.core * cache.kept for cache in caches], device=pool.device)
+            first = torch.tensor([pool.prelude + pool.coda + pool.core * (0 if cache.strategy == "full" else cache.kept)
+                                  for cache in caches], device=pool.device)
             keys = first[:, None] + torch.arange(pool.core, device=pool.device)
             self.indices["latest"] = self.reads_and_writes(keys, self.full(caches))
         return self.indices["latest"]

@@ -1,6 +1,6 @@
 """One thread that owns an Engine and drives it; the server's request handlers talk to it through queues.
 
-    loop = EngineLoop(engine)
+    loop = EngineLoop(engine, report)     # report(loop.snapshot()) now and as the engine's state changes
     ticket = loop.submit(request)         # from a handler, on its asyncio event loop
     event = await ticket.events.get()     # TokenEvent ... until event.finished; or an Exception
     loop.cancel(ticket)                   # the client went away: frees the request's row and cache
@@ -11,6 +11,11 @@ requests are in flight it takes every command waiting (submit, cancel) between t
 the next step, so a request that arrives joins the batch at the next loop step and a cancelled one leaves it.
 Each token reaches its handler through that handler's asyncio queue (`call_soon_threadsafe`). A forward is
 torch work that releases the GIL for its kernels, so the handlers' event loop keeps answering meanwhile.
+
+The loop reports its `snapshot()` (the engine's state and the loop's counters) through `report`: once when it
+starts, after every loop step in which a request entered or left the engine (submitted, finished, cancelled,
+failed), and otherwise at most every `report_every_s` while requests are in flight. So once the engine is idle
+the last report is exact; while it works, the token and step counters lag by at most `report_every_s`.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 from huginn_ray.model.engine import Engine, Request, TokenEvent
 
@@ -38,7 +45,7 @@ class Ticket:
 
 @dataclass
 class LoopStats:
-    """Counters kept by the engine thread (read from anywhere: plain ints)."""
+    """Counters kept by the engine thread."""
 
     requests_finished: int = 0
     """Requests that ended with their last token (stop token or max_tokens)."""
@@ -51,9 +58,12 @@ class LoopStats:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, report: Callable[[dict], None], report_every_s: float = 1.0):
         self.engine = engine
         self.stats = LoopStats()
+        self.report, self.report_every_s = report, report_every_s
+        self.reported_at = time.monotonic()
+        report(self.snapshot())
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.tickets: dict[int, Ticket] = {}
         self.ids: dict[Ticket, int] = {}
@@ -74,6 +84,11 @@ class EngineLoop:
         self.commands.put(("stop", None, None))
         self.thread.join()
 
+    def snapshot(self) -> dict:
+        """The engine's rows in flight, requests waiting and cache bytes reserved, and the loop's counters."""
+        return {"rows_in_flight": self.engine.rows_in_flight, "requests_waiting": len(self.engine.waiting),
+                "cache_bytes_reserved": self.engine.cache_bytes_reserved, **asdict(self.stats)}
+
     def _run(self) -> None:
         while True:
             commands = [] if self.engine.busy else [self.commands.get()]
@@ -82,26 +97,34 @@ class EngineLoop:
                     commands.append(self.commands.get_nowait())
                 except queue.Empty:
                     break
+            entered_or_left = False
             for kind, ticket, request in commands:
                 if kind == "stop":
                     return
                 if kind == "submit":
-                    self._submit(ticket, request)
+                    entered_or_left |= self._submit(ticket, request)
                 elif ticket in self.ids and self.engine.cancel(self.ids[ticket]):
                     del self.tickets[self.ids.pop(ticket)]
                     self.stats.requests_cancelled += 1
+                    entered_or_left = True
             if self.engine.busy:
-                self._step()
+                entered_or_left |= self._step()
+            if entered_or_left or time.monotonic() - self.reported_at >= self.report_every_s:
+                self.reported_at = time.monotonic()
+                self.report(self.snapshot())
 
-    def _submit(self, ticket: Ticket, request: Request) -> None:
+    def _submit(self, ticket: Ticket, request: Request) -> bool:
+        """Whether the engine took the request."""
         try:
             request_id = self.engine.submit(request)
         except Exception as err:  # the handler checked the request; this is the engine's word on it
             self._deliver(ticket, err)
-            return
+            return False
         self.tickets[request_id], self.ids[ticket] = ticket, request_id
+        return True
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """Whether a request left the engine (finished, or failed with the step)."""
         try:
             events = self.engine.step()
         except Exception as err:
@@ -111,8 +134,9 @@ class EngineLoop:
                 self._deliver(ticket, err)
             self.tickets.clear()
             self.ids.clear()
-            return
+            return True
         self.stats.loop_steps += 1
+        left = False
         for event in events:
             self.stats.tokens += 1
             ticket = self.tickets[event.request_id]
@@ -120,6 +144,8 @@ class EngineLoop:
             if event.finished:
                 del self.tickets[event.request_id], self.ids[ticket]
                 self.stats.requests_finished += 1
+                left = True
+        return left
 
     @staticmethod
     def _deliver(ticket: Ticket, item: TokenEvent | Exception) -> None:
