@@ -10,7 +10,9 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -445,3 +447,77 @@ def test_the_tokenizer_stages_leave_the_evaluation_sets_alone(tmp_path, monkeypa
             "GET /api/datasets/openai/gsm8k/revision/main",
             f"HEAD /datasets/openai/gsm8k/resolve/{repo.commit}/main/test-00000-of-00001.parquet",
             f"GET /datasets/openai/gsm8k/resolve/{repo.commit}/main/test-00000-of-00001.parquet"]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    if ray.is_initialized():  # another module's session-wide Ray: share it
+        yield
+        return
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    temp_dir = tempfile.mkdtemp(prefix="hrdh_", dir="/tmp")
+    ray.init(address="local", num_cpus=2, object_store_memory=128 << 20, _temp_dir=temp_dir,
+             include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _killed_once(fn, flag: Path):
+    """The stage's map, except that its first call SIGKILLs its own worker after its file is fetched, verified and
+    recorded, before the result goes back. Every call appends (path, memory= Ray gave it, killed or ran) to
+    `<flag>.memory`."""
+
+    def first_call_dies(table, **kwargs):
+        import ray
+
+        path = table.column("path")[0].as_py()
+        memory = ray.get_runtime_context().get_assigned_resources().get("memory")
+        try:
+            os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:  # a later call, or the rerun of the killed one
+            with open(flag.with_suffix(".memory"), "a") as f:
+                f.write(json.dumps([path, memory, "ran"]) + "\n")
+            return fn(table, **kwargs)
+        fn(table, **kwargs)
+        with open(flag.with_suffix(".memory"), "a") as f:
+            f.write(json.dumps([path, memory, "killed"]) + "\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return first_call_dies
+
+
+def test_a_killed_download_worker_is_rerun_with_more_memory_trusting_what_it_verified(local_ray, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """A download task's worker dies (SIGKILL) after its file is verified: the files not yet returned run again,
+    each with twice the memory (execution.rerun_killed; tasks declare none at first, counted as
+    UNDECLARED_MEMORY), and the killed task's file is trusted by its verification record, not fetched again."""
+    from huginn_ray.config import parse_yaml
+    from huginn_ray.data import hub_download
+    from huginn_ray.data.config import DownloadConfig
+    from huginn_ray.data.execution import UNDECLARED_MEMORY
+    from huginn_ray.data.sources import parse_sources
+
+    repo = _repo()
+    source = parse_sources(parse_yaml("- {name: mix, address: acme/mix, features: [content], "
+                                      "files: ['data/*.parquet', 'extra/*.jsonl']}"), "sources.yaml")[0]
+    monkeypatch.setattr(hub_download, "download_files", _killed_once(hub_download.download_files, tmp_path / "kill"))
+    with FakeHub([repo]) as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        provenance = hub_download.download_sources([source], tmp_path / "download",
+                                                   DownloadConfig(max_in_flight=2, max_attempts=1))
+    out = capsys.readouterr().out
+    assert re.search(r"\[download\] a worker was killed \(\w+\); rerunning the [1-4] units that had not finished, "
+                     "each with twice its memory", out)
+    attempts = [json.loads(line) for line in (tmp_path / "kill.memory").read_text().splitlines()]
+    [(killed, memory)] = [(path, memory) for path, memory, what in attempts if what == "killed"]
+    assert memory is None and [m for p, m, what in attempts if p == killed and what == "ran"] == [2 * UNDECLARED_MEMORY]
+    assert _file_gets(hub, killed) == 1  # fetched by the killed task, trusted by its rerun
+    trusted = re.search(r"\[download\] 4 files of 1 source\(s\), .* already complete, (\d) of them by their "
+                        r"verification record\)", out)
+    assert trusted and int(trusted.group(1)) >= 1
+    assert [f["path"] for f in provenance["mix"]["files"]] == sorted(PARQUETS + ["extra/notes.jsonl"])
+    for path in PARQUETS + ["extra/notes.jsonl"]:
+        assert (tmp_path / "download" / "mix" / path).read_bytes() == repo.files[path]
