@@ -261,18 +261,18 @@ def download_dataset(entries: list[dict], memory: int | None, *, endpoint: str, 
     task per file (the same task pool size and remote args on both: Ray Data fuses only then)."""
     import ray.data
 
-    tasks = {"num_cpus": 0.25, "memory": memory}
+    per_task = {"num_cpus": 0.25, "memory": memory}
     with warnings.catch_warnings():
         # max_retries has no named parameter in Ray 2.60: passed as a remote arg, which warns that remote args are
-        # deprecated; tests/test_data_pipeline.py (a worker killed in pack and in the shuffle, rerun with twice its
-        # memory) fails if it stops applying
+        # deprecated; tests/test_data_hub_download.py (a download worker killed, its rerun given twice the memory)
+        # fails if it stops applying
         warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
         return ray.data.read_datasource(hub_listing(entries), override_num_blocks=len(entries),
                                         concurrency=cfg.max_in_flight, ray_remote_args={"max_retries": 0},
-                                        **tasks).map_batches(
+                                        **per_task).map_batches(
             download_files, fn_kwargs={"endpoint": endpoint, "token": token, "cfg": cfg}, batch_size=None,
             batch_format="pyarrow", compute=ray.data.TaskPoolStrategy(size=cfg.max_in_flight), max_retries=0,
-            **tasks)
+            **per_task)
 
 
 def download_sources(sources: list[Source], download_root: Path, cfg: DownloadConfig) -> dict[str, dict]:
