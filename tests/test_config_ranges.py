@@ -88,7 +88,7 @@ def test_the_shipped_train_configs_pass():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("download.backoff_base_s=-1", r"download.backoff_base_s: must be in \[0, inf\)"),
+    ("download.max_attempts=0", r"download.max_attempts: must be positive, got 0"),
     ("local_ray.num_cpus=0", r"local_ray.num_cpus: must be in \[1, inf\)"),
     ("local_ray.object_store_mib=0", r"local_ray.object_store_mib"),
     ("tokenizer.max_token_length=0", r"tokenizer.max_token_length"),

@@ -10,7 +10,9 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,7 +55,7 @@ def _config(root: Path, max_attempts: int = 10) -> Path:
     config.write_text(f"""
 output_dir: {root / 'out'}
 sources: sources.yaml
-download: {{max_in_flight: 2, max_attempts: {max_attempts}, backoff_base_s: 0.05, backoff_max_s: 0.5}}
+download: {{max_in_flight: 2, max_attempts: {max_attempts}}}
 local_ray: {{num_cpus: 2, object_store_mib: 128}}
 """)
     return config
@@ -151,17 +153,97 @@ def test_file_that_never_succeeds_fails_the_run_and_a_rerun_fetches_only_what_is
     assert _staged(tmp_path) == _staged(clean_root)
 
 
-def test_retry_after_is_capped():
-    from types import SimpleNamespace
+def _use_endpoint(monkeypatch, hub: FakeHub) -> None:
+    """What HF_ENDPOINT=<the local server> does when huggingface_hub is imported (a subprocess sets the variable)."""
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+    monkeypatch.setattr("huggingface_hub.constants.HUGGINGFACE_CO_URL_TEMPLATE",
+                        hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
 
+
+@pytest.fixture
+def sleeps(monkeypatch) -> list[float]:
+    """Every wait of huggingface_hub's retries and of fetch_file's, recorded instead of slept."""
+    import time
+
+    waited: list[float] = []
+    monkeypatch.setattr(time, "sleep", waited.append)
+    return waited
+
+
+def _outcomes(hub: FakeHub) -> list[str]:
+    return [f"{method} {outcome}" for method, _, outcome in hub.log]
+
+
+@pytest.mark.parametrize("kind, fault, survived, requests, waits", [
+    ("info", "429", False, ["GET 429"], []),
+    ("info", "500", False, ["GET 500"], []),
+    ("info", "drop", False, ["GET drop"], []),
+    ("head", "429", True, ["HEAD 429", "HEAD ok", "GET ok"], []),
+    ("head", "500", True, ["HEAD 500", "HEAD ok", "GET ok"], []),
+    ("head", "drop", False, ["HEAD drop"], []),
+    ("get", "429", True, ["HEAD ok", "GET 429", "GET ok"], [2.0]),  # Retry-After: 1, plus 1 s
+    ("get", "500", False, ["HEAD ok", "GET 500"], []),
+    ("get", "drop", True, ["HEAD ok", "GET drop", "GET ok"], [1]),
+    ("get", "truncate", True, ["HEAD ok", "GET truncate", "GET ok"], [1]),
+])
+def test_what_huggingface_hub_retries(tmp_path, sleeps, kind, fault, survived, requests, waits):
+    """The library's own retries, one fault at a time (hub_download's docstring; fetch_file and list_repo_files
+    retry exactly the cases that fail here): `HfApi.dataset_info` retries nothing, `hf_hub_download` neither a
+    dropped connection before its metadata answer nor a 5xx answer to its GET. A library upgrade that changes a
+    line fails it: then hub_download's own retries should change with it."""
+    from huggingface_hub import HfApi, hf_hub_download
+
+    repo = _repo()
+    with FakeHub([repo], script={kind: [fault]}) as hub:
+        try:
+            if kind == "info":
+                HfApi(endpoint=hub.endpoint).dataset_info(repo.repo_id, revision="main", files_metadata=True)
+            else:
+                hf_hub_download(repo.repo_id, PARQUETS[0], repo_type="dataset", revision=repo.commit,
+                                local_dir=tmp_path, endpoint=hub.endpoint)
+            outcome = True
+        except Exception:
+            outcome = False
+    assert (outcome, _outcomes(hub), sleeps) == (survived, requests, waits)
+    if survived and kind != "info":
+        assert (tmp_path / PARQUETS[0]).read_bytes() == repo.files[PARQUETS[0]]
+
+
+def test_listing_and_fetch_retry_what_the_library_gives_up_on(tmp_path, sleeps):
+    """list_repo_files sends the listing through huggingface_hub's http_backoff (a 500, a 429 honouring
+    Retry-After, a dropped connection: retried); fetch_file calls hf_hub_download again after a dropped connection
+    before the metadata answer and after a 500 answer to the GET (waits of 1, then 2 s), and fails naming repo,
+    commit and file after `max_attempts` calls; a 404 is not retried."""
+    from huginn_ray.data import hub_download
     from huginn_ray.data.config import DownloadConfig
-    from huginn_ray.data.hub_download import retry_delay
 
-    err = SimpleNamespace(response=SimpleNamespace(status_code=429, headers={"Retry-After": "86400"}))
-    cfg = DownloadConfig(backoff_base_s=0.5)
-    assert 120 <= retry_delay(err, 0, cfg) <= 120.5
-    err.response.headers["Retry-After"] = "3"
-    assert 3 <= retry_delay(err, 0, cfg) <= 3.5
+    repo = _repo()
+    path = PARQUETS[1]
+    cfg = DownloadConfig(max_attempts=3)
+    with FakeHub([repo], script={"info": ["500", "429", "drop"], "head": ["drop"], "get": ["500"]}) as hub:
+        commit, files = hub_download.list_repo_files(repo.repo_id, "main", ["data/*"], hub.endpoint, None,
+                                                     DownloadConfig(max_attempts=4))
+        assert commit == repo.commit and [f.path for f in files] == PARQUETS
+        assert (_outcomes(hub), sleeps) == (["GET 500", "GET 429", "GET drop", "GET ok"], [1, 2.0, 4])
+        hub.log.clear(), sleeps.clear()
+        (hub_file,) = [f for f in files if f.path == path]
+        assert hub_download.fetch_file(repo.repo_id, commit, hub_file, str(tmp_path), hub.endpoint, None, cfg) == {
+            "path": path, "size": len(repo.files[path]), "skipped": False, "trusted": False}
+        assert _outcomes(hub) == ["HEAD drop", "HEAD ok", "GET 500", "HEAD ok", "GET ok"] and sleeps == [1.0, 2.0]
+        assert (tmp_path / path).read_bytes() == repo.files[path]
+
+        hub.log.clear(), sleeps.clear()
+        wrong = hub_download.HubFile(PARQUETS[2], hub_file.size, "0" * 64, None)  # bytes that never match the hash
+        with pytest.raises(hub_download.DownloadError, match=rf"^acme/mix@{commit[:12]}: {PARQUETS[2]}: failed after "
+                                                              r"3 attempt\(s\): OSError: .* size or hash differs"):
+            hub_download.fetch_file(repo.repo_id, commit, wrong, str(tmp_path), hub.endpoint, None, cfg)
+        assert sleeps == [1.0, 2.0] and not (tmp_path / PARQUETS[2]).exists()
+
+        hub.log.clear(), sleeps.clear()
+        missing = hub_download.HubFile("data/missing.parquet", 10, "0" * 64, None)
+        with pytest.raises(hub_download.DownloadError, match=r"data/missing.parquet: failed after 1 attempt\(s\)"):
+            hub_download.fetch_file(repo.repo_id, commit, missing, str(tmp_path), hub.endpoint, None, cfg)
+        assert _outcomes(hub) == ["HEAD 404"] and sleeps == []
 
 
 @pytest.mark.parametrize("name", ["../../escape.parquet", "data/../../escape.parquet", "/etc/escape.parquet"])
@@ -175,8 +257,6 @@ def test_file_name_outside_the_folder_is_refused_before_anything_is_touched(tmp_
     source = parse_sources(parse_yaml("- {name: evil, address: acme/evil, features: [content], files: ['*']}"),
                            "sources.yaml")[0]
     with FakeHub([repo]) as hub:
-        from huginn_ray.data import hub_download
-
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
         with pytest.raises(DownloadError, match="which would resolve outside"):
             download_sources([source], tmp_path / "download", DownloadConfig(max_attempts=1))
@@ -329,3 +409,115 @@ def test_a_hub_evaluation_set_decontaminates_a_local_source_end_to_end(tmp_path)
         "files": [{"path": "main/test-00000-of-00001.parquet", "size": len(data),
                    "hash": hashlib.sha256(data).hexdigest()}]}]
     assert (out / "eval_sets" / f"openai/gsm8k@{repo.commit}" / "main/test-00000-of-00001.parquet").read_bytes() == data
+
+
+def test_the_tokenizer_stages_leave_the_evaluation_sets_alone(tmp_path, monkeypatch):
+    """jobs/train_tokenizer.py runs the download and staging stages: a Hub evaluation set of decontaminate.against
+    (which only the filter stage reads, and the pack stage checks) is neither resolved nor fetched for them; a run
+    of the filter stage resolves and fetches it before the plan. The plan is stubbed to stop each run there."""
+    from huginn_ray.data import pipeline
+    from huginn_ray.data.config import load_data_config
+
+    class Planned(Exception):
+        pass
+
+    given = []
+
+    def plan(cfg, sources, ngrams):
+        given.append(ngrams)
+        raise Planned
+
+    (tmp_path / "web").mkdir()
+    (tmp_path / "web" / "docs.jsonl").write_text('{"text": "a document"}\n')
+    (tmp_path / "sources.yaml").write_text("- {name: web, local_dir: web, features: [text]}\n")
+    config = tmp_path / "data.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'out'}\nsources: sources.yaml\n"
+                      "decontaminate: {mode: drop, against: [{hub: openai/gsm8k, config: main}]}\n")
+    monkeypatch.setattr(pipeline, "build_plan", plan)
+    repo = gsm8k_repo()
+    with FakeHub([repo]) as hub:
+        _use_endpoint(monkeypatch, hub)
+        with pytest.raises(Planned):
+            pipeline.run(load_data_config(config), ("download", "staging"))
+        assert given == [None] and hub.log == []
+        with pytest.raises(Planned):
+            pipeline.run(load_data_config(config), ("download", "staging", "filter"))
+        assert given[1].origins[0]["commit"] == repo.commit
+        assert [f"{method} {path}" for method, path, _ in hub.log] == [
+            "GET /api/datasets/openai/gsm8k/revision/main",
+            f"HEAD /datasets/openai/gsm8k/resolve/{repo.commit}/main/test-00000-of-00001.parquet",
+            f"GET /datasets/openai/gsm8k/resolve/{repo.commit}/main/test-00000-of-00001.parquet"]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    if ray.is_initialized():  # another module's session-wide Ray: share it
+        yield
+        return
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    temp_dir = tempfile.mkdtemp(prefix="hrdh_", dir="/tmp")
+    ray.init(address="local", num_cpus=2, object_store_memory=128 << 20, _temp_dir=temp_dir,
+             include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _killed_once(fn, flag: Path):
+    """The stage's map, except that its first call SIGKILLs its own worker after its file is fetched, verified and
+    recorded, before the result goes back. Every call appends (path, memory= Ray gave it, killed or ran) to
+    `<flag>.memory`."""
+
+    def first_call_dies(table, **kwargs):
+        import ray
+
+        path = table.column("path")[0].as_py()
+        memory = ray.get_runtime_context().get_assigned_resources().get("memory")
+        try:
+            os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:  # a later call, or the rerun of the killed one
+            with open(flag.with_suffix(".memory"), "a") as f:
+                f.write(json.dumps([path, memory, "ran"]) + "\n")
+            return fn(table, **kwargs)
+        fn(table, **kwargs)
+        with open(flag.with_suffix(".memory"), "a") as f:
+            f.write(json.dumps([path, memory, "killed"]) + "\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return first_call_dies
+
+
+def test_a_killed_download_worker_is_rerun_with_more_memory_trusting_what_it_verified(local_ray, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """A download task's worker dies (SIGKILL) after its file is verified: the files not yet returned run again,
+    each with twice the memory (execution.rerun_killed; tasks declare none at first, counted as
+    UNDECLARED_MEMORY), and the killed task's file is trusted by its verification record, not fetched again."""
+    from huginn_ray.config import parse_yaml
+    from huginn_ray.data import hub_download
+    from huginn_ray.data.config import DownloadConfig
+    from huginn_ray.data.execution import UNDECLARED_MEMORY
+    from huginn_ray.data.sources import parse_sources
+
+    repo = _repo()
+    source = parse_sources(parse_yaml("- {name: mix, address: acme/mix, features: [content], "
+                                      "files: ['data/*.parquet', 'extra/*.jsonl']}"), "sources.yaml")[0]
+    monkeypatch.setattr(hub_download, "download_files", _killed_once(hub_download.download_files, tmp_path / "kill"))
+    with FakeHub([repo]) as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        provenance = hub_download.download_sources([source], tmp_path / "download",
+                                                   DownloadConfig(max_in_flight=2, max_attempts=1))
+    out = capsys.readouterr().out
+    assert re.search(r"\[download\] a worker was killed \(\w+\); rerunning the [1-4] units that had not finished, "
+                     "each with twice its memory", out)
+    attempts = [json.loads(line) for line in (tmp_path / "kill.memory").read_text().splitlines()]
+    [(killed, memory)] = [(path, memory) for path, memory, what in attempts if what == "killed"]
+    assert memory is None and [m for p, m, what in attempts if p == killed and what == "ran"] == [2 * UNDECLARED_MEMORY]
+    assert _file_gets(hub, killed) == 1  # fetched by the killed task, trusted by its rerun
+    trusted = re.search(r"\[download\] 4 files of 1 source\(s\), .* already complete, (\d) of them by their "
+                        r"verification record\)", out)
+    assert trusted and int(trusted.group(1)) >= 1
+    assert [f["path"] for f in provenance["mix"]["files"]] == sorted(PARQUETS + ["extra/notes.jsonl"])
+    for path in PARQUETS + ["extra/notes.jsonl"]:
+        assert (tmp_path / "download" / "mix" / path).read_bytes() == repo.files[path]

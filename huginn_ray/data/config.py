@@ -22,13 +22,8 @@ class DownloadConfig:
     max_in_flight: int = 8
     """Hub files fetched at the same time (one Ray task each)."""
     max_attempts: int = 8
-    """Attempts per file before the run fails naming the file."""
-    backoff_base_s: float = 1.0
-    """First retry waits about this long; each later retry doubles it (with full jitter)."""
-    backoff_max_s: float = 60.0
-    """Upper bound of one backoff wait."""
-    retry_after_max_s: float = 120.0
-    """A server's Retry-After is honoured up to this many seconds."""
+    """Requests per listing, and calls of `hf_hub_download` per file, for the failures huggingface_hub does not
+    retry itself (huginn_ray/data/hub_download.py); then the run fails naming the repo and file."""
 
 
 @dataclass
@@ -209,8 +204,6 @@ def check_hub_eval_set(entry: HubEvalSet, key: str) -> None:
 # allowed ranges of the numeric fields not checked above
 DATA_RANGES: dict[str, Range] = {
     "seed": NON_NEGATIVE,
-    "download.backoff_base_s": NON_NEGATIVE,
-    "download.backoff_max_s": NON_NEGATIVE,
     "tokenizer.vocab_size": Range(33),  # more than the 32 special tokens at the top (train_tokenizer checks the rest)
     "tokenizer.max_token_length": AT_LEAST_1,
     "decontaminate.ngram": AT_LEAST_1,

@@ -470,7 +470,9 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     """Run the given stages in order; returns the shard manifest when the shuffle stage ran."""
     sources = load_sources(cfg.sources)
     check_sources(sources)  # before the plan samples their files
-    ngrams = eval_ngrams(cfg)  # a bad evaluation file is refused before the plan and any stage
+    # the evaluation sets serve the filter stage (and the pack stage's check that its input is filtered with them):
+    # resolved, fetched and read, a bad one refused, before the plan and any stage, only when one of those runs
+    ngrams = eval_ngrams(cfg) if {"filter", "pack"} & set(stages) else None
     plan = build_plan(cfg, sources, ngrams)  # refuses a run whose peak disk does not fit output_dir's free space
     print(f"[plan] about {plan['estimated_tokens']:,d} packed tokens, peak disk "
           f"{plan['peak_disk_bytes'] / 2**30:.2f} GiB ({plan['free_bytes'] / 2**30:.1f} GiB free)", flush=True)
