@@ -583,18 +583,32 @@ def _shuffle(files, out, **kw):
 
 
 def test_shuffle_output_does_not_depend_on_map_and_reduce_grouping(ray_instance, tmp_path):
-    """Many map groups and reducers (1 MiB each) give the same shards as one of each (64 MiB)."""
+    """Many map groups and reducers (1 MiB each) give the same shards as one of each (64 MiB). Each pass's read,
+    map step and write run fused, one task per map group or reducer (the rows never cross the object store)."""
+    import logging
+
     files = _synthetic_packed(tmp_path / "packed")
     outputs = {}
+    plans: list[str] = []
+    collect = logging.Handler()
+    collect.emit = lambda record: plans.append(record.getMessage())
+    executor = logging.getLogger("ray.data._internal.execution.streaming_executor")
     for mib in (1, 64):
         out = tmp_path / f"shards_{mib}"
-        manifest = _shuffle(files, out, reducer_mib=mib, map_mib=mib)
+        executor.addHandler(collect)
+        try:
+            manifest = _shuffle(files, out, reducer_mib=mib, map_mib=mib)
+        finally:
+            executor.removeHandler(collect)
         assert manifest["rows_per_shard"] == {"train": 106, "val": 26}
         assert manifest["dropped_surplus_rows"] == {"train": 2, "val": 2}
         assert manifest["token_dtype"] == "uint16"
         outputs[mib] = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.glob("*/*.parquet")}
         assert not (tmp_path / f"shards_{mib}.partial").exists()
     assert outputs[1] == outputs[64] and len(outputs[1]) == 6
+    operators = [line.split(": ", 1)[1] for line in plans if line.startswith("Execution plan of Dataset")]
+    assert operators == 2 * ["InputDataBuffer[Input] -> TaskPoolMapOperator[ReadPackedRows->MapBatches(place_rows)"
+                             "->Write]", "InputDataBuffer[Input] -> TaskPoolMapOperator[ReadMapFileRows->Write]"]
     firsts = [r[0] for p in (tmp_path / "shards_1" / "train").glob("*.parquet") for r in _rows(p)]
     assert len(set(firsts)) == len(firsts) == 3 * 106  # no row twice
     assert pq.ParquetFile(tmp_path / "shards_1" / "train" / "00000.parquet").schema_arrow == \
@@ -642,13 +656,12 @@ def test_shuffle_resumes_after_a_crash_and_redoes_only_missing_files(ray_instanc
 
 def test_out_of_range_id_is_refused_before_anything_is_written(ray_instance, tmp_path):
     files = _synthetic_packed(tmp_path / "packed")
-    with pytest.raises(Exception, match=r"0000\.parquet: token id 4\d{4} does not fit the vocabulary of 40000 ids stored as uint16"):
-        try:
-            _shuffle(files, tmp_path / "shards", vocab_size=40000)
-        except Exception as err:
-            from huginn_ray.data.pipeline import root_error
+    from huginn_ray.data.tokens import TokenRangeError
 
-            raise root_error(err)
+    # the map task's own error, raised on the driver as that very exception (not Ray's wrapper of it)
+    with pytest.raises(TokenRangeError, match=r"^\S*/0000\.parquet: token id 4\d{4} does not fit the vocabulary of "
+                                              r"40000 ids stored as uint16"):
+        _shuffle(files, tmp_path / "shards", vocab_size=40000)
     assert not (tmp_path / "shards").exists()
     assert not list((tmp_path / "shards.partial").glob("out/*/*.parquet"))
 

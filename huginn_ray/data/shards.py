@@ -262,13 +262,7 @@ def write_map_units(tables, units: dict[int, dict], plans: dict, work: str, row_
             part = table if unit_col[0] == unit_col[-1] else table.filter(pa.array(unit_col == unit))
             unit = int(unit)
             if unit not in state:
-                counts = units[unit]["counts"]
-                todo = [name for name in plans if not _map_paths(work_dir, name, unit)[1].exists()]
-                state[unit] = {
-                    "todo": todo, "filled": dict.fromkeys(SPLITS, 0), "hashes": {},
-                    "rows": {name: np.empty((counts[name], row_len), numpy_dtype(dtype)) for name in todo},
-                    "masks": {name: np.empty((counts[name], row_len), np.uint8) for name in todo} if with_mask else {},
-                    "position": {name: np.empty(counts[name], np.int64) for name in todo}}
+                state[unit] = _map_state(unit, units[unit]["counts"], plans, work_dir, row_len, dtype, with_mask)
             st = state[unit]
             if SHA256 in part.column_names:
                 files, digests = part.column(FILE).to_numpy(), part.column(SHA256)
@@ -278,27 +272,40 @@ def write_map_units(tables, units: dict[int, dict], plans: dict, work: str, row_
                 path = units[unit]["files"][int(part.column(FILE)[0].as_py())]["path"]
                 raise ValueError(f"{path}: {'no' if with_mask else 'a'} {MASK} column, the other inputs of this "
                                  f"shuffle have {'one' if with_mask else 'none'}")
-            split = part.column(SPLIT).to_numpy()
-            for name, code in SPLITS.items():
-                chosen = split == code
-                n = int(chosen.sum())
-                if name in st["todo"] and n:
-                    at = st["filled"][name]
-                    rows = fixed_rows(part.column("input_ids"), row_len, "map block")
-                    st["rows"][name][at:at + n] = rows[chosen]
-                    st["position"][name][at:at + n] = part.column("position").to_numpy()[chosen]
-                    if with_mask:
-                        st["masks"][name][at:at + n] = fixed_rows(part.column(MASK), row_len, "map block")[chosen]
-                st["filled"][name] += n
+            for batch in part.to_batches():  # the block's chunks, each a view: no combined copy of the block
+                split = batch.column(SPLIT).to_numpy()
+                for name, code in SPLITS.items():
+                    chosen = split == code
+                    n = int(chosen.sum())
+                    if name in st["todo"] and n:
+                        # a run of one split (the common case) is copied as a slice, without a gathered copy
+                        take = slice(None) if n == len(split) else chosen
+                        at = st["filled"][name]
+                        st["rows"][name][at:at + n] = fixed_rows(batch.column("input_ids"), row_len, "map block")[take]
+                        st["position"][name][at:at + n] = batch.column("position").to_numpy()[take]
+                        if with_mask:
+                            st["masks"][name][at:at + n] = fixed_rows(batch.column(MASK), row_len, "map block")[take]
+                    st["filled"][name] += n
     return [_commit_map_unit(unit, st, units[unit], plans, work_dir, row_len, dtype, with_mask)
             for unit, st in state.items()]
+
+
+def _map_state(unit: int, counts: dict, plans: dict, work_dir: Path, row_len: int, dtype: str,
+               with_mask: bool) -> dict:
+    """A map group's rows as the write gathers them: arrays of their planned size for each split whose map file
+    is still to write."""
+    todo = [name for name in plans if not _map_paths(work_dir, name, unit)[1].exists()]
+    return {"todo": todo, "filled": dict.fromkeys(SPLITS, 0), "hashes": {},
+            "rows": {name: np.empty((counts[name], row_len), numpy_dtype(dtype)) for name in todo},
+            "masks": {name: np.empty((counts[name], row_len), np.uint8) for name in todo} if with_mask else {},
+            "position": {name: np.empty(counts[name], np.int64) for name in todo}}
 
 
 def _commit_map_unit(unit: int, st: dict, planned: dict, plans: dict, work_dir: Path, row_len: int, dtype: str,
                      with_mask: bool) -> dict:
     """One unit's map files: its rows of each split to do, the surplus dropped, sorted by position; the index
     (N + 1 row offsets, one range per shard) is committed last, as the mark of a complete map file."""
-    for name in SPLITS:
+    for name in plans:
         if st["filled"][name] != planned["counts"][name]:
             raise RuntimeError(f"shuffle_map: map group {unit} got {st['filled'][name]} of its "
                                f"{planned['counts'][name]} {name} rows in one task")
@@ -438,12 +445,13 @@ def write_reducer_shards(tables, reducers: dict[int, dict], plans: dict, work: s
                            "masks": np.empty((total, row_len), np.uint8) if with_mask else None,
                            "position": np.empty(total, np.int64), "filled": 0, "maps": set()}
         st = state[unit]
-        at, n = st["filled"], table.num_rows
-        st["rows"][at:at + n] = fixed_rows(table.column("input_ids"), row_len, "map block")
-        st["position"][at:at + n] = table.column("position").to_numpy()
-        if with_mask:
-            st["masks"][at:at + n] = fixed_rows(table.column(MASK), row_len, "map block")
-        st["filled"] += n
+        for batch in table.to_batches():  # the block's chunks, each a view: no combined copy of the block
+            at, n = st["filled"], batch.num_rows
+            st["rows"][at:at + n] = fixed_rows(batch.column("input_ids"), row_len, "map block")
+            st["position"][at:at + n] = batch.column("position").to_numpy()
+            if with_mask:
+                st["masks"][at:at + n] = fixed_rows(batch.column(MASK), row_len, "map block")
+            st["filled"] += n
         st["maps"].update(np.unique(table.column("map_file").to_numpy()).tolist())
     return [_commit_reducer(unit, st, reducers[unit], plans[reducers[unit]["split"]], work_dir, row_len, dtype,
                             row_group_size, with_mask) for unit, st in state.items()]
@@ -643,6 +651,11 @@ def _shuffle_splits(files: list[dict], groups: list[list[dict]], plans: dict, wo
         return all(_map_paths(work, name, unit)[1].exists() for name in plans)
 
     todo = [unit for unit in units if not map_done(unit)]
+    for unit in [u for u in todo if not any(units[u]["counts"][name] for name in plans)]:
+        # no row to shuffle (all skipped, or only rows of a split that goes per file): empty map files, nothing read
+        _commit_map_unit(unit, _map_state(unit, units[unit]["counts"], plans, work, row_len, token_dtype, with_mask),
+                         units[unit], plans, work, row_len, token_dtype, with_mask)
+        todo.remove(unit)
     map_results: dict[int, dict] = {}
 
     def map_pass(members: list[int], memory: int | None) -> None:
