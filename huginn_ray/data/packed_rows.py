@@ -147,14 +147,7 @@ def run_units(name: str, estimates: list[int | None], run_class: Callable[[list[
               finished: Callable[[int], bool]) -> None:
     """run_class(units, memory) for the units 0..n-1, grouped by their declared memory (`estimates`, rounded:
     execution.declared_memory), one dataset per class, under Ray Data's BLOCK_BYTES; a unit whose worker was
-    killed runs again with twice its memory until `finished(unit)` (execution.rerun_killed).
-
-    The classes' datasets run at the same time, each from a thread of the driver (Ray schedules their tasks on
-    the cluster's CPUs and memory together): run one after the other, a class of a few units would leave CPUs
-    idle that another class's tasks could use. When one fails, the others run to their end first; an error of
-    the stage's own is raised before a killed worker's."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    killed runs again with twice its memory until `finished(unit)` (execution.rerun_killed)."""
     from ray.data import DataContext
 
     if not estimates:
@@ -165,15 +158,14 @@ def run_units(name: str, estimates: list[int | None], run_class: Callable[[list[
         classes: dict[int | None, list[int]] = {}
         for i in todo:
             classes.setdefault(declared[i], []).append(i)
-        with ThreadPoolExecutor(max_workers=len(classes), thread_name_prefix=name) as pool:
-            futures = [pool.submit(run_class, members, memory) for memory, members in classes.items()]
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            err = next((e for e in errors if killed_worker(e) is None), errors[0])
-            cause = project_error(err)
-            if cause is err:
-                raise err
-            raise cause from None
+        for memory, members in sorted(classes.items(), key=lambda kv: kv[0] or 0):
+            try:
+                run_class(members, memory)
+            except Exception as err:
+                cause = project_error(err)
+                if cause is err:
+                    raise
+                raise cause from None
 
     context = DataContext.get_current()
     shaping = context.target_max_block_size
