@@ -201,6 +201,13 @@ RAY_DATA_BLOCKS = 3 * BLOCK_BYTES
 """What Ray Data holds in a task of these passes besides the task's own state: the read's and the map step's
 output buffers (blocks are emitted once they exceed BLOCK_BYTES) and the block being built from them."""
 
+HELD_COLUMN_BYTES = 40
+"""Ray Data's write (2.60) keeps every block of its task until the task ends (its write function tees the blocks
+and drains the second copy for statistics after the datasink's write returns), so a task that writes holds its
+unit's rows once as blocks besides what its write builds from them: their ids in the storage type (a loss mask:
+one byte more per id) and up to this many bytes per row of the columns the read and the map step add (unit, file,
+split, index, position, hash)."""
+
 
 READ_FACTOR = 3
 """A task reading a parquet file holding B bytes of ids in their physical type (parquet has no 16-bit integers:
@@ -214,13 +221,14 @@ def map_task_memory(group: list[dict], row_len: int, dtype: str, input_width: in
                     mask: bool = False) -> int:
     """The memory a map task uses, declared to Ray as `memory=`: its rows once in the storage type, 24 bytes per
     row of positions and sort order, reading its largest input file (READ_FACTOR), one write chunk twice (the
-    gathered rows and their Arrow copy), Ray Data's blocks in flight (RAY_DATA_BLOCKS) and the worker's own
-    footprint. A loss mask adds one byte per id."""
+    gathered rows and their Arrow copy), Ray Data's blocks in flight (RAY_DATA_BLOCKS) and the blocks its write
+    keeps (the rows once more: HELD_COLUMN_BYTES), and the worker's own footprint. A loss mask adds one byte per
+    id."""
     width = np.dtype(numpy_dtype(dtype)).itemsize + mask
     rows = sum(f["train_rows"] + f["val_rows"] for f in group)
     largest = max((f["train_rows"] + f["val_rows"] for f in group), default=0) * row_len * max(4, input_width)
-    return (rows * (row_len * width + 24) + largest * (READ_FACTOR + hashed) + 2 * WRITE_CHUNK_BYTES
-            + RAY_DATA_BLOCKS + _TASK_OVERHEAD)
+    return (rows * (2 * row_len * width + 24 + HELD_COLUMN_BYTES) + largest * (READ_FACTOR + hashed)
+            + 2 * WRITE_CHUNK_BYTES + RAY_DATA_BLOCKS + _TASK_OVERHEAD)
 
 
 def reduce_task_memory(plan: dict, row_len: int, dtype: str, mask: bool = False) -> int:
@@ -789,8 +797,8 @@ def _per_file_split(split: str, method: str, files: list[dict], work: Path, *, r
         finally:
             results.update(sink.results)
 
-    estimates = [None if method == "hard_link" else
-                 convert_task_memory(units[rank]["files"][0], row_len, token_dtype, row_group_size, hash_inputs)
+    # a file to link is read as one to convert is (and its blocks kept alike): the same declaration
+    estimates = [convert_task_memory(units[rank]["files"][0], row_len, token_dtype, row_group_size, hash_inputs)
                  for rank in todo]
     run_units(name, estimates, per_file_pass, lambda i: shard_path(work / "out", split, todo[i]).exists())
     if results:
@@ -945,15 +953,16 @@ def convert_task_memory(entry: dict, row_len: int, dtype: str, row_group_size: i
     """The memory a conversion task uses, declared as `memory=`: reading one batch (at most a row group,
     `_read_input`) at the file's id width (CONVERT_READ_FACTOR, CONVERT_READER_BYTES), the whole file's bytes when
     it is hashed (held while parsed), one output row group plus one batch twice (the rows and their Arrow copy),
-    Ray Data's blocks in flight (RAY_DATA_BLOCKS) and the worker's own footprint. It does not grow with the
-    file."""
+    Ray Data's blocks in flight (RAY_DATA_BLOCKS), the blocks its write keeps until the task ends (the file's rows
+    in the storage type: HELD_COLUMN_BYTES), and the worker's own footprint."""
     meta = pq.read_metadata(entry["path"])
     width = np.dtype(numpy_dtype(dtype)).itemsize
     input_width = max(4, meta.schema.to_arrow_schema().field("input_ids").type.value_type.bit_width // 8)
     batch = min([READ_BATCH_ROWS] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
     return (batch * row_len * input_width * CONVERT_READ_FACTOR + CONVERT_READER_BYTES
             + (os.path.getsize(entry["path"]) if hashed else 0)
-            + 2 * (row_group_size + batch) * row_len * width + RAY_DATA_BLOCKS + _TASK_OVERHEAD)
+            + 2 * (row_group_size + batch) * row_len * width + RAY_DATA_BLOCKS
+            + meta.num_rows * (row_len * width + HELD_COLUMN_BYTES) + _TASK_OVERHEAD)
 
 
 _REQUIRED = {
