@@ -6,9 +6,10 @@ Writes synthetic packed files (rows of seq_len + 1 uint16 ids, 5 % validation ro
 layout), then in one run:
   baseline - a plain pyarrow read + write of the same packed files (one process), the disk's reference speed;
   shuffle N - huginn_ray.data.shards.run_shuffle on a fresh local Ray for each N.
-Per N it prints wall time, bytes read and written (input, intermediate map files, shards), the driver's peak
-RSS (sampled every 50 ms) and its growth during the shuffle, the peak number of objects in the object store
-and of object references the driver holds, the number of map / reduce tasks, and the largest task peak RSS.
+Per N it prints wall time, records (rows) per second, bytes read and written (input, intermediate map files,
+shards), the driver's peak RSS (sampled every 50 ms) and its growth during the shuffle, the peak number of objects
+in the object store and of object references the driver holds, the number of map / reduce tasks, and the largest
+task peak RSS.
 Nothing is asserted.
 """
 
@@ -147,20 +148,21 @@ def main() -> int:
         written = st["intermediate_bytes_written"] + st["shard_bytes_written"]
         results.append((n, wall, read, written, sampler.peak_rss, sampler.peak_rss - before, sampler.peak_objects,
                         sampler.peak_refs, st["map_tasks"], st["reducers"], st["max_task_peak_rss_mib"]))
-        print(f"N={n}: {wall:.1f}s", flush=True)
+        print(f"N={n}: {wall:.1f}s, {rows / wall:.0f} records/s", flush=True)
         ray.shutdown()
-        shutil.rmtree(out)
+        shutil.rmtree(os.path.realpath(out))  # the published version; `out` is the pointer to it
+        out.unlink()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
     print(f"\n=== shuffle scaling: {input_bytes / 2**30:.2f} GiB packed input ({rows} rows), {args.cpus} Ray CPUs, "
           f"map_mib {args.map_mib}, reducer_mib {args.reducer_mib}, load average {os.getloadavg()[0]:.1f} ===")
     print(f"baseline pyarrow read+write (1 process): {base_s:.1f}s, read {base_read / 2**30:.2f} GiB, "
           f"written {base_written / 2**30:.2f} GiB, {input_bytes / 2**20 / base_s:.0f} MiB/s")
-    print("| N shards | wall s | vs baseline | read GiB | written GiB | driver peak RSS MiB (growth) | "
+    print("| N shards | wall s | records/s | vs baseline | read GiB | written GiB | driver peak RSS MiB (growth) | "
           "peak store objects | peak driver refs | map / reduce tasks | largest task peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n, wall, read, written, peak, growth, objs, refs, maps, reds, task_rss in results:
-        print(f"| {n} | {wall:.1f} | {base_s / wall:.2f}x | {read / 2**30:.2f} | {written / 2**30:.2f} | "
+        print(f"| {n} | {wall:.1f} | {rows / wall:.0f} | {base_s / wall:.2f}x | {read / 2**30:.2f} | {written / 2**30:.2f} | "
               f"{peak:.0f} (+{growth:.0f}) | {objs} | {refs} | {maps} / {reds} | {task_rss:.0f} |")
     if not args.out:
         shutil.rmtree(root, ignore_errors=True)

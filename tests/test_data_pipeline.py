@@ -339,28 +339,33 @@ def test_same_bytes_from_a_separate_ray_with_one_cpu(prepared, chat_prepared, tm
         assert (tmp_path / "chat_one_cpu" / path.relative_to(chat_root / "pack")).read_bytes() == path.read_bytes()
 
 
-def _killed_once(fn, flag: Path):
-    """fn, except that the first attempt of the first call SIGKILLs its own worker process in the middle of the
-    task: after its first output is fully written under its temp name, before that output is committed. Every
-    attempt appends (call, memory= Ray gave it, killed or ran) to `<flag>.memory`."""
+def _killed_once(place_rows, flag: Path):
+    """The shuffle map pass's map step, except that the first task to run it SIGKILLs its own worker process in
+    the middle of the task: once its map file is fully written under its temp name, before it is committed (the
+    read, map and write of a map group are one task). Every task appends (its map group, memory= Ray gave it,
+    killed or ran) to `<flag>.memory`, once."""
+    seen = set()  # the map groups this task recorded (the map step runs once per block)
 
-    def first_attempt_dies(*args, **kwargs):
+    def first_attempt_dies(table, **kwargs):
         import ray
 
-        call = args[0]
+        call = int(table.column("unit")[0].as_py())
+        if call in seen:
+            return place_rows(table, **kwargs)
+        seen.add(call)
         memory = ray.get_runtime_context().get_assigned_resources().get("memory")
         try:
             os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
-        except FileExistsError:  # a later call, or the retry of the killed attempt: the real task
+        except FileExistsError:  # a later task, or the rerun of the killed one: the real work
             with open(flag.with_suffix(".memory"), "a") as f:
                 f.write(json.dumps([call, memory, "ran"]) + "\n")
-            return fn(*args, **kwargs)
+            return place_rows(table, **kwargs)
         from huginn_ray.data import layout
 
         with open(flag.with_suffix(".memory"), "a") as f:
             f.write(json.dumps([call, memory, "killed"]) + "\n")
         layout.commit_file = lambda tmp, final: os.kill(os.getpid(), signal.SIGKILL)  # this worker only
-        return fn(*args, **kwargs)
+        return place_rows(table, **kwargs)
 
     return first_attempt_dies
 
@@ -403,7 +408,7 @@ def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(pre
     root, config = prepared
     monkeypatch.setattr(pack_mod, "TokenizeDocuments", _encoder_killed_once(pack_mod.TokenizeDocuments,
                                                                             tmp_path / "pack"))
-    monkeypatch.setattr(shards_mod, "_map_group", _killed_once(shards_mod._map_group, tmp_path / "map"))
+    monkeypatch.setattr(shards_mod, "place_rows", _killed_once(shards_mod.place_rows, tmp_path / "map"))
     out = tmp_path / "killed"
     assert prepare_data.main(["--quiet", "--config", str(config), f"output_dir={out}",
                               f"tokenizer.path={root / 'out' / 'tokenizer'}"]) == 0
@@ -578,18 +583,32 @@ def _shuffle(files, out, **kw):
 
 
 def test_shuffle_output_does_not_depend_on_map_and_reduce_grouping(ray_instance, tmp_path):
-    """Many map groups and reducers (1 MiB each) give the same shards as one of each (64 MiB)."""
+    """Many map groups and reducers (1 MiB each) give the same shards as one of each (64 MiB). Each pass's read,
+    map step and write run fused, one task per map group or reducer (the rows never cross the object store)."""
+    import logging
+
     files = _synthetic_packed(tmp_path / "packed")
     outputs = {}
+    plans: list[str] = []
+    collect = logging.Handler()
+    collect.emit = lambda record: plans.append(record.getMessage())
+    executor = logging.getLogger("ray.data._internal.execution.streaming_executor")
     for mib in (1, 64):
         out = tmp_path / f"shards_{mib}"
-        manifest = _shuffle(files, out, reducer_mib=mib, map_mib=mib)
+        executor.addHandler(collect)
+        try:
+            manifest = _shuffle(files, out, reducer_mib=mib, map_mib=mib)
+        finally:
+            executor.removeHandler(collect)
         assert manifest["rows_per_shard"] == {"train": 106, "val": 26}
         assert manifest["dropped_surplus_rows"] == {"train": 2, "val": 2}
         assert manifest["token_dtype"] == "uint16"
         outputs[mib] = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.glob("*/*.parquet")}
         assert not (tmp_path / f"shards_{mib}.partial").exists()
     assert outputs[1] == outputs[64] and len(outputs[1]) == 6
+    operators = [line.split(": ", 1)[1] for line in plans if line.startswith("Execution plan of Dataset")]
+    assert operators == 2 * ["InputDataBuffer[Input] -> TaskPoolMapOperator[ReadPackedRows->MapBatches(place_rows)"
+                             "->Write]", "InputDataBuffer[Input] -> TaskPoolMapOperator[ReadMapFileRows->Write]"]
     firsts = [r[0] for p in (tmp_path / "shards_1" / "train").glob("*.parquet") for r in _rows(p)]
     assert len(set(firsts)) == len(firsts) == 3 * 106  # no row twice
     assert pq.ParquetFile(tmp_path / "shards_1" / "train" / "00000.parquet").schema_arrow == \
@@ -606,19 +625,19 @@ def test_shuffle_resumes_after_a_crash_and_redoes_only_missing_files(ray_instanc
     # a crash in the middle: the first validation reducer fails after all map files and the train shards exist
     from huginn_ray.data import shards as shards_mod
 
-    original = shards_mod._reduce
+    original = shards_mod.read_reducer_rows
 
-    def flaky(split, reducer, *args):
-        if split == "val" and reducer == 0:
+    def flaky(unit, reducer, work):
+        if reducer["split"] == "val" and reducer["shards"][0] == 0:
             raise RuntimeError("simulated crash")
-        return original(split, reducer, *args)
+        return original(unit, reducer, work)
 
-    shards_mod._reduce = flaky
+    shards_mod.read_reducer_rows = flaky
     try:
         with pytest.raises(Exception, match="simulated crash"):
             _shuffle(files, out, reducer_mib=1, map_mib=1)
     finally:
-        shards_mod._reduce = original
+        shards_mod.read_reducer_rows = original
     partial = tmp_path / "shards.partial"
     done_before = {p: p.stat().st_mtime_ns for p in partial.glob("out/*/*.parquet")}
     maps_before = {p: p.stat().st_mtime_ns for p in partial.glob("map/*/*.arrow")}
@@ -637,13 +656,12 @@ def test_shuffle_resumes_after_a_crash_and_redoes_only_missing_files(ray_instanc
 
 def test_out_of_range_id_is_refused_before_anything_is_written(ray_instance, tmp_path):
     files = _synthetic_packed(tmp_path / "packed")
-    with pytest.raises(Exception, match=r"0000\.parquet: token id 4\d{4} does not fit the vocabulary of 40000 ids stored as uint16"):
-        try:
-            _shuffle(files, tmp_path / "shards", vocab_size=40000)
-        except Exception as err:
-            from huginn_ray.data.pipeline import root_error
+    from huginn_ray.data.tokens import TokenRangeError
 
-            raise root_error(err)
+    # the map task's own error, raised on the driver as that very exception (not Ray's wrapper of it)
+    with pytest.raises(TokenRangeError, match=r"^\S*/0000\.parquet: token id 4\d{4} does not fit the vocabulary of "
+                                              r"40000 ids stored as uint16"):
+        _shuffle(files, tmp_path / "shards", vocab_size=40000)
     assert not (tmp_path / "shards").exists()
     assert not list((tmp_path / "shards.partial").glob("out/*/*.parquet"))
 
@@ -798,6 +816,39 @@ def test_reducers_open_only_the_map_files_holding_rows_for_them(ray_instance, tm
     assert stats["map_files_opened"] == 18
 
 
+def _map_group_task():
+    """What one task of the shuffle's map pass does for a map group of files (read, place, write: fused into one
+    task by Ray Data), here without Ray Data: run(files, plans, seed, row_len, work) -> its result. A nested
+    function, so that a Ray worker gets it by value (workers cannot import this test module)."""
+
+    def run(files: list[dict], plans: dict, seed: int, row_len: int, work: str) -> dict:
+        from huginn_ray.data import shards as shards_mod
+        from huginn_ray.data.packed_rows import read_unit_rows
+
+        unit = {"files": files, "offsets": {"train": 0, "val": 0},
+                "counts": {name: sum(f[f"{name}_rows"] for f in files) for name in shards_mod.SPLITS}}
+        tables = (shards_mod.place_rows(t, plans, seed)
+                  for t in read_unit_rows(0, unit, row_len, "uint16", 65536, False))
+        return shards_mod.write_map_units(tables, {0: unit}, plans, work, row_len, "uint16", False)[0]
+
+    return run
+
+
+def _convert_task():
+    """What one task of the released data's conversion does for one file (read, write: fused into one task by Ray
+    Data), here without Ray Data: run(entry, target, row_len, row_group_size) -> its result (nested: see above)."""
+
+    def run(entry: dict, target: str, row_len: int, row_group_size: int) -> dict:
+        from huginn_ray.data import shards as shards_mod
+        from huginn_ray.data.packed_rows import read_unit_rows
+
+        unit = {"files": [entry], "target": target, "record": None}
+        return shards_mod.write_per_file_units(read_unit_rows(0, unit, row_len, "uint16", 65536, False), {0: unit},
+                                               False, row_len, "uint16", row_group_size, False)[0]
+
+    return run
+
+
 def test_map_files_use_64_bit_list_offsets_and_a_list_array_refuses_overflow(tmp_path):
     """Map files hold ~map_mib of rows (>= 4 GiB overflows list<> offsets): large_list; a list<> array refuses."""
     import pyarrow.ipc as ipc
@@ -812,7 +863,7 @@ def test_map_files_use_64_bit_list_offsets_and_a_list_array_refuses_overflow(tmp
     plans = {name: shards_mod.plan_split(rows, 2, 2056, 1 << 20, name) for name, rows in (("train", 32), ("val", 8))}
     for name in shards_mod.SPLITS:
         (tmp_path / "work" / "map" / name).mkdir(parents=True)
-    shards_mod._map_group(0, files, {"train": 0, "val": 0}, plans, 5, 1024, "uint16", 65536, str(tmp_path / "work"))
+    _map_group_task()(files, plans, 5, 1024, str(tmp_path / "work"))
     with pa.memory_map(str(tmp_path / "work" / "map" / "train" / "000000.arrow")) as source:
         table = ipc.open_file(source).read_all()
     assert table.schema.field("input_ids").type == pa.large_list(pa.uint16()) and table.num_rows == 32
@@ -906,22 +957,23 @@ def test_a_map_task_stays_under_the_memory_it_declares(ray_instance, tmp_path):
     # a worker of its own (another runtime env: no pooled worker that ran earlier tests' tasks), so that its
     # peak RSS is this task's
     task = ray.remote(max_calls=1, memory=declared, runtime_env={"env_vars": {"HUGINN_FRESH_WORKER": "1"}})(
-        shards_mod._map_group)
-    result = ray.get(task.remote(0, files, {"train": 0, "val": 0}, plans, 1, row_len, "uint16", 65536,
-                                 str(tmp_path / "work")))
+        _map_group_task())
+    result = ray.get(task.remote(files, plans, 1, row_len, str(tmp_path / "work")))
     assert result["bytes_written"] > 2 * per_file * row_len * 2  # it did the work: all rows in the map file
     assert result["peak_rss_mib"] * 2**20 < declared, (result["peak_rss_mib"], declared / 2**20)
 
-    # converting one such file (row groups of 256 rows) to a uint16 shard streams: it declares a row group's
-    # read, not the file's 64 MiB of int64, and stays under that
+    # converting one such file (row groups of 256 rows) to a uint16 shard reads it by row groups: it declares a
+    # row group's read, not the file's 64 MiB of int64, plus the file's rows in uint16 that Ray Data's write keeps
+    # as blocks until the task ends, and stays under that
     entry = {"path": str(tmp_path / "in" / "grouped.parquet"), "train_rows": per_file, "val_rows": 0}
     pq.write_table(pq.read_table(files[0]["path"]), entry["path"], row_group_size=256)
     declared = shards_mod.convert_task_memory(entry, row_len, "uint16", 64, False)
     assert declared == (256 * row_len * 8 * shards_mod.CONVERT_READ_FACTOR + shards_mod.CONVERT_READER_BYTES
-                        + 2 * (64 + 256) * row_len * 2 + (256 << 20))
+                        + 2 * (64 + 256) * row_len * 2 + shards_mod.RAY_DATA_BLOCKS
+                        + per_file * (row_len * 2 + shards_mod.HELD_COLUMN_BYTES) + (256 << 20))
     task = ray.remote(max_calls=1, memory=declared, runtime_env={"env_vars": {"HUGINN_FRESH_WORKER": "2"}})(
-        shards_mod._convert_file)
-    result = ray.get(task.remote(entry, str(tmp_path / "shard.parquet"), row_len, "uint16", 65536, 64, False))
+        _convert_task())
+    result = ray.get(task.remote(entry, str(tmp_path / "shard.parquet"), row_len, 64))
     assert result["rows"] == per_file and pq.read_metadata(tmp_path / "shard.parquet").num_rows == per_file
     assert result["peak_rss_mib"] * 2**20 < declared, (result["peak_rss_mib"], declared / 2**20)
 

@@ -310,13 +310,16 @@ def _rows_bytes(rows: list) -> bytes:
     return buf.getvalue()
 
 
-def _recording_convert(original, calls: Path, crash_after: int | None):
-    """shards._convert_file, recording each call as a file under `calls`; with `crash_after`, the call for train
-    rank `crash_after` waits until the train shards of the ranks before it are committed, then fails (a crash of
-    the run in the middle of the conversion: the driver stops, the work directory stays as it is)."""
+def _recording_reads(original, calls: Path, crash_after: int | None):
+    """packed_rows.read_unit_rows, recording each read of a released file for its shard (a per-file unit) as a file
+    under `calls`; with `crash_after`, the read for train rank `crash_after` waits until the train shards of the
+    ranks before it are committed, then fails (a crash of the run in the middle of the conversion: the driver
+    stops, the work directory stays as it is)."""
 
-    def convert(entry, target, *args, **kwargs):
-        target = Path(target)
+    def read(unit_index, unit, *args):
+        if "target" not in unit:  # not a per-file shard's read
+            return original(unit_index, unit, *args)
+        target = Path(unit["target"])
         (calls / f"{target.parent.name}-{target.name}").touch()
         if crash_after is not None and target.name == f"{crash_after:05d}.parquet":
             import time
@@ -326,9 +329,9 @@ def _recording_convert(original, calls: Path, crash_after: int | None):
                     (target.parent / f"{r:05d}.parquet").exists() for r in range(crash_after)):
                 time.sleep(0.05)
             raise RuntimeError("simulated crash in the middle of the conversion")
-        return original(entry, str(target), *args, **kwargs)
+        return original(unit_index, unit, *args)
 
-    return convert
+    return read
 
 
 def test_one_validation_duplicate_keeps_the_training_split_per_file_and_resumes(ray_instance, tokenizer, tmp_path,
@@ -342,12 +345,16 @@ def test_one_validation_duplicate_keeps_the_training_split_per_file_and_resumes(
     before issue 29). A crash after 3 of the 4 training files are converted: the rerun converts only the 4th, and
     reads the validation rows' saved hashes instead of hashing them again."""
     from huginn_ray.data import dedup as dedup_mod
+    from huginn_ray.data import packed_rows as packed_rows_mod
     from huginn_ray.data import shards as shards_mod
 
-    def separate_pass(*args):
-        raise AssertionError("the training files were read by a separate duplicate search")
+    hash_files = dedup_mod._hash_files
 
-    monkeypatch.setattr(dedup_mod, "_train_file_matches", separate_pass)  # one pass: the conversion looks them up
+    def no_separate_pass(name, *args, **kwargs):
+        assert name != "dedup_match_train", "the training files were read by a separate duplicate search"
+        return hash_files(name, *args, **kwargs)
+
+    monkeypatch.setattr(dedup_mod, "_hash_files", no_separate_pass)  # one pass: the conversion looks them up
     files = {f"{split}/{i:03d}_00000.parquet": _file_bytes(first + 100 * i, rows)
              for split, first, rows in (("train", 0, 30), ("val", 1000, 11)) for i in range(4)}
     table = {rel: pq.read_table(io.BytesIO(data)).column(0).to_pylist() for rel, data in files.items()}
@@ -365,8 +372,8 @@ def test_one_validation_duplicate_keeps_the_training_split_per_file_and_resumes(
 
     first_calls, second_calls = tmp_path / "calls1", tmp_path / "calls2"
     first_calls.mkdir(), second_calls.mkdir()
-    original = shards_mod._convert_file
-    monkeypatch.setattr(shards_mod, "_convert_file", _recording_convert(original, first_calls, crash_after=3))
+    original = packed_rows_mod.read_unit_rows
+    monkeypatch.setattr(packed_rows_mod, "read_unit_rows", _recording_reads(original, first_calls, crash_after=3))
     assert prepare_data.main(["--quiet", "--config", str(config)]) == 1
     assert "simulated crash in the middle of the conversion" in capsys.readouterr().err
     partial = out / "shards.partial" / "out"
@@ -375,7 +382,7 @@ def test_one_validation_duplicate_keeps_the_training_split_per_file_and_resumes(
     assert not list((partial / "val").glob("*.parquet"))  # the validation split waits for the training files
     assert len(list((out / "dedup").glob("*.npz"))) == 1  # the validation rows' hashes, saved
 
-    monkeypatch.setattr(shards_mod, "_convert_file", _recording_convert(original, second_calls, crash_after=None))
+    monkeypatch.setattr(packed_rows_mod, "read_unit_rows", _recording_reads(original, second_calls, crash_after=None))
     assert prepare_data.main(["--quiet", "--config", str(config)]) == 0
     printed = capsys.readouterr().out
     assert sorted(p.name for p in second_calls.iterdir()) == ["train-00003.parquet"]  # only the missing file

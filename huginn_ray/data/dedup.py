@@ -4,16 +4,18 @@ The released tomg-group-umd/huginn-dataset split its validation files off after 
 for up-weighting, so a validation row can be byte-identical to a training row. They are found by a 64-bit hash
 (blake2b) of each row in the storage type:
 
-1. every validation file: its rows' hashes (Ray Data operator `dedup_hash_val`, one task per file), saved as
-   `<output_dir>/dedup/<input fingerprint>.npz`, so a rerun does not read the validation files again;
+1. every validation file: its rows' hashes (the pass `dedup_hash_val`, Ray Data operator
+   `ReadPackedRows->MapBatches(hash_rows)`: the rows read by row groups and hashed in one task per file, only
+   their index and hash, 16 bytes per row, sent to the driver), saved as `<output_dir>/dedup/<input fingerprint>.npz`, so a rerun does not
+   read the validation files again;
 2. every training file: which of those hashes its rows have, by a binary search (`in_sorted`, `np.searchsorted`)
-   of its row hashes in the validation hashes, sorted and unique (they go to the tasks once, through the object
-   store: 8 bytes per validation row). `np.isin` over the same arrays sorts both sides on every call: 1.39 s per
-   batch against 0.3 ms for the search (issue 29). When the training split becomes the shards one file per rank,
-   the tasks that convert or verify its files do this lookup in the same read (shards._RowReader: one pass over
-   the training data, and each file's result is committed with its shard, so a resumed run keeps it); otherwise
-   the operator `dedup_match_train` reads every training file once more, before the shuffle, and the result is
-   saved as `<output_dir>/dedup/<input fingerprint>.json`.
+   of its row hashes in the validation hashes, sorted and unique (they go to the tasks with the map step: 8 bytes
+   per validation row). `np.isin` over the same arrays sorts both sides on every call: 1.39 s per batch against
+   0.3 ms for the search (issue 29). When the training split becomes the shards one file per rank, the tasks
+   that convert or verify its files do this lookup in the same read (shards.look_up_rows: one pass over the
+   training data, and each file's result is committed with its shard, so a resumed run keeps it); otherwise the
+   operator `dedup_match_train` (the same read and `hash_rows`, keeping only the rows found) reads every training
+   file once more, before the shuffle, and the result is saved as `<output_dir>/dedup/<input fingerprint>.json`.
 
 The result is, per validation file, the row numbers that also occur in train. They are counted (manifest and
 console) and, with `drop_val_duplicates: true` (the default), left out of the validation shards: the shuffle's map
@@ -27,10 +29,11 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from huginn_ray.data import layout
-from huginn_ray.data.execution import run_tasks
-from huginn_ray.data.shards import _read_input
+from huginn_ray.data.packed_rows import INDEX, UNIT, map_rows, packed_rows, read_dataset, run_units
+from huginn_ray.data.tokens import MASK, fixed_rows
 
 
 def row_hashes(rows: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
@@ -51,19 +54,49 @@ def in_sorted(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
     return sorted_set[at] == values
 
 
-def _val_file_hashes(entry: dict, row_len: int, dtype: str, vocab_size: int) -> np.ndarray:
-    """Ray task: the hashes of a validation file's rows, in file order."""
-    parts = [row_hashes(rows, mask) for _, rows, mask in _read_input(entry, row_len, dtype, vocab_size, None)
-             if len(rows)]
-    return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
+def hash_rows(table: pa.Table, row_len: int, lookup: np.ndarray | None = None) -> pa.Table:
+    """The map step of the dedup passes: every row's unit, index and hash (`row_hash`), the ids dropped, so that
+    only 16 bytes per row travel to the driver; with `lookup` (sorted, unique hashes), only the rows whose hash
+    is one of them (operator `MapBatches(hash_rows)`)."""
+    rows = fixed_rows(table.column("input_ids"), row_len, "packed block")
+    mask = fixed_rows(table.column(MASK), row_len, "packed block") if MASK in table.column_names else None
+    hashes = row_hashes(rows, mask)
+    keep = np.ones(len(hashes), bool) if lookup is None else in_sorted(hashes, lookup)
+    return pa.table({UNIT: table.column(UNIT).filter(pa.array(keep)), INDEX: table.column(INDEX).filter(pa.array(keep)),
+                     "row_hash": pa.array(hashes[keep])})
 
 
-def _train_file_matches(entry: dict, row_len: int, dtype: str, vocab_size: int, val_hashes: np.ndarray) -> np.ndarray:
-    """Ray task: the validation hashes (`val_hashes`: sorted, unique) that rows of this training file have; sorted,
-    unique."""
-    found = [h[in_sorted(h, val_hashes)] for h in (row_hashes(rows, mask) for _, rows, mask in
-                                                  _read_input(entry, row_len, dtype, vocab_size, None) if len(rows))]
-    return np.unique(np.concatenate(found)) if found else np.zeros(0, np.uint64)
+def _hash_files(name: str, files: list[dict], row_len: int, dtype: str, vocab_size: int,
+                lookup: np.ndarray | None = None) -> list[np.ndarray]:
+    """Per file, the hashes of its rows in file order (with `lookup`: of its rows whose hash is in it): one Ray
+    Data pass, read and hash fused into one task per file, the hashes gathered on the driver."""
+    units = [(i, {"files": [{"path": f["path"], "train_rows": f["train_rows"], "val_rows": f["val_rows"]}]})
+             for i, f in enumerate(files)]
+    parts: dict[int, list[pa.Table]] = {}
+    done: set[int] = set()
+
+    def hash_pass(members: list[int], memory: int | None) -> None:
+        rows = read_dataset(packed_rows([units[i] for i in members], row_len=row_len, dtype=dtype,
+                                        vocab_size=vocab_size, hashed=False), len(members), memory)
+        for i in members:
+            parts.pop(i, None)  # a rerun reads the file again
+        for batch in map_rows(rows, hash_rows, memory, row_len=row_len, lookup=lookup).iter_batches(
+                batch_size=None, batch_format="pyarrow"):
+            unit_col = batch.column(UNIT).to_numpy()
+            for unit in np.unique(unit_col):
+                parts.setdefault(int(unit), []).append(batch.filter(pa.array(unit_col == unit)))
+        done.update(members)
+
+    run_units(name, [None] * len(files), hash_pass, lambda i: i in done)
+    hashes = []
+    for i in range(len(files)):
+        table = pa.concat_tables(parts[i]) if parts.get(i) else None
+        if table is None:
+            hashes.append(np.zeros(0, np.uint64))
+            continue
+        order = np.argsort(table.column(INDEX).to_numpy(), kind="stable")
+        hashes.append(table.column("row_hash").to_numpy()[order])
+    return hashes
 
 
 def validation_hashes(val: list[dict], row_len: int, dtype: str, vocab_size: int, saved: Path) -> list[np.ndarray]:
@@ -74,7 +107,7 @@ def validation_hashes(val: list[dict], row_len: int, dtype: str, vocab_size: int
             if stored["paths"].tolist() == [e["path"] for e in val]:
                 print(f"[dedup] validation row hashes read from {saved} (found by an earlier run)", flush=True)
                 return [stored[f"file{i}"] for i in range(len(val))]
-    per_file = run_tasks(_val_file_hashes, [(e, row_len, dtype, vocab_size) for e in val], name="dedup_hash_val")
+    per_file = _hash_files("dedup_hash_val", val, row_len, dtype, vocab_size)
     saved.parent.mkdir(parents=True, exist_ok=True)
     tmp = layout.temp_path(saved)
     with open(tmp, "wb") as f:
@@ -105,8 +138,7 @@ def find_val_duplicates(train: list[dict], val: list[dict], row_len: int, dtype:
             print(f"[dedup] validation rows also in train: read from {result} (found by an earlier run)", flush=True)
             return found
     per_file = validation_hashes(val, row_len, dtype, vocab_size, saved.with_suffix(".npz"))
-    matches = run_tasks(_train_file_matches, [(e, row_len, dtype, vocab_size) for e in train],
-                        name="dedup_match_train", common={"val_hashes": sorted_unique(per_file)})
+    matches = _hash_files("dedup_match_train", train, row_len, dtype, vocab_size, lookup=sorted_unique(per_file))
     duplicates = duplicates_found(val, per_file, sorted_unique(matches))
     layout.write_json(result, duplicates)
     return duplicates

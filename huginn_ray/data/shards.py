@@ -8,35 +8,39 @@ is a keyed Feistel network with cycle walking, so every row is placed exactly on
 Train and validation rows are shuffled separately and never mixed.
 
 Execution: a two-pass external shuffle through files, so that no intermediate data lives in Ray's object store
-and nothing the driver or a task holds grows with N (huginn_ray/data/README.md has the cost model):
+and nothing the driver or a task holds grows with N (huginn_ray/data/README.md has the cost model). Each pass is one
+Ray Data dataset of the rows themselves, read -> map -> write fused into one task per unit (packed_rows.py):
 
-1. map (Ray Data operator `shuffle_map`): one task per group of ~`shuffle.map_mib` of input files computes every
-   row's position, drops the surplus, sorts its rows by position (hence by destination shard) and writes one Arrow
-   IPC file per split, `map/<split>/MMMMMM.arrow` (columns `position`, `input_ids`, and `loss_mask` for chat
-   rows), plus `MMMMMM.idx.npy`: N + 1
-   row offsets, row range [idx[s], idx[s+1]) of the file holds the rows bound for shard s.
-2. reduce (Ray Data operator `shuffle_reduce`): the driver gathers a split's per-map indexes into one
+1. map (operator `ReadPackedRows->MapBatches(place_rows)->Write`, one task per group of
+   ~`shuffle.map_mib` of input files): the read yields the group's rows by row groups (row length and id range
+   checked), each with its split and index in the split; `place_rows` computes every row's position in the
+   permutation; the write (`write_map_units`) drops the surplus, sorts the rows by position (hence by destination
+   shard) and commits one Arrow IPC file per split, `map/<split>/MMMMMM.arrow` (columns `position`, `input_ids`,
+   and `loss_mask` for chat rows), plus `MMMMMM.idx.npy`: N + 1 row offsets, row range [idx[s], idx[s+1]) of the
+   file holds the rows bound for shard s.
+2. reduce (operator `ReadMapFileRows->Write`): the driver gathers a split's per-map indexes into one
    `map/<split>/index.npy` ((N + 1) x M); one task per range of consecutive shards holding ~`shuffle.reducer_mib`
-   of rows reads the two rows of it that bound its shards, memory-maps only the map files holding rows for it,
-   reads only its row ranges, merges by position and writes its shards `<split>/RRRRR.parquet` (column
-   `input_ids`, list<uint16|int32>, row groups of `shuffle.row_group_size`).
+   of rows reads the two rows of it that bound its shards, memory-maps only the map files holding rows for it and
+   yields only its row ranges; the write (`write_reducer_shards`) merges them by position and commits its shards
+   `<split>/RRRRR.parquet` (column `input_ids`, list<uint16|int32>, row groups of `shuffle.row_group_size`).
 
 Chat rows (huginn_ray/data/tokenize_pack.py) carry a `loss_mask` column, list<uint8>, one entry per id: it is read,
 sorted, written and merged with its row's ids in every step, so a shard's `loss_mask` row r belongs to its
 `input_ids` row r, and the manifest records `loss_mask` with the shards' supervised tokens per split. Inputs without
 the column give shards without it, byte for byte as before; a shuffle's inputs all have it or none does.
 
-Both passes run on Ray Data's streaming executor (huginn_ray/data/execution.py: progress bars, retries of tasks
-whose worker died). Tasks return only a few integers; map tasks and reducers declare `memory=` to Ray from their
-data size and the input's id width (map_task_memory, reduce_task_memory), so Ray does not start more of them on a
-node than its memory holds. Every file is written under a temporary name and
-renamed when complete, in `<shard_dir>.partial/` with the plan's fingerprint: a rerun after a crash keeps the
-committed map files and shards and redoes only the rest.
+Ray Data shows each operator's progress in rows (off under `prepare_data.py --quiet`). Map tasks and reducers
+declare `memory=` to Ray from their data size and the input's id width (map_task_memory, reduce_task_memory), so
+Ray does not start more of them on a node than its memory holds; a task whose worker was killed reruns with twice
+its memory (packed_rows.run_units). Every file is written under a temporary name and renamed when complete, in
+`<shard_dir>.partial/` with the plan's fingerprint: a rerun after a crash keeps the committed map files and
+shards and reads and redoes only the rest.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import math
@@ -45,6 +49,7 @@ import resource
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -52,7 +57,8 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.execution import run_tasks
+from huginn_ray.data.packed_rows import (BLOCK_BYTES, FILE, INDEX, SHA256, SPLIT, UNIT, map_rows, packed_rows,
+                                         read_dataset, run_units, write_rows)
 from huginn_ray.data.permutation import FeistelPermutation
 from huginn_ray.data.tokens import (DTYPES, MASK, MAX_LIST_IDS, TokenRangeError, arrow_type, check_ids, fixed_rows,
                                     numpy_dtype, parquet_options, row_schema, rows_to_arrow)
@@ -101,6 +107,11 @@ def _peak_rss_mib() -> float:
 
 def _map_paths(work: Path, split: str, index: int) -> tuple[Path, Path]:
     return work / "map" / split / f"{index:06d}.arrow", work / "map" / split / f"{index:06d}.idx.npy"
+
+
+def _hashes_path(work: Path, index: int) -> Path:
+    """The sha256 of map group `index`'s input files (hashed inputs), committed before its map files."""
+    return work / "map" / f"{index:06d}.sha256.json"
 
 
 READ_BATCH_ROWS = 1024
@@ -186,6 +197,17 @@ WRITE_CHUNK_BYTES = 32 << 20
 """Rows are gathered into sorted order and written this many bytes at a time (map files and shards), so a task
 never holds a second full copy of its rows."""
 
+RAY_DATA_BLOCKS = 3 * BLOCK_BYTES
+"""What Ray Data holds in a task of these passes besides the task's own state: the read's and the map step's
+output buffers (blocks are emitted once they exceed BLOCK_BYTES) and the block being built from them."""
+
+HELD_COLUMN_BYTES = 40
+"""Ray Data's write (2.60) keeps every block of its task until the task ends (its write function tees the blocks
+and drains the second copy for statistics after the datasink's write returns), so a task that writes holds its
+unit's rows once as blocks besides what its write builds from them: their ids in the storage type (a loss mask:
+one byte more per id) and up to this many bytes per row of the columns the read and the map step add (unit, file,
+split, index, position, hash)."""
+
 
 READ_FACTOR = 3
 """A task reading a parquet file holding B bytes of ids in their physical type (parquet has no 16-bit integers:
@@ -199,83 +221,158 @@ def map_task_memory(group: list[dict], row_len: int, dtype: str, input_width: in
                     mask: bool = False) -> int:
     """The memory a map task uses, declared to Ray as `memory=`: its rows once in the storage type, 24 bytes per
     row of positions and sort order, reading its largest input file (READ_FACTOR), one write chunk twice (the
-    gathered rows and their Arrow copy), and the worker's own footprint. A loss mask adds one byte per id."""
+    gathered rows and their Arrow copy), Ray Data's blocks in flight (RAY_DATA_BLOCKS) and the blocks its write
+    keeps (the rows once more: HELD_COLUMN_BYTES), and the worker's own footprint. A loss mask adds one byte per
+    id."""
     width = np.dtype(numpy_dtype(dtype)).itemsize + mask
     rows = sum(f["train_rows"] + f["val_rows"] for f in group)
     largest = max((f["train_rows"] + f["val_rows"] for f in group), default=0) * row_len * max(4, input_width)
-    return (rows * (row_len * width + 24) + largest * (READ_FACTOR + hashed) + 2 * WRITE_CHUNK_BYTES
-            + _TASK_OVERHEAD)
+    return (rows * (2 * row_len * width + 24 + HELD_COLUMN_BYTES) + largest * (READ_FACTOR + hashed)
+            + 2 * WRITE_CHUNK_BYTES + RAY_DATA_BLOCKS + _TASK_OVERHEAD)
 
 
 def reduce_task_memory(plan: dict, row_len: int, dtype: str, mask: bool = False) -> int:
     """The memory a reducer uses, declared as `memory=`: its rows once in the storage type plus the same again for
     the memory-mapped map-file ranges it copies from (resident while read), 24 bytes per row of positions and
-    order, one shard's rows and one write chunk, and the worker's own footprint. A loss mask adds a byte per id."""
+    order, one shard's rows and one write chunk, Ray Data's blocks in flight (RAY_DATA_BLOCKS) and the worker's
+    own footprint. A loss mask adds a byte per id."""
     width = np.dtype(numpy_dtype(dtype)).itemsize + mask
     rows = plan["shards_per_reducer"] * plan["rows_per_shard"]
     return (rows * (2 * row_len * width + 24) + plan["rows_per_shard"] * row_len * width + 2 * WRITE_CHUNK_BYTES
-            + _TASK_OVERHEAD)
+            + RAY_DATA_BLOCKS + _TASK_OVERHEAD)
 
 
-def _map_group(index: int, files: list[dict], offsets: dict, plans: dict, seed: int, row_len: int, dtype: str,
-               vocab_size: int, work: str, hash_inputs: bool = False, with_mask: bool = False) -> dict:
-    """Ray task: sort one group's rows by destination position and write one map file (+ index) per split.
-    `with_mask`: every input file has a loss_mask column (else none may have one)."""
+def place_rows(table: pa.Table, plans: dict, seed: int) -> pa.Table:
+    """The map step of the shuffle's map pass (operator `MapBatches(place_rows)`): every row's position in its
+    split's permutation (`position`; -1 for a row of a split that is not shuffled here)."""
+    split, index = table.column(SPLIT).to_numpy(), table.column(INDEX).to_numpy()
+    position = np.full(len(index), -1, np.int64)
+    for name, plan in plans.items():
+        chosen = split == SPLITS[name]
+        if chosen.any():
+            position[chosen] = FeistelPermutation(plan["rows"], seed, f"shuffle:{name}")(index[chosen])
+    return table.append_column("position", pa.array(position))
+
+
+def write_map_units(tables, units: dict[int, dict], plans: dict, work: str, row_len: int, dtype: str,
+                    with_mask: bool) -> list[dict]:
+    """The write of the shuffle's map pass: the placed rows of the units in `tables` (all rows of each: one
+    unit's read, map and write are one task) sorted by position, hence by destination shard, into one map file
+    (+ index) per split not yet committed. `units`: {unit: {"files": entries, "counts": {split: rows}}}.
+
+    Each unit's rows are copied once into arrays of their planned size as the blocks arrive (a block is dropped
+    once copied); a unit whose rows are not all there is refused before anything of it is committed."""
     work_dir = Path(work)
-    todo = [name for name in plans if not _map_paths(work_dir, name, index)[1].exists()]
+    state: dict[int, dict] = {}
+    for table in tables:
+        unit_col = table.column(UNIT).to_numpy()
+        for unit in np.unique(unit_col):
+            part = table if unit_col[0] == unit_col[-1] else table.filter(pa.array(unit_col == unit))
+            unit = int(unit)
+            if unit not in state:
+                state[unit] = _map_state(unit, units[unit]["counts"], plans, work_dir, row_len, dtype, with_mask)
+            st = state[unit]
+            if SHA256 in part.column_names:
+                files, digests = part.column(FILE).to_numpy(), part.column(SHA256)
+                for f in np.unique(files):
+                    st["hashes"][units[unit]["files"][int(f)]["path"]] = digests[int(np.argmax(files == f))].as_py()
+            if (MASK in part.column_names) != with_mask:
+                path = units[unit]["files"][int(part.column(FILE)[0].as_py())]["path"]
+                raise ValueError(f"{path}: {'no' if with_mask else 'a'} {MASK} column, the other inputs of this "
+                                 f"shuffle have {'one' if with_mask else 'none'}")
+            for batch in part.to_batches():  # the block's chunks, each a view: no combined copy of the block
+                split = batch.column(SPLIT).to_numpy()
+                for name, code in SPLITS.items():
+                    chosen = split == code
+                    n = int(chosen.sum())
+                    if name in st["todo"] and n:
+                        # a run of one split (the common case) is copied as a slice, without a gathered copy
+                        take = slice(None) if n == len(split) else chosen
+                        at = st["filled"][name]
+                        st["rows"][name][at:at + n] = fixed_rows(batch.column("input_ids"), row_len, "map block")[take]
+                        st["position"][name][at:at + n] = batch.column("position").to_numpy()[take]
+                        if with_mask:
+                            st["masks"][name][at:at + n] = fixed_rows(batch.column(MASK), row_len, "map block")[take]
+                    st["filled"][name] += n
+    return [_commit_map_unit(unit, st, units[unit], plans, work_dir, row_len, dtype, with_mask)
+            for unit, st in state.items()]
+
+
+def _map_state(unit: int, counts: dict, plans: dict, work_dir: Path, row_len: int, dtype: str,
+               with_mask: bool) -> dict:
+    """A map group's rows as the write gathers them: arrays of their planned size for each split whose map file
+    is still to write."""
+    todo = [name for name in plans if not _map_paths(work_dir, name, unit)[1].exists()]
+    return {"todo": todo, "filled": dict.fromkeys(SPLITS, 0), "hashes": {},
+            "rows": {name: np.empty((counts[name], row_len), numpy_dtype(dtype)) for name in todo},
+            "masks": {name: np.empty((counts[name], row_len), np.uint8) for name in todo} if with_mask else {},
+            "position": {name: np.empty(counts[name], np.int64) for name in todo}}
+
+
+def _commit_map_unit(unit: int, st: dict, planned: dict, plans: dict, work_dir: Path, row_len: int, dtype: str,
+                     with_mask: bool) -> dict:
+    """One unit's map files: its rows of each split to do, the surplus dropped, sorted by position; the index
+    (N + 1 row offsets, one range per shard) is committed last, as the mark of a complete map file."""
+    for name in plans:
+        if st["filled"][name] != planned["counts"][name]:
+            raise RuntimeError(f"shuffle_map: map group {unit} got {st['filled'][name]} of its "
+                               f"{planned['counts'][name]} {name} rows in one task")
+    if st["hashes"]:  # before any map file is committed, so that a rerun that skips the unit finds them
+        layout.write_json(_hashes_path(work_dir, unit), st["hashes"])
     written = 0
-    hashes: dict | None = {} if hash_inputs else None
-    if todo:
-        # every input file is read, converted and copied into one array per split, then dropped
-        counts = {name: sum(f[f"{name}_rows"] for f in files) for name in SPLITS}
-        rows = {name: np.empty((counts[name], row_len), numpy_dtype(dtype)) for name in todo}
-        masks = {name: np.empty((counts[name], row_len), np.uint8) for name in todo} if with_mask else {}
-        filled = dict.fromkeys(SPLITS, 0)
-        for entry in files:
-            for name, part, part_mask in _read_input(entry, row_len, dtype, vocab_size, hashes):
-                if (part_mask is not None) != with_mask:
-                    raise ValueError(f"{entry['path']}: {'no' if with_mask else 'a'} {MASK} column, the other "
-                                     f"inputs of this shuffle have {'one' if with_mask else 'none'}")
-                if name in rows:
-                    rows[name][filled[name]:filled[name] + len(part)] = part
-                    if with_mask:
-                        masks[name][filled[name]:filled[name] + len(part)] = part_mask
-                filled[name] += len(part)
-        if hash_inputs:  # before any map file is committed, so a resumed task finds them
-            layout.write_json(work_dir / "map" / f"{index:06d}.sha256.json", hashes)
-        for name in todo:
-            plan = plans[name]
-            permutation = FeistelPermutation(plan["rows"], seed, f"shuffle:{name}")
-            position = permutation(offsets[name] + np.arange(counts[name]))
-            kept = np.flatnonzero(position < plan["kept"])
-            order = kept[np.argsort(position[kept], kind="stable")]
-            position = position[order]
-            bounds = np.searchsorted(position // plan["rows_per_shard"], np.arange(plan["num_shards"] + 1))
-            data_path, index_path = _map_paths(work_dir, name, index)
-            # large_list: a map file holds ~map_mib of rows, more ids than 32-bit list offsets address at >= 4 GiB
-            schema = pa.schema([("position", pa.int64()), ("input_ids", pa.large_list(arrow_type(dtype))),
-                                *([(MASK, pa.large_list(pa.uint8()))] if with_mask else [])])
-            chunk = max(1, WRITE_CHUNK_BYTES // (row_len * rows[name].itemsize))
-            tmp = layout.temp_path(data_path)
-            with ipc.new_file(tmp, schema) as writer:
-                for start in range(0, len(order), chunk):
-                    taken = order[start:start + chunk]
-                    writer.write_batch(pa.record_batch(
-                        [pa.array(position[start:start + chunk], pa.int64()),
-                         rows_to_arrow(rows[name][taken], dtype, large=True),
-                         *([rows_to_arrow(masks[name][taken], "uint8", large=True)] if with_mask else [])],
-                        schema=schema))
-            del rows[name]
-            masks.pop(name, None)
-            layout.commit_file(tmp, data_path)
-            written += data_path.stat().st_size
-            tmp = layout.temp_path(index_path)
-            with open(tmp, "wb") as f:
-                np.save(f, bounds.astype(np.int64))
-            layout.commit_file(tmp, index_path)  # the index is the commit mark of this map file
-    if hash_inputs and not todo:  # resumed: the hashes were recorded next to the committed map files
-        hashes = json.loads((work_dir / "map" / f"{index:06d}.sha256.json").read_text())
-    return {"bytes_written": written, "skipped": not todo, "peak_rss_mib": _peak_rss_mib(), "sha256": hashes}
+    for name in st["todo"]:
+        plan = plans[name]
+        rows, position = st["rows"].pop(name), st["position"].pop(name)
+        masks = st["masks"].pop(name, None)
+        kept = np.flatnonzero(position < plan["kept"])
+        order = kept[np.argsort(position[kept], kind="stable")]
+        position = position[order]
+        bounds = np.searchsorted(position // plan["rows_per_shard"], np.arange(plan["num_shards"] + 1))
+        data_path, index_path = _map_paths(work_dir, name, unit)
+        # large_list: a map file holds ~map_mib of rows, more ids than 32-bit list offsets address at >= 4 GiB
+        schema = pa.schema([("position", pa.int64()), ("input_ids", pa.large_list(arrow_type(dtype))),
+                            *([(MASK, pa.large_list(pa.uint8()))] if with_mask else [])])
+        chunk = max(1, WRITE_CHUNK_BYTES // (row_len * rows.itemsize))
+        tmp = layout.temp_path(data_path)
+        with ipc.new_file(tmp, schema) as writer:
+            for start in range(0, len(order), chunk):
+                taken = order[start:start + chunk]
+                writer.write_batch(pa.record_batch(
+                    [pa.array(position[start:start + chunk], pa.int64()),
+                     rows_to_arrow(rows[taken], dtype, large=True),
+                     *([rows_to_arrow(masks[taken], "uint8", large=True)] if with_mask else [])],
+                    schema=schema))
+        del rows, masks
+        layout.commit_file(tmp, data_path)
+        written += data_path.stat().st_size
+        tmp = layout.temp_path(index_path)
+        with open(tmp, "wb") as f:
+            np.save(f, bounds.astype(np.int64))
+        layout.commit_file(tmp, index_path)  # the index is the commit mark of this map file
+    return {"unit": unit, "bytes_written": written, "peak_rss_mib": _peak_rss_mib(), "sha256": st["hashes"]}
+
+
+def _results_sink(name: str, write: Callable[[list[pa.Table]], list[dict]]):
+    """A Ray Data datasink whose write is `write(tables)` over the blocks of its task; the dicts the writes return
+    are in `.results` ({unit: result}) once the dataset completes (a failed dataset reports none: what its
+    completed tasks committed is read back from their files)."""
+    from ray.data.block import BlockAccessor
+    from ray.data.datasource import Datasink
+
+    class ResultsSink(Datasink):
+        def __init__(self):
+            self.results: dict[int, dict] = {}
+
+        def get_name(self) -> str:
+            return name
+
+        def write(self, blocks, ctx) -> list[dict]:
+            return write(BlockAccessor.for_block(block).to_arrow() for block in blocks)
+
+        def on_write_complete(self, write_result) -> None:
+            self.results = {r["unit"]: r for returned in write_result.write_returns for r in returned}
+
+    return ResultsSink()
 
 
 def _split_index_path(work: Path, split: str) -> Path:
@@ -298,68 +395,106 @@ def write_split_index(work: Path, split: str, num_maps: int, num_shards: int) ->
     layout.commit_file(tmp, final)
 
 
-def _reduce(split: str, reducer: int, plan: dict, work: str, row_len: int, dtype: str, row_group_size: int,
-            with_mask: bool = False) -> dict:
-    """Ray task: read this reducer's row range from the map files that hold rows for it, order by position, write.
-    Returns, with the sizes, the supervised tokens (loss-mask ones after each row's first token) it wrote."""
+def read_reducer_rows(unit: int, reducer: dict, work: str):
+    """The read task of one reducer ({"split", "shards": the shards to write, "maps": the map files holding rows
+    for them}): the rows bound for its shards, from the two rows of the split's index that bound them, each map
+    file memory-mapped and only its range read, one block per record batch of the map file (no copy: views of
+    the mapped file)."""
     work_dir = Path(work)
-    first = reducer * plan["shards_per_reducer"]
-    mine = range(first, min(plan["num_shards"], first + plan["shards_per_reducer"]))
-    shards = [s for s in mine if not shard_path(work_dir / "out", split, s).exists()]
-    read = written = opened = 0
-    # shards an interrupted run already wrote are counted from their files
-    supervised = sum(shard_supervised_tokens(shard_path(work_dir / "out", split, s), row_len)
-                     for s in mine if s not in shards) if with_mask else 0
-    if shards:
-        lo_shard, hi_shard = shards[0], shards[-1] + 1
-        index = np.load(_split_index_path(work_dir, split), mmap_mode="r")
-        starts, ends = np.array(index[lo_shard]), np.array(index[hi_shard])
-        del index
-        holding = np.flatnonzero(ends > starts)
-        total = int((ends[holding] - starts[holding]).sum())
-        rows = np.empty((total, row_len), numpy_dtype(dtype))  # this reducer's rows, copied in once
-        masks = np.empty((total, row_len), np.uint8) if with_mask else None
-        position = np.empty(total, np.int64)
-        filled = 0
-        for m in holding:
-            lo, hi = int(starts[m]), int(ends[m])
-            data_path = _map_paths(work_dir, split, int(m))[0]
-            opened += 1
-            with pa.memory_map(str(data_path)) as source:
-                part = ipc.open_file(source).read_all().slice(lo, hi - lo)
-                position[filled:filled + hi - lo] = part.column("position").to_numpy()
-                if with_mask:  # the same record batches as input_ids: row-aligned
-                    at = filled
-                    for chunk in part.column(MASK).chunks:
-                        block = fixed_rows(chunk, row_len, str(data_path))
-                        masks[at:at + len(block)] = block
-                        at += len(block)
-                for chunk in part.column("input_ids").chunks:  # record batches of the map file: no combined copy
-                    block = fixed_rows(chunk, row_len, str(data_path))
-                    rows[filled:filled + len(block)] = block
-                    filled += len(block)
-                del part, block
-        read = total * (row_len * (rows.itemsize + with_mask) + 8)
-        order = np.argsort(position, kind="stable")
-        position = position[order]
-        rps = plan["rows_per_shard"]
-        for shard in shards:
-            lo, hi = np.searchsorted(position, [shard * rps, (shard + 1) * rps])
-            if hi - lo != rps or (hi > lo and (position[lo] != shard * rps or position[hi - 1] != (shard + 1) * rps - 1)):
-                raise RuntimeError(f"{split} shard {shard}: {hi - lo} rows, expected {rps}")
-            path = shard_path(work_dir / "out", split, shard)
-            tmp = layout.temp_path(path)
-            columns = {"input_ids": rows_to_arrow(rows[order[lo:hi]], dtype)}
+    split, shards = reducer["split"], reducer["shards"]
+    index = np.load(_split_index_path(work_dir, split), mmap_mode="r")
+    starts, ends = np.array(index[shards[0]]), np.array(index[shards[-1] + 1])
+    del index
+    for m in np.flatnonzero(ends > starts):
+        lo, hi = int(starts[m]), int(ends[m])
+        part = ipc.open_file(pa.memory_map(str(_map_paths(work_dir, split, int(m))[0]))).read_all().slice(lo, hi - lo)
+        for batch in part.to_batches():
+            n = batch.num_rows
+            yield pa.Table.from_batches([batch]).append_column(UNIT, pa.array(np.full(n, unit, np.int32))) \
+                .append_column("map_file", pa.array(np.full(n, m, np.int32)))
+
+
+def map_file_rows(reducers: list[tuple[int, dict]], work: str):
+    """A Ray Data datasource of the map files' rows, one read task per reducer ((unit index, reducer) pairs)."""
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import Datasource, ReadTask
+
+    class MapFileRows(Datasource):
+        def estimate_inmemory_data_size(self) -> int | None:
+            return None
+
+        def get_name(self) -> str:
+            return "MapFileRows"
+
+        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                           data_context=None) -> list[ReadTask]:
+            return [ReadTask(functools.partial(read_reducer_rows, i, reducer, work),
+                             BlockMetadata(num_rows=reducer["rows"], size_bytes=None, input_files=None,
+                                           exec_stats=None))
+                    for i, reducer in reducers]
+
+    return MapFileRows()
+
+
+def write_reducer_shards(tables, reducers: dict[int, dict], plans: dict, work: str, row_len: int, dtype: str,
+                         row_group_size: int, with_mask: bool) -> list[dict]:
+    """The write of the shuffle's reduce pass: each reducer's rows (all of them: one reducer's read and write are
+    one task), copied once into arrays of their size as the blocks arrive, ordered by position and written as its
+    shards `<split>/RRRRR.parquet` (column `input_ids`, list<dtype>, row groups of `row_group_size`), each
+    committed on its own. Returns per reducer, with the sizes, the supervised tokens (loss-mask ones after each
+    row's first token) of the shards it wrote."""
+    work_dir = Path(work)
+    state: dict[int, dict] = {}
+    for table in tables:
+        unit = int(table.column(UNIT)[0].as_py())
+        if unit not in state:
+            total = reducers[unit]["rows"]
+            state[unit] = {"rows": np.empty((total, row_len), numpy_dtype(dtype)),
+                           "masks": np.empty((total, row_len), np.uint8) if with_mask else None,
+                           "position": np.empty(total, np.int64), "filled": 0, "maps": set()}
+        st = state[unit]
+        for batch in table.to_batches():  # the block's chunks, each a view: no combined copy of the block
+            at, n = st["filled"], batch.num_rows
+            st["rows"][at:at + n] = fixed_rows(batch.column("input_ids"), row_len, "map block")
+            st["position"][at:at + n] = batch.column("position").to_numpy()
             if with_mask:
-                shard_mask = masks[order[lo:hi]]
-                supervised += int(shard_mask[:, 1:].sum())
-                columns[MASK] = rows_to_arrow(shard_mask, "uint8")
-            table = pa.table(columns, schema=row_schema(dtype, with_mask))
-            pq.write_table(table, tmp, row_group_size=row_group_size, **parquet_options(table))
-            layout.commit_file(tmp, path)
-            written += path.stat().st_size
-    return {"bytes_read": read, "bytes_written": written, "shards": len(shards), "map_files_opened": opened,
-            "peak_rss_mib": _peak_rss_mib(), "supervised_tokens": supervised}
+                st["masks"][at:at + n] = fixed_rows(batch.column(MASK), row_len, "map block")
+            st["filled"] += n
+        st["maps"].update(np.unique(table.column("map_file").to_numpy()).tolist())
+    return [_commit_reducer(unit, st, reducers[unit], plans[reducers[unit]["split"]], work_dir, row_len, dtype,
+                            row_group_size, with_mask) for unit, st in state.items()]
+
+
+def _commit_reducer(unit: int, st: dict, reducer: dict, plan: dict, work_dir: Path, row_len: int, dtype: str,
+                    row_group_size: int, with_mask: bool) -> dict:
+    split, rows, masks = reducer["split"], st["rows"], st["masks"]
+    if st["filled"] != reducer["rows"]:
+        raise RuntimeError(f"shuffle_reduce: {split} reducer {unit} got {st['filled']} of its {reducer['rows']} rows "
+                           "in one task")
+    order = np.argsort(st["position"], kind="stable")
+    position = st["position"][order]
+    rps = plan["rows_per_shard"]
+    written, supervised = 0, {}
+    for shard in reducer["shards"]:
+        lo, hi = np.searchsorted(position, [shard * rps, (shard + 1) * rps])
+        if hi - lo != rps or (hi > lo and (position[lo] != shard * rps or position[hi - 1] != (shard + 1) * rps - 1)):
+            raise RuntimeError(f"{split} shard {shard}: {hi - lo} rows, expected {rps}")
+        path = shard_path(work_dir / "out", split, shard)
+        if path.exists():  # between two shards still to write: committed by an interrupted run
+            continue
+        tmp = layout.temp_path(path)
+        columns = {"input_ids": rows_to_arrow(rows[order[lo:hi]], dtype)}
+        if with_mask:
+            shard_mask = masks[order[lo:hi]]
+            supervised[shard] = int(shard_mask[:, 1:].sum())
+            columns[MASK] = rows_to_arrow(shard_mask, "uint8")
+        table = pa.table(columns, schema=row_schema(dtype, with_mask))
+        pq.write_table(table, tmp, row_group_size=row_group_size, **parquet_options(table))
+        layout.commit_file(tmp, path)
+        written += path.stat().st_size
+    return {"unit": unit, "split": split, "bytes_read": st["filled"] * (row_len * (rows.itemsize + with_mask) + 8),
+            "bytes_written": written, "map_files_opened": len(st["maps"]), "peak_rss_mib": _peak_rss_mib(),
+            "supervised": supervised}
 
 
 last_run_stats: dict = {}
@@ -511,40 +646,100 @@ def _shuffle_splits(files: list[dict], groups: list[list[dict]], plans: dict, wo
     rows) and adds the sha256 of every file read to `digests` (with `hash_inputs`)."""
     started = time.time()
     input_width = pq.read_schema(files[0]["path"]).field("input_ids").type.value_type.bit_width // 8
-    calls, memory, running = [], [], {name: 0 for name in SPLITS}
+    units, running = {}, {name: 0 for name in SPLITS}
     for index, group in enumerate(groups):
         entries = [{"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"],
                     "skip_rows": f.get("skip_rows", [])} for f in group]
-        calls.append((index, entries, dict(running), plans, seed, row_len, token_dtype, vocab_size, str(work),
-                      hash_inputs, with_mask))
-        memory.append(map_task_memory(entries, row_len, token_dtype, input_width, hash_inputs, with_mask))
-        for f in group:
-            for name in SPLITS:
-                running[name] += f[f"{name}_rows"]
-    map_results = run_tasks(_map_group, calls, name="shuffle_map", memory=memory)
+        units[index] = {"files": entries, "offsets": dict(running),
+                        "counts": {name: sum(f[f"{name}_rows"] for f in group) for name in SPLITS}}
+        for name in SPLITS:
+            running[name] += units[index]["counts"][name]
+
+    def map_done(unit: int) -> bool:
+        return all(_map_paths(work, name, unit)[1].exists() for name in plans)
+
+    todo = [unit for unit in units if not map_done(unit)]
+    for unit in [u for u in todo if not any(units[u]["counts"][name] for name in plans)]:
+        # no row to shuffle (all skipped, or only rows of a split that goes per file): empty map files, nothing read
+        _commit_map_unit(unit, _map_state(unit, units[unit]["counts"], plans, work, row_len, token_dtype, with_mask),
+                         units[unit], plans, work, row_len, token_dtype, with_mask)
+        todo.remove(unit)
+    map_results: dict[int, dict] = {}
+
+    def map_pass(members: list[int], memory: int | None) -> None:
+        chosen = {todo[i]: units[todo[i]] for i in members}
+        sink = _results_sink("map_files", functools.partial(
+            write_map_units, units=chosen, plans=plans, work=str(work), row_len=row_len, dtype=token_dtype,
+            with_mask=with_mask))
+        rows = packed_rows(list(chosen.items()), row_len=row_len, dtype=token_dtype, vocab_size=vocab_size,
+                           hashed=hash_inputs)
+        try:
+            write_rows(map_rows(read_dataset(rows, len(chosen), memory), place_rows, memory, plans=plans, seed=seed),
+                       sink, memory)
+        finally:
+            map_results.update(sink.results)
+
+    run_units("shuffle_map", [map_task_memory(units[u]["files"], row_len, token_dtype, input_width, hash_inputs,
+                                              with_mask) for u in todo],
+              map_pass, lambda i: map_done(todo[i]))
     map_s = time.time() - started
     for name, plan in plans.items():
         write_split_index(work, name, len(groups), plan["num_shards"])
+    if hash_inputs:
+        for unit, planned in units.items():  # recorded next to the map files, by this run or an earlier one
+            hashes = json.loads(_hashes_path(work, unit).read_text()) if _hashes_path(work, unit).exists() else {}
+            for f in planned["files"]:  # a file that gave no row to shuffle: no map task hashed it
+                digests[f["path"]] = hashes.get(f["path"]) or hashlib.sha256(Path(f["path"]).read_bytes()).hexdigest()
 
-    calls, memory = [], []
+    reducers: dict[int, dict] = {}
     for name, plan in plans.items():
+        index = np.load(_split_index_path(work, name), mmap_mode="r")
         for r in range(plan["reducers"]):
-            calls.append((name, r, plan, str(work), row_len, token_dtype, row_group_size, with_mask))
-            memory.append(reduce_task_memory(plan, row_len, token_dtype, with_mask))
-    reduce_results = run_tasks(_reduce, calls, name="shuffle_reduce", memory=memory)
-    for stale in work.glob("out/*/*.tmp"):  # left by an attempt whose worker died (its retry committed the file)
+            first = r * plan["shards_per_reducer"]
+            shards = [s for s in range(first, min(plan["num_shards"], first + plan["shards_per_reducer"]))
+                      if not shard_path(work / "out", name, s).exists()]
+            if shards:
+                rows = int((np.array(index[shards[-1] + 1]) - np.array(index[shards[0]])).sum())
+                reducers[len(reducers)] = {"split": name, "shards": shards, "rows": rows}
+        del index
+    todo_reducers = list(reducers)
+    reduce_results: dict[int, dict] = {}
+
+    def reduce_pass(members: list[int], memory: int | None) -> None:
+        chosen = {todo_reducers[i]: reducers[todo_reducers[i]] for i in members}
+        sink = _results_sink("shard_files", functools.partial(
+            write_reducer_shards, reducers=chosen, plans=plans, work=str(work), row_len=row_len, dtype=token_dtype,
+            row_group_size=row_group_size, with_mask=with_mask))
+        try:
+            write_rows(read_dataset(map_file_rows(list(chosen.items()), str(work)), len(chosen), memory), sink, memory)
+        finally:
+            reduce_results.update(sink.results)
+
+    def reducer_done(i: int) -> bool:
+        reducer = reducers[todo_reducers[i]]
+        return all(shard_path(work / "out", reducer["split"], s).exists() for s in reducer["shards"])
+
+    run_units("shuffle_reduce", [reduce_task_memory(plans[reducers[r]["split"]], row_len, token_dtype, with_mask)
+                                 for r in todo_reducers], reduce_pass, reducer_done)
+    for stale in work.glob("out/*/*.tmp"):  # left by an attempt whose worker died (its rerun committed the file)
         stale.unlink()
+    done = list(map_results.values()) + list(reduce_results.values())
     last_run_stats.update(
-        map_tasks=len(groups), reducers=len(calls), map_s=map_s, total_s=time.time() - started,
-        intermediate_bytes_written=sum(r["bytes_written"] for r in map_results),
-        intermediate_bytes_read=sum(r["bytes_read"] for r in reduce_results),
-        shard_bytes_written=sum(r["bytes_written"] for r in reduce_results),
-        map_files_opened=sum(r["map_files_opened"] for r in reduce_results),
-        max_task_peak_rss_mib=max(r["peak_rss_mib"] for r in map_results + reduce_results))
-    for r in map_results:
-        digests.update(r["sha256"] or {})
-    return {name: sum(r["supervised_tokens"] for c, r in zip(calls, reduce_results) if c[0] == name)
-            for name in plans}
+        map_tasks=len(groups), reducers=sum(plan["reducers"] for plan in plans.values()), map_s=map_s,
+        total_s=time.time() - started,
+        intermediate_bytes_written=sum(r["bytes_written"] for r in map_results.values()),
+        intermediate_bytes_read=sum(r["bytes_read"] for r in reduce_results.values()),
+        shard_bytes_written=sum(r["bytes_written"] for r in reduce_results.values()),
+        map_files_opened=sum(r["map_files_opened"] for r in reduce_results.values()),
+        max_task_peak_rss_mib=max([r["peak_rss_mib"] for r in done], default=0.0))
+    if not with_mask:
+        return dict.fromkeys(plans, 0)
+    # every shard's supervised tokens: counted by the reducer that wrote it in this run, else read from its file
+    counted = {(r["split"], shard): n for r in reduce_results.values() for shard, n in r["supervised"].items()}
+    return {name: sum(counted[(name, s)] if (name, s) in counted else
+                      shard_supervised_tokens(shard_path(work / "out", name, s), row_len)
+                      for s in range(plan["num_shards"]))
+            for name, plan in plans.items()}
 
 
 def _record_path(work: Path, split: str, rank: int) -> Path:
@@ -557,49 +752,139 @@ def _per_file_split(split: str, method: str, files: list[dict], work: Path, *, r
     """One split's files become its shards one per rank (rank r = the split's r-th file in name order), into
     `work`/out; a file whose shard an interrupted run already committed is not read again.
 
-    hard_link: every file is verified (each row read: row length, id range; local files hashed), then hard-linked
-    as `<split>/RRRRR.parquet`, each as soon as it is verified. A hard link, not a symlink: the shard is an ordinary
-    file inside the shard directory that stays valid when the download directory is removed, and costs no bytes.
-    Where the inputs are on another file system (a local_dir source elsewhere; a link cannot cross file systems),
-    the file is copied.
+    One Ray Data pass, one fused task per file: the read of its rows (packed_rows: row length and id range
+    checked; a local file hashed), with a `lookup` the map step `look_up_rows`, and the write
+    (`write_per_file_units`; operator `ReadPackedRows->Write`, with the lookup `ReadPackedRows->
+    MapBatches(look_up_rows)->Write`; `verify_released` or `convert_released` in messages):
 
-    convert_<dtype>: one task per file reads it (the same checks) and writes its rows, in order, as the shard in
-    the storage type (`_convert_file`), streaming: a task's memory is bounded by a row group, not by the file.
+    hard_link: every row is read through, then the file is hard-linked as `<split>/RRRRR.parquet`. A hard link,
+    not a symlink: the shard is an ordinary file inside the shard directory that stays valid when the download
+    directory is removed, and costs no bytes. Where the inputs are on another file system (a local_dir source
+    elsewhere; a link cannot cross file systems), the file is copied.
+
+    convert_<dtype>: the rows are written, in the file's order, as the shard in the storage type, in row groups
+    of `row_group_size`, as they arrive: a task's memory is bounded by a row group and a few blocks, not by the
+    file.
 
     `lookup` (sorted, unique row hashes, dedup.row_hashes): the same read also finds which of them the file's rows
     have (the validation rows also in train: the released data's one pass over its training files). A file's
     record (`records/<split>/RRRRR.json`: its sha256 with `hash_inputs`, the hashes found) is committed before its
     shard, so a resumed run has both for the files it skips. Returns the hashes found per file (empty arrays
     without a `lookup`) and adds the sha256 of every file to `digests`."""
-    todo = [(rank, {"path": str(f["path"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]})
-            for rank, f in enumerate(files) if not shard_path(work / "out", split, rank).exists()]
+    todo = [rank for rank in range(len(files)) if not shard_path(work / "out", split, rank).exists()]
     if len(todo) < len(files):
         print(f"[shuffle] {split}: {len(files) - len(todo)}/{len(files)} per-file shards already written are kept",
               flush=True)
     recorded = hash_inputs or lookup is not None
-    records = [str(_record_path(work, split, rank)) if recorded else None for rank, _ in todo]
-    common = {"hash_input": hash_inputs, "lookup": lookup}
-    if method == "hard_link":
-        def link(i: int, result: dict) -> None:  # as each file is verified: a crash keeps the links made
-            rank, entry = todo[i]
-            _link_or_copy(Path(entry["path"]), shard_path(work / "out", split, rank))
+    units = {rank: {"files": [{"path": str(files[rank]["path"]), "train_rows": files[rank]["train_rows"],
+                               "val_rows": files[rank]["val_rows"]}],
+                    "target": str(shard_path(work / "out", split, rank)),
+                    "record": str(_record_path(work, split, rank)) if recorded else None} for rank in todo}
+    name = "verify_released" if method == "hard_link" else "convert_released"
+    results: dict[int, dict] = {}
 
-        calls = [(entry, row_len, token_dtype, vocab_size, record) for (_, entry), record in zip(todo, records)]
-        run_tasks(_verify_file, calls, name="verify_released", on_result=link, common=common)
-    else:
-        calls = [(entry, str(shard_path(work / "out", split, rank)), row_len, token_dtype, vocab_size,
-                  row_group_size, record) for (rank, entry), record in zip(todo, records)]
-        results = run_tasks(_convert_file, calls, name="convert_released", common=common, memory=[
-            convert_task_memory(c[0], row_len, token_dtype, row_group_size, hash_inputs) for c in calls])
-        if results:
-            last_run_stats["max_task_peak_rss_mib"] = max(
-                [last_run_stats.get("max_task_peak_rss_mib", 0.0)] + [r["peak_rss_mib"] for r in results])
+    def per_file_pass(members: list[int], memory: int | None) -> None:
+        chosen = {todo[i]: units[todo[i]] for i in members}
+        sink = _results_sink(name, functools.partial(
+            write_per_file_units, units=chosen, link=method == "hard_link", row_len=row_len, dtype=token_dtype,
+            row_group_size=row_group_size, looked_up=lookup is not None))
+        rows = read_dataset(packed_rows(list(chosen.items()), row_len=row_len, dtype=token_dtype,
+                                        vocab_size=vocab_size, hashed=hash_inputs), len(chosen), memory)
+        if lookup is not None:
+            rows = map_rows(rows, look_up_rows, memory, lookup=lookup, row_len=row_len)
+        try:
+            write_rows(rows, sink, memory)
+        finally:
+            results.update(sink.results)
+
+    # a file to link is read as one to convert is (and its blocks kept alike): the same declaration
+    estimates = [convert_task_memory(units[rank]["files"][0], row_len, token_dtype, row_group_size, hash_inputs)
+                 for rank in todo]
+    run_units(name, estimates, per_file_pass, lambda i: shard_path(work / "out", split, todo[i]).exists())
+    if results:
+        last_run_stats["max_task_peak_rss_mib"] = max(
+            [last_run_stats.get("max_task_peak_rss_mib", 0.0)] + [r["peak_rss_mib"] for r in results.values()])
     found = []
     for rank in range(len(files)):
         record = json.loads(_record_path(work, split, rank).read_text()) if recorded else {}
         digests.update(record.get("sha256") or {})
         found.append(np.asarray(record.get("found") or [], np.uint64))
     return found
+
+
+def look_up_rows(table: pa.Table, lookup: np.ndarray, row_len: int) -> pa.Table:
+    """The map step of a per-file pass with a lookup (operator `MapBatches(look_up_rows)`): every row's hash
+    (dedup.row_hashes, column `row_hash`) and whether it is one of `lookup` (sorted, unique; `in_lookup`)."""
+    from huginn_ray.data.dedup import in_sorted, row_hashes
+
+    rows = fixed_rows(table.column("input_ids"), row_len, "packed block")
+    mask = fixed_rows(table.column(MASK), row_len, "packed block") if MASK in table.column_names else None
+    hashes = row_hashes(rows, mask)
+    return table.append_column("row_hash", pa.array(hashes)).append_column(
+        "in_lookup", pa.array(in_sorted(hashes, lookup)))
+
+
+def write_per_file_units(tables, units: dict[int, dict], link: bool, row_len: int, dtype: str, row_group_size: int,
+                         looked_up: bool) -> list[dict]:
+    """The write of a per-file pass: for each file (unit: {"files": [entry], "target", "record"}) in `tables`,
+    its rows in its order (one file's read and write are one task); its record (sha256, the lookup hashes its
+    rows have) committed, then its shard: linked (`link`) or its rows written as list<dtype> in row groups of
+    `row_group_size`, as a reducer writes a shard. A file whose rows are not all there is refused before its
+    shard is committed."""
+    state: dict[int, dict] = {}
+    schema = row_schema(dtype)
+    for table in tables:
+        unit_col = table.column(UNIT).to_numpy()
+        for unit in np.unique(unit_col):
+            part = table if unit_col[0] == unit_col[-1] else table.filter(pa.array(unit_col == unit))
+            unit = int(unit)
+            if unit not in state:
+                state[unit] = {"rows": 0, "found": [], "sha256": None, "pending": [], "pending_rows": 0,
+                               "tmp": None if link else layout.temp_path(Path(units[unit]["target"]))}
+                if not link:
+                    state[unit]["writer"] = pq.ParquetWriter(state[unit]["tmp"], schema,
+                                                             **parquet_options(schema.empty_table()))
+            st = state[unit]
+            st["rows"] += part.num_rows
+            if SHA256 in part.column_names:
+                st["sha256"] = {units[unit]["files"][0]["path"]: part.column(SHA256)[0].as_py()}
+            if looked_up:
+                found = part.column("in_lookup").to_numpy(zero_copy_only=False)
+                st["found"].append(part.column("row_hash").to_numpy()[found])
+            if not link:  # whole row groups go out, the rest waits for the next block
+                st["pending"].append(fixed_rows(part.column("input_ids"), row_len, "packed block"))
+                st["pending_rows"] += part.num_rows
+                if st["pending_rows"] >= row_group_size:
+                    pending = np.concatenate(st["pending"])
+                    whole = len(pending) - len(pending) % row_group_size
+                    _write_row_groups(st["writer"], pending[:whole], dtype, row_group_size)
+                    st["pending"], st["pending_rows"] = [pending[whole:]], len(pending) - whole
+    results = []
+    for unit, st in state.items():
+        entry, target = units[unit]["files"][0], Path(units[unit]["target"])
+        if not link:
+            if st["pending_rows"]:
+                _write_row_groups(st["writer"], np.concatenate(st["pending"]), dtype, row_group_size)
+            st["writer"].close()
+        if st["rows"] != entry["train_rows"] + entry["val_rows"]:
+            raise RuntimeError(f"{entry['path']}: {st['rows']} of its {entry['train_rows'] + entry['val_rows']} rows "
+                               "reached the write of its shard in one task")
+        if units[unit]["record"]:
+            found = np.unique(np.concatenate(st["found"])) if st["found"] else np.zeros(0, np.uint64)
+            layout.write_json(Path(units[unit]["record"]), {
+                "sha256": st["sha256"], "found": [int(h) for h in found] if looked_up else None})
+        if link:
+            _link_or_copy(Path(entry["path"]), target)
+        else:
+            layout.commit_file(st["tmp"], target)
+        results.append({"unit": unit, "rows": st["rows"], "peak_rss_mib": _peak_rss_mib()})
+    return results
+
+
+def _write_row_groups(writer: pq.ParquetWriter, rows: np.ndarray, dtype: str, row_group_size: int) -> None:
+    if len(rows):
+        writer.write_table(pa.table({"input_ids": rows_to_arrow(rows, dtype)}, schema=row_schema(dtype)),
+                           row_group_size=row_group_size)
 
 
 def shard_supervised_tokens(path: Path, row_len: int) -> int:
@@ -644,70 +929,6 @@ def per_file_method(files: list[dict], split: str, num_shards: int, token_dtype:
     return ("hard_link" if linkable else f"convert_{token_dtype}"), None
 
 
-class _RowReader:
-    """A task's reading of one packed file: its rows (row length and id range checked, as the shuffle's map tasks
-    do), its sha256 when `hash_input` (read once: hashed and parsed), and which of the `lookup` hashes its rows have
-    (dedup.row_hashes, looked up by binary search). `commit(record_path)` writes what it found there."""
-
-    def __init__(self, entry: dict, row_len: int, dtype: str, vocab_size: int, hash_input: bool,
-                 lookup: np.ndarray | None):
-        self.hashes: dict | None = {} if hash_input else None
-        self.parts = _read_input(entry, row_len, dtype, vocab_size, self.hashes)
-        self.lookup, self.found = lookup, []
-
-    def __iter__(self):
-        from huginn_ray.data.dedup import in_sorted, row_hashes
-
-        for _, part, mask in self.parts:
-            if self.lookup is not None and len(part):
-                hashes = row_hashes(part, mask)
-                self.found.append(hashes[in_sorted(hashes, self.lookup)])
-            yield part
-
-    def commit(self, record_path: str | None) -> None:
-        if record_path:
-            found = np.unique(np.concatenate(self.found)) if self.found else np.zeros(0, np.uint64)
-            layout.write_json(Path(record_path), {"sha256": self.hashes,
-                                                  "found": [int(h) for h in found] if self.lookup is not None else None})
-
-
-def _verify_file(entry: dict, row_len: int, dtype: str, vocab_size: int, record_path: str | None,
-                 hash_input: bool = False, lookup: np.ndarray | None = None) -> dict:
-    """Task: read every row of a file to be linked as a shard (`_RowReader`) and commit its record."""
-    reader = _RowReader(entry, row_len, dtype, vocab_size, hash_input, lookup)
-    rows = sum(len(part) for part in reader)
-    reader.commit(record_path)
-    return {"rows": rows}
-
-
-def _convert_file(entry: dict, target: str, row_len: int, dtype: str, vocab_size: int, row_group_size: int,
-                  record_path: str | None, hash_input: bool = False, lookup: np.ndarray | None = None) -> dict:
-    """Task: one packed file -> its rank's shard at `target`: every row read (`_RowReader`), in file order,
-    READ_BATCH_ROWS at a time, and written as list<dtype> in row groups of `row_group_size`, as a reducer writes a
-    shard. Holds one batch and one row group, not the file. The file's record is committed before the shard."""
-    reader = _RowReader(entry, row_len, dtype, vocab_size, hash_input, lookup)
-    schema = row_schema(dtype)
-
-    def write(block: np.ndarray) -> None:
-        writer.write_table(pa.table({"input_ids": rows_to_arrow(block, dtype)}, schema=schema),
-                           row_group_size=row_group_size)
-
-    tmp = layout.temp_path(Path(target))
-    pending, rows = np.empty((0, row_len), numpy_dtype(dtype)), 0
-    with pq.ParquetWriter(tmp, schema, **parquet_options(schema.empty_table())) as writer:
-        for part in reader:
-            pending, rows = np.concatenate([pending, part]), rows + len(part)
-            whole = len(pending) - len(pending) % row_group_size  # whole row groups go out, the rest waits
-            if whole:
-                write(pending[:whole])
-                pending = pending[whole:]
-        if len(pending):
-            write(pending)
-    reader.commit(record_path)
-    layout.commit_file(tmp, Path(target))
-    return {"rows": rows, "peak_rss_mib": _peak_rss_mib()}
-
-
 def _link_or_copy(source: Path, target: Path) -> None:
     try:
         os.link(source, target)
@@ -732,14 +953,16 @@ def convert_task_memory(entry: dict, row_len: int, dtype: str, row_group_size: i
     """The memory a conversion task uses, declared as `memory=`: reading one batch (at most a row group,
     `_read_input`) at the file's id width (CONVERT_READ_FACTOR, CONVERT_READER_BYTES), the whole file's bytes when
     it is hashed (held while parsed), one output row group plus one batch twice (the rows and their Arrow copy),
-    and the worker's own footprint. It does not grow with the file."""
+    Ray Data's blocks in flight (RAY_DATA_BLOCKS), the blocks its write keeps until the task ends (the file's rows
+    in the storage type: HELD_COLUMN_BYTES), and the worker's own footprint."""
     meta = pq.read_metadata(entry["path"])
     width = np.dtype(numpy_dtype(dtype)).itemsize
     input_width = max(4, meta.schema.to_arrow_schema().field("input_ids").type.value_type.bit_width // 8)
     batch = min([READ_BATCH_ROWS] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
     return (batch * row_len * input_width * CONVERT_READ_FACTOR + CONVERT_READER_BYTES
             + (os.path.getsize(entry["path"]) if hashed else 0)
-            + 2 * (row_group_size + batch) * row_len * width + _TASK_OVERHEAD)
+            + 2 * (row_group_size + batch) * row_len * width + RAY_DATA_BLOCKS
+            + meta.num_rows * (row_len * width + HELD_COLUMN_BYTES) + _TASK_OVERHEAD)
 
 
 _REQUIRED = {
