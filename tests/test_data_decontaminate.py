@@ -17,8 +17,8 @@ from huginn_ray.config import ConfigError
 from huginn_ray.data.config import load_data_config
 from huginn_ray.data.decontaminate import (EvalFile, Match, build_ngram_set, document_words, eval_files,
                                            first_match, gram_hashes, normalise)
-from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_duplicates, duplicate_rows, hash_table,
-                                       merge_hash_tables)
+from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_entries, content_hashes, duplicate_counts,
+                                       duplicate_keys, duplicate_rows, hash_table)
 from huginn_ray.data.formatting import DataError
 from data_hub_server import HUB_QUESTIONS, FakeHub, gsm8k_repo
 
@@ -235,16 +235,19 @@ def test_a_run_refuses_a_missing_hub_evaluation_set_before_any_stage(tmp_path, m
 
 
 def test_exact_dedup_keeps_the_first_occurrence_whatever_the_bucket_count(tmp_path):
-    """Three files of documents drawn from a small pool: every bucket count gives the brute-force answer (a
-    document is dropped when the same text occurs at an earlier (file, row))."""
+    """Three files of documents drawn from a small pool, each scanned in units of consecutive rows: every bucket
+    count gives the brute-force answer (a document is dropped when the same text occurs at an earlier (file,
+    row)), and the per-file counts are those rows'."""
     rng = random.Random(3)
     pool = [f"doc {i}" for i in range(40)]
     files = [[rng.choice(pool) for _ in range(rng.randint(0, 60))] for _ in range(3)]
     tables = []
     for i, texts in enumerate(files):
-        tables.append(str(tmp_path / f"{i}.npy"))
-        np.save(tables[-1], merge_hash_tables([hash_table(texts[:7]), hash_table(texts[7:20]), hash_table(texts[20:])]))
-        assert np.array_equal(np.load(tables[-1]), hash_table(texts))  # a file read in batches: the same table
+        for start, stop in ((0, 7), (7, 20), (20, len(texts))):  # a file's scan units
+            tables.append((i, str(tmp_path / f"{i}-{start}.npy")))
+            np.save(tables[-1][1], hash_table(content_hashes(texts[start:stop]), start))
+    assert hash_table(content_hashes(["b", "a", "b"]), 5).tolist() == sorted(
+        [[int(content_hashes([t])[0]), 5 + row] for row, t in enumerate(["b", "a", "b"])])
     seen, expected = set(), []
     for texts in files:
         rows = []
@@ -258,6 +261,7 @@ def test_exact_dedup_keeps_the_first_occurrence_whatever_the_bucket_count(tmp_pa
         outputs = []
         for b, (lo, hi) in enumerate(bucket_bounds(buckets)):
             outputs.append(str(tmp_path / f"dups_{buckets}_{b}.npy"))
-            np.save(outputs[-1], bucket_duplicates(tables, lo, hi))
+            np.save(outputs[-1], duplicate_keys(*bucket_entries(tables, lo, hi)))
         assert [duplicate_rows(outputs, i).tolist() for i in range(3)] == expected
+        assert duplicate_counts(outputs, 3).tolist() == [len(rows) for rows in expected]
     assert bucket_bounds(2) == [(0, 2**63), (2**63, 2**64)]
