@@ -318,8 +318,10 @@ def test_filter_workers_killed_in_scan_dedup_and_filter_rerun_with_twice_their_m
         ray_instance, tmp_path, monkeypatch, capsys):
     """A scan actor, a dedup task and a filter task each SIGKILLed on their first call: the units they had not
     committed run again with twice the memory (the scan actor declared none: 2 x UNDECLARED_MEMORY), and the
-    stage's outputs are byte for byte an undisturbed run's, with no temp file left; a staged file that no longer
-    holds the documents of its marker is refused as a DataError naming it."""
+    stage's outputs, with the scan cut into units of 7 documents, are byte for byte an undisturbed run's (files
+    scanned whole), with no temp file left. A rewritten file has one row group per batch read, of its kept
+    documents. A staged file that no longer holds the documents of its marker fails the job with the DataError
+    naming it."""
     from huginn_ray.data import doc_filter
 
     spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "jobs" / "prepare_data.py")
@@ -337,22 +339,27 @@ def test_filter_workers_killed_in_scan_dedup_and_filter_rerun_with_twice_their_m
                                                              for t in docs[30 * i:30 * (i + 1)] + docs[:1] * (i == 2)))
     (tmp_path / "sources.yaml").write_text("- {name: web, local_dir: web, features: [text]}\n")
 
-    def run(out: Path, *extra: str) -> list[str]:
-        config = tmp_path / "data.yaml"
+    config = tmp_path / "data.yaml"
+
+    def outputs(out: Path) -> dict[str, bytes]:
+        """Staging and the filter stage into `out`: every file under filtered/."""
         config.write_text(f"output_dir: {out}\nsources: {tmp_path / 'sources.yaml'}\nseq_len: 32\nnum_shards: 2\n"
                           f"decontaminate: {{mode: drop, ngram: 13, against: [{GSM8K_SAMPLE}]}}\ndedup: exact\n")
-        assert prepare_data.main(["--quiet", "--config", str(config), "--stage", "staging", "--stage", "filter",
-                                  *extra]) == 0
-        return sorted(p.relative_to(out / "filtered").as_posix() for p in (out / "filtered").rglob("*"))
+        assert prepare_data.main(["--quiet", "--config", str(config), "--stage", "staging", "--stage", "filter"]) == 0
+        return {p.relative_to(out / "filtered").as_posix(): p.read_bytes()
+                for p in sorted((out / "filtered").rglob("*")) if p.is_file()}
 
-    def outputs(out: Path) -> dict:
-        return {name: (out / "filtered" / name).read_bytes() for name in run(out) if (out / "filtered" / name).is_file()}
-
+    monkeypatch.setattr(doc_filter, "READ_BATCH_ROWS", 8)  # a rewritten file: one row group per 8 documents read
     undisturbed = outputs(tmp_path / "undisturbed")
     assert sorted(undisturbed) == ["_COMPLETE.json", "decontamination.jsonl", "ngrams.json", "ngrams.npy",
                                    "web/00000.parquet", "web/00001.parquet", "web/00002.parquet"]
-    assert [pq.read_metadata(tmp_path / "undisturbed" / "filtered" / "web" / f"0000{i}.parquet").num_rows
-            for i in range(3)] == [29, 29, 29]  # 30 - 4 | 30 - 50 (a copy of 10) | 31 - 70 - the copy of 0
+    # dropped: row 4 | row 20 (a copy of docs[10]) | rows 10 (contaminated) and 30 (a copy of docs[0])
+    filtered = [pq.ParquetFile(tmp_path / "undisturbed" / "filtered" / "web" / f"0000{i}.parquet") for i in range(3)]
+    assert [[f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)] for f in filtered] == [
+        [7, 8, 8, 6], [8, 8, 7, 6], [8, 7, 8, 6]]
+
+    # the killed run also cuts the scan into units of 7 documents: the same bytes
+    monkeypatch.setattr(doc_filter, "SCAN_UNIT_DOCS", 7)
 
     class ScanKilledOnce(doc_filter.ScanDocuments):
         __call__ = _killed_once(doc_filter.ScanDocuments.__call__, tmp_path / "scan")
@@ -376,7 +383,7 @@ def test_filter_workers_killed_in_scan_dedup_and_filter_rerun_with_twice_their_m
     pq.write_table(pq.read_table(staged).slice(0, 20), staged)
     monkeypatch.undo()
     capsys.readouterr()
-    assert prepare_data.main(["--quiet", "--config", str(tmp_path / "data.yaml"), "--stage", "filter",
+    assert prepare_data.main(["--quiet", "--config", str(config), "--stage", "filter",
                               f"output_dir={tmp_path / 'undisturbed'}", "decontaminate.mode=report"]) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("prepare_data: error:")]
     assert errors == [  # the DataError itself, not Ray's wrapper of it

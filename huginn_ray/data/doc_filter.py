@@ -327,9 +327,9 @@ def run_dedup(tables: list[tuple[int, str]], documents: int, dups_dir: Path) -> 
 
 # --- doc_filter ---------------------------------------------------------------------------------------------
 
-def read_documents_to_filter(file: dict, duplicate_files: list[str]):
-    """A staged file's documents in batches of READ_BATCH_ROWS, each with its `row`, the batch it was read in,
-    whether it is `dropped` (contaminated, `file["contaminated"]`, or a duplicate) and its FILE."""
+def read_documents_to_filter(file: dict, duplicate_files: list[str], batch_rows: int):
+    """A staged file's documents in batches of `batch_rows`, each with its `row`, the batch it was read in, whether
+    it is `dropped` (contaminated, `file["contaminated"]`, or a duplicate) and its FILE."""
     source = pq.ParquetFile(file["staged"])
     if source.metadata.num_rows != file["rows"]:
         raise DataError(f"source {file['source']!r}: {file['staged']} holds {source.metadata.num_rows} documents, "
@@ -340,7 +340,7 @@ def read_documents_to_filter(file: dict, duplicate_files: list[str]):
                        np.asarray(file["contaminated"], np.int64))] = True
     name = json.dumps({"out": file["out"], "rows": file["rows"]})
     start = 0
-    for index, batch in enumerate(source.iter_batches(batch_size=READ_BATCH_ROWS)):
+    for index, batch in enumerate(source.iter_batches(batch_size=batch_rows)):
         n = batch.num_rows
         table = pa.Table.from_batches([batch])
         for column, values in (("row", pa.array(np.arange(start, start + n))),
@@ -366,7 +366,7 @@ def documents_to_filter(files: list[dict], duplicate_files: list[str]):
 
         def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
                            data_context=None) -> list[ReadTask]:
-            return [ReadTask(functools.partial(read_documents_to_filter, f, duplicate_files),
+            return [ReadTask(functools.partial(read_documents_to_filter, f, duplicate_files, READ_BATCH_ROWS),
                              BlockMetadata(num_rows=f["rows"], size_bytes=None, input_files=[f["staged"]],
                                            exec_stats=None))
                     for f in files]
