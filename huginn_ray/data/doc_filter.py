@@ -117,16 +117,32 @@ def remote_args_warning_off():
 # --- doc_scan -----------------------------------------------------------------------------------------------
 
 def scan_units(files: list[tuple[Source, dict]], markers: dict[str, dict], staging_root: Path) -> list[dict]:
-    """Every scan unit, in key order: (staged file ordinal, first row, documents), named `FFFFFF-RRRRRRRRRR`."""
+    """Every scan unit, in key order: (staged file ordinal, first row, documents, their estimated characters),
+    named `FFFFFF-RRRRRRRRRR`."""
     units = []
     for ordinal, (source, f) in enumerate(files):
         mean_chars = markers[source.name]["chars"] / max(1, markers[source.name]["rows"])
         docs = max(1, min(SCAN_UNIT_DOCS, int(SCAN_UNIT_CHARS // max(1.0, mean_chars))))
         for start in range(0, f["rows"], docs):
+            count = min(docs, f["rows"] - start)
             units.append({"name": f"{ordinal:06d}-{start:010d}", "file": ordinal, "source": source.name,
-                          "path": str(staging_root / source.name / f["output"]), "start": start,
-                          "count": min(docs, f["rows"] - start), "chat": source.is_chat or source.needs_chat_templating})
+                          "path": str(staging_root / source.name / f["output"]), "start": start, "count": count,
+                          "chars": count * mean_chars, "chat": source.is_chat or source.needs_chat_templating})
     return units
+
+
+def scan_reads(units: list[dict]) -> list[list[dict]]:
+    """The units in read tasks: consecutive units together while they hold at most SCAN_UNIT_DOCS documents and
+    SCAN_UNIT_CHARS characters (a unit alone when larger), so that small files do not each cost a read task, an
+    actor call and a write task."""
+    reads: list[list[dict]] = []
+    for unit in units:
+        if (reads and sum(u["count"] for u in reads[-1]) + unit["count"] <= SCAN_UNIT_DOCS
+                and sum(u["chars"] for u in reads[-1]) + unit["chars"] <= SCAN_UNIT_CHARS):
+            reads[-1].append(unit)
+        else:
+            reads.append([unit])
+    return reads
 
 
 class ScanDocuments:
@@ -206,16 +222,17 @@ def run_scan(units: list[dict], scan_dir: Path, ngram_file: Path | None, lengths
     scanner = {"ngram_file": None if ngram_file is None else str(ngram_file), "lengths": lengths}
 
     def run(todo: list[int], declared: list[int | None]) -> None:
-        classes: dict[int | None, list[list[dict]]] = {}
+        classes: dict[int | None, list[dict]] = {}
         for i in todo:
             if not done(i):
-                classes.setdefault(declared[i], []).append([units[i]])
+                classes.setdefault(declared[i], []).append(units[i])
         for memory, members in sorted(classes.items(), key=lambda kv: kv[0] or 0):  # one actor pool per class
-            pool = max(1, min(actors, len(members)))
+            reads = scan_reads(members)
+            pool = max(1, min(actors, len(reads)))
             with remote_args_warning_off():
-                # one read task and one block per unit; reads and writes take no CPU, so that the scanners may
-                # hold every CPU, and at most `pool` of each run at once (each task in flight is a process)
-                ray.data.read_datasource(staged_documents(members), override_num_blocks=len(members), num_cpus=0,
+                # one read task and one block per read (whole units); reads and writes take no CPU, so that the
+                # scanners may hold every CPU, and at most `pool` of each run at once (each is a process)
+                ray.data.read_datasource(staged_documents(reads), override_num_blocks=len(reads), num_cpus=0,
                                          concurrency=pool).map_batches(
                     ScanDocuments, fn_constructor_kwargs=scanner, batch_size=None, batch_format="pyarrow",
                     compute=ray.data.ActorPoolStrategy(min_size=1, max_size=pool), num_cpus=1, memory=memory,
@@ -223,7 +240,8 @@ def run_scan(units: list[dict], scan_dir: Path, ngram_file: Path | None, lengths
                     scan_tables(str(scan_dir)), ray_remote_args={"num_cpus": 0, "max_retries": 0}, concurrency=pool)
 
     with whole_blocks():
-        rerun_killed(run, [None] * len(units), name="doc_scan", unfinished=lambda todo: [i for i in todo if not done(i)])
+        rerun_killed(run, [None] * len(units), name="doc_scan",
+                     unfinished=lambda todo: [i for i in todo if not done(i)])
 
 
 # --- doc_dedup ----------------------------------------------------------------------------------------------
