@@ -27,6 +27,7 @@ from huginn_ray.data.decontaminate import (EvalFile, Match, build_ngram_set, doc
                                            first_match, gram_hashes, normalise)
 from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_entries, content_hashes, duplicate_counts,
                                        duplicate_keys, duplicate_rows, hash_table)
+from huginn_ray.data.doc_filter import find_duplicates, read_bucket
 from huginn_ray.data.execution import UNDECLARED_MEMORY
 from huginn_ray.data.formatting import DataError
 from data_hub_server import HUB_QUESTIONS, FakeHub, gsm8k_repo
@@ -272,6 +273,9 @@ def test_exact_dedup_keeps_the_first_occurrence_whatever_the_bucket_count(tmp_pa
         for b, (lo, hi) in enumerate(bucket_bounds(buckets)):
             outputs.append(str(tmp_path / f"dups_{buckets}_{b}.npy"))
             np.save(outputs[-1], duplicate_keys(*bucket_entries(tables, lo, hi)))
+            # doc_dedup's records: the bucket read as one record, its duplicates one record (none: an empty list)
+            [found] = find_duplicates(read_bucket(b, lo, hi, tables)[0]).to_pylist()
+            assert found == {"bucket": b, "duplicates": np.load(outputs[-1]).tolist()}
         assert [duplicate_rows(outputs, i).tolist() for i in range(3)] == expected
         assert duplicate_counts(outputs, 3).tolist() == [len(rows) for rows in expected]
     assert bucket_bounds(2) == [(0, 2**63), (2**63, 2**64)]
