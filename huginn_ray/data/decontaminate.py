@@ -2,7 +2,7 @@
 
     files, origins = eval_files(cfg.decontaminate.against, cfg.root, cfg.download)  # on the driver
     ngrams = build_ngram_set(files, n=13, origins=origins)                          # once, on the driver
-    match = first_match(document_words(text, chat=False), ngrams.hashes, ngrams.items, ngrams.lengths)  # an actor
+    match = first_match(document_words(text, chat=False), ngrams.hashes, ngrams.items, ngrams.lengths)  # a scan actor
 
 Evaluation sets are local files (GSM8k's test format: `question`, `answer`) or Hub datasets
 (`config.HubEvalSet`). A Hub set is fetched with huggingface_hub as the download stage fetches sources
