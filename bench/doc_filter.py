@@ -3,11 +3,11 @@
     python bench/doc_filter.py [--docs 20000] [--words 750] [--eval configs/eval/gsm8k_test_sample.jsonl]
 
 Documents are generated (seeded): --words words each, drawn from a Zipf-like vocabulary of 50,000 made-up words
-with punctuation and mixed case, about 1,000 tokens of web text. Measures, as the `doc_scan` task runs them:
+with punctuation and mixed case, about 1,000 tokens of web text. Measures, as the `doc_scan` actors run them:
   ngram - document_words + first_match against the n-gram set of --eval (13-grams; no document matches, so every
           gram of every document is checked: the worst case);
-  hash  - hash_table (64-bit blake2b of each document's text, sorted (hash, row) table);
-and the dedup decision (`bucket_duplicates` over the tables of 8 files) per document. Figures are printed;
+  hash  - content_hashes + hash_table (64-bit blake2b of each document's text, sorted (hash, row) table);
+and the dedup decision (`bucket_entries` + `duplicate_keys` over the tables of 8 files) per document. Figures are printed;
 nothing is asserted.
 """
 
@@ -24,8 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from huginn_ray.data.decontaminate import build_ngram_set, document_words, first_match  # noqa: E402
-from huginn_ray.data.doc_dedup import bucket_bounds, bucket_duplicates, hash_table  # noqa: E402
+from huginn_ray.data.decontaminate import EvalFile, build_ngram_set, document_words, first_match  # noqa: E402
+from huginn_ray.data.doc_dedup import bucket_bounds, bucket_entries, content_hashes, duplicate_keys, hash_table  # noqa: E402
 
 
 def documents(count: int, words: int) -> list[str]:
@@ -50,13 +50,13 @@ def main() -> None:
     args = parser.parse_args()
     docs = documents(args.docs, args.words)
     mib = sum(len(d.encode()) for d in docs) / 2**20
-    ngrams = build_ngram_set([args.eval], 13)
+    ngrams = build_ngram_set([EvalFile(Path(args.eval), args.eval)], 13)
     start = time.perf_counter()
     matched = sum(first_match(document_words(d, False), ngrams.hashes, ngrams.items, ngrams.lengths) is not None
                   for d in docs)
     scan_s = time.perf_counter() - start
     start = time.perf_counter()
-    tables = [hash_table(docs[i::8]) for i in range(8)]
+    tables = [hash_table(content_hashes(docs[i::8])) for i in range(8)]
     hash_s = time.perf_counter() - start
     with tempfile.TemporaryDirectory() as tmp:
         paths = []
@@ -65,7 +65,7 @@ def main() -> None:
             np.save(paths[-1], table)
         start = time.perf_counter()
         (lo, hi), = bucket_bounds(1)
-        bucket_duplicates(paths, lo, hi)
+        duplicate_keys(*bucket_entries(list(enumerate(paths)), lo, hi))
         dedup_s = time.perf_counter() - start
     print(f"{args.docs} documents of {args.words} words, {mib:.1f} MiB; n-gram set {len(ngrams.hashes)} grams, "
           f"lengths {ngrams.lengths}; {matched} matched")

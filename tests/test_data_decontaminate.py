@@ -1,28 +1,39 @@
 """Decontamination's normalisation and n-gram matching, Hub evaluation sets (the real huggingface_hub client
 against tests/data_hub_server.py), exact deduplication's decision, and the config's checks, with exact expected
-values (no Ray; the stage end to end is in tests/test_data_pipeline.py, with a Hub set in
+values, and the filter stage's datasets on a local Ray: workers killed in each of its three operators rerun with
+twice their memory and write the same bytes, a staged file changed under the stage refused by name (the stage
+end to end, through the pack stage and the manifest, is in tests/test_data_pipeline.py, with a Hub set in
 tests/test_data_hub_download.py)."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import os
 import random
+import shutil
+import signal
+import tempfile
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from huginn_ray.config import ConfigError
 from huginn_ray.data.config import load_data_config
 from huginn_ray.data.decontaminate import (EvalFile, Match, build_ngram_set, document_words, eval_files,
                                            first_match, gram_hashes, normalise)
-from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_duplicates, duplicate_rows, hash_table,
-                                       merge_hash_tables)
+from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_entries, content_hashes, duplicate_counts,
+                                       duplicate_keys, duplicate_rows, hash_table)
+from huginn_ray.data.doc_filter import find_duplicates, read_bucket
+from huginn_ray.data.execution import UNDECLARED_MEMORY
 from huginn_ray.data.formatting import DataError
 from data_hub_server import HUB_QUESTIONS, FakeHub, gsm8k_repo
 
 ROOT = Path(__file__).resolve().parents[1]
+GSM8K_SAMPLE = ROOT / "configs" / "eval" / "gsm8k_test_sample.jsonl"
 
 
 def test_normalise_lowercases_strips_punctuation_and_splits_on_whitespace():
@@ -235,16 +246,19 @@ def test_a_run_refuses_a_missing_hub_evaluation_set_before_any_stage(tmp_path, m
 
 
 def test_exact_dedup_keeps_the_first_occurrence_whatever_the_bucket_count(tmp_path):
-    """Three files of documents drawn from a small pool: every bucket count gives the brute-force answer (a
-    document is dropped when the same text occurs at an earlier (file, row))."""
+    """Three files of documents drawn from a small pool, each scanned in units of consecutive rows: every bucket
+    count gives the brute-force answer (a document is dropped when the same text occurs at an earlier (file,
+    row)), and the per-file counts are those rows'."""
     rng = random.Random(3)
     pool = [f"doc {i}" for i in range(40)]
     files = [[rng.choice(pool) for _ in range(rng.randint(0, 60))] for _ in range(3)]
     tables = []
     for i, texts in enumerate(files):
-        tables.append(str(tmp_path / f"{i}.npy"))
-        np.save(tables[-1], merge_hash_tables([hash_table(texts[:7]), hash_table(texts[7:20]), hash_table(texts[20:])]))
-        assert np.array_equal(np.load(tables[-1]), hash_table(texts))  # a file read in batches: the same table
+        for start, stop in ((0, 7), (7, 20), (20, len(texts))):  # a file's scan units
+            tables.append((i, str(tmp_path / f"{i}-{start}.npy")))
+            np.save(tables[-1][1], hash_table(content_hashes(texts[start:stop]), start))
+    assert hash_table(content_hashes(["b", "a", "b"]), 5).tolist() == sorted(
+        [[int(content_hashes([t])[0]), 5 + row] for row, t in enumerate(["b", "a", "b"])])
     seen, expected = set(), []
     for texts in files:
         rows = []
@@ -258,6 +272,124 @@ def test_exact_dedup_keeps_the_first_occurrence_whatever_the_bucket_count(tmp_pa
         outputs = []
         for b, (lo, hi) in enumerate(bucket_bounds(buckets)):
             outputs.append(str(tmp_path / f"dups_{buckets}_{b}.npy"))
-            np.save(outputs[-1], bucket_duplicates(tables, lo, hi))
+            np.save(outputs[-1], duplicate_keys(*bucket_entries(tables, lo, hi)))
+            # doc_dedup's records: the bucket read as one record, its duplicates one record (none: an empty list)
+            [found] = find_duplicates(read_bucket(b, lo, hi, tables)[0]).to_pylist()
+            assert found == {"bucket": b, "duplicates": np.load(outputs[-1]).tolist()}
         assert [duplicate_rows(outputs, i).tolist() for i in range(3)] == expected
+        assert duplicate_counts(outputs, 3).tolist() == [len(rows) for rows in expected]
     assert bucket_bounds(2) == [(0, 2**63), (2**63, 2**64)]
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    import ray
+
+    if ray.is_initialized():  # another module's session-wide Ray: share it
+        yield
+        return
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    temp_dir = tempfile.mkdtemp(prefix="hrdc_", dir="/tmp")
+    ray.init(address="local", num_cpus=2, object_store_memory=256 << 20, _temp_dir=temp_dir,
+             include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _killed_once(fn, flag: Path):
+    """fn, except that its first call SIGKILLs its own worker process (a task's, or an actor's when fn is a
+    method); every call appends (memory= Ray gave the worker, killed or ran) to `<flag>.memory`."""
+
+    def first_call_dies(*args, **kwargs):
+        import ray
+
+        memory = ray.get_runtime_context().get_assigned_resources().get("memory")
+        try:
+            os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:  # a later call, or the rerun of the killed one
+            with open(flag.with_suffix(".memory"), "a") as f:
+                f.write(json.dumps([memory, "ran"]) + "\n")
+            return fn(*args, **kwargs)
+        with open(flag.with_suffix(".memory"), "a") as f:
+            f.write(json.dumps([memory, "killed"]) + "\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return first_call_dies
+
+
+def test_filter_workers_killed_in_scan_dedup_and_filter_rerun_with_twice_their_memory_and_change_no_byte(
+        ray_instance, tmp_path, monkeypatch, capsys):
+    """A scan actor, a dedup task and a filter task each SIGKILLed on their first call: the units they had not
+    committed run again with twice the memory (the scan actor declared none: 2 x UNDECLARED_MEMORY), and the
+    stage's outputs, with the scan cut into units of 7 documents, are byte for byte an undisturbed run's (files
+    scanned whole), with no temp file left. A rewritten file has one row group per batch read, of its kept
+    documents. A staged file that no longer holds the documents of its marker fails the job with the DataError
+    naming it."""
+    from huginn_ray.data import doc_filter
+
+    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "jobs" / "prepare_data.py")
+    prepare_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare_data)
+    questions = [json.loads(line)["question"] for line in GSM8K_SAMPLE.read_text().splitlines()]
+    rng = random.Random(5)
+    words = "the raven flies over a recurrent depth of latent thought while ray shards data".split()
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(90)]
+    docs[4], docs[70] = f"intro {questions[0]} outro", f"{questions[1]} outro"
+    docs[50] = docs[10]
+    (tmp_path / "web").mkdir()
+    for i in range(3):  # three staged files; file 1 loses a duplicate, file 2 a contaminated document and its copy
+        (tmp_path / "web" / f"{i}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                             for t in docs[30 * i:30 * (i + 1)] + docs[:1] * (i == 2)))
+    (tmp_path / "sources.yaml").write_text("- {name: web, local_dir: web, features: [text]}\n")
+
+    config = tmp_path / "data.yaml"
+
+    def outputs(out: Path) -> dict[str, bytes]:
+        """Staging and the filter stage into `out`: every file under filtered/."""
+        config.write_text(f"output_dir: {out}\nsources: {tmp_path / 'sources.yaml'}\nseq_len: 32\nnum_shards: 2\n"
+                          f"decontaminate: {{mode: drop, ngram: 13, against: [{GSM8K_SAMPLE}]}}\ndedup: exact\n")
+        assert prepare_data.main(["--quiet", "--config", str(config), "--stage", "staging", "--stage", "filter"]) == 0
+        return {p.relative_to(out / "filtered").as_posix(): p.read_bytes()
+                for p in sorted((out / "filtered").rglob("*")) if p.is_file()}
+
+    monkeypatch.setattr(doc_filter, "READ_BATCH_ROWS", 8)  # a rewritten file: one row group per 8 documents read
+    undisturbed = outputs(tmp_path / "undisturbed")
+    assert sorted(undisturbed) == ["_COMPLETE.json", "decontamination.jsonl", "ngrams.json", "ngrams.npy",
+                                   "web/00000.parquet", "web/00001.parquet", "web/00002.parquet"]
+    # dropped: row 4 | row 20 (a copy of docs[10]) | rows 10 (contaminated) and 30 (a copy of docs[0])
+    filtered = [pq.ParquetFile(tmp_path / "undisturbed" / "filtered" / "web" / f"0000{i}.parquet") for i in range(3)]
+    assert [[f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)] for f in filtered] == [
+        [7, 8, 8, 6], [8, 8, 7, 6], [8, 7, 8, 6]]
+
+    # the killed run also cuts the scan into units of 7 documents: the same bytes
+    monkeypatch.setattr(doc_filter, "SCAN_UNIT_DOCS", 7)
+
+    class ScanKilledOnce(doc_filter.ScanDocuments):
+        __call__ = _killed_once(doc_filter.ScanDocuments.__call__, tmp_path / "scan")
+
+    monkeypatch.setattr(doc_filter, "ScanDocuments", ScanKilledOnce)
+    monkeypatch.setattr(doc_filter, "find_duplicates", _killed_once(doc_filter.find_duplicates, tmp_path / "dedup"))
+    monkeypatch.setattr(doc_filter, "read_documents_to_filter",
+                        _killed_once(doc_filter.read_documents_to_filter, tmp_path / "filter"))
+    killed = outputs(tmp_path / "killed")
+    assert killed == undisturbed
+    assert not [p for p in (tmp_path / "killed").rglob("*.tmp")]
+    dedup_memory = doc_filter.declared_memory(256 * 2**20 + 48 * 91, doc_filter.node_memory_cap())
+    for stage, first in (("scan", None), ("dedup", dedup_memory), ("filter", None)):
+        attempts = [json.loads(line) for line in (tmp_path / f"{stage}.memory").read_text().splitlines()]
+        assert attempts[0] == [first, "killed"], stage
+        assert attempts[1:] and {memory for memory, _ in attempts[1:]} == {2 * (first or UNDECLARED_MEMORY)}, stage
+
+    # a staged file rewritten with fewer documents than its marker says (the filter's fingerprint changed:
+    # the stage runs again)
+    staged = tmp_path / "undisturbed" / "staging" / "web" / "00001.parquet"
+    pq.write_table(pq.read_table(staged).slice(0, 20), staged)
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert prepare_data.main(["--quiet", "--config", str(config), "--stage", "filter",
+                              f"output_dir={tmp_path / 'undisturbed'}", "decontaminate.mode=report"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("prepare_data: error:")]
+    assert errors == [  # the DataError itself, not Ray's wrapper of it
+        f"prepare_data: error: source 'web': {staged} holds 20 documents from row 1, its staging marker 30: staged "
+        "again since it was planned; rerun the staging stage"]

@@ -6,15 +6,18 @@ document's staged JSON is its messages, so two identical conversations are dupli
 document's key, `(file ordinal << 32) | row`: file ordinals number the staged files in source-list order, then
 file order, so the decision does not depend on task timing. Three steps (run by huginn_ray/data/doc_filter.py):
 
-1. per staged file, `hash_table(texts)` per batch of documents, `merge_hash_tables`: (hash, row) pairs sorted by
-   hash, saved as one .npy file;
-2. per hash bucket (`bucket_bounds`: the 2^64 hash values cut into equal ranges), `bucket_duplicates`: the slice
-   of every file's table in the bucket's range (two binary searches in a memory map per file), sorted by
-   (hash, key): every entry after the first of its hash is a duplicate; their keys, sorted, in one .npy file;
-3. per staged file, `duplicate_rows`: its rows among every bucket's duplicate keys (two binary searches each).
+1. per scan unit (a staged file's run of documents), `content_hashes` of its texts, `hash_table`: (hash, row)
+   pairs sorted by hash, saved as one .npy file;
+2. per hash bucket (`bucket_bounds`: the 2^64 hash values cut into equal ranges), `bucket_entries`: the slice
+   of every unit's table in the bucket's range (two binary searches in a memory map per table), and
+   `duplicate_keys`: sorted by (hash, key), every entry after the first of its hash is a duplicate; their keys,
+   sorted, in one .npy file;
+3. per staged file, `duplicate_rows`: its rows among every bucket's duplicate keys (two binary searches each);
+   on the driver, `duplicate_counts`: how many each file has.
 
 Memory is bounded by a bucket: 16 bytes per document of the bucket (x about 3 while sorting), whatever the
-total; files are opened F x B times in steps 2 and 3 (F staged files, B buckets).
+total; tables are opened U x B times in step 2 (U scan units, B buckets), dups files F x B times in step 3 (F
+staged files).
 """
 
 from __future__ import annotations
@@ -31,22 +34,17 @@ def content_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-def hash_table(texts: list[str]) -> np.ndarray:
-    """(hash, row) of every document, shape (n, 2) uint64, sorted by hash then row."""
-    hashes = np.fromiter((content_hash(t) for t in texts), np.uint64, len(texts))
-    rows = np.arange(len(texts), dtype=np.uint64)
+def content_hashes(texts: list[str]) -> np.ndarray:
+    """content_hash of every text (uint64)."""
+    return np.fromiter((content_hash(t) for t in texts), np.uint64, len(texts))
+
+
+def hash_table(hashes: np.ndarray, first_row: int = 0) -> np.ndarray:
+    """(hash, row) of consecutive documents whose rows start at `first_row`, shape (n, 2) uint64, sorted by hash
+    then row."""
+    rows = np.arange(first_row, first_row + len(hashes), dtype=np.uint64)
     order = np.lexsort((rows, hashes))
     return np.stack([hashes[order], rows[order]], axis=1)
-
-
-def merge_hash_tables(parts: list[np.ndarray]) -> np.ndarray:
-    """One file's `hash_table` from the tables of its consecutive batches (rows renumbered from 0)."""
-    offset, shifted = 0, []
-    for part in parts:
-        shifted.append(part + np.array([0, offset], np.uint64))
-        offset += len(part)
-    table = np.concatenate(shifted) if shifted else np.zeros((0, 2), np.uint64)
-    return table[np.lexsort((table[:, 1], table[:, 0]))]
 
 
 def bucket_bounds(buckets: int) -> list[tuple[int, int]]:
@@ -62,23 +60,25 @@ def _hash_range(table: np.ndarray, lo: int, hi: int) -> slice:
     return slice(start, stop)
 
 
-def bucket_duplicates(tables: list[str], lo: int, hi: int) -> np.ndarray:
-    """Keys (sorted, uint64) of the documents in hash range [lo, hi) whose hash occurs at a smaller key.
-
-    `tables[ordinal]` is the path of that file's `hash_table` (.npy)."""
-    hashes, keys = [], []
-    for ordinal, path in enumerate(tables):
+def bucket_entries(tables: list[tuple[int, str]], lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """(hashes, keys) of every document whose hash is in [lo, hi), from the `hash_table` files `tables`, each
+    given with the ordinal of the staged file its rows belong to."""
+    hashes, keys = [np.zeros(0, np.uint64)], [np.zeros(0, np.uint64)]
+    for ordinal, path in tables:
         table = np.load(path, mmap_mode="r")
         part = np.array(table[_hash_range(table, lo, hi)])
         hashes.append(part[:, 0])
         keys.append((np.uint64(ordinal) << np.uint64(ROW_BITS)) | part[:, 1])
-    all_hashes = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
-    all_keys = np.concatenate(keys) if keys else np.zeros(0, np.uint64)
-    order = np.lexsort((all_keys, all_hashes))
-    all_hashes, all_keys = all_hashes[order], all_keys[order]
-    repeat = np.zeros(len(all_hashes), bool)
-    repeat[1:] = all_hashes[1:] == all_hashes[:-1]
-    return np.sort(all_keys[repeat])
+    return np.concatenate(hashes), np.concatenate(keys)
+
+
+def duplicate_keys(hashes: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Keys (sorted, uint64) of the documents whose hash occurs at a smaller key."""
+    order = np.lexsort((keys, hashes))
+    hashes, keys = hashes[order], keys[order]
+    repeat = np.zeros(len(hashes), bool)
+    repeat[1:] = hashes[1:] == hashes[:-1]
+    return np.sort(keys[repeat])
 
 
 def duplicate_rows(duplicate_files: list[str], ordinal: int) -> np.ndarray:
@@ -92,3 +92,13 @@ def duplicate_rows(duplicate_files: list[str], ordinal: int) -> np.ndarray:
         stop = len(keys) if hi is None else int(np.searchsorted(keys, hi))
         rows.append(np.array(keys[start:stop]) - lo)
     return np.sort(np.concatenate(rows)).astype(np.int64) if rows else np.zeros(0, np.int64)
+
+
+def duplicate_counts(duplicate_files: list[str], files: int) -> np.ndarray:
+    """How many of its rows each of the `files` staged files has among the buckets' duplicate keys (int64, one
+    count per file ordinal); one bucket's keys in memory at a time."""
+    counts = np.zeros(files, np.int64)
+    for path in duplicate_files:
+        ordinals = np.load(path) >> np.uint64(ROW_BITS)
+        counts += np.bincount(ordinals.astype(np.int64), minlength=files)[:files]
+    return counts

@@ -3,29 +3,50 @@
 Runs between staging and tokenize + pack when the data config sets `decontaminate.mode` (drop, report) or
 `dedup: exact`; the pack stage then reads `filtered/<source>/NNNNN.parquet` (same columns and doc_ids as the
 staged files, so a document left out here never reaches packing, and the rest pack exactly as before). Three Ray
-Data operators over every source with weight > 0 (huginn_ray/data/execution.py):
+Data datasets over every source with weight > 0, the records flowing from a read to a write:
 
-1. `doc_scan`, one task per staged file: each document's content hash (huginn_ray/data/doc_dedup.py) and its
-   first n-gram found in the evaluation sets (huginn_ray/data/decontaminate.py; the set reaches the tasks
-   through Ray's object store, put there once by the driver); `scan/FFFFFF.npy` (hashes sorted) and
-   `scan/FFFFFF.json` (matches), F = the file's ordinal in source-list, file order;
-2. `doc_dedup` (dedup: exact), one task per hash bucket of about `DOCS_PER_BUCKET` documents: the keys of the
-   documents whose content occurred at a smaller key, `dups/BBBBB.npy`;
-3. `doc_filter`, one task per staged file: the file without its dropped rows (rewritten), or a hard link to the
-   staged file when none is dropped (a copy where a link cannot be made).
+1. `doc_scan`: the staged documents read by scan unit (a staged file, or a run of `scan_unit_docs` documents of a
+   large one: huginn_ray/data/tokenize_pack.py `staged_documents`) -> `ScanDocuments`, a callable class on an
+   actor pool (one actor per CPU, the evaluation n-gram set loaded once per actor from `ngrams.npy`): each
+   document's content hash (huginn_ray/data/doc_dedup.py) and its first n-gram found in the evaluation sets
+   (huginn_ray/data/decontaminate.py) -> the `scan_tables` write, per unit `scan/FFFFFF-RRRRRRRRRR.npy` ((hash,
+   row) sorted) and `.json` (matches), F = the file's ordinal in source-list, file order, R its first row;
+2. `doc_dedup` (dedup: exact): per hash bucket of about `DOCS_PER_BUCKET` documents, one record holding the
+   bucket's (hash, key) entries read from every unit's table (`bucket_hashes`) -> `find_duplicates` -> the
+   `duplicate_keys` write: the keys of the documents whose content occurred at a smaller key, `dups/BBBBB.npy`.
+   Read, map and write are fused into one Ray task per bucket, which declares the bucket's memory: the entries
+   never cross the object store;
+3. `doc_filter`: the driver hard-links each staged file that loses no document (a copy where a link cannot be
+   made); every other file is read (`documents_to_filter`: its documents, each marked dropped or kept) and written
+   without its dropped documents by the `filtered_files` write, fused into one task per file, in row groups of
+   the kept documents of each batch of `READ_BATCH_ROWS` read.
+
+Ray Data streams the records between the operators with its backpressure and shows each operator's progress in
+records (documents, buckets); progress bars are off under `prepare_data.py --quiet`. A worker or actor killed (by
+Ray's memory monitor, the kernel's OOM killer, a node lost) reruns the units that had not committed their files,
+each with twice its memory (huginn_ray/data/execution.py `rerun_killed`; tasks are not retried, actors not
+restarted); an error of this project's (a staged file that no longer matches its marker) fails the stage as that
+exception, naming the file.
 
 Resumable like the other stages: everything is written into `filtered.partial/`, keyed by the stage's
 fingerprint (the staged sources, the settings, the n-gram set's digest), each file committed on its own and kept
-by a rerun; the intermediate `scan/` and `dups/` are removed before the commit. `filtered/ngrams.{npy,json}` is the
-n-gram set, `filtered/decontamination.jsonl` lists every document with a match (dropped or, with mode report,
-kept): source, input file, doc_id, the matched n-gram, the evaluation item.
+by a rerun (a scan unit, a bucket, a filtered file whose file exists is not run again); the intermediate `scan/`
+and `dups/` are removed before the commit. `filtered/ngrams.{npy,json}` is the n-gram set,
+`filtered/decontamination.jsonl` lists every document with a match (dropped or, with mode report, kept): source,
+input file, doc_id, the matched n-gram, the evaluation item.
+
+Costs besides the scan's CPU: the driver reads every scan unit's matches (a small .json each), the duplicate keys
+once (one bucket's at a time, to count each file's duplicates) and every filtered file's parquet footer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -35,20 +56,31 @@ import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
 from huginn_ray.data.decontaminate import NgramSet, document_words, first_match, save_ngram_set
-from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_duplicates, duplicate_rows, hash_table,
-                                       merge_hash_tables)
-from huginn_ray.data.execution import run_tasks
+from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_entries, content_hashes, duplicate_counts,
+                                       duplicate_keys, duplicate_rows, hash_table)
+from huginn_ray.data.execution import declared_memory, node_memory_cap, rerun_killed
+from huginn_ray.data.formatting import DataError
 from huginn_ray.data.sources import Source
 from huginn_ray.data.staging import STAGING_SCHEMA
 from huginn_ray.data.staging import STATS_KEY as STAGING_STATS_KEY
+from huginn_ray.data.tokenize_pack import BATCH, staged_documents, whole_batches
 
 FILTER_VERSION = 1
 DOCS_PER_BUCKET = 1 << 24
 """Documents one dedup task sorts (16 M: 256 MiB of (hash, key) pairs, ~3x that while sorting)."""
+SCAN_UNIT_DOCS = 1 << 16
+SCAN_UNIT_CHARS = 1 << 26
+"""A scan unit (one block from the read to the write) holds at most SCAN_UNIT_DOCS documents and, at its
+source's mean document size, SCAN_UNIT_CHARS characters (64 Mi: about 64-256 MiB of text as Arrow and Python
+strings in an actor); a smaller staged file is one unit."""
 READ_BATCH_ROWS = 4096
-"""Staged documents a scan or filter task holds at a time (the files are read in batches of this many)."""
+"""Staged documents `doc_filter` reads at a time; a rewritten file has one row group per batch read (its kept
+documents)."""
 STATS_KEY = b"huginn_ray.filter"  # a rewritten file's row and character counts, in its parquet footer
 REPORT = "decontamination.jsonl"
+FILE = "file"
+"""The column that names a record's staged file ({"out": path, "rows": n} as JSON) from doc_filter's read to its
+write."""
 
 
 def filter_fingerprint(sources: list[Source], staging_markers: dict[str, dict], mode: str, ngram: int,
@@ -58,86 +90,420 @@ def filter_fingerprint(sources: list[Source], staging_markers: dict[str, dict], 
         "sources": [(s.name, staging_markers[s.name]["fingerprint"]) for s in sources if s.weight > 0]})
 
 
-def scan_file(ordinal: int, path: str, chat: bool, *, ngrams, lengths: tuple[int, ...], scan_dir: str) -> dict:
-    """Ray task: the content hashes (sorted) and the n-gram matches of one staged file."""
-    table_path = Path(scan_dir) / f"{ordinal:06d}.npy"
-    matches_path = table_path.with_suffix(".json")
-    if table_path.exists():  # committed by an earlier, interrupted run (its matches were committed first)
-        return {"matches": json.loads(matches_path.read_text())}
-    import ray
+@contextlib.contextmanager
+def whole_blocks():
+    """Ray Data's splitting (and merging) of blocks by size off: a block from the read reaches the map and the
+    write as it was read (a scan unit, a bucket's record)."""
+    from ray.data import DataContext
 
-    hashes, items = ray.get(ngrams) if ngrams is not None else (np.zeros(0, np.uint64), None)
-    matches, content, row = [], [], 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=READ_BATCH_ROWS, columns=["text", "doc_id"]):
-        texts = batch.column("text").to_pylist()
-        content.append(hash_table(texts))
-        if len(hashes):
-            for text, doc_id in zip(texts, batch.column("doc_id").to_pylist()):
-                match = first_match(document_words(text, chat), hashes, items, lengths)
-                if match is not None:
-                    matches.append({"row": row, "doc_id": doc_id, "gram": match.gram, "item": match.item})
-                row += 1
+    context = DataContext.get_current()
+    shaping = context.target_max_block_size
+    context.target_max_block_size = None
+    try:
+        yield
+    finally:
+        context.target_max_block_size = shaping
+
+
+@contextlib.contextmanager
+def remote_args_warning_off():
+    """max_retries / max_restarts have no named parameter in Ray 2.60: passed as remote args, which warns that
+    remote args are deprecated (execution.rerun_killed relies on them: a killed worker stops the dataset)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        yield
+
+
+# --- doc_scan -----------------------------------------------------------------------------------------------
+
+def scan_units(files: list[tuple[Source, dict]], markers: dict[str, dict], staging_root: Path) -> list[dict]:
+    """Every scan unit, in key order: (staged file ordinal, first row, documents, their estimated characters),
+    named `FFFFFF-RRRRRRRRRR`."""
+    units = []
+    for ordinal, (source, f) in enumerate(files):
+        mean_chars = markers[source.name]["chars"] / max(1, markers[source.name]["rows"])
+        docs = max(1, min(SCAN_UNIT_DOCS, int(SCAN_UNIT_CHARS // max(1.0, mean_chars))))
+        for start in range(0, f["rows"], docs):
+            count = min(docs, f["rows"] - start)
+            units.append({"name": f"{ordinal:06d}-{start:010d}", "file": ordinal, "source": source.name,
+                          "path": str(staging_root / source.name / f["output"]), "start": start, "count": count,
+                          "chars": count * mean_chars, "chat": source.is_chat or source.needs_chat_templating})
+    return units
+
+
+def scan_reads(units: list[dict]) -> list[list[dict]]:
+    """The units in read tasks: consecutive units together while they hold at most SCAN_UNIT_DOCS documents and
+    SCAN_UNIT_CHARS characters (a unit alone when larger), so that small files do not each cost a read task, an
+    actor call and a write task."""
+    reads: list[list[dict]] = []
+    for unit in units:
+        if (reads and sum(u["count"] for u in reads[-1]) + unit["count"] <= SCAN_UNIT_DOCS
+                and sum(u["chars"] for u in reads[-1]) + unit["chars"] <= SCAN_UNIT_CHARS):
+            reads[-1].append(unit)
         else:
-            row += len(texts)
+            reads.append([unit])
+    return reads
+
+
+class ScanDocuments:
+    """doc_scan's map, a callable class on an actor pool: the n-gram set is loaded once per actor. One call = one
+    block of whole scan units: per document its content hash and, when the set is not empty, its first gram
+    found in the set (`gram`, `item`; null when none)."""
+
+    def __init__(self, ngram_file: str | None, lengths: tuple[int, ...]):
+        if ngram_file is None:
+            self.hashes, self.items = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
+        else:
+            table = np.load(ngram_file)  # save_ngram_set: (hash, item) per gram, sorted by hash
+            self.hashes, self.items = np.ascontiguousarray(table[:, 0]), table[:, 1].astype(np.uint32)
+        self.lengths = tuple(lengths)
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        return pa.concat_tables([self.scan(unit, records) for unit, records in whole_batches(table)])
+
+    def scan(self, unit: dict, records: pa.Table) -> pa.Table:
+        texts = records.column("text").to_pylist()
+        grams, items = [None] * len(texts), [None] * len(texts)
+        if len(self.hashes):
+            for i, text in enumerate(texts):
+                match = first_match(document_words(text, unit["chat"]), self.hashes, self.items, self.lengths)
+                if match is not None:
+                    grams[i], items[i] = match.gram, match.item
+        return pa.table({"hash": pa.array(content_hashes(texts), pa.uint64()), "doc_id": records.column("doc_id"),
+                         "gram": pa.array(grams, pa.string()), "item": pa.array(items, pa.int64()),
+                         BATCH: records.column(BATCH)})
+
+
+def write_scan(unit: dict, records: pa.Table, scan_dir: str) -> None:
+    """One scan unit's results, committed: its matches (`.json`, rows counted from the file's first row), then its
+    (hash, row) table (`.npy`: the unit is done when it exists)."""
+    table_path = Path(scan_dir) / f"{unit['name']}.npy"
+    matched = np.flatnonzero(records.column("gram").is_valid().to_numpy(zero_copy_only=False))
+    doc_ids, grams, items = (records.column(c).take(matched).to_pylist() for c in ("doc_id", "gram", "item"))
+    matches = [{"row": unit["start"] + int(i), "doc_id": d, "gram": g, "item": it}
+               for i, d, g, it in zip(matched, doc_ids, grams, items)]
+    matches_path = table_path.with_suffix(".json")
     tmp = layout.temp_path(matches_path)
     tmp.write_text(json.dumps(matches))
     layout.commit_file(tmp, matches_path)
+    hashes = records.column("hash").to_numpy()
     tmp = layout.temp_path(table_path)
     with open(tmp, "wb") as f:
-        np.save(f, merge_hash_tables(content))
+        np.save(f, hash_table(hashes, unit["start"]))
     layout.commit_file(tmp, table_path)
-    return {"matches": matches}
 
 
-def dedup_bucket(bucket: int, lo: int, hi: int, *, tables: list[str], out_dir: str) -> int:
-    """Ray task: the duplicates of one hash bucket, `dups/BBBBB.npy`; returns how many."""
-    out = Path(out_dir) / f"{bucket:05d}.npy"
-    if not out.exists():
-        tmp = layout.temp_path(out)
-        with open(tmp, "wb") as f:
-            np.save(f, bucket_duplicates(tables, lo, hi))
-        layout.commit_file(tmp, out)
-    return int(np.load(out, mmap_mode="r").shape[0])
+def scan_tables(scan_dir: str):
+    """doc_scan's write: a Ray Data datasink that commits each scan unit of its blocks (write_scan)."""
+    from ray.data.block import BlockAccessor
+    from ray.data.datasource import Datasink
+
+    class ScanTables(Datasink):
+        def get_name(self) -> str:
+            return "scan_tables"
+
+        def write(self, blocks, ctx) -> None:
+            for block in blocks:
+                for unit, records in whole_batches(BlockAccessor.for_block(block).to_arrow()):
+                    write_scan(unit, records, scan_dir)
+
+    return ScanTables()
 
 
-def filter_file(ordinal: int, staged: str, out: str, drop_rows: list[int], *, duplicate_files: list[str]) -> dict:
-    """Ray task: one staged file without `drop_rows` (contaminated) and its exact duplicates; returns the kept
-    rows, characters and longest document's characters, and the duplicates dropped (not counting rows also in
-    drop_rows)."""
-    duplicates = duplicate_rows(duplicate_files, ordinal)
-    contaminated = np.asarray(drop_rows, np.int64)
-    out_path = Path(out)
-    duplicates_dropped = int(len(np.setdiff1d(duplicates, contaminated)))
-    if not out_path.exists():
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = layout.temp_path(out_path)
-        if len(duplicates) + len(contaminated) == 0:
-            try:
-                os.link(staged, tmp)
-            except OSError:  # another file system, or links not supported
-                shutil.copyfile(staged, tmp)
-        else:
-            source = pq.ParquetFile(staged)
-            keep = np.ones(source.metadata.num_rows, bool)
-            keep[np.union1d(duplicates, contaminated)] = False
-            rows = chars = max_chars = start = 0
-            with pq.ParquetWriter(tmp, STAGING_SCHEMA) as writer:
-                for batch in source.iter_batches(batch_size=READ_BATCH_ROWS):
-                    kept = batch.filter(pa.array(keep[start:start + batch.num_rows]))
-                    start += batch.num_rows
-                    if kept.num_rows:
-                        writer.write_batch(kept)
-                        rows += kept.num_rows
-                        lengths = pc.utf8_length(kept.column("text"))
-                        chars += int(pc.sum(lengths).as_py() or 0)
-                        max_chars = max(max_chars, int(pc.max(lengths).as_py() or 0))
-                writer.add_key_value_metadata({STATS_KEY: json.dumps({"rows": rows, "chars": chars,
-                                                                      "max_chars": max_chars})})
-        layout.commit_file(tmp, out_path)
-    metadata = pq.read_metadata(out_path).metadata or {}
-    stats = json.loads(metadata.get(STATS_KEY) or metadata[STAGING_STATS_KEY])
-    return {"rows": stats["rows"], "chars": stats["chars"], "max_chars": stats["max_chars"],
-            "duplicates_dropped": duplicates_dropped}
+def run_scan(units: list[dict], scan_dir: Path, ngram_file: Path | None, lengths: tuple[int, ...]) -> None:
+    """doc_scan over the units whose table is not committed yet."""
+    import ray
+    import ray.data
+
+    def done(i: int) -> bool:
+        return (scan_dir / f"{units[i]['name']}.npy").exists()
+
+    actors = int(ray.cluster_resources().get("CPU", 1))
+    scanner = {"ngram_file": None if ngram_file is None else str(ngram_file), "lengths": lengths}
+
+    def run(todo: list[int], declared: list[int | None]) -> None:
+        classes: dict[int | None, list[dict]] = {}
+        for i in todo:
+            if not done(i):
+                classes.setdefault(declared[i], []).append(units[i])
+        for memory, members in sorted(classes.items(), key=lambda kv: kv[0] or 0):  # one actor pool per class
+            reads = scan_reads(members)
+            pool = max(1, min(actors, len(reads)))
+            with remote_args_warning_off():
+                # one read task and one block per read (whole units); reads and writes take no CPU, so that the
+                # scanners may hold every CPU, and at most `pool` of each run at once (each is a process)
+                ray.data.read_datasource(staged_documents(reads), override_num_blocks=len(reads), num_cpus=0,
+                                         concurrency=pool).map_batches(
+                    ScanDocuments, fn_constructor_kwargs=scanner, batch_size=None, batch_format="pyarrow",
+                    compute=ray.data.ActorPoolStrategy(min_size=1, max_size=pool), num_cpus=1, memory=memory,
+                    max_restarts=0).write_datasink(
+                    scan_tables(str(scan_dir)), ray_remote_args={"num_cpus": 0, "max_retries": 0}, concurrency=pool)
+
+    with whole_blocks():
+        rerun_killed(run, [None] * len(units), name="doc_scan",
+                     unfinished=lambda todo: [i for i in todo if not done(i)])
+
+
+# --- doc_dedup ----------------------------------------------------------------------------------------------
+
+def _values(column: pa.ChunkedArray, row: int) -> np.ndarray:
+    """Row `row` of a list<uint64> column as an array."""
+    return column[row].values.to_numpy(zero_copy_only=False)
+
+
+def _one_list(values: np.ndarray) -> pa.LargeListArray:
+    return pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()), pa.array(values, pa.uint64()))
+
+
+def read_bucket(bucket: int, lo: int, hi: int, tables: list[tuple[int, str]]) -> list[pa.Table]:
+    """One bucket's record: its number and the (hash, key) of every document whose hash is in [lo, hi)."""
+    hashes, keys = bucket_entries(tables, lo, hi)
+    return [pa.table({"bucket": [bucket], "hashes": _one_list(hashes), "keys": _one_list(keys)})]
+
+
+def bucket_hashes(buckets: list[tuple[int, int, int]], tables: list[tuple[int, str]]):
+    """doc_dedup's read: a Ray Data datasource of one record per (bucket, lo, hi), read from the scan tables."""
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import Datasource, ReadTask
+
+    class BucketHashes(Datasource):
+        def estimate_inmemory_data_size(self) -> int | None:
+            return None
+
+        def get_name(self) -> str:
+            return "bucket_hashes"
+
+        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                           data_context=None) -> list[ReadTask]:
+            return [ReadTask(functools.partial(read_bucket, bucket, lo, hi, tables),
+                             BlockMetadata(num_rows=1, size_bytes=None, input_files=None, exec_stats=None))
+                    for bucket, lo, hi in buckets]
+
+    return BucketHashes()
+
+
+def find_duplicates(table: pa.Table) -> pa.Table:
+    """doc_dedup's map: per bucket record, the keys (sorted) of its documents whose content occurred at a smaller
+    key."""
+    found = [duplicate_keys(_values(table.column("hashes"), i), _values(table.column("keys"), i))
+             for i in range(table.num_rows)]
+    return pa.table({"bucket": table.column("bucket"),
+                     "duplicates": pa.concat_arrays([_one_list(keys) for keys in found])})
+
+
+def duplicate_keys_files(dups_dir: str):
+    """doc_dedup's write: a Ray Data datasink that commits each bucket's duplicate keys, `BBBBB.npy`."""
+    from ray.data.block import BlockAccessor
+    from ray.data.datasource import Datasink
+
+    class DuplicateKeys(Datasink):
+        def get_name(self) -> str:
+            return "duplicate_keys"
+
+        def write(self, blocks, ctx) -> None:
+            for block in blocks:
+                table = BlockAccessor.for_block(block).to_arrow()
+                for i in range(table.num_rows):
+                    out = Path(dups_dir) / f"{table.column('bucket')[i].as_py():05d}.npy"
+                    tmp = layout.temp_path(out)
+                    with open(tmp, "wb") as f:
+                        np.save(f, _values(table.column("duplicates"), i))
+                    layout.commit_file(tmp, out)
+
+    return DuplicateKeys()
+
+
+def run_dedup(tables: list[tuple[int, str]], documents: int, dups_dir: Path) -> list[str]:
+    """doc_dedup over the buckets whose keys are not committed yet; returns every bucket's file."""
+    import ray.data
+
+    buckets = bucket_bounds(max(1, -(-documents // DOCS_PER_BUCKET)))
+    files = [dups_dir / f"{b:05d}.npy" for b in range(len(buckets))]
+    cap = node_memory_cap()
+    estimate = int(256 * 2**20 + 48 * documents / len(buckets))  # the (hash, key) pairs, x 3 while sorting
+
+    def run(todo: list[int], declared: list[int | None]) -> None:
+        classes: dict[int | None, list[tuple[int, int, int]]] = {}
+        for b in todo:
+            if not files[b].exists():
+                classes.setdefault(declared[b], []).append((b, *buckets[b]))
+        for memory, members in sorted(classes.items(), key=lambda kv: kv[0] or 0):
+            # the same remote args on the read, the map and the write: Ray Data fuses them into one task per
+            # bucket, which holds the bucket's entries (never in the object store) and declares their memory
+            task = {"num_cpus": 1, "memory": memory, "max_retries": 0}
+            with remote_args_warning_off():
+                ray.data.read_datasource(bucket_hashes(members, tables), override_num_blocks=len(members),
+                                         ray_remote_args=task).map_batches(
+                    find_duplicates, batch_size=None, batch_format="pyarrow", **task).write_datasink(
+                    duplicate_keys_files(str(dups_dir)), ray_remote_args=task)
+
+    with whole_blocks():
+        rerun_killed(run, [declared_memory(estimate, cap)] * len(buckets), name="doc_dedup",
+                     unfinished=lambda todo: [b for b in todo if not files[b].exists()])
+    return [str(f) for f in files]
+
+
+# --- doc_filter ---------------------------------------------------------------------------------------------
+
+def read_documents_to_filter(file: dict, duplicate_files: list[str], batch_rows: int):
+    """A staged file's documents in batches of `batch_rows`, each with its `row`, the batch it was read in, whether
+    it is `dropped` (contaminated, `file["contaminated"]`, or a duplicate) and its FILE."""
+    source = pq.ParquetFile(file["staged"])
+    if source.metadata.num_rows != file["rows"]:
+        raise DataError(f"source {file['source']!r}: {file['staged']} holds {source.metadata.num_rows} documents, "
+                        f"its staging marker {file['rows']}: staged again since the filter stage began; rerun the "
+                        "staging stage")
+    dropped = np.zeros(file["rows"], bool)
+    dropped[np.union1d(duplicate_rows(duplicate_files, file["ordinal"]),
+                       np.asarray(file["contaminated"], np.int64))] = True
+    name = json.dumps({"out": file["out"], "rows": file["rows"]})
+    start = 0
+    for index, batch in enumerate(source.iter_batches(batch_size=batch_rows)):
+        n = batch.num_rows
+        table = pa.Table.from_batches([batch])
+        for column, values in (("row", pa.array(np.arange(start, start + n))),
+                               ("read_batch", pa.array(np.full(n, index))),
+                               ("dropped", pa.array(dropped[start:start + n])), (FILE, pa.array([name] * n))):
+            table = table.append_column(column, values)
+        start += n
+        yield table
+
+
+def documents_to_filter(files: list[dict], duplicate_files: list[str]):
+    """doc_filter's read: a Ray Data datasource of the documents of the staged files that lose some, one read task
+    per file."""
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import Datasource, ReadTask
+
+    class DocumentsToFilter(Datasource):
+        def estimate_inmemory_data_size(self) -> int | None:
+            return None
+
+        def get_name(self) -> str:
+            return "documents_to_filter"
+
+        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                           data_context=None) -> list[ReadTask]:
+            return [ReadTask(functools.partial(read_documents_to_filter, f, duplicate_files, READ_BATCH_ROWS),
+                             BlockMetadata(num_rows=f["rows"], size_bytes=None, input_files=[f["staged"]],
+                                           exec_stats=None))
+                    for f in files]
+
+    return DocumentsToFilter()
+
+
+class FilteredFile:
+    """One filtered file being written: the kept documents of each batch read, as one row group, in read order;
+    its statistics in the footer; committed by `close` once all its `rows` documents have arrived."""
+
+    def __init__(self, name: str):
+        target = json.loads(name)
+        self.name, self.out, self.rows = name, Path(target["out"]), target["rows"]
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = layout.temp_path(self.out)
+        self.writer = pq.ParquetWriter(self.tmp, STAGING_SCHEMA)
+        self.seen = self.kept = self.chars = self.max_chars = 0
+        self.batch, self.pending = None, []
+
+    def add(self, table: pa.Table) -> None:
+        """Consecutive documents of the file (from the next row on)."""
+        rows = table.column("row").to_numpy()
+        if rows[0] != self.seen or rows[-1] != self.seen + len(rows) - 1:
+            raise RuntimeError(f"doc_filter: {self.out}: documents from row {rows[0]} arrived after row {self.seen}")
+        self.seen += len(rows)
+        kept = table.filter(pc.invert(table.column("dropped")))
+        for index in pc.unique(kept.column("read_batch")).to_pylist():
+            if index != self.batch:
+                self.flush()
+                self.batch = index
+            self.pending.append(kept.filter(pc.equal(kept.column("read_batch"), index)))
+
+    def flush(self) -> None:
+        if self.pending:
+            kept = pa.concat_tables(self.pending).select(STAGING_SCHEMA.names).cast(STAGING_SCHEMA)
+            self.writer.write_table(kept)
+            lengths = pc.utf8_length(kept.column("text"))
+            self.kept += kept.num_rows
+            self.chars += int(pc.sum(lengths).as_py() or 0)
+            self.max_chars = max(self.max_chars, int(pc.max(lengths).as_py() or 0))
+        self.pending = []
+
+    def close(self) -> None:
+        if self.seen != self.rows:
+            raise RuntimeError(f"doc_filter: {self.out}: {self.seen} of its {self.rows} documents arrived")
+        self.flush()
+        self.writer.add_key_value_metadata({STATS_KEY: json.dumps({"rows": self.kept, "chars": self.chars,
+                                                                   "max_chars": self.max_chars})})
+        self.writer.close()
+        layout.commit_file(self.tmp, self.out)
+
+
+def filtered_files():
+    """doc_filter's write: a Ray Data datasink that writes each file of its blocks without its dropped documents
+    (FilteredFile) and commits it."""
+    from ray.data.block import BlockAccessor
+    from ray.data.datasource import Datasink
+
+    class FilteredFiles(Datasink):
+        def get_name(self) -> str:
+            return "filtered_files"
+
+        def write(self, blocks, ctx) -> None:
+            current = None
+            for block in blocks:
+                table = BlockAccessor.for_block(block).to_arrow()
+                names = table.column(FILE)
+                row = 0
+                while row < table.num_rows:
+                    name = names[row].as_py()
+                    run = table.slice(row)
+                    ends = np.flatnonzero(pc.not_equal(run.column(FILE), name).to_numpy(zero_copy_only=False))
+                    run = run.slice(0, int(ends[0]) if len(ends) else run.num_rows)
+                    if current is None or current.name != name:
+                        if current is not None:
+                            current.close()
+                        current = FilteredFile(name)
+                    current.add(run)
+                    row += run.num_rows
+            if current is not None:
+                current.close()
+
+    return FilteredFiles()
+
+
+def link_staged(staged: Path, out: Path) -> None:
+    """`out` as a hard link to the staged file (no byte copied), committed; a copy where a link cannot be made."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = layout.temp_path(out)
+    try:
+        os.link(staged, tmp)
+    except OSError:  # another file system, or links not supported
+        shutil.copyfile(staged, tmp)
+    layout.commit_file(tmp, out)
+
+
+def run_rewrite(files: list[dict], duplicate_files: list[str]) -> None:
+    """doc_filter over the files that lose documents and are not committed yet."""
+    import ray.data
+
+    def done(i: int) -> bool:
+        return Path(files[i]["out"]).exists()
+
+    def run(todo: list[int], declared: list[int | None]) -> None:
+        classes: dict[int | None, list[dict]] = {}
+        for i in todo:
+            if not done(i):
+                classes.setdefault(declared[i], []).append(files[i])
+        for memory, members in sorted(classes.items(), key=lambda kv: kv[0] or 0):
+            # the same remote args on the read and the write: fused into one task per file (the documents never
+            # cross the object store)
+            task = {"num_cpus": 1, "max_retries": 0, **({"memory": memory} if memory else {})}
+            with remote_args_warning_off():
+                ray.data.read_datasource(documents_to_filter(members, duplicate_files),
+                                         override_num_blocks=len(members), ray_remote_args=task).write_datasink(
+                    filtered_files(), ray_remote_args=task)
+
+    rerun_killed(run, [None] * len(files), name="doc_filter", unfinished=lambda todo: [i for i in todo if not done(i)])
 
 
 def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Path, out_root: Path, *,
@@ -145,8 +511,6 @@ def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Pa
     """Filter every source with weight > 0 into `out_root` (skipped when complete); returns the stage's marker:
     per source the staging marker's shape (`rows`, `chars`, `files`, a `fingerprint` of its own) and the counts
     `decontaminated` ({dropped: n} or {reported: n}) and `exact_duplicates_dropped`."""
-    import ray
-
     layout.finish_commit(out_root)
     if layout.is_complete(out_root, fingerprint):
         marker = layout.read_marker(out_root)
@@ -160,25 +524,38 @@ def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Pa
     dups_dir.mkdir(exist_ok=True)
     if ngrams is not None:
         save_ngram_set(ngrams, work)
-    ref = ray.put((ngrams.hashes, ngrams.items)) if ngrams is not None else None
-    scans = run_tasks(scan_file, [(i, str(staging_root / s.name / f["output"]), s.is_chat or s.needs_chat_templating)
-                                  for i, (s, f) in enumerate(files)], name="doc_scan",
-                      common={"ngrams": ref, "lengths": ngrams.lengths if ngrams else (), "scan_dir": str(scan_dir)})
+    units = scan_units(files, markers, staging_root)
+    run_scan(units, scan_dir, work / "ngrams.npy" if ngrams is not None else None,
+             ngrams.lengths if ngrams is not None else ())
+    matches: list[list[dict]] = [[] for _ in files]
+    for unit in units:
+        matches[unit["file"]] += json.loads((scan_dir / f"{unit['name']}.json").read_text())
     duplicate_files: list[str] = []
+    duplicates = np.zeros(len(files), np.int64)
     if dedup == "exact" and files:
-        total = sum(f["rows"] for _, f in files)
-        buckets = bucket_bounds(max(1, -(-total // DOCS_PER_BUCKET)))
-        tables = [str(scan_dir / f"{i:06d}.npy") for i in range(len(files))]
-        run_tasks(dedup_bucket, [(b, lo, hi) for b, (lo, hi) in enumerate(buckets)], name="doc_dedup",
-                  common={"tables": tables, "out_dir": str(dups_dir)},
-                  memory=int(256 * 2**20 + 48 * total / len(buckets)))
-        duplicate_files = [str(dups_dir / f"{b:05d}.npy") for b in range(len(buckets))]
+        tables = [(unit["file"], str(scan_dir / f"{unit['name']}.npy")) for unit in units]
+        duplicate_files = run_dedup(tables, sum(f["rows"] for _, f in files), dups_dir)
+        duplicates = duplicate_counts(duplicate_files, len(files))
     dropping = mode == "drop"
-    results = run_tasks(filter_file, [
-        (i, str(staging_root / s.name / f["output"]), str(work / s.name / f["output"]),
-         [m["row"] for m in scan["matches"]] if dropping else [])
-        for i, ((s, f), scan) in enumerate(zip(files, scans))], name="doc_filter",
-        common={"duplicate_files": duplicate_files})
+    duplicates_dropped = duplicates.copy()  # a contaminated duplicate counts as contaminated only
+    rewrite = []
+    for i, (source, f) in enumerate(files):
+        staged, out = staging_root / source.name / f["output"], work / source.name / f["output"]
+        contaminated = [m["row"] for m in matches[i]] if dropping else []
+        if contaminated and duplicates[i]:
+            duplicates_dropped[i] -= len(np.intersect1d(duplicate_rows(duplicate_files, i), contaminated))
+        if out.exists():
+            continue
+        if contaminated or duplicates[i]:
+            rewrite.append({"ordinal": i, "source": source.name, "staged": str(staged), "out": str(out),
+                            "rows": f["rows"], "contaminated": contaminated})
+        else:
+            link_staged(staged, out)
+    run_rewrite(rewrite, duplicate_files)
+    results = []
+    for source, f in files:
+        metadata = pq.read_metadata(work / source.name / f["output"]).metadata or {}
+        results.append(json.loads(metadata.get(STATS_KEY) or metadata[STAGING_STATS_KEY]))
 
     per_source: dict[str, dict] = {}
     report = []
@@ -187,16 +564,16 @@ def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Pa
             per_source[source.name] = {"fingerprint": layout.fingerprint([fingerprint, source.name]), "rows": 0,
                                        "chars": 0, "files": [], "documents_in": 0, "exact_duplicates_dropped": 0,
                                        "decontaminated": {}}
-    for (source, f), scan, result in zip(files, scans, results):
+    for (source, f), found, result, dropped in zip(files, matches, results, duplicates_dropped):
         entry = per_source[source.name]
         entry["rows"] += result["rows"]
         entry["chars"] += result["chars"]
         entry["documents_in"] += f["rows"]
-        entry["exact_duplicates_dropped"] += result["duplicates_dropped"]
+        entry["exact_duplicates_dropped"] += int(dropped)
         entry["files"].append({"input": f["input"], "output": f["output"], "rows": result["rows"],
                                "max_chars": result["max_chars"]})
         report += [{"source": source.name, "file": f["input"], "doc_id": m["doc_id"], "gram": m["gram"],
-                    "item": ngrams.sources[m["item"]], "dropped": dropping} for m in scan["matches"]]
+                    "item": ngrams.sources[m["item"]], "dropped": dropping} for m in found]
     for source in sources:
         if source.weight > 0 and mode != "none":
             matched = sum(1 for r in report if r["source"] == source.name)
