@@ -3,9 +3,10 @@
 `KVCache` is the model's own (every position at every block index: fixed-depth generation). `CachePool` holds the
 keys/values of every sequence in adaptive-compute generation (huginn_ray.model.generate, huginn_ray.model.engine),
 where tokens exit the recurrence at different iterations and a deeper token meets past positions that have no
-entry for its iteration; each sequence owns a slot of it (`SequenceCache`); `Rows` indexes any of them for batched calls, each row
-at its own position and iteration, and `RowBatch` lets one such call read and write them. `KVCache` and `RowBatch` are read
-through the same two calls from `CausalSelfAttention`: `attention_mask`, `update`.
+entry for its iteration; each sequence owns a slot of it (`SequenceCache`). `Rows` indexes any of them for
+batched calls, each row at its own position and iteration, and `RowBatch` lets one such call read and write
+them. `KVCache` and `RowBatch` are read through the same two calls from `CausalSelfAttention`:
+`attention_mask`, `update`.
 
 Block indices: prelude blocks 0..P-1, core block j of iteration i gets P + L*i + j, coda blocks -1, -2, ...
 """

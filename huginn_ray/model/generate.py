@@ -234,8 +234,8 @@ class ExitCriterion:
         if name in ("latent-diff", "cosine"):
             state = state.float()
             previous = torch.cat([criterion.previous_state for criterion in criteria])
-            for row, criterion in enumerate(criteria):
-                criterion.previous_state = state[row : row + 1]
+            for criterion, previous_state in zip(criteria, state.split(1)):  # one split: views of every row
+                criterion.previous_state = previous_state
             if name == "latent-diff":
                 return ((state - previous).norm(dim=-1) / state.norm(dim=-1)).mean(dim=-1)
             cosine = (state * previous).sum(-1) / (state.norm(dim=-1) * previous.norm(dim=-1)).clamp_min(1e-30)
@@ -245,20 +245,20 @@ class ExitCriterion:
             probs = logits.softmax(dim=-1)
             value_now = -(probs * (probs + ENTROPY_EPS).log()).sum(dim=-1)
             value = (value_now - torch.cat([criterion.previous_entropy for criterion in criteria])).abs()
-            for row, criterion in enumerate(criteria):
-                criterion.previous_entropy = value_now[row : row + 1]
+            for criterion, previous_entropy in zip(criteria, value_now.split(1)):
+                criterion.previous_entropy = previous_entropy
             return value
         if name == "argmax-stability":
             argmax = logits.argmax(dim=-1)
             previous = torch.cat([criterion.previous_argmax for criterion in criteria])
             stable = torch.where(argmax == previous, torch.cat([criterion.stable for criterion in criteria]) + 1, 0)
-            for row, criterion in enumerate(criteria):
-                criterion.previous_argmax, criterion.stable = argmax[row : row + 1], stable[row : row + 1]
+            for criterion, previous_argmax, row_stable in zip(criteria, argmax.split(1), stable.split(1)):
+                criterion.previous_argmax, criterion.stable = previous_argmax, row_stable
             return stable.float()
         logp = logits.log_softmax(dim=-1) if name == "kl" else minp(logits, criteria[0].vocab_size)
         value = kl(torch.cat([criterion.previous_logp for criterion in criteria]), logp)
-        for row, criterion in enumerate(criteria):
-            criterion.previous_logp = logp[row : row + 1]
+        for criterion, previous_logp in zip(criteria, logp.split(1)):
+            criterion.previous_logp = previous_logp
         return value
 
     @staticmethod
@@ -496,7 +496,8 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
         sequence.emit(model, token_id, logprob)
     going_on = [row for row, sequence in enumerate(ended) if sequence.finish_reason is None]
     if going_on:
-        start(model, [ended[row] for row in going_on], rows.following(None if len(going_on) == len(ended) else going_on))
+        keep = None if len(going_on) == len(ended) else going_on
+        start(model, [ended[row] for row in going_on], rows.following(keep))
     return emitted
 
 
@@ -528,7 +529,10 @@ def coda_head(model: RecurrentGPT, sequences: list[Sequence], rows: Rows | None 
     batch = RowBatch(rows, "coda")
     for index, block in enumerate(model.transformer.coda):
         x = block(x, rope, batch, -1 - index)
-    last = x[torch.arange(len(sequences)), torch.tensor([s.length - 1 for s in sequences])]
+    if rows.width == 1:
+        last = x[:, 0]
+    else:
+        last = x[torch.arange(len(sequences)), torch.tensor([s.length - 1 for s in sequences])]
     return model.lm_head(model.transformer.ln_f(last)).float()[:, : model.config.vocab_size]
 
 
