@@ -215,37 +215,39 @@ class Rows:
     Columns are positions: column c of every row is that row's position c, so a query at position q attends its
     row's columns <= q (in a core call only those its plane reached, for `full`), whatever the other rows'
     positions; padding queries (past a row's length) attend as its last position does, and write TRASH. The
-    columns run to the furthest row's last position plus one, the position of each row's next forward: the rows
-    that exit run their coda over these Rows and, after the commit, their next token's prelude over
-    `following()`, with no new table read. Every row-dependent index tensor is computed once per Rows and reused
+    columns run to the furthest row's last position, or one further with `following` (the position of each
+    row's next forward): the rows that exit run their coda over such Rows and, after the commit, their next
+    token's prelude over `following()`, with no new table read. Every row-dependent index tensor is computed once per Rows and reused
     by every call over them (every core call of a fixed-depth forward) until a commit or an allocation moves
     the rows (`Rows.of` keeps them in CachePool.layouts until then)."""
 
     def __init__(self, caches: list[SequenceCache], slots: Tensor, starts: list[int], lengths: list[int],
-                 table: Tensor):
+                 table: Tensor, following: bool = False):
         self.pool, self.caches, self.slots = caches[0].pool, caches, slots
         self.starts, self.lengths, self.width = starts, lengths, max(lengths)
-        self.columns = min(max(start + length for start, length in zip(starts, lengths)) + 1, table.shape[2])
+        ends = max(start + length for start, length in zip(starts, lengths))
+        self.columns = min(ends + following, table.shape[2])
         self.table = table[:, :, : self.columns]
         """(rows, keys, columns) each row's entry of each key at each column (position)."""
         self.indices: dict[str, Tensor | None] = {}
 
     @staticmethod
-    def of(caches: list[SequenceCache], lengths: list[int]) -> "Rows":
-        """The rows of `caches` with forwards of `lengths` positions from their committed lengths: made once
-        between two commits (or allocations)."""
+    def of(caches: list[SequenceCache], lengths: list[int], following: bool = False) -> "Rows":
+        """The rows of `caches` with forwards of `lengths` positions from their committed lengths, and with
+        `following` the column of their next forwards: made once between two commits (or allocations)."""
         pool = caches[0].pool
-        key = (tuple(cache.slot for cache in caches), tuple(cache.length for cache in caches), tuple(lengths))
+        key = (tuple(cache.slot for cache in caches), tuple(cache.length for cache in caches), tuple(lengths),
+               following)
         rows = pool.layouts.get(key)
         if rows is None:
             slots = torch.tensor(key[0], device=pool.device)
             rows = pool.layouts[key] = Rows(caches, slots, list(key[1]), list(lengths),
-                                            pool.table.index_select(0, slots))
+                                            pool.table.index_select(0, slots), following)
         return rows
 
     def following(self, keep: list[int] | None = None) -> "Rows":
-        """The next forwards (one position each) of these rows, or of the rows `keep` indexes, once the forwards
-        in progress are committed."""
+        """The next forwards (one position each) of these rows (made with `following`), or of the rows `keep`
+        indexes, once the forwards in progress are committed."""
         caches, starts, lengths, slots, table = self.caches, self.starts, self.lengths, self.slots, self.table
         if keep is not None:
             index = torch.tensor(keep, device=self.pool.device)
@@ -274,8 +276,12 @@ class Rows:
         return self._cached("padding", make)
 
     def mask(self) -> Tensor:
-        """(rows, width, columns) the columns each query attends (before a core call's planes)."""
+        """(rows, width, columns) the columns each query attends (before a core call's planes); (1, width,
+        columns) for rows that all start at one position with no padding (a fixed-depth batch)."""
         def make():
+            if len(set(self.starts)) == 1 and self.padding() is None:
+                queries = self.starts[0] + torch.arange(self.width, device=self.pool.device)
+                return (torch.arange(self.columns, device=self.pool.device) <= queries[:, None])[None]
             queries = self.queries()
             if self.padding() is not None:  # padding queries attend as the row's last position
                 ends = torch.tensor([s + n - 1 for s, n in zip(self.starts, self.lengths)], device=self.pool.device)
@@ -352,12 +358,13 @@ class RowBatch:
             planes = [iteration % cache.kept for iteration, cache in zip(iterations, caches)]
             one_plane = planes.count(planes[0]) == len(planes)
             plane = None if one_plane else torch.tensor(planes, device=pool.device)
-            if one_plane:  # (fixed depth) a slice of every row's keys
+            if one_plane:  # (fixed depth) a slice of every row's keys, its writes kept for the forward's calls
                 self.reads = rows.table[:, first + pool.core * planes[0] : first + pool.core * (planes[0] + 1)]
+                self.writes = rows._cached(f"plane {planes[0]}", lambda: rows.writes(self.reads))
             else:
                 self.reads = rows.blocks((first + pool.core * plane)[:, None] + torch.arange(pool.core,
                                                                                             device=pool.device))
-            self.writes = rows.writes(self.reads)
+                self.writes = rows.writes(self.reads)
             full = rows.full()
             if full is not None:
                 latest_reads, self.latest_writes = rows.latest()
