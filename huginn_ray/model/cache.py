@@ -215,38 +215,38 @@ class Rows:
     Columns are positions: column c of every row is that row's position c, so a query at position q attends its
     row's columns <= q (in a core call only those its plane reached, for `full`), whatever the other rows'
     positions; padding queries (past a row's length) attend as its last position does, and write TRASH. The
-    columns run to the furthest row's last position, or one further with `following` (the position of each
+    columns run to the furthest row's last position, or one further with `next_column` (the position of each
     row's next forward): the rows that exit run their coda over such Rows and, after the commit, their next
-    token's prelude over `following()`, with no new table read. Every row-dependent index tensor is computed once per Rows and reused
-    by every call over them (every core call of a fixed-depth forward) until a commit or an allocation moves
-    the rows (`Rows.of` keeps them in CachePool.layouts until then)."""
+    token's prelude over `following()`, with no new table read. Every row-dependent index tensor is computed
+    once per Rows and reused by every call over them (every core call of a fixed-depth forward) until a commit
+    or an allocation moves the rows (`Rows.of` keeps them in CachePool.layouts until then)."""
 
     def __init__(self, caches: list[SequenceCache], slots: Tensor, starts: list[int], lengths: list[int],
-                 table: Tensor, following: bool = False):
+                 table: Tensor, next_column: bool = False):
         self.pool, self.caches, self.slots = caches[0].pool, caches, slots
         self.starts, self.lengths, self.width = starts, lengths, max(lengths)
         ends = max(start + length for start, length in zip(starts, lengths))
-        self.columns = min(ends + following, table.shape[2])
+        self.columns = min(ends + next_column, table.shape[2])
         self.table = table[:, :, : self.columns]
         """(rows, keys, columns) each row's entry of each key at each column (position)."""
         self.indices: dict[str, Tensor | None] = {}
 
     @staticmethod
-    def of(caches: list[SequenceCache], lengths: list[int], following: bool = False) -> "Rows":
+    def of(caches: list[SequenceCache], lengths: list[int], next_column: bool = False) -> "Rows":
         """The rows of `caches` with forwards of `lengths` positions from their committed lengths, and with
-        `following` the column of their next forwards: made once between two commits (or allocations)."""
+        `next_column` the column of their next forwards: made once between two commits (or allocations)."""
         pool = caches[0].pool
         key = (tuple(cache.slot for cache in caches), tuple(cache.length for cache in caches), tuple(lengths),
-               following)
+               next_column)
         rows = pool.layouts.get(key)
         if rows is None:
             slots = torch.tensor(key[0], device=pool.device)
             rows = pool.layouts[key] = Rows(caches, slots, list(key[1]), list(lengths),
-                                            pool.table.index_select(0, slots), following)
+                                            pool.table.index_select(0, slots), next_column)
         return rows
 
     def following(self, keep: list[int] | None = None) -> "Rows":
-        """The next forwards (one position each) of these rows (made with `following`), or of the rows `keep`
+        """The next forwards (one position each) of these rows (made with `next_column`), or of the rows `keep`
         indexes, once the forwards in progress are committed."""
         caches, starts, lengths, slots, table = self.caches, self.starts, self.lengths, self.slots, self.table
         if keep is not None:

@@ -475,7 +475,7 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
     if not ended:
         return []
     # one Rows for the ending forwards' coda and, after their commit, their next forwards' prelude
-    rows = Rows.of([s.cache for s in ended], [s.length for s in ended], following=True)
+    rows = Rows.of([s.cache for s in ended], [s.length for s in ended], next_column=True)
     # a forward that ends at a logit check already has its logits: the coda and head ran on its final state
     final = [sequence for sequence in ended if id(sequence) not in check_row]
     final_row = {id(sequence): row for row, sequence in enumerate(final)}
