@@ -3,9 +3,10 @@
 `KVCache` is the model's own (every position at every block index: fixed-depth generation). `CachePool` holds the
 keys/values of every sequence in adaptive-compute generation (huginn_ray.model.generate, huginn_ray.model.engine),
 where tokens exit the recurrence at different iterations and a deeper token meets past positions that have no
-entry for its iteration; each sequence owns a slot of it (`SequenceCache`), and `RowBatch` lets one batched call
-read and write any of them, each row at its own position and iteration. `KVCache` and `RowBatch` are read
-through the same two calls from `CausalSelfAttention`: `attention_mask`, `update`.
+entry for its iteration; each sequence owns a slot of it (`SequenceCache`). `Rows` indexes any of them for
+batched calls, each row at its own position and iteration, and `RowBatch` lets one such call read and write
+them. `KVCache` and `RowBatch` are read through the same two calls from `CausalSelfAttention`:
+`attention_mask`, `update`.
 
 Block indices: prelude blocks 0..P-1, core block j of iteration i gets P + L*i + j, coda blocks -1, -2, ...
 """
@@ -81,8 +82,8 @@ class CachePool:
         self.injected = torch.zeros(0, cfg.n_embd, device=device, dtype=dtype)
         """(slots, D) the adapter's half for e of that forward (W[:, D:] e)."""
         self.free_slots: list[int] = []
-        self.layouts: dict[tuple, _Layout] = {}
-        """Index tensors of the batched calls since the last commit or allocation (RowBatch)."""
+        self.layouts: dict[tuple, Rows] = {}
+        """The Rows of the batched calls since the last commit or allocation (Rows.of)."""
 
     @staticmethod
     def keys(cfg: ModelConfig, strategy: str, num_steps: int) -> int:
@@ -173,77 +174,6 @@ class CachePool:
             depths, device=self.device)
 
 
-class _Layout:
-    """What a batched call over rows in these slots, at these starts and lengths, needs whatever its blocks:
-    computed once and reused by every call until a commit moves the rows (CachePool.layouts)."""
-
-    def __init__(self, pool: CachePool, slots: tuple[int, ...], starts: tuple[int, ...], lengths: tuple[int, ...],
-                 kept: set[int]):
-        device, limit = pool.device, pool.table.shape[2] - 1
-        self.pool, self.indices = pool, {}
-        self.slots = torch.tensor(slots, device=device)
-        self.kept = next(iter(kept)) if len(kept) == 1 else None
-        """The core planes every row keeps, None when they differ."""
-        offset, width = max(starts), max(lengths)
-        start = torch.tensor(starts, device=device)[:, None]
-        end = torch.tensor([s + n for s, n in zip(starts, lengths)], device=device)[:, None]
-        positions = torch.arange(-offset, width, device=device) + start  # (rows, columns): each column's position
-        self.attendable = (positions >= 0) & (positions < end)  # the rows' own
-        self.positions = positions.clamp(0, limit)
-        written = start if width == 1 else start + torch.arange(width, device=device)  # (rows, width) written
-        self.write = None if min(lengths) == width else written < end
-        """Which of `written` are real positions; None for all."""
-        self.written = written.clamp_max(limit)
-
-    def every_plane(self, caches: list[SequenceCache]) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Reads and writes of every core block of every plane (rows, kept x L, ...), and the latest copies' writes
-        (None when every row is `full`): computed once per layout, sliced by each core call at one plane."""
-        if "every plane" not in self.indices:
-            pool, device = self.pool, self.pool.device
-            first = pool.prelude + pool.coda
-            keys = torch.arange(first, first + pool.core * self.kept, device=device).expand(len(caches), -1)
-            latest_writes = None if self.full(caches) is None else self.latest(caches)[1]
-            self.indices["every plane"] = (*self.reads_and_writes(keys), latest_writes)
-        return self.indices["every plane"]
-
-    def full(self, caches: list[SequenceCache]) -> Tensor | None:
-        """(rows,) which rows have the `full` strategy; None when all have."""
-        if "full" not in self.indices:
-            full = [cache.strategy == "full" for cache in caches]
-            self.indices["full"] = None if all(full) else torch.tensor(full, device=self.pool.device)
-        return self.indices["full"]
-
-    def latest(self, caches: list[SequenceCache]) -> tuple[Tensor, Tensor]:
-        """Reads and writes of the latest copies of the core blocks (`latest`, `ring:N`; `full` rows, which keep
-        none, write TRASH and have their reads ignored: they index their first plane, within their own keys)."""
-        if "latest" not in self.indices:
-            pool = self.pool
-            first = torch.tensor([pool.prelude + pool.coda + pool.core * (0 if cache.strategy == "full" else cache.kept)
-                                  for cache in caches], device=pool.device)
-            keys = first[:, None] + torch.arange(pool.core, device=pool.device)
-            self.indices["latest"] = self.reads_and_writes(keys, self.full(caches))
-        return self.indices["latest"]
-
-    def depths(self) -> Tensor:
-        """(rows, columns) the core iterations of each column's position (NOT_YET: not committed)."""
-        if "depths" not in self.indices:
-            pool = self.pool
-            flat = (self.slots * pool.depths.shape[1])[:, None] + self.positions
-            self.indices["depths"] = pool.depths.view(-1).index_select(0, flat.flatten()).view(flat.shape)
-        return self.indices["depths"]
-
-    def reads_and_writes(self, keys: Tensor, skip: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """For (rows, blocks) table keys: the entries each column reads (rows, blocks, columns) and those each
-        new position writes (rows, blocks, width; TRASH for padding, and for the rows `skip` marks)."""
-        row_keys = (self.slots * self.pool.table.shape[1])[:, None] + keys
-        write = self.write
-        if skip is not None:
-            write = ~skip[:, None] if write is None else write & ~skip[:, None]
-        writes = self.pool.entry_of(row_keys, self.written)
-        return self.pool.entry_of(row_keys, self.positions), writes if write is None else torch.where(
-            write[:, None], writes, TRASH)
-
-
 def _grown(t: Tensor, shape: tuple[int, ...], fill) -> Tensor:
     """`t` in a tensor of `shape` (no dimension smaller), the new cells `fill`."""
     out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
@@ -278,73 +208,175 @@ class SequenceCache:
         return ((pool.prelude + pool.coda) * self.length + pool.core * planes + latest) * per_entry
 
 
-class RowBatch:
-    """The KV-cache protocol of `CausalSelfAttention` (`attention_mask`, `update`) for one batched
-    call over rows of a CachePool, each row at its own position and (in a core call) its own iteration.
+class Rows:
+    """Rows of a CachePool that batched calls run over: each row's slot, the forward in progress (`lengths[r]`
+    positions from `starts[r]`, its committed length; `width` the most) and its table row, read once.
 
-    Row r holds lengths[r] real positions (the rest of the call's `width` is padding) starting at its committed
-    length. The keys handed to the attention are laid out so that its single causal offset fits every row: with S
-    the largest start, row r's position p sits in column p + S - start_r, so its queries see their own past at
-    the columns the causal mask of offset S opens; columns left of a row's first position, and right of its
-    last, are padding that the mask leaves out. Everything row-dependent (which entry each column reads, which
-    entry each new position writes, which columns may be attended) is computed once per call as index tensors;
-    each block then writes its new keys/values with one indexed store and reads the rows' attended ones with one
-    gather from the pool. Padding writes to TRASH.
+    Columns are positions: column c of every row is that row's position c, so a query at position q attends its
+    row's columns <= q (in a core call only those its plane reached, for `full`), whatever the other rows'
+    positions; padding queries (past a row's length) attend as its last position does, and write TRASH. The
+    columns run to the furthest row's last position, or one further with `next_column` (the position of each
+    row's next forward): the rows that exit run their coda over such Rows and, after the commit, their next
+    token's prelude over `following()`, with no new table read. Every row-dependent index tensor is computed
+    once per Rows and reused by every call over them (every core call of a fixed-depth forward) until a commit
+    or an allocation moves the rows (`Rows.of` keeps them in CachePool.layouts until then)."""
+
+    def __init__(self, caches: list[SequenceCache], slots: Tensor, starts: list[int], lengths: list[int],
+                 table: Tensor, next_column: bool = False):
+        self.pool, self.caches, self.slots = caches[0].pool, caches, slots
+        self.starts, self.lengths, self.width = starts, lengths, max(lengths)
+        ends = max(start + length for start, length in zip(starts, lengths))
+        self.columns = min(ends + next_column, table.shape[2])
+        self.table = table[:, :, : self.columns]
+        """(rows, keys, columns) each row's entry of each key at each column (position)."""
+        self.indices: dict[str, Tensor | None] = {}
+
+    @staticmethod
+    def of(caches: list[SequenceCache], lengths: list[int], next_column: bool = False) -> "Rows":
+        """The rows of `caches` with forwards of `lengths` positions from their committed lengths, and with
+        `next_column` the column of their next forwards: made once between two commits (or allocations)."""
+        pool = caches[0].pool
+        key = (tuple(cache.slot for cache in caches), tuple(cache.length for cache in caches), tuple(lengths),
+               next_column)
+        rows = pool.layouts.get(key)
+        if rows is None:
+            slots = torch.tensor(key[0], device=pool.device)
+            rows = pool.layouts[key] = Rows(caches, slots, list(key[1]), list(lengths),
+                                            pool.table.index_select(0, slots), next_column)
+        return rows
+
+    def following(self, keep: list[int] | None = None) -> "Rows":
+        """The next forwards (one position each) of these rows (made with `next_column`), or of the rows `keep`
+        indexes, once the forwards in progress are committed."""
+        caches, starts, lengths, slots, table = self.caches, self.starts, self.lengths, self.slots, self.table
+        if keep is not None:
+            index = torch.tensor(keep, device=self.pool.device)
+            caches, starts, lengths = [caches[i] for i in keep], [starts[i] for i in keep], [lengths[i] for i in keep]
+            slots, table = slots.index_select(0, index), table.index_select(0, index)
+        return Rows(caches, slots, [start + length for start, length in zip(starts, lengths)], [1] * len(caches),
+                    table)
+
+    def _cached(self, name: str, make):
+        if name not in self.indices:
+            self.indices[name] = make()
+        return self.indices[name]
+
+    def queries(self) -> Tensor:
+        """(rows, width) each query's position (padding: past the row's length)."""
+        return self._cached("queries", lambda: torch.tensor(self.starts, device=self.pool.device)[:, None] + (
+            0 if self.width == 1 else torch.arange(self.width, device=self.pool.device)))
+
+    def padding(self) -> Tensor | None:
+        """(rows, width) which queries are padding; None when none is."""
+        def make():
+            if min(self.lengths) == self.width:
+                return None
+            lengths = torch.tensor(self.lengths, device=self.pool.device)
+            return torch.arange(self.width, device=self.pool.device) >= lengths[:, None]
+        return self._cached("padding", make)
+
+    def mask(self) -> Tensor:
+        """(rows, width, columns) the columns each query attends (before a core call's planes); (1, width,
+        columns) for rows that all start at one position with no padding (a fixed-depth batch)."""
+        def make():
+            if len(set(self.starts)) == 1 and self.padding() is None:
+                queries = self.starts[0] + torch.arange(self.width, device=self.pool.device)
+                return (torch.arange(self.columns, device=self.pool.device) <= queries[:, None])[None]
+            queries = self.queries()
+            if self.padding() is not None:  # padding queries attend as the row's last position
+                ends = torch.tensor([s + n - 1 for s, n in zip(self.starts, self.lengths)], device=self.pool.device)
+                queries = torch.minimum(queries, ends[:, None])
+            return torch.arange(self.columns, device=self.pool.device) <= queries[:, :, None]
+        return self._cached("mask", make)
+
+    def writes(self, reads: Tensor, skip: Tensor | None = None) -> Tensor:
+        """For the entries of some blocks at every column (rows, blocks, columns), those the new positions write
+        (rows, blocks, width): TRASH for padding, and for the rows `skip` marks."""
+        columns = self._cached("written", lambda: self.queries().clamp_max(self.columns - 1))
+        writes = reads.gather(2, columns[:, None, :].expand(-1, reads.shape[1], -1))
+        keep = self.padding()
+        keep = None if keep is None else ~keep
+        if skip is not None:
+            keep = ~skip[:, None] if keep is None else keep & ~skip[:, None]
+        return writes if keep is None else torch.where(keep[:, None], writes, TRASH)
+
+    def blocks(self, keys: Tensor) -> Tensor:
+        """The entries of (rows, blocks) table keys at every column: (rows, blocks, columns)."""
+        return self.table.gather(1, keys[:, :, None].expand(-1, -1, self.columns))
+
+    def full(self) -> Tensor | None:
+        """(rows,) which rows have the `full` strategy; None when all have."""
+        def make():
+            full = [cache.strategy == "full" for cache in self.caches]
+            return None if all(full) else torch.tensor(full, device=self.pool.device)
+        return self._cached("full", make)
+
+    def latest(self) -> tuple[Tensor, Tensor]:
+        """Reads and writes of the latest copies of the core blocks (`latest`, `ring:N`; `full` rows, which keep
+        none, write TRASH and have their reads ignored: they index their first plane, within their own keys)."""
+        def make():
+            pool = self.pool
+            first = torch.tensor([pool.prelude + pool.coda + pool.core * (0 if cache.strategy == "full" else cache.kept)
+                                  for cache in self.caches], device=pool.device)
+            reads = self.blocks(first[:, None] + torch.arange(pool.core, device=pool.device))
+            return reads, self.writes(reads, self.full())
+        return self._cached("latest", make)
+
+    def depths(self) -> Tensor:
+        """(rows, columns) the core iterations of each column's position (NOT_YET: not committed)."""
+        return self._cached("depths", lambda: self.pool.depths.index_select(0, self.slots)[:, : self.columns])
+
+    def rope(self, freqs_cis: Tensor) -> Tensor:
+        """The rotary table of each query's position, (rows, width, 1, head_dim / 2, 2) (padding: clamped), or
+        (1, width, ...) when every row starts at one position."""
+        def make():
+            if len(set(self.starts)) == 1:
+                return freqs_cis[:, self.starts[0] : self.starts[0] + self.width]
+            return freqs_cis[0, self.queries().clamp_max(freqs_cis.shape[1] - 1)]
+        return self._cached("rope", make)
+
+
+class RowBatch:
+    """The KV-cache protocol of `CausalSelfAttention` (`attention_mask`, `update`) for one batched call over
+    `Rows`, each row at its own position and (in a core call) its own iteration: per block one indexed store of
+    the new keys/values and one gather of the attended ones from the pool, no per-row work. Padding writes to
+    TRASH.
 
     `kind` is "prelude", "core" or "coda"; a core call gives each row's iteration (`iterations`) and its block
     indices as those of iteration 0."""
 
-    def __init__(self, caches: list[SequenceCache], lengths: list[int], kind: str, iterations: list[int] | None = None):
-        pool = self.pool = caches[0].pool
-        device = pool.device
-        starts = [cache.length for cache in caches]
-        self.starts, self.kind = starts, kind
-        self.width, self.offset = max(lengths), max(starts)
-        self.aligned = len(set(starts)) == 1 and min(lengths) == self.width
-        key = (tuple(cache.slot for cache in caches), tuple(starts), tuple(lengths))
-        layout = pool.layouts.get(key) or pool.layouts.setdefault(
-            key, _Layout(pool, *key, {cache.kept for cache in caches}))
-        self.slots, self._mask = layout.slots, None
-        attendable, self.latest_writes, presence = layout.attendable, None, False
+    def __init__(self, rows: Rows, kind: str, iterations: list[int] | None = None):
+        pool = self.pool = rows.pool
+        self.width, self.slots, self.latest_writes = rows.width, rows.slots, None
+        mask = rows.mask()
         if kind != "core":
-            if kind not in layout.indices:
-                first = 0 if kind == "prelude" else pool.prelude
-                keys = torch.arange(first, first + (pool.prelude if kind == "prelude" else pool.coda), device=device)
-                layout.indices[kind] = layout.reads_and_writes(keys.expand(len(caches), -1))
-            self.reads, self.writes = layout.indices[kind]
+            first, count = (0, pool.prelude) if kind == "prelude" else (pool.prelude, pool.coda)
+            self.reads = rows.table[:, first : first + count]
+            self.writes = rows._cached(kind, lambda: rows.writes(self.reads))
         else:
+            caches, first = rows.caches, pool.prelude + pool.coda
             planes = [iteration % cache.kept for iteration, cache in zip(iterations, caches)]
-            # a plane some committed position did not reach: `full` masks it, `latest` / `ring:N` read the latest
-            presence = any(plane >= cache.shallowest for plane, cache in zip(planes, caches))
-            if not presence and planes.count(planes[0]) == len(planes) and layout.kept is not None:
-                # every row at one plane, all present (fixed depth): slices of the layout's every-plane indices
-                reads, writes, self.latest_writes = layout.every_plane(caches)
-                blocks = slice(pool.core * planes[0], pool.core * (planes[0] + 1))
-                self.reads, self.writes = reads[:, blocks], writes[:, blocks]
-                self._attendable = None if self.offset == 0 or self.aligned else attendable
-                return
-            plane = torch.tensor(planes, device=device)
-            blocks = torch.arange(pool.core, device=device)
-            self.reads, self.writes = layout.reads_and_writes((pool.prelude + pool.coda + pool.core * plane)[:, None]
-                                                              + blocks)
-            full = layout.full(caches)
+            one_plane = planes.count(planes[0]) == len(planes)
+            plane = None if one_plane else torch.tensor(planes, device=pool.device)
+            if one_plane:  # (fixed depth) a slice of every row's keys, its writes kept for the forward's calls
+                self.reads = rows.table[:, first + pool.core * planes[0] : first + pool.core * (planes[0] + 1)]
+                self.writes = rows._cached(f"plane {planes[0]}", lambda: rows.writes(self.reads))
+            else:
+                self.reads = rows.blocks((first + pool.core * plane)[:, None] + torch.arange(pool.core,
+                                                                                            device=pool.device))
+                self.writes = rows.writes(self.reads)
+            full = rows.full()
             if full is not None:
-                latest_reads, self.latest_writes = layout.latest(caches)
-            if presence:
-                present = layout.depths() > plane[:, None]  # the columns written at this plane
+                latest_reads, self.latest_writes = rows.latest()
+            # a plane some committed position did not reach: `full` masks it, `latest` / `ring:N` read the latest
+            if any(q >= cache.shallowest for q, cache in zip(planes, caches)):
+                if plane is None:
+                    plane = torch.full((len(planes),), planes[0], device=pool.device)
+                present = rows.depths() > plane[:, None]  # the columns written at this plane
                 if full is not None:
                     self.reads = torch.where((~present & ~full[:, None])[:, None], latest_reads, self.reads)
-                attendable = attendable & (present if full is None else present | ~full[:, None])
-        # at offset 0, and for aligned rows with every plane present, the causal mask suffices
-        self._attendable = None if self.offset == 0 or (self.aligned and not presence) else attendable
-
-    def rope(self, freqs_cis: Tensor) -> Tensor:
-        """The rotary table of each row's positions, (rows, width, 1, head_dim / 2, 2) (padding: clamped)."""
-        if self.aligned:
-            return freqs_cis[:, self.starts[0] : self.starts[0] + self.width]
-        positions = torch.tensor(self.starts, device=freqs_cis.device)[:, None] + torch.arange(
-            self.width, device=freqs_cis.device)
-        return freqs_cis[0, positions.clamp_max(freqs_cis.shape[1] - 1)]
+                mask = mask & (present if full is None else present | ~full[:, None])[:, None]
+        self.mask = mask[:, None]
 
     def update(self, index: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         pool = self.pool
@@ -358,16 +390,9 @@ class RowBatch:
         entries = pool.entries.index_select(0, reads.flatten()).view(*reads.shape, 2, heads, head_dim)
         return entries[:, :, 0], entries[:, :, 1]
 
-    def attention_mask(self, index: int, length: int) -> Tensor | None:
-        """(rows, 1, width, columns) which key columns each query attends to, the same for every block of the call
-        (built at its first): the causal mask at offset `offset` and the columns the rows may attend; None when the
-        causal mask at offset 0 is right."""
-        if self.offset == 0 and self._attendable is None:
-            return None
-        if self._mask is None:
-            mask = torch.ones(length, self.offset + length, dtype=torch.bool, device=self.pool.device).tril(self.offset)
-            self._mask = mask if self._attendable is None else mask & self._attendable[:, None, None, :]
-        return self._mask
+    def attention_mask(self, index: int, length: int) -> Tensor:
+        """(rows, 1, width, columns) which key columns each query attends to, the same for every block of the call."""
+        return self.mask
 
 
 def parse_cache(strategy: str) -> int | None:

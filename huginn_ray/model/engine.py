@@ -26,9 +26,10 @@ iteration, up to the rounding of batched matmuls (tests/test_model_engine.py).
 Layout: one CachePool holds every request's keys/values; a request takes a slot and, at admission, the
 entries it reserved (prompt + max_new_tokens positions x the blocks its strategy keeps), and gives both back
 when it finishes or is cancelled. A batched call reads and writes every row through index tensors computed once
-per call (RowBatch): per block one indexed store of the new keys/values and one gather of the attended ones, no
-per-row work; the attention then reads the gathered rows padded to the longest (one extra copy of what it reads,
-as `RecurrentGPT.generate`'s concatenation has).
+per set of rows (`Rows`: one table read per step for the decoding rows, one for the rows that exit, shared by
+their coda and their next prelude): per block one indexed store of the new keys/values and one gather of the
+attended ones, no per-row work; the attention then reads every row's positions up to the furthest row's (one
+extra copy of what it reads, as `RecurrentGPT.generate`'s concatenation has).
 """
 
 from __future__ import annotations

@@ -46,9 +46,10 @@ How rows advance (shared with the serving engine, huginn_ray.model.engine): ever
 its own slot of a `CachePool` (keys/values; a decoding forward's latent state), random generator and forward in
 progress. `advance` runs one loop step: a batched core iteration over every sequence in the pool, each at its
 own position and iteration (`RowBatch`: one gather and one indexed store per block, whatever the rows' positions;
-one call for the decoding sequences, one for those in their prompt's prefill); a
-sequence whose forward ends (its criterion, or its maximum depth) runs the coda and head, emits a token and
-starts its next token's forward (prelude, initial state), which joins the next loop step. So no row waits for
+one call for the decoding sequences, one for those in their prompt's prefill); the
+sequences whose forwards end (their criterion, or their maximum depth) run the coda and head, emit a token and
+start their next token's forward (prelude, initial state), which joins the next loop step: one coda call and
+one prelude call over one `Rows` (the index tensors built once for both). So no row waits for
 another (the release iterates exited rows until the whole batch exits), and each row gets what it gets alone
 at batch size 1 from the same initial noise and sampling draws, up to the rounding of batched matmuls.
 """
@@ -62,7 +63,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from huginn_ray.model.cache import CachePool, RowBatch, parse_cache
+from huginn_ray.model.cache import CachePool, RowBatch, Rows, parse_cache
 from huginn_ray.model.config import ModelConfig
 from huginn_ray.model.flops import inference_flops_per_token
 from huginn_ray.model.model import TRUNC_NORMAL_UNIFORM, RecurrentGPT
@@ -233,8 +234,8 @@ class ExitCriterion:
         if name in ("latent-diff", "cosine"):
             state = state.float()
             previous = torch.cat([criterion.previous_state for criterion in criteria])
-            for row, criterion in enumerate(criteria):
-                criterion.previous_state = state[row : row + 1]
+            for criterion, previous_state in zip(criteria, state.split(1)):  # one split: views of every row
+                criterion.previous_state = previous_state
             if name == "latent-diff":
                 return ((state - previous).norm(dim=-1) / state.norm(dim=-1)).mean(dim=-1)
             cosine = (state * previous).sum(-1) / (state.norm(dim=-1) * previous.norm(dim=-1)).clamp_min(1e-30)
@@ -244,20 +245,20 @@ class ExitCriterion:
             probs = logits.softmax(dim=-1)
             value_now = -(probs * (probs + ENTROPY_EPS).log()).sum(dim=-1)
             value = (value_now - torch.cat([criterion.previous_entropy for criterion in criteria])).abs()
-            for row, criterion in enumerate(criteria):
-                criterion.previous_entropy = value_now[row : row + 1]
+            for criterion, previous_entropy in zip(criteria, value_now.split(1)):
+                criterion.previous_entropy = previous_entropy
             return value
         if name == "argmax-stability":
             argmax = logits.argmax(dim=-1)
             previous = torch.cat([criterion.previous_argmax for criterion in criteria])
             stable = torch.where(argmax == previous, torch.cat([criterion.stable for criterion in criteria]) + 1, 0)
-            for row, criterion in enumerate(criteria):
-                criterion.previous_argmax, criterion.stable = argmax[row : row + 1], stable[row : row + 1]
+            for criterion, previous_argmax, row_stable in zip(criteria, argmax.split(1), stable.split(1)):
+                criterion.previous_argmax, criterion.stable = previous_argmax, row_stable
             return stable.float()
         logp = logits.log_softmax(dim=-1) if name == "kl" else minp(logits, criteria[0].vocab_size)
         value = kl(torch.cat([criterion.previous_logp for criterion in criteria]), logp)
-        for row, criterion in enumerate(criteria):
-            criterion.previous_logp = logp[row : row + 1]
+        for criterion, previous_logp in zip(criteria, logp.split(1)):
+            criterion.previous_logp = previous_logp
         return value
 
     @staticmethod
@@ -399,10 +400,10 @@ class Sequence:
             self.finish_reason = "length"
 
 
-def start(model: RecurrentGPT, sequences: list[Sequence]) -> None:
+def start(model: RecurrentGPT, sequences: list[Sequence], rows: Rows | None = None) -> None:
     """Run the prelude of each sequence's next forward (its prompt, or its last token) in one batched call and
-    begin the forwards."""
-    rows = RowBatch([s.cache for s in sequences], [s.length for s in sequences], "prelude")
+    begin the forwards; `rows` are the sequences' Rows when the caller has them (`Rows.following`)."""
+    rows = rows or Rows.of([s.cache for s in sequences], [s.length for s in sequences])
     device = rows.pool.device
     if rows.width == 1:
         ids = torch.tensor([s.tokens[-1:] for s in sequences], device=device)
@@ -411,8 +412,9 @@ def start(model: RecurrentGPT, sequences: list[Sequence]) -> None:
                    for s in sequences], rows.width)[..., 0]
     rope = rows.rope(model.freqs_cis)
     x = model.transformer.wte(ids) * model.config.embedding_scale
+    batch = RowBatch(rows, "prelude")
     for index, block in enumerate(model.transformer.prelude):
-        x = block(x, rope, rows, index)
+        x = block(x, rope, batch, index)
     injected = model._inject(x)
     given = [sequence.given_initial_state() for sequence in sequences]
     if model.config.state_init == "zero":
@@ -472,10 +474,12 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
         ended += [sequence for sequence, exits in zip(group, ExitCriterion.exiting(criteria, values)) if exits]
     if not ended:
         return []
+    # one Rows for the ending forwards' coda and, after their commit, their next forwards' prelude
+    rows = Rows.of([s.cache for s in ended], [s.length for s in ended], next_column=True)
     # a forward that ends at a logit check already has its logits: the coda and head ran on its final state
     final = [sequence for sequence in ended if id(sequence) not in check_row]
     final_row = {id(sequence): row for row, sequence in enumerate(final)}
-    logits = coda_head(model, final) if final else None
+    logits = coda_head(model, final, rows if len(final) == len(ended) else None) if final else None
     if len(final) < len(ended):
         both = check_logits if logits is None else torch.cat([logits, check_logits])
         logits = both[torch.tensor([final_row[id(s)] if id(s) in final_row else len(final) + check_row[id(s)]
@@ -490,44 +494,49 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
     for (sequence, token_id), logprob in zip(emitted, logprobs.tolist()):
         sequence.coda_evals += id(sequence) in final_row
         sequence.emit(model, token_id, logprob)
-    going_on = [sequence for sequence, _ in emitted if sequence.finish_reason is None]
+    going_on = [row for row, sequence in enumerate(ended) if sequence.finish_reason is None]
     if going_on:
-        start(model, going_on)
+        keep = None if len(going_on) == len(ended) else going_on
+        start(model, [ended[row] for row in going_on], rows.following(keep))
     return emitted
 
 
 def iterate(model: RecurrentGPT, sequences: list[Sequence]) -> None:
     """One core iteration of the sequences' forwards, in one batched call."""
-    rows = RowBatch([s.cache for s in sequences], [s.length for s in sequences], "core",
-                    [s.iteration for s in sequences])
+    rows = Rows.of([s.cache for s in sequences], [s.length for s in sequences])
+    batch = RowBatch(rows, "core", [s.iteration for s in sequences])
     rope = rows.rope(model.freqs_cis)
     if rows.width == 1:  # decoding: the states and injected halves in the pool's slots
         pool, slots = rows.pool, rows.slots
         new = model._core(pool.states.index_select(0, slots)[:, None], pool.injected.index_select(0, slots)[:, None],
-                          rope, rows, 0)  # rows add their own iterations
+                          rope, batch, 0)  # rows add their own iterations
         pool.states.index_copy_(0, slots, new[:, 0])
     else:
         new = model._core(pad([s.state for s in sequences], rows.width),
-                          pad([s.injected for s in sequences], rows.width), rope, rows, 0)
+                          pad([s.injected for s in sequences], rows.width), rope, batch, 0)
         for row, sequence in enumerate(sequences):
             sequence.state = new[row : row + 1, : sequence.length]
     for sequence in sequences:
         sequence.iteration += 1
 
 
-def coda_head(model: RecurrentGPT, sequences: list[Sequence]) -> Tensor:
+def coda_head(model: RecurrentGPT, sequences: list[Sequence], rows: Rows | None = None) -> Tensor:
     """The coda and head over the sequences' current states, in one batched call: their last positions' logits
-    over the real vocabulary, (rows, V) fp32."""
-    rows = RowBatch([s.cache for s in sequences], [s.length for s in sequences], "coda")
+    over the real vocabulary, (rows, V) fp32; `rows` are the sequences' Rows when the caller has them."""
+    rows = rows or Rows.of([s.cache for s in sequences], [s.length for s in sequences])
     rope = rows.rope(model.freqs_cis)
     x = model.transformer.ln_f(states(sequences, rows))
+    batch = RowBatch(rows, "coda")
     for index, block in enumerate(model.transformer.coda):
-        x = block(x, rope, rows, -1 - index)
-    last = x[torch.arange(len(sequences)), torch.tensor([s.length - 1 for s in sequences])]
+        x = block(x, rope, batch, -1 - index)
+    if rows.width == 1:
+        last = x[:, 0]
+    else:
+        last = x[torch.arange(len(sequences)), torch.tensor([s.length - 1 for s in sequences])]
     return model.lm_head(model.transformer.ln_f(last)).float()[:, : model.config.vocab_size]
 
 
-def states(sequences: list[Sequence], rows: RowBatch | None = None) -> Tensor:
+def states(sequences: list[Sequence], rows: Rows | None = None) -> Tensor:
     """The sequences' states side by side, (rows, width, D), padded after each one's length."""
     if all(sequence.length == 1 for sequence in sequences):
         pool = sequences[0].cache.pool
