@@ -441,7 +441,9 @@ def test_progress_shows_on_the_console_unless_quiet(prepared, tmp_path):
                                   f"output_dir={tmp_path / 'b'}"]) == 0
     finally:
         progress.removeHandler(collect)
-    assert any("Running Dataset" in line for line in shown) and any("MapBatches(staging)" in line for line in shown)
+    # staging's read, map and write run fused, one task per input file
+    assert any("Running Dataset" in line for line in shown) and any(
+        "Readstaging_inputs->MapBatches(format_records)->Write" in line for line in shown)
     assert records == []
 
 
