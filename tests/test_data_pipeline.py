@@ -393,30 +393,39 @@ def _encoder_killed_once(encoder: type, flag: Path) -> type:
 
 
 def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(prepared, tmp_path, monkeypatch):
-    """One worker process dies (SIGKILL): a pack encoder actor in the middle of a call, and a shuffle map task in
-    the middle of its task; the call's batches and the task run again, each with twice the memory it had (never
-    the same: execution.rerun_killed), and the run writes the same packed files and shards, byte for byte, as the
-    undisturbed run, with no temp file left behind."""
+    """One worker process dies (SIGKILL): a staging task as it commits its staged file, a pack encoder actor in
+    the middle of a call, and a shuffle map task in the middle of its task; the file, the call's batches and the
+    task run again, each with twice the memory it had (never the same: execution.rerun_killed; a staging task
+    declares none and is taken to have had UNDECLARED_MEMORY), and the run writes the same staged files, packed
+    files and shards, byte for byte, as the undisturbed run, with no temp file left behind."""
     from huginn_ray.data import shards as shards_mod
+    from huginn_ray.data import staging as staging_mod
     from huginn_ray.data import tokenize_pack as pack_mod
+    from huginn_ray.data.execution import UNDECLARED_MEMORY
 
     root, config = prepared
+    monkeypatch.setattr(staging_mod, "read_input_file", _killed_once(staging_mod.read_input_file,
+                                                                     tmp_path / "staging"))
     monkeypatch.setattr(pack_mod, "TokenizeDocuments", _encoder_killed_once(pack_mod.TokenizeDocuments,
                                                                             tmp_path / "pack"))
     monkeypatch.setattr(shards_mod, "_map_group", _killed_once(shards_mod._map_group, tmp_path / "map"))
     out = tmp_path / "killed"
     assert prepare_data.main(["--quiet", "--config", str(config), f"output_dir={out}",
                               f"tokenizer.path={root / 'out' / 'tokenizer'}"]) == 0
-    assert (tmp_path / "pack").exists() and (tmp_path / "map").exists()  # both kills happened
-    for stage in ("pack", "map"):
+    assert all((tmp_path / stage).exists() for stage in ("staging", "pack", "map"))  # every kill happened
+    for stage in ("staging", "pack", "map"):
         attempts = [json.loads(line) for line in (tmp_path / f"{stage}.memory").read_text().splitlines()]
         [(killed_call, killed_memory)] = [(call, memory) for call, memory, what in attempts if what == "killed"]
         reruns = [memory for call, memory, what in attempts if call == killed_call and what == "ran"]
-        assert killed_memory > 0 and reruns == [2 * killed_memory], (stage, attempts)
+        if stage == "staging":
+            assert killed_memory is None and reruns == [2 * UNDECLARED_MEMORY], (stage, attempts)
+        else:
+            assert killed_memory > 0 and reruns == [2 * killed_memory], (stage, attempts)
 
     def outputs(base: Path) -> dict:
         return {p.relative_to(base).as_posix(): p.read_bytes()
-                for p in sorted(base.glob("packed/*.parquet")) + sorted(base.glob("shards/*/*.parquet"))}
+                for p in sorted(base.glob("staging/*/*.parquet")) + sorted(base.glob("packed/*.parquet"))
+                + sorted(base.glob("shards/*/*.parquet"))}
 
     expected = outputs(root / "out")
     assert len(expected) > 2 * N_SHARDS and outputs(out) == expected
