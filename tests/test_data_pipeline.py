@@ -505,7 +505,7 @@ def test_bad_records_fail_the_run_by_name_or_are_quarantined_and_counted_under_m
         (bad / f"good{i:02d}.txt").write_text(_text(rng, 50, 100))
     (bad / "empty.txt").write_text("")
     (bad / "latin1.txt").write_bytes("fine\ncaf\xe9".encode("latin-1"))
-    (bad / "lines.jsonl").write_text('{"text": "fine"}\n{"text": 5}\n{"text": "also fine"}\n')
+    (bad / "lines.jsonl").write_text('\n{"text": "fine"}\n{"text": 5}\n{"text": "also fine"}\n')  # a blank line first
     texts = pa.array([b"row one", b"\xff row two", b"row three"], pa.binary()).view(pa.string())
     pq.write_table(pa.table({"text": texts}), bad / "rows.parquet")
     sources = tmp_path / "sources.yaml"
@@ -516,7 +516,7 @@ def test_bad_records_fail_the_run_by_name_or_are_quarantined_and_counted_under_m
     last = [line for line in capsys.readouterr().err.splitlines() if "error:" in line][-1]
     assert last.startswith("train_tokenizer: error: source 'bad': ") and "max_bad_records: 0" in last
     first = {"latin1.txt": "line 2: invalid_utf8: not UTF-8 at byte offset 8: b'\\xe9'",
-             "lines.jsonl": "line 2: wrong_type: field 'text' holds int, not text",
+             "lines.jsonl": "line 3: wrong_type: field 'text' holds int, not text",
              "rows.parquet": "row 2: invalid_utf8: not UTF-8 at byte offset 0: b'\\xff ro'"}
     assert sum(f"{bad / name}, {what} (a bad record" in last for name, what in first.items()) == 1, last
 
@@ -535,7 +535,7 @@ def test_bad_records_fail_the_run_by_name_or_are_quarantined_and_counted_under_m
     assert quarantined == [
         {"file": str(bad / "latin1.txt"), "line": 2, "reason": "invalid_utf8",
          "detail": "not UTF-8 at byte offset 8: b'\\xe9'", "record": "fine\ncaf\\xe9"},
-        {"file": str(bad / "lines.jsonl"), "line": 2, "reason": "wrong_type",
+        {"file": str(bad / "lines.jsonl"), "line": 3, "reason": "wrong_type",
          "detail": "field 'text' holds int, not text", "record": '{"text": 5}'},
         {"file": str(bad / "rows.parquet"), "row": 2, "reason": "invalid_utf8",
          "detail": "not UTF-8 at byte offset 0: b'\\xff ro'", "record": '{"text": "\\\\xff row two"}'}]

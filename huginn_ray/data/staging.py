@@ -1,13 +1,26 @@
 """Staging: every source's raw files become parquet files with columns `text`, `source` and `doc_id` (§6.3).
 
-One Ray Data operator (`staging`, huginn_ray/data/execution.py) maps every (source, input file) pair of every
-source at once; a task reads its file in batches (huginn_ray/data/formatting.py) and streams the documents into
-`staging/<source>.partial/<index>.parquet`, where index is the input file's position in the sorted file list, so
-the staged data does not depend on task scheduling. Each file is committed on its own (temp name, fsync, rename;
-its counts in the parquet footer), so a rerun after a crash keeps the staged files of the interrupted run (the
-`.partial` directory is keyed by the source's input fingerprint) and stages only the rest. A source's directory
-is renamed to `staging/<source>/` with its marker when all of its files are staged. `doc_id` = index * 2^32 + row number in the file: a stable
-identity that later names packed files and seeds their document order.
+One Ray Data dataset carries the records of every (source, input file) pair of every source at once:
+
+    read_datasource(staging_inputs)     one read task per input file: its records unformatted, in blocks of one
+                                        batch of ROWS_PER_BATCH (line or row numbers; huginn_ray/data/formatting.py
+                                        read_batches)
+      -> map_batches(format_records)    each record's document or bad record (formatting.format_batch); a plain
+                                        function on tasks: it holds no state worth loading once
+      -> write_datasink(staging_outputs)  the file's `staging/<source>.partial/<index>.parquet` (one row group per
+                                        batch with documents) and quarantine file, committed at its last record
+
+The three operators declare the same resources, so Ray Data fuses them into one task per input file: the records
+go from reader to writer inside the task, never through the object store, and one write holds the whole file in
+order (the writer refuses part of one). `index` is the input file's position in the source's sorted file list,
+and `doc_id` = index * 2^32 + row number in the file: a stable identity, independent of task scheduling, that
+later names packed files and seeds their document order.
+
+Each file is committed on its own (temp name, fsync, rename; its counts in the parquet footer), so a rerun after a
+crash keeps the staged files of the interrupted run (the `.partial` directory is keyed by the source's input
+fingerprint; their counts are read back from their footers on the driver) and stages only the rest. A killed
+worker: the files not yet committed run again with twice the memory (execution.rerun_killed). A source's
+directory is renamed to `staging/<source>/` with its marker when the dataset has staged all files.
 """
 
 from __future__ import annotations
@@ -61,14 +74,16 @@ def input_fingerprint(source: Source, files: list[Path]) -> tuple[str, dict]:
     })
 
 
-INPUT_COLUMNS = pa.schema([("file", pa.int32()), ("batch", pa.int32()), ("number", pa.int64()),
-                           ("record", pa.large_binary()), ("message_lists", pa.large_string()),
-                           ("last", pa.bool_())])
+INPUT_COLUMNS = pa.schema([("file", pa.int32()), ("batch", pa.int32()), ("ordinal", pa.int64()),
+                           ("number", pa.int64()), ("record", pa.large_binary()),
+                           ("message_lists", pa.large_string()), ("last", pa.bool_())])
 """The read's records: `file` (the input file's position in the stage's list), `batch` (the file's batch of
-ROWS_PER_BATCH records), the record's line or row `number` and its content (formatting.RawBatch), `last` on the
-file's last record. A file without records gives one row of number 0: its end."""
-FORMATTED_COLUMNS = pa.schema([("file", pa.int32()), ("batch", pa.int32()), ("number", pa.int64()),
-                               ("text", pa.large_string()), ("bad", pa.large_string()), ("last", pa.bool_())])
+ROWS_PER_BATCH records), `ordinal` (the record's 0-based position in the file), its line or row `number` and its
+content (formatting.RawBatch), `last` on the file's last record. A file without records gives one row of number 0:
+its end."""
+FORMATTED_COLUMNS = pa.schema([("file", pa.int32()), ("batch", pa.int32()), ("ordinal", pa.int64()),
+                               ("number", pa.int64()), ("text", pa.large_string()), ("bad", pa.large_string()),
+                               ("last", pa.bool_())])
 """The map's records, one per input record: its document (`text`; "" when empty, null when bad) or its bad record
 (`bad`: its quarantine entry as JSON)."""
 
@@ -190,20 +205,22 @@ project's message (one line naming the file and record) is what comes before it.
 
 def read_input_file(file: int, unit: dict):
     """The read of one input file: its records in blocks of one batch each (INPUT_COLUMNS)."""
-    pending = None
+    pending, ordinal = None, 0
     for batch, raw in enumerate(read_batches(unit["path"], unit["source"])):
         if pending is not None:
             yield _input_block(file, *pending, last=False)
-        pending = (batch, raw)
+        pending = (batch, ordinal, raw)
+        ordinal += len(raw.records)
     if pending is None:  # no record: the file's end alone, so that its (empty) staged file is written
-        pending = (0, RawBatch([0], [b""]))
+        pending = (0, 0, RawBatch([0], [b""]))
     yield _input_block(file, *pending, last=True)
 
 
-def _input_block(file: int, batch: int, raw: RawBatch, last: bool) -> pa.Table:
+def _input_block(file: int, batch: int, first: int, raw: RawBatch, last: bool) -> pa.Table:
     n = len(raw.records)
     return pa.table([pa.array([file] * n, pa.int32()), pa.array([batch] * n, pa.int32()),
-                     pa.array(raw.numbers, pa.int64()), pa.array(raw.records, pa.large_binary()),
+                     pa.array(range(first, first + n), pa.int64()), pa.array(raw.numbers, pa.int64()),
+                     pa.array(raw.records, pa.large_binary()),
                      pa.array([json.dumps(raw.message_lists)] * n, pa.large_string()),
                      pa.array([False] * (n - 1) + [last], pa.bool_())], schema=INPUT_COLUMNS)
 
@@ -255,7 +272,7 @@ def format_records(table: pa.Table, files: list[dict]) -> pa.Table:
             texts.append(None if isinstance(result, BadRecord) else result)
             bad.append(json.dumps(quarantine_entry(result), ensure_ascii=False)
                        if isinstance(result, BadRecord) else None)
-    return pa.table([table.column("file"), table.column("batch"), table.column("number"),
+    return pa.table([table.column("file"), table.column("batch"), table.column("ordinal"), table.column("number"),
                      pa.array(texts, pa.large_string()), pa.array(bad, pa.large_string()), table.column("last")],
                     schema=FORMATTED_COLUMNS)
 
@@ -353,18 +370,20 @@ def staging_outputs(files: list[dict]):
             return "staging_outputs"
 
         def write(self, blocks, ctx) -> dict[int, dict]:
-            done, staged, current = {}, None, None
+            done, staged, current, expected = {}, None, None, 0
             for block in blocks:
                 table = BlockAccessor.for_block(block).to_arrow()
                 file_col, batches = table.column("file").to_pylist(), table.column("batch").to_pylist()
-                numbers, last = table.column("number").to_pylist(), table.column("last").to_pylist()
+                ordinals, numbers = table.column("ordinal").to_pylist(), table.column("number").to_pylist()
                 texts, bad = table.column("text").to_pylist(), table.column("bad").to_pylist()
+                last = table.column("last").to_pylist()
                 for row in range(table.num_rows):
-                    if staged is None or file_col[row] != current:
-                        if staged is not None or file_col[row] in done or batches[row] != 0 or numbers[row] > 1:
-                            raise RuntimeError(f"staging: a write received part of {files[file_col[row]]['path']}, "
-                                               "not all of its records in order (read, map and write must fuse)")
-                        current, staged = file_col[row], StagedFile(files[file_col[row]])
+                    if staged is None:
+                        current, expected, staged = file_col[row], 0, StagedFile(files[file_col[row]])
+                    if file_col[row] != current or ordinals[row] != expected:  # never when the operators fuse
+                        raise RuntimeError(f"staging: a write received part of {files[file_col[row]]['path']}, "
+                                           "not all of its records in order (read, map and write must fuse)")
+                    expected += 1
                     staged.add(batches[row], numbers[row], texts[row], bad[row])
                     if last[row]:
                         done[current] = staged.commit()
