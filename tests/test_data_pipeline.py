@@ -398,30 +398,39 @@ def _encoder_killed_once(encoder: type, flag: Path) -> type:
 
 
 def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(prepared, tmp_path, monkeypatch):
-    """One worker process dies (SIGKILL): a pack encoder actor in the middle of a call, and a shuffle map task in
-    the middle of its task; the call's batches and the task run again, each with twice the memory it had (never
-    the same: execution.rerun_killed), and the run writes the same packed files and shards, byte for byte, as the
-    undisturbed run, with no temp file left behind."""
+    """One worker process dies (SIGKILL): a staging task as it commits its staged file, a pack encoder actor in
+    the middle of a call, and a shuffle map task in the middle of its task; the file, the call's batches and the
+    task run again, each with twice the memory it had (never the same: execution.rerun_killed; a staging task
+    declares none and is taken to have had UNDECLARED_MEMORY), and the run writes the same staged files, packed
+    files and shards, byte for byte, as the undisturbed run, with no temp file left behind."""
     from huginn_ray.data import shards as shards_mod
+    from huginn_ray.data import staging as staging_mod
     from huginn_ray.data import tokenize_pack as pack_mod
+    from huginn_ray.data.execution import UNDECLARED_MEMORY
 
     root, config = prepared
+    monkeypatch.setattr(staging_mod, "read_input_file", _killed_once(staging_mod.read_input_file,
+                                                                     tmp_path / "staging"))
     monkeypatch.setattr(pack_mod, "TokenizeDocuments", _encoder_killed_once(pack_mod.TokenizeDocuments,
                                                                             tmp_path / "pack"))
     monkeypatch.setattr(shards_mod, "place_rows", _killed_once(shards_mod.place_rows, tmp_path / "map"))
     out = tmp_path / "killed"
     assert prepare_data.main(["--quiet", "--config", str(config), f"output_dir={out}",
                               f"tokenizer.path={root / 'out' / 'tokenizer'}"]) == 0
-    assert (tmp_path / "pack").exists() and (tmp_path / "map").exists()  # both kills happened
-    for stage in ("pack", "map"):
+    assert all((tmp_path / stage).exists() for stage in ("staging", "pack", "map"))  # every kill happened
+    for stage in ("staging", "pack", "map"):
         attempts = [json.loads(line) for line in (tmp_path / f"{stage}.memory").read_text().splitlines()]
         [(killed_call, killed_memory)] = [(call, memory) for call, memory, what in attempts if what == "killed"]
         reruns = [memory for call, memory, what in attempts if call == killed_call and what == "ran"]
-        assert killed_memory > 0 and reruns == [2 * killed_memory], (stage, attempts)
+        if stage == "staging":
+            assert killed_memory is None and reruns == [2 * UNDECLARED_MEMORY], (stage, attempts)
+        else:
+            assert killed_memory > 0 and reruns == [2 * killed_memory], (stage, attempts)
 
     def outputs(base: Path) -> dict:
         return {p.relative_to(base).as_posix(): p.read_bytes()
-                for p in sorted(base.glob("packed/*.parquet")) + sorted(base.glob("shards/*/*.parquet"))}
+                for p in sorted(base.glob("staging/*/*.parquet")) + sorted(base.glob("packed/*.parquet"))
+                + sorted(base.glob("shards/*/*.parquet"))}
 
     expected = outputs(root / "out")
     assert len(expected) > 2 * N_SHARDS and outputs(out) == expected
@@ -446,7 +455,9 @@ def test_progress_shows_on_the_console_unless_quiet(prepared, tmp_path):
                                   f"output_dir={tmp_path / 'b'}"]) == 0
     finally:
         progress.removeHandler(collect)
-    assert any("Running Dataset" in line for line in shown) and any("MapBatches(staging)" in line for line in shown)
+    # staging's read, map and write run fused, one task per input file
+    assert any("Running Dataset" in line for line in shown) and any(
+        "Readstaging_inputs->MapBatches(format_records)->Write" in line for line in shown)
     assert records == []
 
 
@@ -499,7 +510,7 @@ def test_bad_records_fail_the_run_by_name_or_are_quarantined_and_counted_under_m
         (bad / f"good{i:02d}.txt").write_text(_text(rng, 50, 100))
     (bad / "empty.txt").write_text("")
     (bad / "latin1.txt").write_bytes("fine\ncaf\xe9".encode("latin-1"))
-    (bad / "lines.jsonl").write_text('{"text": "fine"}\n{"text": 5}\n{"text": "also fine"}\n')
+    (bad / "lines.jsonl").write_text('\n{"text": "fine"}\n{"text": 5}\n{"text": "also fine"}\n')  # a blank line first
     texts = pa.array([b"row one", b"\xff row two", b"row three"], pa.binary()).view(pa.string())
     pq.write_table(pa.table({"text": texts}), bad / "rows.parquet")
     sources = tmp_path / "sources.yaml"
@@ -510,7 +521,7 @@ def test_bad_records_fail_the_run_by_name_or_are_quarantined_and_counted_under_m
     last = [line for line in capsys.readouterr().err.splitlines() if "error:" in line][-1]
     assert last.startswith("train_tokenizer: error: source 'bad': ") and "max_bad_records: 0" in last
     first = {"latin1.txt": "line 2: invalid_utf8: not UTF-8 at byte offset 8: b'\\xe9'",
-             "lines.jsonl": "line 2: wrong_type: field 'text' holds int, not text",
+             "lines.jsonl": "line 3: wrong_type: field 'text' holds int, not text",
              "rows.parquet": "row 2: invalid_utf8: not UTF-8 at byte offset 0: b'\\xff ro'"}
     assert sum(f"{bad / name}, {what} (a bad record" in last for name, what in first.items()) == 1, last
 
@@ -529,7 +540,7 @@ def test_bad_records_fail_the_run_by_name_or_are_quarantined_and_counted_under_m
     assert quarantined == [
         {"file": str(bad / "latin1.txt"), "line": 2, "reason": "invalid_utf8",
          "detail": "not UTF-8 at byte offset 8: b'\\xe9'", "record": "fine\ncaf\\xe9"},
-        {"file": str(bad / "lines.jsonl"), "line": 2, "reason": "wrong_type",
+        {"file": str(bad / "lines.jsonl"), "line": 3, "reason": "wrong_type",
          "detail": "field 'text' holds int, not text", "record": '{"text": 5}'},
         {"file": str(bad / "rows.parquet"), "row": 2, "reason": "invalid_utf8",
          "detail": "not UTF-8 at byte offset 0: b'\\xff ro'", "record": '{"text": "\\\\xff row two"}'}]

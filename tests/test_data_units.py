@@ -255,14 +255,13 @@ def test_zstd_jsonl_and_chat_text_columns(tmp_path):
 
 def test_jsonl_through_arrow_reader_keeps_rows_batches_and_names_bad_lines(tmp_path, monkeypatch):
     """JSON lines are read by Arrow's reader: chat message lists whose messages use different keys, nulls,
-    blank lines and a line longer than the reader's block stage as json.loads would read them, in batches of
-    exactly ROWS_PER_BATCH rows; a bad line is named by its number."""
+    blank lines and a long line stage as json.loads would read them, in batches of exactly ROWS_PER_BATCH
+    records; a bad line is named by its number."""
     import json
 
     from huginn_ray.data import formatting
     from huginn_ray.data.formatting import DataError, iter_documents
 
-    monkeypatch.setattr(formatting, "JSON_BLOCK_BYTES", 4096)  # many blocks, one line longer than a block
     monkeypatch.setattr(formatting, "ROWS_PER_BATCH", 40)
     lines = []
     for i in range(100):
@@ -276,7 +275,7 @@ def test_jsonl_through_arrow_reader_keeps_rows_batches_and_names_bad_lines(tmp_p
     path.write_text("\n".join(lines) + "\n")
     chat = Source(name="chat", features=["messages"], local_dir=str(tmp_path), needs_chat_templating=True)
     batches = list(iter_documents(path, chat))
-    # rows 60 and 67 are null: no document; from their batch on, the file is read line by line
+    # rows 60 and 67 are null: no document; their batch is read line by line, the others by Arrow's reader
     assert [(len(b.texts), b.read, b.empty, b.bad) for b in batches] == [(40, 40, 0, []), (38, 40, 2, []),
                                                                           (20, 20, 0, [])]
     rows = [json.loads(line.split("\n")[0]) for line in lines]

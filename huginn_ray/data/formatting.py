@@ -1,5 +1,10 @@
 """Turning one raw input file into documents: the `text` column of the staging parquet (§6.3).
 
+Two steps, which staging runs as its read and its map (huginn_ray/data/staging.py): `read_batches` reads a file's
+records unformatted, in batches of ROWS_PER_BATCH (`RawBatch`: each record's line or row number and its content);
+`format_batch` turns a batch into each record's document or `BadRecord`. `iter_documents` runs both in one process
+(the plan's sampling: huginn_ray/data/plan.py).
+
 Formats by file name: `*.parquet`; `*.jsonl` / `*.json` (one JSON object per line, optionally `.gz` or `.zst`);
 anything else is a text file that becomes a single document (feature `text`). Rules for a row:
 
@@ -18,16 +23,17 @@ A record (a non-blank JSON line, a parquet row, a text file) gives one document,
 counted: FILTERS), or is bad: `BadRecord` names its file, its 1-based line (JSONL, text) or row (parquet) and
 the reason (BAD_RECORD_REASONS); staging quarantines it under the source's `max_bad_records`
 (huginn_ray/data/staging.py). A file that cannot be read at all, or lacks a feature's column, is a DataError
-naming it. JSON lines are read by Arrow's JSON reader while the file is clean: a feature must hold text or null
-(a chat source's: text, null or a list of messages), as json.loads would read it; from the first batch that is
-not, the file is read line by line.
+naming it. A batch of JSON lines is parsed by Arrow's JSON reader, reading only the features, when it is clean: a
+feature must hold text or null (a chat source's: text, null or a list of messages, typed by the file's first
+lines), as json.loads would read it; a batch that Arrow cannot read, or that holds a null or a record that cannot
+be formatted, is read line by line with json.loads, which names each bad line and keeps the others.
 """
 
 from __future__ import annotations
 
 import io
-import itertools
 import json
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,29 +177,83 @@ def format_record(values: list, source: Source) -> str:
 
 
 def format_rows(columns: dict[str, list], source: Source) -> list[str]:
-    """Documents from a batch of rows given as {feature: values}; empty documents are dropped, the first bad
-    record raises RecordError (the readers then read the batch record by record, `Batch.bad`)."""
+    """Documents from rows given as {feature: values}; empty documents are dropped, a bad record raises
+    RecordError."""
     features = source.features
     texts = [format_record([columns[f][i] for f in features], source) for i in range(len(columns[features[0]]))]
     return [t for t in texts if t]
 
 
-def iter_documents(path: str | Path, source: Source) -> Iterator[Batch]:
-    """The documents of one input file, in batches with the file's bad records (named by line or row) and
-    counts; an unreadable file (or one without a feature's column) is a DataError naming it."""
+def file_format(path: str | Path) -> str:
+    """'parquet', 'jsonl' (one JSON object per line, optionally .gz / .zst) or 'text', by the file's name."""
+    name = Path(path).name.lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")):
+        return "jsonl"
+    return "text"
+
+
+@dataclass
+class RawBatch:
+    """Up to ROWS_PER_BATCH consecutive records of one input file as read, before formatting: what staging's read
+    passes to its map (huginn_ray/data/staging.py)."""
+    numbers: list[int]
+    """The 1-based line (JSONL, text) or row (parquet) of each record."""
+    records: list[bytes]
+    """Each record's content: a JSON line as it is in the file; a parquet row's feature values, pickled (a value
+    that is not UTF-8 as `Undecodable`); a text file's bytes."""
+    message_lists: list[str] = field(default_factory=list)
+    """JSONL: the features the file holds as message lists (the first non-null value among its first
+    ROWS_PER_BATCH records is a list), read as such by Arrow's reader in every batch of the file."""
+
+
+@dataclass
+class Undecodable:
+    """A parquet string value whose bytes are not UTF-8 (a bad record: invalid_utf8 or lone_surrogate)."""
+    data: bytes
+
+    def error(self) -> RecordError:
+        try:
+            self.data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            return _undecodable(self.data, err)
+        raise AssertionError("Undecodable holds UTF-8")
+
+
+def read_batches(path: str | Path, source: Source) -> Iterator[RawBatch]:
+    """The records of one input file in batches of ROWS_PER_BATCH, unformatted; a file that cannot be read (or
+    lacks a feature's column) is a DataError naming it."""
     path = Path(path)
-    name = path.name.lower()
+    readers = {"parquet": _parquet_batches, "jsonl": _jsonl_batches, "text": _text_batches}
     try:
-        if name.endswith(".parquet"):
-            yield from _parquet_documents(path, source)
-        elif name.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")):
-            yield from _jsonl_documents(path, source)
-        else:
-            yield from _text_documents(path, source)
+        yield from readers[file_format(path)](path, source)
     except DataError:
         raise
     except (OSError, ValueError, TypeError, KeyError) as err:
         raise DataError(f"source {source.name!r}: cannot read {path}: {type(err).__name__}: {err}") from None
+
+
+def format_batch(raw: RawBatch, path: str | Path, source: Source) -> list[str | BadRecord]:
+    """Each record's document ("" when empty) or BadRecord (named by file, line or row, and reason), in record
+    order. JSON lines are parsed by Arrow's JSON reader while the batch is clean; a batch that Arrow cannot read,
+    that holds a null (Arrow reads a missing field as null) or a record that cannot be formatted is read line by
+    line, which names each bad line and keeps the others."""
+    path = Path(path)
+    formatters = {"parquet": _parquet_records, "jsonl": _jsonl_records, "text": _text_record}
+    try:
+        return formatters[file_format(path)](raw, path, source)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise DataError(f"source {source.name!r}: cannot read {path}: {type(err).__name__}: {err}") from None
+
+
+def iter_documents(path: str | Path, source: Source) -> Iterator[Batch]:
+    """The documents of one input file, in batches with the file's bad records (named by line or row) and
+    counts, read and formatted in this process (what staging does on its workers: huginn_ray/data/staging.py)."""
+    for raw in read_batches(path, source):
+        results = format_batch(raw, path, source)
+        yield Batch([r for r in results if isinstance(r, str) and r], len(results),
+                    sum(1 for r in results if r == ""), [r for r in results if isinstance(r, BadRecord)])
 
 
 def _undecodable(data: bytes, err: UnicodeError) -> RecordError:
@@ -213,8 +273,8 @@ def _checked(text: str) -> str:
     return text
 
 
-def _parquet_documents(path: Path, source: Source) -> Iterator[Batch]:
-    """Parquet rows in batches of ROWS_PER_BATCH; a batch with a bad row is read again row by row."""
+def _parquet_batches(path: Path, source: Source) -> Iterator[RawBatch]:
+    """Parquet rows in batches of ROWS_PER_BATCH, each row's feature values pickled."""
     pf = pq.ParquetFile(path)
     missing = [f for f in source.features if f not in pf.schema_arrow.names]
     if missing:
@@ -222,98 +282,108 @@ def _parquet_documents(path: Path, source: Source) -> Iterator[Batch]:
                         f"(columns: {', '.join(pf.schema_arrow.names)})")
     first_row = 0
     for batch in pf.iter_batches(batch_size=ROWS_PER_BATCH, columns=source.features):
-        try:
-            texts = format_rows({f: batch.column(f).to_pylist() for f in source.features}, source)
-            yield Batch(texts, batch.num_rows, batch.num_rows - len(texts))
-        except (RecordError, UnicodeDecodeError):
-            yield _parquet_rows(path, batch, first_row, source)
+        columns = [_python_values(batch.column(f)) for f in source.features]
+        yield RawBatch(list(range(first_row + 1, first_row + batch.num_rows + 1)),
+                       [pickle.dumps(list(values)) for values in zip(*columns)])
         first_row += batch.num_rows
 
 
-def _parquet_rows(path: Path, batch, first_row: int, source: Source) -> Batch:
-    out = Batch([], batch.num_rows)
-    for i in range(batch.num_rows):
-        scalars = [batch.column(f)[i] for f in source.features]
+def _python_values(column: pa.Array) -> list:
+    """A column's values as Python reads them; a string that is not UTF-8 as Undecodable (its bytes)."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        values = []
+        for scalar in column:
+            try:
+                values.append(scalar.as_py())
+            except UnicodeDecodeError as err:
+                values.append(Undecodable(err.object))
+        return values
+
+
+def _parquet_records(raw: RawBatch, path: Path, source: Source) -> list[str | BadRecord]:
+    out: list[str | BadRecord] = []
+    for number, record in zip(raw.numbers, raw.records):
+        values = pickle.loads(record)
         try:
-            values = []
-            for scalar in scalars:
-                try:
-                    values.append(scalar.as_py())
-                except UnicodeDecodeError as err:
-                    raise _undecodable(err.object, err) from None
-            text = _checked(format_record(values, source))
+            undecodable = next((v for v in values if isinstance(v, Undecodable)), None)
+            if undecodable is not None:
+                raise undecodable.error()
+            out.append(_checked(format_record(values, source)))
         except RecordError as err:
-            record = {f: _raw_value(s) for f, s in zip(source.features, scalars)}
-            out.bad.append(BadRecord(str(path), "row", first_row + i + 1, err.reason, str(err),
-                                     json.dumps(record, ensure_ascii=False, default=str)))
-            continue
-        if text:
-            out.texts.append(text)
-        else:
-            out.empty += 1
+            shown = {f: v.data.decode("utf-8", "backslashreplace") if isinstance(v, Undecodable) else v
+                     for f, v in zip(source.features, values)}
+            out.append(BadRecord(str(path), "row", number, err.reason, str(err),
+                                 json.dumps(shown, ensure_ascii=False, default=str)))
     return out
 
 
-def _raw_value(scalar):
-    """A parquet value for the quarantine: as Python reads it, or its bytes with \\x escapes when undecodable."""
-    try:
-        return scalar.as_py()
-    except UnicodeDecodeError:
-        return scalar.cast(pa.binary()).as_py().decode("utf-8", "backslashreplace")
-
-
-def _jsonl_documents(path: Path, source: Source) -> Iterator[Batch]:
-    """Arrow's streaming JSON reader, reading only the features (typed: text, or chat message lists), in
-    batches of ROWS_PER_BATCH rows, while every line is fine. From the first batch that Arrow's reader cannot
-    read, that holds a null (Arrow reads a missing field as null; a line without a feature is a bad record) or
-    a record that cannot be formatted, the rest of the file is read line by line (`_json_lines`), which names
-    each bad line and keeps the others."""
-    schema = _json_schema(path, source)
-    done = 0
-    try:
-        for batch in _rebatched(_json_blocks(path, schema), ROWS_PER_BATCH):
-            if any(column.null_count for column in batch.columns):
-                break
-            try:
-                texts = format_rows({f: batch.column(f).to_pylist() for f in source.features}, source)
-            except RecordError:
-                break
-            yield Batch(texts, batch.num_rows, batch.num_rows - len(texts))
-            done += batch.num_rows
-        else:
-            return
-    except (pa.ArrowInvalid, UnicodeDecodeError):
-        pass
-    yield from _json_lines(path, source, schema, skip=done)
-
-
-def _json_lines(path: Path, source: Source, schema, skip: int) -> Iterator[Batch]:
-    """The records after the first `skip` non-blank lines, line by line, in batches of ROWS_PER_BATCH records."""
-    lists = {f.name for f in schema if f.type != "large_string"}
-    out = Batch([], 0)
-    with io.BufferedReader(_open_binary(path)) as raw:
-        for line_no, line in enumerate(raw, 1):
+def _jsonl_batches(path: Path, source: Source) -> Iterator[RawBatch]:
+    """The non-blank lines of a JSONL file in batches of ROWS_PER_BATCH, with their line numbers."""
+    batch, message_lists = RawBatch([], []), None
+    with io.BufferedReader(_open_binary(path)) as lines:
+        for line_no, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            if skip:
-                skip -= 1
-                continue
-            out.read += 1
-            try:
-                text = _json_record(line, source, lists)
-            except RecordError as err:
-                out.bad.append(BadRecord(str(path), "line", line_no, err.reason, str(err),
-                                         line.rstrip(b"\r\n").decode("utf-8", "backslashreplace")))
-            else:
-                if text:
-                    out.texts.append(text)
-                else:
-                    out.empty += 1
-            if out.read == ROWS_PER_BATCH:
-                yield out
-                out = Batch([], 0)
-    if out.read:
-        yield out
+            batch.numbers.append(line_no)
+            batch.records.append(line)
+            if len(batch.records) == ROWS_PER_BATCH:
+                message_lists = _message_list_features(batch.records, source) if message_lists is None else \
+                    message_lists
+                batch.message_lists = message_lists
+                yield batch
+                batch = RawBatch([], [])
+    if batch.records:
+        batch.message_lists = _message_list_features(batch.records, source) if message_lists is None else \
+            message_lists
+        yield batch
+
+
+def _message_list_features(records: list[bytes], source: Source) -> list[str]:
+    """The features of a chat source (either kind) whose first non-null value among the file's first records is
+    a list (of messages): Arrow's reader reads them as the message list type (message keys other than
+    role/content/from/value are not read: the chat templates use no others); every other feature as text."""
+    if not (source.needs_chat_templating or source.is_chat):
+        return []
+    lists, untyped = [], set(source.features)
+    for line in records:
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue  # a bad record: the line-by-line reading names it
+        for f in [f for f in untyped if isinstance(row, dict) and row.get(f) is not None]:
+            untyped.discard(f)
+            if isinstance(row[f], list):
+                lists.append(f)
+        if not untyped:
+            break
+    return sorted(lists)
+
+
+def _jsonl_records(raw: RawBatch, path: Path, source: Source) -> list[str | BadRecord]:
+    """A batch of JSON lines through Arrow's JSON reader (one thread: a task is one CPU), reading only the
+    features, typed as text or message lists; line by line (`_json_record`) when the batch is not clean."""
+    schema = pa.schema([(f, _message_list_type() if f in raw.message_lists else pa.large_string())
+                        for f in source.features])
+    data = b"".join(line if line.endswith(b"\n") else line + b"\n" for line in raw.records)
+    try:
+        table = pj.read_json(pa.BufferReader(data),
+                             read_options=pj.ReadOptions(use_threads=False, block_size=len(data) + 1),
+                             parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"))
+        if table.num_rows == len(raw.records) and not any(column.null_count for column in table.columns):
+            columns = [table.column(f).to_pylist() for f in source.features]
+            return [format_record(list(values), source) for values in zip(*columns)]
+    except (pa.ArrowInvalid, UnicodeDecodeError, RecordError):
+        pass
+    out: list[str | BadRecord] = []
+    for line_no, line in zip(raw.numbers, raw.records):
+        try:
+            out.append(_json_record(line, source, set(raw.message_lists)))
+        except RecordError as err:
+            out.append(BadRecord(str(path), "line", line_no, err.reason, str(err),
+                                 line.rstrip(b"\r\n").decode("utf-8", "backslashreplace")))
+    return out
 
 
 def _json_record(line: bytes, source: Source, lists: set[str]) -> str:
@@ -344,79 +414,10 @@ def _json_record(line: bytes, source: Source, lists: set[str]) -> str:
 
 
 MESSAGE_KEYS = ("role", "content", "from", "value")  # what the chat template reads of a message
-JSON_BLOCK_BYTES = 16 << 20  # the JSON reader's block; one longer line gets a block of its own size (see below)
 
 
 def _message_list_type():
     return pa.list_(pa.struct([(key, pa.string()) for key in MESSAGE_KEYS]))
-
-
-def _json_schema(path: Path, source: Source):
-    """The features' Arrow types: text, except a chat source's (either kind) feature whose first non-null value
-    among the file's first ROWS_PER_BATCH lines is a list (of messages): that one is read as the message list
-    type (message keys other than role/content/from/value are not read: the chat templates use no others)."""
-    types = {f: pa.large_string() for f in source.features}
-    if source.needs_chat_templating or source.is_chat:
-        untyped = set(source.features)
-        with io.BufferedReader(_open_binary(path)) as lines:
-            for line in itertools.islice((line for line in lines if line.strip()), ROWS_PER_BATCH):
-                try:
-                    row = json.loads(line.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError):
-                    continue  # a bad record: the line-by-line reading names it
-                for f in [f for f in untyped if isinstance(row, dict) and row.get(f) is not None]:
-                    untyped.discard(f)
-                    if isinstance(row[f], list):
-                        types[f] = _message_list_type()
-                if not untyped:
-                    break
-    return pa.schema(list(types.items()))
-
-
-def _json_blocks(path: Path, schema):
-    """Record batches of the features from Arrow's streaming JSON reader (one thread: a task is one CPU).
-
-    A line longer than the block fails Arrow's reader ("straddles two block boundaries"); the file is then
-    read again with a block that holds the longest line, skipping the rows already returned. A file of blank
-    lines only, which Arrow's reader refuses ("Empty JSON stream"), has no rows."""
-    done, block_bytes = 0, JSON_BLOCK_BYTES
-    while True:
-        try:
-            with _open_binary(path) as raw:
-                reader = pj.open_json(raw, read_options=pj.ReadOptions(use_threads=False, block_size=block_bytes),
-                                      parse_options=pj.ParseOptions(explicit_schema=schema,
-                                                                    unexpected_field_behavior="ignore"))
-                skip = done
-                for block in reader:
-                    if skip < block.num_rows:
-                        done += block.num_rows - skip
-                        yield block.slice(skip)
-                    skip = max(0, skip - block.num_rows)
-            return
-        except pa.ArrowInvalid as err:
-            with io.BufferedReader(_open_binary(path)) as raw:
-                lengths = [len(line) for line in raw if line.strip()] if "straddle" in str(err) or (
-                    "Empty JSON stream" in str(err)) else [0]
-            if not lengths:
-                return  # no line but blank ones: no rows
-            if max(lengths) < block_bytes:
-                raise
-            block_bytes = 1 << max(lengths).bit_length()
-
-
-def _rebatched(blocks: Iterator, size: int) -> Iterator:
-    """Tables of exactly `size` rows (the last one shorter) from Arrow's blocks, so that the staged row groups
-    do not depend on the reader's block size."""
-    rest = None
-    for block in blocks:
-        table = pa.Table.from_batches([block])
-        table = table if rest is None else pa.concat_tables([rest, table])
-        while table.num_rows >= size:
-            yield table.slice(0, size)
-            table = table.slice(size)
-        rest = table
-    if rest is not None and rest.num_rows:
-        yield rest
 
 
 def _unique_keys(pairs: list[tuple]) -> dict:
@@ -434,17 +435,19 @@ def _open_binary(path: Path):
     return pa.input_stream(str(path), compression=compression)
 
 
-def _text_documents(path: Path, source: Source) -> Iterator[Batch]:
-    """A text file is one record, one document; undecodable bytes are named by their line."""
+def _text_batches(path: Path, source: Source) -> Iterator[RawBatch]:
+    """A text file is one record (line 1: a bad one is named by the line of its first undecodable byte)."""
     if source.features != ["text"]:
         raise DataError(f"source {source.name!r}: {path} is a text file, so features must be [text], "
                         f"got {source.features}")
-    data = path.read_bytes()
+    yield RawBatch([1], [path.read_bytes()])
+
+
+def _text_record(raw: RawBatch, path: Path, source: Source) -> list[str | BadRecord]:
+    (data,) = raw.records
     try:
-        text = data.decode("utf-8")
+        return [data.decode("utf-8")]
     except UnicodeDecodeError as err:
         bad = _undecodable(data, err)
-        yield Batch([], 1, bad=[BadRecord(str(path), "line", data.count(b"\n", 0, err.start) + 1, bad.reason,
-                                          str(bad), data.decode("utf-8", "backslashreplace"))])
-        return
-    yield Batch([text] if text else [], 1, 0 if text else 1)
+        return [BadRecord(str(path), "line", data.count(b"\n", 0, err.start) + 1, bad.reason, str(bad),
+                          data.decode("utf-8", "backslashreplace"))]

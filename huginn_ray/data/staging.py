@@ -1,30 +1,46 @@
 """Staging: every source's raw files become parquet files with columns `text`, `source` and `doc_id` (§6.3).
 
-One Ray Data operator (`staging`, huginn_ray/data/execution.py) maps every (source, input file) pair of every
-source at once; a task reads its file in batches (huginn_ray/data/formatting.py) and streams the documents into
-`staging/<source>.partial/<index>.parquet`, where index is the input file's position in the sorted file list, so
-the staged data does not depend on task scheduling. Each file is committed on its own (temp name, fsync, rename;
-its counts in the parquet footer), so a rerun after a crash keeps the staged files of the interrupted run (the
-`.partial` directory is keyed by the source's input fingerprint) and stages only the rest. A source's directory
-is renamed to `staging/<source>/` with its marker when all of its files are staged. `doc_id` = index * 2^32 + row number in the file: a stable
-identity that later names packed files and seeds their document order.
+One Ray Data dataset carries the records of every (source, input file) pair of every source at once:
+
+    read_datasource(staging_inputs)     one read task per input file: its records unformatted, in blocks of one
+                                        batch of ROWS_PER_BATCH (line or row numbers; huginn_ray/data/formatting.py
+                                        read_batches)
+      -> map_batches(format_records)    each record's document or bad record (formatting.format_batch); a plain
+                                        function on tasks: it holds no state worth loading once
+      -> write_datasink(staging_outputs)  the file's `staging/<source>.partial/<index>.parquet` (one row group per
+                                        batch with documents) and quarantine file, committed at its last record
+
+The three operators declare the same resources, so Ray Data fuses them into one task per input file: the records
+go from reader to writer inside the task, never through the object store, and one write holds the whole file in
+order (the writer refuses part of one). `index` is the input file's position in the source's sorted file list,
+and `doc_id` = index * 2^32 + row number in the file: a stable identity, independent of task scheduling, that
+later names packed files and seeds their document order.
+
+Each file is committed on its own (temp name, fsync, rename; its counts in the parquet footer), so a rerun after a
+crash keeps the staged files of the interrupted run (the `.partial` directory is keyed by the source's input
+fingerprint; their counts are read back from their footers on the driver) and stages only the rest. A killed
+worker: the files not yet committed run again with twice the memory (execution.rerun_killed). A source's
+directory is renamed to `staging/<source>/` with its marker when the dataset has staged all files.
 """
 
 from __future__ import annotations
 
 import collections
 import fnmatch
+import functools
 import json
 import os
+import re
 import shutil
+import warnings
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.execution import run_tasks
-from huginn_ray.data.formatting import BadRecord, DataError, iter_documents
+from huginn_ray.data.execution import original_error, rerun_killed
+from huginn_ray.data.formatting import BadRecord, DataError, RawBatch, format_batch, read_batches
 from huginn_ray.data.sources import Source
 
 STAGING_SCHEMA = pa.schema([("text", pa.large_string()), ("source", pa.string()), ("doc_id", pa.int64())])
@@ -58,16 +74,30 @@ def input_fingerprint(source: Source, files: list[Path]) -> tuple[str, dict]:
     })
 
 
+INPUT_COLUMNS = pa.schema([("file", pa.int32()), ("batch", pa.int32()), ("ordinal", pa.int64()),
+                           ("number", pa.int64()), ("record", pa.large_binary()),
+                           ("message_lists", pa.large_string()), ("last", pa.bool_())])
+"""The read's records: `file` (the input file's position in the stage's list), `batch` (the file's batch of
+ROWS_PER_BATCH records), `ordinal` (the record's 0-based position in the file), its line or row `number` and its
+content (formatting.RawBatch), `last` on the file's last record. A file without records gives one row of number 0:
+its end."""
+FORMATTED_COLUMNS = pa.schema([("file", pa.int32()), ("batch", pa.int32()), ("ordinal", pa.int64()),
+                               ("number", pa.int64()), ("text", pa.large_string()), ("bad", pa.large_string()),
+                               ("last", pa.bool_())])
+"""The map's records, one per input record: its document (`text`; "" when empty, null when bad) or its bad record
+(`bad`: its quarantine entry as JSON)."""
+
+
 def stage_sources(inputs: list[tuple[Source, list[Path]]], staging_root: Path) -> dict[str, dict]:
-    """Stage every source whose output is not complete, all in one Ray Data operator; returns {name: marker}.
+    """Stage every source whose output is not complete, all in one Ray Data dataset; returns {name: marker}.
 
     `inputs` holds each source with its sorted input files. A source's marker is written, and its directory
-    renamed into place, as soon as all of its files are staged."""
+    renamed into place, once all of its files are staged."""
     markers: dict[str, dict] = {}
-    todo, calls = [], []
-    for source, files in inputs:
+    todo, files = [], []
+    for source, paths in inputs:
         final = staging_root / source.name
-        expected, fingerprint_inputs = input_fingerprint(source, files)
+        expected, fingerprint_inputs = input_fingerprint(source, paths)
         layout.finish_commit(final)
         if (marker := layout.current_marker(final, expected, fingerprint_inputs, "staging")) is not None:
             markers[source.name] = marker
@@ -77,93 +107,295 @@ def stage_sources(inputs: list[tuple[Source, list[Path]]], staging_root: Path) -
         quarantine = staging_root.parent / "quarantine" / source.name
         if not layout.is_complete(final.with_name(final.name + ".partial"), expected, layout.PLAN):
             shutil.rmtree(quarantine, ignore_errors=True)  # of other inputs: a fresh staging writes its own
-        work = layout.resumable_work_dir(final, expected, "staging", "staged files", len(files),
+        work = layout.resumable_work_dir(final, expected, "staging", "staged files", len(paths),
                                          fingerprint_inputs)
-        todo.append({"source": source, "files": files, "work": work, "final": final, "fingerprint": expected,
-                     "fingerprint_inputs": fingerprint_inputs,
-                     "results": [None] * len(files), "remaining": len(files), "quarantine": quarantine})
-        calls += [(source, i, str(p), str(work), str(quarantine)) for i, p in enumerate(files)]
-    owner = [(t, i) for t in todo for i in range(len(t["files"]))]
+        todo.append({"source": source, "paths": paths, "work": work, "final": final, "fingerprint": expected,
+                     "fingerprint_inputs": fingerprint_inputs, "quarantine": quarantine, "first": len(files)})
+        files += [{"source": source, "index": i, "path": str(p), "output": str(work / f"{i:05d}.parquet"),
+                   "quarantine": str(quarantine / f"{i:05d}.jsonl")} for i, p in enumerate(paths)]
 
-    def finish(task: dict) -> None:
-        source, results = task["source"], task["results"]
-        rows = sum(r["rows"] for r in results)
+    results: dict[int, dict] = {}
+    for i, f in enumerate(files):  # committed by an earlier, interrupted run: kept, counts from their footers
+        if Path(f["output"]).exists():
+            results[i] = staged_file_stats(Path(f["output"]))
+    run_staging(files, [i for i in range(len(files)) if i not in results], results)
+
+    for task in todo:
+        source, count = task["source"], len(task["paths"])
+        stats = [results[task["first"] + i] for i in range(count)]
+        rows = sum(r["rows"] for r in stats)
         quarantined = collections.Counter()
-        for r in results:
+        for r in stats:
             quarantined.update(r["quarantined"])
-        records = {"read": sum(r["read"] for r in results), "kept": rows,
+        records = {"read": sum(r["read"] for r in stats), "kept": rows,
                    "quarantined": dict(sorted(quarantined.items())),
-                   "dropped": {"empty": sum(r["empty"] for r in results)},
-                   "first_bad": next((r["first_bad"] for r in results if r["first_bad"]), None)}
+                   "dropped": {"empty": sum(r["empty"] for r in stats)},
+                   "first_bad": next((r["first_bad"] for r in stats if r["first_bad"]), None)}
         check_bad_records(source, records)
         marker = {
             "source": source.name, "fingerprint": task["fingerprint"],
             "fingerprint_inputs": task["fingerprint_inputs"], "rows": rows,
-            "chars": sum(r["chars"] for r in results), "records": records,
-            "files": [{"input": str(p), "output": r["output"], "rows": r["rows"], "max_chars": r["max_chars"]}
-                      for p, r in zip(task["files"], results)],
+            "chars": sum(r["chars"] for r in stats), "records": records,
+            "files": [{"input": str(p), "output": f"{i:05d}.parquet", "rows": r["rows"], "max_chars": r["max_chars"]}
+                      for i, (p, r) in enumerate(zip(task["paths"], stats))],
         }
         layout.commit_work_dir(task["work"], task["final"], marker)
         markers[source.name] = marker
         note = "  WARNING: no rows" if rows == 0 else ""
-        print(f"[staging] {source.name}: {len(task['files'])} files -> {rows} documents{note}; "
+        print(f"[staging] {source.name}: {count} files -> {rows} documents{note}; "
               f"{records_line(records, task['quarantine'])}", flush=True)
-
-    def done(call: int, result: dict) -> None:
-        task, index = owner[call]
-        task["results"][index] = result
-        task["remaining"] -= 1
-        if task["remaining"] == 0:
-            finish(task)
-
-    for task in todo:
-        if not task["files"]:
-            finish(task)
-    run_tasks(stage_file, calls, name="staging", on_result=done)
     return markers
 
 
-def stage_file(source: Source, index: int, path: str, out_dir: str, quarantine_dir: str) -> dict:
-    """Format one input file and stream its documents into `out_dir/<index>.parquet` (kept when committed by an
-    earlier, interrupted run: its counts are read back from the file's metadata). Its bad records go to
-    `quarantine_dir/<index>.jsonl` (committed before the parquet file); more of them than `max_bad_records`
-    allows as a count fails the task naming the last one read."""
-    output = Path(out_dir) / f"{index:05d}.parquet"
-    if output.exists():
-        return {**json.loads(pq.read_metadata(output).metadata[STATS_KEY]), "output": output.name}
-    tmp = layout.temp_path(output)
-    rows = chars = max_chars = read = empty = 0
-    bad: list[BadRecord] = []
-    with pq.ParquetWriter(tmp, STAGING_SCHEMA) as writer:
-        for batch in iter_documents(path, source):
-            read, empty, bad = read + batch.read, empty + batch.empty, bad + batch.bad
-            if is_count(source.max_bad_records) and len(bad) > source.max_bad_records:  # broken within this file
-                raise DataError(bad_record_error(source, bad[int(source.max_bad_records)]))
-            texts = batch.texts
-            if not texts:
-                continue
-            writer.write_table(pa.table({
-                "text": pa.array(texts, pa.large_string()),
-                "source": pa.array([source.name] * len(texts), pa.string()),
-                "doc_id": pa.array(range((index << 32) + rows, (index << 32) + rows + len(texts)), pa.int64()),
-            }))
-            rows += len(texts)
-            chars += sum(len(t) for t in texts)
-            max_chars = max(max_chars, max(len(t) for t in texts))
-        stats = {"rows": rows, "chars": chars, "max_chars": max_chars, "read": read, "empty": empty,
-                 "quarantined": dict(sorted(collections.Counter(r.reason for r in bad).items())),
+def staged_file_stats(path: Path) -> dict:
+    """A committed staged file's counts (rows, chars, max_chars, read, empty, quarantined, first_bad), from its
+    parquet footer."""
+    return json.loads(pq.read_metadata(path).metadata[STATS_KEY])
+
+
+def run_staging(files: list[dict], todo: list[int], results: dict[int, dict]) -> None:
+    """Stage the input files `todo` (indexes into `files`) on Ray Data, putting each one's counts in `results`:
+    read (`staging_inputs`) -> map (`format_records`) -> write (`staging_outputs`), fused into one task per input
+    file. A killed worker: the files not yet committed run again with twice the memory (execution.rerun_killed);
+    an error of the project's own (DataError: a bad record beyond max_bad_records, an unreadable file) is raised
+    as itself."""
+    import ray.data
+
+    def run(units: list[int], declared: list[int | None]) -> None:
+        classes: dict[int | None, list[int]] = {}
+        for unit in units:
+            classes.setdefault(declared[unit], []).append(todo[unit])
+        for memory, members in sorted(classes.items(), key=lambda kv: kv[0] or 0):  # one dataset per declaration
+            sink = staging_outputs(files)
+            # read, map and write declare the same resources, so that Ray Data fuses them into one task per input
+            # file: its records go from the reader to the writer without crossing the object store, and one write
+            # holds the whole file (the writer refuses part of one)
+            remote = {"num_cpus": 1, "max_retries": 0, **({"memory": memory} if memory else {})}
+            with warnings.catch_warnings():
+                # max_retries has no named parameter in Ray 2.60: passed as a remote arg, which warns that remote
+                # args are deprecated
+                warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+                try:
+                    ray.data.read_datasource(staging_inputs(files, members), override_num_blocks=len(members),
+                                             ray_remote_args=remote).map_batches(
+                        format_records, fn_kwargs={"files": files}, batch_size=None, batch_format="pyarrow",
+                        **remote).write_datasink(sink, ray_remote_args=remote)
+                finally:
+                    results.update(sink.results)
+
+    own = None
+    try:
+        rerun_killed(run, [None] * len(todo), name="staging",
+                     unfinished=lambda units: [u for u in units if not Path(files[todo[u]]["output"]).exists()])
+    except Exception as err:
+        own = original_error(err, (DataError,))
+        if own is err:
+            raise
+    if own is not None:  # raised here, not in the handler: Ray's error (and the dataset it holds) can be collected
+        raise DataError(RAY_DATA_RETRY_HINT.split(str(own))[0])
+    for i in todo:
+        if i not in results:  # committed by an attempt that a killed worker stopped later
+            results[i] = staged_file_stats(Path(files[i]["output"]))
+
+
+RAY_DATA_RETRY_HINT = re.compile(r"\nFailed to .* after \d+/\d+ attempts")
+"""Where Ray Data's retry hint begins, which it appends to the message of an error raised in a task; the
+project's message (one line naming the file and record) is what comes before it."""
+
+
+def read_input_file(file: int, unit: dict):
+    """The read of one input file: its records in blocks of one batch each (INPUT_COLUMNS)."""
+    pending, ordinal = None, 0
+    for batch, raw in enumerate(read_batches(unit["path"], unit["source"])):
+        if pending is not None:
+            yield _input_block(file, *pending, last=False)
+        pending = (batch, ordinal, raw)
+        ordinal += len(raw.records)
+    if pending is None:  # no record: the file's end alone, so that its (empty) staged file is written
+        pending = (0, 0, RawBatch([0], [b""]))
+    yield _input_block(file, *pending, last=True)
+
+
+def _input_block(file: int, batch: int, first: int, raw: RawBatch, last: bool) -> pa.Table:
+    n = len(raw.records)
+    return pa.table([pa.array([file] * n, pa.int32()), pa.array([batch] * n, pa.int32()),
+                     pa.array(range(first, first + n), pa.int64()), pa.array(raw.numbers, pa.int64()),
+                     pa.array(raw.records, pa.large_binary()),
+                     pa.array([json.dumps(raw.message_lists)] * n, pa.large_string()),
+                     pa.array([False] * (n - 1) + [last], pa.bool_())], schema=INPUT_COLUMNS)
+
+
+def staging_inputs(files: list[dict], todo: list[int]):
+    """The stage's read: a Ray Data datasource of the input files' records, one read task per file."""
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import Datasource, ReadTask
+
+    class StagingInputs(Datasource):
+        def estimate_inmemory_data_size(self) -> int | None:
+            return None
+
+        def get_name(self) -> str:
+            return "staging_inputs"
+
+        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                           data_context=None) -> list[ReadTask]:
+            return [ReadTask(functools.partial(read_input_file, i, files[i]),
+                             BlockMetadata(num_rows=None, size_bytes=None, input_files=[files[i]["path"]],
+                                           exec_stats=None))
+                    for i in todo]
+
+    return StagingInputs()
+
+
+def runs(keys: list) -> list[tuple[int, int]]:
+    """(start, end) of each run of equal consecutive keys."""
+    bounds = [0] + [i for i in range(1, len(keys)) if keys[i] != keys[i - 1]] + [len(keys)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def format_records(table: pa.Table, files: list[dict]) -> pa.Table:
+    """The stage's map: each input record's document or bad record (FORMATTED_COLUMNS), formatted by
+    huginn_ray/data/formatting.py. It holds no state worth loading once, so it is a plain function on tasks."""
+    file_col, batch_col = table.column("file").to_pylist(), table.column("batch").to_pylist()
+    numbers, records = table.column("number").to_pylist(), table.column("record").to_pylist()
+    lists = table.column("message_lists").to_pylist()
+    texts: list[str | None] = []
+    bad: list[str | None] = []
+    for start, end in runs(list(zip(file_col, batch_col))):
+        if numbers[start] == 0:  # a file's end, without records
+            texts.append(None)
+            bad.append(None)
+            continue
+        unit = files[file_col[start]]
+        raw = RawBatch(numbers[start:end], records[start:end], json.loads(lists[start]))
+        for result in format_batch(raw, unit["path"], unit["source"]):
+            texts.append(None if isinstance(result, BadRecord) else result)
+            bad.append(json.dumps(quarantine_entry(result), ensure_ascii=False)
+                       if isinstance(result, BadRecord) else None)
+    return pa.table([table.column("file"), table.column("batch"), table.column("ordinal"), table.column("number"),
+                     pa.array(texts, pa.large_string()), pa.array(bad, pa.large_string()), table.column("last")],
+                    schema=FORMATTED_COLUMNS)
+
+
+def quarantine_entry(record: BadRecord) -> dict:
+    """A bad record as its line in the quarantine file."""
+    return {"file": record.file, record.unit: record.number, "reason": record.reason, "detail": record.detail,
+            "record": record.record}
+
+
+def bad_record(entry: dict) -> BadRecord:
+    """A quarantine entry back as the BadRecord it was made from."""
+    unit = "line" if "line" in entry else "row"
+    return BadRecord(entry["file"], unit, entry[unit], entry["reason"], entry["detail"], entry["record"])
+
+
+class StagedFile:
+    """One input file's staged parquet (under a temp name until committed) and quarantine file, written batch by
+    batch from its formatted records: one row group per batch that has documents, `doc_id` = index * 2^32 + row."""
+
+    def __init__(self, unit: dict):
+        self.unit, self.source = unit, unit["source"]
+        self.output = Path(unit["output"])
+        self.tmp = layout.temp_path(self.output)
+        self.writer = pq.ParquetWriter(self.tmp, STAGING_SCHEMA)
+        self.rows = self.chars = self.max_chars = self.read = self.empty = 0
+        self.bad: list[BadRecord] = []
+        self.batch, self.texts = 0, []
+
+    def add(self, batch: int, number: int, text: str | None, bad: str | None) -> None:
+        if batch != self.batch:
+            self.flush()
+            self.batch = batch
+        if number == 0:  # the end of a file without records
+            return
+        self.read += 1
+        if bad is not None:
+            self.bad.append(bad_record(json.loads(bad)))
+        elif text:
+            self.texts.append(text)
+        else:
+            self.empty += 1
+
+    def flush(self) -> None:
+        """Write the batch's documents as one row group. More bad records than `max_bad_records` allows as a count
+        fail the file, naming the first one beyond it."""
+        limit = self.source.max_bad_records
+        if is_count(limit) and len(self.bad) > limit:  # broken within this file
+            raise DataError(bad_record_error(self.source, self.bad[int(limit)]))
+        texts, self.texts = self.texts, []
+        if not texts:
+            return
+        first = (self.unit["index"] << 32) + self.rows
+        self.writer.write_table(pa.table({
+            "text": pa.array(texts, pa.large_string()),
+            "source": pa.array([self.source.name] * len(texts), pa.string()),
+            "doc_id": pa.array(range(first, first + len(texts)), pa.int64()),
+        }))
+        self.rows += len(texts)
+        self.chars += sum(len(t) for t in texts)
+        self.max_chars = max(self.max_chars, max(len(t) for t in texts))
+
+    def commit(self) -> dict:
+        """Finish the file and commit its quarantine file (first) and its staged parquet; returns its counts."""
+        self.flush()
+        bad = self.bad
+        stats = {"rows": self.rows, "chars": self.chars, "max_chars": self.max_chars, "read": self.read,
+                 "empty": self.empty, "quarantined": dict(sorted(collections.Counter(r.reason for r in bad).items())),
                  "first_bad": f"{bad[0].where}: {bad[0].reason}: {bad[0].detail}" if bad else None}
-        writer.add_key_value_metadata({STATS_KEY: json.dumps(stats)})
-    if bad:
-        quarantine = Path(quarantine_dir) / f"{index:05d}.jsonl"
-        quarantine.parent.mkdir(parents=True, exist_ok=True)
-        quarantine_tmp = layout.temp_path(quarantine)
-        quarantine_tmp.write_text("".join(json.dumps({"file": r.file, r.unit: r.number, "reason": r.reason,
-                                                      "detail": r.detail, "record": r.record},
-                                                     ensure_ascii=False) + "\n" for r in bad))
-        layout.commit_file(quarantine_tmp, quarantine)
-    layout.commit_file(tmp, output)
-    return {**stats, "output": output.name}
+        self.writer.add_key_value_metadata({STATS_KEY: json.dumps(stats)})
+        self.writer.close()
+        if bad:
+            quarantine = Path(self.unit["quarantine"])
+            quarantine.parent.mkdir(parents=True, exist_ok=True)
+            quarantine_tmp = layout.temp_path(quarantine)
+            quarantine_tmp.write_text("".join(json.dumps(quarantine_entry(r), ensure_ascii=False) + "\n"
+                                              for r in bad))
+            layout.commit_file(quarantine_tmp, quarantine)
+        layout.commit_file(self.tmp, self.output)
+        return stats
+
+
+def staging_outputs(files: list[dict]):
+    """The stage's write: a Ray Data datasink that writes each input file's staged parquet and quarantine file
+    from its formatted records and commits them when the file's last record arrives; the files' counts are in
+    `.results` ({file: counts}) once the write completes."""
+    from ray.data.block import BlockAccessor
+    from ray.data.datasource import Datasink
+
+    class StagingOutputs(Datasink):
+        def __init__(self):
+            self.results: dict[int, dict] = {}
+
+        def get_name(self) -> str:
+            return "staging_outputs"
+
+        def write(self, blocks, ctx) -> dict[int, dict]:
+            done, staged, current, expected = {}, None, None, 0
+            for block in blocks:
+                table = BlockAccessor.for_block(block).to_arrow()
+                file_col, batches = table.column("file").to_pylist(), table.column("batch").to_pylist()
+                ordinals, numbers = table.column("ordinal").to_pylist(), table.column("number").to_pylist()
+                texts, bad = table.column("text").to_pylist(), table.column("bad").to_pylist()
+                last = table.column("last").to_pylist()
+                for row in range(table.num_rows):
+                    if staged is None:
+                        current, expected, staged = file_col[row], 0, StagedFile(files[file_col[row]])
+                    if file_col[row] != current or ordinals[row] != expected:  # never when the operators fuse
+                        raise RuntimeError(f"staging: a write received part of {files[file_col[row]]['path']}, "
+                                           "not all of its records in order (read, map and write must fuse)")
+                    expected += 1
+                    staged.add(batches[row], numbers[row], texts[row], bad[row])
+                    if last[row]:
+                        done[current] = staged.commit()
+                        staged = None
+            if staged is not None:
+                raise RuntimeError(f"staging: a write received part of {files[current]['path']}, without its end")
+            return done
+
+        def on_write_complete(self, write_result) -> None:
+            self.results = {file: stats for returned in write_result.write_returns for file, stats in returned.items()}
+
+    return StagingOutputs()
 
 
 def records_line(records: dict, quarantine: Path) -> str:
