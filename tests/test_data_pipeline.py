@@ -339,7 +339,34 @@ def test_same_bytes_from_a_separate_ray_with_one_cpu(prepared, chat_prepared, tm
         assert (tmp_path / "chat_one_cpu" / path.relative_to(chat_root / "pack")).read_bytes() == path.read_bytes()
 
 
-def _killed_once(place_rows, flag: Path):
+def _read_killed_once(fn, flag: Path):
+    """A read function (its first argument names the unit), except that the first attempt of the first call
+    SIGKILLs its own worker process in the middle of the task: after its first output is fully written under its
+    temp name, before that output is committed (the read, map and write of a unit are one task). Every attempt
+    appends (unit, memory= Ray gave it, killed or ran) to `<flag>.memory`."""
+
+    def first_attempt_dies(*args, **kwargs):
+        import ray
+
+        call = args[0]
+        memory = ray.get_runtime_context().get_assigned_resources().get("memory")
+        try:
+            os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:  # a later call, or the retry of the killed attempt: the real task
+            with open(flag.with_suffix(".memory"), "a") as f:
+                f.write(json.dumps([call, memory, "ran"]) + "\n")
+            return fn(*args, **kwargs)
+        from huginn_ray.data import layout
+
+        with open(flag.with_suffix(".memory"), "a") as f:
+            f.write(json.dumps([call, memory, "killed"]) + "\n")
+        layout.commit_file = lambda tmp, final: os.kill(os.getpid(), signal.SIGKILL)  # this worker only
+        return fn(*args, **kwargs)
+
+    return first_attempt_dies
+
+
+def _map_step_killed_once(place_rows, flag: Path):
     """The shuffle map pass's map step, except that the first task to run it SIGKILLs its own worker process in
     the middle of the task: once its map file is fully written under its temp name, before it is committed (the
     read, map and write of a map group are one task). Every task appends (its map group, memory= Ray gave it,
@@ -409,11 +436,11 @@ def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(pre
     from huginn_ray.data.execution import UNDECLARED_MEMORY
 
     root, config = prepared
-    monkeypatch.setattr(staging_mod, "read_input_file", _killed_once(staging_mod.read_input_file,
-                                                                     tmp_path / "staging"))
+    monkeypatch.setattr(staging_mod, "read_input_file", _read_killed_once(staging_mod.read_input_file,
+                                                                          tmp_path / "staging"))
     monkeypatch.setattr(pack_mod, "TokenizeDocuments", _encoder_killed_once(pack_mod.TokenizeDocuments,
                                                                             tmp_path / "pack"))
-    monkeypatch.setattr(shards_mod, "place_rows", _killed_once(shards_mod.place_rows, tmp_path / "map"))
+    monkeypatch.setattr(shards_mod, "place_rows", _map_step_killed_once(shards_mod.place_rows, tmp_path / "map"))
     out = tmp_path / "killed"
     assert prepare_data.main(["--quiet", "--config", str(config), f"output_dir={out}",
                               f"tokenizer.path={root / 'out' / 'tokenizer'}"]) == 0

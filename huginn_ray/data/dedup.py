@@ -32,7 +32,8 @@ import numpy as np
 import pyarrow as pa
 
 from huginn_ray.data import layout
-from huginn_ray.data.packed_rows import INDEX, UNIT, map_rows, packed_rows, read_dataset, run_units
+from huginn_ray.data.execution import block_size, run_units
+from huginn_ray.data.packed_rows import BLOCK_BYTES, INDEX, UNIT, map_rows, packed_rows, read_dataset
 from huginn_ray.data.tokens import MASK, fixed_rows
 
 
@@ -87,7 +88,8 @@ def _hash_files(name: str, files: list[dict], row_len: int, dtype: str, vocab_si
                 parts.setdefault(int(unit), []).append(batch.filter(pa.array(unit_col == unit)))
         done.update(members)
 
-    run_units(name, [None] * len(files), hash_pass, lambda i: i in done)
+    with block_size(BLOCK_BYTES):
+        run_units(name, [None] * len(files), hash_pass, lambda i: i in done)
     hashes = []
     for i in range(len(files)):
         table = pa.concat_tables(parts[i]) if parts.get(i) else None

@@ -41,12 +41,9 @@ once (one bucket's at a time, to count each file's duplicates) and every filtere
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +55,8 @@ from huginn_ray.data import layout
 from huginn_ray.data.decontaminate import NgramSet, document_words, first_match, save_ngram_set
 from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_entries, content_hashes, duplicate_counts,
                                        duplicate_keys, duplicate_rows, hash_table)
-from huginn_ray.data.execution import declared_memory, node_memory_cap, rerun_killed
+from huginn_ray.data.execution import (block_size, declared_memory, node_memory_cap, quiet_remote_args, rerun_killed,
+                                        unit_reads)
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.sources import Source
 from huginn_ray.data.staging import STAGING_SCHEMA
@@ -88,30 +86,6 @@ def filter_fingerprint(sources: list[Source], staging_markers: dict[str, dict], 
     return layout.fingerprint({
         "version": FILTER_VERSION, "decontaminate": [mode, ngram, ngram_digest], "dedup": dedup,
         "sources": [(s.name, staging_markers[s.name]["fingerprint"]) for s in sources if s.weight > 0]})
-
-
-@contextlib.contextmanager
-def whole_blocks():
-    """Ray Data's splitting (and merging) of blocks by size off: a block from the read reaches the map and the
-    write as it was read (a scan unit, a bucket's record)."""
-    from ray.data import DataContext
-
-    context = DataContext.get_current()
-    shaping = context.target_max_block_size
-    context.target_max_block_size = None
-    try:
-        yield
-    finally:
-        context.target_max_block_size = shaping
-
-
-@contextlib.contextmanager
-def remote_args_warning_off():
-    """max_retries / max_restarts have no named parameter in Ray 2.60: passed as remote args, which warns that
-    remote args are deprecated (execution.rerun_killed relies on them: a killed worker stops the dataset)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
-        yield
 
 
 # --- doc_scan -----------------------------------------------------------------------------------------------
@@ -229,7 +203,7 @@ def run_scan(units: list[dict], scan_dir: Path, ngram_file: Path | None, lengths
         for memory, members in sorted(classes.items(), key=lambda kv: kv[0] or 0):  # one actor pool per class
             reads = scan_reads(members)
             pool = max(1, min(actors, len(reads)))
-            with remote_args_warning_off():
+            with quiet_remote_args():
                 # one read task and one block per read (whole units); reads and writes take no CPU, so that the
                 # scanners may hold every CPU, and at most `pool` of each run at once (each is a process)
                 ray.data.read_datasource(staged_documents(reads), override_num_blocks=len(reads), num_cpus=0,
@@ -239,7 +213,7 @@ def run_scan(units: list[dict], scan_dir: Path, ngram_file: Path | None, lengths
                     max_restarts=0).write_datasink(
                     scan_tables(str(scan_dir)), ray_remote_args={"num_cpus": 0, "max_retries": 0}, concurrency=pool)
 
-    with whole_blocks():
+    with block_size(None):
         rerun_killed(run, [None] * len(units), name="doc_scan",
                      unfinished=lambda todo: [i for i in todo if not done(i)])
 
@@ -263,23 +237,7 @@ def read_bucket(bucket: int, lo: int, hi: int, tables: list[tuple[int, str]]) ->
 
 def bucket_hashes(buckets: list[tuple[int, int, int]], tables: list[tuple[int, str]]):
     """doc_dedup's read: a Ray Data datasource of one record per (bucket, lo, hi), read from the scan tables."""
-    from ray.data.block import BlockMetadata
-    from ray.data.datasource import Datasource, ReadTask
-
-    class BucketHashes(Datasource):
-        def estimate_inmemory_data_size(self) -> int | None:
-            return None
-
-        def get_name(self) -> str:
-            return "bucket_hashes"
-
-        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
-                           data_context=None) -> list[ReadTask]:
-            return [ReadTask(functools.partial(read_bucket, bucket, lo, hi, tables),
-                             BlockMetadata(num_rows=1, size_bytes=None, input_files=None, exec_stats=None))
-                    for bucket, lo, hi in buckets]
-
-    return BucketHashes()
+    return unit_reads("bucket_hashes", buckets, lambda bucket: read_bucket(*bucket, tables), rows=lambda bucket: 1)
 
 
 def find_duplicates(table: pa.Table) -> pa.Table:
@@ -331,13 +289,13 @@ def run_dedup(tables: list[tuple[int, str]], documents: int, dups_dir: Path) -> 
             # the same remote args on the read, the map and the write: Ray Data fuses them into one task per
             # bucket, which holds the bucket's entries (never in the object store) and declares their memory
             task = {"num_cpus": 1, "memory": memory, "max_retries": 0}
-            with remote_args_warning_off():
+            with quiet_remote_args():
                 ray.data.read_datasource(bucket_hashes(members, tables), override_num_blocks=len(members),
                                          ray_remote_args=task).map_batches(
                     find_duplicates, batch_size=None, batch_format="pyarrow", **task).write_datasink(
                     duplicate_keys_files(str(dups_dir)), ray_remote_args=task)
 
-    with whole_blocks():
+    with block_size(None):
         rerun_killed(run, [declared_memory(estimate, cap)] * len(buckets), name="doc_dedup",
                      unfinished=lambda todo: [b for b in todo if not files[b].exists()])
     return [str(f) for f in files]
@@ -372,24 +330,9 @@ def read_documents_to_filter(file: dict, duplicate_files: list[str], batch_rows:
 def documents_to_filter(files: list[dict], duplicate_files: list[str]):
     """doc_filter's read: a Ray Data datasource of the documents of the staged files that lose some, one read task
     per file."""
-    from ray.data.block import BlockMetadata
-    from ray.data.datasource import Datasource, ReadTask
-
-    class DocumentsToFilter(Datasource):
-        def estimate_inmemory_data_size(self) -> int | None:
-            return None
-
-        def get_name(self) -> str:
-            return "documents_to_filter"
-
-        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
-                           data_context=None) -> list[ReadTask]:
-            return [ReadTask(functools.partial(read_documents_to_filter, f, duplicate_files, READ_BATCH_ROWS),
-                             BlockMetadata(num_rows=f["rows"], size_bytes=None, input_files=[f["staged"]],
-                                           exec_stats=None))
-                    for f in files]
-
-    return DocumentsToFilter()
+    return unit_reads("documents_to_filter", files,
+                      lambda f: read_documents_to_filter(f, duplicate_files, READ_BATCH_ROWS),
+                      rows=lambda f: f["rows"], files=lambda f: [f["staged"]])
 
 
 class FilteredFile:
@@ -498,7 +441,7 @@ def run_rewrite(files: list[dict], duplicate_files: list[str]) -> None:
             # the same remote args on the read and the write: fused into one task per file (the documents never
             # cross the object store)
             task = {"num_cpus": 1, "max_retries": 0, **({"memory": memory} if memory else {})}
-            with remote_args_warning_off():
+            with quiet_remote_args():
                 ray.data.read_datasource(documents_to_filter(members, duplicate_files),
                                          override_num_blocks=len(members), ray_remote_args=task).write_datasink(
                     filtered_files(), ray_remote_args=task)

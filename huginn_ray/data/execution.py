@@ -1,52 +1,56 @@
-"""How the stages run on Ray Data's streaming executor.
+"""How the stages run on Ray Data's streaming executor: every stage is a dataset of its records.
 
-The tokenize+pack stage, where the records are many and the work per record is the pipeline's largest, is a
-dataset of documents: a read, `map_batches` with a callable class on an actor pool (the tokenizer loaded once per
-actor), a write (huginn_ray/data/tokenize_pack.py). Ray Data streams the records between the operators with its
-backpressure and shows their progress in records.
+    read_datasource(unit_reads(name, units, read))   one read task per unit of work (a file to download or stage,
+                                                     a unit of staged documents, a map group of packed rows, a
+                                                     hash bucket, a reducer): read(unit) yields its records
+      -> map_batches(fn or Class)                    the work on the records: a function on tasks, or a callable
+                                                     class on an actor pool where it holds state worth loading
+                                                     once (the tokenizer, the n-gram set)
+      -> write_datasink(sink)                        the unit's output files, committed (layout.py)
 
-The other stages do a few large units of work each (a file to download, stage, scan or convert; a group of
-packed files to map; a run of shards to reduce) and hand `run_tasks` a function and one tuple of arguments per
-unit:
+Ray Data streams the records between the operators with its backpressure and shows their progress in records and
+blocks. Where read, map and write are tasks that declare the same resources (`task_args`), Ray Data fuses them into
+one task per unit and the records never cross the object store (the download, staging, the filter's dedup and
+filter passes, the shuffle and the released data's conversion); where the map is an actor pool (tokenize + pack,
+the filter's scan), the records go through the object store to the actors and on to the writer.
 
-    results = run_tasks(fetch_file, [(repo, commit, f, ...) for f in files], name="download",
-                        num_cpus=0.25, max_concurrent=8)
+Memory: tasks and actors declare `memory=` to Ray. Units with different declarations go to different datasets
+(one per declaration, rounded up to an eighth of its power of two so that a few cover every size, run one after
+the other: `run_units`); a declaration is capped at the largest node's memory, so every task can be scheduled.
+Operators run with max_retries=0 / max_restarts=0, so a killed worker stops the dataset, and the unfinished units
+run again with twice their memory, never the same (rerun_killed). An error of the project's own (DataError,
+TokenRangeError, DownloadError: it names the file and record) reaches the driver as that very exception
+(project_error), not Ray's wrapper of it.
 
-Each call is one row of a dataset (`from_items`, one row per block: the arguments pickled) and
-`map_batches(batch_size=1)` calls the function on it, so one Ray task runs one call and returns its (small) result
-as one row. Ray Data keeps as many tasks in flight as the cluster's CPUs and memory (and `max_concurrent`) allow,
-shows progress bars (calls, throughput, ETA; off under `prepare_data.py --quiet`) and per-operator metrics in the
-dashboard. An exception the function raises is not retried and fails the stage.
-
-Memory: tasks and actors declare `memory=` to Ray. Calls with different declarations go to different operators
-(one per declaration, rounded up to an eighth of its power of two so that a few operators cover every size); a
-declaration is capped at the largest node's memory, so every task can be scheduled. A unit whose worker was killed
-runs again with twice its memory, never the same (rerun_killed, for both shapes).
-
-The functions and the pack stage's writer write their outputs themselves (unique temp name, fsync, rename:
-huginn_ray/data/layout.py), so a retried attempt rewrites what a dead one left half-done, and the stage's output
-does not depend on which attempt or which worker ran a unit.
+The writers commit their outputs themselves (unique temp name, fsync, rename: huginn_ray/data/layout.py), so a
+rerun keeps what a killed attempt committed and rewrites what it left half-done, and the stage's output does not
+depend on which attempt or which worker ran a unit.
 """
-
 from __future__ import annotations
 
-import pickle
+import contextlib
+import functools
 import warnings
-from typing import Callable
+from typing import Callable, Iterable
 
 
-def original_error(err: BaseException, types: tuple[type, ...]) -> BaseException:
-    """The first exception of `types` behind Ray's wrappers (RayTaskError, UserCodeException, ...), else `err`."""
+def _behind_wrappers(err: BaseException):
+    """`err` and the exceptions behind it, breadth first: Ray's wrappers (RayTaskError, UserCodeException, ...)
+    hold the original in `.cause`, Python's chains in __cause__ / __context__."""
     seen, todo = set(), [err]
     while todo:
         current = todo.pop(0)
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, types) and getattr(current, "cause", None) is None:  # Ray's task errors subclass
-            return current                                                     # the original, wrapping it in .cause
+        yield current
         todo += [getattr(current, "cause", None), current.__cause__, current.__context__]
-    return err
+
+
+def original_error(err: BaseException, types: tuple[type, ...]) -> BaseException:
+    """The first exception of `types` behind Ray's wrappers, else `err` (Ray's task errors subclass the original's
+    type and wrap it in .cause: the one without a cause is the original)."""
+    return next((e for e in _behind_wrappers(err) if isinstance(e, types) and getattr(e, "cause", None) is None), err)
 
 
 def node_memory_cap() -> int:
@@ -64,26 +68,6 @@ def declared_memory(estimate: int | None, cap: int) -> int | None:
     step = max(1, (1 << (int(estimate).bit_length() - 1)) // 8)
     rounded = -(-int(estimate) // step) * step
     return min(rounded, cap) if cap else rounded
-
-
-def _one_call(fn: Callable, common: dict, name: str) -> Callable:
-    """The map_batches function: one row = one call of fn; named `name` in progress bars and the dashboard. An
-    error of this project's own (DataError, TokenRangeError, ...: it names the file and record) comes back as the
-    call's result, so the driver raises that very exception; Ray's wrapper would keep only its text, buried in a
-    traceback and followed by Ray Data's retry hint. Other errors go through Ray Data's retries and reporting."""
-
-    def call(batch: dict) -> dict:
-        args = pickle.loads(batch["args"][0])
-        try:
-            result, failed = fn(*args, **common), False
-        except Exception as err:
-            if not type(err).__module__.startswith("huginn_ray."):
-                raise
-            result, failed = err, True
-        return {"call": [int(batch["call"][0])], "result": [pickle.dumps(result)], "failed": [failed]}
-
-    call.__name__ = call.__qualname__ = name
-    return call
 
 
 KILL_RETRIES = 4
@@ -159,57 +143,95 @@ def rerun_killed(run: Callable[[list[int], list[int | None]], None], declared: l
                   "had not finished, each with twice its memory", flush=True)
 
 
-def run_tasks(fn: Callable, calls: list[tuple], *, name: str, common: dict | None = None,
-              memory: list[int] | int | None = None, num_cpus: float = 1.0, max_concurrent: int | None = None,
-              on_result: Callable[[int, object], None] | None = None) -> list:
-    """fn(*call, **common) for every call, one Ray task each, on Ray Data's streaming executor.
+def unit_reads(name: str, units: list, read: Callable[..., Iterable], *, rows: Callable | None = None,
+               files: Callable | None = None):
+    """A Ray Data datasource (operator `Read<name>`) of one read task per unit: `read(unit)` yields the unit's
+    blocks (pyarrow tables); `rows(unit)` and `files(unit)`, when given, its row count and input files for Ray
+    Data's metadata. Pass `override_num_blocks=len(units)` to read_datasource: Ray Data would otherwise split the
+    blocks of a read with fewer tasks than it wants."""
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import Datasource, ReadTask
 
-    `memory`: one declaration for all calls or one per call. `on_result(i, result)` is called on the driver as
-    results arrive (any order); the results are returned in call order. A killed worker: rerun_killed."""
-    if not calls:
-        return []
-    per_call = memory if isinstance(memory, list) else [memory] * len(calls)
+    class UnitReads(Datasource):
+        def estimate_inmemory_data_size(self) -> int | None:
+            return None
+
+        def get_name(self) -> str:
+            return name
+
+        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                           data_context=None) -> list[ReadTask]:
+            return [ReadTask(functools.partial(read, unit),
+                             BlockMetadata(num_rows=rows(unit) if rows else None, size_bytes=None,
+                                           input_files=files(unit) if files else None, exec_stats=None))
+                    for unit in units]
+
+    return UnitReads()
+
+
+def task_args(memory: int | None) -> dict:
+    """The remote args of every operator of a fused pass: the same for all (Ray Data fuses only operators whose
+    args agree), one CPU, the unit's memory, no retry by Ray (a kill is rerun_killed's to decide)."""
+    return {"num_cpus": 1, "max_retries": 0, **({"memory": memory} if memory else {})}
+
+
+@contextlib.contextmanager
+def quiet_remote_args():
+    """max_retries / max_restarts have no named parameter in Ray 2.60: passed as remote args, which warns that
+    remote args are deprecated. rerun_killed relies on them (a killed worker must stop the dataset): the kill tests
+    (tests/test_data_pipeline.py, test_data_decontaminate.py, test_data_hub_download.py) fail if they stop
+    applying."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        yield
+
+
+@contextlib.contextmanager
+def block_size(target_bytes: int | None):
+    """Ray Data's target block size while a stage runs: None turns block splitting (and merging) off, so that a
+    block from the read reaches the map and the write whole (a pack batch, a scan unit, a bucket's record)."""
+    from ray.data import DataContext
+
+    context = DataContext.get_current()
+    shaping = context.target_max_block_size
+    context.target_max_block_size = target_bytes
+    try:
+        yield
+    finally:
+        context.target_max_block_size = shaping
+
+
+def project_error(err: BaseException) -> BaseException:
+    """The error to raise on the driver for a failed dataset: a killed worker's error as it is (rerun_killed reads
+    it), else the first error of this project's own behind Ray's wrappers (it names the file and row), else
+    `err`."""
+    if killed_worker(err) is not None:
+        return err
+    return next((e for e in _behind_wrappers(err)
+                 if type(e).__module__.startswith("huginn_ray.") and getattr(e, "cause", None) is None), err)
+
+
+def run_units(name: str, estimates: list[int | None], run_class: Callable[[list[int], int | None], None],
+              finished: Callable[[int], bool]) -> None:
+    """run_class(units, memory) for the units 0..n-1, grouped by their declared memory (`estimates`, rounded:
+    declared_memory), one dataset per class, smallest first; a unit whose worker was killed runs again with twice
+    its memory until `finished(unit)` (rerun_killed); an error of the project's own is raised as itself."""
+    if not estimates:
+        return
     cap = node_memory_cap()
-    declared = [declared_memory(estimate, cap) for estimate in per_call]
-    results: list = [None] * len(calls)
-    finished: set[int] = set()
 
     def run(todo: list[int], declared: list[int | None]) -> None:
-        for i, result in _run_once(fn, [(i, calls[i], declared[i]) for i in todo], name, common or {},
-                                   num_cpus, max_concurrent):
-            results[i] = result
-            finished.add(i)
-            if on_result is not None:
-                on_result(i, result)
+        classes: dict[int | None, list[int]] = {}
+        for i in todo:
+            classes.setdefault(declared[i], []).append(i)
+        for memory, members in sorted(classes.items(), key=lambda kv: kv[0] or 0):
+            try:
+                run_class(members, memory)
+            except Exception as err:
+                cause = project_error(err)
+                if cause is err:
+                    raise
+                raise cause from None
 
-    rerun_killed(run, declared, name=name, unfinished=lambda todo: [i for i in todo if i not in finished])
-    return results
-
-
-def _run_once(fn: Callable, calls: list[tuple[int, tuple, int | None]], name: str, common: dict,
-              num_cpus: float, max_concurrent: int | None):
-    """Yield (call index, result) of every (index, args, memory=) as it arrives: one Ray Data pass, one operator
-    per memory declaration, unioned; a task whose worker dies is not retried (max_retries=0)."""
-    import ray.data
-
-    operators: dict[int | None, list[dict]] = {}
-    for i, args, declared in calls:
-        operators.setdefault(declared, []).append({"call": i, "args": pickle.dumps(args)})
-    udf = _one_call(fn, common, name)
-    datasets = []
-    for declared, rows in operators.items():
-        with warnings.catch_warnings():
-            # max_retries has no named parameter in Ray 2.60: passed as a remote arg, which warns that remote args
-            # are deprecated; tests/test_data_pipeline.py (a worker killed in pack and in the shuffle, rerun with
-            # twice its memory) fails if it stops applying
-            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
-            datasets.append(ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
-                udf, batch_size=1, compute=ray.data.TaskPoolStrategy(size=max_concurrent), num_cpus=num_cpus,
-                memory=declared, max_retries=0))
-    dataset = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
-    for row in dataset.iter_rows():
-        i = int(row["call"])
-        result = pickle.loads(row["result"])
-        if row["failed"]:
-            raise result
-        yield i, result
+    rerun_killed(run, [declared_memory(e, cap) for e in estimates], name=name,
+                 unfinished=lambda todo: [i for i in todo if not finished(i)])

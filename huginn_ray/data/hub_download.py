@@ -42,11 +42,9 @@ argument of the map, never a column of the data or a log line.
 from __future__ import annotations
 
 import fnmatch
-import functools
 import hashlib
 import json
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import quote
@@ -54,7 +52,7 @@ from urllib.parse import quote
 from huginn_ray.data import layout
 from huginn_ray.redact import redact_uri
 from huginn_ray.data.config import DownloadConfig
-from huginn_ray.data.execution import original_error, rerun_killed
+from huginn_ray.data.execution import original_error, quiet_remote_args, rerun_killed, unit_reads
 from huginn_ray.data.sources import Source
 
 PROVENANCE = "_provenance.json"
@@ -224,23 +222,7 @@ def _listing_block(entry: dict) -> list:
 def hub_listing(entries: list[dict]):
     """The stage's read: a Ray Data datasource of the listed files, one read task and one block per file (so that
     each file is downloaded by its own task, as many at once as the map allows)."""
-    from ray.data.block import BlockMetadata
-    from ray.data.datasource import Datasource, ReadTask
-
-    class HubListing(Datasource):
-        def estimate_inmemory_data_size(self) -> int | None:
-            return None
-
-        def get_name(self) -> str:
-            return "hub_listing"
-
-        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
-                           data_context=None) -> list[ReadTask]:
-            return [ReadTask(functools.partial(_listing_block, entry),
-                             BlockMetadata(num_rows=1, size_bytes=None, input_files=None, exec_stats=None))
-                    for entry in entries]
-
-    return HubListing()
+    return unit_reads("hub_listing", entries, _listing_block, rows=lambda entry: 1)
 
 
 def download_files(table, *, endpoint: str, token: str | None, cfg: DownloadConfig):
@@ -262,11 +244,7 @@ def download_dataset(entries: list[dict], memory: int | None, *, endpoint: str, 
     import ray.data
 
     per_task = {"num_cpus": 0.25, "memory": memory}
-    with warnings.catch_warnings():
-        # max_retries has no named parameter in Ray 2.60: passed as a remote arg, which warns that remote args are
-        # deprecated; tests/test_data_hub_download.py (a download worker killed, its rerun given twice the memory)
-        # fails if it stops applying
-        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+    with quiet_remote_args():
         return ray.data.read_datasource(hub_listing(entries), override_num_blocks=len(entries),
                                         concurrency=cfg.max_in_flight, ray_remote_args={"max_retries": 0},
                                         **per_task).map_batches(

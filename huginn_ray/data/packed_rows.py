@@ -25,14 +25,12 @@ very exception, not Ray's wrapper of it.
 
 from __future__ import annotations
 
-import functools
-import warnings
 from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 
-from huginn_ray.data.execution import declared_memory, killed_worker, node_memory_cap, rerun_killed
+from huginn_ray.data.execution import quiet_remote_args, task_args, unit_reads
 from huginn_ray.data.tokens import MASK, rows_to_arrow
 
 BLOCK_BYTES = 4 << 20
@@ -73,49 +71,22 @@ def read_unit_rows(unit_index: int, unit: dict, row_len: int, dtype: str, vocab_
 
 def packed_rows(units: list[tuple[int, dict]], *, row_len: int, dtype: str, vocab_size: int, hashed: bool):
     """A Ray Data datasource of the rows of `units` ((unit index, unit) pairs), one read task per unit."""
-    from ray.data.block import BlockMetadata
-    from ray.data.datasource import Datasource, ReadTask
-
-    class PackedRows(Datasource):
-        def estimate_inmemory_data_size(self) -> int | None:
-            return None
-
-        def get_name(self) -> str:
-            return "PackedRows"
-
-        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
-                           data_context=None) -> list[ReadTask]:
-            return [ReadTask(functools.partial(read_unit_rows, i, unit, row_len, dtype, vocab_size, hashed),
-                             BlockMetadata(num_rows=sum(f["train_rows"] + f["val_rows"] for f in unit["files"]),
-                                           size_bytes=None, input_files=[f["path"] for f in unit["files"]],
-                                           exec_stats=None))
-                    for i, unit in units]
-
-    return PackedRows()
-
-
-def task_args(memory: int | None) -> dict:
-    """The remote args of every operator of a pass: the same for all (Ray Data fuses only operators whose args
-    agree), one CPU, the unit's memory, no retry by Ray (a kill is rerun_killed's to decide)."""
-    return {"num_cpus": 1, "max_retries": 0, **({"memory": memory} if memory else {})}
+    return unit_reads("PackedRows", units, lambda unit: read_unit_rows(*unit, row_len, dtype, vocab_size, hashed),
+                      rows=lambda unit: sum(f["train_rows"] + f["val_rows"] for f in unit[1]["files"]),
+                      files=lambda unit: [f["path"] for f in unit[1]["files"]])
 
 
 def read_dataset(datasource, count: int, memory: int | None):
     """The read of a pass: one read task and block stream per unit (override_num_blocks)."""
     import ray.data
 
-    with warnings.catch_warnings():
-        # max_retries has no named parameter in Ray 2.60: passed in ray_remote_args, which warns that they are
-        # deprecated; tests/test_data_pipeline.py (a worker killed in the shuffle, rerun with twice its memory)
-        # fails if it stops applying
-        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+    with quiet_remote_args():
         return ray.data.read_datasource(datasource, override_num_blocks=count, ray_remote_args=task_args(memory))
 
 
 def map_rows(dataset, fn: Callable, memory: int | None, **fn_kwargs):
     """The map step of a pass: `fn(table, **fn_kwargs)` on each block (pyarrow), fused with the read."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+    with quiet_remote_args():
         return dataset.map_batches(fn, fn_kwargs=fn_kwargs, batch_size=None, batch_format="pyarrow",
                                    **task_args(memory))
 
@@ -123,55 +94,3 @@ def map_rows(dataset, fn: Callable, memory: int | None, **fn_kwargs):
 def write_rows(dataset, sink, memory: int | None) -> None:
     """The write step of a pass, fused with the read and the map: runs the dataset to its end."""
     dataset.write_datasink(sink, ray_remote_args=task_args(memory))
-
-
-def project_error(err: BaseException) -> BaseException:
-    """The error to raise on the driver for a failed pass: a killed worker's error as it is (rerun_killed reads
-    it), else the first error of this project's own behind Ray's wrappers (it names the file and row), else
-    `err`."""
-    if killed_worker(err) is not None:
-        return err
-    seen, todo = set(), [err]
-    while todo:
-        current = todo.pop(0)
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if type(current).__module__.startswith("huginn_ray.") and getattr(current, "cause", None) is None:
-            return current
-        todo += [getattr(current, "cause", None), current.__cause__, current.__context__]
-    return err
-
-
-def run_units(name: str, estimates: list[int | None], run_class: Callable[[list[int], int | None], None],
-              finished: Callable[[int], bool]) -> None:
-    """run_class(units, memory) for the units 0..n-1, grouped by their declared memory (`estimates`, rounded:
-    execution.declared_memory), one dataset per class, under Ray Data's BLOCK_BYTES; a unit whose worker was
-    killed runs again with twice its memory until `finished(unit)` (execution.rerun_killed)."""
-    from ray.data import DataContext
-
-    if not estimates:
-        return
-    cap = node_memory_cap()
-
-    def run(todo: list[int], declared: list[int | None]) -> None:
-        classes: dict[int | None, list[int]] = {}
-        for i in todo:
-            classes.setdefault(declared[i], []).append(i)
-        for memory, members in sorted(classes.items(), key=lambda kv: kv[0] or 0):
-            try:
-                run_class(members, memory)
-            except Exception as err:
-                cause = project_error(err)
-                if cause is err:
-                    raise
-                raise cause from None
-
-    context = DataContext.get_current()
-    shaping = context.target_max_block_size
-    context.target_max_block_size = BLOCK_BYTES
-    try:
-        rerun_killed(run, [declared_memory(e, cap) for e in estimates], name=name,
-                     unfinished=lambda todo: [i for i in todo if not finished(i)])
-    finally:
-        context.target_max_block_size = shaping

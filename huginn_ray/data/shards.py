@@ -32,7 +32,7 @@ the column give shards without it, byte for byte as before; a shuffle's inputs a
 Ray Data shows each operator's progress in rows (off under `prepare_data.py --quiet`). Map tasks and reducers
 declare `memory=` to Ray from their data size and the input's id width (map_task_memory, reduce_task_memory), so
 Ray does not start more of them on a node than its memory holds; a task whose worker was killed reruns with twice
-its memory (packed_rows.run_units). Every file is written under a temporary name and renamed when complete, in
+its memory (execution.run_units). Every file is written under a temporary name and renamed when complete, in
 `<shard_dir>.partial/` with the plan's fingerprint: a rerun after a crash keeps the committed map files and
 shards and reads and redoes only the rest.
 """
@@ -57,8 +57,9 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
+from huginn_ray.data.execution import block_size, run_units, unit_reads
 from huginn_ray.data.packed_rows import (BLOCK_BYTES, FILE, INDEX, SHA256, SPLIT, UNIT, map_rows, packed_rows,
-                                         read_dataset, run_units, write_rows)
+                                         read_dataset, write_rows)
 from huginn_ray.data.permutation import FeistelPermutation
 from huginn_ray.data.tokens import (DTYPES, MASK, MAX_LIST_IDS, TokenRangeError, arrow_type, check_ids, fixed_rows,
                                     numpy_dtype, parquet_options, row_schema, rows_to_arrow)
@@ -416,24 +417,8 @@ def read_reducer_rows(unit: int, reducer: dict, work: str):
 
 def map_file_rows(reducers: list[tuple[int, dict]], work: str):
     """A Ray Data datasource of the map files' rows, one read task per reducer ((unit index, reducer) pairs)."""
-    from ray.data.block import BlockMetadata
-    from ray.data.datasource import Datasource, ReadTask
-
-    class MapFileRows(Datasource):
-        def estimate_inmemory_data_size(self) -> int | None:
-            return None
-
-        def get_name(self) -> str:
-            return "MapFileRows"
-
-        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
-                           data_context=None) -> list[ReadTask]:
-            return [ReadTask(functools.partial(read_reducer_rows, i, reducer, work),
-                             BlockMetadata(num_rows=reducer["rows"], size_bytes=None, input_files=None,
-                                           exec_stats=None))
-                    for i, reducer in reducers]
-
-    return MapFileRows()
+    return unit_reads("MapFileRows", reducers, lambda unit: read_reducer_rows(*unit, work),
+                      rows=lambda unit: unit[1]["rows"])
 
 
 def write_reducer_shards(tables, reducers: dict[int, dict], plans: dict, work: str, row_len: int, dtype: str,
@@ -679,9 +664,10 @@ def _shuffle_splits(files: list[dict], groups: list[list[dict]], plans: dict, wo
         finally:
             map_results.update(sink.results)
 
-    run_units("shuffle_map", [map_task_memory(units[u]["files"], row_len, token_dtype, input_width, hash_inputs,
-                                              with_mask) for u in todo],
-              map_pass, lambda i: map_done(todo[i]))
+    with block_size(BLOCK_BYTES):
+        run_units("shuffle_map", [map_task_memory(units[u]["files"], row_len, token_dtype, input_width, hash_inputs,
+                                                  with_mask) for u in todo],
+                  map_pass, lambda i: map_done(todo[i]))
     map_s = time.time() - started
     for name, plan in plans.items():
         write_split_index(work, name, len(groups), plan["num_shards"])
@@ -719,8 +705,9 @@ def _shuffle_splits(files: list[dict], groups: list[list[dict]], plans: dict, wo
         reducer = reducers[todo_reducers[i]]
         return all(shard_path(work / "out", reducer["split"], s).exists() for s in reducer["shards"])
 
-    run_units("shuffle_reduce", [reduce_task_memory(plans[reducers[r]["split"]], row_len, token_dtype, with_mask)
-                                 for r in todo_reducers], reduce_pass, reducer_done)
+    with block_size(BLOCK_BYTES):
+        run_units("shuffle_reduce", [reduce_task_memory(plans[reducers[r]["split"]], row_len, token_dtype, with_mask)
+                                     for r in todo_reducers], reduce_pass, reducer_done)
     for stale in work.glob("out/*/*.tmp"):  # left by an attempt whose worker died (its rerun committed the file)
         stale.unlink()
     done = list(map_results.values()) + list(reduce_results.values())
@@ -800,7 +787,8 @@ def _per_file_split(split: str, method: str, files: list[dict], work: Path, *, r
     # a file to link is read as one to convert is (and its blocks kept alike): the same declaration
     estimates = [convert_task_memory(units[rank]["files"][0], row_len, token_dtype, row_group_size, hash_inputs)
                  for rank in todo]
-    run_units(name, estimates, per_file_pass, lambda i: shard_path(work / "out", split, todo[i]).exists())
+    with block_size(BLOCK_BYTES):
+        run_units(name, estimates, per_file_pass, lambda i: shard_path(work / "out", split, todo[i]).exists())
     if results:
         last_run_stats["max_task_peak_rss_mib"] = max(
             [last_run_stats.get("max_task_peak_rss_mib", 0.0)] + [r["peak_rss_mib"] for r in results.values()])

@@ -27,19 +27,17 @@ from __future__ import annotations
 
 import collections
 import fnmatch
-import functools
 import json
 import os
 import re
 import shutil
-import warnings
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.execution import original_error, rerun_killed
+from huginn_ray.data.execution import original_error, quiet_remote_args, rerun_killed, task_args, unit_reads
 from huginn_ray.data.formatting import BadRecord, DataError, RawBatch, format_batch, read_batches
 from huginn_ray.data.sources import Source
 
@@ -170,11 +168,8 @@ def run_staging(files: list[dict], todo: list[int], results: dict[int, dict]) ->
             # read, map and write declare the same resources, so that Ray Data fuses them into one task per input
             # file: its records go from the reader to the writer without crossing the object store, and one write
             # holds the whole file (the writer refuses part of one)
-            remote = {"num_cpus": 1, "max_retries": 0, **({"memory": memory} if memory else {})}
-            with warnings.catch_warnings():
-                # max_retries has no named parameter in Ray 2.60: passed as a remote arg, which warns that remote
-                # args are deprecated
-                warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            remote = task_args(memory)
+            with quiet_remote_args():
                 try:
                     ray.data.read_datasource(staging_inputs(files, members), override_num_blocks=len(members),
                                              ray_remote_args=remote).map_batches(
@@ -227,24 +222,8 @@ def _input_block(file: int, batch: int, first: int, raw: RawBatch, last: bool) -
 
 def staging_inputs(files: list[dict], todo: list[int]):
     """The stage's read: a Ray Data datasource of the input files' records, one read task per file."""
-    from ray.data.block import BlockMetadata
-    from ray.data.datasource import Datasource, ReadTask
-
-    class StagingInputs(Datasource):
-        def estimate_inmemory_data_size(self) -> int | None:
-            return None
-
-        def get_name(self) -> str:
-            return "staging_inputs"
-
-        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
-                           data_context=None) -> list[ReadTask]:
-            return [ReadTask(functools.partial(read_input_file, i, files[i]),
-                             BlockMetadata(num_rows=None, size_bytes=None, input_files=[files[i]["path"]],
-                                           exec_stats=None))
-                    for i in todo]
-
-    return StagingInputs()
+    return unit_reads("staging_inputs", todo, lambda i: read_input_file(i, files[i]),
+                      files=lambda i: [files[i]["path"]])
 
 
 def runs(keys: list) -> list[tuple[int, int]]:

@@ -44,10 +44,8 @@ encodes and packs only the missing batches.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +54,8 @@ import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
 from huginn_ray.data.chat import pack_rows, pad_rows, render, render_document
-from huginn_ray.data.execution import declared_memory, node_memory_cap, rerun_killed
+from huginn_ray.data.execution import (block_size, declared_memory, node_memory_cap, quiet_remote_args, rerun_killed,
+                                        unit_reads)
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.packing import copy_fractions, copy_order, pack, unit_hash
 from huginn_ray.data.shards import TRAIN, VAL
@@ -173,24 +172,8 @@ def read_units(batches: list[dict], docs: int) -> list[list[dict]]:
 def staged_documents(units: list[list[dict]]):
     """The stage's read: a Ray Data datasource of the staged documents, one read task and one block per unit of
     whole pack batches (so that a batch's documents reach the encoder and the writer together)."""
-    from ray.data.block import BlockMetadata
-    from ray.data.datasource import Datasource, ReadTask
-
-    class StagedDocuments(Datasource):
-        def estimate_inmemory_data_size(self) -> int | None:
-            return None
-
-        def get_name(self) -> str:
-            return "staged_documents"
-
-        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
-                           data_context=None) -> list[ReadTask]:
-            return [ReadTask(functools.partial(read_unit, unit),
-                             BlockMetadata(num_rows=sum(b["count"] for b in unit), size_bytes=None,
-                                           input_files=sorted({b["path"] for b in unit}), exec_stats=None))
-                    for unit in units]
-
-    return StagedDocuments()
+    return unit_reads("staged_documents", units, read_unit, rows=lambda unit: sum(b["count"] for b in unit),
+                      files=lambda unit: sorted({b["path"] for b in unit}))
 
 
 def whole_batches(table: pa.Table) -> list[tuple[dict, pa.Table]]:
@@ -387,11 +370,7 @@ def pack_dataset(units: list[list[dict]], memory: int | None, *, encoder: dict, 
     import ray.data
 
     actors = max(1, min(actors, len(units)))
-    with warnings.catch_warnings():
-        # max_restarts has no named parameter in Ray 2.60: passed as a remote arg, which warns that remote args are
-        # deprecated; tests/test_data_pipeline.py (a worker killed in pack, rerun with twice its memory) fails if
-        # it stops applying
-        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+    with quiet_remote_args():
         # one read task and one block per unit (override_num_blocks: Ray Data would otherwise split the blocks of a
         # read with fewer tasks than it wants); reads take no CPU, so that the encoders may hold every CPU, and at
         # most `actors` run at once (each task in flight is a worker process)
@@ -408,7 +387,6 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
              chat_pack: bool = False) -> dict:
     """Tokenise and pack every source into `out_root` (skipped when complete); returns the pack marker."""
     import ray
-    from ray.data import DataContext
 
     layout.finish_commit(out_root)
     if (marker := layout.current_marker(out_root, fingerprint, fingerprint_inputs, "pack")) is not None:
@@ -459,14 +437,9 @@ def run_pack(sources: list[Source], markers: dict[str, dict], staging_root: Path
                     results[r["file"]] = r
                 read_back([b["name"] for unit in members for b in unit])
 
-    context = DataContext.get_current()
-    shaping = context.target_max_block_size
-    context.target_max_block_size = None  # whole pack batches in every block from read to write: no size splits
-    try:
+    with block_size(None):  # whole pack batches in every block from read to write: no size splits
         rerun_killed(run, declared, name="tokenize_pack",
                      unfinished=lambda todo: [i for i in todo if any(b["name"] not in results for b in units[i])])
-    finally:
-        context.target_max_block_size = shaping
     results_in_order = [results[b["name"]] for b in batches]
 
     per_source = {s.name: {**{k: 0 for k in _STAT_KEYS}, "weight": s.weight,
