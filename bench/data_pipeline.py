@@ -16,8 +16,8 @@ on a local Ray with --cpus CPUs, each timed on its own through the pipeline's st
   staging - jsonl -> staged parquet: documents/s, and MiB of text per s per CPU;
   filter  - with --filter only: `decontaminate` (mode drop, 13-grams) against configs/eval/gsm8k_test_sample.jsonl
             (4 GSM8k test problems) and `dedup: exact`, documents/s; the corpus then holds one more file of two
-            documents, an exact copy of the corpus's first document and one quoting a GSM8k problem, so the
-            filter drops exactly one of each (the counts are printed);
+            documents, an exact copy of the corpus's first document and one quoting a GSM8k problem: the filter
+            must drop exactly one of each (the bench stops, naming the counts, when it does not);
   raw     - one process, one thread: Tokenizer.encode_batch_fast over the staged documents in batches, before and
             after the pack stage (their mean is the reference), with the tokenizer as the pack stage loads it
             (special-token strings encoded as text: load_text_tokenizer); once more with the special tokens
@@ -25,7 +25,8 @@ on a local Ray with --cpus CPUs, each timed on its own through the pipeline's st
   pack    - the pack stage (read + encode + hold-out + pack + write): records (documents) per second, and tokens/s
             per CPU;
   shuffle - the shuffle stage over the packed rows (map/reduce into 2*num_shards files): rows/s and MiB/s.
-Figures are printed (with --json, one more line: a JSON object of the per-stage figures); nothing is asserted.
+Figures are printed (with --json, one more line: a JSON object of the per-stage figures); beyond the filter's
+probe counts nothing is asserted.
 The eval set's n-grams are built on the driver before the filter stage, outside its time, as `pipeline.run` does.
 """
 
@@ -204,6 +205,10 @@ def main() -> None:
     if args.filter:
         filtered, filter_s = timed(run_stage_filter, cfg, sources, ngrams)
         filter_counts = filtered["sources"]["stdlib"]
+        dropped = (filter_counts["decontaminated"], filter_counts["exact_duplicates_dropped"])
+        if dropped != ({"dropped": 1}, 1):  # a filter that missed the probe would be timed doing less than its job
+            sys.exit(f"filter stage: decontaminated {dropped[0]}, exact duplicates dropped {dropped[1]}; the probe "
+                     "file (write_filter_probe) holds exactly one of each")
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else cfg.tokenizer_dir
     if not (tokenizer_dir / "tokenizer.json").exists():
         start = time.perf_counter()
