@@ -1,7 +1,8 @@
-"""Data pipeline throughput: tokenize+pack tokens/s per CPU core vs raw `tokenizers` encode_batch, and shuffle MB/s.
+"""Data pipeline throughput per stage: records per second of staging, filter, pack and shuffle; tokenize+pack
+tokens/s per CPU core vs raw `tokenizers` encode_batch.
 
     python bench/data_pipeline.py [--text code|web|math] [--mib 64] [--cpus 2] [--vocab 16384] [--seq-len 4096]
-                                  [--tokenizer DIR] [--out /tmp/hr_bench]
+                                  [--filter] [--json] [--tokenizer DIR] [--out /tmp/hr_bench]
 
 Builds a local source of --text documents (each repeated with a distinct header until --mib MiB; no network):
   code - the Python standard library's .py files;
@@ -10,16 +11,23 @@ Builds a local source of --text documents (each repeated with a distinct header 
   math - generated worked problems (seeded): arithmetic, algebra and calculus statements in LaTeX with their
          solution steps and numbers;
 stages it, trains a tokenizer (huginn_ray.data.tokenizer.train_tokenizer) on 8 MiB of each of the three kinds,
-kept in --tokenizer DIR when given (reused when DIR already holds one), then measures side by side in one run:
-  staging - the staging stage (jsonl -> staged parquet), MiB of text per s per CPU;
-  raw   - one process, one thread: Tokenizer.encode_batch_fast over the staged documents in batches, before and
-          after the pack stage (their mean is the reference), with the tokenizer as the pack stage loads it
-          (special-token strings encoded as text: load_text_tokenizer); once more with the special tokens matched
-          (Tokenizer.from_file as is), for the cost of encoding them as text;
-  pack  - the pack stage on a local Ray with --cpus CPUs (read + encode + hold-out + pack + write), in tokens/s
-          and in records (documents) per second;
-  shuffle - the shuffle stage over the packed rows (map/reduce into 2*num_shards files).
-Figures are printed; nothing is asserted.
+kept in --tokenizer DIR when given (reused when DIR already holds one), then runs the stages one after the other
+on a local Ray with --cpus CPUs, each timed on its own through the pipeline's stage entry points:
+  staging - jsonl -> staged parquet: documents/s, and MiB of text per s per CPU;
+  filter  - with --filter only: `decontaminate` (mode drop, 13-grams) against configs/eval/gsm8k_test_sample.jsonl
+            (4 GSM8k test problems) and `dedup: exact`, documents/s; the corpus then holds one more file of two
+            documents, an exact copy of the corpus's first document and one quoting a GSM8k problem: the filter
+            must drop exactly one of each (the bench stops, naming the counts, when it does not);
+  raw     - one process, one thread: Tokenizer.encode_batch_fast over the staged documents in batches, before and
+            after the pack stage (their mean is the reference), with the tokenizer as the pack stage loads it
+            (special-token strings encoded as text: load_text_tokenizer); once more with the special tokens
+            matched (Tokenizer.from_file as is), for the cost of encoding them as text;
+  pack    - the pack stage (read + encode + hold-out + pack + write): records (documents) per second, and tokens/s
+            per CPU;
+  shuffle - the shuffle stage over the packed rows (map/reduce into 2*num_shards files): rows/s and MiB/s.
+Figures are printed (with --json, one more line: a JSON object of the per-stage figures); beyond the filter's
+probe counts nothing is asserted.
+The eval set's n-grams are built on the driver before the filter stage, outside its time, as `pipeline.run` does.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from huginn_ray.data.config import load_data_config
-from huginn_ray.data.pipeline import init_ray, run_stage_pack, run_stage_shuffle, run_stage_staging
+from huginn_ray.data.pipeline import (eval_ngrams, init_ray, run_stage_filter, run_stage_pack, run_stage_shuffle,
+                                      run_stage_staging)
 from huginn_ray.data.sources import load_sources
 from huginn_ray.data.tokenizer import train_tokenizer
 
@@ -119,6 +128,35 @@ def _first_mib(texts: list[str], mib: int) -> list[str]:
     return out
 
 
+GSM8K_SAMPLE = Path(__file__).resolve().parents[1] / "configs" / "eval" / "gsm8k_test_sample.jsonl"
+
+
+def write_filter_probe(corpus: Path, first_text: str) -> None:
+    """One more input file of two documents the filter must drop: an exact copy of the corpus's first document
+    (build_corpus writes it first) and one quoting the first GSM8k sample problem (13-grams in common)."""
+    problem = json.loads(GSM8K_SAMPLE.read_text().splitlines()[0])
+    with open(corpus / "part999_filter_probe.jsonl", "w") as out:
+        out.write(json.dumps({"text": f"# copy 0 of document 0\n{first_text}"}) + "\n")
+        out.write(json.dumps({"text": f"Homework help. {problem['question']} Show your work."}) + "\n")
+
+
+def code_under_test() -> str:
+    """Where the driver and a Ray worker import huginn_ray from: an export run with PYTHONPATH must show its own
+    path in both (the venv's editable install, or the working directory, would win otherwise)."""
+    import ray
+
+    import huginn_ray
+
+    worker = ray.get(ray.remote(lambda: __import__("huginn_ray").__file__).remote())
+    return f"driver {Path(huginn_ray.__file__).parent}, Ray worker {Path(worker).parent}"
+
+
+def timed(stage, *args):
+    start = time.perf_counter()
+    result = stage(*args)
+    return result, time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--text", choices=sorted(TEXTS), default="code")
@@ -129,28 +167,48 @@ def main() -> None:
     parser.add_argument("--num-shards", type=int, default=8)
     parser.add_argument("--docs-per-batch", type=int, default=1024)
     parser.add_argument("--object-store-mib", type=int, default=None)
+    parser.add_argument("--filter", action="store_true",
+                        help="run the filter stage (decontaminate against a local GSM8k sample, dedup: exact)")
+    parser.add_argument("--json", action="store_true", help="print the per-stage figures as one JSON object last")
     parser.add_argument("--tokenizer", default=None, help="keep the trained tokenizer here; reuse one found here")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
+    load_at_start = os.getloadavg()[0]
     root = Path(args.out or tempfile.mkdtemp(prefix="hr_bench_"))
-    build_corpus(root / "corpus", TEXTS[args.text](), args.mib)
+    texts_of_kind = TEXTS[args.text]()
+    build_corpus(root / "corpus", texts_of_kind, args.mib)
+    if args.filter:
+        write_filter_probe(root / "corpus", texts_of_kind[0])
+    del texts_of_kind
     (root / "sources.yaml").write_text(f"- {{name: stdlib, local_dir: {root / 'corpus'}, features: [text]}}\n")
     local_ray = {"num_cpus": args.cpus, "object_store_mib": args.object_store_mib,
                  "temp_dir": tempfile.mkdtemp(prefix="hrb_", dir="/tmp")}
+    filters = ({"decontaminate": {"mode": "drop", "ngram": 13, "against": [str(GSM8K_SAMPLE)]}, "dedup": "exact"}
+               if args.filter else {})
     (root / "data.yaml").write_text(json.dumps({
         "output_dir": str(root / "out"), "sources": str(root / "sources.yaml"), "seq_len": args.seq_len,
-        "num_shards": args.num_shards, "docs_per_pack_batch": args.docs_per_batch, "local_ray": local_ray}))
+        "num_shards": args.num_shards, "docs_per_pack_batch": args.docs_per_batch, "local_ray": local_ray,
+        **filters}))
     cfg = load_data_config(root / "data.yaml")
     sources = load_sources(cfg.sources)
+    ngrams = eval_ngrams(cfg)  # None without --filter
     init_ray(cfg)
+    code = code_under_test()
+    print(f"huginn_ray: {code}", flush=True)
     # the stages themselves, timed on their own (pipeline.run would add the plan, which samples the sources)
-    start = time.perf_counter()
-    run_stage_staging(cfg, sources)
-    staging_s = time.perf_counter() - start
+    _, staging_s = timed(run_stage_staging, cfg, sources)
     staged = sorted((root / "out" / "staging" / "stdlib").glob("*.parquet"))
     texts = [t for f in staged for t in pq.read_table(f, columns=["text"]).column("text").to_pylist()]
+    staged_docs = len(texts)
     corpus_bytes = sum(len(t.encode()) for t in texts)
+    if args.filter:
+        filtered, filter_s = timed(run_stage_filter, cfg, sources, ngrams)
+        filter_counts = filtered["sources"]["stdlib"]
+        dropped = (filter_counts["decontaminated"], filter_counts["exact_duplicates_dropped"])
+        if dropped != ({"dropped": 1}, 1):  # a filter that missed the probe would be timed doing less than its job
+            sys.exit(f"filter stage: decontaminated {dropped[0]}, exact duplicates dropped {dropped[1]}; the probe "
+                     "file (write_filter_probe) holds exactly one of each")
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else cfg.tokenizer_dir
     if not (tokenizer_dir / "tokenizer.json").exists():
         start = time.perf_counter()
@@ -176,25 +234,30 @@ def main() -> None:
     # raw before and after the pack stage: load from other processes that changes meanwhile shows as a spread
     raw_before = raw_rate(tok)
     raw_live = raw_rate(live)
-    start = time.perf_counter()
-    marker = run_stage_pack(cfg, sources)
-    pack_s = time.perf_counter() - start
+    marker, pack_s = timed(run_stage_pack, cfg, sources, ngrams)
     raw_after = raw_rate(tok)
     del texts
     packed_bytes = sum(p.stat().st_size for p in (root / "out" / "packed").glob("*.parquet"))
-    start = time.perf_counter()
-    run_stage_shuffle(cfg, sources)
-    shuffle_s = time.perf_counter() - start
+    packed_rows = sum(f["train_rows"] + f["val_rows"] for f in marker["files"])
+    _, shuffle_s = timed(run_stage_shuffle, cfg, sources)
 
     pack_tokens = sum(s["doc_tokens"] for s in marker["sources"].values())
     pack_docs = sum(s["docs"] for s in marker["sources"].values())
     raw = (raw_before + raw_after) / 2
     pack_rate = pack_tokens / pack_s / args.cpus
+    corpus_mib = corpus_bytes / 2**20
+    load_at_end = os.getloadavg()[0]
     print("\n=== data pipeline benchmark ===")
-    print(f"corpus: {args.text} text, {corpus_bytes / 2**20:.0f} MiB text, {pack_tokens / 1e6:.1f}M tokens, "
-          f"vocab {args.vocab}, seq_len {args.seq_len}, {args.cpus} Ray CPUs, load average {os.getloadavg()[0]:.1f}")
-    print(f"staging stage: {corpus_bytes / 2**20:.0f} MiB of text in {staging_s:.1f}s = "
-          f"{corpus_bytes / 2**20 / staging_s / args.cpus:.1f} MiB/s per CPU")
+    print(f"corpus: {args.text} text, {corpus_mib:.0f} MiB text, {staged_docs:,d} documents, "
+          f"{pack_tokens / 1e6:.1f}M tokens, vocab {args.vocab}, seq_len {args.seq_len}, {args.cpus} Ray CPUs, "
+          f"load average {load_at_start:.1f} at the start, {load_at_end:.1f} at the end")
+    print(f"staging stage: {staged_docs:,d} documents, {corpus_mib:.0f} MiB of text in {staging_s:.1f}s = "
+          f"{staged_docs / staging_s:,.0f} documents/s, {corpus_mib / staging_s / args.cpus:.1f} MiB/s per CPU")
+    if args.filter:
+        print(f"filter stage: {staged_docs:,d} documents in {filter_s:.1f}s = {staged_docs / filter_s:,.0f} "
+              f"documents/s ({staged_docs / filter_s / args.cpus:,.0f} per CPU); kept {filter_counts['rows']:,d}, "
+              f"decontaminated {filter_counts['decontaminated']}, exact duplicates dropped "
+              f"{filter_counts['exact_duplicates_dropped']}")
     print(f"raw encode_batch_fast (1 process, 1 thread): {raw / 1e3:.0f}k tokens/s "
           f"(before the pack stage {raw_before / 1e3:.0f}k, after {raw_after / 1e3:.0f}k); with special-token "
           f"strings matched as control tokens (Tokenizer.from_file as is), before the pack stage: "
@@ -202,8 +265,25 @@ def main() -> None:
     print(f"pack stage: {pack_tokens / 1e6:.1f}M tokens in {pack_s:.1f}s = {pack_rate / 1e3:.0f}k tokens/s per CPU "
           f"({pack_rate / raw:.0%} of raw); {pack_docs:,d} records (documents) = {pack_docs / pack_s:,.0f} records/s, "
           f"{pack_docs / pack_s / args.cpus:,.0f} per CPU")
-    print(f"shuffle stage: {packed_bytes / 2**20:.0f} MiB packed in {shuffle_s:.1f}s = "
-          f"{packed_bytes / 2**20 / shuffle_s:.1f} MiB/s")
+    print(f"shuffle stage: {packed_rows:,d} rows, {packed_bytes / 2**20:.0f} MiB packed in {shuffle_s:.1f}s = "
+          f"{packed_rows / shuffle_s:,.0f} rows/s, {packed_bytes / 2**20 / shuffle_s:.1f} MiB/s")
+    if args.json:
+        figures = {
+            "huginn_ray": code, "text": args.text, "cpus": args.cpus, "load_average": [load_at_start, load_at_end],
+            "staging": {"documents": staged_docs, "mib": corpus_mib, "seconds": staging_s,
+                        "documents_per_s": staged_docs / staging_s,
+                        "mib_per_s_per_cpu": corpus_mib / staging_s / args.cpus},
+            "filter": {"documents": staged_docs, "kept": filter_counts["rows"],
+                       "decontaminated": filter_counts["decontaminated"],
+                       "exact_duplicates_dropped": filter_counts["exact_duplicates_dropped"], "seconds": filter_s,
+                       "documents_per_s": staged_docs / filter_s} if args.filter else None,
+            "raw_tokens_per_s": raw,
+            "pack": {"records": pack_docs, "tokens": pack_tokens, "seconds": pack_s, "records_per_s": pack_docs / pack_s,
+                     "tokens_per_s_per_cpu": pack_rate},
+            "shuffle": {"rows": packed_rows, "mib": packed_bytes / 2**20, "seconds": shuffle_s,
+                        "rows_per_s": packed_rows / shuffle_s, "mib_per_s": packed_bytes / 2**20 / shuffle_s},
+        }
+        print(json.dumps(figures))
     import ray
 
     ray.shutdown()
