@@ -12,9 +12,7 @@ import importlib.util
 import json
 import os
 import random
-import shutil
 import signal
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +29,7 @@ from huginn_ray.data.doc_filter import find_duplicates, read_bucket
 from huginn_ray.data.execution import UNDECLARED_MEMORY
 from huginn_ray.data.formatting import DataError
 from data_hub_server import HUB_QUESTIONS, FakeHub, gsm8k_repo
+from local_ray import module_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K_SAMPLE = ROOT / "configs" / "eval" / "gsm8k_test_sample.jsonl"
@@ -283,18 +282,8 @@ def test_exact_dedup_keeps_the_first_occurrence_whatever_the_bucket_count(tmp_pa
 
 @pytest.fixture(scope="module")
 def ray_instance():
-    import ray
-
-    if ray.is_initialized():  # another module's session-wide Ray: share it
+    with module_ray("hrdc_"):
         yield
-        return
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    temp_dir = tempfile.mkdtemp(prefix="hrdc_", dir="/tmp")
-    ray.init(address="local", num_cpus=2, object_store_memory=256 << 20, _temp_dir=temp_dir,
-             include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _killed_once(fn, flag: Path):

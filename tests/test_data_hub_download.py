@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from data_hub_server import FAULTS, HUB_QUESTIONS, FakeHub, HubRepo, gsm8k_repo
+from local_ray import module_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_local_test_token_do_not_log_0123456789"
@@ -451,18 +452,8 @@ def test_the_tokenizer_stages_leave_the_evaluation_sets_alone(tmp_path, monkeypa
 
 @pytest.fixture(scope="module")
 def local_ray():
-    import ray
-
-    if ray.is_initialized():  # another module's session-wide Ray: share it
+    with module_ray("hrdh_", object_store_mib=128):
         yield
-        return
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    temp_dir = tempfile.mkdtemp(prefix="hrdh_", dir="/tmp")
-    ray.init(address="local", num_cpus=2, object_store_memory=128 << 20, _temp_dir=temp_dir,
-             include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _killed_once(fn, flag: Path):

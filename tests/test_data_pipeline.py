@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from huginn_ray.data.shards import read_manifest
+from local_ray import module_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 N_SHARDS, SEQ_LEN = 4, 32
@@ -45,23 +46,8 @@ train_tokenizer_job = _load_job("train_tokenizer")
 
 @pytest.fixture(scope="module")
 def ray_instance():
-    import ray
-    import ray.data
-
-    if ray.is_initialized():  # another module's session-wide Ray: share it
+    with module_ray("hrdp_"):
         yield
-        return
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    temp_dir = tempfile.mkdtemp(prefix="hrdp_", dir="/tmp")
-    ray.init(address="local", num_cpus=2, object_store_memory=256 << 20, _temp_dir=temp_dir,
-             include_dashboard=False, log_to_driver=False)
-    context = ray.data.DataContext.get_current()
-    saved = (context.execution_options.preserve_order, context.enable_progress_bars)
-    yield
-    # the jobs' init_ray set these process-wide; later test modules get Ray Data's defaults back
-    context.execution_options.preserve_order, context.enable_progress_bars = saved
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 PLANTED = ("<|end_text|>", " <|begin_header|>user")

@@ -25,6 +25,7 @@ import pytest
 from data_hub_server import FakeHub, HubRepo
 from huginn_ray.data.shards import read_manifest
 from huginn_ray.data.tokenizer import train_tokenizer
+from local_ray import module_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN, VOCAB = 32, 4096
@@ -35,18 +36,8 @@ spec.loader.exec_module(prepare_data)
 
 @pytest.fixture(scope="module")
 def ray_instance():
-    import ray
-
-    if ray.is_initialized():
+    with module_ray("hrdr_"):
         yield
-        return
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    temp_dir = tempfile.mkdtemp(prefix="hrdr_", dir="/tmp")
-    ray.init(address="local", num_cpus=2, object_store_memory=256 << 20, _temp_dir=temp_dir,
-             include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

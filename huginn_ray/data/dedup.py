@@ -33,7 +33,7 @@ import pyarrow as pa
 
 from huginn_ray.data import layout
 from huginn_ray.data.execution import block_size, run_units
-from huginn_ray.data.packed_rows import BLOCK_BYTES, INDEX, UNIT, map_rows, packed_rows, read_dataset
+from huginn_ray.data.packed_rows import BLOCK_BYTES, INDEX, UNIT, map_rows, packed_rows, read_dataset, rows_by_unit
 from huginn_ray.data.tokens import MASK, fixed_rows
 
 
@@ -83,9 +83,8 @@ def _hash_files(name: str, files: list[dict], row_len: int, dtype: str, vocab_si
             parts.pop(i, None)  # a rerun reads the file again
         for batch in map_rows(rows, hash_rows, memory, row_len=row_len, lookup=lookup).iter_batches(
                 batch_size=None, batch_format="pyarrow"):
-            unit_col = batch.column(UNIT).to_numpy()
-            for unit in np.unique(unit_col):
-                parts.setdefault(int(unit), []).append(batch.filter(pa.array(unit_col == unit)))
+            for unit, part in rows_by_unit(batch):
+                parts.setdefault(unit, []).append(part)
         done.update(members)
 
     with block_size(BLOCK_BYTES):

@@ -69,6 +69,14 @@ def read_unit_rows(unit_index: int, unit: dict, row_len: int, dtype: str, vocab_
             yield pa.table(columns)
 
 
+def rows_by_unit(table: pa.Table):
+    """(unit, its rows) for each unit a block holds, in unit order (a block usually holds one unit's rows: then the
+    block itself, not a filtered copy)."""
+    unit_col = table.column(UNIT).to_numpy()
+    for unit in np.unique(unit_col):
+        yield int(unit), table if unit_col[0] == unit_col[-1] else table.filter(pa.array(unit_col == unit))
+
+
 def packed_rows(units: list[tuple[int, dict]], *, row_len: int, dtype: str, vocab_size: int, hashed: bool):
     """A Ray Data datasource of the rows of `units` ((unit index, unit) pairs), one read task per unit."""
     return unit_reads("PackedRows", units, lambda unit: read_unit_rows(*unit, row_len, dtype, vocab_size, hashed),

@@ -59,7 +59,7 @@ import pyarrow.parquet as pq
 from huginn_ray.data import layout
 from huginn_ray.data.execution import block_size, run_units, unit_reads
 from huginn_ray.data.packed_rows import (BLOCK_BYTES, FILE, INDEX, SHA256, SPLIT, UNIT, map_rows, packed_rows,
-                                         read_dataset, write_rows)
+                                         read_dataset, rows_by_unit, write_rows)
 from huginn_ray.data.permutation import FeistelPermutation
 from huginn_ray.data.tokens import (DTYPES, MASK, MAX_LIST_IDS, TokenRangeError, arrow_type, check_ids, fixed_rows,
                                     numpy_dtype, parquet_options, row_schema, rows_to_arrow)
@@ -266,10 +266,7 @@ def write_map_units(tables, units: dict[int, dict], plans: dict, work: str, row_
     work_dir = Path(work)
     state: dict[int, dict] = {}
     for table in tables:
-        unit_col = table.column(UNIT).to_numpy()
-        for unit in np.unique(unit_col):
-            part = table if unit_col[0] == unit_col[-1] else table.filter(pa.array(unit_col == unit))
-            unit = int(unit)
+        for unit, part in rows_by_unit(table):
             if unit not in state:
                 state[unit] = _map_state(unit, units[unit]["counts"], plans, work_dir, row_len, dtype, with_mask)
             st = state[unit]
@@ -822,10 +819,7 @@ def write_per_file_units(tables, units: dict[int, dict], link: bool, row_len: in
     state: dict[int, dict] = {}
     schema = row_schema(dtype)
     for table in tables:
-        unit_col = table.column(UNIT).to_numpy()
-        for unit in np.unique(unit_col):
-            part = table if unit_col[0] == unit_col[-1] else table.filter(pa.array(unit_col == unit))
-            unit = int(unit)
+        for unit, part in rows_by_unit(table):
             if unit not in state:
                 state[unit] = {"rows": 0, "found": [], "sha256": None, "pending": [], "pending_rows": 0,
                                "tmp": None if link else layout.temp_path(Path(units[unit]["target"]))}
