@@ -3,8 +3,10 @@
 One server with two replicas (its own private local Ray, as a user starts it) answers 9 concurrent clients
 (completions and chat, streamed and not, through plain HTTP and the `openai` client) each exactly as `generate`
 answers that request alone at batch size 1, spreading them over both replicas as its /stats counts them; refuses
-bad requests with HTTP 400 naming the field; frees the slot of a client that disconnects mid-stream; and stops on
-SIGINT with exit 0, leaving no process behind.
+bad requests with HTTP 400 naming the field; frees the slot of a client that disconnects mid-stream; drops from
+/stats a replica whose process is killed, and answers /stats with 503 and then the same counts after its stats
+board's process is killed; and stops on SIGINT with exit 0, leaving no process behind. Beside it, without Ray:
+the board's liveness window on a fake clock, and the engine loop's idle reports and failed-request count.
 """
 
 from __future__ import annotations

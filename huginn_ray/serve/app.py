@@ -5,7 +5,8 @@ replica.
     serve.run(app, route_prefix="/")                   # jobs/serve.py does this
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events with "stream": true,
-ending with `data: [DONE]`), GET /v1/models, GET /stats (every replica's engine by replica, and their sums).
+ending with `data: [DONE]`), GET /v1/models, GET /stats (the live replicas' engines by replica, and their sums;
+503 while the stats board restarts).
 Each replica loads the model once and owns one Engine, driven by one thread (engine_loop.py); every request a
 replica takes joins that engine's batch at the next loop step, and its response names that replica in the
 `Huginn-Replica` header. A refused request gets HTTP 400 with OpenAI's error object naming the field

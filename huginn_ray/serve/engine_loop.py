@@ -1,6 +1,6 @@
 """One thread that owns an Engine and drives it; the server's request handlers talk to it through queues.
 
-    loop = EngineLoop(engine, report)     # report(loop.snapshot()) now and as the engine's state changes
+    loop = EngineLoop(engine, report)     # report(loop.snapshot()) now, as the engine changes, and every second
     ticket = loop.submit(request)         # from a handler, on its asyncio event loop
     event = await ticket.events.get()     # TokenEvent ... until event.finished; or an Exception
     loop.cancel(ticket)                   # the client went away: frees the request's row and cache
