@@ -70,9 +70,9 @@ class StatsBoard:
     Why reports stamped on arrival rather than asking Serve which replicas run: the engine loop already reports
     to this board and, idle or not, does so every second, so its silence is the one sign that covers every way a
     replica ends (process killed, node lost, engine thread stuck) with no call to Serve's controller, whose
-    replica list is not public API. A replica that stops cleanly says so (`forget`) and leaves at once; one that
-    dies leaves once it has been silent for `silent_after_s`. The clock is monotonic: the arrival times are this
-    actor's own."""
+    public status (serve.status) counts replicas by state but does not name them. A replica that stops cleanly
+    says so (`forget`) and leaves at once; one that dies leaves once it has been silent for `silent_after_s`. The
+    clock is monotonic: the arrival times are this actor's own."""
 
     def __init__(self, silent_after_s: float = SILENT_AFTER_S, clock: Callable[[], float] = time.monotonic):
         self.silent_after_s, self.clock = silent_after_s, clock
