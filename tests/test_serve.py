@@ -3,8 +3,10 @@
 One server with two replicas (its own private local Ray, as a user starts it) answers 9 concurrent clients
 (completions and chat, streamed and not, through plain HTTP and the `openai` client) each exactly as `generate`
 answers that request alone at batch size 1, spreading them over both replicas as its /stats counts them; refuses
-bad requests with HTTP 400 naming the field; frees the slot of a client that disconnects mid-stream; and stops on
-SIGINT with exit 0, leaving no process behind.
+bad requests with HTTP 400 naming the field; frees the slot of a client that disconnects mid-stream; drops from
+/stats a replica whose process is killed, and answers /stats with 503 and then the same counts after its stats
+board's process is killed; and stops on SIGINT with exit 0, leaving no process behind. Beside it, without Ray:
+the board's liveness window on a fake clock, and the engine loop's idle reports and failed-request count.
 """
 
 from __future__ import annotations
@@ -133,16 +135,28 @@ def alone(model, tokenizer, route: str, body: dict) -> dict:
                 prompt_tokens=len(ids))
 
 
-def stats(port: int) -> dict:
+def stats(port: int) -> tuple[int, dict | str]:
+    """(status, JSON body) of GET /stats; the body as text when it is not JSON (Serve's own error pages)."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     connection.request("GET", "/stats")
-    return json.loads(connection.getresponse().read())
+    response = connection.getresponse()
+    body = response.read()
+    return response.status, json.loads(body) if response.getheader("content-type") == "application/json" \
+        else body.decode()
 
 
-def stats_when(port: int, settled) -> dict:
-    """/stats once `settled(stats)` holds (the replicas report as requests end), or as it is after 60 s."""
-    deadline = time.monotonic() + 60
-    while not settled(served := stats(port)) and time.monotonic() < deadline:
+def stats_when(port: int, settled, statuses: list | None = None) -> dict:
+    """/stats once it answers 200 and `settled(stats)` holds (the replicas report as requests end), or the last
+    200 answer after 60 s; each answer's status is appended to `statuses` (with its body when not 200)."""
+    deadline, served = time.monotonic() + 60, None
+    while time.monotonic() < deadline:
+        status, body = stats(port)
+        if statuses is not None:
+            statuses.append(status if status == 200 else (status, body))
+        if status == 200:
+            served = body
+            if settled(served):
+                break
         time.sleep(0.2)
     return served
 
@@ -169,6 +183,7 @@ def test_serve_spreads_concurrent_clients_over_replicas_answers_as_alone_and_sto
 
     port, marker = free_port(), uuid.uuid4().hex
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["RAY_SERVE_DEPLOYMENT_ACTOR_HEALTH_CHECK_PERIOD_S"] = "1"  # Serve finds a dead StatsBoard in 1 s, not 10
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen([sys.executable, str(REPO / "jobs" / "serve.py"), "--checkpoint", str(checkpoint),
                                "--port", str(port), "--replicas", "2", "--max-rows", "4", "--device", "cpu"],
@@ -258,6 +273,33 @@ def test_serve_spreads_concurrent_clients_over_replicas_answers_as_alone_and_sto
                             served["total"]["requests_finished"] == len(REQUESTS) + 2)["total"]  # + the chat stream
         assert served["requests_cancelled"] == 1 and served["requests_finished"] == len(REQUESTS) + 2, served
         assert served["rows_in_flight"] == 0, served
+
+        # a replica whose process dies leaves /stats and its counters leave the total; Serve starts a replacement,
+        # listed with its own (zero) counts once it reports
+        before = stats_when(port, lambda served: True)["replicas"]
+        [killed_pid, _] = sorted(int(line.split(":")[0]) for line in processes_marked(marker)
+                                 if "ServeReplica" in line.split(":", 1)[1])
+        os.kill(killed_pid, signal.SIGKILL)
+        served = stats_when(port, lambda served: len(served["replicas"].keys() & before.keys()) == 1)
+        [survivor] = served["replicas"].keys() & before.keys()
+        assert served["replicas"][survivor] == before[survivor], (served, before)
+        assert all(counts["requests_finished"] == 0 for replica, counts in served["replicas"].items()
+                   if replica != survivor), served
+        assert served["total"] == {key: sum(counts[key] for counts in served["replicas"].values())
+                                   for key in before[survivor]}, served
+
+        # the StatsBoard's process dies: Serve starts a new board, /stats answers 503 until it runs, then the
+        # replicas' next reports fill it with the same counts
+        [board_pid] = [int(line.split(":")[0]) for line in processes_marked(marker)
+                       if "StatsBoard" in line.split(":", 1)[1]]
+        os.kill(board_pid, signal.SIGKILL)
+        statuses = []
+        served = stats_when(port, lambda served: survivor in served["replicas"], statuses)
+        assert served["replicas"][survivor] == before[survivor], (served, before)
+        unavailable = [status for status in statuses if status != 200]
+        assert unavailable and all(status == 503 and isinstance(body, dict) and
+                                   "the stats board is restarting" in body["error"]["message"]
+                                   for status, body in unavailable), statuses
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -295,3 +337,71 @@ def test_stop_strings_end_the_text_before_them_and_hold_back_what_may_start_one(
     text = GeneratedText(tokenizer)
     end_text = tokenizer.token_to_id("<|end_text|>")
     assert [text.add(token, False) for token in ids[:2]] + [text.add(end_text, True)] == ["Hello", " world", ""]
+
+
+def test_stats_board_lists_the_replicas_heard_from_lately_and_sums_only_them():
+    from huginn_ray.serve.app import StatsBoard
+
+    now = [100.0]
+    board = StatsBoard(silent_after_s=5.0, clock=lambda: now[0])
+    board.report("a", {"tokens": 3, "requests_finished": 1})
+    board.report("b", {"tokens": 4, "requests_finished": 2})
+    board.report("c", {"tokens": 5, "requests_finished": 0})
+    now[0] = 104.0
+    board.report("a", {"tokens": 7, "requests_finished": 2})
+    board.forget("c")  # stopped cleanly: gone at once
+    now[0] = 105.0  # b last reported 5 s ago: still live
+    assert board.stats() == {"replicas": {"a": {"tokens": 7, "requests_finished": 2},
+                                          "b": {"tokens": 4, "requests_finished": 2}},
+                             "total": {"tokens": 11, "requests_finished": 4}}
+    now[0] = 105.5  # b silent for 5.5 s: dead, its counters leave the total
+    assert board.stats() == {"replicas": {"a": {"tokens": 7, "requests_finished": 2}},
+                             "total": {"tokens": 7, "requests_finished": 2}}
+    assert list(board.replicas) == ["a"]
+    now[0] = 200.0
+    assert board.stats() == {"replicas": {}, "total": {}}
+
+
+def test_engine_loop_reports_while_idle_and_counts_the_requests_a_failed_step_drops(checkpoint, monkeypatch):
+    import asyncio
+
+    from huginn_ray.model.engine import Engine, EngineConfig, Request
+    from huginn_ray.serve.engine_loop import EngineLoop
+
+    engine = Engine(load_pretrained(checkpoint).eval(), EngineConfig(max_rows=4, max_cache_bytes=2**26))
+    reports = []
+    loop = EngineLoop(engine, reports.append, report_every_s=0.01)
+    try:
+        deadline = time.monotonic() + 30  # idle: a report every 10 ms, not just the one at the start
+        while len(reports) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        idle = dict(rows_in_flight=0, requests_waiting=0, cache_bytes_reserved=0, requests_finished=0,
+                    requests_cancelled=0, requests_failed=0, tokens=0, loop_steps=0)
+        assert len(reports) >= 5 and all(report == idle for report in reports), reports
+
+        real_step = engine.step
+
+        def fails_once():
+            monkeypatch.setattr(engine, "step", real_step)
+            raise RuntimeError("the device fell over")
+
+        async def serve(requests):
+            tickets = [loop.submit(request) for request in requests]
+            ended = []
+            for ticket in tickets:
+                while not isinstance(event := await ticket.events.get(), Exception) and not event.finished:
+                    pass
+                ended.append(event if isinstance(event, Exception) else event.finish_reason)
+            return ended
+
+        monkeypatch.setattr(engine, "step", fails_once)
+        ended = asyncio.run(serve([Request((5, 6, 7), 4, num_steps=2, seed=1), Request((8, 9), 3, num_steps=2)]))
+        assert [str(event) for event in ended] == ["the device fell over"] * 2
+        assert asyncio.run(serve([Request((5, 6, 7), 4, num_steps=2, seed=1)])) == ["length"]
+        deadline = time.monotonic() + 30
+        while reports[-1]["requests_finished"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # 4 tokens of 2 core iterations each, one per loop step; the failed step is not counted
+        assert reports[-1] == dict(idle, requests_finished=1, requests_failed=2, tokens=4, loop_steps=8)
+    finally:
+        loop.stop()

@@ -5,7 +5,8 @@ replica.
     serve.run(app, route_prefix="/")                   # jobs/serve.py does this
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events with "stream": true,
-ending with `data: [DONE]`), GET /v1/models, GET /stats (every replica's engine by replica, and their sums).
+ending with `data: [DONE]`), GET /v1/models, GET /stats (the live replicas' engines by replica, and their sums;
+503 while the stats board restarts).
 Each replica loads the model once and owns one Engine, driven by one thread (engine_loop.py); every request a
 replica takes joins that engine's batch at the next loop step, and its response names that replica in the
 `Huginn-Replica` header. A refused request gets HTTP 400 with OpenAI's error object naming the field
@@ -14,11 +15,15 @@ replica takes joins that engine's batch at the next loop step, and its response 
 
 The replicas' stats meet in `StatsBoard`, one actor per deployment that Serve starts before the replicas and
 stops with the deployment: each replica's engine loop reports its snapshot there (EngineLoop: when a request
-enters or leaves its engine, else at most every second while it works), so any replica answers GET /stats for
-all of them.
+enters or leaves its engine, else every second, idle or not), so any replica answers GET /stats for all the
+live ones; the board leaves out a replica that has not reported for `SILENT_AFTER_S`. Serve starts a new board
+when the board's process dies; a replica then takes a handle to the new one (`BoardLink`), its next reports
+fill it, and GET /stats answers 503 while there is none.
 """
 
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +32,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest  # FastAPI resolves handler annotations: no postponed ones here
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.config import DeploymentActorConfig
 
 from huginn_ray.serve.protocol import ApiError, Call, Tokens, choice, envelope, now, read_chat, read_completion, \
@@ -53,24 +59,98 @@ class ServeSettings:
     """Key/value bytes each replica's engine may reserve (EngineConfig.max_cache_bytes)."""
 
 
-@ray.remote(num_cpus=0)
-class StatsBoard:
-    """Each replica's last report (EngineLoop.snapshot), by replica tag, until the replica stops."""
+SILENT_AFTER_S = 5.0
+"""A replica whose last report is older than this (five of its engine loop's report intervals) is taken for dead."""
 
-    def __init__(self):
-        self.replicas: dict[str, dict] = {}
+
+class StatsBoard:
+    """Each live replica's last report (EngineLoop.snapshot), by replica tag. Serve runs it as the deployment's
+    actor "stats" (build_app).
+
+    Why reports stamped on arrival rather than asking Serve which replicas run: the engine loop already reports
+    to this board and, idle or not, does so every second, so its silence is the one sign that covers every way a
+    replica ends (process killed, node lost, engine thread stuck) with no call to Serve's controller, whose
+    public status (serve.status) counts replicas by state but does not name them. A replica that stops cleanly
+    says so (`forget`) and leaves at once; one that dies leaves once it has been silent for `silent_after_s`. The
+    clock is monotonic: the arrival times are this actor's own."""
+
+    def __init__(self, silent_after_s: float = SILENT_AFTER_S, clock: Callable[[], float] = time.monotonic):
+        self.silent_after_s, self.clock = silent_after_s, clock
+        self.replicas: dict[str, tuple[float, dict]] = {}
+        """Replica tag -> (arrival time of its last report, the report)."""
 
     def report(self, replica: str, snapshot: dict) -> None:
-        self.replicas[replica] = snapshot
+        self.replicas[replica] = (self.clock(), snapshot)
 
     def forget(self, replica: str) -> None:
         self.replicas.pop(replica, None)
 
     def stats(self) -> dict:
-        """{"replicas": {tag: snapshot}, "total": each counter summed over the replicas} (GET /stats)."""
-        total = {key: sum(snapshot[key] for snapshot in self.replicas.values())
-                 for key in next(iter(self.replicas.values()), {})}
-        return {"replicas": dict(sorted(self.replicas.items())), "total": total}
+        """{"replicas": {tag: snapshot}, "total": each counter summed over them} over the replicas heard from in
+        the last `silent_after_s` (GET /stats); the silent ones are dropped."""
+        now = self.clock()
+        for replica in [replica for replica, (at, _) in self.replicas.items() if now - at > self.silent_after_s]:
+            del self.replicas[replica]
+        live = {replica: snapshot for replica, (_, snapshot) in sorted(self.replicas.items())}
+        total = {key: sum(snapshot[key] for snapshot in live.values()) for key in next(iter(live.values()), {})}
+        return {"replicas": live, "total": total}
+
+
+class BoardLink:
+    """A replica's handle to the deployment's StatsBoard, taken again when the board it holds has died.
+
+    Serve 2.60 health-checks a deployment actor and, when its process has died, starts a new one under the same
+    name (ray.serve.config.DeploymentActorConfig); a handle taken before keeps pointing at the dead one, and
+    `serve.get_deployment_actor` raises ValueError until the new one is registered. So on a call that finds the
+    actor dead the link looks the board up again; with none there yet it holds none and looks again at the next
+    call. `report` runs on the engine thread, `stats` and `forget` on the handlers' event loop: each only swaps
+    the handle, a single assignment."""
+
+    def __init__(self, replica: str, find_board: Callable[[], "ray.actor.ActorHandle"]):
+        self.replica, self.find_board = replica, find_board
+        self.board = find_board()  # Serve starts the board before the replicas
+        self.last_report: ray.ObjectRef | None = None
+
+    def report(self, snapshot: dict) -> None:
+        """Send the snapshot without waiting for it; when the previous one found the board dead, to a new board."""
+        if self.board is None or (self.last_report is not None and _found_actor_dead(self.last_report)):
+            self.board = self._find_board_or_none()
+        self.last_report = None if self.board is None else self.board.report.remote(self.replica, snapshot)
+
+    def forget(self) -> None:
+        if self.board is not None:
+            self.board.forget.remote(self.replica)
+
+    async def stats(self) -> dict | None:
+        """The board's stats (StatsBoard.stats), asking a new board once if the held one has died; None while
+        Serve has no board running."""
+        for _ in range(2):
+            if self.board is None:
+                self.board = self._find_board_or_none()
+                if self.board is None:
+                    return None
+            try:
+                return await self.board.stats.remote()
+            except RayActorError:  # ActorDiedError and ActorUnavailableError are RayActorErrors
+                self.board = None
+        return None
+
+    def _find_board_or_none(self):
+        try:
+            return self.find_board()
+        except ValueError:  # Serve has not registered the new board yet
+            return None
+
+
+def _found_actor_dead(ref: "ray.ObjectRef") -> bool:
+    """Whether a call that has ended failed because its actor had died (False while it is still under way)."""
+    if not ray.wait([ref], timeout=0)[0]:
+        return False
+    try:
+        ray.get(ref)
+    except RayActorError:
+        return True
+    return False
 
 
 api = FastAPI(title="huginn_ray")
@@ -91,18 +171,18 @@ class HuginnServer:
         self.settings = settings
         self.replica = serve.get_replica_context().replica_tag
         self.headers = {"Huginn-Replica": self.replica}
-        self.board = serve.get_deployment_actor("stats")
+        self.board = BoardLink(self.replica, lambda: serve.get_deployment_actor("stats"))
         self.model, _ = load_for_inference(settings.model_dir, inference_placement(settings.device, settings.dtype))
         tokenizer = Tokenizer.from_file(str(Path(settings.tokenizer_dir) / "tokenizer.json"))
         special = special_token_ids(settings.tokenizer_dir)
         self.tokens = Tokens(tokenizer, special["bos"], special["eos"], tokenizer.token_to_id(END_TURN))
         self.engine = Engine(self.model, EngineConfig(settings.max_rows, settings.max_cache_bytes))
-        self.loop = EngineLoop(self.engine, lambda snapshot: self.board.report.remote(self.replica, snapshot))
+        self.loop = EngineLoop(self.engine, self.board.report)
 
     def __del__(self):
         if hasattr(self, "loop"):
             self.loop.stop()
-            self.board.forget.remote(self.replica)
+            self.board.forget()  # a clean stop leaves /stats at once, not after SILENT_AFTER_S
 
     @api.post("/v1/completions")
     async def completions(self, http: HttpRequest):
@@ -119,7 +199,13 @@ class HuginnServer:
 
     @api.get("/stats")
     async def stats(self):
-        return await self.board.stats.remote()
+        served = await self.board.stats()
+        if served is None:
+            return JSONResponse({"error": {"message": "the stats board is restarting (Serve starts a new one after "
+                                                      "the old one died); try again in a few seconds",
+                                           "type": "service_unavailable", "param": None, "code": None}},
+                                status_code=503, headers=self.headers)
+        return served
 
     async def _answer(self, http: HttpRequest, read):
         try:
@@ -196,5 +282,6 @@ def build_app(settings: ServeSettings, replicas: int = 1):
     actor = {"num_gpus": 1, "num_cpus": 1} if settings.device == "cuda" else {"num_cpus": 1}
     deployment = HuginnServer.options(num_replicas=replicas, ray_actor_options=actor,
                                       max_ongoing_requests=2 * settings.max_rows,
-                                      deployment_actors=[DeploymentActorConfig(name="stats", actor_class=StatsBoard)])
+                                      deployment_actors=[DeploymentActorConfig(
+                                          name="stats", actor_class=ray.remote(num_cpus=0)(StatsBoard))])
     return deployment.bind(settings)

@@ -1,6 +1,6 @@
 """One thread that owns an Engine and drives it; the server's request handlers talk to it through queues.
 
-    loop = EngineLoop(engine, report)     # report(loop.snapshot()) now and as the engine's state changes
+    loop = EngineLoop(engine, report)     # report(loop.snapshot()) now, as the engine changes, and every second
     ticket = loop.submit(request)         # from a handler, on its asyncio event loop
     event = await ticket.events.get()     # TokenEvent ... until event.finished; or an Exception
     loop.cancel(ticket)                   # the client went away: frees the request's row and cache
@@ -14,8 +14,10 @@ torch work that releases the GIL for its kernels, so the handlers' event loop ke
 
 The loop reports its `snapshot()` (the engine's state and the loop's counters) through `report`: once when it
 starts, after every loop step in which a request entered or left the engine (submitted, finished, cancelled,
-failed), and otherwise at most every `report_every_s` while requests are in flight. So once the engine is idle
-the last report is exact; while it works, the token and step counters lag by at most `report_every_s`.
+failed), and otherwise every `report_every_s`, idle or not (an idle loop waits for commands that long at most).
+So once the engine is idle the last report is exact; while it works, the token and step counters lag by at most
+`report_every_s`; and a loop that has not reported for several `report_every_s` is not running (its process
+died, or one engine step has taken that long): the StatsBoard leaves such a replica out.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class LoopStats:
     """Requests that ended with their last token (stop token or max_tokens)."""
     requests_cancelled: int = 0
     """Requests dropped before their end (client gone, stop string)."""
+    requests_failed: int = 0
+    """Requests ended by an engine step that raised (each handler gets the exception)."""
     tokens: int = 0
     """Tokens emitted."""
     loop_steps: int = 0
@@ -91,7 +95,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
-            commands = [] if self.engine.busy else [self.commands.get()]
+            commands = [] if self.engine.busy else self._wait_for_command()
             while True:
                 try:
                     commands.append(self.commands.get_nowait())
@@ -113,6 +117,14 @@ class EngineLoop:
                 self.reported_at = time.monotonic()
                 self.report(self.snapshot())
 
+    def _wait_for_command(self) -> list:
+        """The next command, or none once the next report is due: an idle loop still reports every
+        `report_every_s`, which is how the StatsBoard tells a live replica from a dead one."""
+        try:
+            return [self.commands.get(timeout=max(0.0, self.reported_at + self.report_every_s - time.monotonic()))]
+        except queue.Empty:
+            return []
+
     def _submit(self, ticket: Ticket, request: Request) -> bool:
         """Whether the engine took the request."""
         try:
@@ -132,6 +144,7 @@ class EngineLoop:
             for request_id, ticket in list(self.tickets.items()):
                 self.engine.cancel(request_id)
                 self._deliver(ticket, err)
+            self.stats.requests_failed += len(self.tickets)
             self.tickets.clear()
             self.ids.clear()
             return True
