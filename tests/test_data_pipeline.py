@@ -811,9 +811,20 @@ def test_staging_and_pack_resume_keeping_committed_files_and_clean_stale_tmp_dir
     for p in sorted(partial.glob("*.parquet"))[1::2]:
         p.unlink()
     staged_mtimes = {p.name: p.stat().st_mtime_ns for p in partial.glob("*.parquet")}
+    # staging stopped after every file of another source was committed, before its marker (written when the whole
+    # dataset ends): the rerun reads its files' footers and writes the marker, staging none of them again
+    complete_marker = json.loads((out / "staging" / "prose" / "_COMPLETE.json").read_text())
+    unmarked = out / "staging" / "prose.partial"
+    (out / "staging" / "prose").rename(unmarked)
+    (unmarked / "_COMPLETE.json").unlink()
+    (unmarked / "_PLAN.json").write_text(json.dumps({"fingerprint": complete_marker["fingerprint"]}))
+    unmarked_mtimes = {p.name: p.stat().st_mtime_ns for p in unmarked.glob("*.parquet")}
     capsys.readouterr()
     assert prepare_data.main(args) == 0
     printed = capsys.readouterr().out
+    assert f"[staging] resuming {unmarked}: {len(unmarked_mtimes)}/{len(unmarked_mtimes)} staged files" in printed
+    assert json.loads((out / "staging" / "prose" / "_COMPLETE.json").read_text()) == complete_marker
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "staging" / "prose").glob("*.parquet")} == unmarked_mtimes
     assert f"[staging] resuming {partial}: {len(staged_mtimes)}/{len(staged)} staged files" in printed
     assert {p.name: p.read_bytes() for p in (out / "staging" / "notes").glob("*.parquet")} == staged
     assert json.loads((out / "staging" / "notes" / "_COMPLETE.json").read_text()) == staged_marker
