@@ -458,11 +458,14 @@ def local_ray():
 
 def _killed_once(fn, flag: Path):
     """The stage's map, except that its first call SIGKILLs its own worker after its file is fetched, verified and
-    recorded, before the result goes back. Every call appends (path, memory= Ray gave it, killed or ran) to
+    recorded, before the result goes back, and the first later call that fetches a file SIGKILLs its worker in
+    the middle of the file: its bytes received into huggingface_hub's temporary `.incomplete` file, not yet moved
+    into place. Every call appends (path, memory= Ray gave it, killed, killed mid-file or ran) to
     `<flag>.memory`."""
 
     def first_call_dies(table, **kwargs):
         import ray
+        from huggingface_hub import file_download
 
         path = table.column("path")[0].as_py()
         memory = ray.get_runtime_context().get_assigned_resources().get("memory")
@@ -471,7 +474,23 @@ def _killed_once(fn, flag: Path):
         except FileExistsError:  # a later call, or the rerun of the killed one
             with open(flag.with_suffix(".memory"), "a") as f:
                 f.write(json.dumps([path, memory, "ran"]) + "\n")
-            return fn(table, **kwargs)
+            http_get = file_download.http_get
+
+            def dies_after_the_body(*args, **kw):
+                http_get(*args, **kw)
+                try:
+                    os.close(os.open(flag.with_suffix(".mid"), os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    return
+                with open(flag.with_suffix(".memory"), "a") as f:
+                    f.write(json.dumps([path, memory, "killed mid-file"]) + "\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            file_download.http_get = dies_after_the_body
+            try:
+                return fn(table, **kwargs)
+            finally:
+                file_download.http_get = http_get
         fn(table, **kwargs)
         with open(flag.with_suffix(".memory"), "a") as f:
             f.write(json.dumps([path, memory, "killed"]) + "\n")
@@ -484,7 +503,9 @@ def test_a_killed_download_worker_is_rerun_with_more_memory_trusting_what_it_ver
                                                                                        monkeypatch, capsys):
     """A download task's worker dies (SIGKILL) after its file is verified: the files not yet returned run again,
     each with twice the memory (execution.rerun_killed; tasks declare none at first, counted as
-    UNDECLARED_MEMORY), and the killed task's file is trusted by its verification record, not fetched again."""
+    UNDECLARED_MEMORY), and the killed task's file is trusted by its verification record, not fetched again. Then
+    a worker dies in the middle of a file (one download at a time, so: the next file): that file is fetched again
+    with twice that memory, and the `.incomplete` file the library left is removed once the source is complete."""
     from huginn_ray.config import parse_yaml
     from huginn_ray.data import hub_download
     from huginn_ray.data.config import DownloadConfig
@@ -498,14 +519,23 @@ def test_a_killed_download_worker_is_rerun_with_more_memory_trusting_what_it_ver
     with FakeHub([repo]) as hub:
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
         provenance = hub_download.download_sources([source], tmp_path / "download",
-                                                   DownloadConfig(max_in_flight=2, max_attempts=1))
+                                                   DownloadConfig(max_in_flight=1, max_attempts=1))
     out = capsys.readouterr().out
     assert re.search(r"\[download\] a worker was killed \(\w+\); rerunning the [1-4] units that had not finished, "
                      "each with twice its memory", out)
     attempts = [json.loads(line) for line in (tmp_path / "kill.memory").read_text().splitlines()]
     [(killed, memory)] = [(path, memory) for path, memory, what in attempts if what == "killed"]
-    assert memory is None and [m for p, m, what in attempts if p == killed and what == "ran"] == [2 * UNDECLARED_MEMORY]
+    # its rerun twice the memory; again twice that when the dataset stopped at the second kill before its result
+    # reached the driver
+    assert memory is None and [m for p, m, what in attempts if p == killed and what == "ran"] in (
+        [2 * UNDECLARED_MEMORY], [2 * UNDECLARED_MEMORY, 4 * UNDECLARED_MEMORY])
     assert _file_gets(hub, killed) == 1  # fetched by the killed task, trusted by its rerun
+    [(mid_file, mid_memory)] = [(path, memory) for path, memory, what in attempts if what == "killed mid-file"]
+    assert mid_memory == 2 * UNDECLARED_MEMORY and mid_file != killed
+    assert [m for p, m, what in attempts if p == mid_file and what == "ran"] == [mid_memory, 2 * mid_memory]
+    assert _file_gets(hub, mid_file) == 2  # its bytes lost with the killed worker: fetched again
+    assert "[download] mix: removed 1 temporary file(s) of downloads interrupted by a killed worker" in out
+    assert not list((tmp_path / "download").rglob("*.incomplete"))
     trusted = re.search(r"\[download\] 4 files of 1 source\(s\), .* already complete, (\d) of them by their "
                         r"verification record\)", out)
     assert trusted and int(trusted.group(1)) >= 1

@@ -352,11 +352,12 @@ def _read_killed_once(fn, flag: Path):
     return first_attempt_dies
 
 
-def _map_step_killed_once(place_rows, flag: Path):
-    """The shuffle map pass's map step, except that the first task to run it SIGKILLs its own worker process in
-    the middle of the task: once its map file is fully written under its temp name, before it is committed (the
-    read, map and write of a map group are one task). Every task appends (its map group, memory= Ray gave it,
-    killed or ran) to `<flag>.memory`, once."""
+def _map_step_killed_once(place_rows, flag: Path, work: Path, last: int):
+    """The shuffle map pass's map step, except that the first task of map group `last` SIGKILLs its own worker
+    process in the middle of the task, once the other groups' map files are committed under `work` (so that the
+    stopped dataset had completed tasks) and its own map file is fully written under its temp name, before it is
+    committed (the read, map and write of a map group are one task). Every task appends (its map group, memory=
+    Ray gave it, killed or ran) to `<flag>.memory`, once."""
     seen = set()  # the map groups this task recorded (the map step runs once per block)
 
     def first_attempt_dies(table, **kwargs):
@@ -368,12 +369,22 @@ def _map_step_killed_once(place_rows, flag: Path):
         seen.add(call)
         memory = ray.get_runtime_context().get_assigned_resources().get("memory")
         try:
+            if call != last:
+                raise FileExistsError
             os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
-        except FileExistsError:  # a later task, or the rerun of the killed one: the real work
+        except FileExistsError:  # another group, or the rerun of the killed one: the real work
             with open(flag.with_suffix(".memory"), "a") as f:
                 f.write(json.dumps([call, memory, "ran"]) + "\n")
             return place_rows(table, **kwargs)
+        import time
+
         from huginn_ray.data import layout
+
+        others = [work / "map" / split / f"{unit:06d}.idx.npy" for split in ("train", "val") for unit in range(last)]
+        for _ in range(600):  # the other groups run on the other CPU; at most 60 s
+            if all(p.exists() for p in others):
+                break
+            time.sleep(0.1)
 
         with open(flag.with_suffix(".memory"), "a") as f:
             f.write(json.dumps([call, memory, "killed"]) + "\n")
@@ -415,7 +426,9 @@ def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(pre
     the middle of a call, and a shuffle map task in the middle of its task; the file, the call's batches and the
     task run again, each with twice the memory it had (never the same: execution.rerun_killed; a staging task
     declares none and is taken to have had UNDECLARED_MEMORY), and the run writes the same staged files, packed
-    files and shards, byte for byte, as the undisturbed run, with no temp file left behind."""
+    files and shards, byte for byte, as the undisturbed run, with no temp file left behind. The shuffle runs in
+    4 map groups, the last killed after the other three committed theirs: its figures (shards.last_run_stats)
+    count every map file and shard, those of the stopped dataset's tasks too."""
     from huginn_ray.data import shards as shards_mod
     from huginn_ray.data import staging as staging_mod
     from huginn_ray.data import tokenize_pack as pack_mod
@@ -426,8 +439,21 @@ def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(pre
                                                                           tmp_path / "staging"))
     monkeypatch.setattr(pack_mod, "TokenizeDocuments", _encoder_killed_once(pack_mod.TokenizeDocuments,
                                                                             tmp_path / "pack"))
-    monkeypatch.setattr(shards_mod, "place_rows", _map_step_killed_once(shards_mod.place_rows, tmp_path / "map"))
     out = tmp_path / "killed"
+    monkeypatch.setattr(shards_mod, "_group_files", lambda files, row_bytes, group_bytes: [
+        files[i * len(files) // 4:(i + 1) * len(files) // 4] for i in range(4)])
+    monkeypatch.setattr(shards_mod, "place_rows", _map_step_killed_once(shards_mod.place_rows, tmp_path / "map",
+                                                                       out / "shards.partial", last=3))
+    map_files: dict[str, list[tuple[int, int]]] = {}  # per split, each map file's (bytes, rows) when published
+    publish = shards_mod.publish
+
+    def publish_counting_map_files(work, shard_root, manifest):
+        for path in sorted(work.glob("map/*/*.arrow")):
+            rows = pa.ipc.open_file(pa.memory_map(str(path))).read_all().num_rows
+            map_files.setdefault(path.parent.name, []).append((path.stat().st_size, rows))
+        publish(work, shard_root, manifest)
+
+    monkeypatch.setattr(shards_mod, "publish", publish_counting_map_files)
     assert prepare_data.main(["--quiet", "--config", str(config), f"output_dir={out}",
                               f"tokenizer.path={root / 'out' / 'tokenizer'}"]) == 0
     assert all((tmp_path / stage).exists() for stage in ("staging", "pack", "map"))  # every kill happened
@@ -448,6 +474,15 @@ def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(pre
     expected = outputs(root / "out")
     assert len(expected) > 2 * N_SHARDS and outputs(out) == expected
     assert not [p for p in out.rglob("*.tmp")]
+    manifest = read_manifest(out / "shards")
+    stats = {k: v for k, v in shards_mod.last_run_stats.items() if not k.endswith(("_s", "_mib"))}
+    assert stats == {  # one reducer per split (4 shards of 74-byte rows: 33 uint16 ids + 8), reading every kept row
+        "map_tasks": 4, "reducers": 2,
+        "intermediate_bytes_written": sum(size for files in map_files.values() for size, _ in files),
+        "intermediate_bytes_read": sum(manifest["total_rows"].values()) * (2 * (SEQ_LEN + 1) + 8),
+        "shard_bytes_written": sum(p.stat().st_size for p in (out / "shards").glob("*/*.parquet")),
+        "map_files_opened": sum(1 for files in map_files.values() for _, rows in files if rows)}
+    assert sorted(map_files) == ["train", "val"] and [len(files) for files in map_files.values()] == [4, 4]
 
 
 def test_progress_shows_on_the_console_unless_quiet(prepared, tmp_path):
@@ -776,9 +811,20 @@ def test_staging_and_pack_resume_keeping_committed_files_and_clean_stale_tmp_dir
     for p in sorted(partial.glob("*.parquet"))[1::2]:
         p.unlink()
     staged_mtimes = {p.name: p.stat().st_mtime_ns for p in partial.glob("*.parquet")}
+    # staging stopped after every file of another source was committed, before its marker (written when the whole
+    # dataset ends): the rerun reads its files' footers and writes the marker, staging none of them again
+    complete_marker = json.loads((out / "staging" / "prose" / "_COMPLETE.json").read_text())
+    unmarked = out / "staging" / "prose.partial"
+    (out / "staging" / "prose").rename(unmarked)
+    (unmarked / "_COMPLETE.json").unlink()
+    (unmarked / "_PLAN.json").write_text(json.dumps({"fingerprint": complete_marker["fingerprint"]}))
+    unmarked_mtimes = {p.name: p.stat().st_mtime_ns for p in unmarked.glob("*.parquet")}
     capsys.readouterr()
     assert prepare_data.main(args) == 0
     printed = capsys.readouterr().out
+    assert f"[staging] resuming {unmarked}: {len(unmarked_mtimes)}/{len(unmarked_mtimes)} staged files" in printed
+    assert json.loads((out / "staging" / "prose" / "_COMPLETE.json").read_text()) == complete_marker
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "staging" / "prose").glob("*.parquet")} == unmarked_mtimes
     assert f"[staging] resuming {partial}: {len(staged_mtimes)}/{len(staged)} staged files" in printed
     assert {p.name: p.read_bytes() for p in (out / "staging" / "notes").glob("*.parquet")} == staged
     assert json.loads((out / "staging" / "notes" / "_COMPLETE.json").read_text()) == staged_marker

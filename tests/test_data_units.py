@@ -679,7 +679,7 @@ def test_plan_counts_the_filter_stage_bytes_tasks_memory_and_ngram_set_exactly(t
     p = plan()
     docs = 73728 / 4096  # 18 documents in 3 staged files (the weight-0 source is neither staged nor filtered)
     staged = 73728 * 0.5
-    tables = 16 * docs + 128 * 3  # doc_scan: (hash, row) per document + an npy header per file
+    tables = 16 * docs + 128 * 3  # doc_scan: (hash, row) per document + an npy header per scan unit (one a file)
     keys = 8 * docs + 128 * 1  # doc_dedup: at most every document's key, one bucket
     items = [json.loads(line)[f] for line in gsm8k.read_text().splitlines() for f in ("question", "answer")]
     grams = sum(max(1, len(normalise(t)) - 12) for t in items)
@@ -688,9 +688,10 @@ def test_plan_counts_the_filter_stage_bytes_tasks_memory_and_ngram_set_exactly(t
     assert p["filter"] == {
         "documents": 18, "staged_bytes": 36864, "rewritten_bytes": 36864, "hash_table_bytes": int(tables),
         "duplicate_key_bytes": int(keys),
-        "ngram_set": {"built_on": "driver, before any stage (pipeline.eval_ngrams); to the doc_scan tasks through "
-                                  "Ray's object store, one copy per node",
-                      "grams": 129, "items": 8, "file_bytes": ngram_file, "object_store_bytes": 129 * 12,
+        "ngram_set": {"built_on": "driver, before any stage (pipeline.eval_ngrams); saved as ngrams.npy in the "
+                                  "filter stage's directory, loaded from it once by each ScanDocuments actor",
+                      "actors": 1, "grams": 129, "items": 8, "file_bytes": ngram_file,
+                      "bytes_per_actor": 129 * 12, "load_peak_bytes_per_actor": 129 * 28,
                       "eval_sets": [str(gsm8k)]}}
     assert p["io_bytes"]["filter"] == {"read": int(staged + tables + keys + staged),
                                        "written": int(tables + keys + staged + ngram_file)}
@@ -699,8 +700,9 @@ def test_plan_counts_the_filter_stage_bytes_tasks_memory_and_ngram_set_exactly(t
     assert set(disk) == {"download", "staging", "filter", "pack", "shuffle"}
     assert disk["filter"] == int(staged + staged + ngram_file + tables + keys)
     assert disk["pack"] - int(staged + staged + ngram_file) == int(p["io_bytes"]["pack"]["written"])
-    assert {k: p["counts"][k] for k in ("scan_tasks", "dedup_tasks", "filter_tasks")} == {
-        "scan_tasks": 3, "dedup_tasks": 1, "filter_tasks": 3}
+    # one scan unit per file (each far below SCAN_UNIT_DOCS documents), the three grouped into one read
+    assert {k: p["counts"][k] for k in ("scan_units", "scan_tasks", "dedup_tasks", "filter_tasks")} == {
+        "scan_units": 3, "scan_tasks": 1, "dedup_tasks": 1, "filter_tasks": 3}
     assert p["memory_per_task_bytes"]["dedup_task"] == 256 * 2**20 + 48 * 18
     assert set(p["estimated_seconds"]) == {"download", "staging", "filter", "pack", "shuffle"}
 
@@ -710,8 +712,59 @@ def test_plan_counts_the_filter_stage_bytes_tasks_memory_and_ngram_set_exactly(t
     assert "dedup_task" not in report["memory_per_task_bytes"] and report["counts"]["dedup_tasks"] == 0
     off = plan("decontaminate.mode=none", "dedup=none")
     assert off["filter"] is None and "filter" not in off["io_bytes"] and "filter" not in off["disk_after_stage_bytes"]
-    assert off["counts"]["ray_tasks"] == p["counts"]["ray_tasks"] - (3 + 1 + 3)
+    assert off["counts"]["ray_tasks"] == p["counts"]["ray_tasks"] - (1 + 1 + 3)
     assert job.main(["--config", str(config), "--plan"]) == 0  # the table names the filter stage
-    assert ("filter: scans 18 documents (36.00 KiB staged), rewrites at most 36.00 KiB; hash tables 672 B, duplicate "
-            "keys at most 272 B; n-gram set 129 grams of 8 items (2.14 KiB file, 1.51 KiB in the object store), built "
-            "on the driver") in capsys.readouterr().out
+    assert ("filter: scans 18 documents (36.00 KiB staged; scan units: 3, reads: 1), rewrites at most 36.00 KiB; hash "
+            "tables 672 B, duplicate keys at most 272 B; n-gram set 129 grams of 8 items (2.14 KiB file; 1.51 KiB per "
+            "scan actor, actors: 1, 3.53 KiB while loading), built on the driver") in capsys.readouterr().out
+
+
+def test_plan_counts_the_scan_units_and_reads_that_the_filter_stage_builds(tmp_path, monkeypatch, capsys):
+    """A staged file of more documents than a scan unit holds is several units, and consecutive small units share
+    one read: the plan's `scan_units` / `scan_tasks` are exactly the units and reads doc_filter builds
+    (`scan_units`, `scan_reads`) from the staging markers of the same files. Documents of 4,096 input bytes (the
+    plan's DEFAULTS without a tokenizer) make the plan's estimate each file's real count; SCAN_UNIT_DOCS is 4 here
+    so that a 10-document file splits."""
+    import importlib.util
+
+    from huginn_ray.data import doc_filter
+    from huginn_ray.data.formatting import iter_documents
+    from huginn_ray.data.staging import list_local_files
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("prepare_data", root / "jobs" / "prepare_data.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    monkeypatch.setattr(doc_filter, "SCAN_UNIT_DOCS", 4)
+    line = '{"text": "' + "a" * (4096 - 13) + '"}\n'
+    for rel, docs in {"web/a.jsonl": 10, "web/b.jsonl": 1, "code/c.jsonl": 1, "code/d.jsonl": 1,
+                      "code/e.jsonl": 3}.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(line * docs)
+    (tmp_path / "sources.yaml").write_text("- {name: web, local_dir: web, features: [text]}\n"
+                                           "- {name: code, local_dir: code, features: [text]}\n")
+    (tmp_path / "data.yaml").write_text(
+        f"output_dir: {tmp_path / 'out'}\nsources: sources.yaml\nseq_len: 255\nnum_shards: 2\n"
+        f"tokenizer: {{path: {tmp_path / 'no_tokenizer'}}}\nlocal_ray: {{num_cpus: 2}}\ndedup: exact\n")
+    capsys.readouterr()
+    assert job.main(["--config", str(tmp_path / "data.yaml"), "--plan", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+
+    # what staging records of these files (rows and characters per file), and the units doc_filter builds from it
+    files, markers = [], {}
+    for source in (Source(name="web", local_dir=str(tmp_path / "web"), features=["text"]),
+                   Source(name="code", local_dir=str(tmp_path / "code"), features=["text"])):
+        texts = [[t for batch in iter_documents(path, source) for t in batch.texts]
+                 for path in list_local_files(source)]
+        markers[source.name] = {"rows": sum(map(len, texts)), "chars": sum(len(t) for ts in texts for t in ts)}
+        files += [(source, {"rows": len(ts), "output": f"{i:05d}.parquet"}) for i, ts in enumerate(texts)]
+    units = doc_filter.scan_units(files, markers, tmp_path / "staging")
+    reads = doc_filter.scan_reads(units)
+    # a.jsonl: 4 + 4 + 2 documents; b, c, d, e one unit each; reads of at most 4 documents:
+    # [a 4] [a 4] [a 2, b, c] [d, e 3]
+    assert [[(u["file"], u["start"], u["count"]) for u in read] for read in reads] == [
+        [(0, 0, 4)], [(0, 4, 4)], [(0, 8, 2), (1, 0, 1), (2, 0, 1)], [(3, 0, 1), (4, 0, 3)]]
+    assert {k: planned["counts"][k] for k in ("staged_files", "scan_units", "scan_tasks")} == {
+        "staged_files": 5, "scan_units": len(units), "scan_tasks": len(reads)} == {
+        "staged_files": 5, "scan_units": 7, "scan_tasks": 4}
+    assert planned["filter"]["hash_table_bytes"] == 16 * 16 + 128 * 7  # an npy header per scan unit

@@ -23,7 +23,12 @@ What huggingface_hub (2.4.0) does, and so what this module does not (tests/test_
   resumed with a Range request, up to 5 times in a row without progress; a 5xx answer is not retried
   (`retry_on_status_codes=(408, 429)`); the size is checked ("Consistency check failed"), the hash is not; the
   bytes go to a temporary file of a name unique to the process, deleted on failure and moved into place when
-  complete (a file in place is whole; a download is not resumed across calls);
+  complete (a file in place is whole; a download is not resumed across calls): the temporary file,
+  `<local_dir>/.cache/huggingface/download/<hash>.<etag>.<8 hex>.incomplete`, has a name no later call uses, so
+  a worker killed in the middle of a file leaves it behind for good; `download_sources` removes a source's
+  (`remove_incomplete`) when all of its files are verified. The library's other files there, `<path>.lock` and
+  `<path>.metadata`, are one per file, reused by every call (a lock file is not removed on release, nor needed:
+  the kernel drops a killed process's lock), and stay;
 so `fetch_file` calls `hf_hub_download` again, up to `download.max_attempts` times, for exactly what the library
 gives up on: a dropped connection before the metadata answer, a 5xx answer to the GET, and a file whose bytes do
 not hash to the Hub's hash (sha256 for LFS files, the git blob sha1 otherwise: the check the library does not
@@ -202,6 +207,20 @@ def fetch_file(repo: str, commit: str, hub_file: HubFile, local_dir: str, endpoi
     raise _failure(what, cfg.max_attempts, err)
 
 
+LIBRARY_DOWNLOAD_DIR = Path(".cache", "huggingface", "download")
+"""Where huggingface_hub keeps its per-file metadata, locks and temporary `.incomplete` files under a local_dir."""
+
+
+def remove_incomplete(local_dir: Path) -> int:
+    """Delete the temporary files of huggingface_hub's downloads into `local_dir` that killed workers left
+    (`*.incomplete`; the library deletes its own on any error it sees); returns how many. Called once every file
+    of the folder is verified: no call downloads into it then, and no call would ever read them."""
+    stale = list((local_dir / LIBRARY_DOWNLOAD_DIR).rglob("*.incomplete"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return len(stale)
+
+
 def check_inside(local_dir: Path, name: str, repo: str) -> None:
     """Refuse a Hub file name that would be written outside `local_dir` (absolute, '..', backslashes)."""
     pure = PurePosixPath(name)
@@ -296,6 +315,10 @@ def download_sources(sources: list[Source], download_root: Path, cfg: DownloadCo
                 results[(row["source"], row["path"])] = row
                 remaining[row["source"]] -= 1
                 if remaining[row["source"]] == 0:  # a source's provenance as soon as all of its files are verified
+                    removed = remove_incomplete(download_root / row["source"])
+                    if removed:
+                        print(f"[download] {row['source']}: removed {removed} temporary file(s) of downloads "
+                              "interrupted by a killed worker", flush=True)
                     provenance[row["source"]] = commit_provenance(download_root, endpoint, *listed[row["source"]])
 
     try:  # tasks declare no memory until a worker is killed (rerun_killed then doubles execution.UNDECLARED_MEMORY)

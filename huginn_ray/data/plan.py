@@ -22,10 +22,13 @@ Estimates, all per split-less total (train + validation together):
   per rank, hard-linked or converted; a validation split is planned as shuffled when `drop_val_duplicates` is on,
   since which of its files lose rows is known only after the duplicate search);
 - the filter stage (`decontaminate` / `dedup` on; huginn_ray/data/doc_filter.py), `filter` in the plan: the
-  staged documents and bytes it scans, its dedup buckets, and the evaluation n-gram set (grams, bytes as a file
-  and in the object store; built on the driver before any stage, from the `ngrams` given, which `--plan` builds
-  only when no Hub evaluation set has to be fetched). Its bytes: `doc_scan` reads the staged files (S) and writes
-  16 B per document of hash tables (+ an npy header per file); `doc_dedup` reads those tables and writes at most
+  staged documents and bytes it scans, its scan units and reads (doc_filter's own rule, `scan_units` and
+  `scan_reads`, applied to each staged file's estimated documents: a file of more than a unit's documents or
+  characters is several units, consecutive small units share one read), its dedup buckets, and the evaluation
+  n-gram set (grams; bytes as the `ngrams.npy` file and in each `ScanDocuments` actor, which loads it once; built on
+  the driver before any stage, from the `ngrams` given, which `--plan` builds only when no Hub evaluation set has to
+  be fetched). Its bytes: `doc_scan` reads the staged files (S) and writes 16 B per document of hash tables (+ an
+  npy header per scan unit); `doc_dedup` reads those tables and writes at most
   8 B per document (its duplicates' keys); `doc_filter` reads the duplicate keys and rewrites every file that loses a
   document: planned as every file (S read, S written), the upper bound a run reaches when duplicates or matches
   are spread over all files (a file that loses none is a hard link: no byte); nothing is rewritten with
@@ -58,7 +61,7 @@ from huginn_ray.data import layout
 from huginn_ray.data.chat import pack_groups, render, render_document
 from huginn_ray.data.config import DataConfig
 from huginn_ray.data.decontaminate import NgramSet
-from huginn_ray.data.doc_filter import DOCS_PER_BUCKET
+from huginn_ray.data.doc_filter import DOCS_PER_BUCKET, scan_reads, scan_units
 from huginn_ray.data.formatting import DataError, iter_documents
 from huginn_ray.data.hub_download import PROVENANCE
 from huginn_ray.data.packing import pack_row_starts
@@ -240,7 +243,7 @@ def _tokenizer(cfg: DataConfig):
     return load_text_tokenizer(path), special_token_ids(cfg.tokenizer_dir)["vocab_size"]
 
 
-PLAN_FORMAT = 3
+PLAN_FORMAT = 4
 """The layout of a plan; plans cached under another layout are not read."""
 
 
@@ -292,6 +295,25 @@ def build_plan(cfg: DataConfig, sources: list[Source], ngrams: NgramSet | None =
 NPY_HEADER = 128
 """Bytes of an .npy file's header (format 1.0, padded to 64-byte blocks; 128 for these arrays)."""
 
+NGRAM_ACTOR_BYTES_PER_GRAM = (8 + 4, 16 + 8 + 4)
+"""What a `ScanDocuments` actor holds of the n-gram set per gram (doc_filter.ScanDocuments.__init__): the hashes
+(uint64) and items (uint32) it keeps, and its peak while loading them (the (hash, item) uint64 table of
+`ngrams.npy`, 16 B, read whole before the two are copied out of it)."""
+
+
+def _scan_work(staged: list[tuple[Source, list[float], float]]) -> tuple[int, int]:
+    """(scan units, scan reads) of the doc_scan stage over staged files, each given as (source, every file's
+    estimated documents, the source's characters per document): the units and reads doc_filter builds
+    (`scan_units`, `scan_reads`) from staging markers of those counts. A file is taken to hold at least one
+    document."""
+    files, markers = [], {}
+    for source, file_docs, chars_per_doc in staged:
+        rows = [max(1, round(docs)) for docs in file_docs]
+        markers[source.name] = {"rows": sum(rows), "chars": sum(rows) * chars_per_doc}
+        files += [(source, {"rows": n, "output": f"{i:05d}.parquet"}) for i, n in enumerate(rows)]
+    units = scan_units(files, markers, Path("staging"))
+    return len(units), len(scan_reads(units))
+
 
 def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict, ngrams: NgramSet | None) -> dict:
     """The plan from the sources' input files ({name: _input_files(...)} of the sources the plan counts)."""
@@ -317,13 +339,15 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict, ngrams: 
         entries.append({"name": source.name, "files": len(files), "input_bytes": sum(s for _, s, _ in files),
                         "hub_bytes": 0 if source.is_local else sum(s for _, s, _ in files), "weight": source.weight,
                         "ratios": ratios, "sampled": ratios is not None, "commit": commit,
-                        "paths": [p for p, _, _ in files], "packed": source.is_packed, "here": here,
+                        "paths": [p for p, _, _ in files], "sizes": [s for _, s, _ in files],
+                        "packed": source.is_packed, "here": here, "source": source,
                         "splits": _packed_splits(source, files) if source.is_packed else None})
     fallback = _mean(sampled)
 
     staged_bytes = packed_tokens = packed_file_bytes = shard_token_bytes = pack_tasks = documents = 0.0
     worst_pack_chars = 0.0
     per_source = []
+    scanned = []  # per staged source: (source, each file's estimated documents, characters per document)
     packed = {split: {"files": 0, "bytes": 0, "rows": 0.0, "row_counts": set(), "linkable": True}
               for split in ("train", "val")}
     for e in entries:
@@ -366,6 +390,8 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict, ngrams: 
         packed_tokens += tokens
         docs = text * r.docs_per_text_byte
         documents += docs
+        scanned.append((e["source"], [size * text_per_byte * r.docs_per_text_byte for size in e["sizes"]],
+                        r.chars_per_text_byte / r.docs_per_text_byte))
         batches = max(e["files"], math.ceil(docs / cfg.docs_per_pack_batch))
         pack_tasks += batches
         packed_file_bytes += tokens * r.packed_file_per_token + batches * r.parquet_file_bytes
@@ -410,7 +436,8 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict, ngrams: 
     staged_files = sum(e["files"] for e in entries if not e.get("packed"))
     filtering = not all_packed and (cfg.decontaminate.mode != "none" or cfg.dedup != "none")
     buckets = max(1, math.ceil(documents / DOCS_PER_BUCKET)) if filtering and cfg.dedup == "exact" else 0
-    hash_tables = 16 * documents + NPY_HEADER * staged_files if filtering else 0.0  # doc_scan: (hash, row) per doc
+    scan_unit_count, scan_read_count = _scan_work(scanned) if filtering else (0, 0)
+    hash_tables = 16 * documents + NPY_HEADER * scan_unit_count if filtering else 0.0  # doc_scan: (hash, row) per doc
     duplicate_keys = 8 * documents + NPY_HEADER * buckets if buckets else 0.0  # doc_dedup, at most every document
     rewritten = staged_bytes if filtering and (cfg.decontaminate.mode == "drop" or cfg.dedup == "exact") else 0.0
     ngram_file = 16 * len(ngrams.hashes) + NPY_HEADER if filtering and ngrams is not None else 0.0
@@ -475,10 +502,13 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict, ngrams: 
         "shard_files": 2 * cfg.num_shards,
         "ray_tasks": int(sum(e["files"] for e in entries) + dedup_tasks + pack_tasks + map_tasks
                          + sum(reducers.values()) + sum(cfg.num_shards for m in methods.values() if m != "shuffle")
-                         + (2 * staged_files + buckets if filtering else 0)),
+                         + (scan_read_count + buckets + staged_files if filtering else 0)),
     }
-    if filtering:  # doc_scan and doc_filter: one task per staged file; doc_dedup: one per bucket
-        counts.update(scan_tasks=staged_files, dedup_tasks=buckets, filter_tasks=staged_files)
+    if filtering:  # doc_scan: one read (and actor call) per group of scan units; doc_dedup: one task per bucket;
+        # doc_filter: one per staged file (the bound: a file that loses no document is linked, no task)
+        counts.update(scan_units=scan_unit_count, scan_tasks=scan_read_count, dedup_tasks=buckets,
+                      filter_tasks=staged_files)
+    scan_actors = min(cpus, scan_read_count)  # doc_filter.run_scan: one actor per CPU, at most one per read
     plan = {
         "sources": per_source,
         "input_bytes": int(sum(e["input_bytes"] for e in entries)),
@@ -494,12 +524,14 @@ def _compute_plan(cfg: DataConfig, sources: list[Source], inputs: dict, ngrams: 
             "documents": int(documents), "staged_bytes": int(staged_bytes), "rewritten_bytes": int(rewritten),
             "hash_table_bytes": int(hash_tables), "duplicate_key_bytes": int(duplicate_keys),
             "ngram_set": None if cfg.decontaminate.mode == "none" else {
-                "built_on": "driver, before any stage (pipeline.eval_ngrams); to the doc_scan tasks through Ray's "
-                            "object store, one copy per node",
+                "built_on": "driver, before any stage (pipeline.eval_ngrams); saved as ngrams.npy in the filter "
+                            "stage's directory, loaded from it once by each ScanDocuments actor",
+                "actors": scan_actors,
                 **({"grams": None, "why": "a Hub evaluation set is not fetched yet: built when the run starts"}
                    if ngrams is None else
                    {"grams": len(ngrams.hashes), "items": len(ngrams.sources), "file_bytes": int(ngram_file),
-                    "object_store_bytes": int(ngrams.hashes.nbytes + ngrams.items.nbytes),
+                    "bytes_per_actor": NGRAM_ACTOR_BYTES_PER_GRAM[0] * len(ngrams.hashes),
+                    "load_peak_bytes_per_actor": NGRAM_ACTOR_BYTES_PER_GRAM[1] * len(ngrams.hashes),
                     "eval_sets": [o.get("path") or f"{o['hub']}@{o['commit'][:12]}" for o in ngrams.origins]})}},
         "object_store_bytes_per_task": 4096,  # tasks return a few integers; data moves through files
         "counts": counts,
@@ -569,12 +601,14 @@ def format_plan(plan: dict) -> str:
     if plan["filter"]:
         f = plan["filter"]
         grams = f["ngram_set"]
-        lines.append(f"filter: scans {f['documents']:,d} documents ({_size(f['staged_bytes'])} staged), rewrites at "
+        lines.append(f"filter: scans {f['documents']:,d} documents ({_size(f['staged_bytes'])} staged; scan units: "
+                     f"{plan['counts']['scan_units']:,d}, reads: {plan['counts']['scan_tasks']:,d}), rewrites at "
                      f"most {_size(f['rewritten_bytes'])}; hash tables {_size(f['hash_table_bytes'])}, duplicate keys "
                      f"at most {_size(f['duplicate_key_bytes'])}; n-gram set " + (
                          "off" if grams is None else f"not built yet ({grams['why']})" if grams["grams"] is None else
-                         f"{grams['grams']:,d} grams of {grams['items']:,d} items ({_size(grams['file_bytes'])} file, "
-                         f"{_size(grams['object_store_bytes'])} in the object store), built on the driver"))
+                         f"{grams['grams']:,d} grams of {grams['items']:,d} items ({_size(grams['file_bytes'])} file; "
+                         f"{_size(grams['bytes_per_actor'])} per scan actor, actors: {grams['actors']}, "
+                         f"{_size(grams['load_peak_bytes_per_actor'])} while loading), built on the driver"))
     lines.append("shards from the packed rows: " + ", ".join(
         f"{split} {method}" for split, method in plan["reshard_method"].items()))
     lines.append("memory per task: " + ", ".join(

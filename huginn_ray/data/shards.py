@@ -408,8 +408,7 @@ def read_reducer_rows(unit: int, reducer: dict, work: str):
         part = ipc.open_file(pa.memory_map(str(_map_paths(work_dir, split, int(m))[0]))).read_all().slice(lo, hi - lo)
         for batch in part.to_batches():
             n = batch.num_rows
-            yield pa.Table.from_batches([batch]).append_column(UNIT, pa.array(np.full(n, unit, np.int32))) \
-                .append_column("map_file", pa.array(np.full(n, m, np.int32)))
+            yield pa.Table.from_batches([batch]).append_column(UNIT, pa.array(np.full(n, unit, np.int32)))
 
 
 def map_file_rows(reducers: list[tuple[int, dict]], work: str):
@@ -423,7 +422,7 @@ def write_reducer_shards(tables, reducers: dict[int, dict], plans: dict, work: s
     """The write of the shuffle's reduce pass: each reducer's rows (all of them: one reducer's read and write are
     one task), copied once into arrays of their size as the blocks arrive, ordered by position and written as its
     shards `<split>/RRRRR.parquet` (column `input_ids`, list<dtype>, row groups of `row_group_size`), each
-    committed on its own. Returns per reducer, with the sizes, the supervised tokens (loss-mask ones after each
+    committed on its own. Returns per reducer its peak RSS and the supervised tokens (loss-mask ones after each
     row's first token) of the shards it wrote."""
     work_dir = Path(work)
     state: dict[int, dict] = {}
@@ -433,7 +432,7 @@ def write_reducer_shards(tables, reducers: dict[int, dict], plans: dict, work: s
             total = reducers[unit]["rows"]
             state[unit] = {"rows": np.empty((total, row_len), numpy_dtype(dtype)),
                            "masks": np.empty((total, row_len), np.uint8) if with_mask else None,
-                           "position": np.empty(total, np.int64), "filled": 0, "maps": set()}
+                           "position": np.empty(total, np.int64), "filled": 0}
         st = state[unit]
         for batch in table.to_batches():  # the block's chunks, each a view: no combined copy of the block
             at, n = st["filled"], batch.num_rows
@@ -442,7 +441,6 @@ def write_reducer_shards(tables, reducers: dict[int, dict], plans: dict, work: s
             if with_mask:
                 st["masks"][at:at + n] = fixed_rows(batch.column(MASK), row_len, "map block")
             st["filled"] += n
-        st["maps"].update(np.unique(table.column("map_file").to_numpy()).tolist())
     return [_commit_reducer(unit, st, reducers[unit], plans[reducers[unit]["split"]], work_dir, row_len, dtype,
                             row_group_size, with_mask) for unit, st in state.items()]
 
@@ -456,7 +454,7 @@ def _commit_reducer(unit: int, st: dict, reducer: dict, plan: dict, work_dir: Pa
     order = np.argsort(st["position"], kind="stable")
     position = st["position"][order]
     rps = plan["rows_per_shard"]
-    written, supervised = 0, {}
+    supervised = {}
     for shard in reducer["shards"]:
         lo, hi = np.searchsorted(position, [shard * rps, (shard + 1) * rps])
         if hi - lo != rps or (hi > lo and (position[lo] != shard * rps or position[hi - 1] != (shard + 1) * rps - 1)):
@@ -473,14 +471,14 @@ def _commit_reducer(unit: int, st: dict, reducer: dict, plan: dict, work_dir: Pa
         table = pa.table(columns, schema=row_schema(dtype, with_mask))
         pq.write_table(table, tmp, row_group_size=row_group_size, **parquet_options(table))
         layout.commit_file(tmp, path)
-        written += path.stat().st_size
-    return {"unit": unit, "split": split, "bytes_read": st["filled"] * (row_len * (rows.itemsize + with_mask) + 8),
-            "bytes_written": written, "map_files_opened": len(st["maps"]), "peak_rss_mib": _peak_rss_mib(),
-            "supervised": supervised}
+    return {"unit": unit, "split": split, "peak_rss_mib": _peak_rss_mib(), "supervised": supervised}
 
 
 last_run_stats: dict = {}
-"""Figures of the latest write_shards in this process (tasks, bytes, task peak RSS), for bench/shuffle_scale.py."""
+"""Figures of the latest write_shards in this process, for bench/shuffle_scale.py: its tasks, its seconds, the bytes
+and map files of the whole shuffle read back from its committed files (`_committed_figures`: every map group and
+reducer counted once, whichever attempt committed it), and the largest peak RSS a task reported (tasks report it
+with their results, which a dataset stopped by a killed worker loses: the tasks of its rerun report theirs)."""
 
 
 def run_shuffle(files: list[dict], row_len: int, shard_root: Path, **settings) -> dict:
@@ -710,11 +708,7 @@ def _shuffle_splits(files: list[dict], groups: list[list[dict]], plans: dict, wo
     done = list(map_results.values()) + list(reduce_results.values())
     last_run_stats.update(
         map_tasks=len(groups), reducers=sum(plan["reducers"] for plan in plans.values()), map_s=map_s,
-        total_s=time.time() - started,
-        intermediate_bytes_written=sum(r["bytes_written"] for r in map_results.values()),
-        intermediate_bytes_read=sum(r["bytes_read"] for r in reduce_results.values()),
-        shard_bytes_written=sum(r["bytes_written"] for r in reduce_results.values()),
-        map_files_opened=sum(r["map_files_opened"] for r in reduce_results.values()),
+        total_s=time.time() - started, **_committed_figures(work, plans, len(groups), row_len, token_dtype, with_mask),
         max_task_peak_rss_mib=max([r["peak_rss_mib"] for r in done], default=0.0))
     if not with_mask:
         return dict.fromkeys(plans, 0)
@@ -724,6 +718,30 @@ def _shuffle_splits(files: list[dict], groups: list[list[dict]], plans: dict, wo
                       shard_supervised_tokens(shard_path(work / "out", name, s), row_len)
                       for s in range(plan["num_shards"]))
             for name, plan in plans.items()}
+
+
+def _committed_figures(work: Path, plans: dict, num_maps: int, row_len: int, dtype: str, with_mask: bool) -> dict:
+    """The shuffle's bytes and map file opens, read back from the files it committed under `work`, so that a map
+    group or reducer counts once whichever attempt committed it (a dataset stopped by a killed worker returns no
+    result of the tasks it completed): the map files' bytes, the bytes the reducers read (every kept row, at
+    the size the reduce write counts it), the shards' bytes, and per reducer the map files holding rows for its
+    shards (a non-empty range in the split's index: the files its read opens)."""
+    row_bytes = row_len * (np.dtype(numpy_dtype(dtype)).itemsize + with_mask) + 8
+    figures = dict.fromkeys(("intermediate_bytes_written", "intermediate_bytes_read", "shard_bytes_written",
+                             "map_files_opened"), 0)
+    for name, plan in plans.items():
+        figures["intermediate_bytes_written"] += sum(_map_paths(work, name, m)[0].stat().st_size
+                                                     for m in range(num_maps))
+        figures["intermediate_bytes_read"] += plan["kept"] * row_bytes
+        figures["shard_bytes_written"] += sum(shard_path(work / "out", name, s).stat().st_size
+                                              for s in range(plan["num_shards"]))
+        index = np.load(_split_index_path(work, name), mmap_mode="r")
+        for r in range(plan["reducers"]):
+            first = r * plan["shards_per_reducer"]
+            last = min(plan["num_shards"], first + plan["shards_per_reducer"])
+            figures["map_files_opened"] += int((np.array(index[last]) > np.array(index[first])).sum())
+        del index
+    return figures
 
 
 def _record_path(work: Path, split: str, rank: int) -> Path:
