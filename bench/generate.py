@@ -73,7 +73,7 @@ def throughput(model: RecurrentGPT, args: argparse.Namespace) -> dict:
     fixed = [Request(p, args.new_tokens, depth) for p in texts]
 
     def engine(requests):
-        config = EngineConfig(max_rows=args.batch, max_cache_bytes=2**62)
+        config = EngineConfig(max_rows=args.batch, max_cache_bytes=2**62, exit_wait_steps=args.exit_wait)
         return lambda: Engine(model, config).run_to_completion(requests)
 
     def plain():
@@ -144,6 +144,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--criterion", default="latent-diff", choices=list(DEFAULT_THRESHOLDS))
     parser.add_argument("--threshold", type=float, default=None, help="default: the criterion's")
+    parser.add_argument("--exit-wait", type=int, default=0, help="the engines' EngineConfig.exit_wait_steps")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each; the best counts")
     parser.add_argument("--rows", type=int, default=2, help="validation rows of the criteria table")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from huginn_ray.model import ModelConfig, RecurrentGPT
+from huginn_ray.model import engine as engine_module
 from huginn_ray.model import generate as generation
 from huginn_ray.model.engine import Engine, EngineConfig, Request
 from huginn_ray.model.generate import DEFAULT_THRESHOLDS, generate
@@ -124,10 +125,24 @@ def test_only_a_criterion_value_at_the_threshold_explains_a_difference():
         compare(request, at_threshold, alone_values, ([5, 7], [3, 4]), ([5, 6], [3, 4]))
 
 
-def test_each_request_gets_its_batch_1_output_with_requests_arriving_while_others_run(model, monkeypatch):
+@pytest.mark.parametrize("exit_wait_steps", [0, 3])
+def test_each_request_gets_its_batch_1_output_with_requests_arriving_while_others_run(model, monkeypatch,
+                                                                                      exit_wait_steps):
     trace = Trace(monkeypatch)
+    calls = {"steps_with_ends": 0, "finish": 0}
+
+    def counted(name, function):
+        def call(*args):
+            out = function(*args)
+            calls[name] += bool(out) if name == "steps_with_ends" else 1
+            return out
+        monkeypatch.setattr(engine_module, function.__name__, call)
+
+    counted("steps_with_ends", engine_module.iterate_pool)
+    counted("finish", engine_module.finish)
     wanted = requests(21)  # every criterion x cache strategy, every sampling mode, warm start or not
-    engine = Engine(model, EngineConfig(max_rows=4, max_cache_bytes=10**9))
+    engine = Engine(model, EngineConfig(max_rows=4, max_cache_bytes=10**9, exit_wait_steps=exit_wait_steps))
+    waits = [0]
     arrivals = {0: wanted[:6], 3: wanted[6:9], 7: wanted[9:10], 12: wanted[10:]}
     ids, outputs, in_flight, mixed, mid_forward = [], {}, [], 0, 0
     step = 0
@@ -142,8 +157,15 @@ def test_each_request_gets_its_batch_1_output_with_requests_arriving_while_other
         pool = list(engine.pool.values())
         in_flight.append(len(pool))
         mixed += len({s.cache.length for s in pool}) > 1 and len({s.iteration for s in pool}) > 1
+        waits += [engine.loop_step - ended for ended in engine.ended_at.values()]  # steps waited so far
         step += 1
     assert max(in_flight) == 4 and engine.rows_in_flight == 0 and engine.cache_bytes_reserved == 0
+    # ended forwards wait for others up to exit_wait_steps, never longer; so fewer coda/prelude calls
+    assert max(waits) == exit_wait_steps
+    if exit_wait_steps:
+        assert calls["finish"] < calls["steps_with_ends"]
+    else:
+        assert calls["finish"] == calls["steps_with_ends"]
     assert mixed > 10 and mid_forward == 3  # rows at different positions and iterations; arrivals mid-forward
     batched = list(trace.sequences)  # in admission order: first come, first served
     rounding = 0
@@ -250,6 +272,8 @@ def test_bad_request_fields_are_refused_naming_the_field(model, field, value, me
 def test_capacities_are_checked(model):
     with pytest.raises(ValueError, match="max_rows must be an integer >= 1, got 0"):
         EngineConfig(max_rows=0, max_cache_bytes=1)
+    with pytest.raises(ValueError, match="exit_wait_steps must be an integer >= 0, got -1"):
+        EngineConfig(max_rows=1, max_cache_bytes=1, exit_wait_steps=-1)
     engine = Engine(model, EngineConfig(max_rows=2, max_cache_bytes=1000))
     with pytest.raises(ValueError, match="exceeds max_cache_bytes=1,000"):
         engine.submit(Request((1, 2), 3))

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from huginn_ray.model.cache import CachePool
-from huginn_ray.model.generate import Request, Sequence, advance, start
+from huginn_ray.model.generate import Request, Sequence, finish, iterate_pool, start
 from huginn_ray.model.model import RecurrentGPT
 
 __all__ = ["Completion", "Engine", "EngineConfig", "Request", "TokenEvent"]
@@ -54,12 +54,18 @@ class EngineConfig:
     """Sequences in flight at once (the batch of each core call)."""
     max_cache_bytes: int
     """Key/value bytes the sequences in flight may reserve together."""
+    exit_wait_steps: int = 0
+    """Loop steps a sequence whose forward ended may wait, out of the core calls, for others to end, so that
+    the coda, head and next prelude of all of them run as one call each (0: in the step its forward ended).
+    Each such call costs about as much for 1 row as for 10 when a call's cost is its weights' reads or its
+    fixed overhead, not its rows' work; waiting adds at most this many steps to a token's latency and does not
+    change any output."""
 
     def __post_init__(self):
-        for name in ("max_rows", "max_cache_bytes"):
+        for name, least in (("max_rows", 1), ("max_cache_bytes", 1), ("exit_wait_steps", 0)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,9 @@ class Engine:
         self.waiting: deque[tuple[int, Request]] = deque()
         self.pool: dict[int, Sequence] = {}
         self.reserved: dict[int, int] = {}
+        self.ended_at: dict[int, int] = {}
+        """Request id -> the loop step its forward ended, while it waits for `finish` (exit_wait_steps)."""
+        self.loop_step = 0
         self.next_id = 0
 
     @property
@@ -160,8 +169,17 @@ class Engine:
         if not self.pool:
             return []
         ids = {id(sequence): request_id for request_id, sequence in self.pool.items()}
+        iterating = [sequence for request_id, sequence in self.pool.items() if request_id not in self.ended_at]
+        for sequence in iterate_pool(self.model, iterating) if iterating else []:
+            self.ended_at[ids[id(sequence)]] = self.loop_step
+        self.loop_step += 1
+        if not self.ended_at or (len(self.ended_at) < len(self.pool)
+                                 and self.loop_step - min(self.ended_at.values()) <= self.config.exit_wait_steps):
+            return []
+        ended = [self.pool[request_id] for request_id in self.ended_at]
+        self.ended_at.clear()
         events = []
-        for sequence, token_id in advance(self.model, list(self.pool.values())):
+        for sequence, token_id in finish(self.model, ended):
             request_id = ids[id(sequence)]
             events.append(TokenEvent(request_id, token_id, sequence.steps[-1], sequence.finish_reason is not None,
                                      sequence.finish_reason))
@@ -204,3 +222,4 @@ class Engine:
     def _free(self, request_id: int) -> None:
         self.pool.pop(request_id).cache.release()
         del self.reserved[request_id]
+        self.ended_at.pop(request_id, None)

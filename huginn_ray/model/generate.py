@@ -317,6 +317,9 @@ class Sequence:
         self.final_states: list[Tensor] = []
         self.finish_reason: str | None = None
         """None while generating; "stop" after a stop token, "length" after max_new_tokens."""
+        self.exit_logits: Tensor | None = None
+        """(1, V) logits of the forward's final state when it ended at a logit check (`iterate_pool`), until
+        `finish` emits its token."""
 
     # A decoding forward's (one position) state and injected half live in its slot of the pool (CachePool.states,
     # .injected), so that a batched step reads and writes them with one gather and one store; a prefill's here.
@@ -440,11 +443,17 @@ def start(model: RecurrentGPT, sequences: list[Sequence], rows: Rows | None = No
 
 
 def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, int]]:
-    """One loop step: one core iteration of every sequence of `pool`, each at its own position and iteration,
-    batched: one call for the sequences decoding a token, one for those in their prompt's prefill (so that a
-    prompt does not pad every decoding row to its length). Those whose forward ends (criterion, or maximum
-    depth) run the coda and head, emit a token and, unless finished, begin their next forward (which joins the
-    next loop step). Returns (sequence, token id) for each token emitted."""
+    """One loop step of `generate`: `iterate_pool`, then `finish` of the forwards that ended. Returns (sequence,
+    token id) for each token emitted."""
+    return finish(model, iterate_pool(model, pool))
+
+
+def iterate_pool(model: RecurrentGPT, pool: list[Sequence]) -> list[Sequence]:
+    """One core iteration of every sequence of `pool`, each at its own position and iteration, batched: one call
+    for the sequences decoding a token, one for those in their prompt's prefill (so that a prompt does not pad
+    every decoding row to its length); then the criteria. Returns the sequences whose forward ended (criterion,
+    or maximum depth), for `finish`; one that ended at a logit check keeps the logits it was checked with
+    (`exit_logits`)."""
     decoding, prefilling = [], []
     for sequence in pool:
         (decoding if sequence.length == 1 else prefilling).append(sequence)
@@ -471,19 +480,29 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
             values = ExitCriterion.quantities(criteria, None, logits)
         else:
             values = ExitCriterion.quantities(criteria, states(group), None)
-        ended += [sequence for sequence, exits in zip(group, ExitCriterion.exiting(criteria, values)) if exits]
+        for sequence, exits in zip(group, ExitCriterion.exiting(criteria, values)):
+            if exits:
+                ended.append(sequence)
+                if name in LOGIT_CRITERIA:  # its coda and head already ran on its final state
+                    row = check_row[id(sequence)]
+                    sequence.exit_logits = check_logits[row : row + 1]
+    return ended
+
+
+def finish(model: RecurrentGPT, ended: list[Sequence]) -> list[tuple[Sequence, int]]:
+    """End the forwards of `ended` (from `iterate_pool`, possibly of several loop steps): their coda and head in
+    one batched call (but for those holding `exit_logits`), their tokens, the commit of their positions, and
+    their next forwards' prelude in one batched call. Returns (sequence, token id) for each token emitted."""
     if not ended:
         return []
     # one Rows for the ending forwards' coda and, after their commit, their next forwards' prelude
     rows = Rows.of([s.cache for s in ended], [s.length for s in ended], next_column=True)
-    # a forward that ends at a logit check already has its logits: the coda and head ran on its final state
-    final = [sequence for sequence in ended if id(sequence) not in check_row]
-    final_row = {id(sequence): row for row, sequence in enumerate(final)}
-    logits = coda_head(model, final, rows if len(final) == len(ended) else None) if final else None
-    if len(final) < len(ended):
-        both = check_logits if logits is None else torch.cat([logits, check_logits])
-        logits = both[torch.tensor([final_row[id(s)] if id(s) in final_row else len(final) + check_row[id(s)]
-                                    for s in ended], device=both.device)]
+    final = [sequence for sequence in ended if sequence.exit_logits is None]
+    if len(final) == len(ended):
+        logits = coda_head(model, final, rows)
+    else:
+        computed = iter(coda_head(model, final).split(1) if final else ())
+        logits = torch.cat([s.exit_logits if s.exit_logits is not None else next(computed) for s in ended])
     if all(sequence.force_tokens is None and sequence.request.temperature == 0 for sequence in ended):
         tokens = logits.argmax(dim=-1)  # greedy: what each row's own pick gives, in one call
     else:
@@ -492,7 +511,8 @@ def advance(model: RecurrentGPT, pool: list[Sequence]) -> list[tuple[Sequence, i
     emitted = list(zip(ended, tokens.tolist()))  # the step's one read of the tokens (and one of their logprobs)
     ended[0].cache.pool.commit([s.cache for s in ended], [s.length for s in ended], [s.iteration for s in ended])
     for (sequence, token_id), logprob in zip(emitted, logprobs.tolist()):
-        sequence.coda_evals += id(sequence) in final_row
+        sequence.coda_evals += sequence.exit_logits is None
+        sequence.exit_logits = None
         sequence.emit(model, token_id, logprob)
     going_on = [row for row, sequence in enumerate(ended) if sequence.finish_reason is None]
     if going_on:
