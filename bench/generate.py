@@ -1,10 +1,12 @@
 """Generation benchmark: what adaptive exits buy in throughput under continuous depth batching.
 
     python bench/generate.py [--checkpoint DIR] [--data-dir SHARDS] [--batch 32] [--requests 64]
-        [--num-steps 16] [--new-tokens 24] [--criterion latent-diff --threshold 0.03] [--threads 1] [--json]
+        [--num-steps 16] [--new-tokens 24] [--criterion latent-diff --threshold 0.03] [--exit-wait 3]
+        [--threads 1] [--json]
 
 On the same prompts and model (raven-tiny at random init without --checkpoint), greedy decoding:
-(a) the engine (huginn_ray.model.engine) with `--batch` rows and an adaptive exit criterion;
+(a) the engine (huginn_ray.model.engine) with `--batch` rows, an adaptive exit criterion and
+    `EngineConfig.exit_wait_steps=--exit-wait`;
 (b) the engine at the fixed depth `--num-steps`;
 (c) RecurrentGPT.generate at that fixed depth, `--batch` prompts per call.
 Prints tokens/s (wall clock) and tokens per CPU second of this process (steadier on a shared machine), each
@@ -95,7 +97,8 @@ def throughput(model: RecurrentGPT, args: argparse.Namespace) -> dict:
     report = {
         "model": cfg.name, "checkpoint": args.checkpoint, "prompts": "data" if args.data_dir else "built-in",
         "requests": len(texts), "batch": args.batch, "new_tokens": args.new_tokens, "num_steps": depth,
-        "criterion": args.criterion, "threshold": threshold, "threads": torch.get_num_threads(),
+        "criterion": args.criterion, "threshold": threshold, "exit_wait_steps": args.exit_wait,
+        "threads": torch.get_num_threads(),
         "adaptive_tokens_per_s": tokens / adaptive_s, "fixed_tokens_per_s": tokens / fixed_s,
         "generate_fixed_tokens_per_s": tokens / plain_s,
         "adaptive_tokens_per_cpu_s": tokens / adaptive_cpu, "fixed_tokens_per_cpu_s": tokens / fixed_cpu,
@@ -144,7 +147,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--criterion", default="latent-diff", choices=list(DEFAULT_THRESHOLDS))
     parser.add_argument("--threshold", type=float, default=None, help="default: the criterion's")
-    parser.add_argument("--exit-wait", type=int, default=0, help="the engines' EngineConfig.exit_wait_steps")
+    parser.add_argument("--exit-wait", type=int, default=3, help="the engines' EngineConfig.exit_wait_steps")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each; the best counts")
     parser.add_argument("--rows", type=int, default=2, help="validation rows of the criteria table")
@@ -168,8 +171,8 @@ def main() -> None:
               f"prompts of {PROMPT_TOKENS} tokens, {args.new_tokens} new tokens each, greedy, batch {args.batch}, "
               f"{report['threads']} threads")
         print("| decoding | tokens/s | tokens per CPU s | mean iterations/token | max |\n|---|---|---|---|---|")
-        rows = [(f"engine, {args.criterion} < {report['threshold']}", "adaptive", f"{report['mean_iterations']:.2f}",
-                 report["max_iterations"]),
+        adaptive = f"engine, {args.criterion} < {report['threshold']}, exit_wait_steps {args.exit_wait}"
+        rows = [(adaptive, "adaptive", f"{report['mean_iterations']:.2f}", report["max_iterations"]),
                 ("engine, fixed depth", "fixed", depth := args.num_steps, depth),
                 ("RecurrentGPT.generate, fixed depth", "generate_fixed", depth, depth)]
         for label, key, mean, most in rows:

@@ -428,6 +428,10 @@ def generation_check(setup: Setup, model: RecurrentGPT) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # 6. engine
 # ---------------------------------------------------------------------------------------------------------
+EXIT_WAIT_STEPS = 3
+"""The engine's EngineConfig.exit_wait_steps here, as bench/generate.py's default."""
+
+
 def engine_check(setup: Setup, model: RecurrentGPT) -> dict:
     """The continuous-depth-batching engine on the trained model: 2 x batch requests (greedy, seeded), at the
     fixed depth and with latent-diff exits; tokens/s, iterations per token, and the fraction of requests whose
@@ -438,14 +442,14 @@ def engine_check(setup: Setup, model: RecurrentGPT) -> dict:
     prompts = [tuple(((torch.arange(16) * (row + 3) + row) % vocab).tolist()) for row in range(2 * batch)]
     # --quick: the tiny model after 8 steps moves its state by ~0.5-1 per iteration; a threshold that exits it
     threshold = 0.9 if setup.quick else DEFAULT_THRESHOLDS["latent-diff"]
-    result = {"threshold": threshold}
+    result = {"threshold": threshold, "exit_wait_steps": EXIT_WAIT_STEPS}
     for label, criterion in (("fixed depth", None), ("adaptive (latent-diff)", "latent-diff")):
         requests = [Request(prompt, setup.new_tokens, setup.depth, criterion, threshold, seed=row)
                     for row, prompt in enumerate(prompts)]
-        Engine(model, EngineConfig(batch, 2**62)).run_to_completion(requests[:2])  # warm-up
+        Engine(model, EngineConfig(batch, 2**62, EXIT_WAIT_STEPS)).run_to_completion(requests[:2])  # warm-up
         synchronize(setup.device)
         start = time.perf_counter()
-        completions = Engine(model, EngineConfig(batch, 2**62)).run_to_completion(requests)
+        completions = Engine(model, EngineConfig(batch, 2**62, EXIT_WAIT_STEPS)).run_to_completion(requests)
         synchronize(setup.device)
         seconds = time.perf_counter() - start
         iterations = [i for completion in completions for i in completion.core_iterations]
@@ -672,7 +676,8 @@ def render(report: dict) -> str:
                 f"iterations/token)" for label in ("fixed depth", "adaptive (kl)"))]
         elif section == "engine":
             lines += ["", f"engine, batch {result['batch']}, {result['requests']} requests, depth {result['depth']}, "
-                          f"{result['new_tokens']} tokens each, latent-diff < {result['threshold']}: " + "; ".join(
+                          f"{result['new_tokens']} tokens each, latent-diff < {result['threshold']}, exit_wait_steps "
+                          f"{result['exit_wait_steps']}: " + "; ".join(
                 f"{label} {result[label]['tokens_per_s']:.1f} tok/s ({result[label]['mean_iterations']:.2f} "
                 f"iterations/token, max {result[label]['max_iterations']})"
                 for label in ("fixed depth", "adaptive (latent-diff)"))

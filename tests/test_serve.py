@@ -186,7 +186,8 @@ def test_serve_spreads_concurrent_clients_over_replicas_answers_as_alone_and_sto
     env["RAY_SERVE_DEPLOYMENT_ACTOR_HEALTH_CHECK_PERIOD_S"] = "1"  # Serve finds a dead StatsBoard in 1 s, not 10
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen([sys.executable, str(REPO / "jobs" / "serve.py"), "--checkpoint", str(checkpoint),
-                               "--port", str(port), "--replicas", "2", "--max-rows", "4", "--device", "cpu"],
+                               "--port", str(port), "--replicas", "2", "--max-rows", "4", "--exit-wait-steps", "2",
+                               "--device", "cpu"],
                               env={**env, MARKER: marker}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
         # up once serve.run returned with every replica running (one may answer before the other is up)

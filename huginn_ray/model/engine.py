@@ -8,14 +8,16 @@
     engine.run_to_completion([request, ...])  # -> [Completion], in request order
 
 A pool of sequences at different positions and different core iterations is advanced together, one loop step
-per `step()`: a batched core iteration over every sequence in the pool (one call for the decoding sequences,
-one for those in their prompt's prefill, so that a prompt does not pad every row to its length;
-huginn_ray.model.generate.advance, the generator's own step: the same criteria, caches and sampling). A
-sequence whose forward ends (its criterion at its own threshold, min_steps and check_every, or its own
-num_steps) runs the coda and head and emits a token; its next token's prelude joins the pool at the next loop
-step. A finished (or cancelled) request frees its row and its cache at once, and waiting requests are admitted
-at the start of a step, in the order they came, while both capacities allow: rows (`max_rows`, the batch of a
-core call) and key/value bytes (`max_cache_bytes`; a request reserves the most its cache can hold,
+per `step()`: a batched core iteration over every sequence in the pool that is iterating (one call for the
+decoding sequences, one for those in their prompt's prefill, so that a prompt does not pad every row to its
+length; huginn_ray.model.generate.iterate_pool, the generator's own step: the same criteria, caches and
+sampling). A sequence whose forward ends (its criterion at its own threshold, min_steps and check_every, or its
+own num_steps) leaves the core calls; the ended forwards run the coda and head and emit their tokens together
+(generate.finish), in the step they end or, with `exit_wait_steps`, once the first of them has waited that
+many steps (or no sequence is left iterating), and their next tokens' prelude joins the pool at the next loop
+step. A finished (or cancelled) request frees its row and its cache at once, and waiting requests are
+admitted at the start of a step, in the order they came, while both capacities allow: rows (`max_rows`, the
+batch of a core call) and key/value bytes (`max_cache_bytes`; a request reserves the most its cache can hold,
 CachePool.reserved_bytes).
 
 Each request draws its initial noise and its samples from its own generator, seeded with its `seed`, and

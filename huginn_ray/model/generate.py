@@ -44,12 +44,14 @@ noise (continuous chain-of-thought, the release's `continuous_compute`).
 
 How rows advance (shared with the serving engine, huginn_ray.model.engine): every sequence is a `Sequence` with
 its own slot of a `CachePool` (keys/values; a decoding forward's latent state), random generator and forward in
-progress. `advance` runs one loop step: a batched core iteration over every sequence in the pool, each at its
-own position and iteration (`RowBatch`: one gather and one indexed store per block, whatever the rows' positions;
-one call for the decoding sequences, one for those in their prompt's prefill); the
-sequences whose forwards end (their criterion, or their maximum depth) run the coda and head, emit a token and
-start their next token's forward (prelude, initial state), which joins the next loop step: one coda call and
-one prelude call over one `Rows` (the index tensors built once for both). So no row waits for
+progress. `advance` runs one loop step: `iterate_pool`, a batched core iteration over every sequence in the
+pool, each at its own position and iteration (`RowBatch`: one gather and one indexed store per block, whatever
+the rows' positions; one call for the decoding sequences, one for those in their prompt's prefill), then
+`finish` of the sequences whose forwards ended (their criterion, or their maximum depth): they run the coda and
+head, emit a token and start their next token's forward (prelude, initial state), which joins the next loop
+step: one coda call and one prelude call over one `Rows` (the index tensors built once for both). The engine
+may hold ended forwards back from `finish` for a few steps to finish more of them per call
+(EngineConfig.exit_wait_steps). So no row waits for
 another (the release iterates exited rows until the whole batch exits), and each row gets what it gets alone
 at batch size 1 from the same initial noise and sampling draws, up to the rounding of batched matmuls.
 """

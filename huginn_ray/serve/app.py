@@ -57,6 +57,8 @@ class ServeSettings:
     """Sequences each replica's engine advances at once (EngineConfig.max_rows)."""
     max_cache_bytes: int
     """Key/value bytes each replica's engine may reserve (EngineConfig.max_cache_bytes)."""
+    exit_wait_steps: int = 0
+    """Loop steps a sequence whose forward ended may wait for others (EngineConfig.exit_wait_steps)."""
 
 
 SILENT_AFTER_S = 5.0
@@ -176,7 +178,8 @@ class HuginnServer:
         tokenizer = Tokenizer.from_file(str(Path(settings.tokenizer_dir) / "tokenizer.json"))
         special = special_token_ids(settings.tokenizer_dir)
         self.tokens = Tokens(tokenizer, special["bos"], special["eos"], tokenizer.token_to_id(END_TURN))
-        self.engine = Engine(self.model, EngineConfig(settings.max_rows, settings.max_cache_bytes))
+        self.engine = Engine(self.model, EngineConfig(settings.max_rows, settings.max_cache_bytes,
+                                                             settings.exit_wait_steps))
         self.loop = EngineLoop(self.engine, self.board.report)
 
     def __del__(self):
