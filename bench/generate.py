@@ -16,6 +16,7 @@ Prompts: the first 16 tokens of rows of --data-dir shards (val/*.parquet, then t
 built-in set (seeded random token ids). The goal: adaptive tokens/s >= 0.7 x (num_steps / mean iterations) x
 fixed-depth tokens/s, i.e. the iterations that exits save become throughput.
 
+--profile adds, for each engine, its loop steps and calls and what a call costs by its rows (`step_profile`).
 With --checkpoint and --data-dir it also prints, at batch size 1 teacher-forced on validation rows (prompt 16
 tokens, then 48 forced), the mean core iterations per token and the next-token loss of each exit criterion at
 its default threshold against the fixed depth (--criteria-table).
@@ -113,6 +114,59 @@ def throughput(model: RecurrentGPT, args: argparse.Namespace) -> dict:
     return report
 
 
+def step_profile(model: RecurrentGPT, args: argparse.Namespace) -> dict:
+    """One more run of each engine on the same requests with the calls of its loop steps timed
+    (time.perf_counter around huginn_ray.model.generate's `iterate` and `coda_head` and the engine's `finish`):
+    loop steps, tokens per step, core calls and their rows, `finish` calls and their rows, and the median
+    milliseconds of a decoding core call and of a decoding coda + head call by their number of rows (what a
+    call's cost does with its rows)."""
+    import huginn_ray.model.engine as engine_module
+    import huginn_ray.model.generate as generation
+
+    calls: dict[str, list[tuple[int, bool, float]]] = {}
+    patched = [(generation, "iterate", "core"), (generation, "coda_head", "coda_head"), (engine_module, "finish", "finish")]
+    originals = [getattr(module, name) for module, name, _ in patched]
+
+    def timed_call(function, key):
+        def call(model, sequences, *rest):
+            began = time.perf_counter()
+            out = function(model, sequences, *rest)
+            decoding = all(sequence.length == 1 for sequence in sequences)
+            calls.setdefault(key, []).append((len(sequences), decoding, time.perf_counter() - began))
+            return out
+        return call
+
+    def median_ms(key: str) -> dict[int, float]:
+        by_rows: dict[int, list[float]] = {}
+        for rows, decoding, seconds in calls.get(key, []):
+            if decoding:
+                by_rows.setdefault(rows, []).append(seconds)
+        return {rows: round(1000 * sorted(t)[len(t) // 2], 3) for rows, t in sorted(by_rows.items())}
+
+    texts = prompts(args, model.config.vocab_size)
+    threshold = DEFAULT_THRESHOLDS[args.criterion] if args.threshold is None else args.threshold
+    report = {}
+    for label, criterion in (("adaptive", args.criterion), ("fixed", None)):
+        calls.clear()
+        engine = Engine(model, EngineConfig(args.batch, 2**62, args.exit_wait))
+        for (module, name, key), function in zip(patched, originals):
+            setattr(module, name, timed_call(function, key))
+        try:
+            engine.run_to_completion([Request(p, args.new_tokens, args.num_steps, criterion, threshold) for p in texts])
+        finally:
+            for (module, name, _), function in zip(patched, originals):
+                setattr(module, name, function)
+        steps = engine.loop_step
+        report[label] = {
+            "loop_steps": steps, "tokens_per_step": len(texts) * args.new_tokens / steps,
+            "core_calls_per_step": len(calls["core"]) / steps,
+            "rows_per_core_call": sum(rows for rows, _, _ in calls["core"]) / len(calls["core"]),
+            "finish_calls_per_step": len(calls["finish"]) / steps,
+            "rows_per_finish_call": sum(rows for rows, _, _ in calls["finish"]) / len(calls["finish"]),
+            "core_ms_by_rows": median_ms("core"), "coda_head_ms_by_rows": median_ms("coda_head")}
+    return report
+
+
 def criteria_table(model: RecurrentGPT, args: argparse.Namespace) -> None:
     from huginn_ray.eval.depth_scaling import read_val_rows
 
@@ -152,6 +206,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each; the best counts")
     parser.add_argument("--rows", type=int, default=2, help="validation rows of the criteria table")
     parser.add_argument("--criteria-table", action="store_true", help="needs --checkpoint and --data-dir")
+    parser.add_argument("--profile", action="store_true",
+                        help="also time each engine's calls by their rows (step_profile; JSON key 'profile')")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.requests = args.requests or 2 * args.batch
@@ -164,6 +220,8 @@ def main() -> None:
         torch.manual_seed(0)
         model = RecurrentGPT(ModelConfig.from_name("raven-tiny")).eval()
     report = throughput(model, args)
+    if args.profile:
+        report["profile"] = step_profile(model, args)
     if args.json:
         print(json.dumps(report))
     else:
@@ -182,6 +240,12 @@ def main() -> None:
               f"num_steps / mean iterations: {report['iteration_ratio']:.2f}; goal (>= 0.7 x that) "
               f"{'met' if report['goal_met'] else 'not met'}; adaptive engine tokens equal to batch-1 generate: "
               f"{report['tokens_equal_fraction']:.3f}")
+        for label, profile in report.get("profile", {}).items():
+            print(f"{label} engine: {profile['loop_steps']} loop steps, {profile['tokens_per_step']:.2f} tokens, "
+                  f"{profile['core_calls_per_step']:.2f} core calls of {profile['rows_per_core_call']:.1f} rows and "
+                  f"{profile['finish_calls_per_step']:.2f} finish calls of {profile['rows_per_finish_call']:.1f} rows a "
+                  f"step; median ms of a decoding core call by rows {profile['core_ms_by_rows']}, of a coda + head "
+                  f"call {profile['coda_head_ms_by_rows']}")
     if args.criteria_table:
         criteria_table(model, args)
 
