@@ -161,6 +161,8 @@ def step_profile(model: RecurrentGPT, args: argparse.Namespace) -> dict:
             "loop_steps": steps, "tokens_per_step": len(texts) * args.new_tokens / steps,
             "core_calls_per_step": len(calls["core"]) / steps,
             "rows_per_core_call": sum(rows for rows, _, _ in calls["core"]) / len(calls["core"]),
+            "rows_per_decoding_core_call": sum(rows for rows, decoding, _ in calls["core"] if decoding)
+            / max(1, sum(decoding for _, decoding, _ in calls["core"])),
             "finish_calls_per_step": len(calls["finish"]) / steps,
             "rows_per_finish_call": sum(rows for rows, _, _ in calls["finish"]) / len(calls["finish"]),
             "core_ms_by_rows": median_ms("core"), "coda_head_ms_by_rows": median_ms("coda_head")}
@@ -242,7 +244,8 @@ def main() -> None:
               f"{report['tokens_equal_fraction']:.3f}")
         for label, profile in report.get("profile", {}).items():
             print(f"{label} engine: {profile['loop_steps']} loop steps, {profile['tokens_per_step']:.2f} tokens, "
-                  f"{profile['core_calls_per_step']:.2f} core calls of {profile['rows_per_core_call']:.1f} rows and "
+                  f"{profile['core_calls_per_step']:.2f} core calls of {profile['rows_per_core_call']:.1f} rows (decoding "
+                  f"calls {profile['rows_per_decoding_core_call']:.1f}) and "
                   f"{profile['finish_calls_per_step']:.2f} finish calls of {profile['rows_per_finish_call']:.1f} rows a "
                   f"step; median ms of a decoding core call by rows {profile['core_ms_by_rows']}, of a coda + head "
                   f"call {profile['coda_head_ms_by_rows']}")
