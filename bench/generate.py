@@ -2,12 +2,12 @@
 
     python bench/generate.py [--checkpoint DIR] [--data-dir SHARDS] [--batch 32] [--requests 64]
         [--num-steps 16] [--new-tokens 24] [--criterion latent-diff --threshold 0.03] [--exit-wait 3]
-        [--threads 1] [--json]
+        [--admit-rows BATCH/4] [--threads 1] [--json]
 
 On the same prompts and model (raven-tiny at random init without --checkpoint), greedy decoding:
-(a) the engine (huginn_ray.model.engine) with `--batch` rows, an adaptive exit criterion and
-    `EngineConfig.exit_wait_steps=--exit-wait`;
-(b) the engine at the fixed depth `--num-steps`;
+(a) the engine (huginn_ray.model.engine) with `--batch` rows, an adaptive exit criterion,
+    `EngineConfig.exit_wait_steps=--exit-wait` and `admit_rows=--admit-rows`;
+(b) the engine at the fixed depth `--num-steps` (the same EngineConfig);
 (c) RecurrentGPT.generate at that fixed depth, `--batch` prompts per call.
 Prints tokens/s (wall clock) and tokens per CPU second of this process (steadier on a shared machine), each
 the best of --repeats runs, mean and maximum core iterations per token, and the fraction of requests whose
@@ -76,7 +76,7 @@ def throughput(model: RecurrentGPT, args: argparse.Namespace) -> dict:
     fixed = [Request(p, args.new_tokens, depth) for p in texts]
 
     def engine(requests):
-        config = EngineConfig(max_rows=args.batch, max_cache_bytes=2**62, exit_wait_steps=args.exit_wait)
+        config = EngineConfig(args.batch, 2**62, args.exit_wait, args.admit_rows)
         return lambda: Engine(model, config).run_to_completion(requests)
 
     def plain():
@@ -98,7 +98,7 @@ def throughput(model: RecurrentGPT, args: argparse.Namespace) -> dict:
     report = {
         "model": cfg.name, "checkpoint": args.checkpoint, "prompts": "data" if args.data_dir else "built-in",
         "requests": len(texts), "batch": args.batch, "new_tokens": args.new_tokens, "num_steps": depth,
-        "criterion": args.criterion, "threshold": threshold, "exit_wait_steps": args.exit_wait,
+        "criterion": args.criterion, "threshold": threshold, "exit_wait_steps": args.exit_wait, "admit_rows": args.admit_rows,
         "threads": torch.get_num_threads(),
         "adaptive_tokens_per_s": tokens / adaptive_s, "fixed_tokens_per_s": tokens / fixed_s,
         "generate_fixed_tokens_per_s": tokens / plain_s,
@@ -148,7 +148,7 @@ def step_profile(model: RecurrentGPT, args: argparse.Namespace) -> dict:
     report = {}
     for label, criterion in (("adaptive", args.criterion), ("fixed", None)):
         calls.clear()
-        engine = Engine(model, EngineConfig(args.batch, 2**62, args.exit_wait))
+        engine = Engine(model, EngineConfig(args.batch, 2**62, args.exit_wait, args.admit_rows))
         for (module, name, key), function in zip(patched, originals):
             setattr(module, name, timed_call(function, key))
         try:
@@ -204,6 +204,8 @@ def main() -> None:
     parser.add_argument("--criterion", default="latent-diff", choices=list(DEFAULT_THRESHOLDS))
     parser.add_argument("--threshold", type=float, default=None, help="default: the criterion's")
     parser.add_argument("--exit-wait", type=int, default=3, help="the engines' EngineConfig.exit_wait_steps")
+    parser.add_argument("--admit-rows", type=int, default=None,
+                        help="the engines' EngineConfig.admit_rows (default: a quarter of --batch, at least 1)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each; the best counts")
     parser.add_argument("--rows", type=int, default=2, help="validation rows of the criteria table")
@@ -213,6 +215,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.requests = args.requests or 2 * args.batch
+    args.admit_rows = args.admit_rows or max(1, args.batch // 4)
     if args.criteria_table and not (args.checkpoint and args.data_dir):
         parser.error("--criteria-table needs --checkpoint and --data-dir")
     torch.set_num_threads(args.threads)
@@ -231,7 +234,8 @@ def main() -> None:
               f"prompts of {PROMPT_TOKENS} tokens, {args.new_tokens} new tokens each, greedy, batch {args.batch}, "
               f"{report['threads']} threads")
         print("| decoding | tokens/s | tokens per CPU s | mean iterations/token | max |\n|---|---|---|---|---|")
-        adaptive = f"engine, {args.criterion} < {report['threshold']}, exit_wait_steps {args.exit_wait}"
+        adaptive = (f"engine, {args.criterion} < {report['threshold']}, exit_wait_steps {args.exit_wait}, "
+                    f"admit_rows {args.admit_rows}")
         rows = [(adaptive, "adaptive", f"{report['mean_iterations']:.2f}", report["max_iterations"]),
                 ("engine, fixed depth", "fixed", depth := args.num_steps, depth),
                 ("RecurrentGPT.generate, fixed depth", "generate_fixed", depth, depth)]

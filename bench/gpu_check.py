@@ -429,7 +429,8 @@ def generation_check(setup: Setup, model: RecurrentGPT) -> dict:
 # 6. engine
 # ---------------------------------------------------------------------------------------------------------
 EXIT_WAIT_STEPS = 3
-"""The engine's EngineConfig.exit_wait_steps here, as bench/generate.py's default."""
+"""The engine's EngineConfig.exit_wait_steps here, as bench/generate.py's default (admit_rows: a quarter of the
+batch, as there)."""
 
 
 def engine_check(setup: Setup, model: RecurrentGPT) -> dict:
@@ -446,10 +447,10 @@ def engine_check(setup: Setup, model: RecurrentGPT) -> dict:
     for label, criterion in (("fixed depth", None), ("adaptive (latent-diff)", "latent-diff")):
         requests = [Request(prompt, setup.new_tokens, setup.depth, criterion, threshold, seed=row)
                     for row, prompt in enumerate(prompts)]
-        Engine(model, EngineConfig(batch, 2**62, EXIT_WAIT_STEPS)).run_to_completion(requests[:2])  # warm-up
+        Engine(model, EngineConfig(batch, 2**62, EXIT_WAIT_STEPS, max(1, batch // 4))).run_to_completion(requests[:2])  # warm-up
         synchronize(setup.device)
         start = time.perf_counter()
-        completions = Engine(model, EngineConfig(batch, 2**62, EXIT_WAIT_STEPS)).run_to_completion(requests)
+        completions = Engine(model, EngineConfig(batch, 2**62, EXIT_WAIT_STEPS, max(1, batch // 4))).run_to_completion(requests)
         synchronize(setup.device)
         seconds = time.perf_counter() - start
         iterations = [i for completion in completions for i in completion.core_iterations]

@@ -2,7 +2,7 @@
 
     python jobs/serve.py --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--replicas N] [--tokenizer DIR]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--max-rows 32] [--max-cache-gib 4] [--exit-wait-steps 0]
-        [--model-name NAME]
+        [--admit-rows 1] [--model-name NAME]
 
 DIR is a model directory, a training checkpoint, or a training out_dir (newest checkpoint); the tokenizer defaults
 to one stored beside the model. Each replica loads the model once (on one GPU with --device cuda, the default when
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exit-wait-steps", type=int, default=0,
                         help="loop steps an exited sequence may wait to share its coda/head/prelude call with others "
                              "(EngineConfig.exit_wait_steps: throughput for latency)")
+    parser.add_argument("--admit-rows", type=int, default=1,
+                        help="free rows an engine waits for before admitting queued requests together "
+                             "(EngineConfig.admit_rows: throughput for time to first token)")
     parser.add_argument("--model-name", help="the model's name in the API (default: the directory's name)")
     parser.add_argument("--verbose", action="store_true", help="Ray's own INFO lines on the console")
     args = parser.parse_args(argv)
@@ -112,6 +115,8 @@ def plan(args) -> "ServeSettings":  # noqa: F821
         raise ValueError(f"--max-cache-gib must be > 0, got {args.max_cache_gib}")
     if args.exit_wait_steps < 0:
         raise ValueError(f"--exit-wait-steps must be >= 0, got {args.exit_wait_steps}")
+    if not 1 <= args.admit_rows <= args.max_rows:
+        raise ValueError(f"--admit-rows must be in 1..--max-rows ({args.max_rows}), got {args.admit_rows}")
     # the driver of a remote cluster may have no GPU itself: its replicas do
     placement = inference_placement(args.device, args.dtype, check_present=not os.environ.get("RAY_ADDRESS"))
     model_dir = resolve_model_dir(args.checkpoint).resolve()
@@ -123,7 +128,8 @@ def plan(args) -> "ServeSettings":  # noqa: F821
     name = args.model_name or (model_dir.parent.name if model_dir.name == "model" else model_dir.name)
     return ServeSettings(model_dir=str(model_dir), tokenizer_dir=os.path.abspath(tokenizer_dir), model_name=name,
                          device=placement.device.type, dtype=placement.dtype_name, max_rows=args.max_rows,
-                         max_cache_bytes=int(args.max_cache_gib * 2**30), exit_wait_steps=args.exit_wait_steps)
+                         max_cache_bytes=int(args.max_cache_gib * 2**30), exit_wait_steps=args.exit_wait_steps,
+                         admit_rows=args.admit_rows)
 
 
 if __name__ == "__main__":

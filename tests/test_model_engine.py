@@ -125,9 +125,9 @@ def test_only_a_criterion_value_at_the_threshold_explains_a_difference():
         compare(request, at_threshold, alone_values, ([5, 7], [3, 4]), ([5, 6], [3, 4]))
 
 
-@pytest.mark.parametrize("exit_wait_steps", [0, 3])
+@pytest.mark.parametrize("exit_wait_steps,admit_rows", [(0, 1), (3, 2)])
 def test_each_request_gets_its_batch_1_output_with_requests_arriving_while_others_run(model, monkeypatch,
-                                                                                      exit_wait_steps):
+                                                                                      exit_wait_steps, admit_rows):
     trace = Trace(monkeypatch)
     calls = {"steps_with_ends": 0, "finish": 0}
 
@@ -141,8 +141,9 @@ def test_each_request_gets_its_batch_1_output_with_requests_arriving_while_other
     counted("steps_with_ends", engine_module.iterate_pool)
     counted("finish", engine_module.finish)
     wanted = requests(21)  # every criterion x cache strategy, every sampling mode, warm start or not
-    engine = Engine(model, EngineConfig(max_rows=4, max_cache_bytes=10**9, exit_wait_steps=exit_wait_steps))
-    waits = [0]
+    engine = Engine(model, EngineConfig(max_rows=4, max_cache_bytes=10**9, exit_wait_steps=exit_wait_steps,
+                                        admit_rows=admit_rows))
+    waits, held = [0], 0
     arrivals = {0: wanted[:6], 3: wanted[6:9], 7: wanted[9:10], 12: wanted[10:]}
     ids, outputs, in_flight, mixed, mid_forward = [], {}, [], 0, 0
     step = 0
@@ -150,7 +151,13 @@ def test_each_request_gets_its_batch_1_output_with_requests_arriving_while_other
         if step in arrivals:
             mid_forward += any(sequence.iteration > 0 for sequence in engine.pool.values())
             ids += [engine.submit(request) for request in arrivals[step]]
-        for event in engine.step():
+        free, waiting, running = 4 - engine.rows_in_flight, len(engine.waiting), engine.rows_in_flight
+        events = engine.step()
+        admitted = waiting - len(engine.waiting)
+        if waiting and running:  # admission waits for admit_rows free rows (or all that wait), then takes them
+            assert admitted == (min(free, waiting) if free >= min(admit_rows, waiting) else 0), (free, waiting)
+            held += 0 < free < min(admit_rows, waiting)
+        for event in events:
             tokens, steps = outputs.setdefault(event.request_id, ([], []))
             tokens.append(event.token_id)
             steps.append(event.core_iterations)
@@ -162,6 +169,7 @@ def test_each_request_gets_its_batch_1_output_with_requests_arriving_while_other
     assert max(in_flight) == 4 and engine.rows_in_flight == 0 and engine.cache_bytes_reserved == 0
     # ended forwards wait for others up to exit_wait_steps, never longer; so fewer coda/prelude calls
     assert max(waits) == exit_wait_steps
+    assert (held > 0) == (admit_rows > 1)  # free rows left idle for admit_rows
     if exit_wait_steps:
         assert calls["finish"] < calls["steps_with_ends"]
     else:
@@ -274,6 +282,8 @@ def test_capacities_are_checked(model):
         EngineConfig(max_rows=0, max_cache_bytes=1)
     with pytest.raises(ValueError, match="exit_wait_steps must be an integer >= 0, got -1"):
         EngineConfig(max_rows=1, max_cache_bytes=1, exit_wait_steps=-1)
+    with pytest.raises(ValueError, match="admit_rows must be at most max_rows=2, got 3"):
+        EngineConfig(max_rows=2, max_cache_bytes=1, admit_rows=3)
     engine = Engine(model, EngineConfig(max_rows=2, max_cache_bytes=1000))
     with pytest.raises(ValueError, match="exceeds max_cache_bytes=1,000"):
         engine.submit(Request((1, 2), 3))

@@ -187,6 +187,7 @@ def test_serve_spreads_concurrent_clients_over_replicas_answers_as_alone_and_sto
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen([sys.executable, str(REPO / "jobs" / "serve.py"), "--checkpoint", str(checkpoint),
                                "--port", str(port), "--replicas", "2", "--max-rows", "4", "--exit-wait-steps", "2",
+                               "--admit-rows", "2",
                                "--device", "cpu"],
                               env={**env, MARKER: marker}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:

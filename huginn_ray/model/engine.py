@@ -18,7 +18,7 @@ many steps (or no sequence is left iterating), and their next tokens' prelude jo
 step. A finished (or cancelled) request frees its row and its cache at once, and waiting requests are
 admitted at the start of a step, in the order they came, while both capacities allow: rows (`max_rows`, the
 batch of a core call) and key/value bytes (`max_cache_bytes`; a request reserves the most its cache can hold,
-CachePool.reserved_bytes).
+CachePool.reserved_bytes), once `admit_rows` rows are free.
 
 Each request draws its initial noise and its samples from its own generator, seeded with its `seed`, and
 attends only through its own cache at its own positions: its output is what `generate` gives it alone at
@@ -63,11 +63,19 @@ class EngineConfig:
     fixed overhead, not its rows' work; waiting adds at most this many steps to a token's latency and does not
     change any output."""
 
+    admit_rows: int = 1
+    """Rows that must be free before waiting requests are admitted (or as many as are waiting; any number when
+    no row is in flight), so that prompts enter together: each admission step runs a prelude call, and its
+    prompts' prefill runs in core calls of their own until it ends, each costing about as much for one prompt as
+    for several. Free rows stay idle meanwhile; it does not change any output. At most max_rows."""
+
     def __post_init__(self):
-        for name, least in (("max_rows", 1), ("max_cache_bytes", 1), ("exit_wait_steps", 0)):
+        for name, least in (("max_rows", 1), ("max_cache_bytes", 1), ("exit_wait_steps", 0), ("admit_rows", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if self.admit_rows > self.max_rows:
+            raise ValueError(f"admit_rows must be at most max_rows={self.max_rows}, got {self.admit_rows}")
 
 
 @dataclass(frozen=True)
@@ -207,6 +215,8 @@ class Engine:
                 for request_id in request_ids]
 
     def _admit(self) -> None:
+        if self.pool and self.config.max_rows - len(self.pool) < min(self.config.admit_rows, len(self.waiting)):
+            return  # wait for more free rows (admit_rows)
         admitted = []
         while self.waiting and len(self.pool) < self.config.max_rows:
             request_id, request = self.waiting[0]

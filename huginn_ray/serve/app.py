@@ -59,6 +59,8 @@ class ServeSettings:
     """Key/value bytes each replica's engine may reserve (EngineConfig.max_cache_bytes)."""
     exit_wait_steps: int = 0
     """Loop steps a sequence whose forward ended may wait for others (EngineConfig.exit_wait_steps)."""
+    admit_rows: int = 1
+    """Free rows an engine waits for before admitting waiting requests (EngineConfig.admit_rows)."""
 
 
 SILENT_AFTER_S = 5.0
@@ -179,7 +181,7 @@ class HuginnServer:
         special = special_token_ids(settings.tokenizer_dir)
         self.tokens = Tokens(tokenizer, special["bos"], special["eos"], tokenizer.token_to_id(END_TURN))
         self.engine = Engine(self.model, EngineConfig(settings.max_rows, settings.max_cache_bytes,
-                                                             settings.exit_wait_steps))
+                                                             settings.exit_wait_steps, settings.admit_rows))
         self.loop = EngineLoop(self.engine, self.board.report)
 
     def __del__(self):
