@@ -62,7 +62,6 @@ class EngineConfig:
     Each such call costs about as much for 1 row as for 10 when a call's cost is its weights' reads or its
     fixed overhead, not its rows' work; waiting adds at most this many steps to a token's latency and does not
     change any output."""
-
     admit_rows: int = 1
     """Rows that must be free before waiting requests are admitted (or as many as are waiting; any number when
     no row is in flight), so that prompts enter together: each admission step runs a prelude call, and its
