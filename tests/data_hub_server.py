@@ -220,3 +220,23 @@ def gsm8k_repo(questions: list[str] = HUB_QUESTIONS) -> HubRepo:
     return HubRepo("openai/gsm8k", {"main/test-00000-of-00001.parquet": _question_parquet(questions),
                                     "main/train-00000-of-00001.parquet": _question_parquet(["a training question"]),
                                     "README.md": b"# GSM8k\n"})
+
+
+def use_endpoint(monkeypatch, hub: FakeHub) -> None:
+    """What HF_ENDPOINT=<the local server> does when huggingface_hub is imported: its endpoint and the file URL
+    template built from it (a subprocess with the variable set: tests/test_data_hub_download.py)."""
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+    monkeypatch.setattr("huggingface_hub.constants.HUGGINGFACE_CO_URL_TEMPLATE",
+                        hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+
+
+def web_config_against_hub(root, repo_id: str):
+    """A data config under `root` with one local source of one document, decontaminated (mode drop) against the
+    Hub dataset `repo_id` (config main); returns the config file's path."""
+    (root / "web").mkdir()
+    (root / "web" / "docs.jsonl").write_text('{"text": "a document"}\n')
+    (root / "sources.yaml").write_text("- {name: web, local_dir: web, features: [text]}\n")
+    config = root / "data.yaml"
+    config.write_text(f"output_dir: {root / 'out'}\nsources: sources.yaml\n"
+                      f"decontaminate: {{mode: drop, against: [{{hub: {repo_id}, config: main}}]}}\n")
+    return config

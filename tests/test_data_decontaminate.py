@@ -28,7 +28,7 @@ from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_entries, content_ha
 from huginn_ray.data.doc_filter import find_duplicates, read_bucket
 from huginn_ray.data.execution import UNDECLARED_MEMORY
 from huginn_ray.data.formatting import DataError
-from data_hub_server import HUB_QUESTIONS, FakeHub, gsm8k_repo
+from data_hub_server import HUB_QUESTIONS, FakeHub, gsm8k_repo, use_endpoint, web_config_against_hub
 from local_ray import module_ray
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,14 +142,6 @@ def test_hub_evaluation_sets_are_typed_entries_refused_by_name_when_malformed(tm
         assert str(err.value).startswith(message), (entry, str(err.value))
 
 
-def _use_endpoint(monkeypatch, hub: FakeHub) -> None:
-    """What HF_ENDPOINT=<the local server> does when huggingface_hub is imported: its endpoint and the file URL
-    template built from it (a subprocess with the variable set: tests/test_data_hub_download.py)."""
-    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
-    monkeypatch.setattr("huggingface_hub.constants.HUGGINGFACE_CO_URL_TEMPLATE",
-                        hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
-
-
 TOKEN = "hf_local_test_token_do_not_log_0123456789"
 
 
@@ -168,7 +160,7 @@ def test_a_hub_evaluation_set_is_resolved_fetched_once_and_read_with_its_commit(
     local = tmp_path / "local.jsonl"
     local.write_text('{"question": "How many legs do four spiders have?", "answer": "#### 32"}\n')
     with FakeHub([repo], token=TOKEN) as hub:
-        _use_endpoint(monkeypatch, hub)
+        use_endpoint(monkeypatch, hub)
         download = DownloadConfig(max_attempts=2)
         assert eval_files([str(local), entry], tmp_path / "root", download, fetch=False) is None
         assert not (tmp_path / "root").exists()
@@ -202,7 +194,7 @@ def test_a_missing_hub_repo_revision_split_or_field_is_named_before_anything_is_
     download = DownloadConfig(max_attempts=1)
     good = HubEvalSet("openai/gsm8k", "main")
     with FakeHub([gsm8k_repo()]) as hub:
-        _use_endpoint(monkeypatch, hub)
+        use_endpoint(monkeypatch, hub)
         for entry, message in (
                 (HubEvalSet("openai/gsm9k", "main"), r"^decontaminate.against\[1\]: Hub dataset 'openai/gsm9k' "
                                                      r"\(revision 'main'\): openai/gsm9k@main \(listing\): failed"),
@@ -228,16 +220,11 @@ def test_a_run_refuses_a_missing_hub_evaluation_set_before_any_stage(tmp_path, m
     the repo before the plan samples a file or any stage writes under output_dir."""
     from huginn_ray.data import pipeline
 
-    (tmp_path / "web").mkdir()
-    (tmp_path / "web" / "docs.jsonl").write_text('{"text": "a document"}\n')
-    (tmp_path / "sources.yaml").write_text("- {name: web, local_dir: web, features: [text]}\n")
-    config = tmp_path / "data.yaml"
-    config.write_text(f"output_dir: {tmp_path / 'out'}\nsources: sources.yaml\n"
-                      "decontaminate: {mode: drop, against: [{hub: openai/gsm9k, config: main}]}\n")
+    config = web_config_against_hub(tmp_path, "openai/gsm9k")
     sampled = []
     monkeypatch.setattr(pipeline, "build_plan", lambda *args: sampled.append(args))
     with FakeHub([gsm8k_repo()]) as hub:
-        _use_endpoint(monkeypatch, hub)
+        use_endpoint(monkeypatch, hub)
         with pytest.raises(DataError, match=r"^decontaminate.against\[0\]: Hub dataset 'openai/gsm9k' \(revision "
                                             r"'main'\): openai/gsm9k@main \(listing\): failed after 1 attempt"):
             pipeline.run(load_data_config(config, ["download.max_attempts=1"]))

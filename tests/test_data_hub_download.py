@@ -22,7 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_hub_server import FAULTS, HUB_QUESTIONS, FakeHub, HubRepo, gsm8k_repo
+from data_hub_server import FAULTS, HUB_QUESTIONS, FakeHub, HubRepo, gsm8k_repo, use_endpoint, \
+    web_config_against_hub
 from local_ray import module_ray
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,13 +153,6 @@ def test_file_that_never_succeeds_fails_the_run_and_a_rerun_fetches_only_what_is
         for path in complete[1:]:
             assert _file_gets(hub, path) == 0, f"{path} was complete and should not be fetched again"
     assert _staged(tmp_path) == _staged(clean_root)
-
-
-def _use_endpoint(monkeypatch, hub: FakeHub) -> None:
-    """What HF_ENDPOINT=<the local server> does when huggingface_hub is imported (a subprocess sets the variable)."""
-    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
-    monkeypatch.setattr("huggingface_hub.constants.HUGGINGFACE_CO_URL_TEMPLATE",
-                        hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
 
 
 @pytest.fixture
@@ -428,16 +422,11 @@ def test_the_tokenizer_stages_leave_the_evaluation_sets_alone(tmp_path, monkeypa
         given.append(ngrams)
         raise Planned
 
-    (tmp_path / "web").mkdir()
-    (tmp_path / "web" / "docs.jsonl").write_text('{"text": "a document"}\n')
-    (tmp_path / "sources.yaml").write_text("- {name: web, local_dir: web, features: [text]}\n")
-    config = tmp_path / "data.yaml"
-    config.write_text(f"output_dir: {tmp_path / 'out'}\nsources: sources.yaml\n"
-                      "decontaminate: {mode: drop, against: [{hub: openai/gsm8k, config: main}]}\n")
+    config = web_config_against_hub(tmp_path, "openai/gsm8k")
     monkeypatch.setattr(pipeline, "build_plan", plan)
     repo = gsm8k_repo()
     with FakeHub([repo]) as hub:
-        _use_endpoint(monkeypatch, hub)
+        use_endpoint(monkeypatch, hub)
         with pytest.raises(Planned):
             pipeline.run(load_data_config(config), ("download", "staging"))
         assert given == [None] and hub.log == []

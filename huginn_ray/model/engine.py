@@ -173,7 +173,8 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[TokenEvent]:
-        """Admit what fits, then one loop step; the tokens it emitted."""
+        """Admit what fits (once `admit_rows` rows are free), then one loop step; the tokens it emitted (none
+        in a step whose ended forwards all still wait, exit_wait_steps)."""
         self._admit()
         if not self.pool:
             return []
