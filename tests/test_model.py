@@ -55,6 +55,17 @@ def test_state_dict_keys_are_the_hugging_face_layout():
     assert set(model.state_dict()) == expected
 
 
+def test_every_sharding_unit_is_a_module_with_a_forward_not_a_container():
+    # torch 2.11's fully_shard (the lent H100 image) raises on any nn.ModuleList or nn.ModuleDict, even one with
+    # its own forward: the core block was a ModuleList subclass, and HSDP failed there at its first shard call
+    model = build(tiny(n_layers_in_prelude=2, n_layers_in_recurrent_block=3, n_layers_in_coda=2))
+    core = model.transformer.core_block
+    for unit in [*model.transformer.prelude, *model.transformer.coda, core, model]:
+        assert not isinstance(unit, (torch.nn.ModuleList, torch.nn.ModuleDict))
+        assert type(unit).forward is not torch.nn.Module.forward
+    assert len(core) == 3 and list(core) == [core[0], core[1], core[2]] and core[-1] is core[2]
+
+
 def test_takase_init_stds():
     config = ModelConfig.from_name("raven-small")
     model = build(config)

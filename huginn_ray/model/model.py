@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -83,13 +84,28 @@ CHECKPOINT_OPTIONS = dict(use_reentrant=False, preserve_rng_state=False, determi
 """Activation checkpointing without RNG bookkeeping: nothing inside a block draws random numbers."""
 
 
-class RecurrentCore(nn.ModuleList):
+class RecurrentCore(nn.Module):
     """The core block: its sandwich blocks, applied once per recurrence iteration.
 
     `forward` runs every iteration of one forward pass in one call, so a wrapper that hooks module calls (FSDP2,
     huginn_ray.train.parallel) gathers the core's weights once per step and reduces their gradients once, after
-    the backward of the last use, instead of once per iteration. It is still a ModuleList: the parameter names
-    (`transformer.core_block.{i}....`) are the released checkpoint's."""
+    the backward of the last use, instead of once per iteration. The blocks are its children "0", "1", ..., so
+    the parameter names (`transformer.core_block.{i}....`) are the released checkpoint's. It is not an
+    nn.ModuleList: torch 2.11's fully_shard refuses any ModuleList, even one with its own forward."""
+
+    def __init__(self, blocks: Iterable[nn.Module]):
+        super().__init__()
+        for index, block in enumerate(blocks):
+            self.add_module(str(index), block)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return list(self._modules.values())[index]
 
     def iterate(self, state: Tensor, injected: Tensor, adapter_weight: Tensor, rope: Tensor,
                 cache: KVCache | None = None, first_block_index: int = 0) -> Tensor:
@@ -128,7 +144,7 @@ class RecurrentCore(nn.ModuleList):
             return self[0](F.linear(state, adapter_weight) + injected, rope)
 
         x = checkpoint(adapter_and_first_block, state, **CHECKPOINT_OPTIONS)
-        for block in self[1:]:
+        for block in list(self)[1:]:
             x = checkpoint(block, x, rope, **CHECKPOINT_OPTIONS)
         return x
 
