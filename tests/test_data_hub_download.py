@@ -313,7 +313,7 @@ def test_plan_of_the_113_huginn_sources_offline_against_the_local_hub(tmp_path, 
     spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "jobs" / "prepare_data.py")
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
-    with FakeHub([HubRepo(address, files) for address, files in repos.items()]) as hub:
+    with FakeHub([HubRepo(address, files) for address, files in repos.items()] + [gsm8k_repo()]) as hub:
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
         capsys.readouterr()
         assert job.main(["--config", str(ROOT / "configs" / "data" / "huginn.yaml"), "--plan", "--json",
@@ -326,6 +326,8 @@ def test_plan_of_the_113_huginn_sources_offline_against_the_local_hub(tmp_path, 
     assert plan["counts"]["shard_files"] == 2 * 4096 and not (tmp_path / "out").exists()
     # the one source a run refuses (its files are in Software Heritage's bucket) is named, not silently left out
     assert plan["unsupported_sources"] == [s.name for s in sources if s.requires_software_heritage_aws_download]
+    # decontamination against GSM8k's whole test split on the Hub: listed, fetched only when the run starts
+    assert plan["filter"]["ngram_set"]["why"] == "a Hub evaluation set is not fetched yet: built when the run starts"
 
 
 def test_a_verified_file_is_trusted_by_its_record_until_its_size_or_mtime_changes(tmp_path, monkeypatch):
