@@ -16,6 +16,8 @@ On the device present it measures and prints, as a table, and writes as JSON (--
 5. generation at batch 1: tokens/s of an adaptive exit (kl) against the fixed depth, on the trained model;
 6. engine: continuous depth batching (huginn_ray.model.engine) at batch 32 on the trained model, fixed depth
    against latent-diff exits: tokens/s, iterations per token, outputs equal to batch-1 generation;
+   decode calls: one core iteration at decoding's shape (1 and 32 rows of one token): its ATen operations, ms
+   per call eager, and ms per replay of it captured in a CUDA graph (how much of decoding is launch overhead);
 7. optimizer: AdamW's fused kernel (what the training takes on GPUs) against its multi-tensor step over the
    parameters of a nebel-width model of 1/1/1 layers: seconds per step, and the largest difference of the
    weights after the same steps from the same gradients (within ADAMW_TOLERANCE, else the row fails).
@@ -52,6 +54,8 @@ import pyarrow.parquet as pq
 import torch
 import torch._dynamo
 import torch.distributed as dist
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -472,6 +476,81 @@ def engine_check(setup: Setup, model: RecurrentGPT) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# 6b. decode calls: where a decoding step's time goes
+# ---------------------------------------------------------------------------------------------------------
+DECODE_CALLS = 50
+"""Timed core calls per measurement (after 3 warm-up calls)."""
+
+
+class CountingOps(TorchDispatchMode):
+    """Counts the ATen operations dispatched (each one a kernel launch on a GPU, views aside)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def decode_call_check(setup: Setup, model: RecurrentGPT) -> dict:
+    """One core iteration at decoding's shape (rows x 1 token x D; no KV cache, so attention sees one position)
+    on the trained model: ATen operations per call, ms per call eager, and ms per replay of the same call captured
+    in a CUDA graph (a GPU only). Eager much slower than the replay means the host's launches, not the GPU's
+    work, set decoding's speed: what the generation and engine sections measure is then per-call overhead."""
+    model.eval()
+    core, width = model.transformer.core_block, model.config.n_embd
+    weight = model.transformer.adapter.weight[:, :width]
+    rope = model.freqs_cis[:, 16:17]
+    result = {"blocks": len(core), "calls_timed": DECODE_CALLS, "rows": {}}
+    for rows in (1, 4) if setup.quick else (1, 32):
+        generator = torch.Generator(device=setup.device).manual_seed(rows)
+        state = torch.randn(rows, 1, width, device=setup.device, generator=generator)
+        injected = torch.randn(rows, 1, width, device=setup.device, generator=generator)
+
+        def call() -> Tensor:
+            return core.iterate(state, injected, weight, rope)
+
+        with torch.no_grad():
+            counting = CountingOps()
+            with counting:
+                call()
+            eager = per_call_seconds(call, setup.device)
+            graph = None
+            if setup.on_gpu:
+                graph = cuda_graph_replay_seconds(call)
+        result["rows"][str(rows)] = {"aten_ops": counting.count, "eager_ms": eager * 1e3,
+                                     "graph_ms": None if graph is None else graph * 1e3}
+    return {"depth_of_a_call": "one core iteration", **result}
+
+
+def per_call_seconds(call, device: torch.device) -> float:
+    for _ in range(3):
+        call()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(DECODE_CALLS):
+        call()
+    synchronize(device)
+    return (time.perf_counter() - start) / DECODE_CALLS
+
+
+def cuda_graph_replay_seconds(call) -> float:
+    """Captures `call` in a CUDA graph (warmed up on a side stream, as capture requires) and times its replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return per_call_seconds(graph.replay, torch.device("cuda"))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # 7. optimizer
 # ---------------------------------------------------------------------------------------------------------
 ADAMW_TOLERANCE = 1e-6
@@ -689,11 +768,19 @@ def render(report: dict) -> str:
                 for label in ("fixed depth", "adaptive (latent-diff)"))
                 + f"; adaptive equal to batch-1 generate: {result['tokens_equal_fraction']:.3f}"
                 + f" of {result['requests_compared']} requests"]
+        elif section == "decode_calls":
+            lines += ["", f"decode calls ({result['depth_of_a_call']}, {result['blocks']} blocks, 1 token per row, no "
+                          f"cache): " + "; ".join(
+                f"{rows} rows: {row['aten_ops']} ATen ops, eager {row['eager_ms']:.3f} ms"
+                + ("" if row["graph_ms"] is None else
+                   f", CUDA graph replay {row['graph_ms']:.3f} ms ({row['eager_ms'] / row['graph_ms']:.1f}x)")
+                for rows, row in result["rows"].items())]
     lines.append(f"total {report['seconds']:.0f} s")
     return "\n".join(lines)
 
 
-SECTIONS = ("peak", "model_step", "memory", "training", "generation", "engine", "optimizer", "bf16_gather")
+SECTIONS = ("peak", "model_step", "memory", "training", "generation", "engine", "decode_calls", "optimizer",
+            "bf16_gather")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -744,6 +831,8 @@ def main(argv: list[str] | None = None) -> int:
                         report[section] = {"error": "no trained model (the training section failed)"}
                     elif section == "generation":
                         report[section] = generation_check(setup, trained)
+                    elif section == "decode_calls":
+                        report[section] = decode_call_check(setup, trained)
                     else:
                         report[section] = engine_check(setup, trained)
                 except Exception as err:  # noqa: BLE001 - recorded in the report, and the exit status says so

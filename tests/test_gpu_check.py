@@ -25,7 +25,7 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert list(report) == ["device", "peak", "model_step", "memory", "training", "generation", "engine",
-                            "optimizer", "bf16_gather", "seconds"]
+                            "decode_calls", "optimizer", "bf16_gather", "seconds"]
     assert (report["device"]["type"], report["device"]["quick"]) == ("cpu", True)
     assert report["peak"]["matmul_flops"] > 0 and report["peak"]["copy_bytes_per_s"] > 0
 
@@ -70,6 +70,10 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
     assert (engine["batch"], engine["requests"], engine["fixed depth"]["mean_iterations"]) == (4, 8, 4.0)
     assert 1.0 <= engine["adaptive (latent-diff)"]["mean_iterations"] < 4.0  # rows exit early
     assert engine["tokens_equal_fraction"] == 1.0  # fp32, one thread: each request equals its batch-1 output
+    decode = report["decode_calls"]  # one iteration of the tiny core (1 block): the ATen ops a GPU launches per call
+    assert (decode["blocks"], list(decode["rows"])) == (1, ["1", "4"])
+    assert [row["aten_ops"] for row in decode["rows"].values()] == [76, 76]  # the same ops at any row count
+    assert all(row["graph_ms"] is None and row["eager_ms"] > 0 for row in decode["rows"].values())  # no CUDA graph
     optimizer = report["optimizer"]  # fused AdamW exists on the CPU too; the training takes single-tensor here
     with torch.device("meta"):
         one_layer_each = RecurrentGPT(ModelConfig(name="nebel-width", **{**TINY, "n_layers_in_prelude": 1,
