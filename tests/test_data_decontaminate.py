@@ -177,7 +177,12 @@ def test_a_hub_evaluation_set_is_resolved_fetched_once_and_read_with_its_commit(
                        "hash": hashlib.sha256(data).hexdigest()}]})
         gets = [p for method, p, _ in hub.log if method == "GET" and "/resolve/" in p]
         assert gets == [f"/datasets/openai/gsm8k/resolve/{repo.commit}/main/test-00000-of-00001.parquet"]
+        # a fetch killed before: its temporary file is deleted once the set's files are verified
+        stale = cached.parents[1] / ".cache" / "huggingface" / "download" / "main" / "x.parquet.incomplete"
+        stale.parent.mkdir(parents=True, exist_ok=True)
+        stale.write_bytes(b"half a file")
         assert eval_files([entry], tmp_path / "root", download) == (files[1:], origins[1:])
+        assert not stale.exists()
         assert eval_files([entry], tmp_path / "root", download, fetch=False) == (files[1:], origins[1:])
         assert [p for method, p, _ in hub.log if method == "GET" and "/resolve/" in p] == gets  # cached
     ngrams = build_ngram_set(files, 13, origins)

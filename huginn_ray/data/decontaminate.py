@@ -155,9 +155,10 @@ def eval_files(against: list, root: Path, download: DownloadConfig, fetch: bool 
     """The files of every evaluation set of `against` on this machine, and per set its origin (a local file: its
     path; a Hub set: repo, config, split, revision, the resolved commit, and its files with size and hash).
     Hub sets are resolved first (`resolve_hub_eval_sets`), then fetched into `<root>/eval_sets/<repo>@<commit>/`
-    (verified; a file verified there before is trusted). With `fetch` false nothing is fetched or written, and
+    (verified; a file verified there before is trusted; then the library's `*.incomplete` files that a killed
+    fetch left there are deleted). With `fetch` false nothing is fetched or written, and
     None is returned when a Hub set is not there yet (`--plan`)."""
-    from huginn_ray.data.hub_download import check_inside, fetch_file, verified_before
+    from huginn_ray.data.hub_download import check_inside, fetch_file, remove_incomplete, verified_before
 
     resolved = iter(resolve_hub_eval_sets(against, download))
     endpoint, token = None, None
@@ -181,6 +182,8 @@ def eval_files(against: list, root: Path, download: DownloadConfig, fetch: bool 
                 endpoint, token = constants.ENDPOINT, get_token()
             folder.mkdir(parents=True, exist_ok=True)
             fetch_file(entry.hub, commit, hub_file, str(folder), endpoint, token, download)
+        if fetch:
+            remove_incomplete(folder)  # every file of the set is verified: what a killed fetch left is garbage
         files += [EvalFile(folder / f.path, f"{entry.hub}@{commit[:12]}/{f.path}", tuple(entry.fields))
                   for f in hub_files]
         origins.append({"hub": entry.hub, "config": entry.config, "split": entry.split, "revision": entry.revision,
