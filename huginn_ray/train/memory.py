@@ -63,6 +63,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.model.loss import chunked_cross_entropy, chunked_cross_entropy_grads
+from huginn_ray.train.optim import param_groups, step_scratch_bytes
 from huginn_ray.train.parallel import fp32_parameters, gather_dtype
 
 GIB = 2**30
@@ -70,6 +71,8 @@ MI250X_GCD_GIB = 64.0
 """Device memory assumed for GPU configurations when none is configured or detected (an MI250X GCD)."""
 GPU_NODE_SIZE = 8
 """Ranks per node (hsdp's shard size) assumed for GPU configurations (Frontier: 8 GCDs)."""
+CUDA_BLOCK_BYTES = 512
+"""The CUDA caching allocator's smallest block: what a device scalar occupies."""
 
 # what FSDP2 gathers whole under hsdp, rows of the plan
 ROOT_W, ROOT_G = "gathered: root unit weights (fp32)", "gathered: root unit gradients (fp32)"
@@ -463,6 +466,11 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
         # FSDP2 reshards the core's weights, then copies its gradients into the reduce-scatter input
         plan.phases.append(Phase("core reduce-scatter", "reduce-scatter input of the core unit (fp32)",
                                  core // size * 4, (CORE_W,)))
+    # the optimizer step: backward has freed every activation, and under hsdp FSDP2 has resharded every unit
+    # and reduce-scattered every gradient, so the sharded rows and the exchange buffers remain
+    activations_row = f"activations saved for backward (k={k})"
+    freed = (activations_row, ROOT_W, ROOT_G, CORE_W, CORE_G, PREFETCH) if hsdp else (activations_row,)
+    plan.phases.append(optimizer_phase(cfg, model, whole if hsdp else set(), shards, freed))
 
     if cfg.scaling.use_gpu:
         plan.not_counted += [
@@ -486,6 +494,24 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
         advice.append("a smaller micro_batch_size (with world_batch_size kept: more gradient accumulation)")
     plan.advice = "; ".join(advice) or "a shorter block_size or a smaller model"
     return plan
+
+
+def optimizer_phase(cfg, model: RecurrentGPT, whole: set, shards: int, freed: tuple[str, ...]) -> Phase:
+    """The optimizer step's phase: what the step allocates beyond the parameters, gradients and state, for this
+    rank's part of each tensor (a shard under hsdp, `whole` tensors excepted)."""
+    groups = param_groups(model, cfg.optim.weight_decay, cfg.optim.no_weight_decay_for_bias_and_norm)
+    sizes = [[(p.numel() if p in whole or shards == 1 else shard_numel(p.shape, shards)) * 4 for p in group["params"]]
+             for group in groups]
+    if cfg.optim.name == "AdamW":
+        # torch's single-tensor step (CPU) holds sqrt(v) and its quotient, and the previous tensor's quotient until
+        # its loop rebinds the name; the fused kernel on GPUs holds none of them (the plan errs safe there)
+        scratch = max(2 * group[i] + (group[i - 1] if i else 0) for group in sizes for i in range(len(group)))
+        return Phase("optimizer step", "AdamW: 2 x a tensor + the one before (single-tensor step)", scratch, freed)
+    foreach = cfg.optim.foreach if cfg.optim.foreach is not None else cfg.scaling.use_gpu
+    scalar_bytes = CUDA_BLOCK_BYTES if cfg.scaling.use_gpu else 4
+    scratch = step_scratch_bytes(sizes, foreach, cfg.optim.update_clipping, scalar_bytes)
+    how = "one bucket's scratch (multi-tensor)" if foreach else "one tensor's scratch (single-tensor)"
+    return Phase("optimizer step", f"ELLISAdam: {how} + per-tensor scalars", scratch, freed)
 
 
 def largest_rank_micro_batch(cfg) -> int | None:
