@@ -28,7 +28,8 @@ Rows (what lives across the step, or a long part of it), per rank:
   loss (`loss_chunk_tokens`) saves only references to the final hidden states, the head weight and the labels.
 
 Phases (the moments memory can peak), each the rows alive then plus what exists only then; every activation
-counts in every phase (those of the coda and the core are freed before the later ones: the plan errs safe):
+counts in every phase up to the end of backward (those of the coda and the core are freed before the later
+ones: the plan errs safe):
 - end of forward: under bf16 autocast the cached bf16 copies of the weights (those not saved for backward),
   plus with `loss_chunk_tokens` what one chunk of the loss's forward allocates (measured). Under hsdp no
   unsharded gradient exists yet: each micro-batch's backward reduce-scatters its own;
@@ -42,7 +43,15 @@ counts in every phase (those of the coda and the core are freed before the later
   prefetched), plus with activation checkpointing the recomputation of the core's largest checkpointed segment
   (the adapter and its first block; measured the same way);
 - core reduce-scatter (hsdp): FSDP2 has resharded the core's weights and copies its gradients into the
-  reduce-scatter input (core-sized, fp32).
+  reduce-scatter input (core-sized, fp32);
+- optimizer step: backward has freed every activation (under hsdp FSDP2 has also resharded every unit and
+  reduce-scattered every gradient): the parameters, gradients, optimizer state and exchange buffers, plus the
+  step's scratch. ELLISAdam (huginn_ray.train.optim) runs each group in buckets of at most STEP_BUCKET_BYTES
+  (64 MiB; a larger tensor alone; one tensor at a time with `optim.foreach: false`) and writes each update over
+  its denominator: its scratch is the largest bucket, plus with update clipping one scalar per tensor and one
+  per tensor of that bucket (512 bytes each on GPUs, the caching allocator's smallest block). AdamW: twice a
+  tensor plus the tensor before it (torch's single-tensor step; the fused kernel on GPUs holds none of them).
+  Equal to a real CPU step byte for byte.
 Not counted, but listed with an estimate under the total (never added to it): the CUDA/HIP context, the
 communication library's buffers, the allocator's fragmentation; `memory_headroom` (default 0.9) is there for them.
 """
