@@ -30,8 +30,10 @@ Rows (what lives across the step, or a long part of it), per rank:
 Phases (the moments memory can peak), each the rows alive then plus what exists only then; every activation
 counts in every phase up to the end of backward (those of the coda and the core are freed before the later
 ones: the plan errs safe):
-- end of forward: under bf16 autocast the cached bf16 copies of the weights (those not saved for backward),
-  plus with `loss_chunk_tokens` what one chunk of the loss's forward allocates (measured). Under hsdp no
+- end of forward (the loss's forward): under bf16 autocast the cached bf16 copies of the weights (those not
+  saved for backward) and the chunked loss's bf16 copy of the head weight, plus with `loss_chunk_tokens` what
+  one chunk of the loss's forward allocates (measured). Both the head's copy and the chunk are freed when the
+  loss returns. Under hsdp no
   unsharded gradient exists yet: each micro-batch's backward reduce-scatters its own;
 - loss backward, every activation still alive. With `loss_chunk_tokens` the chunked loss's backward runs first
   and recomputes the head chunk by chunk: at its peak it holds the fp32 accumulator of the head weight's
@@ -96,8 +98,9 @@ def _storage_key(t: torch.Tensor) -> int:
 class AutocastOnMeta(TorchFunctionMode):
     """What bf16 autocast and the device's fused attention do, for meta tensors (autocast ignores meta).
 
-    linear / matmul / attention get bf16 inputs; casts of leaf tensors that require grad (the weights) are
-    cached for the whole forward like autocast's weight cache; attention runs the flash kernel of the target
+    linear / matmul / attention get bf16 inputs; casts of leaf tensors that require grad and are no views (the
+    weights, as autocast's weight cache decides) are cached for the whole forward; the head weight too, whose
+    bf16 copy the chunked loss makes itself and holds for its forward; attention runs the flash kernel of the target
     device (`_scaled_dot_product_flash_attention` on GPUs, its CPU variant on CPU), which saves what the device
     saves instead of the math fallback meta would take."""
 
@@ -112,7 +115,7 @@ class AutocastOnMeta(TorchFunctionMode):
     def _cast(self, t):
         if not (self.bf16 and isinstance(t, torch.Tensor) and t.dtype == torch.float32):
             return t
-        if t.is_leaf and t.requires_grad:
+        if t.is_leaf and t.requires_grad and not t._is_view():
             # keyed by what is viewed, not by the Python object: a weight saved for backward comes back from
             # autograd as another object over the same storage
             key = (_storage_key(t), t.storage_offset(), tuple(t.shape), t.stride())
