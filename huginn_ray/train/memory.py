@@ -449,11 +449,12 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
     plan.rows.append((f"activations saved for backward (k={k})", measured["activations"],
                       f"meta forward+loss under saved_tensors_hooks, {checkpointing}"))
 
-    # The phases, in step order. Every activation counts in each (the coda's and the core's are freed before the
-    # later phases: an overestimate). Under hsdp each micro-batch's backward reduce-scatters its unsharded
-    # gradients, so none exist during a forward.
+    # The phases, in step order. Every activation counts in each up to the end of backward (the coda's and the
+    # core's are freed before the later phases: an overestimate). Under hsdp each micro-batch's backward
+    # reduce-scatters its unsharded gradients, so none exist during a forward.
     not_yet = (ROOT_G, CORE_G, PREFETCH) if hsdp else ()
-    ending = ("bf16 weight casts (autocast's cache), " if bf16 else "") + (
+    casts = "autocast's cache" + (" and the chunked loss's head copy" if cfg.loss_chunk_tokens else "")
+    ending = (f"bf16 weight casts ({casts}), " if bf16 else "") + (
         "one loss chunk" if cfg.loss_chunk_tokens else "nothing more")
     plan.phases.append(Phase("end of forward", ending,
                              measured["weight_casts"] + measured["loss_forward"], not_yet))
