@@ -11,7 +11,7 @@ import torch
 
 from huginn_ray.config import load_config
 from huginn_ray.model import ModelConfig, RecurrentGPT
-from huginn_ray.train import memory, parallel
+from huginn_ray.train import memory, optim, parallel
 from huginn_ray.train.config import TrainConfig, load_train_config
 from huginn_ray.train.grad_sync import build_grad_sync
 from huginn_ray.train.memory import PeakLiveBytes, SavedBytes, plan_memory, saved_activation_bytes
@@ -112,6 +112,31 @@ def test_chunked_loss_backward_figure_equals_a_real_cpu_step(precision):
         assert planned == weight * (2 + 4 + 2) + hidden * 4 + chunk_logits * 2 + chunk_hidden * 2 + small
 
 
+def test_weight_cast_figure_equals_what_cpu_autocast_caches():
+    """The bf16 weight casts the meta emulation counts at the end of the forward are what a real CPU forward's
+    autocast cache frees on exit, plus the chunked loss's own bf16 copy of the head weight (alive during the
+    loss's forward, freed when it returns)."""
+    cfg = small_config("precision=bf16-mixed", "loss_chunk_tokens=48")
+    mcfg = model_config(cfg)
+    k = mcfg.mean_backprop_depth
+    torch.manual_seed(0)
+    model = RecurrentGPT(mcfg).train()
+    model.loss_chunk_tokens = cfg.loss_chunk_tokens
+    ids = batch(cfg)
+
+    def alive(mode: PeakLiveBytes) -> int:
+        return sum(size for ref, size in mode.live.values() if not ref.expired())
+
+    with PeakLiveBytes() as created:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(ids, labels=ids, num_steps=(1, k))
+            inside = alive(created)
+        cache = inside - alive(created)
+    planned = saved_activation_bytes(model.to("meta"), ids.to("meta"), (1, k), bf16=True)["weight_casts"]
+    head = 512 * 128 * 2
+    assert (cache, planned) == (3_407_872, 3_407_872 + head)
+
+
 def live_tensor_bytes(extra) -> int:
     """Distinct storages of every live CPU tensor the garbage collector knows of, plus `extra` (gradients live
     in autograd's C++ structures without a Python object)."""
@@ -156,6 +181,69 @@ def test_planned_fixed_memory_matches_what_a_cpu_step_allocates(single_rank_grou
         sync.remove_hooks()
 
 
+@pytest.mark.parametrize("foreach", [True, False])
+def test_the_plan_holds_a_whole_cpu_train_step_and_its_optimizer_step_to_the_byte(single_rank_group, monkeypatch,
+                                                                                     foreach):
+    """Two replicated train steps as the loop runs them (bf16 autocast, the gradient exchange, clipping,
+    ELLISAdam's step multi-tensor as on GPUs, or one tensor at a time), with the live bytes of every storage:
+    what exists before the step (parameters, buffers, optimizer state, exchange buffer) plus the peak of what it
+    creates (PeakLiveBytes). Buckets of 1 MiB, so that the weights group (6.6 MiB) spans several."""
+    monkeypatch.setattr(optim, "STEP_BUCKET_BYTES", 2**20)
+    cfg = small_config("precision=bf16-mixed", f"optim.foreach={str(foreach).lower()}", "grad_sync.kind=chunk_stream")
+    mcfg = model_config(cfg)
+    plan = plan_memory(cfg, mcfg)
+    optimizer_step = plan.phases[-1]
+    assert optimizer_step.name == "optimizer step"
+
+    gc.collect()
+    before = live_tensor_bytes([])
+    torch.manual_seed(0)
+    model = RecurrentGPT(mcfg).train()
+    model.loss_chunk_tokens = cfg.loss_chunk_tokens
+    sync = build_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib)
+    optimizer = build_optimizer(model, cfg.optim)
+    fixed = live_tensor_bytes([]) - before
+    ids = batch(cfg)
+    for _ in range(2):
+        with PeakLiveBytes() as forward_backward:
+            with sync.micro_batch(last=True):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = sync.module(ids, labels=ids, num_steps=(1, mcfg.mean_backprop_depth))
+                out.loss.backward()
+                del out
+            sync.finish()
+            parallel.clip_grad_norm_(list(model.parameters()), cfg.grad_clip)
+        gradients = sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
+        with PeakLiveBytes() as step:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        # the optimizer step's scratch is the plan's to the byte, and so is everything alive during it
+        assert step.peak == optimizer_step.transient_bytes
+        assert fixed + gradients + step.peak == plan.phase_total(optimizer_step)
+        # one bucket (the update written over its denominators) and at most two scalars per tensor (75 of them),
+        # not the weights group twice over (13.3 MiB)
+        assert step.peak <= 2**20 + 2 * 75 * 4
+        assert plan.total >= fixed + max(forward_backward.peak, gradients + step.peak), plan.render()
+
+
+@pytest.mark.parametrize("options", [["optim.update_clipping=false", "optim.foreach=true"],
+                                     ["optim.update_clipping=false", "optim.atan_adam=false"], ["optim.name=AdamW"]])
+def test_the_optimizer_step_phase_is_what_the_step_allocates(options):
+    """The optimizer-step phase of the other optimizers and options (update clipping: the test above) against
+    what each of two steps allocates on CPU."""
+    cfg = small_config(*options)
+    planned = plan_memory(cfg, model_config(cfg)).phases[-1]
+    torch.manual_seed(0)
+    model = RecurrentGPT(model_config(cfg)).train()
+    optimizer = build_optimizer(model, cfg.optim)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        with PeakLiveBytes() as step:
+            optimizer.step()
+        assert (planned.name, step.peak) == ("optimizer step", planned.transient_bytes)
+
+
 def test_frontier_plan_under_hsdp_and_why_replicate_does_not_fit(capsys):
     plan = plan_memory(load_train_config(FRONTIER, ["parallelism.param_dtype=float32"]))  # every gather in fp32
     head = 65536 * 5280  # padded vocab x n_embd: the tied head weight
@@ -181,7 +269,7 @@ def test_frontier_plan_under_hsdp_and_why_replicate_does_not_fit(capsys):
     # the reduce-scatter input (fp32, core-sized) takes the place of the resharded core weights
     assert plan.phase_total(phases["core reduce-scatter"]) == rows
     assert plan.phase_total(phases["end of forward"]) == (rows - plan.bytes_of(memory.ROOT_G) - 4 * 4 * block
-                                                           - plan.bytes_of(memory.PREFETCH) + 7_463_854_084)
+                                                           - plan.bytes_of(memory.PREFETCH) + 7_420_600_324)
     # chunk_stream_overlap between nodes: 4 chunks of 64 MiB in flight
     assert plan.bytes_of("exchange buffers (chunk_stream_overlap)") == 4 * 64 * 2**20
     assert plan.fits

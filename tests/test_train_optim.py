@@ -182,13 +182,19 @@ class SingleTensorReference(ELLISAdam):
             p.add_(m / denom.add_(eps), alpha=-step_size)
 
 
+@pytest.mark.parametrize("bucket_bytes", [optim.STEP_BUCKET_BYTES, 200])
 @pytest.mark.parametrize("options", [
     dict(update_clipping=True, atan_adam=True, running_init=True, decouple_wd=True),
     dict(update_clipping=False, atan_adam=False, running_init=False, decouple_wd=False),
 ])
-def test_multi_tensor_ellis_adam_equals_single_tensor_over_30_steps(options):
+def test_multi_tensor_ellis_adam_equals_single_tensor_over_30_steps(options, bucket_bytes, monkeypatch):
     torch.manual_seed(0)
     shapes = [(16, 8), (8,), (3, 5, 2), (1,)]
+    # 200-byte buckets: the first group's 512 and 32 bytes apart, the second group's 120 and 4 together
+    monkeypatch.setattr(optim, "STEP_BUCKET_BYTES", bucket_bytes)
+    if bucket_bytes == 200:
+        assert optim.step_buckets([512, 32], foreach=True) == [range(0, 1), range(1, 2)]
+        assert optim.step_buckets([120, 4], foreach=True) == [range(0, 2)]
     initial = [torch.randn(shape) for shape in shapes]
     variants = {"reference": SingleTensorReference, "single": ELLISAdam, "foreach": ELLISAdam}
     params, opts = {}, {}

@@ -28,9 +28,12 @@ Rows (what lives across the step, or a long part of it), per rank:
   loss (`loss_chunk_tokens`) saves only references to the final hidden states, the head weight and the labels.
 
 Phases (the moments memory can peak), each the rows alive then plus what exists only then; every activation
-counts in every phase (those of the coda and the core are freed before the later ones: the plan errs safe):
-- end of forward: under bf16 autocast the cached bf16 copies of the weights (those not saved for backward),
-  plus with `loss_chunk_tokens` what one chunk of the loss's forward allocates (measured). Under hsdp no
+counts in every phase up to the end of backward (those of the coda and the core are freed before the later
+ones: the plan errs safe):
+- end of forward (the loss's forward): under bf16 autocast the cached bf16 copies of the weights (those not
+  saved for backward) and the chunked loss's bf16 copy of the head weight, plus with `loss_chunk_tokens` what
+  one chunk of the loss's forward allocates (measured). Both the head's copy and the chunk are freed when the
+  loss returns. Under hsdp no
   unsharded gradient exists yet: each micro-batch's backward reduce-scatters its own;
 - loss backward, every activation still alive. With `loss_chunk_tokens` the chunked loss's backward runs first
   and recomputes the head chunk by chunk: at its peak it holds the fp32 accumulator of the head weight's
@@ -42,7 +45,15 @@ counts in every phase (those of the coda and the core are freed before the later
   prefetched), plus with activation checkpointing the recomputation of the core's largest checkpointed segment
   (the adapter and its first block; measured the same way);
 - core reduce-scatter (hsdp): FSDP2 has resharded the core's weights and copies its gradients into the
-  reduce-scatter input (core-sized, fp32).
+  reduce-scatter input (core-sized, fp32);
+- optimizer step: backward has freed every activation (under hsdp FSDP2 has also resharded every unit and
+  reduce-scattered every gradient): the parameters, gradients, optimizer state and exchange buffers, plus the
+  step's scratch. ELLISAdam (huginn_ray.train.optim) runs each group in buckets of at most STEP_BUCKET_BYTES
+  (64 MiB; a larger tensor alone; one tensor at a time with `optim.foreach: false`) and writes each update over
+  its denominator: its scratch is the largest bucket, plus with update clipping one scalar per tensor and one
+  per tensor of that bucket (512 bytes each on GPUs, the caching allocator's smallest block). AdamW: twice a
+  tensor plus the tensor before it (torch's single-tensor step; the fused kernel on GPUs holds none of them).
+  Equal to a real CPU step byte for byte.
 Not counted, but listed with an estimate under the total (never added to it): the CUDA/HIP context, the
 communication library's buffers, the allocator's fragmentation; `memory_headroom` (default 0.9) is there for them.
 """
@@ -63,6 +74,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.model.loss import chunked_cross_entropy, chunked_cross_entropy_grads
+from huginn_ray.train.optim import param_groups, step_scratch_bytes
 from huginn_ray.train.parallel import fp32_parameters, gather_dtype
 
 GIB = 2**30
@@ -70,6 +82,8 @@ MI250X_GCD_GIB = 64.0
 """Device memory assumed for GPU configurations when none is configured or detected (an MI250X GCD)."""
 GPU_NODE_SIZE = 8
 """Ranks per node (hsdp's shard size) assumed for GPU configurations (Frontier: 8 GCDs)."""
+CUDA_BLOCK_BYTES = 512
+"""The CUDA caching allocator's smallest block: what a device scalar occupies."""
 
 # what FSDP2 gathers whole under hsdp, rows of the plan
 ROOT_W, ROOT_G = "gathered: root unit weights (fp32)", "gathered: root unit gradients (fp32)"
@@ -84,8 +98,9 @@ def _storage_key(t: torch.Tensor) -> int:
 class AutocastOnMeta(TorchFunctionMode):
     """What bf16 autocast and the device's fused attention do, for meta tensors (autocast ignores meta).
 
-    linear / matmul / attention get bf16 inputs; casts of leaf tensors that require grad (the weights) are
-    cached for the whole forward like autocast's weight cache; attention runs the flash kernel of the target
+    linear / matmul / attention get bf16 inputs; casts of leaf tensors that require grad and are no views (the
+    weights, as autocast's weight cache decides) are cached for the whole forward; the head weight too, whose
+    bf16 copy the chunked loss makes itself and holds for its forward; attention runs the flash kernel of the target
     device (`_scaled_dot_product_flash_attention` on GPUs, its CPU variant on CPU), which saves what the device
     saves instead of the math fallback meta would take."""
 
@@ -100,7 +115,7 @@ class AutocastOnMeta(TorchFunctionMode):
     def _cast(self, t):
         if not (self.bf16 and isinstance(t, torch.Tensor) and t.dtype == torch.float32):
             return t
-        if t.is_leaf and t.requires_grad:
+        if t.is_leaf and t.requires_grad and not t._is_view():
             # keyed by what is viewed, not by the Python object: a weight saved for backward comes back from
             # autograd as another object over the same storage
             key = (_storage_key(t), t.storage_offset(), tuple(t.shape), t.stride())
@@ -434,11 +449,12 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
     plan.rows.append((f"activations saved for backward (k={k})", measured["activations"],
                       f"meta forward+loss under saved_tensors_hooks, {checkpointing}"))
 
-    # The phases, in step order. Every activation counts in each (the coda's and the core's are freed before the
-    # later phases: an overestimate). Under hsdp each micro-batch's backward reduce-scatters its unsharded
-    # gradients, so none exist during a forward.
+    # The phases, in step order. Every activation counts in each up to the end of backward (the coda's and the
+    # core's are freed before the later phases: an overestimate). Under hsdp each micro-batch's backward
+    # reduce-scatters its unsharded gradients, so none exist during a forward.
     not_yet = (ROOT_G, CORE_G, PREFETCH) if hsdp else ()
-    ending = ("bf16 weight casts (autocast's cache), " if bf16 else "") + (
+    casts = "autocast's cache" + (" and the chunked loss's head copy" if cfg.loss_chunk_tokens else "")
+    ending = (f"bf16 weight casts ({casts}), " if bf16 else "") + (
         "one loss chunk" if cfg.loss_chunk_tokens else "nothing more")
     plan.phases.append(Phase("end of forward", ending,
                              measured["weight_casts"] + measured["loss_forward"], not_yet))
@@ -463,6 +479,11 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
         # FSDP2 reshards the core's weights, then copies its gradients into the reduce-scatter input
         plan.phases.append(Phase("core reduce-scatter", "reduce-scatter input of the core unit (fp32)",
                                  core // size * 4, (CORE_W,)))
+    # the optimizer step: backward has freed every activation, and under hsdp FSDP2 has resharded every unit
+    # and reduce-scattered every gradient, so the sharded rows and the exchange buffers remain
+    activations_row = f"activations saved for backward (k={k})"
+    freed = (activations_row, ROOT_W, ROOT_G, CORE_W, CORE_G, PREFETCH) if hsdp else (activations_row,)
+    plan.phases.append(optimizer_phase(cfg, model, whole if hsdp else set(), shards, freed))
 
     if cfg.scaling.use_gpu:
         plan.not_counted += [
@@ -486,6 +507,24 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
         advice.append("a smaller micro_batch_size (with world_batch_size kept: more gradient accumulation)")
     plan.advice = "; ".join(advice) or "a shorter block_size or a smaller model"
     return plan
+
+
+def optimizer_phase(cfg, model: RecurrentGPT, whole: set, shards: int, freed: tuple[str, ...]) -> Phase:
+    """The optimizer step's phase: what the step allocates beyond the parameters, gradients and state, for this
+    rank's part of each tensor (a shard under hsdp, `whole` tensors excepted)."""
+    groups = param_groups(model, cfg.optim.weight_decay, cfg.optim.no_weight_decay_for_bias_and_norm)
+    sizes = [[(p.numel() if p in whole or shards == 1 else shard_numel(p.shape, shards)) * 4 for p in group["params"]]
+             for group in groups]
+    if cfg.optim.name == "AdamW":
+        # torch's single-tensor step (CPU) holds sqrt(v) and its quotient, and the previous tensor's quotient until
+        # its loop rebinds the name; the fused kernel on GPUs holds none of them (the plan errs safe there)
+        scratch = max(2 * group[i] + (group[i - 1] if i else 0) for group in sizes for i in range(len(group)))
+        return Phase("optimizer step", "AdamW: 2 x a tensor + the one before (single-tensor step)", scratch, freed)
+    foreach = cfg.optim.foreach if cfg.optim.foreach is not None else cfg.scaling.use_gpu
+    scalar_bytes = CUDA_BLOCK_BYTES if cfg.scaling.use_gpu else 4
+    scratch = step_scratch_bytes(sizes, foreach, cfg.optim.update_clipping, scalar_bytes)
+    how = "one bucket's scratch (multi-tensor)" if foreach else "one tensor's scratch (single-tensor)"
+    return Phase("optimizer step", f"ELLISAdam: {how} + per-tensor scalars", scratch, freed)
 
 
 def largest_rank_micro_batch(cfg) -> int | None:

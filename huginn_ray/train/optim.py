@@ -21,6 +21,40 @@ EMBEDDING_MARKERS = ("wte", "lm_head")
 """Names of the embedding group (the head only when untied): the reference's markers that name a parameter here."""
 NO_DECAY_MARKERS = ("ln_f", "norm", "bias")
 """Names of the norm/bias group: every norm weight, `qk_bias`, `ln_f.weight`."""
+STEP_BUCKET_BYTES = 64 * 2**20
+"""ELLISAdam's multi-tensor step covers a group in buckets of consecutive tensors of at most this many bytes (a
+larger tensor is a bucket of its own): its scratch is one bucket's size instead of a group's."""
+
+
+def step_buckets(tensor_bytes: list[int], foreach: bool) -> list[range]:
+    """The tensors (of a group, by their bytes) ELLISAdam's step treats together: consecutive runs of at most
+    STEP_BUCKET_BYTES, a larger tensor alone, with `foreach`; one tensor at a time without."""
+    buckets, start, size = [], 0, 0
+    for i, nbytes in enumerate(tensor_bytes):
+        if i > start and (not foreach or size + nbytes > STEP_BUCKET_BYTES):
+            buckets.append(range(start, i))
+            start, size = i, 0
+        size += nbytes
+    if tensor_bytes:
+        buckets.append(range(start, len(tensor_bytes)))
+    return buckets
+
+
+def step_scratch_bytes(tensor_bytes_by_group: list[list[int]], foreach: bool, update_clipping: bool,
+                       scalar_bytes: int) -> int:
+    """Peak bytes ELLISAdam's step allocates beyond the parameters, gradients and state, for groups of tensors of
+    `tensor_bytes` (this rank's parts, every tensor with a gradient). It peaks where a bucket's update begins:
+    the bucket's denominators (its bytes; the update is written over them), and with update clipping one scalar
+    per tensor (the sum of g^2 / v, kept for the whole step) and one per tensor of the bucket (its clip
+    factor), each a `scalar_bytes` allocation (4 on the CPU; 512, the CUDA caching allocator's smallest block,
+    on GPUs). The moments' g^2 / v scratch before it is one bucket too, with fewer scalars."""
+    tensors = sum(len(sizes) for sizes in tensor_bytes_by_group)
+    peak = 0
+    for sizes in tensor_bytes_by_group:
+        for bucket in step_buckets(sizes, foreach):
+            scalars = (tensors + len(bucket)) * scalar_bytes if update_clipping else 0
+            peak = max(peak, sum(sizes[i] for i in bucket) + scalars)
+    return peak
 
 
 class ELLISAdam(torch.optim.Optimizer):
@@ -79,7 +113,9 @@ class ELLISAdam(torch.optim.Optimizer):
     """True: the multi-tensor step (torch._foreach_* over each group); False: one tensor at a time; None
     (default): multi-tensor where it is faster, i.e. when the parameters live on a GPU (on CPU the foreach ops
     are loops over the same kernels). Both give the same result; it is an attribute, not a group option,
-    so param_groups and state_dict keep their layout."""
+    so param_groups and state_dict keep their layout. Either way the step's scratch is bounded: the
+    multi-tensor ops run over buckets of at most STEP_BUCKET_BYTES (`step_buckets`), each op in place where
+    the maths allows, and each update is written over its denominator (`step_scratch_bytes` counts it)."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -90,6 +126,9 @@ class ELLISAdam(torch.optim.Optimizer):
         work = [(group, [p for p in group["params"] if p.grad is not None]) for group in self.param_groups]
         work = [(group, params) for group, params in work if params]
         foreach = self.foreach if self.foreach is not None else any(local(ps[0]).device.type != "cpu" for _, ps in work)
+        # each multi-tensor op covers one bucket (bounded bytes): its scratch is a bucket's, not a group's
+        work = [(group, [params[i] for i in bucket]) for group, params in work
+                for bucket in step_buckets([local(p).numel() * local(p).element_size() for p in params], foreach)]
         # 1. moments, and per tensor the sum of g^2 / v over this rank's part (update clipping)
         sums = [self._moments_group(params, group) if foreach else [self._moments(p, group) for p in params]
                 for group, params in work]
@@ -136,7 +175,7 @@ class ELLISAdam(torch.optim.Optimizer):
         if not group["update_clipping"]:
             return None
         v.clamp_(min=group["eps"] ** 2)
-        return g.square().div(v).sum()
+        return g.square().div_(v).sum()
 
     def _apply(self, p: torch.Tensor, group: dict, clip: torch.Tensor | None) -> None:
         """Single tensor: bias corrections, weight decay and the (clipped) step."""
@@ -151,7 +190,8 @@ class ELLISAdam(torch.optim.Optimizer):
         denom = v.sqrt().div_(math.sqrt(1.0 - beta2**t))
         if wd != 0.0:
             param.mul_(1.0 - (lr / init_lr) * wd if group["decouple_wd"] else 1.0 - lr * wd)
-        update = torch.atan2(m, denom) if group["atan_adam"] else m / denom.add_(eps)
+        # the update is written over denom: one tensor of scratch
+        update = torch.atan2(m, denom, out=denom) if group["atan_adam"] else torch.div(m, denom.add_(eps), out=denom)
         if clip is not None:
             update.div_(clip)
         param.add_(update, alpha=-step_size)
@@ -171,7 +211,9 @@ class ELLISAdam(torch.optim.Optimizer):
         if not group["update_clipping"]:
             return [None] * len(params)
         torch._foreach_clamp_min_(vs, group["eps"] ** 2)
-        return [ratio.sum() for ratio in torch._foreach_div(torch._foreach_mul(grads, grads), vs)]
+        ratios = torch._foreach_mul(grads, grads)
+        torch._foreach_div_(ratios, vs)
+        return [ratio.sum() for ratio in ratios]
 
     def _apply_group(self, params: list[torch.Tensor], group: dict, clips: list[torch.Tensor | None]) -> None:
         """Multi-tensor `_apply`."""
@@ -189,12 +231,12 @@ class ELLISAdam(torch.optim.Optimizer):
         torch._foreach_div_(denoms, [math.sqrt(1.0 - beta2**t) for t in ts])
         if wd != 0.0:
             torch._foreach_mul_(tensors, 1.0 - (lr / init_lr) * wd if group["decouple_wd"] else 1.0 - lr * wd)
+        # each update is written over its denominator (no multi-tensor op writes m / d into d): one bucket of scratch
         if group["atan_adam"]:
-            updates = [torch.atan2(m, d) for m, d in zip(ms, denoms)]
+            updates = [torch.atan2(m, d, out=d) for m, d in zip(ms, denoms)]
         else:
             torch._foreach_add_(denoms, eps)
-            updates = torch._foreach_div(ms, denoms)
-        del denoms
+            updates = [torch.div(m, d, out=d) for m, d in zip(ms, denoms)]
         if clips[0] is not None:
             torch._foreach_div_(updates, clips)
         step_sizes = [lr / (1.0 - beta1**t) for t in ts]
