@@ -230,6 +230,16 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_allocated(device: torch.device) -> int | None:
+    """The most bytes allocated since the last reset_peak (None off CUDA, whose allocator alone counts)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
 def difference(after: int | None, before: int | None) -> int | None:
     return None if after is None or before is None else after - before
 
@@ -237,9 +247,10 @@ def difference(after: int | None, before: int | None) -> int | None:
 def memory_check(setup: Setup, root: Path) -> dict:
     """The plan of the nebel-width training configuration, then the same configuration built by build_components
     on the device, allocated bytes measured from before the build: after it (parameters, buffers and the
-    optimizer state, which the optimizer allocates at construction), after one micro-batch's forward inside
-    autocast (+ activations and bf16 weight casts) and after leaving it (+ activations), after its backward
-    (+ gradients); then the peak of a whole train_step."""
+    optimizer state, which the optimizer allocates at construction), the peak of one micro-batch's forward and
+    loss (+ activations, bf16 weight casts, the chunked loss's head copy and chunk) and what stays after it
+    (+ activations), after its backward (+ gradients), the peak of an optimizer step above that; then the peak
+    of a whole train_step."""
     config, seq_len, cfg = nebel_cut(setup)
     plan = plan_memory(cfg, config)
     cfg.data.data_dir = str(write_shard(root / "memory", config.vocab_size, seq_len, rows=8))
@@ -252,25 +263,28 @@ def memory_check(setup: Setup, root: Path) -> dict:
     batch = c.reader.next_step()[0]
     inputs, labels = batch.inputs.to(device), batch.labels.to(device)
     k = config.mean_backprop_depth
+    reset_peak(device)
     with c.autocast:
         loss = c.sync.module(inputs, labels=labels, num_steps=(1, k)).loss
-        forward_with_casts = allocated(device)
+    forward_peak = peak_allocated(device)
     forward = allocated(device)
     loss.backward()
     c.sync.finish()
     del loss
     gradients = allocated(device)
+    reset_peak(device)
+    c.optimizer.step()
+    step_peak = peak_allocated(device)
     c.optimizer.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak(device)
     loop.train_step(c, 2, cfg, run_plan, device)
     synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    peak = peak_allocated(device)
 
     def planned(prefix: str) -> int:
         return next(size for name, size, _ in plan.rows if name.startswith(prefix))
 
-    end_of_forward = next(phase for phase in plan.phases if phase.name == "end of forward").transient_bytes
+    phase = {p.name: p.transient_bytes for p in plan.phases}
 
     items = [
         ("parameters + buffers + optimizer state", planned("parameters") + planned("optimizer state"),
@@ -278,8 +292,10 @@ def memory_check(setup: Setup, root: Path) -> dict:
         ("gradients", planned("gradients"), difference(gradients, built)),
         ("activations saved for backward (end of forward, outside autocast)", planned("activations saved"),
          difference(forward, built)),
-        ("weight casts at the end of the forward (plan: + one loss chunk)", end_of_forward,
-         difference(forward_with_casts, forward)),
+        ("forward peak (activations, casts, the loss's head copy and chunk)",
+         planned("activations saved") + phase["end of forward"], difference(forward_peak, built)),
+        ("optimizer step's scratch (peak during optimizer.step)", phase["optimizer step"],
+         difference(step_peak, gradients)),
         ("total: the peak of a whole train_step", plan.total, difference(peak, before)),
     ]
     del c, inputs, labels

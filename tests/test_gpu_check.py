@@ -41,7 +41,8 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
     assert [item["item"] for item in memory["items"]] == [
         "parameters + buffers + optimizer state", "gradients",
         "activations saved for backward (end of forward, outside autocast)",
-        "weight casts at the end of the forward (plan: + one loss chunk)", "total: the peak of a whole train_step"]
+        "forward peak (activations, casts, the loss's head copy and chunk)",
+        "optimizer step's scratch (peak during optimizer.step)", "total: the peak of a whole train_step"]
     fixed, grads = memory["items"][0]["planned_bytes"], memory["items"][1]["planned_bytes"]
     with torch.device("meta"):
         model = RecurrentGPT(ModelConfig(name="nebel-width", **{**TINY, "n_layers_in_prelude": 2,
