@@ -157,11 +157,15 @@ def install_bundle(run: Run) -> None:
                                         "--no-compile", "--target", str(site), *map(str, sorted(wheels.glob("*.whl")))],
                             limit_s=180)
     shutil.rmtree(wheels, ignore_errors=True)
-    count = len(list(site.glob("*.dist-info")))
-    run.record("install", status, time.monotonic() - start, f"{count} distributions into {site}")
     sys.path[:0] = [str(site), str(REPO)]
     run.env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), run.env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     os.environ["PYTHONPATH"] = run.env["PYTHONPATH"]  # the Ray head's processes start from this environment
+    # the image's own packages against the bundle's requirements (a version the bundle would have to carry)
+    _, check = run.command("pip check", [sys.executable, "-m", "pip", "check"], limit_s=60)
+    conflicts = [line for line in check.splitlines() if " requires " in line or " has requirement " in line]
+    count = len(list(site.glob("*.dist-info")))
+    run.record("install", status, time.monotonic() - start, f"{count} distributions into {site}; pip check: "
+                                                             f"{len(conflicts)} conflicts (e2e.log)")
 
 
 IMPORTS = """
