@@ -56,6 +56,34 @@ def test_stored_wheel_drops_members_and_record_lines_and_pip_installs_it(tmp_pat
     assert not (site / "ray" / "jars").exists() and not (site / "ray" / "rllib").exists()
 
 
+def wheel_requiring(directory: Path, name: str, requires: list[str]) -> Path:
+    """A wheel whose METADATA holds only these Requires-Dist lines."""
+    wheel = directory / f"{name}-1.0-py3-none-any.whl"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n"
+    metadata += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(f"{name}-1.0.dist-info/METADATA", metadata)
+    return wheel
+
+
+def test_requirements_problems_names_what_neither_bundle_image_nor_left_out_holds(tmp_path):
+    ray = wheel_requiring(tmp_path, "ray", [
+        "click>=7.0",  # in the image
+        "jsonschema",  # bundled below
+        'py-spy>=0.4.0; python_version >= "3.12" and extra == "default"',  # left out on purpose
+        'fastapi>=0.133.0; extra == "serve"',  # an extra the project installs, not bundled
+        'gymnasium==1.2.2; extra == "rllib"',  # an extra it does not
+        'async-timeout; python_version < "3.11"',  # not on the lent machine's Python
+    ])
+    jsonschema = wheel_requiring(tmp_path, "jsonschema", ["rpds-py>=0.25"])
+    assert device_bundle.requirements_problems([ray, jsonschema]) == [
+        'ray needs fastapi>=0.133.0; extra == "serve": not bundled, not in FROM_IMAGE, not in LEFT_OUT',
+        "jsonschema needs rpds-py>=0.25: not bundled, not in FROM_IMAGE, not in LEFT_OUT",
+    ]
+    fastapi, rpds = wheel_requiring(tmp_path, "fastapi", []), wheel_requiring(tmp_path, "rpds_py", [])
+    assert device_bundle.requirements_problems([ray, jsonschema, fastapi, rpds]) == []
+
+
 def test_distribution_names_the_wheel_as_dropped_does():
     assert device_bundle.distribution(Path("ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl")) == "ray"
     assert device_bundle.distribution(Path("rpds_py-2026.9.1-cp312-cp312-manylinux_2_17_x86_64.whl")) == "rpds-py"

