@@ -27,7 +27,7 @@ run going on after a failure (a step whose input failed is skipped):
 Writes to OUT (at most 5 files): summary.txt (the table printed at the end), e2e.log (every step's output),
 depth_scaling.csv, serve_responses.json, and ray_logs.tar.gz (Ray's session logs) when a step failed. No step
 starts once --budget-s (540 s) is spent, so the summary comes back from a device call of 10 minutes. The demo
-model is raven-tiny: on 2 CPU cores the steps take about 100 s (the training 32 s of it); on the GPU machine add
+model is raven-tiny: on 2 shared CPU cores the steps took 100 to 150 s (the training 32 to 46 s); on the GPU machine add
 about 10 s for the bundle's install (the GPU timings are not measured yet). The device call:
 `python3 bench/gpu_e2e.py $OUT`, carry [".device_bundle"], timeout_s 600, after `python3 tools/device_bundle.py`
 here (about 3 minutes).
