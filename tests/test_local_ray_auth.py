@@ -40,3 +40,14 @@ def test_a_jobs_own_local_ray_refuses_clients_without_its_token():
     assert "WORKER_MODE token" in run.stdout
     assert "CLIENT right True" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "CLIENT none False" in run.stdout and "CLIENT wrong False" in run.stdout, run.stdout
+
+
+def test_head_command_offers_the_gpus_asked_for_else_leaves_them_to_ray():
+    from huginn_ray.cluster.local_ray import head_command
+
+    common = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port=6379",
+              "--node-ip-address=127.0.0.1", "--temp-dir=/tmp/hr_x", "--disable-usage-stats",
+              "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--dashboard-port=8265"]
+    assert head_command("/tmp/hr_x", 6379, 8265) == common
+    assert head_command("/tmp/hr_x", 6379, 8265, num_gpus=1) == common + ["--num-gpus=1"]
+    assert head_command("/tmp/hr_x", 6379, 8265, num_gpus=0) == common + ["--num-gpus=0"]

@@ -49,20 +49,19 @@ def init_local_ray(*, verbose: bool = False, dashboard: bool = False, **ray_init
 
 class LocalRayHead:
     """`ray start --head --block` on loopback with token authentication, in a session of its own; `stop()` ends
-    its processes (its process group; the workers die with their raylet)."""
+    its processes (its process group; the workers die with their raylet). `num_gpus`: the GPUs the head offers
+    (None: what Ray detects)."""
 
-    def __init__(self, temp_dir: str, verbose: bool = False, startup_timeout_s: float = 120.0):
+    def __init__(self, temp_dir: str, verbose: bool = False, startup_timeout_s: float = 120.0,
+                 num_gpus: int | None = None):
         from huginn_ray.console import quiet_local_ray
 
         quiet_local_ray(verbose)  # the head's processes inherit the settings through the environment
         require_token_auth()
-        port, dashboard_port = _free_port(), _free_port()
+        port = _free_port()
         self.address = f"127.0.0.1:{port}"
         self.log_path = Path(temp_dir) / "ray_start.log"
-        command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
-                   "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}", "--disable-usage-stats",
-                   # Ray Train's controller asks the state API, which the dashboard serves, whether it is alive
-                   "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
+        command = head_command(temp_dir, port, _free_port(), num_gpus)
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             preexec_fn=_terminate_with_parent)
@@ -96,6 +95,15 @@ class LocalRayHead:
                 break
             except subprocess.TimeoutExpired:
                 continue
+
+
+def head_command(temp_dir: str, port: int, dashboard_port: int, num_gpus: int | None = None) -> list[str]:
+    """The `ray start` of a LocalRayHead: on loopback, blocking, with its dashboard (Ray Train's controller asks
+    the state API, which the dashboard serves, whether it is alive); `--num-gpus` only when num_gpus is given."""
+    command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+               "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+               "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
+    return command + ([f"--num-gpus={num_gpus}"] if num_gpus is not None else [])
 
 
 def _terminate_with_parent() -> None:
