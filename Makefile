@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # schedule with the data where another Python's sources give fewer
 DEMO_STEPS ?= 150
 
-.PHONY: test demo install clean gpu-check
+.PHONY: test demo install clean gpu-check gpu-bundle
 
 install: $(STAMP)
 
@@ -60,6 +60,11 @@ demo: $(STAMP)
 GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_CHECK_PY) bench/gpu_check.py --out out/gpu_check.json
+
+# The Ray paths on a GPU machine without Ray or MLflow: build the wheels here (a few minutes, 45 MiB in
+# .device_bundle/), carry that folder, and run `python3 bench/gpu_e2e.py OUT` there (its docstring).
+gpu-bundle:
+	python3 tools/device_bundle.py
 
 clean:
 	rm -rf $(VENV)
