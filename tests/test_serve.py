@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -346,19 +347,19 @@ def test_stats_board_lists_the_replicas_heard_from_lately_and_sums_only_them():
 
     now = [100.0]
     board = StatsBoard(silent_after_s=5.0, clock=lambda: now[0])
-    board.report("a", {"tokens": 3, "requests_finished": 1})
-    board.report("b", {"tokens": 4, "requests_finished": 2})
-    board.report("c", {"tokens": 5, "requests_finished": 0})
+    board.report("a", {"tokens": 3, "requests_finished": 1, "step_running_s": 0.0})
+    board.report("b", {"tokens": 4, "requests_finished": 2, "step_running_s": 2.5})
+    board.report("c", {"tokens": 5, "requests_finished": 0, "step_running_s": 9.0})
     now[0] = 104.0
-    board.report("a", {"tokens": 7, "requests_finished": 2})
+    board.report("a", {"tokens": 7, "requests_finished": 2, "step_running_s": 1.5})
     board.forget("c")  # stopped cleanly: gone at once
     now[0] = 105.0  # b last reported 5 s ago: still live
-    assert board.stats() == {"replicas": {"a": {"tokens": 7, "requests_finished": 2},
-                                          "b": {"tokens": 4, "requests_finished": 2}},
-                             "total": {"tokens": 11, "requests_finished": 4}}
+    assert board.stats() == {"replicas": {"a": {"tokens": 7, "requests_finished": 2, "step_running_s": 1.5},
+                                          "b": {"tokens": 4, "requests_finished": 2, "step_running_s": 2.5}},
+                             "total": {"tokens": 11, "requests_finished": 4, "step_running_s": 2.5}}  # the longest
     now[0] = 105.5  # b silent for 5.5 s: dead, its counters leave the total
-    assert board.stats() == {"replicas": {"a": {"tokens": 7, "requests_finished": 2}},
-                             "total": {"tokens": 7, "requests_finished": 2}}
+    assert board.stats() == {"replicas": {"a": {"tokens": 7, "requests_finished": 2, "step_running_s": 1.5}},
+                             "total": {"tokens": 7, "requests_finished": 2, "step_running_s": 1.5}}
     assert list(board.replicas) == ["a"]
     now[0] = 200.0
     assert board.stats() == {"replicas": {}, "total": {}}
@@ -378,7 +379,7 @@ def test_engine_loop_reports_while_idle_and_counts_the_requests_a_failed_step_dr
         while len(reports) < 5 and time.monotonic() < deadline:
             time.sleep(0.01)
         idle = dict(rows_in_flight=0, requests_waiting=0, cache_bytes_reserved=0, requests_finished=0,
-                    requests_cancelled=0, requests_failed=0, tokens=0, loop_steps=0)
+                    requests_cancelled=0, requests_failed=0, tokens=0, loop_steps=0, step_running_s=0.0)
         assert len(reports) >= 5 and all(report == idle for report in reports), reports
 
         real_step = engine.step
@@ -405,5 +406,31 @@ def test_engine_loop_reports_while_idle_and_counts_the_requests_a_failed_step_dr
             time.sleep(0.01)
         # 4 tokens of 2 core iterations each, one per loop step; the failed step is not counted
         assert reports[-1] == dict(idle, requests_finished=1, requests_failed=2, tokens=4, loop_steps=8)
+
+        # a step that runs long (a large model on a CPU) is reported while it runs, with its running time
+        release = threading.Event()
+
+        def long_step():
+            monkeypatch.setattr(engine, "step", real_step)
+            release.wait(60)
+            return real_step()
+
+        monkeypatch.setattr(engine, "step", long_step)
+        since = len(reports)
+        answered = []
+        handler = threading.Thread(daemon=True, target=lambda: answered.append(asyncio.run(serve([Request((5, 6, 7), 1,
+                                                                                             num_steps=2)]))))
+        handler.start()
+        deadline = time.monotonic() + 30
+        while sum(report["step_running_s"] > 0 for report in reports[since:]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        during = [report["step_running_s"] for report in reports[since:] if report["step_running_s"] > 0]
+        assert len(during) >= 3 and during == sorted(during) and reports[-1]["loop_steps"] == 8, reports[-3:]
+        release.set()
+        handler.join(60)
+        while reports[-1]["requests_finished"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert answered == [["length"]]  # 1 token of 2 core iterations: 2 loop steps
+        assert reports[-1] == dict(idle, requests_finished=2, requests_failed=2, tokens=5, loop_steps=10)
     finally:
         loop.stop()

@@ -67,14 +67,19 @@ SILENT_AFTER_S = 5.0
 """A replica whose last report is older than this (five of its engine loop's report intervals) is taken for dead."""
 
 
+LONGEST = ("step_running_s",)
+"""Report fields that are durations, not counters: their total is the longest, not the sum."""
+
+
 class StatsBoard:
     """Each live replica's last report (EngineLoop.snapshot), by replica tag. Serve runs it as the deployment's
     actor "stats" (build_app).
 
     Why reports stamped on arrival rather than asking Serve which replicas run: the engine loop already reports
-    to this board and, idle or not, does so every second, so its silence is the one sign that covers every way a
-    replica ends (process killed, node lost, engine thread stuck) with no call to Serve's controller, whose
-    public status (serve.status) counts replicas by state but does not name them. A replica that stops cleanly
+    to this board and, idle, busy or inside a long step, does so every second, so its silence is the one sign
+    that covers every way a replica's process ends (killed, node lost) with no call to Serve's controller, whose
+    public status (serve.status) counts replicas by state but does not name them; an engine thread stuck in a
+    step shows as its report's growing `step_running_s`. A replica that stops cleanly
     says so (`forget`) and leaves at once; one that dies leaves once it has been silent for `silent_after_s`. The
     clock is monotonic: the arrival times are this actor's own."""
 
@@ -96,7 +101,8 @@ class StatsBoard:
         for replica in [replica for replica, (at, _) in self.replicas.items() if now - at > self.silent_after_s]:
             del self.replicas[replica]
         live = {replica: snapshot for replica, (_, snapshot) in sorted(self.replicas.items())}
-        total = {key: sum(snapshot[key] for snapshot in live.values()) for key in next(iter(live.values()), {})}
+        total = {key: (max if key in LONGEST else sum)(snapshot[key] for snapshot in live.values())
+                 for key in next(iter(live.values()), {})}
         return {"replicas": live, "total": total}
 
 

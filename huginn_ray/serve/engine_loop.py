@@ -12,12 +12,15 @@ the next step, so a request that arrives joins the batch at the next loop step a
 Each token reaches its handler through that handler's asyncio queue (`call_soon_threadsafe`). A forward is
 torch work that releases the GIL for its kernels, so the handlers' event loop keeps answering meanwhile.
 
-The loop reports its `snapshot()` (the engine's state and the loop's counters) through `report`: once when it
-starts, after every loop step in which a request entered or left the engine (submitted, finished, cancelled,
-failed), and otherwise every `report_every_s`, idle or not (an idle loop waits for commands that long at most).
-So once the engine is idle the last report is exact; while it works, the token and step counters lag by at most
-`report_every_s`; and a loop that has not reported for several `report_every_s` is not running (its process
-died, or one engine step has taken that long): the StatsBoard leaves such a replica out.
+The engine thread publishes its `snapshot()` (the engine's state and the loop's counters) after every loop step
+and every command; a second thread, the reporter, sends the latest one through `report`: once at the start, at
+once after a step in which a request entered or left the engine (submitted, finished, cancelled, failed), and
+otherwise every `report_every_s`, idle or not, and also while one engine step runs for long (a large model on a
+CPU: a prefill can take minutes). Each report says how long the step under way has run (`step_running_s`; 0
+between steps), so a stuck engine thread shows as a growing figure. Only the engine thread reads the engine (it
+is not thread-safe); the reporter reads the published snapshot, a dict replaced whole. So once the engine is
+idle the last report is exact; while it works, the counters lag by at most one step or `report_every_s`; and a
+loop that has not reported for several `report_every_s` has lost its process: the StatsBoard leaves it out.
 """
 
 from __future__ import annotations
@@ -66,11 +69,18 @@ class EngineLoop:
         self.engine = engine
         self.stats = LoopStats()
         self.report, self.report_every_s = report, report_every_s
-        self.reported_at = time.monotonic()
-        report(self.snapshot())
+        self.step_started: float | None = None
+        """When the engine step under way began (time.monotonic); None between steps."""
+        self.published = self.snapshot()
+        """The engine thread's latest snapshot, for the reporter (replaced whole, never changed in place)."""
+        self.changed = threading.Event()
+        """Set by the engine thread when a request entered or left: the reporter sends at once."""
+        self.stopping = threading.Event()
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.tickets: dict[int, Ticket] = {}
         self.ids: dict[Ticket, int] = {}
+        self.reporter = threading.Thread(target=self._report_loop, name="huginn-stats-reporter", daemon=True)
+        self.reporter.start()
         self.thread = threading.Thread(target=self._run, name="huginn-engine-loop", daemon=True)
         self.thread.start()
 
@@ -87,15 +97,29 @@ class EngineLoop:
     def stop(self) -> None:
         self.commands.put(("stop", None, None))
         self.thread.join()
+        self.stopping.set()
+        self.changed.set()
+        self.reporter.join()
 
     def snapshot(self) -> dict:
-        """The engine's rows in flight, requests waiting and cache bytes reserved, and the loop's counters."""
+        """The engine's rows in flight, requests waiting and cache bytes reserved, and the loop's counters (the
+        engine thread's call: it reads the engine)."""
         return {"rows_in_flight": self.engine.rows_in_flight, "requests_waiting": len(self.engine.waiting),
                 "cache_bytes_reserved": self.engine.cache_bytes_reserved, **asdict(self.stats)}
 
+    def _report_loop(self) -> None:
+        while True:
+            started = self.step_started
+            self.report({**self.published,
+                         "step_running_s": 0.0 if started is None else round(time.monotonic() - started, 3)})
+            self.changed.wait(self.report_every_s)
+            self.changed.clear()
+            if self.stopping.is_set():
+                return
+
     def _run(self) -> None:
         while True:
-            commands = [] if self.engine.busy else self._wait_for_command()
+            commands = [] if self.engine.busy else [self.commands.get()]
             while True:
                 try:
                     commands.append(self.commands.get_nowait())
@@ -112,18 +136,12 @@ class EngineLoop:
                     self.stats.requests_cancelled += 1
                     entered_or_left = True
             if self.engine.busy:
+                self.step_started = time.monotonic()
                 entered_or_left |= self._step()
-            if entered_or_left or time.monotonic() - self.reported_at >= self.report_every_s:
-                self.reported_at = time.monotonic()
-                self.report(self.snapshot())
-
-    def _wait_for_command(self) -> list:
-        """The next command, or none once the next report is due: an idle loop still reports every
-        `report_every_s`, which is how the StatsBoard tells a live replica from a dead one."""
-        try:
-            return [self.commands.get(timeout=max(0.0, self.reported_at + self.report_every_s - time.monotonic()))]
-        except queue.Empty:
-            return []
+                self.step_started = None
+            self.published = self.snapshot()
+            if entered_or_left:
+                self.changed.set()
 
     def _submit(self, ticket: Ticket, request: Request) -> bool:
         """Whether the engine took the request."""
