@@ -3,7 +3,9 @@ that need the namespace will skip."""
 
 import os
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,17 @@ def test_inside_the_namespace_the_marker_names_its_namespaces():
     if unavailable:
         pytest.skip(f"no namespace here: {unavailable}")
     assert marker == here and marker != f"{os.readlink('/proc/self/ns/net')} {os.readlink('/proc/self/ns/pid')}"
+
+
+def test_a_sigterm_to_the_process_group_ends_the_command_inside():
+    # as `timeout` signals it: the namespace's PID 1 ignores signals it has no handler for, so a command that were
+    # PID 1 would run on (a hung test run, say); the script's bash stays PID 1 and the command gets the signal
+    command = [str(SCRIPT), sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(600)"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        assert process.stdout.readline() == "ready\n"
+        os.killpg(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        process.kill()

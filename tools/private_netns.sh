@@ -31,8 +31,14 @@ else
     fi
     if probe=$(unshare "${flags[@]}" ip link set lo up 2>&1); then
         # shellcheck disable=SC2016
+        # PID 1 of a namespace ignores signals it has no handler for, so a command exec'd as PID 1 would outlive
+        # `timeout` (which signals the process group): this bash stays PID 1 and passes a SIGTERM on
         exec unshare "${flags[@]}" bash -c \
-            'ip link set lo up && export HUGINN_PRIVATE_NS="$(readlink /proc/self/ns/net) $(readlink /proc/self/ns/pid)" && "$@"' \
+            'ip link set lo up && export HUGINN_PRIVATE_NS="$(readlink /proc/self/ns/net) $(readlink /proc/self/ns/pid)" || exit
+             "$@" <&0 & command_pid=$!
+             trap "kill -TERM $command_pid" TERM
+             until wait "$command_pid"; status=$?; ! kill -0 "$command_pid" 2>/dev/null; do :; done
+             exit "$status"' \
             private_netns "$@"
     fi
     reason="unshare ${flags[*]} is not allowed here: ${probe:-no message}"
