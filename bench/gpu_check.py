@@ -467,13 +467,14 @@ def engine_check(setup: Setup, model: RecurrentGPT) -> dict:
     # --quick: the tiny model after 8 steps moves its state by ~0.5-1 per iteration; a threshold that exits it
     threshold = 0.9 if setup.quick else DEFAULT_THRESHOLDS["latent-diff"]
     result = {"threshold": threshold, "exit_wait_steps": EXIT_WAIT_STEPS}
+    config = EngineConfig(batch, 2**62, EXIT_WAIT_STEPS, max(1, batch // 4))
     for label, criterion in (("fixed depth", None), ("adaptive (latent-diff)", "latent-diff")):
         requests = [Request(prompt, setup.new_tokens, setup.depth, criterion, threshold, seed=row)
                     for row, prompt in enumerate(prompts)]
-        Engine(model, EngineConfig(batch, 2**62, EXIT_WAIT_STEPS, max(1, batch // 4))).run_to_completion(requests[:2])  # warm-up
+        Engine(model, config).run_to_completion(requests[:2])  # warm-up
         synchronize(setup.device)
         start = time.perf_counter()
-        completions = Engine(model, EngineConfig(batch, 2**62, EXIT_WAIT_STEPS, max(1, batch // 4))).run_to_completion(requests)
+        completions = Engine(model, config).run_to_completion(requests)
         synchronize(setup.device)
         seconds = time.perf_counter() - start
         iterations = [i for completion in completions for i in completion.core_iterations]

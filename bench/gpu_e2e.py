@@ -42,7 +42,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -335,6 +334,8 @@ def serve(run: Run, device: str) -> None:
     if run.time_left(180) < 60:
         run.record("serve", "skipped", 0.0, "budget spent")
         return
+    from huginn_ray.cluster.local_ray import free_port
+
     port = free_port()
     argv = [sys.executable, "jobs/serve.py", "--checkpoint", str(run.work / "train"), "--tokenizer",
             str(run.work / "data" / "tokenizer"), "--device", device, "--host", "127.0.0.1", "--port", str(port)]
@@ -409,12 +410,6 @@ def ask_one(port: int, kind: str, body: dict, timeout_s: float) -> dict:
     text = choice["message"]["content"] if "message" in choice else choice["text"]
     tokens = answer["usage"]["completion_tokens"]
     return {"text": text, "tokens": tokens, "problem": None if tokens > 0 else "no completion tokens"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

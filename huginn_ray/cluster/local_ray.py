@@ -58,10 +58,10 @@ class LocalRayHead:
 
         quiet_local_ray(verbose)  # the head's processes inherit the settings through the environment
         require_token_auth()
-        port = _free_port()
+        port = free_port()
         self.address = f"127.0.0.1:{port}"
         self.log_path = Path(temp_dir) / "ray_start.log"
-        command = head_command(temp_dir, port, _free_port(), num_gpus)
+        command = head_command(temp_dir, port, free_port(), num_gpus)
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             preexec_fn=_terminate_with_parent)
@@ -115,7 +115,8 @@ def _terminate_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
