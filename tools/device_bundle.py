@@ -18,10 +18,8 @@ wheel loses ray/jars (Java workers, a 33 MB jar that compresses no further) and 
 its RECORD; every wheel is rewritten uncompressed (ZIP_STORED, as valid a wheel as a deflated one) and the lot
 goes into one tar.xz, which compresses across files far better than each wheel's own deflate: 45 MiB.
 The bundle plus the files that travel anyway (git's tracked and untracked, not ignored) must stay under
---limit-mib; the script prints the sizes and exits 1 above it. bench/gpu_e2e.sh unpacks and installs it there:
-
-    python3 -m tarfile -e .device_bundle/wheels.tar.xz /tmp/bundle_wheels
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/bundle_wheels/*.whl
+--limit-mib; the script prints the sizes and exits 1 above it. bench/gpu_e2e.py unpacks it there and installs
+the wheels with `pip install --no-index --no-deps --no-compile --target <work>/site`.
 
 Takes about three minutes on 2 cores, nearly all of it xz. Needs the package index.
 """
