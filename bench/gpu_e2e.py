@@ -210,13 +210,17 @@ def start_ray_head(run: Run, gpus: int):
     (run.work / "ray").mkdir(exist_ok=True)
     try:  # also when a module of the imports step failed: what runs without it still shows what works
         from huginn_ray.cluster.local_ray import LocalRayHead
+        from huginn_ray.console import QUIET_ENV
 
         head = LocalRayHead(str(run.work / "ray"), startup_timeout_s=run.time_left(120), num_gpus=gpus)
     except Exception as err:  # noqa: BLE001 - reported in the summary, the run goes on to its end
         run.record("ray_head", "FAILED", time.monotonic() - start, f"{type(err).__name__}: {str(err)[-300:]}")
         return None
-    run.env["RAY_ADDRESS"] = head.address  # the token went into os.environ (require_token_auth)
-    run.env.update({k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")})
+    # LocalRayHead put its token and huginn_ray.console's settings into os.environ, which the jobs' environment
+    # was copied from before: without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 a client given 127.0.0.1 dials the
+    # machine's routable address instead, where this head does not answer (the H100's 192.0.2.2)
+    run.env.update({k: os.environ[k] for k in (*QUIET_ENV, "RAY_AUTH_TOKEN")})
+    run.env["RAY_ADDRESS"] = head.address
     status, text = run.command("ray_head", [sys.executable, "-c", RESOURCES], limit_s=60)
     found = re.search(r"^RESOURCES (.*)$", text, re.M)
     offered = json.loads(found.group(1)) if status == "ok" and found else {}

