@@ -249,8 +249,9 @@ def memory_check(setup: Setup, root: Path) -> dict:
     on the device, allocated bytes measured from before the build: after it (parameters, buffers and the
     optimizer state, which the optimizer allocates at construction), the peak of one micro-batch's forward and
     loss (+ activations, bf16 weight casts, the chunked loss's head copy and chunk) and what stays after it
-    (+ activations), after its backward (+ gradients), the peak of an optimizer step above that; then the peak
-    of a whole train_step."""
+    (+ activations), the peak of its backward (over the parameters and state: the gradients as backward
+    allocates them, the activations, the transients), after it (+ gradients), the peak of an optimizer step
+    above that; then the peak of a whole train_step."""
     config, seq_len, cfg = nebel_cut(setup)
     plan = plan_memory(cfg, config)
     cfg.data.data_dir = str(write_shard(root / "memory", config.vocab_size, seq_len, rows=8))
@@ -268,8 +269,10 @@ def memory_check(setup: Setup, root: Path) -> dict:
         loss = c.sync.module(inputs, labels=labels, num_steps=(1, k)).loss
     forward_peak = peak_allocated(device)
     forward = allocated(device)
+    reset_peak(device)
     loss.backward()
     c.sync.finish()
+    backward_peak = peak_allocated(device)
     del loss
     gradients = allocated(device)
     reset_peak(device)
@@ -286,14 +289,17 @@ def memory_check(setup: Setup, root: Path) -> dict:
 
     phase = {p.name: p.transient_bytes for p in plan.phases}
 
+    built_planned = planned("parameters") + planned("optimizer state") + planned("exchange buffers")
     items = [
-        ("parameters + buffers + optimizer state", planned("parameters") + planned("optimizer state"),
-         difference(built, before)),
+        ("parameters + buffers + optimizer state + exchange buffers", built_planned, difference(built, before)),
         ("gradients", planned("gradients"), difference(gradients, built)),
         ("activations saved for backward (end of forward, outside autocast)", planned("activations saved"),
          difference(forward, built)),
         ("forward peak (activations, casts, the loss's head copy and chunk)",
          planned("activations saved") + phase["end of forward"], difference(forward_peak, built)),
+        ("backward peak (gradients, activations, transients)",
+         max(plan.phase_total(p) for p in plan.phases if "backward" in p.name) - built_planned,
+         difference(backward_peak, built)),
         ("optimizer step's scratch (peak during optimizer.step)", phase["optimizer step"],
          difference(step_peak, gradients)),
         ("total: the peak of a whole train_step", plan.total, difference(peak, before)),

@@ -39,17 +39,19 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
 
     memory = report["memory"]
     assert [item["item"] for item in memory["items"]] == [
-        "parameters + buffers + optimizer state", "gradients",
+        "parameters + buffers + optimizer state + exchange buffers", "gradients",
         "activations saved for backward (end of forward, outside autocast)",
         "forward peak (activations, casts, the loss's head copy and chunk)",
+        "backward peak (gradients, activations, transients)",
         "optimizer step's scratch (peak during optimizer.step)", "total: the peak of a whole train_step"]
     fixed, grads = memory["items"][0]["planned_bytes"], memory["items"][1]["planned_bytes"]
     with torch.device("meta"):
         model = RecurrentGPT(ModelConfig(name="nebel-width", **{**TINY, "n_layers_in_prelude": 2,
                                                                 "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2}))
     tensors = len(list(model.parameters()))
-    # fp32 parameters + the RoPE table (seq_len 32 x head_dim 16), two fp32 moments and an int64 step per tensor
-    assert fixed == grads + 32 * 16 * 4 + 2 * grads + 8 * tensors
+    # fp32 parameters + the RoPE table (seq_len 32 x head_dim 16), two fp32 moments and an int64 step per tensor,
+    # and chunk_stream's one 64 MiB chunk
+    assert fixed == grads + 32 * 16 * 4 + 2 * grads + 8 * tensors + 64 * 2**20
     assert all(item["measured_bytes"] is None for item in memory["items"])  # the allocator's counts are CUDA's
     assert memory["plan"][-1].startswith("total per rank: ")
 
