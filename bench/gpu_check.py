@@ -253,7 +253,7 @@ def memory_check(setup: Setup, root: Path) -> dict:
     allocates them, the activations, the transients), after it (+ gradients), the peak of an optimizer step
     above that; then the peak of a whole train_step."""
     config, seq_len, cfg = nebel_cut(setup)
-    plan = plan_memory(cfg, config)
+    plan = plan_memory(cfg, config, accumulates=False)  # one micro-batch a step, as measured here
     cfg.data.data_dir = str(write_shard(root / "memory", config.vocab_size, seq_len, rows=8))
     run_plan = train_plan(cfg, config, setup)
     device = setup.device
@@ -292,7 +292,8 @@ def memory_check(setup: Setup, root: Path) -> dict:
     built_planned = planned("parameters") + planned("optimizer state") + planned("exchange buffers")
     items = [
         ("parameters + buffers + optimizer state + exchange buffers", built_planned, difference(built, before)),
-        ("gradients", planned("gradients"), difference(gradients, built)),
+        ("gradients", sum(size for name, size, _ in plan.rows if name.startswith("gradients")),
+         difference(gradients, built)),
         ("activations saved for backward (end of forward, outside autocast)", planned("activations saved"),
          difference(forward, built)),
         ("forward peak (activations, casts, the loss's head copy and chunk)",

@@ -22,7 +22,8 @@ from tokenizers.models import WordLevel
 
 from huginn_ray.data.tokenizer import SPECIAL_TOKENS, file_sha256
 from huginn_ray.data.shards import shard_path
-from huginn_ray.train.data_order import DataOrder, DataOrderError, StreamSlice, largest_micro_batch
+from huginn_ray.train.data_order import (DataOrder, DataOrderError, StreamSlice, accumulates_gradients,
+                                        largest_micro_batch)
 from huginn_ray.train.shard_reader import RankReader, Rows, ShardReader, collate, validation_rows
 
 DATA_TOKENS = 32  # ids 0..31 carry data, 32..63 are the special tokens
@@ -208,6 +209,10 @@ def test_unequal_worker_counts_take_floor_k_r_over_w_rows():
     # m = 1, 8 rows of 4 shards: 2 rows per rank on 2, 3, 5, 6 or 7 ranks, 1 on 4 or 8
     assert [DataOrder(4, 8, 1, w).largest_micro_batch for w in range(2, 9)] == [2, 2, 1, 2, 2, 2, 1]
     assert largest_micro_batch(4, 8, 1, range(2, 9)) == 2 and largest_micro_batch(4, 8, 1, range(4, 5)) == 1
+    # and 2 micro-batches a step on 2 to 4 ranks, 1 on 5 to 8: an elastic run accumulates if any count does
+    assert [DataOrder(4, 8, 1, w).grad_accum for w in range(2, 9)] == [2, 2, 2, 1, 1, 1, 1]
+    assert [accumulates_gradients(4, 8, 1, counts) for counts in (range(2, 9), range(5, 9), range(4, 5))] == [
+        True, False, True]
 
 
 def test_worker_counts_the_data_order_cannot_serve_are_refused_by_name():

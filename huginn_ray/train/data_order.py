@@ -130,3 +130,10 @@ def largest_micro_batch(num_streams: int, global_batch_rows: int, micro_batch_si
     """The most rows a rank gets per micro-batch on any of `worker_counts` (the memory plan counts it)."""
     return max(DataOrder(num_streams, global_batch_rows, micro_batch_size, w).largest_micro_batch
                for w in worker_counts)
+
+
+def accumulates_gradients(num_streams: int, global_batch_rows: int, micro_batch_size: int,
+                          worker_counts: range) -> bool:
+    """Whether a step runs more than one micro-batch (GA > 1) on any of `worker_counts` (the memory plan then
+    counts the gradients from the forward on)."""
+    return any(DataOrder(num_streams, global_batch_rows, micro_batch_size, w).grad_accum > 1 for w in worker_counts)

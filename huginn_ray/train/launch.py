@@ -26,7 +26,7 @@ from huginn_ray.model.pretrained import resolve_model_dir
 from huginn_ray.train import hang_watch, init_from, tracking
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig
-from huginn_ray.train.data_order import DataOrder, DataOrderError, largest_micro_batch
+from huginn_ray.train.data_order import DataOrder, DataOrderError, accumulates_gradients, largest_micro_batch
 from huginn_ray.train.memory import GIB, plan_memory
 from huginn_ray.train.shard_check import ShardCheckError, check_shards
 from huginn_ray.train.loop import stopped_file, train_loop_per_worker
@@ -121,10 +121,11 @@ def schedule_steps(cfg: TrainConfig, global_batch_rows: int) -> int:
     return int(cfg.max_tokens) // (global_batch_rows * cfg.block_size)
 
 
-def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, micro_batch_rows: int) -> None:
+def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, micro_batch_rows: int, accumulates: bool = True) -> None:
     """Refuse a configuration whose per-rank memory plan, with micro-batches of `micro_batch_rows` (the largest a
-    rank gets), exceeds device_memory_gib x memory_headroom."""
-    plan = plan_memory(cfg, model_cfg, micro_batch_rows)
+    rank gets) and `accumulates` (whether a step may run several on a rank), exceeds device_memory_gib x
+    memory_headroom."""
+    plan = plan_memory(cfg, model_cfg, micro_batch_rows, accumulates)
     if not plan.fits:
         largest = ", ".join(f"{name} {size / GIB:.1f} GiB" for name, size in plan.largest())
         raise PreflightError(
@@ -162,7 +163,9 @@ def preflight(cfg: TrainConfig) -> RunPlan:
         raise PreflightError(f"model: {err}") from None
     if cfg.block_size > model_cfg.block_size:
         raise PreflightError(f"block_size={cfg.block_size} exceeds the model's block_size={model_cfg.block_size}")
-    check_memory(cfg, model_cfg, largest_rank_micro_batch(cfg, order))
+    check_memory(cfg, model_cfg, largest_rank_micro_batch(cfg, order),
+                 accumulates_gradients(order.num_streams, order.global_batch_rows, cfg.micro_batch_size,
+                                       worker_counts(cfg)))
     if not cfg.data.tokenizer_path:
         raise PreflightError("data.tokenizer_path is not set")
     try:

@@ -8,7 +8,9 @@ Y.Y GiB device memory` (the largest phase) as its last line, and exits 1 when th
 
 Rows (what lives across the step, or a long part of it), per rank:
 - parameters and buffers (fp32 master weights), gradients (fp32, every trainable tensor: backward produces all
-  of them before any exchange finishes), optimizer state (two fp32 moments and a step counter per tensor):
+  of them before any exchange finishes; a replicated run whose steps never accumulate micro-batches, on any of
+  its worker counts, has a row of its own for the prelude blocks' gradients, which backward produces last),
+  optimizer state (two fp32 moments and a step counter per tensor):
   whole under `parallelism.mode: replicate`; under `hsdp` this rank's FSDP2 shard (dim 0 split over the shard
   group, padded to a multiple of it), plus what FSDP2 gathers whole: the root unit's weights (embedding = head,
   adapter, final norm) for the whole step and its gradients from the loss's backward on; the core block unit's
@@ -33,8 +35,10 @@ ones: the plan errs safe):
 - end of forward (the loss's forward): under bf16 autocast the cached bf16 copies of the weights (those not
   saved for backward) and the chunked loss's bf16 copy of the head weight, plus with `loss_chunk_tokens` what
   one chunk of the loss's forward allocates (measured). Both the head's copy and the chunk are freed when the
-  loss returns. Under hsdp no
-  unsharded gradient exists yet: each micro-batch's backward reduce-scatters its own;
+  loss returns. Under hsdp no unsharded gradient exists yet: each micro-batch's backward reduce-scatters its
+  own. Replicated, gradients exist from a step's second micro-batch on; in a step of one micro-batch none
+  exists yet (the loop sets them to None after every step), and in its loss backward only the head's, which
+  that phase's transient counts;
 - loss backward, every activation still alive. With `loss_chunk_tokens` the chunked loss's backward runs first
   and recomputes the head chunk by chunk: at its peak it holds the fp32 accumulator of the head weight's
   gradient (weight-sized; it becomes the .grad), hidden's gradient, one chunk's logits and their gradient, and
@@ -42,8 +46,9 @@ ones: the plan errs safe):
   on meta and tracking the storages it creates (PeakLiveBytes); equal to a real CPU step byte for byte. Without
   `loss_chunk_tokens`: the gradient of the full logits;
 - core backward: every row alive (under hsdp the core's weights and gradients both gathered, and the next unit
-  prefetched), plus with activation checkpointing the recomputation of the core's largest checkpointed segment
-  (the adapter and its first block; measured the same way);
+  prefetched; in a replicated step of one micro-batch every gradient but the prelude blocks'), plus with
+  activation checkpointing the recomputation of the core's largest checkpointed segment (the adapter and its
+  first block; measured the same way);
 - core reduce-scatter (hsdp): FSDP2 has resharded the core's weights and copies its gradients into the
   reduce-scatter input (core-sized, fp32);
 - optimizer step: backward has freed every activation (under hsdp FSDP2 has also resharded every unit and
@@ -89,6 +94,7 @@ CUDA_BLOCK_BYTES = 512
 ROOT_W, ROOT_G = "gathered: root unit weights (fp32)", "gathered: root unit gradients (fp32)"
 CORE_W, CORE_G = "gathered: core block unit weights", "gathered: core block unit gradients"
 PREFETCH = "gathered: one prelude block (backward prefetch)"
+GRADS, PRELUDE_G = "gradients (fp32)", "gradients of the prelude blocks (fp32)"
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -347,10 +353,13 @@ def model_name(cfg, model_cfg: ModelConfig) -> str:
     return f"{model_cfg.name} from {cfg.init_from}" if cfg.init_from else model_cfg.name
 
 
-def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int | None = None) -> MemoryPlan:
+def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int | None = None,
+                accumulates: bool = True) -> MemoryPlan:
     """The per-rank memory plan of a TrainConfig (huginn_ray.train.config), for micro-batches of
     `micro_batch_rows` rows: the largest a rank gets in the run's data order (huginn_ray.train.data_order; the
-    preflight passes it), by default micro_batch_size."""
+    preflight passes it), by default micro_batch_size. `accumulates`: whether a step may run more than one
+    micro-batch on a rank (on any worker count of the run); when it never does, a replicated step's gradients
+    (set to None after every step) come into being in its backward, which the phases then count."""
     rows = micro_batch_rows or cfg.micro_batch_size
     if model_cfg is None:
         from huginn_ray.train.init_from import model_config, section_config
@@ -415,7 +424,13 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
         plan.gathered = moved
     else:
         plan.rows.append(("parameters + buffers (fp32)", numel * 4 + buffer_bytes, f"{numel:,} trainable elements"))
-        plan.rows.append(("gradients (fp32)", numel * 4, "every trainable tensor"))
+        if accumulates or cfg.grad_sync.kind == "ddp":  # DDP's buckets hold the gradients for the whole run
+            plan.rows.append((GRADS, numel * 4, "every trainable tensor"))
+        else:
+            prelude = sum(p.numel() for block in model.transformer.prelude for p in block.parameters())
+            plan.rows.append((GRADS, (numel - prelude) * 4, "every trainable tensor but the prelude blocks': from "
+                                                            "the loss's or the core's backward on"))
+            plan.rows.append((PRELUDE_G, prelude * 4, "from the prelude's backward, the last, on"))
         plan.rows.append((optimizer_row, numel * 8 + len(params) * step_bytes, "replicated on every rank"))
 
     chunk_bytes = int(cfg.grad_sync.chunk_mib * 1024 * 1024) // 4 * 4
@@ -451,8 +466,11 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
 
     # The phases, in step order. Every activation counts in each up to the end of backward (the coda's and the
     # core's are freed before the later phases: an overestimate). Under hsdp each micro-batch's backward
-    # reduce-scatters its unsharded gradients, so none exist during a forward.
-    not_yet = (ROOT_G, CORE_G, PREFETCH) if hsdp else ()
+    # reduce-scatters its unsharded gradients, so none exist during a forward. A replicated step of one
+    # micro-batch has no gradient before its backward (with accumulation they exist from the second micro-batch
+    # on), and the chunked loss's head gradient (the .grad of the tied embedding) is its backward's transient.
+    split = any(name == PRELUDE_G for name, _, _ in plan.rows)
+    not_yet = (ROOT_G, CORE_G, PREFETCH) if hsdp else (GRADS, PRELUDE_G) if split else ()
     casts = "autocast's cache" + (" and the chunked loss's head copy" if cfg.loss_chunk_tokens else "")
     ending = (f"bf16 weight casts ({casts}), " if bf16 else "") + (
         "one loss chunk" if cfg.loss_chunk_tokens else "nothing more")
@@ -467,14 +485,16 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
     else:
         plan.phases.append(Phase("loss backward", "gradient of the logits",
                                  tokens * model_cfg.padded_vocab_size * (4 + (2 if bf16 else 0)),
-                                 (CORE_G, PREFETCH) if hsdp else ()))
+                                 (CORE_G, PREFETCH) if hsdp else (PRELUDE_G,) if split else ()))
     # every row alive (under hsdp the core's weights and gradients both gathered), plus with checkpointing the
     # recomputation of the core's first segment (the adapter and its first block), the largest; a prelude or coda
     # block's comes when the core is not gathered
+    before_prelude = (PRELUDE_G,) if split else ()
     if model_cfg.activation_checkpointing:
-        plan.phases.append(Phase("core backward", "recompute of one core block", measured["recompute_block"]))
+        plan.phases.append(Phase("core backward", "recompute of one core block", measured["recompute_block"],
+                                 before_prelude))
     else:
-        plan.phases.append(Phase("core backward", "nothing recomputed", 0))
+        plan.phases.append(Phase("core backward", "nothing recomputed", 0, before_prelude))
     if hsdp:
         # FSDP2 reshards the core's weights, then copies its gradients into the reduce-scatter input
         plan.phases.append(Phase("core reduce-scatter", "reduce-scatter input of the core unit (fp32)",
@@ -527,20 +547,22 @@ def optimizer_phase(cfg, model: RecurrentGPT, whole: set, shards: int, freed: tu
     return Phase("optimizer step", f"ELLISAdam: {how} + per-tensor scalars", scratch, freed)
 
 
-def largest_rank_micro_batch(cfg) -> int | None:
-    """The most rows a rank gets per micro-batch in the run's data order when data.data_dir holds a manifest (the
-    shard count); None (micro_batch_size) without one. A resumed run's checkpointed global batch is the
-    preflight's business: it passes its own figure."""
+def rank_micro_batches(cfg) -> tuple[int | None, bool]:
+    """(the most rows a rank gets per micro-batch, whether a step may run more than one micro-batch on a rank)
+    in the run's data order when data.data_dir holds a manifest (the shard count); (None: micro_batch_size,
+    True) without one. A resumed run's checkpointed global batch is the preflight's business: it passes its own
+    figures."""
     from huginn_ray.data.shards import read_manifest
-    from huginn_ray.train.data_order import largest_micro_batch
+    from huginn_ray.train.data_order import accumulates_gradients, largest_micro_batch
 
     try:
         num_streams = read_manifest(cfg.data.data_dir)["num_shards"]
     except (OSError, TypeError, ValueError):
-        return None
+        return None, True
     rows = cfg.world_batch_size or cfg.micro_batch_size * cfg.scaling.max_workers
-    return largest_micro_batch(num_streams, rows, cfg.micro_batch_size,
-                               range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1))
+    counts = range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1)
+    return (largest_micro_batch(num_streams, rows, cfg.micro_batch_size, counts),
+            accumulates_gradients(num_streams, rows, cfg.micro_batch_size, counts))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -553,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_train_config(args.config, args.overrides)
-        plan = plan_memory(cfg, micro_batch_rows=largest_rank_micro_batch(cfg))
+        rows, accumulates = rank_micro_batches(cfg)
+        plan = plan_memory(cfg, micro_batch_rows=rows, accumulates=accumulates)
     except (ConfigError, KeyError, TypeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
