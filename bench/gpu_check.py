@@ -20,7 +20,8 @@ On the device present it measures and prints, as a table, and writes as JSON (--
    per call eager, and ms per replay of it captured in a CUDA graph (how much of decoding is launch overhead);
 7. optimizer: AdamW's fused kernel (what the training takes on GPUs) against its multi-tensor step over the
    parameters of a nebel-width model of 1/1/1 layers: seconds per step, and the largest difference of the
-   weights after the same steps from the same gradients (within ADAMW_TOLERANCE, else the row fails).
+   weights after the same steps from the same gradients (within ADAMW_TOLERANCE, else the row fails); and
+   ELLISAdam, the training's default, multi-tensor (in 64 MiB buckets) against one tensor at a time.
 8. bf16 gathers: hsdp on the one device (a shard group of one: FSDP2 still gathers, casts and reduce-scatters)
    with the blocks' matmul weights gathered in fp32, then in bf16 (`parallelism.param_dtype`), under bf16
    autocast: seconds per forward+backward, bytes all-gathered per step by dtype (bf16 at most 0.6 x fp32's), the
@@ -73,7 +74,7 @@ from huginn_ray.train import checkpoint as ckpt  # noqa: E402
 from huginn_ray.train import loop, parallel  # noqa: E402
 from huginn_ray.train.config import TrainConfig  # noqa: E402
 from huginn_ray.train.memory import GIB, plan_memory  # noqa: E402
-from huginn_ray.train.optim import adamw_fused, param_groups  # noqa: E402
+from huginn_ray.train.optim import adamw_fused, build_optimizer, param_groups  # noqa: E402
 from huginn_ray.train.run_plan import RunPlan  # noqa: E402
 
 NEBEL_WIDTH = dict(n_embd=5280, num_attention_heads=55, intermediate_size=17920, vocab_size=65536,
@@ -583,9 +584,12 @@ lr 1e-3 (each step moves a weight by about 1e-3; the two differ by the rounding 
 
 
 def optimizer_check(setup: Setup) -> dict:
-    """AdamW `fused=True` against `foreach=True` on the same parameters, gradients and param groups (weight
-    decay on the matrices only, as build_optimizer's groups): the median seconds of a step and the largest
-    weight difference after `setup.steps` steps."""
+    """On the same parameters, gradients and param groups (weight decay on the matrices only, as
+    build_optimizer's groups): AdamW `fused=True` against `foreach=True`, and ELLISAdam (the training's default,
+    with OptimConfig's defaults) multi-tensor in 64 MiB buckets against one tensor at a time; the median seconds
+    of a step and the largest weight difference after `setup.steps` steps of each pair."""
+    from huginn_ray.train.config import OptimConfig
+
     config = model_config("nebel-width", setup, n_layers_in_prelude=1, n_layers_in_recurrent_block=1,
                           n_layers_in_coda=1)
     torch.manual_seed(0)
@@ -595,31 +599,46 @@ def optimizer_check(setup: Setup) -> dict:
     params = list(model.parameters())
     start = [p.detach().clone() for p in params]
     grads = [torch.randn_like(p) * 1e-2 for p in params]
+
+    def ellis(foreach: bool) -> torch.optim.Optimizer:
+        return build_optimizer(model, OptimConfig(foreach=foreach))
+
+    def adamw(variant: str) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(param_groups(model, 0.1, True), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                                 **{variant: True})
+
     seconds, weights = {}, {}
-    for variant in ("fused", "foreach"):
+    for name, make in (("fused", lambda: adamw("fused")), ("foreach", lambda: adamw("foreach")),
+                       ("ellis_multi_tensor", lambda: ellis(True)), ("ellis_one_tensor", lambda: ellis(False))):
         with torch.no_grad():
             for p, initial, grad in zip(params, start, grads):
                 p.copy_(initial)
                 p.grad = grad
-        optimizer = torch.optim.AdamW(param_groups(model, 0.1, True), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
-                                      **{variant: True})
+        optimizer = make()
         times = []
-        for _ in range(setup.steps + 1):  # the first step allocates the moments: not timed
+        for _ in range(setup.steps + 1):  # the first step allocates AdamW's moments: not timed
             synchronize(setup.device)
             started = time.perf_counter()
             optimizer.step()
             synchronize(setup.device)
             times.append(time.perf_counter() - started)
-        seconds[variant] = float(np.median(times[1:]))
-        weights[variant] = [p.detach().clone() for p in params] if variant == "fused" else params
+        seconds[name] = float(np.median(times[1:]))
+        weights[name] = [p.detach().clone() for p in params]
         del optimizer
         free_device_memory(setup.device)
-    difference = max((a - b).abs().max().item() for a, b in zip(weights["fused"], weights["foreach"]))
+
+    def largest_difference(a: str, b: str) -> float:
+        return max((x - y).abs().max().item() for x, y in zip(weights[a], weights[b]))
+
+    difference = largest_difference("fused", "foreach")
     row = {"params": sum(p.numel() for p in params), "steps": setup.steps + 1,
            "training_takes_fused": adamw_fused(setup.device),
            "fused_seconds": seconds["fused"], "foreach_seconds": seconds["foreach"],
            "fused_speedup": seconds["foreach"] / seconds["fused"], "max_abs_weight_difference": difference,
-           "tolerance": ADAMW_TOLERANCE}
+           "tolerance": ADAMW_TOLERANCE,
+           "ellis_multi_tensor_seconds": seconds["ellis_multi_tensor"],
+           "ellis_one_tensor_seconds": seconds["ellis_one_tensor"],
+           "ellis_max_abs_weight_difference": largest_difference("ellis_multi_tensor", "ellis_one_tensor")}
     if not difference <= ADAMW_TOLERANCE:
         row["error"] = f"fused and foreach AdamW differ by {difference:.3g} > {ADAMW_TOLERANCE:g} in a weight"
     return row
@@ -771,7 +790,9 @@ def render(report: dict) -> str:
                           f"{result['fused_seconds'] * 1e3:.2f} ms/step, foreach {result['foreach_seconds'] * 1e3:.2f} "
                           f"ms/step ({result['fused_speedup']:.2f}x); max |weight difference| after "
                           f"{result['steps']} steps {result['max_abs_weight_difference']:.3g} (tolerance "
-                          f"{result['tolerance']:g})"]
+                          f"{result['tolerance']:g}); ELLISAdam multi-tensor {result['ellis_multi_tensor_seconds'] * 1e3:.2f} "
+                          f"ms/step, one tensor at a time {result['ellis_one_tensor_seconds'] * 1e3:.2f} ms/step, max "
+                          f"|weight difference| {result['ellis_max_abs_weight_difference']:.3g}"]
         elif section == "bf16_gather":
             lines += ["", f"bf16 gathers (hsdp on this device, {result['model']}, {result['batch']} x "
                           f"{result['seq_len']}, bf16 autocast): fwd+bwd {result['float32']['seconds'] * 1e3:.1f} ms "
