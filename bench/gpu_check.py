@@ -790,9 +790,10 @@ def render(report: dict) -> str:
                           f"{result['fused_seconds'] * 1e3:.2f} ms/step, foreach {result['foreach_seconds'] * 1e3:.2f} "
                           f"ms/step ({result['fused_speedup']:.2f}x); max |weight difference| after "
                           f"{result['steps']} steps {result['max_abs_weight_difference']:.3g} (tolerance "
-                          f"{result['tolerance']:g}); ELLISAdam multi-tensor {result['ellis_multi_tensor_seconds'] * 1e3:.2f} "
-                          f"ms/step, one tensor at a time {result['ellis_one_tensor_seconds'] * 1e3:.2f} ms/step, max "
-                          f"|weight difference| {result['ellis_max_abs_weight_difference']:.3g}"]
+                          f"{result['tolerance']:g}); ELLISAdam multi-tensor "
+                          f"{result['ellis_multi_tensor_seconds'] * 1e3:.2f} ms/step, one tensor at a time "
+                          f"{result['ellis_one_tensor_seconds'] * 1e3:.2f} ms/step, max |weight difference| "
+                          f"{result['ellis_max_abs_weight_difference']:.3g}"]
         elif section == "bf16_gather":
             lines += ["", f"bf16 gathers (hsdp on this device, {result['model']}, {result['batch']} x "
                           f"{result['seq_len']}, bf16 autocast): fwd+bwd {result['float32']['seconds'] * 1e3:.1f} ms "

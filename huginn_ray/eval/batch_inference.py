@@ -98,15 +98,15 @@ def read_validation_rows(shards: list[str], max_rows: int | None) -> tuple[np.nd
 def depth_losses(model_dir: str | Path, shards: list[str], depths: list[int], replicas: Replicas, *,
                  max_rows: int | None, batch_size: int, seed: int, pad_id: int, eos_id: int) -> list[tuple[float, int]]:
     """(summed loss, label count) at each depth over the validation rows, on the connected Ray cluster."""
-    import ray
-
     import pyarrow as pa
+    import ray
     from ray.data.extensions import ArrowTensorArray
 
     keys, rows = read_validation_rows(shards, max_rows)
     # blocks of exactly batch_size rows (the last one shorter), batched by batch_size: every batch is one block,
     # fixed by the data (Ray Data refuses batch_size=None, "a block a batch", for an actor that takes a GPU)
-    blocks = [pa.table({"key": keys[i:i + batch_size], "input_ids": ArrowTensorArray.from_numpy(rows[i:i + batch_size])})
+    blocks = [pa.table({"key": keys[i : i + batch_size],
+                        "input_ids": ArrowTensorArray.from_numpy(rows[i : i + batch_size])})
               for i in range(0, len(keys), batch_size)]
     results = ray.data.from_blocks(blocks).map_batches(
         DepthLossReplica, fn_constructor_kwargs=dict(model_dir=str(model_dir), depths=depths, replicas=replicas,
