@@ -74,6 +74,7 @@ from huginn_ray.train import checkpoint as ckpt  # noqa: E402
 from huginn_ray.train import loop, parallel  # noqa: E402
 from huginn_ray.train.config import TrainConfig  # noqa: E402
 from huginn_ray.train.memory import GIB, plan_memory  # noqa: E402
+from huginn_ray.train.observe import ModuleNorms  # noqa: E402
 from huginn_ray.train.optim import adamw_fused, build_optimizer, param_groups  # noqa: E402
 from huginn_ray.train.run_plan import RunPlan  # noqa: E402
 
@@ -252,7 +253,7 @@ def memory_check(setup: Setup, root: Path) -> dict:
     loss (+ activations, bf16 weight casts, the chunked loss's head copy and chunk) and what stays after it
     (+ activations), the peak of its backward (over the parameters and state: the gradients as backward
     allocates them, the activations, the transients), after it (+ gradients), the peak of an optimizer step
-    above that; then the peak of a whole train_step."""
+    above that, with the module norms of a log step; then the peak of a whole (log) train_step."""
     config, seq_len, cfg = nebel_cut(setup)
     plan = plan_memory(cfg, config, accumulates=False)  # one micro-batch a step, as measured here
     cfg.data.data_dir = str(write_shard(root / "memory", config.vocab_size, seq_len, rows=8))
@@ -276,12 +277,15 @@ def memory_check(setup: Setup, root: Path) -> dict:
     backward_peak = peak_allocated(device)
     del loss
     gradients = allocated(device)
+    norms = ModuleNorms(c.model, 1)  # as on a log step (observe.module_norms, the default)
     reset_peak(device)
+    norms.snapshot()
     c.optimizer.step()
+    norms.updates()
     step_peak = peak_allocated(device)
     c.optimizer.zero_grad(set_to_none=True)
     reset_peak(device)
-    loop.train_step(c, 2, cfg, run_plan, device)
+    loop.train_step(c, 2, cfg, run_plan, device, norms=norms)
     synchronize(device)
     peak = peak_allocated(device)
 
@@ -302,7 +306,7 @@ def memory_check(setup: Setup, root: Path) -> dict:
         ("backward peak (gradients, activations, transients)",
          max(plan.phase_total(p) for p in plan.phases if "backward" in p.name) - built_planned,
          difference(backward_peak, built)),
-        ("optimizer step's scratch (peak during optimizer.step)", phase["optimizer step"],
+        ("optimizer step of a log step (scratch, module norms' copies)", phase["optimizer step"],
          difference(step_peak, gradients)),
         ("total: the peak of a whole train_step", plan.total, difference(peak, before)),
     ]

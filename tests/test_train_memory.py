@@ -11,7 +11,7 @@ import torch
 
 from huginn_ray.config import load_config
 from huginn_ray.model import ModelConfig, RecurrentGPT
-from huginn_ray.train import memory, optim, parallel
+from huginn_ray.train import memory, observe, optim, parallel
 from huginn_ray.train.config import TrainConfig, load_train_config
 from huginn_ray.train.grad_sync import build_grad_sync
 from huginn_ray.train.memory import PeakLiveBytes, SavedBytes, plan_memory, saved_activation_bytes
@@ -22,12 +22,19 @@ FRONTIER = REPO / "configs/train/frontier_nebel_512_nodes.yaml"
 
 
 def small_config(*extra):
-    # reduced width: raven-small's layout at a width where the fixed memory is a few MiB
+    # reduced width: raven-small's layout at a width where the fixed memory is a few MiB; no module norms (their
+    # copy of the parameters on log steps would be the peak of every plan here), but where a test asks for them
     return load_config(TrainConfig, None, [
         "max_steps=2", "block_size=64", "micro_batch_size=2", "model.name=raven-small",
         "model.overrides.n_embd=128", "model.overrides.num_attention_heads=4", "model.overrides.intermediate_size=384",
-        "model.overrides.vocab_size=512", "scaling.num_workers=1", "grad_sync.chunk_mib=0.25", *extra,
+        "model.overrides.vocab_size=512", "scaling.num_workers=1", "grad_sync.chunk_mib=0.25",
+        "observe.module_norms=false", *extra,
     ])
+
+
+def fixed_parameters(model) -> int:
+    """Bytes of the model's trainable parameters (fp32)."""
+    return sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
 
 
 def model_config(cfg):
@@ -185,15 +192,18 @@ def test_planned_fixed_memory_matches_what_a_cpu_step_allocates(single_rank_grou
         sync.remove_hooks()
 
 
-@pytest.mark.parametrize("foreach", [True, False])
+@pytest.mark.parametrize("foreach,log_step", [(True, False), (False, False), (True, True), (False, True)])
 def test_the_plan_holds_a_whole_cpu_train_step_and_its_optimizer_step_to_the_byte(single_rank_group, monkeypatch,
-                                                                                     foreach):
+                                                                                     foreach, log_step):
     """Two replicated train steps as the loop runs them (bf16 autocast, the gradient exchange, clipping,
-    ELLISAdam's step multi-tensor as on GPUs, or one tensor at a time), with the live bytes of every storage:
-    what exists before the step (parameters, buffers, optimizer state, exchange buffer) plus the peak of what it
-    creates (PeakLiveBytes). Buckets of 1 MiB, so that the weights group (6.6 MiB) spans several."""
+    ELLISAdam's step multi-tensor as on GPUs, or one tensor at a time; a log step's module norms), with the live
+    bytes of every storage: what exists before the step (parameters, buffers, optimizer state, exchange buffer)
+    plus the peak of what it creates (PeakLiveBytes). Buckets of 1 MiB, so that the weights group (6.6 MiB)
+    spans several; norm chunks of 2^16 elements, so that the largest tensors take several."""
     monkeypatch.setattr(optim, "STEP_BUCKET_BYTES", 2**20)
-    cfg = small_config("precision=bf16-mixed", f"optim.foreach={str(foreach).lower()}", "grad_sync.kind=chunk_stream")
+    monkeypatch.setattr(observe, "NORM_CHUNK", 2**16)
+    cfg = small_config("precision=bf16-mixed", f"optim.foreach={str(foreach).lower()}", "grad_sync.kind=chunk_stream",
+                       f"observe.module_norms={str(log_step).lower()}")
     mcfg = model_config(cfg)
     plan = plan_memory(cfg, mcfg, accumulates=False)  # one micro-batch a step, as below
     optimizer_step = plan.phases[-1]
@@ -206,6 +216,7 @@ def test_the_plan_holds_a_whole_cpu_train_step_and_its_optimizer_step_to_the_byt
     model.loss_chunk_tokens = cfg.loss_chunk_tokens
     sync = build_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib)
     optimizer = build_optimizer(model, cfg.optim)
+    norms = observe.ModuleNorms(model, 1) if log_step else None
     fixed = live_tensor_bytes([]) - before
     ids = batch(cfg)
     for _ in range(2):
@@ -216,25 +227,36 @@ def test_the_plan_holds_a_whole_cpu_train_step_and_its_optimizer_step_to_the_byt
                 out.loss.backward()
                 del out
             sync.finish()
+            grad_squares = norms.grads() if log_step else None
             parallel.clip_grad_norm_(list(model.parameters()), cfg.grad_clip)
         gradients = sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
         with PeakLiveBytes() as step:
+            if log_step:
+                norms.snapshot()
             optimizer.step()
+            if log_step:
+                update_squares = norms.updates()
         optimizer.zero_grad(set_to_none=True)
-        # the optimizer step's scratch is the plan's to the byte, and so is everything alive during it
+        # the optimizer step's scratch (on a log step with the norms' copies of the parameters, and their updates
+        # made one by one) is the plan's to the byte, and so is everything alive during it
         assert step.peak == optimizer_step.transient_bytes
         assert fixed + gradients + step.peak == plan.phase_total(optimizer_step)
         # one bucket (the update written over its denominators) and at most two scalars per tensor (75 of them),
         # not the weights group twice over (13.3 MiB)
-        assert step.peak <= 2**20 + 2 * 75 * 4
+        assert step.peak - (fixed_parameters(model) if log_step else 0) <= 2**20 + 2 * 75 * 4
+        if log_step:  # squares of the gradients before clipping, and of the step's updates
+            assert grad_squares.sum() > 0 and update_squares.sum() > 0
         assert plan.total >= fixed + max(forward_backward.peak, gradients + step.peak), plan.render()
         # the backward's peak, planned with the gradients as backward allocates them, is within 3 % of the real
         # one (every activation counts to the end of backward); counting every gradient from the forward on,
         # as for a step that accumulates, overshoots it by 15 %
         core_backward = next(phase for phase in plan.phases if phase.name == "core backward")
-        assert plan.peak is core_backward
-        assert fixed + forward_backward.peak <= plan.total <= 1.03 * (fixed + forward_backward.peak)
-        assert plan_memory(cfg, mcfg).total > 1.14 * (fixed + forward_backward.peak)
+        assert plan.peak is (optimizer_step if log_step else core_backward)  # a log step peaks in its norms
+        planned = plan.phase_total(core_backward)
+        assert fixed + forward_backward.peak <= planned <= 1.03 * (fixed + forward_backward.peak)
+        accumulating = plan_memory(cfg, mcfg)
+        forward_and_backward = max(accumulating.phase_total(phase) for phase in accumulating.phases[:-1])
+        assert forward_and_backward > 1.14 * (fixed + forward_backward.peak)
 
 
 def test_a_step_of_one_micro_batch_plans_its_gradients_from_its_backward_on():

@@ -231,7 +231,7 @@ class ObserveSection:
     module_norms: bool = True
     """Gradient and update norms of the embeddings, prelude, core and coda at the log interval (MLflow
     grad_norm/<module>, update_norm/<module>). The update norm keeps a copy of this rank's parameters (its
-    shards under hsdp) during the optimizer step of log steps."""
+    shards under hsdp) during the optimizer step of log steps, which the memory plan counts."""
 
 
 @dataclass

@@ -58,7 +58,9 @@ ones: the plan errs safe):
   its denominator: its scratch is the largest bucket, plus with update clipping one scalar per tensor and one
   per tensor of that bucket (512 bytes each on GPUs, the caching allocator's smallest block). AdamW: twice a
   tensor plus the tensor before it (torch's single-tensor step; the fused kernel on GPUs holds none of them).
-  Equal to a real CPU step byte for byte.
+  With `observe.module_norms` (the default) a log step also holds ModuleNorms' copy of this rank's parameters
+  through the step, then frees it tensor by tensor while it makes and squares (in fp64 chunks of NORM_CHUNK
+  elements) each tensor's update. Equal to a real CPU step byte for byte, with and without the norms.
 Not counted, but listed with an estimate under the total (never added to it): the CUDA/HIP context, the
 communication library's buffers, the allocator's fragmentation; `memory_headroom` (default 0.9) is there for them.
 """
@@ -539,12 +541,38 @@ def optimizer_phase(cfg, model: RecurrentGPT, whole: set, shards: int, freed: tu
         # torch's single-tensor step (CPU) holds sqrt(v) and its quotient, and the previous tensor's quotient until
         # its loop rebinds the name; the fused kernel on GPUs holds none of them (the plan errs safe there)
         scratch = max(2 * group[i] + (group[i - 1] if i else 0) for group in sizes for i in range(len(group)))
-        return Phase("optimizer step", "AdamW: 2 x a tensor + the one before (single-tensor step)", scratch, freed)
+        phase = Phase("optimizer step", "AdamW: 2 x a tensor + the one before (single-tensor step)", scratch, freed)
+        return with_update_norms(phase, cfg, model, whole, shards)
     foreach = cfg.optim.foreach if cfg.optim.foreach is not None else cfg.scaling.use_gpu
     scalar_bytes = CUDA_BLOCK_BYTES if cfg.scaling.use_gpu else 4
     scratch = step_scratch_bytes(sizes, foreach, cfg.optim.update_clipping, scalar_bytes)
     how = "one bucket's scratch (multi-tensor)" if foreach else "one tensor's scratch (single-tensor)"
-    return Phase("optimizer step", f"ELLISAdam: {how} + per-tensor scalars", scratch, freed)
+    phase = Phase("optimizer step", f"ELLISAdam: {how} + per-tensor scalars", scratch, freed)
+    return with_update_norms(phase, cfg, model, whole, shards)
+
+
+def with_update_norms(phase: Phase, cfg, model: RecurrentGPT, whole: set, shards: int) -> Phase:
+    """The optimizer step of a log step with `observe.module_norms`: ModuleNorms (huginn_ray.train.observe) copies
+    this rank's part of every parameter before the step and, after it, frees the copies one by one while it makes
+    each tensor's update and squares it in fp64 chunks. The phase's transient is the larger of the step's scratch
+    with the copies, and the copies still held with one update and its chunk's fp64 copy and square."""
+    if not cfg.observe.module_norms:
+        return phase
+    from huginn_ray.train.observe import MODULES, NORM_CHUNK
+
+    def allocated(nbytes: int) -> int:
+        return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if cfg.scaling.use_gpu else nbytes
+
+    sizes = [allocated((p.numel() if p in whole or shards == 1 else shard_numel(p.shape, shards)) * 4)
+             for p in model.parameters() if p.requires_grad]
+    copies = sum(sizes)
+    # tensor i's update is made while its copy exists, then squared (a chunk's fp64 copy and square) without it,
+    # into the fp64 sums per module
+    updates = allocated(8 * len(MODULES)) + max(
+        max(sum(sizes[i:]), sum(sizes[i + 1 :]) + 2 * allocated(8 * min(size // 4, NORM_CHUNK))) + size
+        for i, size in enumerate(sizes))
+    return Phase(phase.name, phase.transient + " + the update norms' copy of the parameters (log steps)",
+                 max(phase.transient_bytes + copies, updates), phase.absent)
 
 
 def rank_micro_batches(cfg) -> tuple[int | None, bool]:

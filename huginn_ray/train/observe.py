@@ -112,11 +112,23 @@ class _NoClock(PhaseClock):
 NO_CLOCK = _NoClock()
 
 
+NORM_CHUNK = 2**22
+"""Elements squared and summed in fp64 at a time: the chunk's fp64 copy and its square (64 MiB) bound what a
+norm allocates, not the largest tensor (the tied 65536 x 5280 embedding would take 5.5 GB)."""
+
+
+def square_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The fp64 sum of the squares of a tensor's elements, NORM_CHUNK elements at a time."""
+    flat = tensor.reshape(-1)
+    return sum(chunk.double().square().sum() for chunk in flat.split(NORM_CHUNK))
+
+
 class ModuleNorms:
     """Squared gradient and update norms of each part of the model (MODULES), as this rank's share of the global
     sums: a value held by h ranks (a replicated parameter, or one shard of a DTensor held by its replicas)
     counts 1/h on each, so the all-reduce's sum is the global square. `snapshot` keeps a copy of this rank's
-    parameters (its shards under hsdp) until `updates`: the memory of one more copy of them, on log steps only."""
+    parameters (its shards under hsdp) until `updates`, which frees it tensor by tensor: on log steps only, the
+    memory of one more copy of them, plus one tensor's update and a norm chunk (the memory plan counts them)."""
 
     def __init__(self, model: torch.nn.Module, world_size: int):
         self.groups = []  # (module index, parameter, 1 / holders)
@@ -130,7 +142,8 @@ class ModuleNorms:
         sums = torch.zeros(len(MODULES), dtype=torch.float64, device=device)
         for (module, _, weight), tensor in zip(self.groups, tensors):
             if tensor is not None:
-                sums[module] += local(tensor).double().square().sum() * weight
+                sums[module] += square_sum(local(tensor)) * weight
+            del tensor  # an update made for this sum is freed before the next one is made
         return sums
 
     def grads(self) -> torch.Tensor:
@@ -142,9 +155,16 @@ class ModuleNorms:
 
     def updates(self) -> torch.Tensor:
         """This rank's share of each module's squared update norm since `snapshot`."""
-        after = [local(p).detach() - before for (_, p, _), before in zip(self.groups, self.before)]
-        self.before = None
-        return self._squares(after)
+        before, self.before = self.before, None
+
+        def differences():
+            for index, (_, p, _) in enumerate(self.groups):
+                difference = local(p).detach() - before[index]
+                before[index] = None  # each copy freed once used: one tensor's update exists at a time
+                yield difference
+                del difference
+
+        return self._squares(differences())
 
 
 def holders(p: torch.Tensor, world_size: int) -> int:
