@@ -81,6 +81,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.model.loss import chunked_cross_entropy, chunked_cross_entropy_grads
+from huginn_ray.train import observe
 from huginn_ray.train.optim import param_groups, step_scratch_bytes
 from huginn_ray.train.parallel import fp32_parameters, gather_dtype
 
@@ -558,7 +559,6 @@ def with_update_norms(phase: Phase, cfg, model: RecurrentGPT, whole: set, shards
     with the copies, and the copies still held with one update and its chunk's fp64 copy and square."""
     if not cfg.observe.module_norms:
         return phase
-    from huginn_ray.train.observe import MODULES, NORM_CHUNK
 
     def allocated(nbytes: int) -> int:
         return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if cfg.scaling.use_gpu else nbytes
@@ -568,8 +568,8 @@ def with_update_norms(phase: Phase, cfg, model: RecurrentGPT, whole: set, shards
     copies = sum(sizes)
     # tensor i's update is made while its copy exists, then squared (a chunk's fp64 copy and square) without it,
     # into the fp64 sums per module
-    updates = allocated(8 * len(MODULES)) + max(
-        max(sum(sizes[i:]), sum(sizes[i + 1 :]) + 2 * allocated(8 * min(size // 4, NORM_CHUNK))) + size
+    updates = allocated(8 * len(observe.MODULES)) + max(
+        max(sum(sizes[i:]), sum(sizes[i + 1 :]) + 2 * allocated(8 * min(size // 4, observe.NORM_CHUNK))) + size
         for i, size in enumerate(sizes))
     return Phase(phase.name, phase.transient + " + the update norms' copy of the parameters (log steps)",
                  max(phase.transient_bytes + copies, updates), phase.absent)
