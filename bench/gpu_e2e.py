@@ -346,8 +346,8 @@ def gsm8k(run: Run, device: str) -> None:
         f"tokenizer={run.work / 'data' / 'tokenizer'}", "max_gen_toks=16"], limit_s=240, needs=("train",))
     report = out / "gsm8k_depth_sweep.json"
     if status == "ok" and report.is_file():
-        depths = json.loads(report.read_text())["depths"]
-        settings = json.loads(report.read_text())["settings"]
+        sweep = json.loads(report.read_text())
+        depths, settings = sweep["depths"], sweep["settings"]
         detail = (f"depths {', '.join(sorted(depths, key=int))}, {settings['samples']} problems each, "
                   f"{settings['replicas']} replica on {settings['device']}, {settings['dtype']}")
         status = status if sorted(depths, key=int) == ["4", "8"] else "FAILED (depths)"

@@ -32,8 +32,8 @@ def small_config(*extra):
     ])
 
 
-def fixed_parameters(model) -> int:
-    """Bytes of the model's trainable parameters (fp32)."""
+def parameter_bytes(model) -> int:
+    """Bytes of the model's trainable parameters (fp32): what the module norms' copy of them takes."""
     return sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
 
 
@@ -243,7 +243,7 @@ def test_the_plan_holds_a_whole_cpu_train_step_and_its_optimizer_step_to_the_byt
         assert fixed + gradients + step.peak == plan.phase_total(optimizer_step)
         # one bucket (the update written over its denominators) and at most two scalars per tensor (75 of them),
         # not the weights group twice over (13.3 MiB)
-        assert step.peak - (fixed_parameters(model) if log_step else 0) <= 2**20 + 2 * 75 * 4
+        assert step.peak - (parameter_bytes(model) if log_step else 0) <= 2**20 + 2 * 75 * 4
         if log_step:  # squares of the gradients before clipping, and of the step's updates
             assert grad_squares.sum() > 0 and update_squares.sum() > 0
         assert plan.total >= fixed + max(forward_backward.peak, gradients + step.peak), plan.render()
@@ -393,3 +393,12 @@ def test_hsdp_plan_holds_the_peak_of_a_real_fsdp2_step(single_rank_group):
     assert plan.peak.name == "core backward"
     # the core's gathered weights and gradients are 2 x 17 % of it: a plan without either misses by more
     assert abs(step.peak - planned) <= 0.05 * planned, (step.peak, planned, plan.render())
+
+
+def test_the_norms_square_sum_in_chunks_is_the_whole_tensor_s(monkeypatch):
+    """observe.square_sum over chunks of NORM_CHUNK elements (45 elements in chunks of 7: six whole, one of 3)."""
+    monkeypatch.setattr(observe, "NORM_CHUNK", 7)
+    tensor = torch.randn(5, 9, generator=torch.Generator().manual_seed(0))
+    assert observe.square_sum(tensor).item() == pytest.approx(tensor.double().square().sum().item(), rel=1e-12)
+    assert observe.square_sum(tensor[:, :2]).item() == pytest.approx(tensor[:, :2].double().square().sum().item(),
+                                                                     rel=1e-12)  # not contiguous

@@ -96,7 +96,8 @@ LEFT_OUT = {
     "rouge-score": "the ROUGE metric of lm-eval tasks other than GSM8k",
     "word2number": "the answer parsing of lm-eval tasks other than GSM8k",
 }
-"""Requirements of ray[default,serve] the jobs never load, with what they serve."""
+"""Requirements of the bundle's wheels (ray[default,serve]'s, lm-eval's) that the jobs never load, with what they
+serve."""
 TARGET = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
           "platform_python_implementation": "CPython", "os_name": "posix"}
