@@ -21,7 +21,8 @@ On the device present it measures and prints, as a table, and writes as JSON (--
 7. optimizer: AdamW's fused kernel (what the training takes on GPUs) against its multi-tensor step over the
    parameters of a nebel-width model of 1/1/1 layers: seconds per step, and the largest difference of the
    weights after the same steps from the same gradients (within ADAMW_TOLERANCE, else the row fails); and
-   ELLISAdam, the training's default, multi-tensor (in 64 MiB buckets) against one tensor at a time.
+   ELLISAdam, the training's default, `foreach=True` (multi-tensor over 64 MiB buckets of several tensors, a
+   larger tensor with the single-tensor ops) against one tensor at a time.
 8. bf16 gathers: hsdp on the one device (a shard group of one: FSDP2 still gathers, casts and reduce-scatters)
    with the blocks' matmul weights gathered in fp32, then in bf16 (`parallelism.param_dtype`), under bf16
    autocast: seconds per forward+backward, bytes all-gathered per step by dtype (bf16 at most 0.6 x fp32's), the
@@ -590,7 +591,7 @@ lr 1e-3 (each step moves a weight by about 1e-3; the two differ by the rounding 
 def optimizer_check(setup: Setup) -> dict:
     """On the same parameters, gradients and param groups (weight decay on the matrices only, as
     build_optimizer's groups): AdamW `fused=True` against `foreach=True`, and ELLISAdam (the training's default,
-    with OptimConfig's defaults) multi-tensor in 64 MiB buckets against one tensor at a time; the median seconds
+    with OptimConfig's defaults) with `foreach=True` against one tensor at a time; the median seconds
     of a step and the largest weight difference after `setup.steps` steps of each pair."""
     from huginn_ray.train.config import OptimConfig
 
@@ -798,7 +799,7 @@ def render(report: dict) -> str:
                           f"{result['fused_seconds'] * 1e3:.2f} ms/step, foreach {result['foreach_seconds'] * 1e3:.2f} "
                           f"ms/step ({result['fused_speedup']:.2f}x); max |weight difference| after "
                           f"{result['steps']} steps {result['max_abs_weight_difference']:.3g} (tolerance "
-                          f"{result['tolerance']:g}); ELLISAdam multi-tensor "
+                          f"{result['tolerance']:g}); ELLISAdam foreach=True "
                           f"{result['ellis_multi_tensor_seconds'] * 1e3:.2f} ms/step, one tensor at a time "
                           f"{result['ellis_one_tensor_seconds'] * 1e3:.2f} ms/step, max |weight difference| "
                           f"{result['ellis_max_abs_weight_difference']:.3g}"]

@@ -217,6 +217,26 @@ def test_multi_tensor_ellis_adam_equals_single_tensor_over_30_steps(options, buc
     assert opts["foreach"].state_dict()["param_groups"] == opts["single"].state_dict()["param_groups"]
 
 
+def test_multi_tensor_step_gives_a_bucket_of_one_tensor_the_single_tensor_ops(monkeypatch):
+    """A foreach kernel over one large tensor is slower than the plain kernel on a GPU (BENCHMARKS.md, "GPU
+    check"): a bucket of one takes `_moments`/`_apply`, a bucket of several `_moments_group`/`_apply_group`."""
+    monkeypatch.setattr(optim, "STEP_BUCKET_BYTES", 200)
+    params = [nn.Parameter(torch.randn(shape)) for shape in [(16, 8), (8,), (30,), (1,)]]  # 512, 32, 120, 4 bytes
+    opt = ELLISAdam([dict(params=params[:2]), dict(params=params[2:])], lr=1e-2)
+    opt.foreach = True
+    calls = []
+    for name in ("_moments", "_apply", "_moments_group", "_apply_group"):
+        method = getattr(ELLISAdam, name)
+        monkeypatch.setattr(ELLISAdam, name, lambda self, ps, *args, _name=name, _method=method:
+                            (calls.append((_name, tuple(p.numel() for p in ps) if isinstance(ps, list) else ps.numel())),
+                             _method(self, ps, *args))[1])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert calls == [("_moments", 128), ("_moments", 8), ("_moments_group", (30, 1)),
+                     ("_apply", 128), ("_apply", 8), ("_apply_group", (30, 1))]
+
+
 def test_update_clipping_makes_no_host_sync(monkeypatch):
     p = nn.Parameter(torch.randn(4, 4))
     opt = huginn_ellis([p])

@@ -86,8 +86,9 @@ class OptimConfig:
     no_weight_decay_for_bias_and_norm: bool = True
     """No decay on norm weights and biases (the third parameter group)."""
     foreach: bool | None = None
-    """ELLISAdam: multi-tensor step (torch._foreach_* per group) when true, one tensor at a time when false;
-    null picks the faster: multi-tensor on GPUs, single-tensor on CPU. Same result either way."""
+    """ELLISAdam: multi-tensor step (torch._foreach_* over buckets of a group's tensors; a tensor alone in its
+    bucket takes the single-tensor ops) when true, one tensor at a time when false; null: multi-tensor on GPUs,
+    single-tensor on CPU. Same result either way."""
 
 
 @dataclass

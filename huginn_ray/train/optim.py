@@ -111,8 +111,9 @@ class ELLISAdam(torch.optim.Optimizer):
 
     foreach: bool | None = None
     """True: the multi-tensor step (torch._foreach_* over each group); False: one tensor at a time; None
-    (default): multi-tensor where it is faster, i.e. when the parameters live on a GPU (on CPU the foreach ops
-    are loops over the same kernels). Both give the same result; it is an attribute, not a group option,
+    (default): multi-tensor when the parameters live on a GPU, where it saves a launch per small tensor (on CPU
+    the foreach ops are loops over the same kernels). A bucket of one tensor takes the single-tensor ops either
+    way. Both give the same result; it is an attribute, not a group option,
     so param_groups and state_dict keep their layout. Either way the step's scratch is bounded: the
     multi-tensor ops run over buckets of at most STEP_BUCKET_BYTES (`step_buckets`), each op in place where
     the maths allows, and each update is written over its denominator (`step_scratch_bytes` counts it)."""
@@ -130,7 +131,9 @@ class ELLISAdam(torch.optim.Optimizer):
         work = [(group, [params[i] for i in bucket]) for group, params in work
                 for bucket in step_buckets([local(p).numel() * local(p).element_size() for p in params], foreach)]
         # 1. moments, and per tensor the sum of g^2 / v over this rank's part (update clipping)
-        sums = [self._moments_group(params, group) if foreach else [self._moments(p, group) for p in params]
+        # a bucket of one (large) tensor takes the single-tensor ops: a foreach kernel over one large tensor is
+        # slower than the plain kernel (BENCHMARKS.md "GPU check": 0.90x over nebel-width's tensors on an H100)
+        sums = [self._moments_group(params, group) if len(params) > 1 else [self._moments(params[0], group)]
                 for group, params in work]
         # 2. whole-tensor sums of sharded tensors: one all-reduce over the shard group for every tensor of the step
         self._sum_over_shards(work, sums)
@@ -138,11 +141,10 @@ class ELLISAdam(torch.optim.Optimizer):
         for (group, params), group_sums in zip(work, sums):
             clips = [None if total is None else total.div(p.numel()).sqrt().clamp(min=1.0)
                      for p, total in zip(params, group_sums)]
-            if foreach:
+            if len(params) > 1:
                 self._apply_group(params, group, clips)
             else:
-                for p, clip in zip(params, clips):
-                    self._apply(p, group, clip)
+                self._apply(params[0], group, clips[0])
         return loss
 
     def _init_state(self, p: torch.Tensor) -> None:
