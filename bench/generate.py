@@ -16,7 +16,8 @@ Prompts: the first 16 tokens of rows of --data-dir shards (val/*.parquet, then t
 built-in set (seeded random token ids). The goal: adaptive tokens/s >= 0.7 x (num_steps / mean iterations) x
 fixed-depth tokens/s, i.e. the iterations that exits save become throughput.
 
---profile adds, for each engine, its loop steps and calls and what a call costs by its rows (`step_profile`).
+--profile adds, for each engine, its loop steps and calls and what a call costs by its rows (`step_profile`),
+and the most adaptive / fixed that separate core and finish calls of these costs can give (`exit_bound`).
 With --checkpoint and --data-dir it also prints, at batch size 1 teacher-forced on validation rows (prompt 16
 tokens, then 48 forced), the mean core iterations per token and the next-token loss of each exit criterion at
 its default threshold against the fixed depth (--criteria-table).
@@ -165,8 +166,21 @@ def step_profile(model: RecurrentGPT, args: argparse.Namespace) -> dict:
             / max(1, sum(decoding for _, decoding, _ in calls["core"])),
             "finish_calls_per_step": len(calls["finish"]) / steps,
             "rows_per_finish_call": sum(rows for rows, _, _ in calls["finish"]) / len(calls["finish"]),
-            "core_ms_by_rows": median_ms("core"), "coda_head_ms_by_rows": median_ms("coda_head")}
+            "core_ms_by_rows": median_ms("core"), "coda_head_ms_by_rows": median_ms("coda_head"),
+            "finish_ms": round(1000 * sorted(t for _, _, t in calls["finish"])[len(calls["finish"]) // 2], 3)}
     return report
+
+
+def exit_bound(core_ms: float, finish_ms: float, mean: float, depth: int, wait: int) -> float:
+    """The most adaptive / fixed tokens/s that separate core and finish calls can give where a call costs the
+    same whatever its rows (per-call overhead, or reading the weights): R rows always iterating, none draining,
+    admitted or in prefill. A token then takes `mean` core iterations plus, with exit_wait_steps `wait`, about
+    wait / 2 steps waiting for its finish (coda, head, next prelude), and one finish call serves the rows of
+    wait + 1 steps; the fixed depth runs `depth` steps per token and one finish per forward:
+        adaptive / fixed <= depth / (mean + wait / 2) * (c + f / depth) / (c + f / (wait + 1))
+    with c a core call's cost and f a finish call's."""
+    c, f = core_ms, finish_ms
+    return depth / (mean + wait / 2) * (c + f / depth) / (c + f / (wait + 1))
 
 
 def criteria_table(model: RecurrentGPT, args: argparse.Namespace) -> None:
@@ -226,7 +240,17 @@ def main() -> None:
         model = RecurrentGPT(ModelConfig.from_name("raven-tiny")).eval()
     report = throughput(model, args)
     if args.profile:
-        report["profile"] = step_profile(model, args)
+        profile = report["profile"] = step_profile(model, args)
+        # the bound with this run's figures: the fixed engine's core call over its full batch, the adaptive
+        # engine's median finish call, the adaptive mean iterations; at this exit_wait_steps and the best of 0-8
+        core_ms = profile["fixed"]["core_ms_by_rows"][max(profile["fixed"]["core_ms_by_rows"])]
+        bounds = {wait: exit_bound(core_ms, profile["adaptive"]["finish_ms"], report["mean_iterations"],
+                                   args.num_steps, wait) for wait in range(9)}
+        best = max(bounds, key=bounds.get)
+        profile["bound"] = {"core_ms": core_ms, "finish_ms": profile["adaptive"]["finish_ms"],
+                            "at_exit_wait": exit_bound(core_ms, profile["adaptive"]["finish_ms"],
+                                                       report["mean_iterations"], args.num_steps, args.exit_wait),
+                            "best": bounds[best], "best_exit_wait": best}
     if args.json:
         print(json.dumps(report))
     else:
@@ -246,13 +270,20 @@ def main() -> None:
               f"num_steps / mean iterations: {report['iteration_ratio']:.2f}; goal (>= 0.7 x that) "
               f"{'met' if report['goal_met'] else 'not met'}; adaptive engine tokens equal to batch-1 generate: "
               f"{report['tokens_equal_fraction']:.3f}")
-        for label, profile in report.get("profile", {}).items():
+        for label in ("adaptive", "fixed") if "profile" in report else ():
+            profile = report["profile"][label]
             print(f"{label} engine: {profile['loop_steps']} loop steps, {profile['tokens_per_step']:.2f} tokens, "
                   f"{profile['core_calls_per_step']:.2f} core calls of {profile['rows_per_core_call']:.1f} rows (decoding "
                   f"calls {profile['rows_per_decoding_core_call']:.1f}) and "
                   f"{profile['finish_calls_per_step']:.2f} finish calls of {profile['rows_per_finish_call']:.1f} rows a "
                   f"step; median ms of a decoding core call by rows {profile['core_ms_by_rows']}, of a coda + head "
-                  f"call {profile['coda_head_ms_by_rows']}")
+                  f"call {profile['coda_head_ms_by_rows']}, of a finish call {profile['finish_ms']}")
+        if "profile" in report:
+            bound = report["profile"]["bound"]
+            print(f"bound (exit_bound) with a core call of {bound['core_ms']} ms and a finish call of "
+                  f"{bound['finish_ms']} ms: adaptive / fixed <= {bound['at_exit_wait']:.2f}x at exit_wait_steps "
+                  f"{args.exit_wait}, {bound['best']:.2f}x at best (exit_wait_steps {bound['best_exit_wait']}); "
+                  f"the goal asks {0.7 * report['iteration_ratio']:.2f}x")
     if args.criteria_table:
         criteria_table(model, args)
 

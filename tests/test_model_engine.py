@@ -4,6 +4,11 @@ with requests arriving while others run, within its capacities in rows and cache
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -300,3 +305,28 @@ def test_a_full_row_with_the_most_cache_keys_batches_with_a_latest_row(model):
         for event in engine.step():
             outputs[event.request_id].append(event.token_id)
     assert list(outputs.values()) == [alone(model, request)[0] for request in mixed]
+
+
+def test_the_generation_benchmark_reports_the_exit_bound_of_its_own_calls(tmp_path):
+    """bench/generate.py --profile: the bound of separate core and finish calls, from the run's own call costs;
+    exit_bound itself at its two limits (a free finish gives the iteration ratio; no exits cost a finish a step)."""
+    repo = Path(__file__).resolve().parent.parent
+    sys.path.append(str(repo / "bench"))  # appended: bench/ must not shadow any module
+    from generate import exit_bound
+
+    assert exit_bound(1.0, 0.0, 4.0, 16, 0) == 4.0
+    assert exit_bound(2.0, 2.0, 16.0, 16, 0) == (2.0 + 2.0 / 16) / 4.0
+    assert exit_bound(1.0, 1.0, 6.0, 16, 2) == 16 / 7.0 * (1.0 + 1 / 16) / (1.0 + 1 / 3)
+    run = subprocess.run([sys.executable, str(repo / "bench" / "generate.py"), "--batch", "4", "--new-tokens", "3",
+                          "--num-steps", "4", "--exit-wait", "1", "--repeats", "1", "--profile", "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(repo)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.splitlines()[-1])
+    profile = report["profile"]
+    bound = profile["bound"]
+    assert bound["core_ms"] == profile["fixed"]["core_ms_by_rows"][str(4)]
+    assert bound["finish_ms"] == profile["adaptive"]["finish_ms"] > 0
+    assert bound["at_exit_wait"] == exit_bound(bound["core_ms"], bound["finish_ms"], report["mean_iterations"], 4, 1)
+    assert bound["best"] == max(exit_bound(bound["core_ms"], bound["finish_ms"], report["mean_iterations"], 4, wait)
+                                for wait in range(9))
