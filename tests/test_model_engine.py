@@ -4,6 +4,7 @@ with requests arriving while others run, within its capacities in rows and cache
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -311,8 +312,11 @@ def test_the_generation_benchmark_reports_the_exit_bound_of_its_own_calls(tmp_pa
     """bench/generate.py --profile: the bound of separate core and finish calls, from the run's own call costs;
     exit_bound itself at its two limits (a free finish gives the iteration ratio; no exits cost a finish a step)."""
     repo = Path(__file__).resolve().parent.parent
-    sys.path.append(str(repo / "bench"))  # appended: bench/ must not shadow any module
-    from generate import exit_bound
+    # by its path: jobs/generate.py is another module named `generate` on the suite's path
+    spec = importlib.util.spec_from_file_location("bench_generate", repo / "bench" / "generate.py")
+    bench_generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_generate)
+    exit_bound = bench_generate.exit_bound
 
     assert exit_bound(1.0, 0.0, 4.0, 16, 0) == 4.0
     assert exit_bound(2.0, 2.0, 16.0, 16, 0) == (2.0 + 2.0 / 16) / 4.0
