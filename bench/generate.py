@@ -244,12 +244,14 @@ def main() -> None:
         # the bound with this run's figures: the fixed engine's core call over its full batch, the adaptive
         # engine's median finish call, the adaptive mean iterations; at this exit_wait_steps and the best of 0-8
         core_ms = profile["fixed"]["core_ms_by_rows"][max(profile["fixed"]["core_ms_by_rows"])]
-        bounds = {wait: exit_bound(core_ms, profile["adaptive"]["finish_ms"], report["mean_iterations"],
-                                   args.num_steps, wait) for wait in range(9)}
+        finish_ms = profile["adaptive"]["finish_ms"]
+
+        def bound_at(wait: int) -> float:
+            return exit_bound(core_ms, finish_ms, report["mean_iterations"], args.num_steps, wait)
+
+        bounds = {wait: bound_at(wait) for wait in range(9)}
         best = max(bounds, key=bounds.get)
-        profile["bound"] = {"core_ms": core_ms, "finish_ms": profile["adaptive"]["finish_ms"],
-                            "at_exit_wait": exit_bound(core_ms, profile["adaptive"]["finish_ms"],
-                                                       report["mean_iterations"], args.num_steps, args.exit_wait),
+        profile["bound"] = {"core_ms": core_ms, "finish_ms": finish_ms, "at_exit_wait": bound_at(args.exit_wait),
                             "best": bounds[best], "best_exit_wait": best}
     if args.json:
         print(json.dumps(report))

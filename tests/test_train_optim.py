@@ -225,11 +225,19 @@ def test_multi_tensor_step_gives_a_bucket_of_one_tensor_the_single_tensor_ops(mo
     opt = ELLISAdam([dict(params=params[:2]), dict(params=params[2:])], lr=1e-2)
     opt.foreach = True
     calls = []
-    for name in ("_moments", "_apply", "_moments_group", "_apply_group"):
+
+    def recorded(name):
+        """ELLISAdam's method `name`, recording its name and the sizes of the tensors it was given."""
         method = getattr(ELLISAdam, name)
-        monkeypatch.setattr(ELLISAdam, name, lambda self, ps, *args, _name=name, _method=method:
-                            (calls.append((_name, tuple(p.numel() for p in ps) if isinstance(ps, list) else ps.numel())),
-                             _method(self, ps, *args))[1])
+
+        def call(self, tensors, *args):
+            sizes = tuple(p.numel() for p in tensors) if isinstance(tensors, list) else tensors.numel()
+            calls.append((name, sizes))
+            return method(self, tensors, *args)
+        return call
+
+    for name in ("_moments", "_apply", "_moments_group", "_apply_group"):
+        monkeypatch.setattr(ELLISAdam, name, recorded(name))
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()

@@ -110,7 +110,7 @@ class ELLISAdam(torch.optim.Optimizer):
                 self._init_state(p)
 
     foreach: bool | None = None
-    """True: the multi-tensor step (torch._foreach_* over each group); False: one tensor at a time; None
+    """True: the multi-tensor step (torch._foreach_* over buckets of each group); False: one tensor at a time; None
     (default): multi-tensor when the parameters live on a GPU, where it saves a launch per small tensor (on CPU
     the foreach ops are loops over the same kernels). A bucket of one tensor takes the single-tensor ops either
     way. Both give the same result; it is an attribute, not a group option,
