@@ -11,8 +11,8 @@ holds or `num_steps` is reached. The criterion is checked after iteration t when
 by default after every iteration). The prefill exits too, all prompt positions at once, as in the release;
 `exit_in_prefill=False` (the release's `do_not_exit_in_prefill`) runs it at the full depth. The criteria, their
 quantities and defaults: huginn_ray.generation.exits (a threshold of 0 turns exits off). A logit-based criterion
-runs the coda and head at every check; `flops_per_token` counts that. A forward that exits at such a check emits its token from that
-check's logits (the coda and head of its final state: running them again would give the same).
+runs the coda and head at every check; `flops_per_token` counts that. A forward that exits at such a check emits
+its token from that check's logits (the coda and head of its final state: running them again would give the same).
 
 KV caches (`cache=`): a token that exited after t iterations has no keys/values for later iterations, which a
 later, deeper token attends to.
