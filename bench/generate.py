@@ -5,10 +5,11 @@
         [--admit-rows BATCH/4] [--threads 1] [--json]
 
 On the same prompts and model (raven-tiny at random init without --checkpoint), greedy decoding:
-(a) the engine (huginn_ray.model.engine) with `--batch` rows, an adaptive exit criterion,
+(a) the engine (huginn_ray.generation.engine) with `--batch` rows, an adaptive exit criterion,
     `EngineConfig.exit_wait_steps=--exit-wait` and `admit_rows=--admit-rows`;
 (b) the engine at the fixed depth `--num-steps` (the same EngineConfig);
-(c) RecurrentGPT.generate at that fixed depth, `--batch` prompts per call.
+(c) the model's own KV cache at that fixed depth (`kv_cache_greedy`: one forward per token), `--batch` prompts
+    per call.
 Prints tokens/s (wall clock) and tokens per CPU second of this process (steadier on a shared machine), each
 the best of --repeats runs, mean and maximum core iterations per token, and the fraction of requests whose
 adaptive engine output equals `generate` at batch size 1 (token for token); --json prints one JSON object.
@@ -32,9 +33,11 @@ from pathlib import Path
 
 import torch
 
-from huginn_ray.model import ModelConfig, RecurrentGPT
-from huginn_ray.model.engine import Engine, EngineConfig, Request
-from huginn_ray.model.generate import DEFAULT_THRESHOLDS, generate
+from huginn_ray.generation.engine import Engine, EngineConfig
+from huginn_ray.generation.exits import DEFAULT_THRESHOLDS
+from huginn_ray.generation.generate import generate
+from huginn_ray.generation.requests import Request
+from huginn_ray.model import KVCache, ModelConfig, RecurrentGPT
 from huginn_ray.model.pretrained import load_pretrained, resolve_model_dir
 
 PROMPT_TOKENS = 16
@@ -69,6 +72,29 @@ def timed(run, repeats: int):
     return min(walls), min(cpus), out
 
 
+def outputs(engine: Engine, requests: list[Request]) -> list[tuple[list[int], list[int]]]:
+    """(tokens, core iterations of each token) of every request, in order, driving `engine` alone until idle."""
+    request_ids = [engine.submit(request) for request in requests]
+    tokens, iterations = {i: [] for i in request_ids}, {i: [] for i in request_ids}
+    while engine.busy:
+        for event in engine.step():
+            tokens[event.request_id].append(event.token_id)
+            iterations[event.request_id].append(event.core_iterations)
+    return [(tokens[i], iterations[i]) for i in request_ids]
+
+
+@torch.no_grad()
+def kv_cache_greedy(model: RecurrentGPT, prompts: torch.Tensor, new_tokens: int, depth: int) -> torch.Tensor:
+    """Greedy decoding of a batch at a fixed depth through the model's own KVCache (each token's forward over its
+    one new position; every position keeps every iteration): the plain reference of the engines."""
+    cache, tokens, step = KVCache(), prompts, prompts
+    for _ in range(new_tokens):
+        logits = model(step, num_steps=(depth, 0), cache=cache).logits[:, -1, : model.config.vocab_size]
+        step = logits.argmax(dim=-1)[:, None]
+        tokens = torch.cat([tokens, step], dim=1)
+    return tokens
+
+
 def throughput(model: RecurrentGPT, args: argparse.Namespace) -> dict:
     cfg, depth = model.config, args.num_steps
     texts = prompts(args, cfg.vocab_size)
@@ -78,23 +104,23 @@ def throughput(model: RecurrentGPT, args: argparse.Namespace) -> dict:
 
     def engine(requests):
         config = EngineConfig(args.batch, 2**62, args.exit_wait, args.admit_rows)
-        return lambda: Engine(model, config).run_to_completion(requests)
+        return lambda: outputs(Engine(model, config), requests)
 
     def plain():
         for first in range(0, len(texts), args.batch):
-            model.generate(torch.tensor(texts[first : first + args.batch]), args.new_tokens, depth)
+            kv_cache_greedy(model, torch.tensor(texts[first : first + args.batch]), args.new_tokens, depth)
 
     engine(adaptive[: args.batch])()  # warm-up
     adaptive_s, adaptive_cpu, adaptive_out = timed(engine(adaptive), args.repeats)
     fixed_s, fixed_cpu, fixed_out = timed(engine(fixed), args.repeats)
     plain_s, plain_cpu, _ = timed(plain, args.repeats)
     tokens = len(texts) * args.new_tokens
-    iterations = [i for completion in adaptive_out for i in completion.core_iterations]
+    iterations = [i for _, token_iterations in adaptive_out for i in token_iterations]
     equal = sum(generate(model, torch.tensor([request.prompt]), args.new_tokens, depth, args.criterion, threshold,
                          generator=torch.Generator().manual_seed(request.seed))
-                .tokens[0, PROMPT_TOKENS:].tolist() == completion.tokens
-                for request, completion in zip(adaptive, adaptive_out))
-    assert all(i == depth for completion in fixed_out for i in completion.core_iterations)
+                .tokens[0, PROMPT_TOKENS:].tolist() == tokens
+                for request, (tokens, _) in zip(adaptive, adaptive_out))
+    assert all(i == depth for _, token_iterations in fixed_out for i in token_iterations)
     mean = sum(iterations) / len(iterations)
     report = {
         "model": cfg.name, "checkpoint": args.checkpoint, "prompts": "data" if args.data_dir else "built-in",
@@ -117,15 +143,15 @@ def throughput(model: RecurrentGPT, args: argparse.Namespace) -> dict:
 
 def step_profile(model: RecurrentGPT, args: argparse.Namespace) -> dict:
     """One more run of each engine on the same requests with the calls of its loop steps timed
-    (time.perf_counter around huginn_ray.model.generate's `iterate` and `coda_head` and the engine's `finish`):
+    (time.perf_counter around huginn_ray.generation.stepping's `iterate` and `coda_head` and the engine's `finish`):
     loop steps, tokens per step, core calls and their rows, `finish` calls and their rows, and the median
     milliseconds of a decoding core call and of a decoding coda + head call by their number of rows (what a
     call's cost does with its rows)."""
-    import huginn_ray.model.engine as engine_module
-    import huginn_ray.model.generate as generation
+    import huginn_ray.generation.engine as engine_module
+    import huginn_ray.generation.stepping as stepping
 
     calls: dict[str, list[tuple[int, bool, float]]] = {}
-    patched = [(generation, "iterate", "core"), (generation, "coda_head", "coda_head"), (engine_module, "finish", "finish")]
+    patched = [(stepping, "iterate", "core"), (stepping, "coda_head", "coda_head"), (engine_module, "finish", "finish")]
     originals = [getattr(module, name) for module, name, _ in patched]
 
     def timed_call(function, key):
@@ -153,7 +179,7 @@ def step_profile(model: RecurrentGPT, args: argparse.Namespace) -> dict:
         for (module, name, key), function in zip(patched, originals):
             setattr(module, name, timed_call(function, key))
         try:
-            engine.run_to_completion([Request(p, args.new_tokens, args.num_steps, criterion, threshold) for p in texts])
+            outputs(engine, [Request(p, args.new_tokens, args.num_steps, criterion, threshold) for p in texts])
         finally:
             for (module, name, _), function in zip(patched, originals):
                 setattr(module, name, function)
@@ -211,7 +237,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint")
     parser.add_argument("--data-dir")
-    parser.add_argument("--batch", type=int, default=32, help="engine rows; RecurrentGPT.generate's batch")
+    parser.add_argument("--batch", type=int, default=32, help="engine rows; kv_cache_greedy's batch")
     parser.add_argument("--requests", type=int, default=None, help="prompts (default: 2 x batch)")
     parser.add_argument("--num-steps", type=int, default=16, help="fixed depth, and the adaptive maximum")
     parser.add_argument("--new-tokens", type=int, default=24)
@@ -264,7 +290,7 @@ def main() -> None:
                     f"admit_rows {args.admit_rows}")
         rows = [(adaptive, "adaptive", f"{report['mean_iterations']:.2f}", report["max_iterations"]),
                 ("engine, fixed depth", "fixed", depth := args.num_steps, depth),
-                ("RecurrentGPT.generate, fixed depth", "generate_fixed", depth, depth)]
+                ("model's KV cache (kv_cache_greedy), fixed depth", "generate_fixed", depth, depth)]
         for label, key, mean, most in rows:
             print(f"| {label} | {report[key + '_tokens_per_s']:.1f} | {report[key + '_tokens_per_cpu_s']:.1f} | "
                   f"{mean} | {most} |")

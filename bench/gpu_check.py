@@ -14,7 +14,7 @@ On the device present it measures and prints, as a table, and writes as JSON (--
    (NCCL on GPUs, gloo on CPU) and no Ray: the loss falls, the host reads a device tensor once per step, a
    checkpoint saved mid-run resumes to the same losses;
 5. generation at batch 1: tokens/s of an adaptive exit (kl) against the fixed depth, on the trained model;
-6. engine: continuous depth batching (huginn_ray.model.engine) at batch 32 on the trained model, fixed depth
+6. engine: continuous depth batching (huginn_ray.generation.engine) at batch 32 on the trained model, fixed depth
    against latent-diff exits: tokens/s, iterations per token, outputs equal to batch-1 generation;
    decode calls: one core iteration at decoding's shape (1 and 32 rows of one token): its ATen operations, ms
    per call eager, and ms per replay of it captured in a CUDA graph (how much of decoding is launch overhead);
@@ -66,9 +66,11 @@ from model_step import CUSTOM, matmul_flops_per_second, step_seconds, synchroniz
 from huginn_ray.cluster.devices import distributed_backend  # noqa: E402
 from huginn_ray.config import from_dict  # noqa: E402
 from huginn_ray.data.shards import shard_path  # noqa: E402
-from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, training_flops_per_token  # noqa: E402
-from huginn_ray.model.engine import Engine, EngineConfig, Request  # noqa: E402
-from huginn_ray.model.generate import DEFAULT_THRESHOLDS, generate  # noqa: E402
+from huginn_ray.generation.engine import Engine, EngineConfig, TokenEvent  # noqa: E402
+from huginn_ray.generation.exits import DEFAULT_THRESHOLDS  # noqa: E402
+from huginn_ray.generation.generate import generate  # noqa: E402
+from huginn_ray.generation.requests import Request  # noqa: E402
+from huginn_ray.model import ModelConfig, RecurrentGPT, training_flops_per_token  # noqa: E402
 from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, choose_attention_backend,  # noqa: E402
                                          probe_attention_backends, restrict_attention)
 from huginn_ray.train import checkpoint as ckpt  # noqa: E402
@@ -77,6 +79,7 @@ from huginn_ray.train.config import TrainConfig  # noqa: E402
 from huginn_ray.train.memory import GIB, plan_memory  # noqa: E402
 from huginn_ray.train.observe import ModuleNorms  # noqa: E402
 from huginn_ray.train.optim import adamw_fused, build_optimizer, param_groups  # noqa: E402
+from huginn_ray.train.parallelize import compile_blocks  # noqa: E402
 from huginn_ray.train.run_plan import RunPlan  # noqa: E402
 
 NEBEL_WIDTH = dict(n_embd=5280, num_attention_heads=55, intermediate_size=17920, vocab_size=65536,
@@ -198,9 +201,8 @@ def model_step(setup: Setup, peak: float, config: ModelConfig, label: str, batch
         compiled = RecurrentGPT(config)
     compiled.materialize(setup.device).load_state_dict(models["eager"].state_dict())
     models["compiled"] = setup.compile(restrict_attention(compiled, backend))
-    for model in models.values():
-        model.loss_chunk_tokens = 1024
-    seconds = step_seconds(models, batch, seq_len, num_steps, setup.device, autocast=setup.on_gpu, steps=setup.steps)
+    seconds = step_seconds(models, batch, seq_len, num_steps, setup.device, autocast=setup.on_gpu, steps=setup.steps,
+                           loss_chunk_tokens=1024)
     flops_per_token = training_flops_per_token(config, num_steps, seq_len)
     row.update(attention_backend=backend, params=sum(p.numel() for p in eager.parameters()))
     for variant, median in seconds.items():
@@ -269,7 +271,8 @@ def memory_check(setup: Setup, root: Path) -> dict:
     k = config.mean_backprop_depth
     reset_peak(device)
     with c.autocast:
-        loss = c.sync.module(inputs, labels=labels, num_steps=(1, k)).loss
+        loss = c.sync.module(inputs, labels=labels, num_steps=(1, k), loss_chunk_tokens=cfg.loss_chunk_tokens,
+                             check_token_ids=False).loss  # as train_step calls it
     forward_peak = peak_allocated(device)
     forward = allocated(device)
     reset_peak(device)
@@ -469,6 +472,17 @@ EQUALITY_REQUESTS = 8
 launch-bound on a GPU: all 64 requests took minutes on an H100)."""
 
 
+def engine_events(model: RecurrentGPT, config: EngineConfig, requests: list[Request]) -> list[list[TokenEvent]]:
+    """Each request's token events, in order, from a new engine driven alone until it is idle."""
+    engine = Engine(model, config)
+    request_ids = [engine.submit(request) for request in requests]
+    events: dict[int, list[TokenEvent]] = {request_id: [] for request_id in request_ids}
+    while engine.busy:
+        for event in engine.step():
+            events[event.request_id].append(event)
+    return [events[request_id] for request_id in request_ids]
+
+
 def engine_check(setup: Setup, model: RecurrentGPT) -> dict:
     """The continuous-depth-batching engine on the trained model: 2 x batch requests (greedy, seeded), at the
     fixed depth and with latent-diff exits; tokens/s, iterations per token, and the fraction of requests whose
@@ -484,22 +498,22 @@ def engine_check(setup: Setup, model: RecurrentGPT) -> dict:
     for label, criterion in (("fixed depth", None), ("adaptive (latent-diff)", "latent-diff")):
         requests = [Request(prompt, setup.new_tokens, setup.depth, criterion, threshold, seed=row)
                     for row, prompt in enumerate(prompts)]
-        Engine(model, config).run_to_completion(requests[:2])  # warm-up
+        engine_events(model, config, requests[:2])  # warm-up
         synchronize(setup.device)
         start = time.perf_counter()
-        completions = Engine(model, config).run_to_completion(requests)
+        events = engine_events(model, config, requests)
         synchronize(setup.device)
         seconds = time.perf_counter() - start
-        iterations = [i for completion in completions for i in completion.core_iterations]
+        iterations = [event.core_iterations for request_events in events for event in request_events]
         result[label] = {"tokens_per_s": len(iterations) / seconds, "mean_iterations": sum(iterations) / len(iterations),
                          "max_iterations": max(iterations)}
     equal = 0
-    checked = list(zip(requests, completions))[:EQUALITY_REQUESTS]
-    for request, completion in checked:
+    checked = list(zip(requests, events))[:EQUALITY_REQUESTS]
+    for request, request_events in checked:
         alone = generate(model, torch.tensor([request.prompt], device=setup.device), setup.new_tokens, setup.depth,
                          "latent-diff", threshold,
                          generator=torch.Generator(device=setup.device).manual_seed(request.seed))
-        equal += alone.tokens[0, 16:].tolist() == completion.tokens
+        equal += alone.tokens[0, 16:].tolist() == [event.token_id for event in request_events]
     result["tokens_equal_fraction"] = equal / len(checked)
     result["requests_compared"] = len(checked)
     return {"depth": setup.depth, "new_tokens": setup.new_tokens, "batch": batch, "requests": len(prompts), **result}

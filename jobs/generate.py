@@ -22,8 +22,9 @@ import sys
 
 import torch
 
+from huginn_ray.generation.exits import DEFAULT_THRESHOLDS
+from huginn_ray.generation.generate import generate
 from huginn_ray.model.export import find_tokenizer
-from huginn_ray.model.generate import DEFAULT_THRESHOLDS, generate
 from huginn_ray.model.inference import DTYPES, inference_placement, load_for_inference
 from huginn_ray.model.pretrained import resolve_model_dir
 

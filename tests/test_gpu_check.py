@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from huginn_ray.model import ModelConfig, RecurrentGPT
-from huginn_ray.model.generate import DEFAULT_THRESHOLDS
+from huginn_ray.generation.exits import DEFAULT_THRESHOLDS
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.append(str(REPO / "bench"))  # appended: bench/ must not shadow any module

@@ -18,8 +18,9 @@ from huginn_ray.model import (
     save_pretrained,
     training_flops_per_token,
 )
+from huginn_ray.generation.generate import generate
 from huginn_ray.model.attention import rope_table, rotate
-from huginn_ray.model.model import RMSNorm
+from huginn_ray.model.blocks import RMSNorm
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -330,15 +331,19 @@ def test_sequence_longer_than_block_size():
     with pytest.raises(ValueError, match="sequence length 33 exceeds block_size=32"):
         model(torch.zeros(1, 33, dtype=torch.long))
     with pytest.raises(ValueError, match="prompt length 30 \\+ max_new_tokens 3 exceeds block_size=32"):
-        model.generate(torch.zeros(1, 30, dtype=torch.long), max_new_tokens=3)
+        generate(model, torch.zeros(1, 30, dtype=torch.long), max_new_tokens=3)
 
 
 # ---- generation --------------------------------------------------------------------------------------------------
 def test_cached_generation_equals_uncached():
     model = build(tiny(state_init="zero"), seed=3)
     prompt = torch.randint(0, 4096, (2, 7))
-    cached = model.generate(prompt, max_new_tokens=12, num_steps=3, use_cache=True)
-    uncached = model.generate(prompt, max_new_tokens=12, num_steps=3, use_cache=False)
+    cached = generate(model, prompt, max_new_tokens=12, num_steps=3).tokens  # no exit criterion: a fixed depth
+    uncached = prompt
+    for _ in range(12):  # greedy, every token from a forward over the whole sequence
+        with torch.no_grad():
+            logits = model(uncached, num_steps=(3, 0)).logits[:, -1, : model.config.vocab_size]
+        uncached = torch.cat([uncached, logits.argmax(dim=-1)[:, None]], dim=1)
     assert cached.shape == (2, 19)
     assert torch.equal(cached[:, :7], prompt)
     assert torch.equal(cached, uncached)

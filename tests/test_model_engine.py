@@ -15,11 +15,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from huginn_ray.generation import engine as engine_module
+from huginn_ray.generation import stepping
+from huginn_ray.generation.engine import Engine, EngineConfig
+from huginn_ray.generation.exits import DEFAULT_THRESHOLDS, ExitCriterion
+from huginn_ray.generation.generate import generate
+from huginn_ray.generation.requests import Request, pick
 from huginn_ray.model import ModelConfig, RecurrentGPT
-from huginn_ray.model import engine as engine_module
-from huginn_ray.model import generate as generation
-from huginn_ray.model.engine import Engine, EngineConfig, Request
-from huginn_ray.model.generate import DEFAULT_THRESHOLDS, generate
 
 CRITERIA = [*DEFAULT_THRESHOLDS, None]
 THRESHOLDS = {"entropy-diff": 1e-2, "latent-diff": 0.1, "kl": 5e-3, "minp-kl": 1e-3, "argmax-stability": 2,
@@ -66,8 +68,8 @@ class Trace:
 
     def __init__(self, monkeypatch):
         self.sequences = []
-        init, begin = generation.Sequence.__init__, generation.Sequence.begin
-        quantities = generation.ExitCriterion.quantities
+        init, begin = stepping.Sequence.__init__, stepping.Sequence.begin
+        quantities = ExitCriterion.quantities
         trace = self
 
         def traced_init(sequence, *args, **kwargs):
@@ -87,9 +89,9 @@ class Trace:
                 criterion.log.append(value)
             return values
 
-        monkeypatch.setattr(generation.Sequence, "__init__", traced_init)
-        monkeypatch.setattr(generation.Sequence, "begin", traced_begin)
-        monkeypatch.setattr(generation.ExitCriterion, "quantities", staticmethod(traced_quantities))
+        monkeypatch.setattr(stepping.Sequence, "__init__", traced_init)
+        monkeypatch.setattr(stepping.Sequence, "begin", traced_begin)
+        monkeypatch.setattr(ExitCriterion, "quantities", staticmethod(traced_quantities))
 
 
 def alone(model, request: Request):
@@ -247,14 +249,18 @@ def test_stop_tokens_finish_a_request(model):
     request = requests(1, seed=5, exit_criterion=None)[0]
     tokens, _ = alone(model, request)
     engine = Engine(model, EngineConfig(max_rows=2, max_cache_bytes=10**9))
-    [completion] = engine.run_to_completion([dataclasses.replace(request, stop_token_ids=(tokens[2],))])
-    assert completion.tokens == tokens[: tokens.index(tokens[2]) + 1] and completion.finish_reason == "stop"
+    engine.submit(dataclasses.replace(request, stop_token_ids=(tokens[2],)))
+    events = []
+    while engine.busy:
+        events += engine.step()
+    assert [event.token_id for event in events] == tokens[: tokens.index(tokens[2]) + 1]
+    assert events[-1].finish_reason == "stop"
 
 
 def test_top_p_samples_from_the_smallest_set_that_reaches_it():
     logits = torch.tensor([[0.6, 0.3, 0.1]]).log()
     g = torch.Generator().manual_seed(0)
-    drawn = {p: {int(RecurrentGPT._pick(logits, 1.0, None, g, p)) for _ in range(200)} for p in (0.5, 0.8, 1.0)}
+    drawn = {p: {int(pick(logits, 1.0, None, g, p)) for _ in range(200)} for p in (0.5, 0.8, 1.0)}
     assert drawn == {0.5: {0}, 0.8: {0, 1}, 1.0: {0, 1, 2}}
 
 

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from huginn_ray.data.chat import render
 from huginn_ray.data.tokenizer import train_tokenizer
+from huginn_ray.generation.generate import generate
 from huginn_ray.model import ModelConfig, RecurrentGPT, load_pretrained
 from huginn_ray.model.export import export
 from test_train_init_from import released_config
@@ -66,7 +67,7 @@ def test_export_loads_without_huginn_ray_and_matches_logits(exported):
     states = torch.randn(2, 10, model.config.n_embd)
     reference = {d: model(ids, num_steps=(d, 0), input_states=states).logits for d in (1, 4, 32)}
     prompt = ids[:1, :4]
-    greedy = {d: model.generate(prompt, 6, num_steps=d)[0, 4:].tolist() for d in (1, 3)}
+    greedy = {d: generate(model, prompt, 6, num_steps=d).tokens[0, 4:].tolist() for d in (1, 3)}
     assert greedy[1] != greedy[3]  # so that matching below shows num_steps reached the model
     torch.save({"ids": ids, "states": states, "reference": reference, "prompt": prompt}, root / "reference.pt")
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from huginn_ray.model import KVCache, ModelConfig, RecurrentGPT
 from huginn_ray.model.flops import inference_flops_per_token
-from huginn_ray.model.generate import DEFAULT_THRESHOLDS, ExitCriterion, generate
+from huginn_ray.generation.exits import DEFAULT_THRESHOLDS, ExitCriterion
+from huginn_ray.generation.generate import generate
 from huginn_ray.model.attention import rotate
 
 CRITERIA = list(DEFAULT_THRESHOLDS)
@@ -40,14 +41,14 @@ def prompt():
 @pytest.mark.parametrize("criterion", CRITERIA)
 def test_threshold_zero_is_fixed_depth_greedy(model, prompt, criterion):
     result = generate(model, prompt, 6, num_steps=8, exit_criterion=criterion, exit_threshold=0)
-    assert torch.equal(result.tokens, model.generate(prompt, 6, num_steps=8))
+    assert torch.equal(result.tokens, generate(model, prompt, 6, num_steps=8).tokens)  # no criterion: fixed depth
     assert (result.steps == 8).all()
 
 
 @pytest.mark.parametrize("cache", ["full", "latest", "ring:5", "ring:8"])
 def test_caches_equal_the_full_cache_at_fixed_depth(model, prompt, cache):
     result = generate(model, prompt, 6, num_steps=5, cache=cache)
-    assert torch.equal(result.tokens, model.generate(prompt, 6, num_steps=5))
+    assert torch.equal(result.tokens, generate(model, prompt, 6, num_steps=5, cache="full").tokens)
 
 
 def test_ring_cache_bounds_memory(model, prompt):
@@ -126,7 +127,7 @@ def test_each_criterion_exits_where_its_released_quantity_first_falls_below_thre
     depth, model = 14, noisy_model
     torch.manual_seed(3)
     one = torch.randint(0, 4000, (1, 5))
-    initial = model._initial_state(model.transformer.wte(one))
+    initial = model.initial_state(model.transformer.wte(one))
     states, logits = prefill_trajectory(model, one, initial, depth)
     checks = [t for t in range(1, depth) if t > min_steps and (t - 1 - min_steps) % check_every == 0]
     assert checks == ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13] if check_every == 1 else [2, 5, 8, 11])
@@ -153,11 +154,11 @@ def test_minp_floor_and_entropy_start_are_the_released_ones():
     floored = torch.where(p < 0.1 * p.max(), torch.full_like(p, 1 / vocab), p)
     floored = floored / floored.sum()
     minp = ExitCriterion("minp-kl", 1e-5, vocab, state)
-    assert minp.quantity(state, logits).item() == pytest.approx(
+    assert ExitCriterion.quantities([minp], state, logits).item() == pytest.approx(
         float((torch.full((vocab,), 1 / vocab) * (math.log(1 / vocab) - floored.log())).sum()), rel=1e-6)
     entropy = ExitCriterion("entropy-diff", 1e-3, vocab, state)
     h = float(-(p * torch.log(p + 1e-10)).sum())
-    assert entropy.quantity(state, logits).item() == pytest.approx(100.0 - h, rel=1e-6)
+    assert ExitCriterion.quantities([entropy], state, logits).item() == pytest.approx(100.0 - h, rel=1e-6)
 
 
 def test_entropy_diff_first_check_compares_with_100(noisy_model):
@@ -166,7 +167,7 @@ def test_entropy_diff_first_check_compares_with_100(noisy_model):
     depth, model = 6, noisy_model
     torch.manual_seed(4)
     one = torch.randint(0, 4000, (1, 5))
-    initial = model._initial_state(model.transformer.wte(one))
+    initial = model.initial_state(model.transformer.wte(one))
     states, logits = prefill_trajectory(model, one, initial, depth)
     values = released_quantities("entropy-diff", states, logits, [1, 2], model.config.vocab_size)
     assert values[1] > 50 > values[2]

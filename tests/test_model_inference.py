@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend
 
 from huginn_ray.eval.batch_inference import DepthLossReplica, Replicas
 from huginn_ray.model import ModelConfig, RecurrentGPT
-from huginn_ray.model.generate import generate
+from huginn_ray.generation.generate import generate
 from huginn_ray.model.inference import inference_placement, load_for_inference
 from huginn_ray.model.pretrained import save_pretrained
 

@@ -30,7 +30,7 @@ import torch
 from huginn_ray.data.chat import render
 from huginn_ray.data.tokenizer import train_tokenizer
 from huginn_ray.model import ModelConfig, RecurrentGPT
-from huginn_ray.model.generate import generate
+from huginn_ray.generation.generate import generate
 from huginn_ray.model.pretrained import load_pretrained, save_pretrained
 from isolation import free_port, private_namespace_problem
 
@@ -368,7 +368,8 @@ def test_stats_board_lists_the_replicas_heard_from_lately_and_sums_only_them():
 def test_engine_loop_reports_while_idle_and_counts_the_requests_a_failed_step_drops(checkpoint, monkeypatch):
     import asyncio
 
-    from huginn_ray.model.engine import Engine, EngineConfig, Request
+    from huginn_ray.generation.engine import Engine, EngineConfig
+    from huginn_ray.generation.requests import Request
     from huginn_ray.serve.engine_loop import EngineLoop
 
     engine = Engine(load_pretrained(checkpoint).eval(), EngineConfig(max_rows=4, max_cache_bytes=2**26))

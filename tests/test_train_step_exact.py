@@ -469,7 +469,7 @@ def test_seed_20000_trains_and_every_seed_the_config_accepts_gets_its_own_rows_n
     """seed x 2^50 + key overflowed the generator's 64 bits from seed 2^14 on; row_seed keeps that value where it
     fits (seed 233's noise is what it was) and hashes (seed, key) beyond, so seed 20000 trains, and does not share
     its rows' noise with seed 20000 - 2^14 (as a reduction modulo 2^64 would)."""
-    from huginn_ray.model.model import row_seed, trunc_normal_no_sync
+    from huginn_ray.model.noise import TRUNC_NORMAL_UNIFORM, row_seed, trunc_normal_from_uniform_
 
     cfg = config("seed=20000")
     plan = plan_for(cfg)
@@ -479,7 +479,8 @@ def test_seed_20000_trains_and_every_seed_the_config_accepts_gets_its_own_rows_n
     assert [row_seed(233, key) for key in keys.tolist()] == [233 * 2**50, 233 * 2**50 + 7, 233 * 2**50 + 2**32 + 3]
     noise = {seed: c.model.keyed_initial_state(keys, 4, seed, CPU) for seed in (233, 20000, 20000 - 2**14, 2**64 - 1)}
     generator = torch.Generator().manual_seed(233 * 2**50 + 7)  # the formula of every run before the fix
-    expected = trunc_normal_no_sync(torch.empty(4, c.model_cfg.n_embd), c.model_cfg.init_std, generator)
+    uniform = torch.empty(4, c.model_cfg.n_embd).uniform_(*TRUNC_NORMAL_UNIFORM, generator=generator)
+    expected = trunc_normal_from_uniform_(uniform, c.model_cfg.init_std)
     assert torch.equal(noise[233][1], expected * c.model_cfg.embedding_scale)
     assert not torch.equal(noise[20000], noise[20000 - 2**14])
     assert len({row_seed(seed, 7) for seed in noise}) == 4

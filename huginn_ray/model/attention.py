@@ -12,7 +12,6 @@ from __future__ import annotations
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +20,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from huginn_ray.model.cache import KVCache
 from huginn_ray.model.config import ModelConfig
-
-if TYPE_CHECKING:
-    from huginn_ray.model.model import RecurrentGPT
 
 
 def rope_table(head_dim: int, length: int, base: float) -> Tensor:
@@ -121,10 +117,11 @@ def choose_attention_backend(serves: dict[str, str | None], shape: AttentionShap
         f"attention_backend: math to train with the math kernel on purpose, or use a shape a fused kernel takes")
 
 
-def restrict_attention(model: "RecurrentGPT", backend: str | None) -> "RecurrentGPT":
-    """Let every attention call of `model` use only the kernel chosen for training: for a fused kernel the fused
-    kernels (any of FUSED_BACKENDS; torch picks by its priority), for "math" the math kernel; None lifts the restriction
-    (torch's own choice). A call no allowed kernel takes then fails instead of falling back silently."""
+def restrict_attention(model: nn.Module, backend: str | None) -> nn.Module:
+    """Let every attention call of `model` (a RecurrentGPT: every block of its `blocks()`) use only the kernel
+    chosen for training: for a fused kernel the fused kernels (any of FUSED_BACKENDS; torch picks by its priority),
+    for "math" the math kernel; None lifts the restriction (torch's own choice). A call no allowed kernel takes then
+    fails instead of falling back silently."""
     allowed = None if backend is None else \
         [SDPA_BACKENDS[name] for name in (("math",) if backend == "math" else FUSED_BACKENDS)]
     for block in model.blocks():

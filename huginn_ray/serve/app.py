@@ -174,7 +174,7 @@ class HuginnServer:
 
         from huginn_ray.data.chat import END_TURN
         from huginn_ray.data.tokenizer import special_token_ids
-        from huginn_ray.model.engine import Engine, EngineConfig
+        from huginn_ray.generation.engine import Engine, EngineConfig
         from huginn_ray.model.inference import inference_placement, load_for_inference
         from huginn_ray.serve.engine_loop import EngineLoop
 

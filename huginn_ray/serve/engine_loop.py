@@ -33,7 +33,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from huginn_ray.model.engine import Engine, Request, TokenEvent
+from huginn_ray.generation.engine import Engine, TokenEvent
+from huginn_ray.generation.requests import Request
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
     call = read_completion(body, tokens, model_config)     # POST /v1/completions
     call = read_chat(body, tokens, model_config)           # POST /v1/chat/completions
-    call.request                                           # a checked huginn_ray.model.generate.Request
+    call.request                                           # a checked huginn_ray.generation.requests.Request
 
 A body that cannot be served raises `ApiError` naming the field (`param`), which the server answers with HTTP 400
 and OpenAI's error object. Types and ranges of the fields the engine shares (max_tokens, temperature, top_p,
@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from huginn_ray.model.config import ModelConfig
-from huginn_ray.model.generate import Request
+from huginn_ray.generation.requests import Request
 
 ENGINE_FIELDS = {
     # API field -> Request field

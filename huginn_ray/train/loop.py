@@ -48,6 +48,7 @@ from huginn_ray.train.profiling import StepProfiler
 from huginn_ray.train.optim import apply_config_on_resume, build_optimizer, set_lr, trapezoid_lr
 from huginn_ray.train import parallel
 from huginn_ray.train.data_order import DataOrder, DataOrderError
+from huginn_ray.train.sharded_init import initialise_sharded
 from huginn_ray.train.run_plan import RunPlan, WorkerConfig
 from huginn_ray.train.shard_reader import Batch, RankReader, ShardReader, StepPrefetcher, collate, validation_rows
 from huginn_ray.train.warmup import register_node, warmup_allreduce
@@ -199,7 +200,7 @@ def load_initial_weights(model: RecurrentGPT, plan: RunPlan, rank: int, seed: in
     source = plan.init_from
     if not source:
         torch.manual_seed(seed)
-        model.initialise()
+        initialise_sharded(model)
         return
     start = time.perf_counter()
     load_weights_into(model, source.path, replicas)

@@ -5,15 +5,14 @@
     while engine.busy:
         for event in engine.step():          # TokenEvent(request_id, token_id, core_iterations, finished, ...)
             ...
-    engine.run_to_completion([request, ...])  # -> [Completion], in request order
 
 A pool of sequences at different positions and different core iterations is advanced together, one loop step
 per `step()`: a batched core iteration over every sequence in the pool that is iterating (one call for the
 decoding sequences, one for those in their prompt's prefill, so that a prompt does not pad every row to its
-length; huginn_ray.model.generate.iterate_pool, the generator's own step: the same criteria, caches and
+length; huginn_ray.generation.stepping.iterate_pool, the generator's own step: the same criteria, caches and
 sampling). A sequence whose forward ends (its criterion at its own threshold, min_steps and check_every, or its
 own num_steps) leaves the core calls; the ended forwards run the coda and head and emit their tokens together
-(generate.finish), in the step they end or, with `exit_wait_steps`, once the first of them has waited that
+(stepping.finish), in the step they end or, with `exit_wait_steps`, once the first of them has waited that
 many steps (or no sequence is left iterating), and their next tokens' prelude joins the pool at the next loop
 step. A finished (or cancelled) request frees its row and its cache at once, and waiting requests are
 admitted at the start of a step, in the order they came, while both capacities allow: rows (`max_rows`, the
@@ -31,7 +30,7 @@ when it finishes or is cancelled. A batched call reads and writes every row thro
 per set of rows (`Rows`: one table read per step for the decoding rows, one for the rows that exit, shared by
 their coda and their next prelude): per block one indexed store of the new keys/values and one gather of the
 attended ones, no per-row work; the attention then reads every row's positions up to the furthest row's (one
-extra copy of what it reads, as `RecurrentGPT.generate`'s concatenation has).
+extra copy of what it reads, as the concatenation of the model's own KVCache has).
 """
 
 from __future__ import annotations
@@ -41,11 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from huginn_ray.model.cache import CachePool
-from huginn_ray.model.generate import Request, Sequence, finish, iterate_pool, start
+from huginn_ray.generation.caches import CachePool
+from huginn_ray.generation.requests import Request
+from huginn_ray.generation.stepping import Sequence, finish, iterate_pool, start
 from huginn_ray.model.model import RecurrentGPT
-
-__all__ = ["Completion", "Engine", "EngineConfig", "Request", "TokenEvent"]
 
 
 @dataclass(frozen=True)
@@ -93,20 +91,6 @@ class TokenEvent:
     """"stop" (a stop token), "length" (max_new_tokens), or None while the request goes on."""
 
 
-@dataclass(frozen=True)
-class Completion:
-    """A request's whole output (run_to_completion)."""
-
-    request_id: int
-    """The id `submit` returned."""
-    tokens: list[int]
-    """The generated token ids (the prompt not included)."""
-    core_iterations: list[int]
-    """Core iterations of the forward that produced each token."""
-    finish_reason: str
-    """"stop" or "length"."""
-
-
 class Engine:
     """Continuous depth batching over one model (see the module docstring), which it puts in eval mode. Not
     thread-safe: one caller drives `submit`, `step` and `cancel` (a server's engine loop)."""
@@ -149,7 +133,7 @@ class Engine:
         """Queue a request; returns its id. A bad field, or a request that could never fit the cache capacity,
         raises ValueError naming it."""
         if not isinstance(request, Request):
-            raise ValueError(f"request must be a huginn_ray.model.engine.Request, got {type(request).__name__}")
+            raise ValueError(f"request must be a huginn_ray.generation.requests.Request, got {type(request).__name__}")
         request = request.checked(self.model.config)
         need = self.reservation(request)
         if need > self.config.max_cache_bytes:
@@ -196,23 +180,6 @@ class Engine:
             if sequence.finish_reason is not None:
                 self._free(request_id)
         return events
-
-    def run_to_completion(self, requests: list[Request]) -> list[Completion]:
-        """Submit the requests and step until all are done; their completions in the same order. Events of other
-        requests in flight are dropped: for a caller that drives the engine alone (a benchmark, a batch job)."""
-        request_ids = [self.submit(request) for request in requests]
-        tokens: dict[int, list[int]] = {request_id: [] for request_id in request_ids}
-        iterations: dict[int, list[int]] = {request_id: [] for request_id in request_ids}
-        reasons: dict[int, str] = {}
-        while any(request_id not in reasons for request_id in request_ids):
-            for event in self.step():
-                if event.request_id in tokens:
-                    tokens[event.request_id].append(event.token_id)
-                    iterations[event.request_id].append(event.core_iterations)
-                    if event.finished:
-                        reasons[event.request_id] = event.finish_reason
-        return [Completion(request_id, tokens[request_id], iterations[request_id], reasons[request_id])
-                for request_id in request_ids]
 
     def _admit(self) -> None:
         if self.pool and self.config.max_rows - len(self.pool) < min(self.config.admit_rows, len(self.waiting)):
