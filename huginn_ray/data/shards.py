@@ -1,6 +1,6 @@
 """The shard store: where the N train + N validation shards live, what their manifest says, and which version a
-reader reads. Training (huginn_ray/train/) reads shards through this module only; the shard stage
-(huginn_ray/data/shard_build.py) writes them.
+reader reads. Training (huginn_ray/train/) takes the shards' paths, manifest and version from this module (and
+their storage types from tokens.py); the shard stage (huginn_ray/data/shard_build.py) writes them.
 
 - `<split>/RRRRR.parquet` (`shard_path`): rank RRRRR's rows of the split, column `input_ids` (list<uint16|int32>,
   `token_dtype`) and, for chat rows, `loss_mask` (list<uint8>, one entry per id: 1 where the token is a target);
