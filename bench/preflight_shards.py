@@ -4,7 +4,7 @@
     python bench/preflight_shards.py --train-rows 47680 --row-group-size 64 --seq-len 1   # Frontier-sized footers
 
 One train and one val shard are written with the project's writer (huginn_ray.data.tokens: list<uint16> rows,
-BYTE_STREAM_SPLIT + zstd, as huginn_ray/data/shards.py writes them) into a temporary directory and copied to
+BYTE_STREAM_SPLIT + zstd, as huginn_ray/data/shuffle.py writes them) into a temporary directory and copied to
 every rank (the footer check reads only footers: their size is set by the number of row groups, not by the
 row length, so `--seq-len 1` gives a Frontier shard's footer — 47,680 rows of 4,097 ids in row groups of 64 —
 without its 390 MB). Then `check_shards` runs once per thread count in `--threads`; the files were just
@@ -32,7 +32,7 @@ VOCAB = 65536
 
 
 def write_template(path: Path, rows: int, row_length: int, row_group_size: int, seed: int) -> int:
-    """A shard of random ids as huginn_ray/data/shards.py writes it; returns its footer's size in bytes."""
+    """A shard of random ids as huginn_ray/data/shuffle.py writes it; returns its footer's size in bytes."""
     ids = np.random.default_rng(seed).integers(0, VOCAB, size=(rows, row_length)).astype(np.uint16)
     table = pa.table({"input_ids": rows_to_arrow(ids, "uint16")}, schema=row_schema("uint16"))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@
 Writes synthetic packed files (rows of seq_len + 1 uint16 ids, 5 % validation rows, the pack stage's file
 layout), then in one run:
   baseline - a plain pyarrow read + write of the same packed files (one process), the disk's reference speed;
-  shuffle N - huginn_ray.data.shards.run_shuffle on a fresh local Ray for each N.
+  shuffle N - huginn_ray.data.shard_build.run_shuffle on a fresh local Ray for each N.
 Per N it prints wall time, records (rows) per second, bytes read and written (input, intermediate map files,
 shards), the driver's peak RSS (sampled every 50 ms) and its growth during the shuffle, the peak number of objects
 in the object store and of object references the driver holds, the number of map / reduce tasks, and the largest
@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from huginn_ray.data import shards
+from huginn_ray.data import shard_build
 from huginn_ray.data.tokenize_pack import packed_schema
 from huginn_ray.data.tokens import parquet_options, rows_to_arrow
 
@@ -136,14 +136,14 @@ def main() -> int:
         before = rss_mib()
         sampler.start()
         start = time.perf_counter()
-        shards.run_shuffle(files, row_len, out, num_shards=n, seed=1, row_group_size=64,
+        shard_build.run_shuffle(files, row_len, out, num_shards=n, seed=1, row_group_size=64,
                            reducer_mib=args.reducer_mib, map_mib=args.map_mib, token_dtype="uint16",
                            vocab_size=65536, fingerprint=f"bench-{n}", manifest_extra={})
         os.sync()
         wall = time.perf_counter() - start
         sampler.stop.set()
         sampler.join()
-        st = dict(shards.last_run_stats)
+        st = dict(shard_build.last_run_stats)
         read = input_bytes + st["intermediate_bytes_read"]
         written = st["intermediate_bytes_written"] + st["shard_bytes_written"]
         results.append((n, wall, read, written, sampler.peak_rss, sampler.peak_rss - before, sampler.peak_objects,

@@ -164,7 +164,7 @@ def test_special_token_strings_in_documents_and_chat_content_stay_text(tokenizer
     import pyarrow.parquet as pq
 
     from huginn_ray.data.chat import render_document
-    from huginn_ray.data.formatting import format_rows
+    from huginn_ray.data.formatting import format_record
     from huginn_ray.data.sources import Source
     from huginn_ray.data.tokenize_pack import TokenizeDocuments, read_unit, pack_batch
     from huginn_ray.data.tokenizer import SPECIAL_TOKENS, load_text_tokenizer
@@ -199,13 +199,13 @@ def test_special_token_strings_in_documents_and_chat_content_stay_text(tokenizer
     # a pretraining chat document: the template's structure as ids, the contents as text
     source = Source(name="c", local_dir="/x", features=["title", "messages"], needs_chat_templating=True)
     messages = [{"role": "user", "content": everything}, {"role": "assistant", "content": "<|end_turn|> ok"}]
-    (staged_doc,) = format_rows({"title": ["<|end_text|>"], "messages": [messages]}, source)
+    staged_doc = format_record(["<|end_text|>", messages], source)
     ids = render_document(json.loads(staged_doc), tokenizer)
     structure = [i for i in ids if i in control]
     assert structure == [4064, 4066, 4067, 4068, 4066, 4067, 4068, 4065]
     plain = "<|end_text|>\n" + f"<|begin_header|>user<|end_header|>\n\n{everything}<|end_turn|>"
     assert text_tokenizer.decode(ids[1:-1], skip_special_tokens=False) == plain + "<|begin_header|>Huginn<|end_header|>\n\n<|end_turn|> ok<|end_turn|>"
-    clean = format_rows({"title": ["T"], "messages": [[{"role": "user", "content": "hi"}]]}, source)[0]
+    clean = format_record(["T", [{"role": "user", "content": "hi"}]], source)
     assert render_document(json.loads(clean), tokenizer) == tokenizer.encode(  # as the rendered string encodes
         "T\n<|begin_header|>user<|end_header|>\n\nhi<|end_turn|>").ids
 

@@ -427,9 +427,10 @@ def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(pre
     task run again, each with twice the memory it had (never the same: execution.rerun_killed; a staging task
     declares none and is taken to have had UNDECLARED_MEMORY), and the run writes the same staged files, packed
     files and shards, byte for byte, as the undisturbed run, with no temp file left behind. The shuffle runs in
-    4 map groups, the last killed after the other three committed theirs: its figures (shards.last_run_stats)
+    4 map groups, the last killed after the other three committed theirs: its figures (shard_build.last_run_stats)
     count every map file and shard, those of the stopped dataset's tasks too."""
-    from huginn_ray.data import shards as shards_mod
+    from huginn_ray.data import shard_build as build_mod
+    from huginn_ray.data import shuffle as shuffle_mod
     from huginn_ray.data import staging as staging_mod
     from huginn_ray.data import tokenize_pack as pack_mod
     from huginn_ray.data.execution import UNDECLARED_MEMORY
@@ -440,12 +441,12 @@ def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(pre
     monkeypatch.setattr(pack_mod, "TokenizeDocuments", _encoder_killed_once(pack_mod.TokenizeDocuments,
                                                                             tmp_path / "pack"))
     out = tmp_path / "killed"
-    monkeypatch.setattr(shards_mod, "_group_files", lambda files, row_bytes, group_bytes: [
+    monkeypatch.setattr(build_mod, "group_files", lambda files, row_bytes, group_bytes: [
         files[i * len(files) // 4:(i + 1) * len(files) // 4] for i in range(4)])
-    monkeypatch.setattr(shards_mod, "place_rows", _map_step_killed_once(shards_mod.place_rows, tmp_path / "map",
-                                                                       out / "shards.partial", last=3))
+    monkeypatch.setattr(shuffle_mod, "place_rows", _map_step_killed_once(shuffle_mod.place_rows, tmp_path / "map",
+                                                                        out / "shards.partial", last=3))
     map_files: dict[str, list[tuple[int, int]]] = {}  # per split, each map file's (bytes, rows) when published
-    publish = shards_mod.publish
+    publish = build_mod.publish
 
     def publish_counting_map_files(work, shard_root, manifest):
         for path in sorted(work.glob("map/*/*.arrow")):
@@ -453,7 +454,7 @@ def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(pre
             map_files.setdefault(path.parent.name, []).append((path.stat().st_size, rows))
         publish(work, shard_root, manifest)
 
-    monkeypatch.setattr(shards_mod, "publish", publish_counting_map_files)
+    monkeypatch.setattr(build_mod, "publish", publish_counting_map_files)
     assert prepare_data.main(["--quiet", "--config", str(config), f"output_dir={out}",
                               f"tokenizer.path={root / 'out' / 'tokenizer'}"]) == 0
     assert all((tmp_path / stage).exists() for stage in ("staging", "pack", "map"))  # every kill happened
@@ -475,7 +476,7 @@ def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(pre
     assert len(expected) > 2 * N_SHARDS and outputs(out) == expected
     assert not [p for p in out.rglob("*.tmp")]
     manifest = read_manifest(out / "shards")
-    stats = {k: v for k, v in shards_mod.last_run_stats.items() if not k.endswith(("_s", "_mib"))}
+    stats = {k: v for k, v in build_mod.last_run_stats.items() if not k.endswith(("_s", "_mib"))}
     assert stats == {  # one reducer per split (4 shards of 74-byte rows: 33 uint16 ids + 8), reading every kept row
         "map_tasks": 4, "reducers": 2,
         "intermediate_bytes_written": sum(size for files in map_files.values() for size, _ in files),
@@ -632,7 +633,7 @@ def _synthetic_packed(packed: Path, n_files: int = 10, seq_len: int = 1023) -> l
 
 
 def _shuffle(files, out, **kw):
-    from huginn_ray.data.shards import run_shuffle
+    from huginn_ray.data.shard_build import run_shuffle
 
     args = dict(num_shards=3, seed=5, row_group_size=4, reducer_mib=64, map_mib=64, token_dtype="uint16",
                 vocab_size=65536, fingerprint="test", manifest_extra={})
@@ -682,21 +683,21 @@ def test_shuffle_resumes_after_a_crash_and_redoes_only_missing_files(ray_instanc
     # a crash after some map files and shards were committed: build the partial state, then delete some of it
     out = tmp_path / "shards"
     # a crash in the middle: the first validation reducer fails after all map files and the train shards exist
-    from huginn_ray.data import shards as shards_mod
+    from huginn_ray.data import shuffle as shuffle_mod
 
-    original = shards_mod.read_reducer_rows
+    original = shuffle_mod.read_reducer_rows
 
     def flaky(unit, reducer, work):
         if reducer["split"] == "val" and reducer["shards"][0] == 0:
             raise RuntimeError("simulated crash")
         return original(unit, reducer, work)
 
-    shards_mod.read_reducer_rows = flaky
+    shuffle_mod.read_reducer_rows = flaky
     try:
         with pytest.raises(Exception, match="simulated crash"):
             _shuffle(files, out, reducer_mib=1, map_mib=1)
     finally:
-        shards_mod.read_reducer_rows = original
+        shuffle_mod.read_reducer_rows = original
     partial = tmp_path / "shards.partial"
     done_before = {p: p.stat().st_mtime_ns for p in partial.glob("out/*/*.parquet")}
     maps_before = {p: p.stat().st_mtime_ns for p in partial.glob("map/*/*.arrow")}
@@ -865,7 +866,7 @@ def test_second_driver_on_the_same_output_dir_is_refused_before_ray_starts(tmp_p
 
 def test_reducers_open_only_the_map_files_holding_rows_for_them(ray_instance, tmp_path):
     """Map groups of train-only and val-only files: each reducer opens only the map files of its own split."""
-    from huginn_ray.data import shards as shards_mod
+    from huginn_ray.data import shard_build as build_mod
     from huginn_ray.data.tokenize_pack import packed_schema
     from huginn_ray.data.tokens import rows_to_arrow
 
@@ -880,7 +881,7 @@ def test_reducers_open_only_the_map_files_holding_rows_for_them(ray_instance, tm
         files.append({"path": str(path), "train_rows": 0 if i >= 3 else 130, "val_rows": 130 if i >= 3 else 0})
     manifest = _shuffle(files, tmp_path / "shards", num_shards=3, reducer_mib=1, map_mib=1)
     assert manifest["rows_per_shard"] == {"train": 130, "val": 130}
-    stats = shards_mod.last_run_stats
+    stats = build_mod.last_run_stats
     assert (stats["map_tasks"], stats["reducers"]) == (6, 6)
     # 3 train reducers x 3 train map files + 3 val reducers x 3 val map files (not 6 x 6)
     assert stats["map_files_opened"] == 18
@@ -892,14 +893,15 @@ def _map_group_task():
     function, so that a Ray worker gets it by value (workers cannot import this test module)."""
 
     def run(files: list[dict], plans: dict, seed: int, row_len: int, work: str) -> dict:
-        from huginn_ray.data import shards as shards_mod
+        from huginn_ray.data import shuffle as shuffle_mod
         from huginn_ray.data.packed_rows import read_unit_rows
+        from huginn_ray.data.shards import SPLITS
 
         unit = {"files": files, "offsets": {"train": 0, "val": 0},
-                "counts": {name: sum(f[f"{name}_rows"] for f in files) for name in shards_mod.SPLITS}}
-        tables = (shards_mod.place_rows(t, plans, seed)
+                "counts": {name: sum(f[f"{name}_rows"] for f in files) for name in SPLITS}}
+        tables = (shuffle_mod.place_rows(t, plans, seed)
                   for t in read_unit_rows(0, unit, row_len, "uint16", 65536, False))
-        return shards_mod.write_map_units(tables, {0: unit}, plans, work, row_len, "uint16", False)[0]
+        return shuffle_mod.write_map_units(tables, {0: unit}, plans, work, row_len, "uint16", False)[0]
 
     return run
 
@@ -909,12 +911,12 @@ def _convert_task():
     Data), here without Ray Data: run(entry, target, row_len, row_group_size) -> its result (nested: see above)."""
 
     def run(entry: dict, target: str, row_len: int, row_group_size: int) -> dict:
-        from huginn_ray.data import shards as shards_mod
+        from huginn_ray.data import per_file as per_file_mod
         from huginn_ray.data.packed_rows import read_unit_rows
 
         unit = {"files": [entry], "target": target, "record": None}
-        return shards_mod.write_per_file_units(read_unit_rows(0, unit, row_len, "uint16", 65536, False), {0: unit},
-                                               False, row_len, "uint16", row_group_size, False)[0]
+        return per_file_mod.write_per_file_units(read_unit_rows(0, unit, row_len, "uint16", 65536, False), {0: unit},
+                                                 False, row_len, "uint16", row_group_size, False)[0]
 
     return run
 
@@ -923,15 +925,16 @@ def test_map_files_use_64_bit_list_offsets_and_a_list_array_refuses_overflow(tmp
     """Map files hold ~map_mib of rows (>= 4 GiB overflows list<> offsets): large_list; a list<> array refuses."""
     import pyarrow.ipc as ipc
 
-    from huginn_ray.data import shards as shards_mod
+    from huginn_ray.data.shards import SPLITS
+    from huginn_ray.data.shuffle import plan_split
     from huginn_ray.data.tokens import rows_to_arrow
 
     too_many = np.broadcast_to(np.zeros(1, np.uint16), (2**21, 1025))  # 2.15e9 ids, no memory behind them
     with pytest.raises(ValueError, match=r"2097152 rows of 1025 ids do not fit one list array \(2147483647 ids"):
         rows_to_arrow(too_many, "uint16")
     files = _synthetic_packed(tmp_path / "packed", n_files=1)  # 32 train + 8 val rows of 1024 ids
-    plans = {name: shards_mod.plan_split(rows, 2, 2056, 1 << 20, name) for name, rows in (("train", 32), ("val", 8))}
-    for name in shards_mod.SPLITS:
+    plans = {name: plan_split(rows, 2, 2056, 1 << 20, name) for name, rows in (("train", 32), ("val", 8))}
+    for name in SPLITS:
         (tmp_path / "work" / "map" / name).mkdir(parents=True)
     _map_group_task()(files, plans, 5, 1024, str(tmp_path / "work"))
     with pa.memory_map(str(tmp_path / "work" / "map" / "train" / "000000.arrow")) as source:
@@ -961,7 +964,7 @@ def test_manifest_records_versions_config_hash_and_source_commits(prepared):
 
 
 def test_plan_of_the_demo_config_is_within_20_percent_of_what_the_run_measures(prepared, tmp_path, capsys):
-    from huginn_ray.data import shards as shards_mod
+    from huginn_ray.data import shard_build as build_mod
 
     root, _ = prepared
     out = tmp_path / "demo"
@@ -981,7 +984,7 @@ def test_plan_of_the_demo_config_is_within_20_percent_of_what_the_run_measures(p
     marker = json.loads((out / "packed" / "_COMPLETE.json").read_text())
     tokens = (marker["train_rows"] + marker["val_rows"]) * 257
     on_disk = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    peak = on_disk + shards_mod.last_run_stats["intermediate_bytes_written"]  # map files live until the end
+    peak = on_disk + build_mod.last_run_stats["intermediate_bytes_written"]  # map files live until the end
     assert 0.8 * tokens <= plan["estimated_tokens"] <= 1.2 * tokens
     assert 0.8 * peak <= plan["peak_disk_bytes"] <= 1.2 * peak
     assert plan["counts"]["input_files"] == plan["counts"]["staged_files"] == 110
@@ -1007,7 +1010,10 @@ def test_a_map_task_stays_under_the_memory_it_declares(ray_instance, tmp_path):
     conversion to a uint16 shard."""
     import ray
 
-    from huginn_ray.data import shards as shards_mod
+    from huginn_ray.data import packed_rows as packed_rows_mod
+    from huginn_ray.data import per_file as per_file_mod
+    from huginn_ray.data import shuffle as shuffle_mod
+    from huginn_ray.data.shards import SPLITS
     from huginn_ray.data.tokens import rows_to_arrow
 
     row_len, per_file = 4097, 2048  # 2 files of 2,048 rows: 64 MiB as int64 each, 16 MiB each as uint16
@@ -1019,11 +1025,11 @@ def test_a_map_task_stays_under_the_memory_it_declares(ray_instance, tmp_path):
         pq.write_table(pa.table({"input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids.reshape(-1)))}),
                        tmp_path / "in" / f"{i}.parquet")
         files.append({"path": str(tmp_path / "in" / f"{i}.parquet"), "train_rows": per_file, "val_rows": 0})
-    plans = {"train": shards_mod.plan_split(2 * per_file, 4, 1, 1 << 30, "train"),
+    plans = {"train": shuffle_mod.plan_split(2 * per_file, 4, 1, 1 << 30, "train"),
              "val": {"rows": 0, "kept": 0, "rows_per_shard": 1, "num_shards": 4}}
-    for name in shards_mod.SPLITS:
+    for name in SPLITS:
         (tmp_path / "work" / "map" / name).mkdir(parents=True)
-    declared = shards_mod.map_task_memory(files, row_len, "uint16", 8, False)
+    declared = shuffle_mod.map_task_memory(files, row_len, "uint16", 8, False)
     # a worker of its own (another runtime env: no pooled worker that ran earlier tests' tasks), so that its
     # peak RSS is this task's
     task = ray.remote(max_calls=1, memory=declared, runtime_env={"env_vars": {"HUGINN_FRESH_WORKER": "1"}})(
@@ -1037,10 +1043,10 @@ def test_a_map_task_stays_under_the_memory_it_declares(ray_instance, tmp_path):
     # as blocks until the task ends, and stays under that
     entry = {"path": str(tmp_path / "in" / "grouped.parquet"), "train_rows": per_file, "val_rows": 0}
     pq.write_table(pq.read_table(files[0]["path"]), entry["path"], row_group_size=256)
-    declared = shards_mod.convert_task_memory(entry, row_len, "uint16", 64, False)
-    assert declared == (256 * row_len * 8 * shards_mod.CONVERT_READ_FACTOR + shards_mod.CONVERT_READER_BYTES
-                        + 2 * (64 + 256) * row_len * 2 + shards_mod.RAY_DATA_BLOCKS
-                        + per_file * (row_len * 2 + shards_mod.HELD_COLUMN_BYTES) + (256 << 20))
+    declared = per_file_mod.convert_task_memory(entry, row_len, "uint16", 64, False)
+    assert declared == (256 * row_len * 8 * per_file_mod.CONVERT_READ_FACTOR + per_file_mod.CONVERT_READER_BYTES
+                        + 2 * (64 + 256) * row_len * 2 + packed_rows_mod.RAY_DATA_BLOCKS
+                        + per_file * (row_len * 2 + packed_rows_mod.HELD_COLUMN_BYTES) + (256 << 20))
     task = ray.remote(max_calls=1, memory=declared, runtime_env={"env_vars": {"HUGINN_FRESH_WORKER": "2"}})(
         _convert_task())
     result = ray.get(task.remote(entry, str(tmp_path / "shard.parquet"), row_len, 64))

@@ -337,7 +337,7 @@ def test_one_validation_duplicate_keeps_the_training_split_per_file_and_resumes(
     reads the validation rows' saved hashes instead of hashing them again."""
     from huginn_ray.data import dedup as dedup_mod
     from huginn_ray.data import packed_rows as packed_rows_mod
-    from huginn_ray.data import shards as shards_mod
+    from huginn_ray.data import shard_build as build_mod
 
     hash_files = dedup_mod._hash_files
 
@@ -403,9 +403,9 @@ def test_one_validation_duplicate_keeps_the_training_split_per_file_and_resumes(
     entries[5].update(val_rows=10, skip_rows=[3])
     assert entries[5]["path"].endswith("val/001_00000.parquet")
     both = tmp_path / "both_shuffled" / "shards"
-    shards_mod.run_shuffle(entries, SEQ_LEN + 1, both, num_shards=4, seed=manifest["seed"], row_group_size=4,
-                           reducer_mib=1024, map_mib=1024, token_dtype="uint16", vocab_size=VOCAB, fingerprint="x",
-                           manifest_extra={})
+    build_mod.run_shuffle(entries, SEQ_LEN + 1, both, num_shards=4, seed=manifest["seed"], row_group_size=4,
+                          reducer_mib=1024, map_mib=1024, token_dtype="uint16", vocab_size=VOCAB, fingerprint="x",
+                          manifest_extra={})
     for rank in range(4):
         assert (shards / "val" / f"{rank:05d}.parquet").read_bytes() == (
             both / "val" / f"{rank:05d}.parquet").read_bytes()

@@ -10,10 +10,10 @@ import pytest
 
 from huginn_ray.config import ConfigError, parse_yaml
 from huginn_ray.data.chat import document_text
-from huginn_ray.data.formatting import chat_template, format_rows
+from huginn_ray.data.formatting import chat_template, format_record
 from huginn_ray.data.packing import copy_fractions, pack, pack_row_starts, unit_hash
 from huginn_ray.data.permutation import FeistelPermutation
-from huginn_ray.data.shards import plan_split
+from huginn_ray.data.shuffle import plan_split
 from huginn_ray.data.sources import Source, parse_sources
 
 GOOD = """
@@ -92,19 +92,19 @@ def test_duplicate_source_names_are_refused():
 
 def test_formatting_rules():
     multi = Source(name="m", local_dir="/x", features=["title", "body"])
-    assert format_rows({"title": ["T", "U"], "body": ["B", None]}, multi) == ["T\nB", "U\n"]
+    assert [format_record(row, multi) for row in (["T", "B"], ["U", None])] == ["T\nB", "U\n"]
     single = Source(name="s", local_dir="/x", features=["content"])
-    assert format_rows({"content": ["doc", "", None]}, single) == ["doc"]
+    assert [format_record([value], single) for value in ("doc", "", None)] == ["doc", "", ""]  # "": no document
     chat = Source(name="c", local_dir="/x", features=["messages"], needs_chat_templating=True)
     messages = [{"role": "user", "content": " hi \n"}, {"from": "gpt", "value": "hello"}]
     expected = '[["user", "hi"], ["Huginn", "hello"]]'  # staged as parts: the pack stage renders them
     assert chat_template(messages) == expected
-    assert format_rows({"messages": [messages]}, chat) == [expected]
+    assert format_record([messages], chat) == expected
     assert document_text(json.loads(expected)) == ("<|begin_header|>user<|end_header|>\n\nhi<|end_turn|>"
                                                    "<|begin_header|>Huginn<|end_header|>\n\nhello<|end_turn|>")
     mixed = Source(name="c", local_dir="/x", features=["title", "messages"], needs_chat_templating=True)
-    assert format_rows({"title": ["T", None, ""], "messages": [messages, [], []]}, mixed) == [
-        '["T", "\\n", ["user", "hi"], ["Huginn", "hello"]]', '["", "\\n"]']
+    assert [format_record(row, mixed) for row in (["T", messages], [None, []], ["", []])] == [
+        '["T", "\\n", ["user", "hi"], ["Huginn", "hello"]]', "", '["", "\\n"]']
 
 
 def _docs(lengths):
@@ -250,7 +250,7 @@ def test_zstd_jsonl_and_chat_text_columns(tmp_path):
     source = Source(name="pp", features=["text"], address="a/b")
     assert [t for batch in iter_documents(path, source) for t in batch.texts] == ["algebra 0", "algebra 1", "algebra 2"]
     chat = Source(name="qa", features=["question", "answer"], address="a/b", needs_chat_templating=True)
-    assert format_rows({"question": ["2+2?"], "answer": [" 4 "]}, chat) == ['[["user", "2+2?"], ["Huginn", "4"]]']
+    assert format_record(["2+2?", " 4 "], chat) == '[["user", "2+2?"], ["Huginn", "4"]]'
 
 
 def test_jsonl_through_arrow_reader_keeps_rows_batches_and_names_bad_lines(tmp_path, monkeypatch):
@@ -315,14 +315,14 @@ def test_chat_source_rows_become_json_conversations_and_bad_ones_are_named(tmp_p
     from huginn_ray.data.formatting import DataError, iter_documents
 
     qa = Source(name="qa", kind="chat", features=["q", "a"], local_dir="/x", system_prompt="Be brief.")
-    assert [json.loads(t) for t in format_rows({"q": ["2+2?"], "a": [" 4 "]}, qa)] == [
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-         {"role": "assistant", "content": " 4 "}]]
+    assert json.loads(format_record(["2+2?", " 4 "], qa)) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": " 4 "}]
     convs = Source(name="convs", kind="chat", features=["messages"], local_dir="/x", system_prompt="Be brief.")
     own_system = [{"role": "system", "content": "S"}, {"role": "user", "content": "u"},
                   {"role": "Huginn", "content": "h", "extra": 1}]
-    assert [json.loads(t) for t in format_rows({"messages": [own_system]}, convs)] == [
-        [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}, {"role": "Huginn", "content": "h"}]]
+    assert json.loads(format_record([own_system], convs)) == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "u"}, {"role": "Huginn", "content": "h"}]
     path = tmp_path / "c.jsonl"
     path.write_text("\n".join(json.dumps(row) for row in [
         {"messages": own_system}, {"messages": [{"role": "bot", "content": "x"}]}, {"conversation": own_system},
@@ -406,9 +406,9 @@ def test_tokenizer_corpus_reads_only_the_files_it_needs_and_uses_message_content
     assert texts[12:] == ["hi\nhello\nthere"]
     # a kind: chat source's staged conversations (JSON) contribute their message contents too
     conversation = tmp_path / "conversation.parquet"
-    pq.write_table(pa.table({"text": format_rows({"q": ["hi"], "a": ["hello\nthere"]},
-                                                 Source(name="qa", kind="chat", features=["q", "a"], local_dir="/x",
-                                                        system_prompt="Be brief."))}), conversation)
+    pq.write_table(pa.table({"text": [format_record(["hi", "hello\nthere"],
+                                                    Source(name="qa", kind="chat", features=["q", "a"], local_dir="/x",
+                                                           system_prompt="Be brief."))]}), conversation)
     assert list(corpus_texts({"qa": [conversation]}, 12, 100, seed=3, conversation_sources=frozenset({"qa"}))) == [
         "Be brief.\nhi\nhello\nthere"]
 
@@ -440,7 +440,7 @@ def test_plan_sample_encodes_the_first_sample_bytes_of_a_large_file_and_reads_th
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from huginn_ray.data import plan
+    from huginn_ray.data import plan_sources
 
     words = {"<unk>": 0, "alpha": 1, "beta": 2}
     inner = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
@@ -456,11 +456,11 @@ def test_plan_sample_encodes_the_first_sample_bytes_of_a_large_file_and_reads_th
     doc = "alpha beta " * 9 + "alpha"  # 104 bytes of text, 19 tokens
     (tmp_path / "big.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for _ in range(1000)))
     size = (tmp_path / "big.jsonl").stat().st_size
-    monkeypatch.setattr(plan, "SAMPLE_BYTES", 25_000)  # about a quarter of the file's text
+    monkeypatch.setattr(plan_sources, "SAMPLE_BYTES", 25_000)  # about a quarter of the file's text
     tokenizer = CountingTokenizer()
     source = Source(name="big", local_dir=str(tmp_path), features=["text"])
-    ratios = plan._sample(source, [(str(tmp_path / "big.jsonl"), size)], tokenizer, row_len=65, docs_per_batch=64,
-                          dtype="uint16", row_group_size=64)
+    ratios = plan_sources.sample_source(source, [(str(tmp_path / "big.jsonl"), size)], tokenizer, row_len=65,
+                                        docs_per_batch=64, dtype="uint16", row_group_size=64)
     kept = 241  # documents until 25,000 bytes are reached: ceil(25000 / 104)
     assert tokenizer.encoded == [doc] * (kept + kept)  # their lengths, then the ids of (up to 256 of) them
     assert ratios.text_per_input_byte == 104 * 1000 / size  # every document of the file read

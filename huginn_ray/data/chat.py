@@ -192,6 +192,8 @@ def render(messages, tokenizer, loss_on: str = "assistant",
 
 @dataclass
 class ChatRows:
+    """Conversations laid out as rows of one length (`pad_rows`, `pack_rows`), with their loss mask."""
+
     input_ids: np.ndarray
     """(rows, row_length) int32 token ids."""
     loss_mask: np.ndarray
@@ -200,10 +202,6 @@ class ChatRows:
     """Padding tokens in all rows."""
     truncated: int
     """Conversations longer than a row, cut to its length."""
-
-    @property
-    def pad_fraction(self) -> float:
-        return self.pad_tokens / max(self.input_ids.size, 1)
 
 
 def pad_rows(conversations: list[tuple[list[int], list[int]]], row_length: int, pad_id: int) -> ChatRows:

@@ -12,7 +12,7 @@ for up-weighting, so a validation row can be byte-identical to a training row. T
    of its row hashes in the validation hashes, sorted and unique (they go to the tasks with the map step: 8 bytes
    per validation row). `np.isin` over the same arrays sorts both sides on every call: 1.39 s per batch against
    0.3 ms for the search (issue 29). When the training split becomes the shards one file per rank, the tasks
-   that convert or verify its files do this lookup in the same read (shards.look_up_rows: one pass over the
+   that convert or verify its files do this lookup in the same read (per_file.look_up_rows: one pass over the
    training data, and each file's result is committed with its shard, so a resumed run keeps it); otherwise the
    operator `dedup_match_train` (the same read and `hash_rows`, keeping only the rows found) reads every training
    file once more, before the shuffle, and the result is saved as `<output_dir>/dedup/<input fingerprint>.json`.

@@ -56,7 +56,7 @@ from huginn_ray.data.decontaminate import NgramSet, document_words, first_match,
 from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_entries, content_hashes, duplicate_counts,
                                        duplicate_keys, duplicate_rows, hash_table)
 from huginn_ray.data.execution import (block_size, declared_memory, node_memory_cap, quiet_remote_args, rerun_killed,
-                                        unit_reads)
+                                        table_sink, unit_reads)
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.sources import Source
 from huginn_ray.data.staging import STAGING_SCHEMA
@@ -169,19 +169,13 @@ def write_scan(unit: dict, records: pa.Table, scan_dir: str) -> None:
 
 def scan_tables(scan_dir: str):
     """doc_scan's write: a Ray Data datasink that commits each scan unit of its blocks (write_scan)."""
-    from ray.data.block import BlockAccessor
-    from ray.data.datasource import Datasink
 
-    class ScanTables(Datasink):
-        def get_name(self) -> str:
-            return "scan_tables"
+    def write(tables) -> None:
+        for table in tables:
+            for unit, records in whole_batches(table):
+                write_scan(unit, records, scan_dir)
 
-        def write(self, blocks, ctx) -> None:
-            for block in blocks:
-                for unit, records in whole_batches(BlockAccessor.for_block(block).to_arrow()):
-                    write_scan(unit, records, scan_dir)
-
-    return ScanTables()
+    return table_sink("scan_tables", write)
 
 
 def run_scan(units: list[dict], scan_dir: Path, ngram_file: Path | None, lengths: tuple[int, ...]) -> None:
@@ -251,24 +245,17 @@ def find_duplicates(table: pa.Table) -> pa.Table:
 
 def duplicate_keys_files(dups_dir: str):
     """doc_dedup's write: a Ray Data datasink that commits each bucket's duplicate keys, `BBBBB.npy`."""
-    from ray.data.block import BlockAccessor
-    from ray.data.datasource import Datasink
 
-    class DuplicateKeys(Datasink):
-        def get_name(self) -> str:
-            return "duplicate_keys"
+    def write(tables) -> None:
+        for table in tables:
+            for i in range(table.num_rows):
+                out = Path(dups_dir) / f"{table.column('bucket')[i].as_py():05d}.npy"
+                tmp = layout.temp_path(out)
+                with open(tmp, "wb") as f:
+                    np.save(f, _values(table.column("duplicates"), i))
+                layout.commit_file(tmp, out)
 
-        def write(self, blocks, ctx) -> None:
-            for block in blocks:
-                table = BlockAccessor.for_block(block).to_arrow()
-                for i in range(table.num_rows):
-                    out = Path(dups_dir) / f"{table.column('bucket')[i].as_py():05d}.npy"
-                    tmp = layout.temp_path(out)
-                    with open(tmp, "wb") as f:
-                        np.save(f, _values(table.column("duplicates"), i))
-                    layout.commit_file(tmp, out)
-
-    return DuplicateKeys()
+    return table_sink("duplicate_keys", write)
 
 
 def run_dedup(tables: list[tuple[int, str]], documents: int, dups_dir: Path) -> list[str]:
@@ -384,34 +371,27 @@ class FilteredFile:
 def filtered_files():
     """doc_filter's write: a Ray Data datasink that writes each file of its blocks without its dropped documents
     (FilteredFile) and commits it."""
-    from ray.data.block import BlockAccessor
-    from ray.data.datasource import Datasink
 
-    class FilteredFiles(Datasink):
-        def get_name(self) -> str:
-            return "filtered_files"
+    def write(tables) -> None:
+        current = None
+        for table in tables:
+            names = table.column(FILE)
+            row = 0
+            while row < table.num_rows:
+                name = names[row].as_py()
+                run = table.slice(row)
+                ends = np.flatnonzero(pc.not_equal(run.column(FILE), name).to_numpy(zero_copy_only=False))
+                run = run.slice(0, int(ends[0]) if len(ends) else run.num_rows)
+                if current is None or current.name != name:
+                    if current is not None:
+                        current.close()
+                    current = FilteredFile(name)
+                current.add(run)
+                row += run.num_rows
+        if current is not None:
+            current.close()
 
-        def write(self, blocks, ctx) -> None:
-            current = None
-            for block in blocks:
-                table = BlockAccessor.for_block(block).to_arrow()
-                names = table.column(FILE)
-                row = 0
-                while row < table.num_rows:
-                    name = names[row].as_py()
-                    run = table.slice(row)
-                    ends = np.flatnonzero(pc.not_equal(run.column(FILE), name).to_numpy(zero_copy_only=False))
-                    run = run.slice(0, int(ends[0]) if len(ends) else run.num_rows)
-                    if current is None or current.name != name:
-                        if current is not None:
-                            current.close()
-                        current = FilteredFile(name)
-                    current.add(run)
-                    row += run.num_rows
-            if current is not None:
-                current.close()
-
-    return FilteredFiles()
+    return table_sink("filtered_files", write)
 
 
 def link_staged(staged: Path, out: Path) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 
 def _behind_wrappers(err: BaseException):
@@ -167,6 +167,31 @@ def unit_reads(name: str, units: list, read: Callable[..., Iterable], *, rows: C
                     for unit in units]
 
     return UnitReads()
+
+
+def table_sink(name: str, write: Callable[[Iterable], Any], collect: Callable[[list], Any] | None = None):
+    """A Ray Data datasink (the write of a stage, `name` in its progress) whose write, in each write task, is
+    `write(tables)` over the pyarrow tables of the task's blocks, in order; what `write` returns is the task's
+    write result. With `collect`, `.results` is `collect([every task's write result])` once the dataset completes
+    (`collect([])` before, and after a dataset that failed)."""
+    from ray.data.block import BlockAccessor
+    from ray.data.datasource import Datasink
+
+    class TableSink(Datasink):
+        def __init__(self):
+            self.results = None if collect is None else collect([])
+
+        def get_name(self) -> str:
+            return name
+
+        def write(self, blocks, ctx):
+            return write(BlockAccessor.for_block(block).to_arrow() for block in blocks)
+
+        def on_write_complete(self, write_result) -> None:
+            if collect is not None:
+                self.results = collect(write_result.write_returns)
+
+    return TableSink()
 
 
 def task_args(memory: int | None) -> dict:

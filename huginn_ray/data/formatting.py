@@ -3,7 +3,7 @@
 Two steps, which staging runs as its read and its map (huginn_ray/data/staging.py): `read_batches` reads a file's
 records unformatted, in batches of ROWS_PER_BATCH (`RawBatch`: each record's line or row number and its content);
 `format_batch` turns a batch into each record's document or `BadRecord`. `iter_documents` runs both in one process
-(the plan's sampling: huginn_ray/data/plan.py).
+(the plan's sampling: huginn_ray/data/plan_sources.py).
 
 Formats by file name: `*.parquet`; `*.jsonl` / `*.json` (one JSON object per line, optionally `.gz` or `.zst`);
 anything else is a text file that becomes a single document (feature `text`). Rules for a row:
@@ -174,14 +174,6 @@ def format_record(values: list, source: Source) -> str:
             raise RecordError("wrong_type", f"feature {features[0]!r} holds {type(values[0]).__name__}, not text")
         return values[0] or ""
     return "\n".join("" if v is None else str(v) for v in values)
-
-
-def format_rows(columns: dict[str, list], source: Source) -> list[str]:
-    """Documents from rows given as {feature: values}; empty documents are dropped, a bad record raises
-    RecordError."""
-    features = source.features
-    texts = [format_record([columns[f][i] for f in features], source) for i in range(len(columns[features[0]]))]
-    return [t for t in texts if t]
 
 
 def file_format(path: str | Path) -> str:

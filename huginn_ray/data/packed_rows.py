@@ -1,6 +1,7 @@
 """Packed rows as Ray Data records, and how the operators that carry them run (shuffle, released data, dedup).
 
-The operators of huginn_ray/data/shards.py and huginn_ray/data/dedup.py are each one Ray Data dataset over the rows
+The operators of the shuffle (huginn_ray/data/shuffle.py), the per-file conversion of already packed data
+(per_file.py) and the validation-duplicate search (dedup.py) are each one Ray Data dataset over the rows
 themselves:
 
     read_datasource(packed_rows(units))   the rows of a unit's files (a map group, or one released file), read by
@@ -8,8 +9,10 @@ themselves:
       -> map_batches(fn)                  the work on the rows: their place in the permutation, their hashes
       -> write_datasink(sink)             the unit's output files (map files, shards), committed
 
-(The shuffle's reduce pass reads map files instead, with no map step: shards.map_file_rows; the dedup passes
-gather their rows' hashes on the driver instead of writing: dedup.py.)
+(The shuffle's reduce pass reads map files instead, with no map step: shuffle.map_file_rows; the dedup passes
+gather their rows' hashes on the driver instead of writing: dedup.py.) A packed file is read by `read_packed_file`,
+READ_BATCH_ROWS rows at a time, each batch checked (row length, id range) and split into train and validation
+rows; the writes are Ray Data datasinks that return what each task committed (`results_sink`).
 
 Read, map and write are tasks that declare the same resources, so Ray Data fuses them into one task per unit
 (operator `ReadPackedRows->MapBatches(fn)->Write`): the rows go from the read to the writer inside one worker
@@ -25,17 +28,23 @@ very exception, not Ray's wrapper of it.
 
 from __future__ import annotations
 
+import hashlib
+import resource
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from huginn_ray.data.execution import quiet_remote_args, task_args, unit_reads
-from huginn_ray.data.tokens import MASK, rows_to_arrow
+from huginn_ray.data.execution import quiet_remote_args, table_sink, task_args, unit_reads
+from huginn_ray.data.shards import SPLITS
+from huginn_ray.data.tokens import (MASK, TokenRangeError, check_ids, fixed_rows, mask_rows, numpy_dtype,
+                                    rows_to_arrow, token_column_error)
 
 BLOCK_BYTES = 4 << 20
 """Ray Data's target block size while these passes run: a block is emitted once its buffer holds more, so a task
-holds a few blocks of this size besides its own state (part of every memory= of these passes, shards.py). Below a
+holds a few blocks of this size besides its own state (part of every memory= of these passes: RAY_DATA_BLOCKS). Below a
 read batch of long rows (1,024 rows of 4,097 uint16 ids: 8 MiB), so that Ray Data passes such a batch on as
 zero-copy slices instead of concatenating batches into a new block."""
 
@@ -44,16 +53,86 @@ UNIT, FILE, SPLIT, INDEX, SHA256 = "unit", "file", "split", "index", "sha256"
 the split (the unit's offset for the split plus its number among the split's kept rows of the unit), and, when the
 files are hashed, its file's sha256."""
 
+TASK_OVERHEAD = 256 << 20  # a worker's own footprint (interpreter, pyarrow, numpy), added to memory= requests
+
+RAY_DATA_BLOCKS = 3 * BLOCK_BYTES
+"""What Ray Data holds in a task of these passes besides the task's own state: the read's and the map step's
+output buffers (blocks are emitted once they exceed BLOCK_BYTES) and the block being built from them."""
+
+HELD_COLUMN_BYTES = 40
+"""Ray Data's write (2.60) keeps every block of its task until the task ends (its write function tees the blocks
+and drains the second copy for statistics after the datasink's write returns), so a task that writes holds its
+unit's rows once as blocks besides what its write builds from them: their ids in the storage type (a loss mask:
+one byte more per id) and up to this many bytes per row of the columns the read and the map step add (unit, file,
+split, index, position, hash)."""
+
+READ_BATCH_ROWS = 1024
+"""Rows decoded at a time from an input file (parquet still reads a whole column chunk, compressed, at once)."""
+
+
+def read_packed_file(entry: dict, row_len: int, dtype: str, vocab_size: int, hashes: dict):
+    """Yield (split, rows, mask) blocks of one input file: (n, row_len) arrays of the storage type, checked, and
+    their (n, row_len) uint8 loss mask (None when the file has no `loss_mask` column).
+
+    Decoded READ_BATCH_ROWS at a time, so a task holds one file's compressed column chunk and a batch, not the
+    file decoded. With `hashes` not None, the file's sha256 is recorded in it (read once: hashed and parsed).
+    Row numbers (in the file) listed in `entry["skip_rows"]` are left out (validation rows that also occur in train,
+    huginn_ray/data/dedup.py); the entry's row counts are those of the rows kept."""
+    path = entry["path"]
+    skip = np.asarray(entry.get("skip_rows", []), np.int64)
+    if hashes is not None:
+        data = pa.py_buffer(Path(path).read_bytes())
+        hashes[path] = hashlib.sha256(data).hexdigest()
+        source = pa.BufferReader(data)
+    else:
+        source = path
+    pf = pq.ParquetFile(source, pre_buffer=False)
+    names = pf.schema_arrow.names
+    why = token_column_error(pf.schema_arrow)
+    if why:
+        raise TokenRangeError(f"{path}: {why}")
+    has_split, has_mask = "split" in names, MASK in names
+    seen = dict.fromkeys(SPLITS, 0)
+    row = 0
+    columns = ["input_ids", *([MASK] if has_mask else []), *(["split"] if has_split else [])]
+    # a batch spanning row groups is decoded from all of them at once: no batch larger than a row group
+    batch_rows = min([READ_BATCH_ROWS] + [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
+    for batch in pf.iter_batches(batch_size=max(1, batch_rows), columns=columns, use_threads=False):
+        rows = fixed_rows(batch.column("input_ids"), row_len, str(path), first_row=row)
+        check_ids(rows, vocab_size, dtype, str(path))
+        rows = rows.astype(numpy_dtype(dtype), copy=False)
+        mask = mask_rows(batch.column(MASK), row_len, str(path), row) if has_mask else None
+        codes = batch.column("split").to_numpy(zero_copy_only=False) if has_split else None
+        if len(skip):
+            keep = ~np.isin(np.arange(row, row + len(rows)), skip)
+            rows, codes = rows[keep], codes[keep] if has_split else None
+            mask = mask[keep] if has_mask else None
+        row += len(keep) if len(skip) else len(rows)
+        for name, code in SPLITS.items():
+            if has_split:
+                chosen = codes == code
+                part, part_mask = rows[chosen], mask[chosen] if has_mask else None
+            else:
+                part = rows if entry[f"{name}_rows"] else rows[:0]
+                part_mask = None if mask is None else mask[:len(part)]
+            seen[name] += len(part)
+            if seen[name] > entry[f"{name}_rows"]:
+                break
+            yield name, part, part_mask
+    for name in SPLITS:
+        if seen[name] != entry[f"{name}_rows"]:
+            raise ValueError(f"{path}: {'more than ' if seen[name] > entry[f'{name}_rows'] else ''}{seen[name]} "
+                             f"{name} rows, the plan expected {entry[f'{name}_rows']} (the file changed since it "
+                             "was listed)")
+
 
 def read_unit_rows(unit_index: int, unit: dict, row_len: int, dtype: str, vocab_size: int, hashed: bool):
     """The read task of one unit ({"files": [entry, ...], "offsets": {split: first index}}): its rows, one block
-    per read batch (shards._read_input: at most a row group, checked, in the storage type)."""
-    from huginn_ray.data.shards import SPLITS, _read_input
-
+    per read batch (read_packed_file: at most a row group, checked, in the storage type)."""
     index = {name: unit.get("offsets", {}).get(name, 0) for name in SPLITS}
     for file, entry in enumerate(unit["files"]):
         hashes: dict | None = {} if hashed else None
-        for name, rows, mask in _read_input(entry, row_len, dtype, vocab_size, hashes):
+        for name, rows, mask in read_packed_file(entry, row_len, dtype, vocab_size, hashes):
             if not len(rows):
                 continue
             n = len(rows)
@@ -102,3 +181,16 @@ def map_rows(dataset, fn: Callable, memory: int | None, **fn_kwargs):
 def write_rows(dataset, sink, memory: int | None) -> None:
     """The write step of a pass, fused with the read and the map: runs the dataset to its end."""
     dataset.write_datasink(sink, ray_remote_args=task_args(memory))
+
+
+def peak_rss_mib() -> float:
+    """The peak resident memory of this process in MiB (a task reports its own: tests check it against its
+    memory= declaration)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def results_sink(name: str, write: Callable[[list[pa.Table]], list[dict]]):
+    """A Ray Data datasink whose write is `write(tables)` over the blocks of its task; the dicts the writes return
+    are in `.results` ({unit: result}) once the dataset completes (a failed dataset reports none: what its
+    completed tasks committed is read back from their files)."""
+    return table_sink(name, write, lambda returns: {r["unit"]: r for returned in returns for r in returned})

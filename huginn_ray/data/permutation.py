@@ -2,7 +2,7 @@
 
     FeistelPermutation(n, seed, "shuffle:train")(np.arange(n))   # a bijection of [0, n)
 
-Every seeded order of the data (the global shuffle of each split, huginn_ray/data/shards.py; the order each
+Every seeded order of the data (the global shuffle of each split, huginn_ray/data/shuffle.py; the order each
 up-weighting copy of a pack batch is packed in, huginn_ray/data/packing.py) is one of these. Its round keys are a
 keyed hash (blake2b, key and personalisation the project's constants below) of (seed, stage, round index), and its
 rounds are splitmix64's finaliser in numpy uint64 arithmetic: nothing depends on how a library seeds or draws from

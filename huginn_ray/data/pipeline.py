@@ -27,12 +27,13 @@ from huginn_ray.data.decontaminate import EVAL_CACHE, NgramSet, build_ngram_set,
 from huginn_ray.data.dedup import duplicates_found, find_val_duplicates, sorted_unique, validation_hashes
 from huginn_ray.data.doc_filter import filter_counts, filter_fingerprint, run_filter
 from huginn_ray.data.execution import original_error
-from huginn_ray.data.shards import (MANIFEST, per_file_method, per_file_shards, run_shuffle, shard_work_id,
-                                    token_column_error, write_shards)
+from huginn_ray.data.per_file import per_file_method
+from huginn_ray.data.shard_build import per_file_shards, run_shuffle, shard_work_id, write_shards
+from huginn_ray.data.shards import MANIFEST
 from huginn_ray.data.sources import Source, load_sources
 from huginn_ray.data.staging import list_local_files, stage_sources
 from huginn_ray.data.tokenize_pack import pack_fingerprint, run_pack
-from huginn_ray.data.tokens import TokenRangeError, token_dtype
+from huginn_ray.data.tokens import TokenRangeError, token_column_error, token_dtype
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, file_sha256, special_token_ids
 
 STAGES = ("download", "staging", "filter", "pack", "shuffle")
@@ -361,7 +362,7 @@ def drop_val_duplicates(cfg: DataConfig, per_source: dict, provenance: dict, dup
 def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
     """Already packed sources (e.g. the released Huginn data) straight into N + N shards, each split on its own:
     when a split is N files of one row count, one file per rank (hard-linked as they are when they meet the shard
-    contract, else converted to the storage type file by file: shards.per_file_method), else shuffled.
+    contract, else converted to the storage type file by file: per_file.per_file_method), else shuffled.
 
     Validation rows that also occur in train (dedup.py) are found first. When the training split goes per file,
     in one pass over its files: the tasks that convert (or verify) them also look their rows up in the validation

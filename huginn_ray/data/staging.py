@@ -37,7 +37,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.execution import original_error, quiet_remote_args, rerun_killed, task_args, unit_reads
+from huginn_ray.data.execution import (original_error, quiet_remote_args, rerun_killed, table_sink, task_args,
+                                        unit_reads)
 from huginn_ray.data.formatting import BadRecord, DataError, RawBatch, format_batch, read_batches
 from huginn_ray.data.sources import Source
 
@@ -338,43 +339,31 @@ def staging_outputs(files: list[dict]):
     """The stage's write: a Ray Data datasink that writes each input file's staged parquet and quarantine file
     from its formatted records and commits them when the file's last record arrives; the files' counts are in
     `.results` ({file: counts}) once the write completes."""
-    from ray.data.block import BlockAccessor
-    from ray.data.datasource import Datasink
 
-    class StagingOutputs(Datasink):
-        def __init__(self):
-            self.results: dict[int, dict] = {}
+    def write(tables) -> dict[int, dict]:
+        done, staged, current, expected = {}, None, None, 0
+        for table in tables:
+            file_col, batches = table.column("file").to_pylist(), table.column("batch").to_pylist()
+            ordinals, numbers = table.column("ordinal").to_pylist(), table.column("number").to_pylist()
+            texts, bad = table.column("text").to_pylist(), table.column("bad").to_pylist()
+            last = table.column("last").to_pylist()
+            for row in range(table.num_rows):
+                if staged is None:
+                    current, expected, staged = file_col[row], 0, StagedFile(files[file_col[row]])
+                if file_col[row] != current or ordinals[row] != expected:  # never when the operators fuse
+                    raise RuntimeError(f"staging: a write received part of {files[file_col[row]]['path']}, "
+                                       "not all of its records in order (read, map and write must fuse)")
+                expected += 1
+                staged.add(batches[row], numbers[row], texts[row], bad[row])
+                if last[row]:
+                    done[current] = staged.commit()
+                    staged = None
+        if staged is not None:
+            raise RuntimeError(f"staging: a write received part of {files[current]['path']}, without its end")
+        return done
 
-        def get_name(self) -> str:
-            return "staging_outputs"
-
-        def write(self, blocks, ctx) -> dict[int, dict]:
-            done, staged, current, expected = {}, None, None, 0
-            for block in blocks:
-                table = BlockAccessor.for_block(block).to_arrow()
-                file_col, batches = table.column("file").to_pylist(), table.column("batch").to_pylist()
-                ordinals, numbers = table.column("ordinal").to_pylist(), table.column("number").to_pylist()
-                texts, bad = table.column("text").to_pylist(), table.column("bad").to_pylist()
-                last = table.column("last").to_pylist()
-                for row in range(table.num_rows):
-                    if staged is None:
-                        current, expected, staged = file_col[row], 0, StagedFile(files[file_col[row]])
-                    if file_col[row] != current or ordinals[row] != expected:  # never when the operators fuse
-                        raise RuntimeError(f"staging: a write received part of {files[file_col[row]]['path']}, "
-                                           "not all of its records in order (read, map and write must fuse)")
-                    expected += 1
-                    staged.add(batches[row], numbers[row], texts[row], bad[row])
-                    if last[row]:
-                        done[current] = staged.commit()
-                        staged = None
-            if staged is not None:
-                raise RuntimeError(f"staging: a write received part of {files[current]['path']}, without its end")
-            return done
-
-        def on_write_complete(self, write_result) -> None:
-            self.results = {file: stats for returned in write_result.write_returns for file, stats in returned.items()}
-
-    return StagingOutputs()
+    return table_sink("staging_outputs", write,
+                      lambda returns: {file: stats for returned in returns for file, stats in returned.items()})
 
 
 def records_line(records: dict, quarantine: Path) -> str:

@@ -55,7 +55,7 @@ import pyarrow.parquet as pq
 from huginn_ray.data import layout
 from huginn_ray.data.chat import pack_rows, pad_rows, render, render_document
 from huginn_ray.data.execution import (block_size, declared_memory, node_memory_cap, quiet_remote_args, rerun_killed,
-                                        unit_reads)
+                                        table_sink, unit_reads)
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.packing import copy_fractions, copy_order, pack, unit_hash
 from huginn_ray.data.shards import TRAIN, VAL
@@ -311,24 +311,10 @@ def packed_files(settings: dict):
     """The stage's write: a Ray Data datasink that packs each pack batch of its blocks (whole batches of encoded
     documents) and writes it as the batch's file; the files' statistics are in `.results` once the write
     completes."""
-    from ray.data.block import BlockAccessor
-    from ray.data.datasource import Datasink
-
-    class PackedFiles(Datasink):
-        def __init__(self):
-            self.results: list[dict] = []
-
-        def get_name(self) -> str:
-            return "packed_files"
-
-        def write(self, blocks, ctx) -> list[dict]:
-            return [pack_batch(batch, records, **settings) for block in blocks
-                    for batch, records in whole_batches(BlockAccessor.for_block(block).to_arrow())]
-
-        def on_write_complete(self, write_result) -> None:
-            self.results = [r for returned in write_result.write_returns for r in returned]
-
-    return PackedFiles()
+    return table_sink("packed_files",
+                      lambda tables: [pack_batch(batch, records, **settings) for table in tables
+                                      for batch, records in whole_batches(table)],
+                      lambda returns: [r for returned in returns for r in returned])
 
 
 def pack_fingerprint(sources: list[Source], staging_markers: dict[str, dict], tokenizer_sha256: str,

@@ -95,3 +95,22 @@ def fixed_rows(column: pa.ChunkedArray | pa.Array, row_len: int, where: str, fir
                               "(seq_len + 1)")
     values = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
     return values.to_numpy(zero_copy_only=False).reshape(-1, row_len)
+
+
+def token_column_error(schema: pa.Schema) -> str | None:
+    """Why a file's `input_ids` column cannot be read as token ids (None when it can): it must be a list of
+    integers. Floats would be truncated to ids without a word, strings cannot be ids."""
+    ids = schema.field("input_ids").type if "input_ids" in schema.names else None
+    if ids is None:
+        return f"no column input_ids (columns: {', '.join(schema.names)})"
+    if not (pa.types.is_list(ids) or pa.types.is_large_list(ids)) or not pa.types.is_integer(ids.value_type):
+        return f"column input_ids must hold lists of integer token ids, got {ids}"
+    return None
+
+
+def mask_rows(column, row_len: int, where: str, first_row: int) -> np.ndarray:
+    """A loss_mask list column -> (rows, row_len) uint8 of 0/1; refuses other lengths and values."""
+    mask = fixed_rows(column, row_len, f"{where}: column {MASK}", first_row=first_row).astype(np.uint8, copy=False)
+    if mask.size and mask.max() > 1:
+        raise ValueError(f"{where}: column {MASK} holds {int(mask.max())}, a loss mask holds 0 or 1")
+    return mask
