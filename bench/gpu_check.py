@@ -66,7 +66,7 @@ from model_step import CUSTOM, matmul_flops_per_second, step_seconds, synchroniz
 from huginn_ray.cluster.devices import distributed_backend  # noqa: E402
 from huginn_ray.config import from_dict  # noqa: E402
 from huginn_ray.data.shards import shard_path  # noqa: E402
-from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, training_flops_per_token  # noqa: E402
+from huginn_ray.model import ModelConfig, RecurrentGPT, training_flops_per_token  # noqa: E402
 from huginn_ray.model.engine import Engine, EngineConfig, Request  # noqa: E402
 from huginn_ray.model.generate import DEFAULT_THRESHOLDS, generate  # noqa: E402
 from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, choose_attention_backend,  # noqa: E402
@@ -74,6 +74,7 @@ from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, c
 from huginn_ray.train import checkpoint as ckpt  # noqa: E402
 from huginn_ray.train import loop, parallel  # noqa: E402
 from huginn_ray.train.config import TrainConfig  # noqa: E402
+from huginn_ray.train.parallelize import compile_blocks  # noqa: E402
 from huginn_ray.train.memory import GIB, plan_memory  # noqa: E402
 from huginn_ray.train.observe import ModuleNorms  # noqa: E402
 from huginn_ray.train.optim import adamw_fused, build_optimizer, param_groups  # noqa: E402
@@ -663,7 +664,7 @@ def bf16_gather_check(setup: Setup) -> dict:
     num_steps = (1, 2) if setup.quick else (4, 4)
     ids = torch.randint(0, config.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     inputs, labels = ids[:, :-1].to(setup.device), ids[:, 1:].to(setup.device)
-    mesh = parallel.build_mesh(parallel.MeshShape("hsdp", 1, 1), setup.device.type)
+    mesh = parallel.build_mesh(parallel.MeshShape(True, 1, 1), setup.device.type)
     row = {"model": f"anchor D={config.n_embd}", "batch": batch, "seq_len": seq_len}
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)

@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, training_flops_per_token  # noqa: E402
+from huginn_ray.model import ModelConfig, RecurrentGPT, training_flops_per_token  # noqa: E402
+from huginn_ray.train.parallelize import compile_blocks  # noqa: E402
 
 # (registry name, overrides, batch, seq_len, (n, k))
 SHAPES = [

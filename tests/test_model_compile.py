@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from huginn_ray.model import KVCache, ModelConfig, RecurrentGPT, chunked_cross_entropy, compile_blocks
+from huginn_ray.model import KVCache, ModelConfig, RecurrentGPT, chunked_cross_entropy
+from huginn_ray.train.parallelize import compile_blocks
 
 VOCAB = 512
 

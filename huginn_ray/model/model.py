@@ -149,19 +149,6 @@ class RecurrentCore(nn.Module):
         return x
 
 
-def compile_blocks(model: "RecurrentGPT", **compile_kwargs) -> "RecurrentGPT":
-    """Regional compilation: compile every sandwich block (prelude, core, coda) on its own, as torchtitan does
-    per transformer block, instead of the whole forward. The recurrent loop stays in Python, so a newly
-    sampled depth reuses the compiled blocks instead of recompiling; all blocks share one compiled graph per
-    (grad mode, input dtype, shape). Inside a block the compiler fuses the memory-bound work around the
-    matmuls: the RMSNorms with their fp32 round trip and the residual adds before them, qk_bias + RoPE + casts,
-    SiLU(gate) * up. Parameter names and state_dict keys do not change. Calls with a KV cache (generation)
-    run the eager block, whose shapes change at every token. Returns the model."""
-    for block in model.blocks():
-        block.compiled_sandwich = torch.compile(block.sandwich, **compile_kwargs)
-    return model
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Depth sampling
 # ---------------------------------------------------------------------------------------------------------
