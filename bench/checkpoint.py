@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train import parallel
-from huginn_ray.train.config import OptimConfig
+from huginn_ray.train.config import OptimConfig, ParallelismSection
 from huginn_ray.train.optim import build_optimizer
 
 CPU = torch.device("cpu")
@@ -57,11 +57,11 @@ def worker(rank: int, args, port: int, root: str, out: str) -> None:
                                 num_attention_heads=max(1, args.width // 64))
     results = {}
     for mode, asynchronous in MODES:
-        shape = parallel.mesh_shape(mode, args.world, args.shard_size)
+        shape = parallel.mesh_shape(ParallelismSection(mode=mode).sharded, args.world, args.shard_size)
         mesh = parallel.build_mesh(shape, "cpu")
         torch.manual_seed(0)
         model = RecurrentGPT(cfg)
-        if mode == "hsdp":
+        if shape.sharded:
             parallel.apply_hsdp(model, mesh)
         optimizer = build_optimizer(model, OptimConfig())
         for p in model.parameters():

@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, training_flops_per_token  # noqa: E402
+from huginn_ray.model import ModelConfig, RecurrentGPT, training_flops_per_token  # noqa: E402
+from huginn_ray.train.parallelize import compile_blocks  # noqa: E402
 
 # (registry name, overrides, batch, seq_len, (n, k))
 SHAPES = [
@@ -73,8 +74,10 @@ def matmul_flops_per_second(device: torch.device, dtype: torch.dtype, shapes, re
     return best, best_shape
 
 
-def step_seconds(models: dict, batch: int, seq_len: int, num_steps, device, autocast, steps: int) -> dict:
-    """Median fwd+bwd seconds of every model in `models`, their steps interleaved."""
+def step_seconds(models: dict, batch: int, seq_len: int, num_steps, device, autocast, steps: int,
+                 loss_chunk_tokens: int = 0) -> dict:
+    """Median fwd+bwd seconds of every model in `models`, their steps interleaved (the loss over chunks of
+    `loss_chunk_tokens` tokens when > 0, as training computes it)."""
     vocab = next(iter(models.values())).config.vocab_size
     x = torch.randint(0, vocab, (batch, seq_len), device=device)
     times = {name: [] for name in models}
@@ -83,7 +86,7 @@ def step_seconds(models: dict, batch: int, seq_len: int, num_steps, device, auto
             synchronize(device)
             start = time.perf_counter()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss = model(x, labels=x, num_steps=num_steps).loss
+                loss = model(x, labels=x, num_steps=num_steps, loss_chunk_tokens=loss_chunk_tokens).loss
             loss.backward()
             synchronize(device)
             if i >= 2:
@@ -151,9 +154,8 @@ def main() -> None:
             models["compiled"] = RecurrentGPT(config).to(device)
             models["compiled"].load_state_dict(models["eager"].state_dict())
             compile_blocks(models["compiled"], **({"mode": args.compile_mode} if args.compile_mode else {}))
-        for model in models.values():
-            model.loss_chunk_tokens = args.loss_chunk_tokens
-        seconds = step_seconds(models, batch, seq_len, num_steps, device, autocast=on_gpu, steps=args.steps)
+        seconds = step_seconds(models, batch, seq_len, num_steps, device, autocast=on_gpu, steps=args.steps,
+                               loss_chunk_tokens=args.loss_chunk_tokens)
         label = f"{registry_name}{' +ckpt' if overrides.get('activation_checkpointing') else ''} B={batch} T={seq_len} {num_steps}"
         params = sum(p.numel() for p in models["eager"].parameters())
         for variant, median in seconds.items():

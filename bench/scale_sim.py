@@ -73,8 +73,10 @@ from huginn_ray.model import ModelConfig, RecurrentGPT  # noqa: E402
 from huginn_ray.model import pretrained, replica_read  # noqa: E402
 from huginn_ray.train import checkpoint as ckpt  # noqa: E402
 from huginn_ray.train import loop, parallel  # noqa: E402
+from huginn_ray.train.collectives import all_ranks  # noqa: E402
 from huginn_ray.train.config import TrainConfig  # noqa: E402
 from huginn_ray.train.run_plan import RunPlan, WeightsSource  # noqa: E402
+from huginn_ray.train.stopping import Stop, stop_if_a_rank_cannot_read  # noqa: E402
 from huginn_ray.train.warmup import register_node, warmup_allreduce  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs/train/frontier_nebel_512_nodes.yaml"
@@ -447,12 +449,12 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, broadcasts: list) ->
             dist.init_process_group("fake", store=store, rank=rank, world_size=world_size)
             register_node()
             c = loop.build_components(setup.cfg, setup.plan, rank, META, local_world_size=setup.shard_size)
-            # loop._train's node-layout check: every rank's placement, as Ray Train reports it
+            # loop.start_worker's node-layout check: every rank's placement, as Ray Train reports it
             placement = {"node_rank": rank // setup.shard_size, "local_rank": rank % setup.shard_size,
                          "local_world_size": setup.shard_size, "node_ip": "10.128.0.1"}
-            ckpt.all_ranks(placement, CPU)
+            all_ranks(placement, CPU)
             parallel.warm_mesh(c.mesh, CPU)
-            loop.stop_if_a_rank_cannot_read(None, CPU)
+            stop_if_a_rank_cannot_read(None, CPU)
             parallel.check_replicas_agree(c.model, c.optimizer, c.mesh, META, "at startup")
             warmup_allreduce(META, setup.cfg.warmup_allreduce_mib, timeout_s=setup.cfg.warmup_timeout_s)
             results["peak_model_bytes_startup"] = model_bytes.peak
@@ -725,7 +727,7 @@ def step_collectives(setup: Setup, world_size: int, rank: int) -> tuple[int, int
         with CountingCollectives(counts, [], rank):
             try:
                 loop.train_step(c, 2, cfg, plan, CPU)
-            except loop.Stop:
+            except Stop:
                 pass
     finally:
         dist.destroy_process_group()

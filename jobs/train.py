@@ -29,7 +29,7 @@ from huginn_ray.console import ray_connect_kwargs  # noqa: E402
 from huginn_ray.config import ConfigError  # noqa: E402
 from huginn_ray.train.config import load_train_config
 from huginn_ray.train.launch import PreflightError, preflight, run_training
-from huginn_ray.train.loop import stop_file
+from huginn_ray.train.stopping import stop_file
 from huginn_ray.train.runlock import RunLock, RunLockError
 
 

@@ -4,7 +4,7 @@ import logging
 import os
 
 from huginn_ray.console import QUIET_ENV, failure_line, local_ray_init_kwargs, quiet_local_ray, summary_line
-from huginn_ray.train.loop import eta, progress_line
+from huginn_ray.train.observe import eta, progress_line
 
 
 def test_quiet_local_ray_sets_explicit_ray_settings(monkeypatch):

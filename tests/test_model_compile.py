@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from huginn_ray.model import KVCache, ModelConfig, RecurrentGPT, chunked_cross_entropy, compile_blocks
+from huginn_ray.model import KVCache, ModelConfig, RecurrentGPT, chunked_cross_entropy
+from huginn_ray.train.parallelize import compile_blocks
 
 VOCAB = 512
 
@@ -101,10 +102,10 @@ def test_chunked_loss_equals_full_logits_loss(autocast):
     start = torch.randn(2, 24, 32)
     results = []
     for chunk in (0, 10):  # 48 tokens in chunks of 10: the last chunk is partial
-        model.loss_chunk_tokens = chunk
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = model(x, labels=labels, num_steps=(1, 2), input_states=start, ignore_index=7)
+            out = model(x, labels=labels, num_steps=(1, 2), input_states=start, ignore_index=7,
+                        loss_chunk_tokens=chunk)
         (out.loss * 0.25).backward()  # a non-unit incoming gradient, as with gradient accumulation
         results.append((out, grads(model)))
     (full, grads_full), (chunked, grads_chunked) = results
@@ -114,8 +115,8 @@ def test_chunked_loss_equals_full_logits_loss(autocast):
     for name in grads_full:
         torch.testing.assert_close(grads_chunked[name], grads_full[name], **tol, msg=name)
     # logits stay available when asked for
-    model.loss_chunk_tokens = 10
-    asked = model(x, labels=labels, num_steps=(1, 2), input_states=start, ignore_index=7, return_logits=True)
+    asked = model(x, labels=labels, num_steps=(1, 2), input_states=start, ignore_index=7, return_logits=True,
+                  loss_chunk_tokens=10)
     assert asked.logits is not None and asked.logits.dtype == torch.float32
 
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from huginn_ray.config import load_config
 from huginn_ray.train import loop
+from huginn_ray.train.stopping import Stop, time_is_up
 from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.launch import PreflightError, stop_at_unix
 from test_train_grad_sync import spawn
@@ -57,7 +58,7 @@ def flags_agreed(rank, world_size):
     try:
         loop.train_step(c, 4, cfg, plan, cpu)
         report["stop"] = None
-    except loop.Stop as stop:
+    except Stop as stop:
         report["stop"] = {"message": str(stop), "reporter": stop.reporter}
     report["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, c.model.parameters()))
     return report
@@ -94,10 +95,10 @@ def test_stop_at_is_the_earlier_end_minus_the_margin():
 
 
 def test_time_is_up_when_this_step_and_one_more_would_end_past_the_deadline():
-    assert not loop.time_is_up(None, 10**9, 5.0)
-    assert not loop.time_is_up(100.0, 89.0, 5.0)  # 89 + 2 x 5 = 99: one more step fits after this one
-    assert loop.time_is_up(100.0, 90.0, 5.0)
-    assert loop.time_is_up(100.0, 100.0, 0.0)  # before the first step's time is known: only a passed deadline
+    assert not time_is_up(None, 10**9, 5.0)
+    assert not time_is_up(100.0, 89.0, 5.0)  # 89 + 2 x 5 = 99: one more step fits after this one
+    assert time_is_up(100.0, 90.0, 5.0)
+    assert time_is_up(100.0, 100.0, 0.0)  # before the first step's time is known: only a passed deadline
 
 
 READS = ("item", "__bool__", "__float__", "__int__", "tolist")
@@ -210,17 +211,17 @@ def test_a_log_interval_reads_the_device_once(observed_run):
     device (not device syncs): the depth sampler's draws from its CPU generator, the row keys and the supervised
     label counts of the host batches, and ELLISAdam's per-tensor step counts (not counted; asserted CPU)."""
     project = {site: n for site, n in observed_run["sites"].items() if site.split(":")[0] in (
-        "loop.py", "model.py", "optim.py", "grad_sync.py", "parallel.py", "observe.py", "profiling.py",
-        "checkpoint.py")}
+        "loop.py", "model.py", "optim.py", "grad_sync.py", "parallel.py", "parallelize.py", "observe.py",
+        "profiling.py", "checkpoint.py", "collectives.py", "validation.py", "stopping.py")}
     # 6 steps of 2 micro-batches: one agreed-vector read per step; log steps 4, 6, 8 and validation steps 3, 6,
     # 8 (a validation step is a log step): 4 interval reads; per micro-batch one CPU depth draw, one read of the
     # row keys (a host tensor from the reader) that seed the rows' noise and one count of its supervised labels
     # (host tensors too), and the same for each of the 3 validations' one micro-batch; once per run, after the
-    # profiled steps, the gather of the trace files' names (checkpoint.all_ranks: W lengths, then the bytes)
+    # profiled steps, the gather of the trace files' names (collectives.all_ranks: W lengths, then the bytes)
     assert project == {"loop.py:train_step:tolist": 6, "observe.py:read_interval:tolist": 4,
                        "model.py:sample_recurrence:item": 12, "model.py:keyed_initial_state:tolist": 12 + 3,
-                       "loop.py:host_count:__int__": 12 + 3, "checkpoint.py:<listcomp>:item": 1,
-                       "checkpoint.py:<listcomp>:tolist": 1}, observed_run["sites"]
+                       "validation.py:host_count:__int__": 12 + 3, "collectives.py:<listcomp>:item": 1,
+                       "collectives.py:<listcomp>:tolist": 1}, observed_run["sites"]
 
 
 def test_no_mlflow_or_matplotlib_call_delays_a_step_of_rank_0(observed_run):

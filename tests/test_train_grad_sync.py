@@ -180,7 +180,7 @@ def real_model_local_mean(world_size: int, step: int, n: int, k: int):
 
 
 def exchange_real_model(rank, world_size, compiled=False):
-    from huginn_ray.model import compile_blocks
+    from huginn_ray.train.parallelize import compile_blocks
     from huginn_ray.train import parallel
 
     report = {}
@@ -195,7 +195,7 @@ def exchange_real_model(rank, world_size, compiled=False):
         elif kind == "ddp":
             sync = DDPSync(model)
         else:  # shard groups of one rank: FSDP2's units and hooks, and the chunk stream between the groups
-            mesh = parallel.build_mesh(parallel.MeshShape("hsdp", world_size, 1), "cpu")
+            mesh = parallel.build_mesh(parallel.MeshShape(True, world_size, 1), "cpu")
             parallel.apply_hsdp(model, mesh)
             sync = ChunkStream(model, chunk_numel=10_000, group=mesh.get_group("replicate"), divide_by=world_size)
         worst = 0.0
@@ -249,7 +249,7 @@ def hsdp_overlap(rank, world_size):
     the stream after backward."""
     from huginn_ray.train import grad_sync, parallel
 
-    mesh = parallel.build_mesh(parallel.MeshShape("hsdp", world_size, 2), "cpu")
+    mesh = parallel.build_mesh(parallel.MeshShape(True, world_size, 2), "cpu")
     n, k = DEPTHS[1]
     grads, events = {}, []
     for kind in ("chunk_stream", "chunk_stream_overlap"):
@@ -330,7 +330,7 @@ def hsdp_clip(rank, world_size):
     from huginn_ray.train import parallel
 
     model = real_model()
-    mesh = parallel.build_mesh(parallel.MeshShape("hsdp", world_size, world_size), "cpu")
+    mesh = parallel.build_mesh(parallel.MeshShape(True, world_size, world_size), "cpu")
     parallel.apply_hsdp(model, mesh)
     sync = ChunkStream(model, chunk_numel=10_000, group=mesh.get_group("replicate"), divide_by=world_size)
     n, k = DEPTHS[1]

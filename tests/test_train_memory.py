@@ -14,7 +14,8 @@ from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.train import memory, observe, optim, parallel
 from huginn_ray.train.config import TrainConfig, load_train_config
 from huginn_ray.train.grad_sync import build_grad_sync
-from huginn_ray.train.memory import PeakLiveBytes, SavedBytes, plan_memory, saved_activation_bytes
+from huginn_ray.train.activation_memory import PeakLiveBytes, SavedBytes, saved_activation_bytes
+from huginn_ray.train.memory import plan_memory
 from huginn_ray.train.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,6 +43,11 @@ def model_config(cfg):
                                  **cfg.model.overrides.given())
 
 
+def row(plan, item: str) -> int:
+    """The bytes of the plan's row named `item`."""
+    return {name: b for name, b, _ in plan.rows}[item]
+
+
 def batch(cfg):
     g = torch.Generator().manual_seed(0)
     return torch.randint(0, 512, (cfg.micro_batch_size, cfg.block_size), generator=g)
@@ -52,20 +58,19 @@ def test_activation_figure_equals_saved_bytes_of_a_real_cpu_step(checkpointing):
     cfg = small_config(f"activation_checkpointing={str(checkpointing).lower()}")
     mcfg = model_config(cfg)
     k = mcfg.mean_backprop_depth
-    planned = plan_memory(cfg, mcfg).bytes_of(f"activations saved for backward (k={k})")
+    planned = row(plan_memory(cfg, mcfg), f"activations saved for backward (k={k})")
 
     torch.manual_seed(0)
     model = RecurrentGPT(mcfg).train()
-    model.loss_chunk_tokens = cfg.loss_chunk_tokens  # as the worker sets it
     exclude = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
     saved = SavedBytes(exclude)
     ids = batch(cfg)
     with saved.hooks():
-        loss = model(ids, labels=ids, num_steps=(1, k)).loss
+        loss = model(ids, labels=ids, num_steps=(1, k), loss_chunk_tokens=cfg.loss_chunk_tokens).loss  # as the worker
     loss.backward()  # the graph the hooks saw is a working one
     assert saved.total == planned
     # and the meta measurement of one recomputed iteration equals the real one
-    meta = saved_activation_bytes(model.to("meta"), ids.to("meta"), (1, k))
+    meta = saved_activation_bytes(model.to("meta"), ids.to("meta"), (1, k), loss_chunk_tokens=cfg.loss_chunk_tokens)
     assert meta["activations"] == planned
 
 
@@ -106,10 +111,10 @@ def test_chunked_loss_backward_figure_equals_a_real_cpu_step(precision):
 
     torch.manual_seed(0)
     model = RecurrentGPT(mcfg).train()
-    model.loss_chunk_tokens = cfg.loss_chunk_tokens
     ids = batch(cfg)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-        loss = model(ids, labels=ids, num_steps=(1, mcfg.mean_backprop_depth)).loss
+        loss = model(ids, labels=ids, num_steps=(1, mcfg.mean_backprop_depth),
+                     loss_chunk_tokens=cfg.loss_chunk_tokens).loss
     peak_after_loss_node = []
     with PeakLiveBytes() as peak:  # what backward allocates from its start until the loss's node is done
         loss.grad_fn.register_hook(lambda *_: peak_after_loss_node.append(peak.peak))
@@ -132,7 +137,6 @@ def test_weight_cast_figure_equals_what_cpu_autocast_caches():
     k = mcfg.mean_backprop_depth
     torch.manual_seed(0)
     model = RecurrentGPT(mcfg).train()
-    model.loss_chunk_tokens = cfg.loss_chunk_tokens
     ids = batch(cfg)
 
     def alive(mode: PeakLiveBytes) -> int:
@@ -140,10 +144,11 @@ def test_weight_cast_figure_equals_what_cpu_autocast_caches():
 
     with PeakLiveBytes() as created:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            model(ids, labels=ids, num_steps=(1, k))
+            model(ids, labels=ids, num_steps=(1, k), loss_chunk_tokens=cfg.loss_chunk_tokens)
             inside = alive(created)
         cache = inside - alive(created)
-    planned = saved_activation_bytes(model.to("meta"), ids.to("meta"), (1, k), bf16=True)["weight_casts"]
+    planned = saved_activation_bytes(model.to("meta"), ids.to("meta"), (1, k), bf16=True,
+                                     loss_chunk_tokens=cfg.loss_chunk_tokens)["weight_casts"]
     head = 512 * 128 * 2
     assert (cache, planned) == (3_407_872, 3_407_872 + head)
 
@@ -187,7 +192,7 @@ def test_planned_fixed_memory_matches_what_a_cpu_step_allocates(single_rank_grou
     allocated = live_tensor_bytes([p.grad for p in model.parameters()]) - before
     assert abs(allocated - fixed) <= 0.10 * allocated, (allocated, fixed, plan.render())
     if kind == "chunk_stream_overlap":  # bounded buffers, not a second copy of the gradients
-        assert plan.bytes_of("exchange buffers (chunk_stream_overlap)") == 2 * 256 * 1024
+        assert row(plan, "exchange buffers (chunk_stream_overlap)") == 2 * 256 * 1024
     if hasattr(sync, "remove_hooks"):
         sync.remove_hooks()
 
@@ -213,7 +218,6 @@ def test_the_plan_holds_a_whole_cpu_train_step_and_its_optimizer_step_to_the_byt
     before = live_tensor_bytes([])
     torch.manual_seed(0)
     model = RecurrentGPT(mcfg).train()
-    model.loss_chunk_tokens = cfg.loss_chunk_tokens
     sync = build_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib)
     optimizer = build_optimizer(model, cfg.optim)
     norms = observe.ModuleNorms(model, 1) if log_step else None
@@ -223,7 +227,8 @@ def test_the_plan_holds_a_whole_cpu_train_step_and_its_optimizer_step_to_the_byt
         with PeakLiveBytes() as forward_backward:
             with sync.micro_batch(last=True):
                 with torch.autocast("cpu", dtype=torch.bfloat16):
-                    out = sync.module(ids, labels=ids, num_steps=(1, mcfg.mean_backprop_depth))
+                    out = sync.module(ids, labels=ids, num_steps=(1, mcfg.mean_backprop_depth),
+                                      loss_chunk_tokens=cfg.loss_chunk_tokens)
                 out.loss.backward()
                 del out
             sync.finish()
@@ -270,8 +275,8 @@ def test_a_step_of_one_micro_batch_plans_its_gradients_from_its_backward_on():
         model = RecurrentGPT(mcfg)
     prelude = 4 * sum(p.numel() for block in model.transformer.prelude for p in block.parameters())
     every = 4 * sum(p.numel() for p in model.parameters())
-    assert accumulating.bytes_of("gradients (fp32)") == every
-    assert (one.bytes_of("gradients (fp32)"), one.bytes_of("gradients of the prelude blocks (fp32)")) == (
+    assert row(accumulating, "gradients (fp32)") == every
+    assert (row(one, "gradients (fp32)"), row(one, "gradients of the prelude blocks (fp32)")) == (
         every - prelude, prelude)
     missing = {"end of forward": every, "loss backward": every, "core backward": prelude, "optimizer step": 0}
     assert [(phase.name, accumulating.phase_total(phase) - one.phase_total(alone))
@@ -304,29 +309,30 @@ def test_frontier_plan_under_hsdp_and_why_replicate_does_not_fit(capsys):
     head = 65536 * 5280  # padded vocab x n_embd: the tied head weight
     # activations and transients are the meta measurements of the replicated plan: hsdp does not change them;
     # every block checkpointed keeps each block's input (3.4 GiB; 12.1 with only the core's blocks checkpointed)
-    assert plan.bytes_of("activations saved for backward (k=8)") == 3_645_884_416
+    assert row(plan, "activations saved for backward (k=8)") == 3_645_884_416
     phases = {phase.name: phase for phase in plan.phases}
     # per-block checkpointing in the core: backward recomputes the adapter and one block at a time
     assert phases["core backward"].transient_bytes == 2_528_505_880
     assert phases["loss backward"].transient_bytes == 2_999_808_004
     # this rank's eighth of every tensor (dim 0 padded to a multiple of 8), and what FSDP2 gathers whole
     local = 445_653_780
-    assert plan.bytes_of("gradients (fp32, sharded)") == local * 4
-    assert plan.bytes_of("optimizer state (ELLISAdam: 2 fp32 moments)") == local * 8 + 75 * 8  # 75 tensors: 8 blocks x 9 + 3
+    assert row(plan, "gradients (fp32, sharded)") == local * 4
+    # 75 tensors: 8 blocks x 9 + 3
+    assert row(plan, "optimizer state (ELLISAdam: 2 fp32 moments)") == local * 8 + 75 * 8
     block = 395_398_080  # elements of one nebel sandwich block (the core is 4 of them)
-    assert plan.bytes_of(memory.CORE_W) == plan.bytes_of(memory.CORE_G) == 4 * 4 * block
+    assert row(plan, memory.CORE_W) == row(plan, memory.CORE_G) == 4 * 4 * block
     assert phases["core reduce-scatter"].transient_bytes == 4 * 4 * block
-    assert plan.bytes_of(memory.ROOT_W) == plan.bytes_of(memory.ROOT_G) == 4 * (head + 2 * 5280 * 5280 + 5280)
+    assert row(plan, memory.ROOT_W) == row(plan, memory.ROOT_G) == 4 * (head + 2 * 5280 * 5280 + 5280)
     # the peak is the core's backward: every row alive (the core's weights and gradients both gathered) plus one
     # block's recomputation; at the reduce-scatter the core's weights are already resharded
     rows = sum(b for _, b, _ in plan.rows)
     assert plan.peak.name == "core backward" and plan.total == rows + 2_528_505_880 == 31_023_527_856
     # the reduce-scatter input (fp32, core-sized) takes the place of the resharded core weights
     assert plan.phase_total(phases["core reduce-scatter"]) == rows
-    assert plan.phase_total(phases["end of forward"]) == (rows - plan.bytes_of(memory.ROOT_G) - 4 * 4 * block
-                                                           - plan.bytes_of(memory.PREFETCH) + 7_420_600_324)
+    assert plan.phase_total(phases["end of forward"]) == (rows - row(plan, memory.ROOT_G) - 4 * 4 * block
+                                                           - row(plan, memory.PREFETCH) + 7_420_600_324)
     # chunk_stream_overlap between nodes: 4 chunks of 64 MiB in flight
-    assert plan.bytes_of("exchange buffers (chunk_stream_overlap)") == 4 * 64 * 2**20
+    assert row(plan, "exchange buffers (chunk_stream_overlap)") == 4 * 64 * 2**20
     assert plan.fits
     assert plan.render().splitlines()[-1] == "total per rank: 28.9 GiB of 64.0 GiB device memory"
     assert [line.split()[2] for line in plan.render().splitlines() if "not counted:" in line] == [
@@ -338,11 +344,11 @@ def test_frontier_plan_under_hsdp_and_why_replicate_does_not_fit(capsys):
     # the default on GPUs: the blocks' matmul weights gathered in bf16, their norms and qk_bias whole in fp32
     bf16 = plan_memory(load_train_config(FRONTIER, []))
     whole = 8 * 6 * 5280  # 8 blocks: 4 norm weights and qk_bias (2 x 55 heads x 96) each, instead of their shards
-    assert bf16.bytes_of("parameters (fp32, sharded) + buffers") == plan.bytes_of(
-        "parameters (fp32, sharded) + buffers") + 4 * (whole - 8 * (4 * 660 + 5280))
-    assert bf16.bytes_of(memory.CORE_W) == bf16.bytes_of(memory.CORE_G) == 2 * 4 * (block - 6 * 5280)
-    assert bf16.bytes_of(memory.PREFETCH) == 2 * (block - 6 * 5280)
-    assert bf16.bytes_of(memory.ROOT_W) == plan.bytes_of(memory.ROOT_W)  # the root unit stays fp32
+    assert row(bf16, "parameters (fp32, sharded) + buffers") == row(
+        plan, "parameters (fp32, sharded) + buffers") + 4 * (whole - 8 * (4 * 660 + 5280))
+    assert row(bf16, memory.CORE_W) == row(bf16, memory.CORE_G) == 2 * 4 * (block - 6 * 5280)
+    assert row(bf16, memory.PREFETCH) == 2 * (block - 6 * 5280)
+    assert row(bf16, memory.ROOT_W) == row(plan, memory.ROOT_W)  # the root unit stays fp32
     assert bf16.gathered == {"bfloat16": 2 * 12 * 395_366_400, "float32": 4 * 401_792_160}
     assert sum(bf16.gathered.values()) / sum(plan.gathered.values()) == pytest.approx(0.539, abs=1e-3)
     bf16_phases = {phase.name: phase for phase in bf16.phases}
@@ -383,13 +389,13 @@ def test_hsdp_plan_holds_the_peak_of_a_real_fsdp2_step(single_rank_group):
     plan = plan_memory(cfg, mcfg)
     torch.manual_seed(0)
     model = RecurrentGPT(mcfg).train()
-    model.loss_chunk_tokens = cfg.loss_chunk_tokens
-    parallel.apply_hsdp(model, parallel.build_mesh(parallel.mesh_shape("hsdp", 1, 1), "cpu"))
+    parallel.apply_hsdp(model, parallel.build_mesh(parallel.mesh_shape(True, 1, 1), "cpu"))
     ids = batch(cfg)
     with PeakLiveBytes() as step:
-        model(ids, labels=ids, num_steps=(1, mcfg.mean_backprop_depth)).loss.backward()
-    planned = (plan.total - plan.bytes_of("parameters (fp32, sharded) + buffers")
-               - plan.bytes_of("optimizer state (ELLISAdam: 2 fp32 moments)"))
+        model(ids, labels=ids, num_steps=(1, mcfg.mean_backprop_depth),
+              loss_chunk_tokens=cfg.loss_chunk_tokens).loss.backward()
+    planned = (plan.total - row(plan, "parameters (fp32, sharded) + buffers")
+               - row(plan, "optimizer state (ELLISAdam: 2 fp32 moments)"))
     assert plan.peak.name == "core backward"
     # the core's gathered weights and gradients are 2 x 17 % of it: a plan without either misses by more
     assert abs(step.peak - planned) <= 0.05 * planned, (step.peak, planned, plan.render())

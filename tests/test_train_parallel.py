@@ -211,11 +211,11 @@ def recording_keys(c) -> list:
 def validate(model, batch, cfg, plan, device, autocast) -> dict:
     """What a validation step logs: every rank's validation_sums all-reduced (the loop carries them in the log
     interval's all-reduce), then validation_metrics."""
-    from huginn_ray.train import loop
+    from huginn_ray.train import validation
 
-    sums = loop.validation_sums(model, batch, cfg, plan, device, autocast)
+    sums = validation.validation_sums(model, batch, cfg, plan, device, autocast)
     dist.all_reduce(sums)
-    return loop.validation_metrics(cfg, sums.tolist())
+    return validation.validation_metrics(cfg, sums.tolist())
 
 
 def validation_loss(c, cfg, plan, rank) -> float:
@@ -502,10 +502,10 @@ def test_memory_plan_gives_each_rank_s_shard_of_parameters_and_optimizer_state(r
     # CPU workers: the plan takes every worker as one node, so 2 workers plan the 2-rank shard groups measured
     plan = plan_memory(train_config([*HSDP, "scaling.num_workers=2", "model.overrides.vocab_size=64"]))
     measured = max(report["hsdp"]["state_bytes"] for report in results)
-    planned = plan.bytes_of("optimizer state (ELLISAdam: 2 fp32 moments)")
+    planned = {name: b for name, b, _ in plan.rows}["optimizer state (ELLISAdam: 2 fp32 moments)"]
     assert abs(planned - measured) <= 0.10 * measured, (planned, measured)  # padding of dim 0 and step counters
     replicate = plan_memory(train_config(["scaling.num_workers=2", "model.overrides.vocab_size=64"]))
-    assert replicate.bytes_of("optimizer state (ELLISAdam: 2 fp32 moments)") > 1.8 * planned
+    assert {name: b for name, b, _ in replicate.rows}["optimizer state (ELLISAdam: 2 fp32 moments)"] > 1.8 * planned
 
 
 def test_export_straight_from_an_hsdp_checkpoint_gives_the_trained_model_s_logits(resharded, tmp_path):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from huginn_ray.train import loop
+from huginn_ray.train.stopping import Stop
 from huginn_ray.train.shard_reader import Rows, collate
 from test_train_grad_sync import free_port, spawn
 from test_train_parallel import MemoryReader, plan_for, train_config, validate
@@ -86,7 +87,7 @@ def poisoned_run(rank: int, on_nonfinite: str) -> dict:
         before = weights(c.model)
         try:
             run["losses"].append(loop.train_step(c, step, cfg, plan, CPU).loss)
-        except loop.Stop as stop:
+        except Stop as stop:
             run["stop"] = {"step": step, "message": str(stop)}
             break
         run["moved"].append(not same_weights(before, weights(c.model)))
@@ -383,7 +384,7 @@ def test_two_ranks_with_different_supervised_counts_weigh_every_token_alike(one_
 
 
 def test_a_step_without_any_supervised_token_is_non_finite(one_rank):
-    with pytest.raises(loop.Stop, match=r"step 1: non-finite loss \(nan\)"):
+    with pytest.raises(Stop, match=r"step 1: non-finite loss \(nan\)"):
         masked_step(0, {0: masked_batches(0, counts=(0, 0))})
 
 

@@ -25,20 +25,23 @@ save's agreement and the resume's agreement on each candidate are one all-reduce
 alone lists the candidates and sends the list (one broadcast); each rank checks the sizes of its own share of the
 marker's files (about one file each), so a checkpoint's W + 4 files are checked once, not once per rank. Only a
 failure costs more: a missing or short file makes every rank check every file, and every rank's reason is
-gathered (`all_ranks`), so that the message names the failure as every rank sees it.
+gathered (`collectives.all_ranks`), so that the message names the failure as every rank sees it.
+
+During a run each rank's `Checkpointer` starts its saves (synchronous or in the background) and hands each one to
+Ray Train once every rank's part is complete.
 """
 
 from __future__ import annotations
 
 import json
 import stat
+import tempfile
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -48,6 +51,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from huginn_ray.model import replica_read
 from huginn_ray.model.pretrained import CONFIG_NAME, TRAINING_STATE_DIR
+from huginn_ray.train.collectives import all_ranks, count_ranks, from_rank0, world_size
+from huginn_ray.train.parallel import lazy_gloo_group
 
 
 @dataclass
@@ -215,6 +220,43 @@ def finish_save(pending: PendingSave, device) -> bool:
     return True
 
 
+class Checkpointer:
+    """This rank's saves. Each is written into a local directory, then handed to Ray Train once every rank's part
+    is complete (`ray.train.report`, CheckpointUploadMode.ASYNC: Ray uploads it in the background and deletes the
+    local copy; its registration waits for every rank's upload). With `asynchronous`, DCP copies the state to host
+    memory and writes it while training goes on; the save finishes, and is reported, at the next save or at the
+    end. The last save of a run (its last step, a stop) is always synchronous."""
+
+    def __init__(self, asynchronous: bool, rank: int, device: torch.device):
+        self.rank, self.device = rank, device
+        # DCP's background thread needs a group of its own: its collectives must not interleave with training's
+        self.background_group = lazy_gloo_group() if asynchronous else None
+        self.pending: PendingSave | None = None
+        self.metrics: dict = {}
+
+    def save(self, model, optimizer, state: TrainerState, loss: float, stop_reason: str | None,
+             final: bool) -> None:
+        self.finish()
+        directory = Path(tempfile.mkdtemp(prefix="huginn_ckpt_"))
+        self.metrics = {"step": state.step, "loss": loss, "tokens": state.tokens, "stop_reason": stop_reason or ""}
+        self.pending = start_save(directory, self.rank, model, optimizer, state, self.device,
+                                  None if final else self.background_group)
+        if final or self.background_group is None:
+            self.finish()
+
+    def finish(self) -> None:
+        """Complete the save in flight, if any, and report it to Ray Train (every rank agrees whether it is
+        complete; an incomplete one is reported by rank 0 and not handed to Ray)."""
+        if self.pending is None:
+            return
+        import ray.train
+
+        pending, self.pending = self.pending, None
+        if finish_save(pending, self.device):
+            ray.train.report(self.metrics, checkpoint=ray.train.Checkpoint.from_directory(str(pending.directory)),
+                             checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+
+
 SMALL_FILES = (f"model/{CONFIG_NAME}", "trainer_state.json", f"{TRAINING_STATE_DIR}/.metadata")
 """The files of a checkpoint other than DCP's tensor files, all written by rank 0."""
 
@@ -233,55 +275,6 @@ def marker_files(directory: Path) -> dict[str, int]:
 
 def write_marker(directory: Path, step: int, files: dict[str, int]) -> None:
     (directory / MARKER).write_text(json.dumps({"step": step, "files": files}, indent=2, sort_keys=True))
-
-
-def world_size() -> int:
-    """Ranks of the process group; 1 without one."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def count_ranks(flags: list[bool], device) -> list[int]:
-    """For each flag, the number of ranks that raised it: one all-reduce of len(flags) integers, whatever the
-    world size. Without a process group: this process's flags."""
-    counts = torch.tensor([int(flag) for flag in flags], dtype=torch.int64, device=device)
-    if world_size() > 1:
-        dist.all_reduce(counts)
-    return [int(count) for count in counts.tolist()]
-
-
-def from_rank0(value, device):
-    """Rank 0's `value` (anything JSON can hold; other ranks pass None) on every rank: two broadcasts (the length,
-    then the JSON bytes) on the training device. Without a process group: `value`."""
-    if world_size() == 1:
-        return value
-    data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(length, src=0)
-    buffer = torch.zeros(int(length.item()), dtype=torch.uint8)
-    if data:
-        buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    buffer = buffer.to(device)
-    dist.broadcast(buffer, src=0)
-    return json.loads(bytes(buffer.cpu().tolist()))
-
-
-def all_ranks(value, device) -> list:
-    """`value` (anything JSON can hold) of every rank, in rank order: one all-gather of its JSON bytes on the
-    training device (NCCL needs device tensors, and torch's object collectives pick the device by
-    torch.cuda.current_device(), which nothing here sets). Every rank receives W values: a failure path's tool,
-    for messages that name every failing rank. Without a process group: this process's value."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [value]
-    data = json.dumps(value).encode()
-    world_size = dist.get_world_size()
-    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
-    dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=device))
-    lengths = [int(length.item()) for length in lengths]
-    padded = torch.zeros(max(lengths), dtype=torch.uint8)
-    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    gathered = [torch.empty(max(lengths), dtype=torch.uint8, device=device) for _ in range(world_size)]
-    dist.all_gather(gathered, padded.to(device))
-    return [json.loads(bytes(g[:n].cpu().tolist())) for g, n in zip(gathered, lengths)]
 
 
 def incomplete(directory: Path, part: int = 0, parts: int = 1) -> str | None:

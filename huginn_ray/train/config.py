@@ -135,6 +135,12 @@ class ParallelismSection:
     and needs precision bf16-mixed (autocast feeds the matmuls bf16 activations); auto: bfloat16 when the run
     trains in bf16-mixed (GPUs by default), float32 otherwise (CPU)."""
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the layout shards the model (hsdp): the one reading of `mode`; the code branches on this, or on
+        the layout built from it (huginn_ray.train.parallel.MeshShape)."""
+        return self.mode == "hsdp"
+
 
 @dataclass
 class CompileOptions:
@@ -306,8 +312,8 @@ class TrainConfig:
     gradient iteration (huginn_ray.model.ModelConfig.activation_checkpointing). Same numerics, one more
     forward of each block in backward, about a quarter of the activation memory."""
     compile: bool = False
-    """torch.compile every sandwich block (huginn_ray.model.compile_blocks, regional compilation): a new depth
-    does not recompile. Costs compile time at the start of every worker (about a minute on CPU)."""
+    """torch.compile every sandwich block (huginn_ray.train.parallelize.compile_blocks, regional compilation): a
+    new depth does not recompile. Costs compile time at the start of every worker (about a minute on CPU)."""
     compile_options: CompileOptions = field(default_factory=CompileOptions)
     """torch.compile's options for the blocks."""
     loss_chunk_tokens: int = 1024
@@ -366,6 +372,11 @@ class TrainConfig:
     def run_dir(self) -> Path:
         """Where this run writes: Ray Train's checkpoints, the STOP/STOPPED files, fault-injection markers."""
         return Path(self.out_dir) / self.run_name
+
+    @property
+    def saves_asynchronously(self) -> bool:
+        """checkpoint.async_save, where null means: on with GPUs (the copy to host memory is fast), off on CPU."""
+        return self.scaling.use_gpu if self.checkpoint.async_save is None else self.checkpoint.async_save
 
 
 def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
@@ -430,7 +441,7 @@ def compile_options_for(cfg: TrainConfig, device_type: str) -> dict[str, Any]:
 def check_param_dtype(cfg: TrainConfig) -> None:
     if cfg.parallelism.param_dtype != "bfloat16":
         return
-    if cfg.parallelism.mode != "hsdp":
+    if not cfg.parallelism.sharded:
         raise ConfigError("parallelism.param_dtype=bfloat16: only parallelism.mode=hsdp gathers weights")
     if cfg.precision == "fp32" or (cfg.precision == "auto" and not cfg.scaling.use_gpu):
         raise ConfigError(f"parallelism.param_dtype=bfloat16 needs precision=bf16-mixed (precision={cfg.precision}"
@@ -458,8 +469,7 @@ def check_compile_options(cfg: TrainConfig) -> None:
 
 
 def check_sharding_config(cfg: TrainConfig) -> None:
-    par = cfg.parallelism
-    if par.mode == "hsdp" and cfg.grad_sync.kind == "ddp":
+    if cfg.parallelism.sharded and cfg.grad_sync.kind == "ddp":
         raise ConfigError(f"grad_sync.kind={cfg.grad_sync.kind}: under parallelism.mode=hsdp the exchange between "
                           "shard groups is chunk_stream or chunk_stream_overlap")
 

@@ -29,7 +29,8 @@ from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.data_order import DataOrder, DataOrderError, accumulates_gradients, largest_micro_batch
 from huginn_ray.train.memory import GIB, plan_memory
 from huginn_ray.train.shard_check import ShardCheckError, check_shards
-from huginn_ray.train.loop import stopped_file, train_loop_per_worker
+from huginn_ray.train.loop import train_loop_per_worker
+from huginn_ray.train.stopping import stopped_file
 from huginn_ray.train.run_plan import RunPlan, WorkerConfig
 
 

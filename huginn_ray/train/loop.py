@@ -13,18 +13,18 @@ budget running out, and a rank that could not read its data. A data error theref
 step, within seconds, instead of leaving 4095 ranks waiting for the process-group timeout. A log step adds one
 all-reduce and one read for everything else the log shows (huginn_ray.train.observe: phase times, module norms,
 every rank's step time, the model's telemetry, the validation losses).
+
+The file reads top down in the order a worker runs: its phases (`_train`), the components it builds, where its
+weights come from, the steps, then what a step logs, saves and validates. The model's parallelism is applied by
+huginn_ray.train.parallelize, the saves made by checkpoint.Checkpointer, the stops decided from
+huginn_ray.train.stopping.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
-import os
 import random
-import resource
-import shutil
-import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -35,60 +35,29 @@ import torch.distributed as dist
 
 from huginn_ray.cluster.devices import training_device
 from huginn_ray.data.shards import shard_path
-from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, sample_recurrence, training_flops_per_token
+from huginn_ray.model import ModelConfig, RecurrentGPT, sample_recurrence, training_flops_per_token
 from huginn_ray.model.pretrained import load_weights_into
 from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, choose_attention_backend,
                                          probe_attention_backends, restrict_attention)
 from huginn_ray.train import checkpoint as ckpt
-from huginn_ray.train.config import TrainConfig, compile_options_for
-from huginn_ray.train.grad_sync import build_grad_sync, build_hsdp_grad_sync
-from huginn_ray.train.observe import (MODULES, NO_CLOCK, OWN_PHASES, ModuleNorms, PhaseClock, find_stragglers,
-                                      own_time_slot, read_interval)
-from huginn_ray.train.profiling import StepProfiler
-from huginn_ray.train.optim import apply_config_on_resume, build_optimizer, set_lr, trapezoid_lr
 from huginn_ray.train import parallel
+from huginn_ray.train.collectives import all_ranks, count_ranks
+from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.data_order import DataOrder, DataOrderError
 from huginn_ray.train.sharded_init import initialise_sharded
+from huginn_ray.train.fault_injection import inject_fault
+from huginn_ray.train.observe import (MODULES, NO_CLOCK, OWN_PHASES, LogWindow, ModuleNorms, PhaseClock,
+                                      find_stragglers, own_time_slot, progress_line, read_interval)
+from huginn_ray.train.optim import apply_config_on_resume, build_optimizer, set_lr, trapezoid_lr
+from huginn_ray.train.parallelize import gradient_sync, shard_and_allocate
+from huginn_ray.train.profiling import StepProfiler, log_profile
 from huginn_ray.train.run_plan import RunPlan, WorkerConfig
-from huginn_ray.train.shard_reader import Batch, RankReader, ShardReader, StepPrefetcher, collate, validation_rows
+from huginn_ray.train.shard_reader import Batch, RankReader, ShardReader, StepPrefetcher, collate
+from huginn_ray.train.stopping import (DATA_ERRORS, Stop, data_error_stop, report_stop, stop_files, stopped_file,
+                                       time_is_up)
+from huginn_ray.train.validation import (host_count, log_validation, read_validation_batch, validation_metrics,
+                                         validation_sums)
 from huginn_ray.train.warmup import register_node, warmup_allreduce
-
-
-class Stop(Exception):
-    """The run stops on purpose, on every rank at the same step: a non-finite loss or gradient with
-    on_nonfinite=stop, a rank that cannot read its data, or no checkpoint to resume from that loads. Not retried
-    by Ray: it would only fail again."""
-
-    def __init__(self, message: str, reporter: bool):
-        super().__init__(message)
-        self.reporter = reporter
-        """This rank's message explains the stop; it writes it for the driver (the STOPPED file)."""
-
-
-# pyarrow's read errors are OSError (ArrowIOError) or ValueError (ArrowInvalid); collate raises ValueError for ids
-# outside the vocabulary; StopIteration is an exhausted shard
-DATA_ERRORS = (OSError, ValueError, StopIteration)
-
-
-def stop_file(cfg: TrainConfig) -> Path:
-    """Created by the driver when it gets SIGTERM (jobs/train.py): the workers save and stop at the next step.
-
-    The training function runs outside its process's main thread, where Python cannot install signal
-    handlers, so the driver forwards the signal through this file."""
-    return cfg.run_dir / "STOP"
-
-
-STOP_FILE_ENV = "HUGINN_STOP_FILE"
-"""A second stop file, named by the cluster (cluster_yamls/frontier.sbatch creates it on Slurm's signal)."""
-
-
-def stop_files(cfg: TrainConfig) -> list[Path]:
-    return [stop_file(cfg)] + ([Path(os.environ[STOP_FILE_ENV])] if os.environ.get(STOP_FILE_ENV) else [])
-
-
-def stopped_file(cfg: TrainConfig) -> Path:
-    """Written by rank 0 when the run stops on purpose; holds the reason."""
-    return cfg.run_dir / "STOPPED"
 
 
 def train_loop_per_worker(worker: WorkerConfig) -> None:
@@ -111,6 +80,46 @@ def train_loop_per_worker(worker: WorkerConfig) -> None:
 
         # rank 0's metrics still buffered (a tracking outage) get their last chance, bounded by flush_timeout_s
         tracking.close_loggers()
+
+
+def _train(cfg: TrainConfig, plan: RunPlan) -> None:
+    """The run on this rank, phase by phase: start, validation rows, where the weights come from, the collective
+    warmup, the metrics logger, the steps."""
+    import ray.train  # here, not at the top: build_components and train_step run where Ray and MLflow are not installed
+
+    ctx = ray.train.get_context()
+    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
+    device = training_device()
+    c = start_worker(cfg, plan, ctx, device)
+    val_batch = read_validation_batch(c.order, cfg, plan, rank, device)
+    state, resized_from = restore_state(c, cfg, plan, rank, world_size, device)
+    if cfg.warmup_allreduce_mib > 0:
+        warmup_allreduce(device, cfg.warmup_allreduce_mib, timeout_s=cfg.warmup_timeout_s)
+    logger = open_logger(cfg, state, rank, world_size, resized_from, plan) if rank == 0 else None
+    run_steps(c, cfg, plan, state, val_batch, logger, rank, world_size, device)
+
+
+def start_worker(cfg: TrainConfig, plan: RunPlan, ctx, device: torch.device) -> Components:
+    """This rank's components (the weights not yet read), its node checked against the layout (shard groups are
+    consecutive ranks, which must be one node's or part of one; always checked), the mesh's groups warmed."""
+    import ray
+
+    rank = ctx.get_world_rank()
+    register_node()
+    placement = {"node_rank": ctx.get_node_rank(), "local_rank": ctx.get_local_rank(),
+                 "local_world_size": ctx.get_local_world_size(), "node_ip": ray.util.get_node_ip_address()}
+    try:
+        c = build_components(cfg, plan, rank, device, local_world_size=ctx.get_local_world_size(),
+                             initialise=False)  # a checkpoint may hold the weights: initialised after the resume
+    except DataOrderError as err:  # the same on every rank, before any collective
+        raise Stop(f"data order: {err}", reporter=rank == 0) from None
+    placements = all_ranks(placement, device)
+    c.hosts = [p["node_ip"] for p in placements]
+    parallel.check_node_layout(c.shape, placements)
+    if rank == 0:
+        print(f"[huginn] {parallel.describe_layout(c.shape, placements)}", flush=True)
+    parallel.warm_mesh(c.mesh, device)
+    return c
 
 
 @dataclass
@@ -142,46 +151,27 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
     one node. Raises DataOrderError when the data order does not allow this world size (every rank raises it,
     before any collective).
 
-    The model is built on the meta device, sharded there (hsdp), and only this rank's part is allocated: no rank
-    ever holds the whole model (under hsdp). Its weights (`load_initial_weights`): random (the seed's, identical
-    on every rank, drawn shard by shard) or, with plan.init_from, the trained model's. `initialise=False` leaves
-    them allocated, not initialised, for a caller that may resume from a checkpoint instead."""
+    The model is built on the meta device, then parallelised (huginn_ray.train.parallelize: compiled, sharded
+    there under hsdp, and only this rank's part allocated: no rank ever holds the whole model under hsdp). Its
+    weights (`load_initial_weights`): random (the seed's, identical on every rank, drawn shard by shard) or, with
+    plan.init_from, the trained model's. `initialise=False` leaves them allocated, not initialised, for a caller
+    that may resume from a checkpoint instead."""
     if device.type == "cpu":
         torch.set_num_threads(cfg.cpu_threads)
     world_size = dist.get_world_size()
     order = plan.data_order(cfg.micro_batch_size, world_size)
-    shape = parallel.mesh_shape(cfg.parallelism.mode, world_size, local_world_size or world_size)
+    shape = parallel.mesh_shape(cfg.parallelism.sharded, world_size, local_world_size or world_size)
     mesh = parallel.build_mesh(shape, device.type)
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     random.seed(cfg.seed)
     model_cfg = plan.model_config
     with torch.device("meta"):  # no CPU copy of the model: allocate and initialise on the training device
         model = RecurrentGPT(model_cfg)
-    model.check_token_ids = False  # collate checks every batch on the host
-    attention = AttentionShape(order.largest_micro_batch, model_cfg.num_attention_heads, cfg.block_size, model_cfg.head_dim,
-                               torch.bfloat16 if plan.precision == "bf16-mixed" else torch.float32)
-    try:
-        backend = choose_attention_backend(probe_attention_backends(attention, device), attention, cfg.attention_backend)
-    except AttentionBackendError as err:
-        raise Stop(f"attention: {err}", reporter=rank == 0) from None
-    restrict_attention(model, backend)
-    if rank == 0:
-        print(f"[huginn] attention: {backend} kernel ({attention.describe()}, {device.type})", flush=True)
-    model.loss_chunk_tokens = cfg.loss_chunk_tokens
-    if cfg.compile:
-        compile_blocks(model, **compile_options_for(cfg, device.type))
-    if shape.mode == "hsdp":
-        parallel.apply_hsdp(model, mesh, parallel.gather_dtype(cfg.parallelism.param_dtype, plan.precision))
-    model.allocate(device)  # this rank's part only (its shards under hsdp)
+    use_attention_backend(model, cfg, plan, order.largest_micro_batch, rank, device)
+    shard_and_allocate(model, cfg, plan.precision, shape, mesh, device)
     if initialise:
         load_initial_weights(model, plan, rank, cfg.seed, mesh.get_group("replicate"))
-    if shape.mode == "hsdp":
-        sync = build_hsdp_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib, mesh.get_group("replicate"),
-                                    world_size, cfg.grad_sync.max_chunks_in_flight)
-    else:
-        sync = build_grad_sync(cfg.grad_sync.kind, model, cfg.grad_sync.chunk_mib,
-                               find_unused_parameters=cfg.grad_sync.ddp_find_unused_parameters,
-                               max_chunks_in_flight=cfg.grad_sync.max_chunks_in_flight)
+    sync = gradient_sync(model, cfg, shape, mesh)  # after the weights: DDP broadcasts rank 0's when built
     optimizer = build_optimizer(model, cfg.optim)
     reader = StepPrefetcher(
         RankReader(order, rank, lambda stream: ShardReader(shard_path(plan.data_dir, "train", stream), stream,
@@ -190,6 +180,22 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
         pin=device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if plan.precision == "bf16-mixed" else nullcontext()
     return Components(model_cfg, model, sync, optimizer, reader, order, autocast, mesh, shape)
+
+
+def use_attention_backend(model: RecurrentGPT, cfg: TrainConfig, plan: RunPlan, rows: int, rank: int,
+                          device: torch.device) -> None:
+    """The attention kernel for micro-batches of up to `rows` rows on this device (the config's choice, or the
+    first fused kernel that takes the shape), set on the model; every rank stops naming the shape when none does."""
+    model_cfg = plan.model_config
+    attention = AttentionShape(rows, model_cfg.num_attention_heads, cfg.block_size, model_cfg.head_dim,
+                               torch.bfloat16 if plan.precision == "bf16-mixed" else torch.float32)
+    try:
+        backend = choose_attention_backend(probe_attention_backends(attention, device), attention, cfg.attention_backend)
+    except AttentionBackendError as err:
+        raise Stop(f"attention: {err}", reporter=rank == 0) from None
+    restrict_attention(model, backend)
+    if rank == 0:
+        print(f"[huginn] attention: {backend} kernel ({attention.describe()}, {device.type})", flush=True)
 
 
 def load_initial_weights(model: RecurrentGPT, plan: RunPlan, rank: int, seed: int, replicas) -> None:
@@ -209,8 +215,124 @@ def load_initial_weights(model: RecurrentGPT, plan: RunPlan, rank: int, seed: in
               f"{time.perf_counter() - start:.1f} s", flush=True)
 
 
-def layout_name(shape: parallel.MeshShape) -> str:
-    return "replicate" if shape.mode == "replicate" else f"hsdp, shard_size {shape.shard_size}"
+def restore_state(c: Components, cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int,
+                  device: torch.device) -> tuple[ckpt.TrainerState, int | None]:
+    """Where the weights come from: the newest checkpoint that loads (Ray Train's registered one first), else
+    plan.init_from's model, else the seed's random weights. Returns the trainer state and, for an elastic group
+    restarted on another worker count (scaling.num_workers: [min, max]), the count it had (the next checkpoint
+    records the new one). The replicas are checked to agree."""
+    import ray.train
+
+    state = ckpt.TrainerState(mlflow_run_id=plan.mlflow_run_id, world_size=world_size, layout=c.shape.name,
+                              num_streams=plan.num_streams, global_batch_rows=plan.global_batch_rows,
+                              data_dir=plan.data_dir)
+    checkpoint = ray.train.get_checkpoint()  # out_dir is a filesystem every node sees: the path is the directory
+    registered = Path(checkpoint.path) if checkpoint is not None else None
+    resumed = resume_from_checkpoint(c, cfg, plan, registered, rank, device)
+    if resumed is not None:
+        state = resumed.state
+        state.layout = c.shape.name
+    else:  # a fresh run: the trained model's weights or the random init (a resumed one has its own)
+        error = None
+        try:
+            load_initial_weights(c.model, plan, rank, cfg.seed, c.mesh.get_group("replicate"))
+        except ValueError as err:
+            error = str(err)
+        failed, = count_ranks([error is not None], device)  # every rank stops alike
+        if failed:  # the first failing rank's reason (every rank's reason gathered on this path only)
+            errors = [e for e in all_ranks(error, device) if e is not None]
+            raise Stop(f"init_from: {errors[0]}", reporter=rank == 0)
+    resized_from = state.world_size if state.world_size != world_size else None
+    state.world_size = world_size
+    parallel.check_replicas_agree(c.model, c.optimizer, c.mesh, device, "at startup")
+    return state, resized_from
+
+
+def resume_from_checkpoint(c: Components, cfg: TrainConfig, plan: RunPlan, registered: Path | None, rank: int,
+                           device: torch.device) -> ckpt.Resumed | None:
+    """Model, optimizer and reader from the newest checkpoint that loads (ckpt.resume), its data position checked,
+    then the config's optimizer hyperparameters over the checkpoint's; None when there is none. Raises Stop on
+    every rank when the run cannot resume (every rank read the same files and agreed)."""
+    try:
+        resumed = ckpt.resume(registered, cfg.run_dir, rank, c.model, c.optimizer, device,
+                              replicas=c.mesh.get_group("replicate"))
+        if resumed is not None:
+            ckpt.check_data_position(resumed.state, resumed.directory, plan.num_streams, plan.global_batch_rows)
+            c.reader.seek(resumed.state.rows_per_stream)
+            apply_config_on_resume(c.optimizer, cfg.optim, verbose=rank == 0)
+    except ValueError as err:  # CheckpointError included
+        raise Stop(f"cannot resume: {err}", reporter=rank == 0) from None
+    c.resumed = resumed is not None
+    return resumed
+
+
+def open_logger(cfg: TrainConfig, state: ckpt.TrainerState, rank: int, world_size: int, resized_from: int | None,
+                plan: RunPlan):
+    """Rank 0's metrics logger, which records every start of a worker group at the step it starts from (the
+    history shows each resize and restart)."""
+    from huginn_ray.train.tracking import MetricsLogger
+
+    logger = MetricsLogger(plan.mlflow_uri, state.mlflow_run_id, max_pending=cfg.mlflow.max_pending_metrics,
+                           flush_timeout_s=cfg.mlflow.flush_timeout_s)
+    logger.log({"num_workers": world_size}, state.step)
+    if resized_from is not None:
+        print(f"[huginn] resize at step {state.step}: {resized_from} -> {world_size} workers", flush=True)
+    return logger
+
+
+def run_steps(c: Components, cfg: TrainConfig, plan: RunPlan, state: ckpt.TrainerState, val_batch: Batch, logger,
+              rank: int, world_size: int, device: torch.device) -> None:
+    """Steps until the schedule ends or a stop is requested: each trains, validates, logs and checkpoints on its
+    interval (`logger`: rank 0's, None elsewhere). A validation step is also a log step: its losses travel in
+    the log interval's one read."""
+    max_steps = plan.schedule_steps
+    tokens_per_step = plan.global_batch_rows * cfg.block_size
+    window = LogWindow()
+    start_step = state.step
+    step_seconds = 0.0
+    checkpointer = ckpt.Checkpointer(cfg.saves_asynchronously, rank, device)
+    clock = PhaseClock(device)
+    norms = ModuleNorms(c.model, world_size) if cfg.observe.module_norms else None
+    profiler = StepProfiler(cfg.profile, cfg.run_dir, rank, device)
+
+    while state.step < max_steps:
+        state.step += 1
+        step = state.step
+        last_step = step == max_steps
+        validation_step = step % cfg.eval_step_interval == 0 or last_step
+        log_step = step % cfg.log_step_interval == 0 or validation_step
+        profiler.before_step(step)
+        step_start = time.time()
+        result = train_step(c, step, cfg, plan, device, want_telemetry=cfg.telemetry and log_step,
+                            stop_here=rank == 0 and any(path.exists() for path in stop_files(cfg)),
+                            time_up=rank == 0 and time_is_up(plan.stop_at_unix, step_start, step_seconds),
+                            clock=clock, norms=norms if log_step else None)
+        step_seconds = time.time() - step_start
+        state.tokens += tokens_per_step
+        flops = sum(training_flops_per_token(c.model_cfg, depth, cfg.block_size) for depth in result.depths)
+        window.add(result.loss, flops / len(result.depths) * tokens_per_step, tokens_per_step)
+        validation = None
+        if validation_step:
+            clock.start()
+            validation = validation_sums(c.model, val_batch, cfg, plan, device, c.autocast)
+            clock.lap("validation")
+        if cfg.profile.steps and step == cfg.profile.steps[1]:
+            log_profile(profiler.after_step(step), logger, device)
+        if log_step:
+            log_interval(c, window, result, validation, clock, state, max_steps, cfg, logger, rank, world_size,
+                         device)
+            window = LogWindow()
+        if (step % cfg.checkpoint.save_step_interval == 0 or (last_step and cfg.checkpoint.save_last_step)
+                or result.stop_requested):
+            clock.start()
+            save_checkpoint(c, checkpointer, state, result, last_step, logger, rank, device)
+            clock.lap("checkpoint")
+        if result.stop_requested:
+            if rank == 0:
+                report_stop(cfg, result.stop_reason, step)
+            return
+        inject_fault(cfg, rank, step, start_step)
+    checkpointer.finish()
 
 
 @dataclass
@@ -275,8 +397,10 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: RunPlan, device
         last = micro == grad_accum - 1
         with c.sync.micro_batch(last=last):
             with c.autocast:
+                # collate checks every batch's token ids on the host: no device read for them here
                 out = c.sync.module(inputs, labels=labels, num_steps=(n, k), input_states=states,
-                                    ignore_index=plan.pad_id, return_telemetry=want_telemetry and last)
+                                    ignore_index=plan.pad_id, return_telemetry=want_telemetry and last,
+                                    loss_chunk_tokens=cfg.loss_chunk_tokens, check_token_ids=False)
             clock.lap("forward")
             if counts[micro]:
                 # out.loss is this micro-batch's mean over its supervised tokens; the gradient exchange divides
@@ -349,11 +473,6 @@ def supervised_counts(batches: list[Batch], pad_id: int, device: torch.device) -
     return counts, total[0]
 
 
-def host_count(flags: torch.Tensor) -> int:
-    """The true flags of a host tensor (a read of a CPU tensor: no device sync)."""
-    return int(flags.sum())
-
-
 def read_batches(c: Components, cfg: TrainConfig) -> tuple[list[Batch], str | None]:
     """The step's micro-batches, read and checked on the host (during the previous step: the
     StepPrefetcher) before any compute.
@@ -368,188 +487,10 @@ def read_batches(c: Components, cfg: TrainConfig) -> tuple[list[Batch], str | No
         return [Batch(zeros, zeros, keys)] * c.order.grad_accum, f"{c.reader.path}: {type(err).__name__}: {err}"
 
 
-def stop_if_a_rank_cannot_read(error: str | None, device: torch.device) -> None:
-    """At startup (one all-reduce): every rank stops if any rank could not read its data."""
-    failed = torch.tensor([float(error is not None)], device=device)
-    dist.all_reduce(failed)
-    if failed.item():
-        raise data_error_stop("startup", error, int(failed.item()), device)
-
-
-def data_error_stop(when: str, error: str | None, failed_ranks: int, device: torch.device) -> Stop:
-    """The Stop every rank raises after `failed_ranks` ranks could not read their data; the lowest failing rank
-    (one more small all-reduce, on this error path only) reports its error to the driver."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    first = torch.tensor([rank if error is not None else world_size], device=device)
-    dist.all_reduce(first, op=dist.ReduceOp.MIN)
-    first = int(first.item())
-    advice = ("a data error is not retried: fix or regenerate the shard, then rerun to resume from the last "
-              "checkpoint")
-    if error is not None:
-        return Stop(f"{when}: rank {rank} cannot read its data: {error}; every rank stops "
-                    f"({failed_ranks} rank(s) failed; {advice})", reporter=rank == first)
-    return Stop(f"{when}: rank {first} cannot read its data (its message names the file); every "
-                f"rank stops ({failed_ranks} rank(s) failed; {advice})", reporter=False)
-
-
 def clip_gradients(c: Components, max_norm: float) -> torch.Tensor:
     """Global L2 norm of the averaged gradients before clipping, as a device scalar (under hsdp summed over the
     shard group in one all-reduce)."""
     return parallel.clip_grad_norm_([p for p in c.model.parameters() if p.requires_grad], max_norm)
-
-
-def _train(cfg: TrainConfig, plan: RunPlan) -> None:
-    """The run on this rank, phase by phase: start, validation rows, where the weights come from, the collective
-    warmup, the metrics logger, the steps."""
-    import ray.train  # here, not at the top: build_components and train_step run where Ray and MLflow are not installed
-
-    ctx = ray.train.get_context()
-    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
-    device = training_device()
-    c = start_worker(cfg, plan, ctx, device)
-    val_batch = read_validation_batch(c, cfg, plan, rank, device)
-    state, resized_from = restore_state(c, cfg, plan, rank, world_size, device)
-    if cfg.warmup_allreduce_mib > 0:
-        warmup_allreduce(device, cfg.warmup_allreduce_mib, timeout_s=cfg.warmup_timeout_s)
-    logger = open_logger(cfg, state, rank, world_size, resized_from, plan) if rank == 0 else None
-    run_steps(c, cfg, plan, state, val_batch, logger, rank, world_size, device)
-
-
-def start_worker(cfg: TrainConfig, plan: RunPlan, ctx, device: torch.device) -> Components:
-    """This rank's components (the weights not yet read), its node checked against the layout (shard groups are
-    consecutive ranks, which must be one node's or part of one; always checked), the mesh's groups warmed."""
-    import ray
-
-    rank = ctx.get_world_rank()
-    register_node()
-    placement = {"node_rank": ctx.get_node_rank(), "local_rank": ctx.get_local_rank(),
-                 "local_world_size": ctx.get_local_world_size(), "node_ip": ray.util.get_node_ip_address()}
-    try:
-        c = build_components(cfg, plan, rank, device, local_world_size=ctx.get_local_world_size(),
-                             initialise=False)  # a checkpoint may hold the weights: initialised after the resume
-    except DataOrderError as err:  # the same on every rank, before any collective
-        raise Stop(f"data order: {err}", reporter=rank == 0) from None
-    placements = ckpt.all_ranks(placement, device)
-    c.hosts = [p["node_ip"] for p in placements]
-    parallel.check_node_layout(c.shape, placements)
-    if rank == 0:
-        print(f"[huginn] {parallel.describe_layout(c.shape, placements)}", flush=True)
-    parallel.warm_mesh(c.mesh, device)
-    return c
-
-
-def read_validation_batch(c: Components, cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.device) -> Batch:
-    """This rank's fixed validation rows; every rank stops alike when one cannot read them."""
-    read_error, val_batch = None, None
-    try:
-        val_batch = collate(validation_rows(plan.data_dir, c.order, rank, cfg.eval_iters, cfg.block_size + 1),
-                            plan.pad_id, plan.eos_id, c.model_cfg.vocab_size)
-    except DATA_ERRORS as err:
-        read_error = f"validation data: {type(err).__name__}: {err}"
-    stop_if_a_rank_cannot_read(read_error, device)
-    return val_batch
-
-
-def restore_state(c: Components, cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int,
-                  device: torch.device) -> tuple[ckpt.TrainerState, int | None]:
-    """Where the weights come from: the newest checkpoint that loads (Ray Train's registered one first), else
-    plan.init_from's model, else the seed's random weights. Returns the trainer state and, for an elastic group
-    restarted on another worker count (scaling.num_workers: [min, max]), the count it had (the next checkpoint
-    records the new one). The replicas are checked to agree."""
-    import ray.train
-
-    state = ckpt.TrainerState(mlflow_run_id=plan.mlflow_run_id, world_size=world_size, layout=layout_name(c.shape),
-                              num_streams=plan.num_streams, global_batch_rows=plan.global_batch_rows,
-                              data_dir=plan.data_dir)
-    checkpoint = ray.train.get_checkpoint()  # out_dir is a filesystem every node sees: the path is the directory
-    registered = Path(checkpoint.path) if checkpoint is not None else None
-    resumed = resume_from_checkpoint(c, cfg, plan, registered, rank, device)
-    if resumed is not None:
-        state = resumed.state
-        state.layout = layout_name(c.shape)
-    else:  # a fresh run: the trained model's weights or the random init (a resumed one has its own)
-        error = None
-        try:
-            load_initial_weights(c.model, plan, rank, cfg.seed, c.mesh.get_group("replicate"))
-        except ValueError as err:
-            error = str(err)
-        failed, = ckpt.count_ranks([error is not None], device)  # every rank stops alike
-        if failed:  # the first failing rank's reason (every rank's reason gathered on this path only)
-            errors = [e for e in ckpt.all_ranks(error, device) if e is not None]
-            raise Stop(f"init_from: {errors[0]}", reporter=rank == 0)
-    resized_from = state.world_size if state.world_size != world_size else None
-    state.world_size = world_size
-    parallel.check_replicas_agree(c.model, c.optimizer, c.mesh, device, "at startup")
-    return state, resized_from
-
-
-def open_logger(cfg: TrainConfig, state: ckpt.TrainerState, rank: int, world_size: int, resized_from: int | None,
-                plan: RunPlan):
-    """Rank 0's metrics logger, which records every start of a worker group at the step it starts from (the
-    history shows each resize and restart)."""
-    from huginn_ray.train.tracking import MetricsLogger
-
-    logger = MetricsLogger(plan.mlflow_uri, state.mlflow_run_id, max_pending=cfg.mlflow.max_pending_metrics,
-                           flush_timeout_s=cfg.mlflow.flush_timeout_s)
-    logger.log({"num_workers": world_size}, state.step)
-    if resized_from is not None:
-        print(f"[huginn] resize at step {state.step}: {resized_from} -> {world_size} workers", flush=True)
-    return logger
-
-
-def run_steps(c: Components, cfg: TrainConfig, plan: RunPlan, state: ckpt.TrainerState, val_batch: Batch, logger,
-              rank: int, world_size: int, device: torch.device) -> None:
-    """Steps until the schedule ends or a stop is requested: each trains, validates, logs and checkpoints on its
-    interval (`logger`: rank 0's, None elsewhere). A validation step is also a log step: its losses travel in
-    the log interval's one read."""
-    max_steps = plan.schedule_steps
-    tokens_per_step = plan.global_batch_rows * cfg.block_size
-    window = LogWindow()
-    start_step = state.step
-    step_seconds = 0.0
-    checkpointer = Checkpointer(async_save_enabled(cfg), rank, device)
-    clock = PhaseClock(device)
-    norms = ModuleNorms(c.model, world_size) if cfg.observe.module_norms else None
-    profiler = StepProfiler(cfg.profile, cfg.run_dir, rank, device)
-
-    while state.step < max_steps:
-        state.step += 1
-        step = state.step
-        last_step = step == max_steps
-        validation_step = step % cfg.eval_step_interval == 0 or last_step
-        log_step = step % cfg.log_step_interval == 0 or validation_step
-        profiler.before_step(step)
-        step_start = time.time()
-        result = train_step(c, step, cfg, plan, device, want_telemetry=cfg.telemetry and log_step,
-                            stop_here=rank == 0 and any(path.exists() for path in stop_files(cfg)),
-                            time_up=rank == 0 and time_is_up(plan.stop_at_unix, step_start, step_seconds),
-                            clock=clock, norms=norms if log_step else None)
-        step_seconds = time.time() - step_start
-        state.tokens += tokens_per_step
-        flops = sum(training_flops_per_token(c.model_cfg, depth, cfg.block_size) for depth in result.depths)
-        window.add(result, flops / len(result.depths) * tokens_per_step, tokens_per_step)
-        validation = None
-        if validation_step:
-            clock.start()
-            validation = validation_sums(c.model, val_batch, cfg, plan, device, c.autocast)
-            clock.lap("validation")
-        if cfg.profile.steps and step == cfg.profile.steps[1]:
-            log_profile(profiler.after_step(step), logger, device)
-        if log_step:
-            log_interval(c, window, result, validation, clock, state, max_steps, cfg, logger, rank, world_size,
-                         device)
-            window = LogWindow()
-        if (step % cfg.checkpoint.save_step_interval == 0 or (last_step and cfg.checkpoint.save_last_step)
-                or result.stop_requested):
-            clock.start()
-            save_checkpoint(c, checkpointer, state, result, last_step, logger, rank, device)
-            clock.lap("checkpoint")
-        if result.stop_requested:
-            if rank == 0:
-                report_stop(cfg, result, step)
-            return
-        inject_fault(cfg, rank, step, start_step)
-    checkpointer.finish()
 
 
 def log_interval(c: Components, window: LogWindow, result: StepResult, validation: torch.Tensor | None,
@@ -569,7 +510,8 @@ def log_interval(c: Components, window: LogWindow, result: StepResult, validatio
     telemetry = result.telemetry or {}
     from_rank0 = {"telemetry": torch.stack(list(telemetry.values()))} if telemetry else {}
     values = read_interval(summed, from_rank0, rank, device)
-    metrics = window.metrics(result, state.tokens, world_size, cfg.peak_flops_per_device, device)
+    metrics = window.metrics(result.loss, result.lr, result.grad_norm, result.num_steps, state.tokens, world_size,
+                             cfg.peak_flops_per_device, device)
     if logger is None:
         return
     metrics.update({f"time/{phase}": seconds for phase, seconds in phases.items()})
@@ -595,34 +537,7 @@ def log_interval(c: Components, window: LogWindow, result: StepResult, validatio
         log_validation(validation_metrics(cfg, values["validation"]), step, c.model_cfg.mean_recurrence, logger)
 
 
-def log_validation(val: dict, step: int, train_depth: int, logger) -> None:
-    """Rank 0: the validation losses logged and printed, the depth-scaling plot queued for the logger's sender
-    thread (drawn and uploaded off the step loop)."""
-    from huginn_ray.eval.depth_scaling import validation_plot
-
-    logger.log(val, step)
-    logger.log_drawn_artifact(f"depth-scaling plot of step {step}",
-                              functools.partial(validation_plot, val, step, train_depth), "depth_scaling")
-    print(f"[huginn] step {step} validation " + " ".join(f"{k}={v:.4f}" for k, v in val.items()), flush=True)
-
-
-def log_profile(written: list[Path], logger, device: torch.device) -> None:
-    """After the profiled steps: every rank's files named to rank 0 (one gather, once per run), which queues
-    those it can read (its own; every rank's on a shared file system) as MLflow artifacts under `profile/`, copied
-    by the logger's drawing thread."""
-    files = ckpt.all_ranks([str(path) for path in written], device)
-    if logger is None:
-        return
-    for path in (Path(p) for rank_files in files for p in rank_files):
-        if path.is_file():
-            logger.log_drawn_artifact(str(path), functools.partial(copy_into, path), "profile")
-
-
-def copy_into(path: Path, directory: Path) -> Path:
-    return Path(shutil.copy2(path, directory))
-
-
-def save_checkpoint(c: Components, checkpointer: "Checkpointer", state: ckpt.TrainerState, result: StepResult,
+def save_checkpoint(c: Components, checkpointer: ckpt.Checkpointer, state: ckpt.TrainerState, result: StepResult,
                     last_step: bool, logger, rank: int, device: torch.device) -> None:
     """The replicas checked to agree, the data position recorded, the save started (the last one of a run
     finished before returning); rank 0 logs how long the save held the loop."""
@@ -637,191 +552,3 @@ def save_checkpoint(c: Components, checkpointer: "Checkpointer", state: ckpt.Tra
                       final=last_step or result.stop_requested)
     if logger is not None:  # how long the save (and its report to Ray Train) held the loop
         logger.log({"checkpoint_seconds": time.perf_counter() - save_start}, step)
-
-
-def report_stop(cfg: TrainConfig, result: StepResult, step: int) -> None:
-    """Rank 0: why the run stops after this saved step; the stop files are removed (a rerun resumes)."""
-    cause = f"stop requested ({', '.join(map(str, stop_files(cfg)))})" if result.stop_reason == "request" else \
-        f"time budget ends in less than {cfg.time_limit_margin_s:g} s + two steps"
-    print(f"[huginn] {cause}: saved step {step}, stopping", flush=True)
-    for path in stop_files(cfg):
-        path.unlink(missing_ok=True)
-
-
-def resume_from_checkpoint(c: Components, cfg: TrainConfig, plan: RunPlan, registered: Path | None, rank: int,
-                           device: torch.device) -> ckpt.Resumed | None:
-    """Model, optimizer and reader from the newest checkpoint that loads (ckpt.resume), its data position checked,
-    then the config's optimizer hyperparameters over the checkpoint's; None when there is none. Raises Stop on
-    every rank when the run cannot resume (every rank read the same files and agreed)."""
-    try:
-        resumed = ckpt.resume(registered, cfg.run_dir, rank, c.model, c.optimizer, device,
-                              replicas=c.mesh.get_group("replicate"))
-        if resumed is not None:
-            ckpt.check_data_position(resumed.state, resumed.directory, plan.num_streams, plan.global_batch_rows)
-            c.reader.seek(resumed.state.rows_per_stream)
-            apply_config_on_resume(c.optimizer, cfg.optim, verbose=rank == 0)
-    except ValueError as err:  # CheckpointError included
-        raise Stop(f"cannot resume: {err}", reporter=rank == 0) from None
-    c.resumed = resumed is not None
-    return resumed
-
-
-def async_save_enabled(cfg: TrainConfig) -> bool:
-    """checkpoint.async_save, where null means: on with GPUs (the copy to host memory is fast), off on CPU."""
-    return cfg.scaling.use_gpu if cfg.checkpoint.async_save is None else cfg.checkpoint.async_save
-
-
-def time_is_up(stop_at_unix: float | None, now: float, step_seconds: float) -> bool:
-    """True when the step about to run and one more would end past `stop_at_unix` (the driver's time budget
-    minus the checkpoint margin): this step is the last, and its checkpoint is saved in time."""
-    return stop_at_unix is not None and now + 2 * step_seconds >= stop_at_unix
-
-
-class LogWindow:
-    """Steps since the last log line: their time, tokens and model FLOPs give tokens/s and MFU."""
-
-    def __init__(self):
-        self.t0 = time.perf_counter()
-        self.steps, self.tokens, self.flops, self.loss_sum = 0, 0, 0.0, 0.0
-
-    def add(self, result: StepResult, flops: float, tokens: int) -> None:
-        self.steps += 1
-        self.tokens += tokens
-        self.flops += flops
-        self.loss_sum += result.loss
-
-    def metrics(self, result: StepResult, total_tokens: int, world_size: int, peak_flops: float, device) -> dict:
-        seconds = time.perf_counter() - self.t0
-        n, k = result.num_steps
-        metrics = {
-            "loss": result.loss,
-            "ppl": math.exp(min(result.loss, 50.0)),
-            "loss_window_mean": self.loss_sum / self.steps,
-            "lr": result.lr,
-            "grad_norm": result.grad_norm,
-            "tokens_per_second": self.tokens / seconds,
-            "seconds_per_step": seconds / self.steps,
-            "mfu": self.flops / seconds / world_size / peak_flops,
-            "total_tokens": total_tokens,
-            "recurrence_n": n,
-            "recurrence_k": k,
-        }
-        if device.type == "cuda":
-            metrics["max_mem_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            torch.cuda.reset_peak_memory_stats(device)
-        else:
-            metrics["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        return metrics
-
-
-def progress_line(step: int, max_steps: int, m: dict) -> str:
-    return (
-        f"[huginn] step {step}/{max_steps} loss {m['loss']:.4f} ppl {m['ppl']:.1f} lr {m['lr']:.3g} "
-        f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_second']:.0f} MFU {m['mfu']:.2%} "
-        f"depth ({m['recurrence_n']},{m['recurrence_k']}) ETA {eta(m['seconds_per_step'] * (max_steps - step))}"
-    )
-
-
-def eta(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-@torch.no_grad()
-def validation_sums(model, batch: Batch, cfg: TrainConfig, plan: RunPlan, device, autocast) -> torch.Tensor:
-    """This rank's [token loss sums at every eval depth..., supervised tokens] (device fp64): summed over the
-    ranks, the loss at a depth is the token losses of every rank's fixed rows summed over their supervised tokens,
-    divided by their count (as the training loss; masked rows weigh by what they supervise).
-
-    The initial latent noise is keyed by row (RecurrentGPT.keyed_initial_state), so validation neither depends
-    on nor changes any RNG stream, and a row's noise does not depend on the worker count."""
-    model.eval()
-    inputs, labels = batch.inputs.to(device), batch.labels.to(device)
-    states = model.keyed_initial_state(batch.keys, cfg.block_size, cfg.seed, device)
-    micro_batch = len(batch.keys) // cfg.eval_iters
-    micro_batches = [slice(b * micro_batch, (b + 1) * micro_batch) for b in range(cfg.eval_iters)]
-    counts = [host_count(batch.labels[rows] != plan.pad_id) for rows in micro_batches]
-    sums = torch.zeros(len(cfg.eval_depths) + 1, dtype=torch.float64, device=device)
-    sums[-1] = sum(counts)
-    for i, depth in enumerate(cfg.eval_depths):
-        for rows, count in zip(micro_batches, counts):
-            if not count:  # its mean is 0/0
-                continue
-            with autocast:
-                out = model(inputs[rows], labels=labels[rows], num_steps=(depth, 0), input_states=states[rows],
-                            ignore_index=plan.pad_id)
-            sums[i] += out.loss.double() * count
-    model.train()
-    return sums
-
-
-def validation_metrics(cfg: TrainConfig, sums: list[float]) -> dict:
-    """val_loss_D and val_ppl_D of every eval depth from the summed validation_sums; val_loss is the last
-    depth's."""
-    metrics = {}
-    for depth, value in zip(cfg.eval_depths, [loss_sum / sums[-1] for loss_sum in sums[:-1]]):
-        metrics[f"val_loss_{depth}"] = value
-        metrics[f"val_ppl_{depth}"] = math.exp(min(value, 50.0))
-    metrics["val_loss"] = metrics[f"val_loss_{cfg.eval_depths[-1]}"]
-    metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50.0))
-    return metrics
-
-
-class Checkpointer:
-    """This rank's saves. Each is written into a local directory, then handed to Ray Train once every rank's part
-    is complete (`ray.train.report`, CheckpointUploadMode.ASYNC: Ray uploads it in the background and deletes the
-    local copy; its registration waits for every rank's upload). With `asynchronous`, DCP copies the state to host
-    memory and writes it while training goes on; the save finishes, and is reported, at the next save or at the
-    end. The last save of a run (its last step, a stop) is always synchronous."""
-
-    def __init__(self, asynchronous: bool, rank: int, device: torch.device):
-        self.rank, self.device = rank, device
-        # DCP's background thread needs a group of its own: its collectives must not interleave with training's
-        self.background_group = parallel.lazy_gloo_group() if asynchronous else None
-        self.pending: ckpt.PendingSave | None = None
-        self.metrics: dict = {}
-
-    def save(self, model, optimizer, state: ckpt.TrainerState, loss: float, stop_reason: str | None,
-             final: bool) -> None:
-        self.finish()
-        directory = Path(tempfile.mkdtemp(prefix="huginn_ckpt_"))
-        self.metrics = {"step": state.step, "loss": loss, "tokens": state.tokens, "stop_reason": stop_reason or ""}
-        self.pending = ckpt.start_save(directory, self.rank, model, optimizer, state, self.device,
-                                       None if final else self.background_group)
-        if final or self.background_group is None:
-            self.finish()
-
-    def finish(self) -> None:
-        """Complete the save in flight, if any, and report it to Ray Train (every rank agrees whether it is
-        complete; an incomplete one is reported by rank 0 and not handed to Ray)."""
-        if self.pending is None:
-            return
-        import ray.train
-
-        pending, self.pending = self.pending, None
-        if ckpt.finish_save(pending, self.device):
-            ray.train.report(self.metrics, checkpoint=ray.train.Checkpoint.from_directory(str(pending.directory)),
-                             checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
-
-
-def inject_fault(cfg: TrainConfig, rank: int, step: int, start_step: int) -> None:
-    """Testing only (cfg.fault_injection): after `step`, rank `kill_rank` exits or rank `hang_rank` stops
-    answering, once per run directory (a marker file; an attempt Ray Train restarts runs on)."""
-    fault = cfg.fault_injection
-    if fault.kill_rank_at_step == step and rank == fault.kill_rank:
-        action = "killed"
-    elif fault.hang_rank_at_step == step and rank == fault.hang_rank:
-        action = "hung"
-    else:
-        return
-    marker = cfg.run_dir / f"fault_injected_rank{rank}_step{step}"
-    if marker.exists():
-        return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"{action} after step {step} (attempt started at step {start_step}), pid {os.getpid()}\n")
-    if action == "killed":
-        print(f"[huginn] fault injection: rank {rank} exits after step {step}", flush=True)
-        os._exit(1)
-    print(f"[huginn] fault injection: rank {rank} hangs after step {step}", flush=True)
-    while True:  # never joins the next collective; the other ranks' one raises after pg_timeout_s
-        time.sleep(60)

@@ -24,10 +24,11 @@ Rows (what lives across the step, or a long part of it), per rank:
 - activations kept for backward at the deepest backprop the sampler draws (k = mean_backprop_depth gradient
   iterations, with the configured activation checkpointing), for one micro-batch: measured, not estimated, by
   running the model's forward and loss on the meta device under `saved_tensors_hooks` and summing the bytes of
-  the distinct storages saved (parameters and buffers excluded). On GPU configurations bf16 autocast is emulated
-  on meta (linear/matmul/attention inputs cast to bf16, casts of weights cached as autocast does) and attention
-  is counted as the fused flash kernel saves it (q, k, v, output, log-sum-exp), as on the device. The chunked
-  loss (`loss_chunk_tokens`) saves only references to the final hidden states, the head weight and the labels.
+  the distinct storages saved (parameters and buffers excluded; huginn_ray.train.activation_memory). On GPU
+  configurations bf16 autocast is emulated on meta (linear/matmul/attention inputs cast to bf16, casts of weights
+  cached as autocast does) and attention is counted as the fused flash kernel saves it (q, k, v, output,
+  log-sum-exp), as on the device. The chunked loss (`loss_chunk_tokens`) saves only references to the final
+  hidden states, the head weight and the labels.
 
 Phases (the moments memory can peak), each the rows alive then plus what exists only then; every activation
 counts in every phase up to the end of backward (those of the coda and the core are freed before the later
@@ -43,7 +44,7 @@ ones: the plan errs safe):
   and recomputes the head chunk by chunk: at its peak it holds the fp32 accumulator of the head weight's
   gradient (weight-sized; it becomes the .grad), hidden's gradient, one chunk's logits and their gradient, and
   under bf16 the weight's bf16 copy and one chunk's weight-sized bf16 product. Measured by running that backward
-  on meta and tracking the storages it creates (PeakLiveBytes); equal to a real CPU step byte for byte. Without
+  on meta and tracking the storages it creates (`PeakLiveBytes`); equal to a real CPU step byte for byte. Without
   `loss_chunk_tokens`: the gradient of the full logits;
 - core backward: every row alive (under hsdp the core's weights and gradients both gathered, and the next unit
   prefetched; in a replicated step of one micro-batch every gradient but the prelude blocks'), plus with
@@ -73,17 +74,12 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 from huginn_ray.model import ModelConfig, RecurrentGPT
-from huginn_ray.model.loss import chunked_cross_entropy, chunked_cross_entropy_grads
 from huginn_ray.train import observe
+from huginn_ray.train.activation_memory import saved_activation_bytes
 from huginn_ray.train.optim import param_groups, step_scratch_bytes
-from huginn_ray.train.parallel import fp32_parameters, gather_dtype
+from huginn_ray.train.parallel import MeshShape, fp32_parameters, gather_dtype
 
 GIB = 2**30
 MI250X_GCD_GIB = 64.0
@@ -98,150 +94,6 @@ ROOT_W, ROOT_G = "gathered: root unit weights (fp32)", "gathered: root unit grad
 CORE_W, CORE_G = "gathered: core block unit weights", "gathered: core block unit gradients"
 PREFETCH = "gathered: one prelude block (backward prefetch)"
 GRADS, PRELUDE_G = "gradients (fp32)", "gradients of the prelude blocks (fp32)"
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-class AutocastOnMeta(TorchFunctionMode):
-    """What bf16 autocast and the device's fused attention do, for meta tensors (autocast ignores meta).
-
-    linear / matmul / attention get bf16 inputs; casts of leaf tensors that require grad and are no views (the
-    weights, as autocast's weight cache decides) are cached for the whole forward; the head weight too, whose
-    bf16 copy the chunked loss makes itself and holds for its forward; attention runs the flash kernel of the target
-    device (`_scaled_dot_product_flash_attention` on GPUs, its CPU variant on CPU), which saves what the device
-    saves instead of the math fallback meta would take."""
-
-    LOWER = {F.linear, torch.matmul, torch.Tensor.matmul, torch.mm, torch.bmm}
-
-    def __init__(self, bf16: bool, device_type: str):
-        super().__init__()
-        self.bf16 = bf16
-        self.device_type = device_type
-        self.cache: dict[tuple, torch.Tensor] = {}
-
-    def _cast(self, t):
-        if not (self.bf16 and isinstance(t, torch.Tensor) and t.dtype == torch.float32):
-            return t
-        if t.is_leaf and t.requires_grad and not t._is_view():
-            # keyed by what is viewed, not by the Python object: a weight saved for backward comes back from
-            # autograd as another object over the same storage
-            key = (_storage_key(t), t.storage_offset(), tuple(t.shape), t.stride())
-            if key not in self.cache:
-                self.cache[key] = t.to(torch.bfloat16)
-            return self.cache[key]
-        return t.to(torch.bfloat16)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return self._attention(*tree_map(self._cast, args), **tree_map(self._cast, kwargs))
-        if func in self.LOWER:
-            args, kwargs = tree_map(self._cast, args), tree_map(self._cast, kwargs)
-        return func(*args, **kwargs)
-
-    def _attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
-        if attn_mask is not None:  # only generation passes a mask; training is causal without one
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
-        if self.device_type == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, dropout_p, is_causal, scale=scale)[0]
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
-
-
-class SavedBytes:
-    """saved_tensors_hooks that sum the bytes of the distinct storages autograd keeps (parameters excluded)."""
-
-    def __init__(self, exclude: set[int]):
-        self.exclude = exclude
-        self.storages: dict[int, int] = {}
-
-    def pack(self, t: torch.Tensor):
-        key = _storage_key(t)
-        if key not in self.exclude:
-            self.storages[key] = t.untyped_storage().nbytes()
-        return t
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-
-class PeakLiveBytes(TorchDispatchMode):
-    """Peak bytes alive at once of the storages created while this mode is active (meta or real tensors).
-
-    Storages that existed before (inputs, and views or in-place results of them) are not counted; a created
-    storage counts from the op that returns it until its last reference goes. Scratch memory inside one op's
-    kernel is not seen (so the chunked loss forms its softmax in place rather than in torch.logsumexp)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        self.live = {key: (ref, size) for key, (ref, size) in self.live.items() if not ref.expired()}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs:
-                self.live[_storage_key(t)] = (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
-        self.peak = max(self.peak, sum(size for _, size in self.live.values()))
-        return out
-
-
-def saved_activation_bytes(model: RecurrentGPT, input_ids: torch.Tensor, num_steps: tuple[int, int],
-                           bf16: bool = False, device_type: str = "cpu") -> dict:
-    """Bytes autograd keeps for backward over one forward+loss of `model` (meta or real tensors).
-
-    Returns {"activations", "recompute_block", "weight_casts", "loss_forward", "loss_backward"}: the saved
-    storages of the whole forward, of the core's largest checkpointed segment (the adapter and the first block)
-    without checkpointing (what its recomputation holds in backward), and of the bf16 weight casts alive at the end of the forward that are not among the saved
-    storages; with `model.loss_chunk_tokens` the peaks of the chunked loss's own allocations in its forward
-    (one chunk's logits) and in its backward, which runs first in backward while every activation is alive
-    (the fp32 accumulator of the head weight's gradient, the weight in the matmul dtype, hidden's gradient,
-    one chunk's logits and their gradient), both 0 without."""
-    exclude = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
-    saved = SavedBytes(exclude)
-    emulation = AutocastOnMeta(bf16, device_type) if input_ids.device.type == "meta" else None
-    with saved.hooks(), (emulation or torch.enable_grad()):
-        out = model(input_ids, labels=input_ids, num_steps=num_steps)
-    casts = 0
-    if emulation is not None:
-        casts = sum(t.untyped_storage().nbytes() for t in emulation.cache.values()
-                    if _storage_key(t) not in saved.storages)
-    activations = saved.total
-    loss_forward = loss_backward = 0
-    if model.loss_chunk_tokens:  # the loss is the chunked loss's output: its node holds what it saved
-        node = out.loss.grad_fn
-        hidden, weight, labels = node.saved_tensors
-        with torch.no_grad(), PeakLiveBytes() as forward_peak, (emulation or torch.no_grad()):
-            chunked_cross_entropy(hidden, weight, labels, node.chunk_tokens, node.ignore_index)
-        # meta has no autocast, so the node recorded fp32; backward recomputes in the forward's dtype
-        dtype = torch.bfloat16 if (bf16 and emulation is not None) else node.dtype
-        with torch.no_grad(), PeakLiveBytes() as backward_peak:
-            grad_output = torch.ones((), device=hidden.device)  # what loss.backward() starts from
-            chunked_cross_entropy_grads(hidden, weight, labels, grad_output, node.chunk_tokens, node.ignore_index,
-                                        dtype)
-        loss_forward, loss_backward = forward_peak.peak, backward_peak.peak
-    del out
-    # the core's largest checkpointed segment (the adapter and the first block) as backward recomputes it
-    recompute = SavedBytes(exclude)
-    with torch.no_grad():
-        x = model.transformer.wte(input_ids) * model.config.embedding_scale
-    embedded = x.detach().requires_grad_()
-    state = torch.zeros_like(embedded).requires_grad_()
-    rope = model.freqs_cis[:, : input_ids.shape[1]]
-    emulation = AutocastOnMeta(bf16, device_type) if input_ids.device.type == "meta" else None
-    core = model.transformer.core_block
-    with recompute.hooks(), (emulation or torch.enable_grad()):
-        core[0](F.linear(state, model._adapter_state_weight()) + model._inject(embedded), rope)
-    return {"activations": activations, "recompute_block": recompute.total, "weight_casts": casts,
-            "loss_forward": loss_forward, "loss_backward": loss_backward}
 
 
 @dataclass(frozen=True)
@@ -271,9 +123,6 @@ class MemoryPlan:
     headroom: float = 0.9
     header: str = ""
     advice: str = ""
-
-    def bytes_of(self, item: str) -> int:
-        return next(b for name, b, _ in self.rows if name == item)
 
     def phase_total(self, phase: Phase) -> int:
         return sum(b for name, b, _ in self.rows if name not in phase.absent) + phase.transient_bytes
@@ -338,11 +187,13 @@ def device_memory_bytes(cfg) -> int:
     return ram // max(1, cfg.scaling.max_workers)
 
 
-def plan_shard_size(cfg) -> int:
-    """Ranks per shard group: one node (8 GPUs, or every CPU worker)."""
-    if cfg.parallelism.mode == "replicate":
-        return 1
-    return min(cfg.scaling.max_workers, GPU_NODE_SIZE) if cfg.scaling.use_gpu else cfg.scaling.max_workers
+def planned_shape(cfg) -> MeshShape:
+    """The run's layout at its largest worker count: under hsdp a shard group is one node (8 GPUs, or every CPU
+    worker)."""
+    workers = cfg.scaling.max_workers
+    if not cfg.parallelism.sharded:
+        return MeshShape(False, workers, 1)
+    return MeshShape(True, workers, min(workers, GPU_NODE_SIZE) if cfg.scaling.use_gpu else workers)
 
 
 def shard_numel(shape: torch.Size, shards: int) -> int:
@@ -372,106 +223,151 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
     precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if cfg.scaling.use_gpu else "fp32")
     bf16 = precision == "bf16-mixed"
     gather = gather_dtype(cfg.parallelism.param_dtype, precision)
-    device_type = "cuda" if cfg.scaling.use_gpu else "cpu"
     with torch.device("meta"):
         model = RecurrentGPT(model_cfg)
-    model.loss_chunk_tokens = cfg.loss_chunk_tokens  # as the worker sets it (loop.build_components)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    numel = sum(p.numel() for p in params)
-    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-    workers = cfg.scaling.max_workers
-    shards = plan_shard_size(cfg)
-    hsdp = cfg.parallelism.mode == "hsdp"
+    shape = planned_shape(cfg)
 
     plan = MemoryPlan(device_bytes=device_memory_bytes(cfg), headroom=cfg.memory_headroom)
-    layout = f"hsdp, {workers // shards} shard groups x {shards}" if hsdp else "replicate"
-    plan.header = (f"memory plan per rank: {model_name(cfg, model_cfg)}, {workers} ranks ({layout}), "
+    layout = f"hsdp, {shape.replicas} shard groups x {shape.shard_size}" if shape.sharded else "replicate"
+    plan.header = (f"memory plan per rank: {model_name(cfg, model_cfg)}, {shape.world_size} ranks ({layout}), "
                    f"micro-batch {rows} x {cfg.block_size} tokens, {precision}, "
                    f"grad_sync.kind={cfg.grad_sync.kind}")
-    step_bytes = 8 if cfg.optim.name == "ELLISAdam" else 4
-    optimizer_row = f"optimizer state ({cfg.optim.name}: 2 fp32 moments)"
-    if hsdp:
-        t = model.transformer
-        # tensors FSDP2 leaves whole: the blocks' norm weights and qk_bias when the matmul weights gather in bf16
-        whole = {p for block in model.blocks() for p in fp32_parameters(block)} if gather != torch.float32 else set()
-        local = sum(p.numel() if p in whole else shard_numel(p.shape, shards) for p in params)
-        how = (f"{local:,} of {numel:,} elements: this rank's shard of every tensor (1/{shards}, dim 0 padded)"
-               + (f", the blocks' {sum(p.numel() for p in whole):,} norm and qk_bias elements whole" if whole else ""))
-        plan.rows.append(("parameters (fp32, sharded) + buffers", local * 4 + buffer_bytes, how))
-        plan.rows.append(("gradients (fp32, sharded)", local * 4, "after the reduce-scatter: this rank's shard"))
-        plan.rows.append((optimizer_row, local * 8 + len(params) * step_bytes, "sharded like the parameters"))
-        size = gather.itemsize
-
-        def gathered(unit, padded=False):  # elements FSDP2 gathers for a unit (padded: as its all-gather moves them)
-            return sum(shard_numel(p.shape, shards) * shards if padded else p.numel()
-                       for p in unit.parameters() if p not in whole)
-
-        name = str(gather).removeprefix("torch.")
-        core = gathered(t.core_block) * size
-        blocks = [gathered(block) * size for block in [*t.prelude, *t.coda]]
-        root = (numel - sum(p.numel() for block in model.blocks() for p in block.parameters())) * 4
-        plan.rows.append((ROOT_W, root, "embedding = head, adapter, final norm: whole for the whole step"))
-        plan.rows.append((ROOT_G, root, "from the loss's backward to the end of the step"))
-        plan.rows.append((CORE_W, core, f"{name}, from its forward to the end of its backward (gathered once per "
-                                        "step)"))
-        plan.rows.append((CORE_G, core, f"{name}, from its backward to its reduce-scatter (once per step)"))
-        plan.rows.append((PREFETCH, max(blocks, default=0), f"{name}, FSDP2 gathers the next unit while the core's "
-                                                            "backward runs"))
-        root_padded = sum(shard_numel(p.shape, shards) * shards for p in params) - sum(
-            gathered(block, padded=True) for block in model.blocks()) - sum(
-            shard_numel(p.shape, shards) * shards for p in whole)
-        moved = {name: (gathered(t.core_block, True) + 2 * sum(gathered(b, True) for b in [*t.prelude, *t.coda]))
-                 * size}
-        moved["float32"] = moved.get("float32", 0) + root_padded * 4
-        plan.gathered = moved
+    if shape.sharded:
+        whole, local = add_sharded_rows(plan, cfg, model, gather, shape.shard_size)
     else:
-        plan.rows.append(("parameters + buffers (fp32)", numel * 4 + buffer_bytes, f"{numel:,} trainable elements"))
-        if accumulates or cfg.grad_sync.kind == "ddp":  # DDP's buckets hold the gradients for the whole run
-            plan.rows.append((GRADS, numel * 4, "every trainable tensor"))
-        else:
-            prelude = sum(p.numel() for block in model.transformer.prelude for p in block.parameters())
-            plan.rows.append((GRADS, (numel - prelude) * 4, "every trainable tensor but the prelude blocks': from "
-                                                            "the loss's or the core's backward on"))
-            plan.rows.append((PRELUDE_G, prelude * 4, "from the prelude's backward, the last, on"))
-        plan.rows.append((optimizer_row, numel * 8 + len(params) * step_bytes, "replicated on every rank"))
-
-    chunk_bytes = int(cfg.grad_sync.chunk_mib * 1024 * 1024) // 4 * 4
-    kind = cfg.grad_sync.kind
-    between = ", streamed between shard groups" if hsdp else ""
-    if hsdp and workers == shards:
-        exchange, how = 0, "one shard group: no stream"
-    elif kind == "chunk_stream":
-        exchange, how = chunk_bytes, "one chunk" + between
-    elif kind == "chunk_stream_overlap":
-        chunks = math.ceil((local if hsdp else numel) * 4 / chunk_bytes)
-        in_flight = min(cfg.grad_sync.max_chunks_in_flight, chunks)
-        exchange, how = (in_flight * chunk_bytes,
-                         f"{in_flight} chunks in flight (grad_sync.max_chunks_in_flight){between}")
-    else:
-        exchange, how = 0, "gradients are views into DDP's buckets"
-    if hsdp and whole:  # their own stream over all ranks: one buffer of their size
-        exchange += sum(p.numel() for p in whole) * 4
-        how += "; the whole fp32 tensors' buffer"
-    plan.rows.append((f"exchange buffers ({kind})", exchange, how))
+        whole, local = set(), sum(p.numel() for p in model.parameters() if p.requires_grad)
+        add_replicated_rows(plan, cfg, model, accumulates)
+    add_exchange_row(plan, cfg, shape, whole, local)
 
     k = model_cfg.mean_backprop_depth
-    if hsdp and gather != torch.float32:  # the blocks' matmul weights arrive in bf16: autocast casts none of them
+    if shape.sharded and gather != torch.float32:  # the blocks' matmul weights arrive in bf16: autocast casts none
         for block in model.blocks():
             for module in block.modules():
                 if isinstance(module, torch.nn.Linear):
                     module.weight.data = module.weight.data.to(gather)
     ids = torch.zeros(rows, cfg.block_size, dtype=torch.long, device="meta")
-    measured = saved_activation_bytes(model, ids, (1, k), bf16=bf16, device_type=device_type)
+    measured = saved_activation_bytes(model, ids, (1, k), bf16=bf16, device_type="cuda" if cfg.scaling.use_gpu
+                                      else "cpu", loss_chunk_tokens=cfg.loss_chunk_tokens)
     checkpointing = "every block checkpointed" if model_cfg.activation_checkpointing else "no checkpointing"
     plan.rows.append((f"activations saved for backward (k={k})", measured["activations"],
                       f"meta forward+loss under saved_tensors_hooks, {checkpointing}"))
+    add_phases(plan, cfg, model, shape, measured, rows * cfg.block_size, bf16, whole)
+    if cfg.scaling.use_gpu:
+        plan.not_counted += [
+            ("CUDA/HIP context", int(0.6 * GIB), "driver context + kernel images, ~0.5-1 GiB per process"),
+            ("communicator buffers", int(0.2 * GIB) * (3 if shape.sharded else 1),
+             "NCCL/RCCL: ~0.2 GiB per communicator at default buffer sizes (world"
+             + (", shard, replicate)" if shape.sharded else ")")),
+            ("allocator fragmentation", int(0.05 * plan.total), "~5% of the planned peak (caching allocator)"),
+        ]
+    plan.advice = advice(cfg, model_cfg, shape, rows)
+    return plan
 
-    # The phases, in step order. Every activation counts in each up to the end of backward (the coda's and the
-    # core's are freed before the later phases: an overestimate). Under hsdp each micro-batch's backward
-    # reduce-scatters its unsharded gradients, so none exist during a forward. A replicated step of one
-    # micro-batch has no gradient before its backward (with accumulation they exist from the second micro-batch
-    # on), and the chunked loss's head gradient (the .grad of the tied embedding) is its backward's transient.
+
+def gathered_numel(unit: torch.nn.Module, whole: set, shards: int, padded: bool = False) -> int:
+    """Elements FSDP2 gathers for a unit (padded: as its all-gather moves them), the tensors left whole aside."""
+    return sum(shard_numel(p.shape, shards) * shards if padded else p.numel()
+               for p in unit.parameters() if p not in whole)
+
+
+def add_sharded_rows(plan: MemoryPlan, cfg, model: RecurrentGPT, gather: torch.dtype, shards: int) -> tuple[set, int]:
+    """hsdp: this rank's shards of the parameters, gradients and optimizer state, and what FSDP2 gathers whole
+    (with the bytes all-gathered per micro-batch, `plan.gathered`). Returns the tensors left whole on every rank
+    and the elements this rank holds."""
+    t = model.transformer
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    # tensors FSDP2 leaves whole: the blocks' norm weights and qk_bias when the matmul weights gather in bf16
+    whole = {p for block in model.blocks() for p in fp32_parameters(block)} if gather != torch.float32 else set()
+    local = sum(p.numel() if p in whole else shard_numel(p.shape, shards) for p in params)
+    how = (f"{local:,} of {numel:,} elements: this rank's shard of every tensor (1/{shards}, dim 0 padded)"
+           + (f", the blocks' {sum(p.numel() for p in whole):,} norm and qk_bias elements whole" if whole else ""))
+    plan.rows.append(("parameters (fp32, sharded) + buffers", local * 4 + buffer_bytes, how))
+    plan.rows.append(("gradients (fp32, sharded)", local * 4, "after the reduce-scatter: this rank's shard"))
+    plan.rows.append((optimizer_row(cfg), local * 8 + len(params) * step_counter_bytes(cfg),
+                      "sharded like the parameters"))
+    size = gather.itemsize
+    name = str(gather).removeprefix("torch.")
+    core = gathered_numel(t.core_block, whole, shards) * size
+    blocks = [gathered_numel(block, whole, shards) * size for block in [*t.prelude, *t.coda]]
+    root = (numel - sum(p.numel() for block in model.blocks() for p in block.parameters())) * 4
+    plan.rows.append((ROOT_W, root, "embedding = head, adapter, final norm: whole for the whole step"))
+    plan.rows.append((ROOT_G, root, "from the loss's backward to the end of the step"))
+    plan.rows.append((CORE_W, core, f"{name}, from its forward to the end of its backward (gathered once per "
+                                    "step)"))
+    plan.rows.append((CORE_G, core, f"{name}, from its backward to its reduce-scatter (once per step)"))
+    plan.rows.append((PREFETCH, max(blocks, default=0), f"{name}, FSDP2 gathers the next unit while the core's "
+                                                        "backward runs"))
+    root_padded = sum(shard_numel(p.shape, shards) * shards for p in params) - sum(
+        gathered_numel(block, whole, shards, padded=True) for block in model.blocks()) - sum(
+        shard_numel(p.shape, shards) * shards for p in whole)
+    moved = {name: (gathered_numel(t.core_block, whole, shards, True)
+                    + 2 * sum(gathered_numel(b, whole, shards, True) for b in [*t.prelude, *t.coda])) * size}
+    moved["float32"] = moved.get("float32", 0) + root_padded * 4
+    plan.gathered = moved
+    return whole, local
+
+
+def add_replicated_rows(plan: MemoryPlan, cfg, model: RecurrentGPT, accumulates: bool) -> None:
+    """replicate: the whole parameters, gradients (the prelude blocks' apart when a step never accumulates) and
+    optimizer state on every rank."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    plan.rows.append(("parameters + buffers (fp32)", numel * 4 + buffer_bytes, f"{numel:,} trainable elements"))
+    if accumulates or cfg.grad_sync.kind == "ddp":  # DDP's buckets hold the gradients for the whole run
+        plan.rows.append((GRADS, numel * 4, "every trainable tensor"))
+    else:
+        prelude = sum(p.numel() for block in model.transformer.prelude for p in block.parameters())
+        plan.rows.append((GRADS, (numel - prelude) * 4, "every trainable tensor but the prelude blocks': from "
+                                                        "the loss's or the core's backward on"))
+        plan.rows.append((PRELUDE_G, prelude * 4, "from the prelude's backward, the last, on"))
+    plan.rows.append((optimizer_row(cfg), numel * 8 + len(params) * step_counter_bytes(cfg),
+                      "replicated on every rank"))
+
+
+def optimizer_row(cfg) -> str:
+    return f"optimizer state ({cfg.optim.name}: 2 fp32 moments)"
+
+
+def step_counter_bytes(cfg) -> int:
+    """The optimizer's step counter per tensor: ELLISAdam's int64, AdamW's fp32."""
+    return 8 if cfg.optim.name == "ELLISAdam" else 4
+
+
+def add_exchange_row(plan: MemoryPlan, cfg, shape: MeshShape, whole: set, local: int) -> None:
+    """The gradient exchange's buffers for `local` elements per rank (hsdp: only with more than one shard group)."""
+    chunk_bytes = int(cfg.grad_sync.chunk_mib * 1024 * 1024) // 4 * 4
+    kind = cfg.grad_sync.kind
+    between = ", streamed between shard groups" if shape.sharded else ""
+    if shape.sharded and shape.world_size == shape.shard_size:
+        exchange, how = 0, "one shard group: no stream"
+    elif kind == "chunk_stream":
+        exchange, how = chunk_bytes, "one chunk" + between
+    elif kind == "chunk_stream_overlap":
+        chunks = math.ceil(local * 4 / chunk_bytes)
+        in_flight = min(cfg.grad_sync.max_chunks_in_flight, chunks)
+        exchange, how = (in_flight * chunk_bytes,
+                         f"{in_flight} chunks in flight (grad_sync.max_chunks_in_flight){between}")
+    else:
+        exchange, how = 0, "gradients are views into DDP's buckets"
+    if shape.sharded and whole:  # their own stream over all ranks: one buffer of their size
+        exchange += sum(p.numel() for p in whole) * 4
+        how += "; the whole fp32 tensors' buffer"
+    plan.rows.append((f"exchange buffers ({kind})", exchange, how))
+
+
+def add_phases(plan: MemoryPlan, cfg, model: RecurrentGPT, shape: MeshShape, measured: dict, tokens: int,
+               bf16: bool, whole: set) -> None:
+    """The phases, in step order. Every activation counts in each up to the end of backward (the coda's and the
+    core's are freed before the later phases: an overestimate). Under hsdp each micro-batch's backward
+    reduce-scatters its unsharded gradients, so none exist during a forward. A replicated step of one
+    micro-batch has no gradient before its backward (with accumulation they exist from the second micro-batch
+    on), and the chunked loss's head gradient (the .grad of the tied embedding) is its backward's transient."""
+    hsdp = shape.sharded
+    model_cfg = model.config
     split = any(name == PRELUDE_G for name, _, _ in plan.rows)
     not_yet = (ROOT_G, CORE_G, PREFETCH) if hsdp else (GRADS, PRELUDE_G) if split else ()
     casts = "autocast's cache" + (" and the chunked loss's head copy" if cfg.loss_chunk_tokens else "")
@@ -479,7 +375,6 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
         "one loss chunk" if cfg.loss_chunk_tokens else "nothing more")
     plan.phases.append(Phase("end of forward", ending,
                              measured["weight_casts"] + measured["loss_forward"], not_yet))
-    tokens = rows * cfg.block_size
     if cfg.loss_chunk_tokens:
         # the transient holds the head's gradient (its fp32 accumulator becomes the .grad)
         chunk = min(cfg.loss_chunk_tokens, tokens)
@@ -501,35 +396,30 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
     if hsdp:
         # FSDP2 reshards the core's weights, then copies its gradients into the reduce-scatter input
         plan.phases.append(Phase("core reduce-scatter", "reduce-scatter input of the core unit (fp32)",
-                                 core // size * 4, (CORE_W,)))
+                                 gathered_numel(model.transformer.core_block, whole, shape.shard_size) * 4,
+                                 (CORE_W,)))
     # the optimizer step: backward has freed every activation, and under hsdp FSDP2 has resharded every unit
     # and reduce-scattered every gradient, so the sharded rows and the exchange buffers remain
-    activations_row = f"activations saved for backward (k={k})"
+    activations_row = f"activations saved for backward (k={model_cfg.mean_backprop_depth})"
     freed = (activations_row, ROOT_W, ROOT_G, CORE_W, CORE_G, PREFETCH) if hsdp else (activations_row,)
-    plan.phases.append(optimizer_phase(cfg, model, whole if hsdp else set(), shards, freed))
+    plan.phases.append(optimizer_phase(cfg, model, whole, shape.shard_size, freed))
 
-    if cfg.scaling.use_gpu:
-        plan.not_counted += [
-            ("CUDA/HIP context", int(0.6 * GIB), "driver context + kernel images, ~0.5-1 GiB per process"),
-            ("communicator buffers", int(0.2 * GIB) * (3 if hsdp else 1),
-             "NCCL/RCCL: ~0.2 GiB per communicator at default buffer sizes (world" + (", shard, replicate)" if hsdp
-                                                                                      else ")")),
-            ("allocator fragmentation", int(0.05 * plan.total), "~5% of the planned peak (caching allocator)"),
-        ]
-    advice = []
-    if not hsdp:
-        advice.append("parallelism.mode=hsdp (parameters, gradients and optimizer state / shard size)")
-    if kind == "chunk_stream_overlap":
-        advice.append("a smaller grad_sync.max_chunks_in_flight")
+
+def advice(cfg, model_cfg: ModelConfig, shape: MeshShape, rows: int) -> str:
+    """What would help a plan that does not fit, most effective first."""
+    helps = []
+    if not shape.sharded:
+        helps.append("parallelism.mode=hsdp (parameters, gradients and optimizer state / shard size)")
+    if cfg.grad_sync.kind == "chunk_stream_overlap":
+        helps.append("a smaller grad_sync.max_chunks_in_flight")
     if not model_cfg.activation_checkpointing:
-        advice.append("activation_checkpointing=true")
+        helps.append("activation_checkpointing=true")
     if rows > cfg.micro_batch_size:
-        advice.append(f"more workers (on scaling.num_workers={cfg.scaling.num_workers} a rank gets micro-batches of "
-                      f"up to {rows} rows, more than micro_batch_size)")
+        helps.append(f"more workers (on scaling.num_workers={cfg.scaling.num_workers} a rank gets micro-batches of "
+                     f"up to {rows} rows, more than micro_batch_size)")
     elif rows > 1:
-        advice.append("a smaller micro_batch_size (with world_batch_size kept: more gradient accumulation)")
-    plan.advice = "; ".join(advice) or "a shorter block_size or a smaller model"
-    return plan
+        helps.append("a smaller micro_batch_size (with world_batch_size kept: more gradient accumulation)")
+    return "; ".join(helps) or "a shorter block_size or a smaller model"
 
 
 def optimizer_phase(cfg, model: RecurrentGPT, whole: set, shards: int, freed: tuple[str, ...]) -> Phase:

@@ -13,10 +13,14 @@ read (`read_interval`). Between log steps nothing here waits for the device.
 - `stragglers`: each rank's own time per step (data + forward + backward + optimizer: the phases without the
   step's collectives, where a rank waits for the others) travels in the same all-reduce (rank r's at slot r); the
   ranks above `observe.straggler_ratio` x the median are named with their hosts.
+- `LogWindow`: the steps since the last log line, whose time, tokens and model FLOPs give tokens/s and MFU, and
+  the progress line (`progress_line`) rank 0 prints from them.
 """
 
 from __future__ import annotations
 
+import math
+import resource
 import statistics
 import time
 from dataclasses import dataclass
@@ -227,3 +231,56 @@ def find_stragglers(own_seconds: list[float], ratio: float) -> Stragglers:
     slowest_ratio = slowest / median if median > 0 else 1.0
     above = [(r, s) for r, s in enumerate(own_seconds) if median > 0 and s > ratio * median]
     return Stragglers(median, slowest_ratio, sorted(above, key=lambda item: -item[1]))
+
+
+class LogWindow:
+    """Steps since the last log line: their time, tokens and model FLOPs give tokens/s and MFU."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.steps, self.tokens, self.flops, self.loss_sum = 0, 0, 0.0, 0.0
+
+    def add(self, loss: float, flops: float, tokens: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.flops += flops
+        self.loss_sum += loss
+
+    def metrics(self, loss: float, lr: float, grad_norm: float, depth: tuple[int, int], total_tokens: int,
+                world_size: int, peak_flops: float, device) -> dict:
+        """The log line's metrics: the last step's `loss`, `lr`, `grad_norm` and `depth` (n, k), the window's
+        means and rates, and the device's peak memory since the last log line (then reset)."""
+        seconds = time.perf_counter() - self.t0
+        n, k = depth
+        metrics = {
+            "loss": loss,
+            "ppl": math.exp(min(loss, 50.0)),
+            "loss_window_mean": self.loss_sum / self.steps,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_second": self.tokens / seconds,
+            "seconds_per_step": seconds / self.steps,
+            "mfu": self.flops / seconds / world_size / peak_flops,
+            "total_tokens": total_tokens,
+            "recurrence_n": n,
+            "recurrence_k": k,
+        }
+        if device.type == "cuda":
+            metrics["max_mem_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            metrics["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        return metrics
+
+
+def progress_line(step: int, max_steps: int, m: dict) -> str:
+    return (
+        f"[huginn] step {step}/{max_steps} loss {m['loss']:.4f} ppl {m['ppl']:.1f} lr {m['lr']:.3g} "
+        f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_second']:.0f} MFU {m['mfu']:.2%} "
+        f"depth ({m['recurrence_n']},{m['recurrence_k']}) ETA {eta(m['seconds_per_step'] * (max_steps - step))}"
+    )
+
+
+def eta(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

@@ -38,10 +38,12 @@ from torch.distributed.tensor import DTensor
 
 @dataclass(frozen=True)
 class MeshShape:
-    """How the ranks are laid out: `replicas` shard groups of `shard_size` consecutive ranks."""
+    """The run's layout, typed: whether the model is sharded and how the ranks are laid out, `replicas` shard groups
+    of `shard_size` consecutive ranks. Built once from `parallelism.mode` (`ParallelismSection.sharded`): nothing
+    compares the mode's string after it."""
 
-    mode: str
-    """replicate or hsdp."""
+    sharded: bool
+    """hsdp: FSDP2 shards the model over a shard group; replicate: every rank holds it whole."""
     world_size: int
     shard_size: int
     """Ranks that share one copy of the model (1 under replicate)."""
@@ -50,14 +52,19 @@ class MeshShape:
     def replicas(self) -> int:
         return self.world_size // self.shard_size
 
+    @property
+    def name(self) -> str:
+        """The layout as a checkpoint records it (`TrainerState.layout`)."""
+        return f"hsdp, shard_size {self.shard_size}" if self.sharded else "replicate"
 
-def mesh_shape(mode: str, world_size: int, local_world_size: int) -> MeshShape:
-    """hsdp: a shard group is one node of `local_world_size` ranks (Ray Train's local world size)."""
-    if mode == "replicate":
-        return MeshShape(mode, world_size, 1)
+
+def mesh_shape(sharded: bool, world_size: int, local_world_size: int) -> MeshShape:
+    """Sharded (hsdp): a shard group is one node of `local_world_size` ranks (Ray Train's local world size)."""
+    if not sharded:
+        return MeshShape(sharded, world_size, 1)
     if world_size % local_world_size:
         raise ValueError(f"{local_world_size} ranks per node do not divide the world size {world_size}")
-    return MeshShape(mode, world_size, local_world_size)
+    return MeshShape(sharded, world_size, local_world_size)
 
 
 def check_node_layout(shape: MeshShape, placements: list[dict]) -> None:
@@ -87,8 +94,8 @@ def describe_layout(shape: MeshShape, placements: list[dict]) -> str:
         nodes.setdefault(p["node_rank"], []).append(rank)
     where = ", ".join(f"node {node} ({placements[ranks[0]]['node_ip']}) ranks {ranks[0]}-{ranks[-1]}"
                       for node, ranks in sorted(nodes.items()))
-    mesh = ("replicate" if shape.mode == "replicate"
-            else f"hsdp: {shape.replicas} shard group(s) of {shape.shard_size} ranks")
+    mesh = (f"hsdp: {shape.replicas} shard group(s) of {shape.shard_size} ranks" if shape.sharded
+            else "replicate")
     return f"{shape.world_size} workers on {len(nodes)} node(s): {where}; {mesh}"
 
 

@@ -9,10 +9,13 @@ system) for MLflow's artifact `profile/`, copied and uploaded by the logger's th
 
 from __future__ import annotations
 
+import functools
+import shutil
 from pathlib import Path
 
 import torch
 
+from huginn_ray.train.collectives import all_ranks
 from huginn_ray.train.config import ProfileSection
 
 
@@ -58,3 +61,19 @@ class StepProfiler:
             print(f"[huginn] profile of steps {self.cfg.steps[0]}-{step}: {', '.join(map(str, written))}",
                   flush=True)
         return written
+
+
+def log_profile(written: list[Path], logger, device: torch.device) -> None:
+    """After the profiled steps: every rank's files named to rank 0 (one gather, once per run), which queues
+    those it can read (its own; every rank's on a shared file system) as MLflow artifacts under `profile/`, copied
+    by the logger's drawing thread."""
+    files = all_ranks([str(path) for path in written], device)
+    if logger is None:
+        return
+    for path in (Path(p) for rank_files in files for p in rank_files):
+        if path.is_file():
+            logger.log_drawn_artifact(str(path), functools.partial(copy_into, path), "profile")
+
+
+def copy_into(path: Path, directory: Path) -> Path:
+    return Path(shutil.copy2(path, directory))
