@@ -250,7 +250,7 @@ class RecurrentGPT(nn.Module):
         numbers decide where `reset_parameters`' draws start."""
         from torch.distributed.tensor import DTensor
 
-        from huginn_ray.model.replica_read import local_rows
+        from huginn_ray.train.replica_read import local_rows
 
         sharded = [p for p in self.parameters() if isinstance(p, DTensor)]
         scratch = {p.dtype: torch.empty(max(q.numel() for q in sharded if q.dtype == p.dtype), dtype=p.dtype,

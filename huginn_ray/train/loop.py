@@ -36,12 +36,12 @@ import torch.distributed as dist
 from huginn_ray.cluster.devices import training_device
 from huginn_ray.data.shards import shard_path
 from huginn_ray.model import ModelConfig, RecurrentGPT, compile_blocks, sample_recurrence, training_flops_per_token
-from huginn_ray.model.pretrained import load_weights_into
 from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, choose_attention_backend,
                                          probe_attention_backends, restrict_attention)
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig, compile_options_for
 from huginn_ray.train.grad_sync import build_grad_sync, build_hsdp_grad_sync
+from huginn_ray.train.init_from import load_weights_into
 from huginn_ray.train.observe import (MODULES, NO_CLOCK, OWN_PHASES, ModuleNorms, PhaseClock, find_stragglers,
                                       own_time_slot, read_interval)
 from huginn_ray.train.profiling import StepProfiler
