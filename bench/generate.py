@@ -45,7 +45,7 @@ PROMPT_TOKENS = 16
 
 def prompts(args: argparse.Namespace, vocab_size: int) -> list[tuple[int, ...]]:
     if args.data_dir:
-        from huginn_ray.eval.depth_scaling import read_val_rows
+        from huginn_ray.eval.validation_rows import read_val_rows
 
         rows = []
         shards = [*sorted((Path(args.data_dir) / "val").glob("*.parquet")),
@@ -210,7 +210,7 @@ def exit_bound(core_ms: float, finish_ms: float, mean: float, depth: int, wait: 
 
 
 def criteria_table(model: RecurrentGPT, args: argparse.Namespace) -> None:
-    from huginn_ray.eval.depth_scaling import read_val_rows
+    from huginn_ray.eval.validation_rows import read_val_rows
 
     shard = sorted((Path(args.data_dir) / "val").glob("*.parquet"))[0]
     rows = torch.from_numpy(read_val_rows(shard, args.rows))

@@ -68,11 +68,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from huginn_ray.checkpoint_layout import TRAINING_STATE_DIR  # noqa: E402
 from huginn_ray.config import load_config  # noqa: E402
 from huginn_ray.model import ModelConfig, RecurrentGPT  # noqa: E402
-from huginn_ray.model import pretrained, replica_read  # noqa: E402
+from huginn_ray.model import pretrained  # noqa: E402
 from huginn_ray.train import checkpoint as ckpt  # noqa: E402
 from huginn_ray.train import loop, parallel  # noqa: E402
+from huginn_ray.train import replica_read  # noqa: E402
 from huginn_ray.train.collectives import all_ranks  # noqa: E402
 from huginn_ray.train.config import TrainConfig  # noqa: E402
 from huginn_ray.train.run_plan import RunPlan, WeightsSource  # noqa: E402
@@ -565,7 +567,7 @@ def simulated_save(setup: Setup, c, world_size: int, rank: int, counts: Counts) 
     global_plans, metadata = save_plans(setup, c, world_size, rank)
     directory = setup.root / "runs" / f"{world_size:06d}" / "checkpoint_2026-11-25_00-00-00.000000"
     with uncounted():
-        state_dir = directory / pretrained.TRAINING_STATE_DIR
+        state_dir = directory / TRAINING_STATE_DIR
         state_dir.mkdir(parents=True, exist_ok=True)
         sizes = Counter()
         for info in metadata.storage_data.values():
@@ -601,7 +603,7 @@ def simulated_resume(setup: Setup, c, world_size: int, rank: int, counts: Counts
     run_dir = setup.root / "runs" / f"{world_size:06d}"
     directory = next(run_dir.glob("checkpoint_*"))
     with uncounted():
-        with open(directory / pretrained.TRAINING_STATE_DIR / ".metadata", "rb") as f:
+        with open(directory / TRAINING_STATE_DIR / ".metadata", "rb") as f:
             metadata = pickle.load(f)
     planned = Counter()
 

@@ -27,12 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
+from huginn_ray.cluster.local_ray import connect_ray
 from huginn_ray.eval.gsm8k import GSM8K_RECIPE
 from huginn_ray.model.inference import inference_placement
 from huginn_ray.model.pretrained import resolve_model_dir
@@ -87,28 +85,6 @@ def tokenizer_for(model_dir: Path, data_dir: Path | None, options: dict) -> Path
     return found
 
 
-@contextmanager
-def connected_ray():
-    """The Ray cluster in $RAY_ADDRESS, else a private local Ray for this job (token authentication: Ray listens
-    on every interface)."""
-    import ray
-
-    from huginn_ray.cluster.local_ray import init_local_ray
-
-    local = None
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"])
-    else:
-        local = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
-        init_local_ray(_temp_dir=local, num_cpus=os.cpu_count())
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        if local:
-            shutil.rmtree(local, ignore_errors=True)
-
-
 def replicas_for(args, options: dict):
     """The evaluation's model replicas on the connected cluster: --device (default cuda when the cluster has GPUs),
     dtype=, --replicas (default one per GPU, else 1)."""
@@ -139,7 +115,7 @@ def run_depth_scaling(args, model_dir: Path, out: Path, options: dict) -> int:
     ids = special_token_ids(tokenizer)
     depths = [int(d) for d in args.depths.split(",")]
     config = ModelConfig.from_json(model_dir / "config.json")
-    with connected_ray():
+    with connect_ray(num_cpus=os.cpu_count()):  # on a private local Ray: every CPU of the machine
         rows = depth_scaling(model_dir, data_dir, depths, replicas_for(args, options), max_rows=args.max_rows,
                              batch_size=options.get("batch_size", 8), seed=options.get("seed", 233),
                              pad_id=ids["pad"], eos_id=ids["eos"])
@@ -209,7 +185,7 @@ def run_gsm8k(args, model_dir: Path, out: Path, options: dict) -> int:
     if tokenizer is None:
         raise ValueError("the GSM8k recipe needs a tokenizer (its chat template): pass tokenizer=DIR")
     hf_dir = export(load_pretrained(model_dir), out / "hf", tokenizer)
-    with connected_ray():
+    with connect_ray(num_cpus=os.cpu_count()):  # on a private local Ray: every CPU of the machine
         report = evaluate_gsm8k(hf_dir, args.gsm8k, out / "tasks", depths, replicas_for(args, options),
                                 limit=args.limit, max_gen_toks=options.get("max_gen_toks"),
                                 seed=options.get("seed", 0))

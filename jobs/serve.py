@@ -14,11 +14,10 @@ authentication. Ctrl-C (SIGINT) or SIGTERM shuts the application down, stops the
 from __future__ import annotations
 
 import argparse
+import math
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 
 from huginn_ray.console import local_ray_environment
@@ -28,8 +27,9 @@ if not os.environ.get("RAY_ADDRESS"):
 
 import ray  # noqa: E402
 
-from huginn_ray.cluster.local_ray import LocalRayHead  # noqa: E402
+from huginn_ray.cluster.local_ray import connect_ray  # noqa: E402
 from huginn_ray.console import ray_connect_kwargs  # noqa: E402
+from huginn_ray.generation.engine import EngineConfig  # noqa: E402
 from huginn_ray.model.export import find_tokenizer  # noqa: E402
 from huginn_ray.model.inference import DTYPES, inference_placement  # noqa: E402
 from huginn_ray.model.pretrained import resolve_model_dir  # noqa: E402
@@ -64,16 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     # explicitly: a process started in the background by a shell inherits SIGINT ignored
     signal.signal(signal.SIGINT, stop_on_signal)
     signal.signal(signal.SIGTERM, stop_on_signal)
-    local_ray_dir = head = None
+    connection = None
     try:
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(address=os.environ["RAY_ADDRESS"], **ray_connect_kwargs(args.verbose))
-        else:
-            # a short private temp dir: socket paths are limited; in a session of its own (LocalRayHead), so a
-            # terminal's Ctrl-C reaches this driver only, which then shuts Serve and the head down in order
-            local_ray_dir = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
-            head = LocalRayHead(local_ray_dir, verbose=args.verbose)
-            ray.init(address=head.address, **ray_connect_kwargs(args.verbose))
+        # a private Ray in a session of its own (LocalRayHead), so that a terminal's Ctrl-C reaches this driver
+        # only, which then shuts Serve and Ray down in order
+        connection = connect_ray(verbose=args.verbose, own_session=True,
+                                 cluster_kwargs=ray_connect_kwargs(args.verbose))
         from ray import serve
 
         from huginn_ray.serve.app import build_app
@@ -90,10 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             from ray import serve
 
             serve.shutdown()
-            ray.shutdown()
-        if head is not None:
-            head.stop()
-            shutil.rmtree(local_ray_dir, ignore_errors=True)
+        if connection is not None:
+            connection.stop()
     return 0
 
 
@@ -109,14 +103,7 @@ def plan(args) -> "ServeSettings":  # noqa: F821
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    if args.max_rows < 1:
-        raise ValueError(f"--max-rows must be >= 1, got {args.max_rows}")
-    if not args.max_cache_gib > 0:
-        raise ValueError(f"--max-cache-gib must be > 0, got {args.max_cache_gib}")
-    if args.exit_wait_steps < 0:
-        raise ValueError(f"--exit-wait-steps must be >= 0, got {args.exit_wait_steps}")
-    if not 1 <= args.admit_rows <= args.max_rows:
-        raise ValueError(f"--admit-rows must be in 1..--max-rows ({args.max_rows}), got {args.admit_rows}")
+    engine = engine_config(args)
     # the driver of a remote cluster may have no GPU itself: its replicas do
     placement = inference_placement(args.device, args.dtype, check_present=not os.environ.get("RAY_ADDRESS"))
     model_dir = resolve_model_dir(args.checkpoint).resolve()
@@ -127,9 +114,26 @@ def plan(args) -> "ServeSettings":  # noqa: F821
         raise ValueError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
     name = args.model_name or (model_dir.parent.name if model_dir.name == "model" else model_dir.name)
     return ServeSettings(model_dir=str(model_dir), tokenizer_dir=os.path.abspath(tokenizer_dir), model_name=name,
-                         device=placement.device.type, dtype=placement.dtype_name, max_rows=args.max_rows,
-                         max_cache_bytes=int(args.max_cache_gib * 2**30), exit_wait_steps=args.exit_wait_steps,
-                         admit_rows=args.admit_rows)
+                         device=placement.device.type, dtype=placement.dtype_name, engine=engine)
+
+
+ENGINE_OPTIONS = {"max_rows": "--max-rows", "max_cache_bytes": "--max-cache-gib",
+                  "exit_wait_steps": "--exit-wait-steps", "admit_rows": "--admit-rows"}
+"""EngineConfig field -> the option that gives it."""
+
+
+def engine_config(args) -> EngineConfig:
+    """Each replica's engine capacities from the options. EngineConfig checks them (one place for serve and the
+    engine); its refusal is raised here, before Ray starts, as a ValueError naming the option and the field."""
+    gib = args.max_cache_gib
+    try:  # a GiB count that is not finite reaches EngineConfig as it is, which refuses it as not an integer
+        return EngineConfig(args.max_rows, int(gib * 2**30) if math.isfinite(gib) else gib, args.exit_wait_steps,
+                            args.admit_rows)
+    except ValueError as err:
+        message = str(err)
+        field = min((message.find(name), name) for name in ENGINE_OPTIONS if name in message)[1]
+        option = ENGINE_OPTIONS[field]
+        raise ValueError(f"{option} {getattr(args, option[2:].replace('-', '_'))}: {message}") from None
 
 
 if __name__ == "__main__":

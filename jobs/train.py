@@ -11,21 +11,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import traceback
 
 from huginn_ray.console import failure_line, local_ray_environment, summary_line
 
 if not os.environ.get("RAY_ADDRESS"):
-    local_ray_environment()  # before `import ray`, which reads RAY_AUTH_MODE
+    local_ray_environment()  # before Ray is imported (below), which reads RAY_AUTH_MODE
 
-import ray  # noqa: E402
-
-from huginn_ray.cluster.local_ray import LocalRayHead  # noqa: E402
-from huginn_ray.console import ray_connect_kwargs  # noqa: E402
+from huginn_ray.cluster.local_ray import connect_ray  # noqa: E402
 from huginn_ray.config import ConfigError  # noqa: E402
 from huginn_ray.train.config import load_train_config
 from huginn_ray.train.launch import PreflightError, preflight, run_training
@@ -80,18 +75,12 @@ def _run(cfg, verbose: bool) -> int:
     except PreflightError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    local_ray_dir = head = None
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"])
-    else:
-        # a short private temp dir: other Ray instances may share /tmp/ray, and socket paths are limited
-        local_ray_dir = tempfile.mkdtemp(prefix="hr_", dir="/tmp")
-        # in a session of its own, with token auth (Ray listens on every interface): see LocalRayHead
-        head = LocalRayHead(local_ray_dir, verbose=verbose)
-        ray.init(address=head.address, **ray_connect_kwargs(verbose))
-        if not verbose:
-            print(f"[huginn] Ray's own INFO/WARNING lines go to {local_ray_dir}/session_latest/logs, kept if the "
-                  f"run fails (--verbose shows them here)", flush=True)
+    # a private Ray in a session of its own: a SIGTERM to the job's process group reaches only this driver, which
+    # has the workers save before it stops Ray (LocalRayHead)
+    connection = connect_ray(verbose=verbose, own_session=True)
+    if connection.local and not verbose:
+        print(f"[huginn] Ray's own INFO/WARNING lines go to {connection.temp_dir}/session_latest/logs, kept if the "
+              f"run fails (--verbose shows them here)", flush=True)
     stop_file(cfg).unlink(missing_ok=True)  # left by an earlier attempt that this rerun resumes
     signal.signal(signal.SIGTERM, lambda signum, frame: request_stop(cfg))
     print(startup_line(cfg, plan), flush=True)
@@ -102,13 +91,12 @@ def _run(cfg, verbose: bool) -> int:
         traceback.print_exc()
         print(f"[huginn] training failed, {failure_line(err)}", flush=True)
     finally:
-        if head is not None:
-            ray.shutdown()
-            head.stop()
-            if outcome is not None and outcome.ok:
-                shutil.rmtree(local_ray_dir, ignore_errors=True)
-            else:
-                print(f"[huginn] Ray's logs of this run are kept in {local_ray_dir}/session_latest/logs", flush=True)
+        if connection.local:
+            failed = outcome is None or not outcome.ok
+            connection.stop(keep_logs=failed)
+            if failed:
+                print(f"[huginn] Ray's logs of this run are kept in {connection.temp_dir}/session_latest/logs",
+                      flush=True)
     if outcome is None:
         print(f"[huginn] run directory: {cfg.run_dir}; rerun to resume from its newest checkpoint")
         return 1

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from huginn_ray.data.tokenizer import special_token_ids, train_tokenizer
-from huginn_ray.eval.batch_inference import DepthLossReplica, Replicas, read_validation_rows
+from huginn_ray.eval.batch_inference import DepthLossReplica, Replicas
+from huginn_ray.eval.validation_rows import read_validation_rows
 from huginn_ray.eval.depth_scaling import validation_plot
 from huginn_ray.model import ModelConfig, RecurrentGPT, save_pretrained
 

@@ -1,4 +1,4 @@
-"""The replica-spread read of a DCP checkpoint (huginn_ray.model.replica_read.read_dcp) on 4 gloo ranks, with
+"""The replica-spread read of a DCP checkpoint (huginn_ray.train.replica_read.read_dcp) on 4 gloo ranks, with
 rounds of a few dozen bytes so that the spans of the replicas, the rounds and the stored pieces all cut each other:
 it loads bitwise what DCP's own load loads, in the save's layout and across layouts (saved as 2 shard groups of 2,
 read with every rank holding whole tensors, R = 4; and back), non-tensor values included; a piece missing from the
@@ -66,7 +66,7 @@ def run(rank: int, directory: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
-    from huginn_ray.model.replica_read import read_dcp
+    from huginn_ray.train.replica_read import read_dcp
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     groups = {"hsdp": mesh.get_group("replicate"), "replicate": dist.group.WORLD}

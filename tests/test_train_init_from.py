@@ -1,4 +1,4 @@
-"""init_from: a run starts from a trained model (huginn_ray.train.init_from, model.pretrained.load_weights_into).
+"""init_from: a run starts from a trained model (huginn_ray.train.init_from: the checks, and load_weights_into).
 
 A directory in the released Huginn-0125 layout (bf16 safetensors in three shards, their index, the released
 config.json keys) is trained on for one step at lr 0 by 4 gloo ranks, as replicate and as hsdp 2 x 2, through the

@@ -175,7 +175,7 @@ def read_both_ways(rank: int, port: int, checkpoint: str, args: list[str]) -> di
     import torch.distributed as dist
 
     from huginn_ray.config import load_config
-    from huginn_ray.model.replica_read import counting_reads
+    from huginn_ray.train.replica_read import counting_reads
     from huginn_ray.train import checkpoint as ckpt
     from huginn_ray.train import loop
     from huginn_ray.train.config import TrainConfig

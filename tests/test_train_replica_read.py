@@ -7,7 +7,7 @@ directory (safetensors, and the training checkpoint), both ways: every rank read
 without replicas) and through the replica-spread path (1/R of the rows each, then an all-gather over the
 replicate dimension). Also under `replicate` (R = 4). Counted per rank: the largest amount of model memory live
 at once during startup (a TorchDispatchMode following every storage the ops create), and the bytes each read
-path takes from the file system (huginn_ray.model.replica_read.counting_reads).
+path takes from the file system (huginn_ray.train.replica_read.counting_reads).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def hf_rows(directory, key, model):
     """This rank's rows of `key` read straight from a safetensors directory (the whole file)."""
     from safetensors.torch import load_file
 
-    from huginn_ray.model.replica_read import local_rows
+    from huginn_ray.train.replica_read import local_rows
 
     rows = local_rows(dict(model.named_parameters())[key])[1]
     return load_file(directory / "model.safetensors")[key][rows or slice(None)]
@@ -131,8 +131,9 @@ def hf_rows(directory, key, model):
 
 def run(rank, world_size, directory):
     from huginn_ray.model import RecurrentGPT
-    from huginn_ray.model.pretrained import load_weights_into, save_pretrained
-    from huginn_ray.model.replica_read import counting_reads
+    from huginn_ray.model.pretrained import save_pretrained
+    from huginn_ray.train.init_from import load_weights_into
+    from huginn_ray.train.replica_read import counting_reads
     from huginn_ray.train import checkpoint as ckpt
     from huginn_ray.train import loop
 
@@ -146,7 +147,7 @@ def run(rank, world_size, directory):
         # the whole-model init, drawn by a CPU construction from the same seed: this rank's rows of it
         torch.manual_seed(cfg.seed)
         whole = RecurrentGPT(c.model_cfg).state_dict()
-        from huginn_ray.model.replica_read import local_rows
+        from huginn_ray.train.replica_read import local_rows
 
         init_differs = [name for name, p in c.model.named_parameters()
                         if not torch.equal(local_rows(p)[0], whole[name][local_rows(p)[1] or slice(None)])]
@@ -271,7 +272,7 @@ def test_resume_and_init_from_read_a_quarter_of_the_state_per_rank_and_load_the_
 
 
 def test_the_replicas_of_the_frontier_layout_each_read_a_512th_of_its_shard_groups_part():
-    """How huginn_ray.model.replica_read.deal divides the reading among R = 512 replicas (4,096 ranks in shard
+    """How huginn_ray.train.replica_read.deal divides the reading among R = 512 replicas (4,096 ranks in shard
     groups of 8, configs/train/frontier_nebel_512_nodes.yaml), on the shapes of the nebel's parts: every byte of a
     part is read by exactly one replica, and no replica reads more than 1.05 x its 1/R, for the parameters
     (init_from) and for the state (resume: the parameters, Adam's moments and steps, the RoPE buffer of shape
@@ -280,7 +281,7 @@ def test_the_replicas_of_the_frontier_layout_each_read_a_512th_of_its_shard_grou
 
     from huginn_ray.config import load_config
     from huginn_ray.model import RecurrentGPT
-    from huginn_ray.model.replica_read import deal, portion, split_dim
+    from huginn_ray.train.replica_read import deal, portion, split_dim
     from huginn_ray.train.config import TrainConfig
     from huginn_ray.train.init_from import model_config
 

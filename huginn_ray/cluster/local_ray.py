@@ -1,25 +1,29 @@
-"""A private local Ray for a job started without a cluster (`python jobs/train.py ...`, `jobs/prepare_data.py`).
+"""How every job reaches Ray (`connect_ray`): the cluster in RAY_ADDRESS (set by `ray job submit`), else a private
+local Ray the job starts for itself (`python jobs/train.py ...`, `jobs/prepare_data.py`).
 
 Ray's GCS and raylet listen on every interface of the machine, whatever --node-ip-address says, and anyone who
 reaches an unauthenticated Ray can run code in it. So a Ray that a job starts itself always runs with token
 authentication: a fresh random token per job, handed to Ray's processes through the environment only (nothing
 written to ~/.ray). An explicit RAY_AUTH_TOKEN in the environment is used instead of a fresh one.
 
-The training job's Ray (`LocalRayHead`) runs in a session of its own. `ray.init()` would start the GCS and raylet
-in the driver's process group, where a SIGTERM to the job's group (a scheduler ending the job step, `kill -- -PGID`)
-kills them together with the driver before the workers could save; in their own session, the signal reaches only
-the driver, which asks the workers to save and stop, and then stops Ray itself.
+The training and serving jobs' Ray (`LocalRayHead`) runs in a session of its own. `ray.init()` would start the GCS
+and raylet in the driver's process group, where a SIGTERM to the job's group (a scheduler ending the job step,
+`kill -- -PGID`) kills them together with the driver before the workers could save; in their own session, the
+signal reaches only the driver, which asks the workers to save and stop, and then stops Ray itself.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -45,6 +49,74 @@ def init_local_ray(*, verbose: bool = False, dashboard: bool = False, **ray_init
     quiet_local_ray(verbose)  # the workers of this local Ray inherit the settings
     require_token_auth()
     return ray.init(address="local", **{**local_ray_init_kwargs(verbose, dashboard), **ray_init_kwargs})
+
+
+@dataclass
+class RayConnection:
+    """The Ray this job's driver is connected to: the cluster in RAY_ADDRESS, or the private local Ray that
+    `connect_ray` started (in `temp_dir`; in a session of its own when `head` is set)."""
+
+    temp_dir: str | None = None
+    """The private Ray's temp dir, its logs under session_latest/logs; None on a cluster."""
+    remove_temp_dir: bool = False
+    """Whether `stop` removes temp_dir (connect_ray made it)."""
+    head: LocalRayHead | None = None
+    """The private Ray's `ray start` in a session of its own (`own_session`), else None."""
+
+    @property
+    def local(self) -> bool:
+        """Whether the job started this Ray itself (and stops it)."""
+        return self.temp_dir is not None
+
+    def stop(self, keep_logs: bool = False) -> None:
+        """Disconnect the driver (ray.shutdown); a private Ray is stopped too, and the temp dir connect_ray made for
+        it removed unless `keep_logs`."""
+        import ray
+
+        ray.shutdown()
+        if self.head is not None:
+            self.head.stop()
+        if self.remove_temp_dir and not keep_logs:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def __enter__(self) -> "RayConnection":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def connect_ray(*, verbose: bool = False, own_session: bool = False, cluster_kwargs: dict | None = None,
+                temp_dir: str | None = None, temp_prefix: str = "hr_", **local_kwargs) -> RayConnection:
+    """Connect this driver to the Ray cluster in RAY_ADDRESS, else start a private local Ray with token
+    authentication (Ray listens on every interface) and connect to it.
+
+    `cluster_kwargs` go to ray.init on a cluster. The private Ray runs in `temp_dir` (kept), else in a fresh short
+    one under /tmp (other Ray instances may share /tmp/ray, and socket paths are limited; `stop` removes it). With
+    `own_session` it is a LocalRayHead in a session of its own (a signal to the job's process group reaches the
+    driver alone, which then stops Ray in order), the driver connecting with the console settings of `verbose`;
+    else ray.init starts it in this process (`init_local_ray`, without dashboard; `local_kwargs` go to its
+    ray.init). When the driver cannot connect to the head it started, the head is stopped and its temp dir kept
+    (its logs say why)."""
+    import ray
+
+    from huginn_ray.console import ray_connect_kwargs
+
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], **(cluster_kwargs or {}))
+        return RayConnection()
+    connection = RayConnection(temp_dir or tempfile.mkdtemp(prefix=temp_prefix, dir="/tmp"),
+                               remove_temp_dir=temp_dir is None)
+    if not own_session:
+        init_local_ray(verbose=verbose, _temp_dir=connection.temp_dir, **local_kwargs)
+        return connection
+    connection.head = LocalRayHead(connection.temp_dir, verbose=verbose)
+    try:
+        ray.init(address=connection.head.address, **ray_connect_kwargs(verbose))
+    except BaseException:
+        connection.head.stop()
+        raise
+    return connection
 
 
 class LocalRayHead:

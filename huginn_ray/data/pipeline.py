@@ -11,13 +11,11 @@ import functools
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
-from huginn_ray.cluster.local_ray import init_local_ray
+from huginn_ray.cluster.local_ray import connect_ray
 from huginn_ray.data import layout
 from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError
@@ -40,7 +38,8 @@ STAGES = ("download", "staging", "filter", "pack", "shuffle")
 
 
 def init_ray(cfg: DataConfig, quiet: bool = False) -> Callable[[], None]:
-    """Connect to the cluster in RAY_ADDRESS (set by `ray job submit`), else start a private local Ray.
+    """Connect to the cluster in RAY_ADDRESS (set by `ray job submit`), else start a private local Ray
+    (huginn_ray.cluster.local_ray.connect_ray; in `local_ray.temp_dir` when the config names one).
 
     Ray Data shows its progress bars (one per stage's operator: rows, throughput, ETA; on a console that is not a
     terminal, progress lines every 10 s) unless `quiet`.
@@ -50,29 +49,18 @@ def init_ray(cfg: DataConfig, quiet: bool = False) -> Callable[[], None]:
     import ray
     from ray.data import DataContext
 
-    def stop() -> None:
-        ray.shutdown()
-        if cfg.local_ray.temp_dir is None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-
-    started = False
+    connection = None
     if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init()
-        else:
-            temp_dir = cfg.local_ray.temp_dir or tempfile.mkdtemp(prefix="hrdata_", dir="/tmp")
-            store = cfg.local_ray.object_store_mib
-            # token authentication: Ray's ports listen on every interface, not only on loopback
-            init_local_ray(num_cpus=cfg.local_ray.num_cpus, _temp_dir=temp_dir,
-                           object_store_memory=store << 20 if store else None)
-            started = True
+        store = cfg.local_ray.object_store_mib
+        connection = connect_ray(temp_dir=cfg.local_ray.temp_dir, temp_prefix="hrdata_",
+                                 num_cpus=cfg.local_ray.num_cpus, object_store_memory=store << 20 if store else None)
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = not quiet
     ctx.print_on_execution_start = not quiet
     # on a console that is not a terminal (`ray job submit`, a log file) Ray Data logs the progress instead, every
     # RAY_DATA_NON_TTY_PROGRESS_LOG_INTERVAL seconds (10), through a logger that quiet_local_ray sets to ERROR
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR if quiet else logging.INFO)
-    return stop if started else (lambda: None)
+    return connection.stop if connection is not None and connection.local else (lambda: None)
 
 
 def check_supported(sources: list[Source]) -> None:

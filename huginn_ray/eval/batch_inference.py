@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from huginn_ray.eval.validation_rows import read_validation_rows
+
 
 @dataclass(frozen=True)
 class Replicas:
@@ -81,18 +83,6 @@ class DepthLossReplica:
             loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=self.pad_id, reduction="none")
             sums[:, i] = loss.view(len(keys), -1).double().sum(dim=1).cpu().numpy()
         return {"key": batch["key"], "loss_sums": sums, "tokens": (labels != self.pad_id).sum(dim=1).cpu().numpy()}
-
-
-def read_validation_rows(shards: list[str], max_rows: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """(keys, rows): the first `max_rows` rows of every validation shard, keyed shard x 2^32 + row."""
-    from huginn_ray.eval.depth_scaling import read_val_rows
-
-    keys, rows = [], []
-    for index, shard in enumerate(shards):
-        shard_rows = read_val_rows(shard, max_rows)
-        keys.append((index << 32) + np.arange(len(shard_rows), dtype=np.int64))
-        rows.append(shard_rows)
-    return np.concatenate(keys), np.concatenate(rows)
 
 
 def depth_losses(model_dir: str | Path, shards: list[str], depths: list[int], replicas: Replicas, *,

@@ -16,10 +16,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-import pyarrow.parquet as pq
-
 from huginn_ray.eval.batch_inference import Replicas, depth_losses
+from huginn_ray.eval.validation_rows import read_val_rows
 from huginn_ray.model.flops import inference_flops_per_token
 
 COLUMNS = ["depth", "loss", "ppl", "flops_per_token", "tokens"]
@@ -32,16 +30,6 @@ class DepthRow:
     ppl: float
     flops_per_token: float
     tokens: int
-
-
-def read_val_rows(path: str | Path, max_rows: int | None) -> np.ndarray:
-    """(rows, seq_len + 1) token ids of the first `max_rows` rows of a shard."""
-    column = pq.read_table(path, columns=["input_ids"]).column("input_ids").combine_chunks()
-    offsets = column.offsets.to_numpy()
-    rows = len(offsets) - 1 if max_rows is None else min(max_rows, len(offsets) - 1)
-    length = int(offsets[1] - offsets[0])
-    values = column.values.to_numpy(zero_copy_only=False)
-    return values[: rows * length].astype(np.int64).reshape(rows, length)
 
 
 def depth_scaling(model_dir: str | Path, data_dir: str | Path, depths: list[int], replicas: Replicas, *,

@@ -1,10 +1,10 @@
 """EleutherAI lm-evaluation-harness on an exported checkpoint (pip install -e .[eval]).
 
 The export (huginn_ray.model.export) is loaded with transformers' AutoModelForCausalLM and handed to lm-eval's
-HFLM class; the recurrence depth is bound to the model's forward, so every loglikelihood and generate_until
-request runs that many core iterations (what the authors' `mean_recurrence=32` model argument does). Tasks come
-from lm-eval's registry or from YAML files under `include_path`. A `HuginnLM` loads the model once and can be
-evaluated at several depths (the GSM8k depth sweep).
+HFLM class; a forward pre-hook gives every forward of the model the recurrence depth, so every loglikelihood and
+generate_until request runs that many core iterations (what the authors' `mean_recurrence=32` model argument
+does). Tasks come from lm-eval's registry or from YAML files under `include_path`. A `HuginnLM` loads the model
+once and can be evaluated at several depths (the GSM8k depth sweep).
 """
 
 from __future__ import annotations
@@ -31,18 +31,18 @@ class HuginnLM:
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), trust_remote_code=True,
                                                      dtype=getattr(torch, dtype)).eval().to(device)
         self.depth, self.seen = depth, set()
-        forward = model.forward
-
-        def forward_at_depth(*args, **kwargs):
-            kwargs.setdefault("num_steps", self.depth)
-            self.seen.add(kwargs["num_steps"])
-            return forward(*args, **kwargs)
-
-        model.forward = forward_at_depth  # what HFLM's loglikelihood and generate calls both reach
+        # HFLM's loglikelihood calls and generate's steps all call the model: each call passes through the hook
+        model.register_forward_pre_hook(self._at_depth, with_kwargs=True)
         self.block_size = model.config.block_size
         tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=True)  # our own export
         self.lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
                        max_length=self.block_size)
+
+    def _at_depth(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A forward's arguments, `num_steps` set to the current depth unless the caller gave one; records it."""
+        kwargs.setdefault("num_steps", self.depth)
+        self.seen.add(kwargs["num_steps"])
+        return args, kwargs
 
     def evaluate(self, tasks: list[str], include_path: str | Path | None = None, limit: int | None = None,
                  **settings) -> dict:

@@ -4,6 +4,9 @@ checkpoint's model the same way (its `model/config.json` beside the DCP `state/`
 Loading reads safetensors only (never pickle), so a checkpoint from an untrusted source cannot run code.
 A tied `lm_head.weight` is not stored twice: like `transformers`, the file holds `transformer.wte.weight`
 and the head is re-tied on load.
+
+Here a model directory is read by one process. Loading one into a training model whose ranks each hold a part of
+it, the replicas of a part dividing the reads, is training's (huginn_ray.train.init_from.load_weights_into).
 """
 
 from __future__ import annotations
@@ -13,16 +16,16 @@ import json
 import os
 import tempfile
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from huginn_ray.checkpoint_layout import TRAINING_STATE_DIR, incomplete
 from huginn_ray.config import ConfigError
-from huginn_ray.model import replica_read
 from huginn_ray.model.config import ModelConfig
 from huginn_ray.model.attention import rope_table
 from huginn_ray.model.model import RecurrentGPT
@@ -30,8 +33,6 @@ from huginn_ray.model.model import RecurrentGPT
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
-TRAINING_STATE_DIR = "state"
-"""A training checkpoint's torch.distributed.checkpoint directory, beside its `model/` (huginn_ray.train.checkpoint)."""
 
 
 def save_pretrained(model: RecurrentGPT, directory: str | Path) -> Path:
@@ -51,12 +52,9 @@ def resolve_model_dir(path: str | Path, purpose: str = "--checkpoint", log=None)
     """The model directory (config.json + weights) that `path` names: a model directory, a training checkpoint
     (or its `model/`), or the newest complete checkpoint under a training output directory (newest: its model's
     config.json was written last). A training checkpoint is taken only when complete (its marker lists every file
-    with its size: huginn_ray.train.checkpoint.incomplete); errors start with `purpose` (the option or key that
+    with its size: huginn_ray.checkpoint_layout.incomplete); errors start with `purpose` (the option or key that
     gave the path), and `log` gets a line naming the checkpoint taken from an output directory and every newer one
     skipped, with why."""
-    # imported here: the checkpoint module builds on this one (its model/ directory is written by save_pretrained)
-    from huginn_ray.train.checkpoint import incomplete
-
     path = Path(path)
     for candidate in (path, path / "model"):
         if (candidate / CONFIG_NAME).is_file():
@@ -96,7 +94,7 @@ def _weight_files(directory: Path) -> list[Path]:
     raise ValueError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {directory}")
 
 
-def _training_state(directory: Path) -> Path | None:
+def training_state(directory: Path) -> Path | None:
     """The DCP directory of a training checkpoint whose `model/` is `directory`, if it is one."""
     state = directory.parent / TRAINING_STATE_DIR
     return state if directory.name == "model" and (state / ".metadata").is_file() else None
@@ -110,29 +108,33 @@ def _load_training_checkpoint(state_dir: Path, config: ModelConfig, device, dtyp
     model.allocate(device)
     tensors = {key: value for key, value in model.state_dict().items()
                if not (config.tie_embeddings and key == "lm_head.weight")}
-    _load_dcp_model(state_dir, tensors, one_process=True)
+    _read_checkpoint_model(state_dir, tensors)
     if dtype is not None:
         model.to(dtype)
         model.freqs_cis = model.freqs_cis.float()
     return model
 
 
-def _load_dcp_model(state_dir: Path, tensors: dict, one_process: bool = False, replicas=None) -> None:
-    """Read a training checkpoint's model tensors in place into `tensors` (name -> tensor or DTensor): by this one
-    process, or (one_process=False) collectively, every rank reading the pieces of what it holds; with `replicas`
-    (the ranks holding the same part as this one) each reads a contiguous 1/R of the stored bytes they need and
-    the replicas complete each other (huginn_ray.model.replica_read.read_dcp)."""
+def _read_checkpoint_model(state_dir: Path, tensors: dict) -> None:
+    """Read a training checkpoint's model tensors in place into `tensors` (name -> tensor), by this one process."""
     import torch.distributed.checkpoint as dcp
+
+    with reading_checkpoint_model(state_dir):
+        dcp.load({"model": tensors}, storage_reader=dcp.FileSystemReader(state_dir), no_dist=True)
+
+
+@contextmanager
+def reading_checkpoint_model(state_dir: Path):
+    """Around a read of a training checkpoint's model (by one process, or by every rank: huginn_ray.train.init_from):
+    its failure becomes one ValueError naming `state_dir` and each failing rank's error (DCP wraps the file system's
+    and planner's errors); DCP's warning that it reads in one process, which is the point of a one-process read, is
+    silenced."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            if replicas is None:
-                dcp.load({"model": tensors}, storage_reader=replica_read.counting_reader(state_dir),
-                         no_dist=one_process)
-            else:
-                replica_read.read_dcp(state_dir, {"model": tensors}, replicas)
+            yield
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps the file system's and planner's errors
         failures = getattr(err, "failures", {0: (err, None)})
         raise ValueError(f"{state_dir}: the training checkpoint's model cannot be read ("
@@ -146,7 +148,7 @@ def load_pretrained(directory: str | Path, device: str | torch.device = "cpu",
     (None keeps the stored dtype); the RoPE table is recomputed in fp32 when the file has none or a rounded one."""
     directory = Path(directory)
     config = ModelConfig.from_json(directory / CONFIG_NAME)
-    if (state_dir := _training_state(directory)) is not None:
+    if (state_dir := training_state(directory)) is not None:
         return _load_training_checkpoint(state_dir, config, device, dtype)
     state_dict = {}
     for weights in _weight_files(directory):
@@ -172,74 +174,13 @@ def load_pretrained(directory: str | Path, device: str | torch.device = "cpu",
     return model
 
 
-@torch.no_grad()
-def load_weights_into(model: RecurrentGPT, directory: str | Path, replicas=None) -> None:
-    """Fill `model`'s parameters (given storage by `RecurrentGPT.allocate`, possibly FSDP2-sharded) from the model
-    directory `directory` (any layout load_pretrained reads), each rank reading only what it holds.
-
-    safetensors (one file or index + shards): every parameter's slice this rank holds (the whole tensor, or its
-    DTensor shard's rows) is read from the memory-mapped file and copied in, cast to the parameter's dtype; one
-    tensor slice is in host memory at a time. A training checkpoint: DCP reads the pieces of every tensor this
-    rank holds (a collective: every rank calls it). A tied head is the embedding (stored heads are not read).
-    `replicas`: the process group of the ranks holding the same part as this one (the mesh's "replicate"
-    dimension): each reads 1/R of the rows of its part and one all-gather per parameter over the group completes
-    them, so the files are read once, not once per replica (a collective then, in both layouts).
-    Raises ValueError naming the file and key for a missing, unexpected or differently shaped tensor."""
-    directory = Path(directory)
-    params = dict(model.named_parameters())  # a tied head is listed once, as transformer.wte.weight
-    if (state_dir := _training_state(directory)) is not None:
-        _load_dcp_model(state_dir, {key: p for key, p in params.items()}, replicas=replicas)
-        return
-    location = _tensor_locations(directory)
-    missing = sorted(set(params) - set(location))
-    unexpected = sorted(set(location) - set(params) - {"freqs_cis", "lm_head.weight"})
-    if missing or unexpected:
-        raise ValueError(f"{directory}: the weights do not match the model of its {CONFIG_NAME}"
-                         + (f"; missing: {', '.join(missing[:5])}" if missing else "")
-                         + (f"; unexpected: {', '.join(unexpected[:5])}" if unexpected else ""))
-    for key, param in params.items():
-        stored = location[key]
-        if list(stored.shape) != list(param.shape):
-            raise ValueError(f"{stored.file}: {key} has shape {stored.shape}, the model's is {list(param.shape)}")
-    handles, error = {}, None
-    parts = {key: replica_read.local_rows(param) for key, param in params.items()}
-    shares = dict(zip(parts, replica_read.deal([target for target, _ in parts.values()], replicas.size())
-                      if replicas is not None else [None] * len(parts)))
-    try:
-        for key, (target, rows) in parts.items():
-            index = replica_read.portion(target, shares[key], replicas)
-            if index is not None:
-                file = location[key].file
-                if file not in handles:  # opened (its header read) once, by a rank that reads from it
-                    handles[file] = safe_open(str(file), framework="pt", device="cpu")
-                values = handles[file].get_slice(key)[replica_read.in_whole(index, rows.start if rows else 0)]
-                replica_read.count_read(values.numel() * values.element_size())
-                target[index].copy_(values)
-    except (SafetensorError, OSError) as err:
-        error = f"{directory}: a weights file cannot be read: {err}"
-    finally:
-        handles.clear()
-    if replicas is not None:
-        # the replicas complete each other only when every one of them has read its rows
-        failed = torch.tensor([float(error is not None)], device=next(iter(params.values())).device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=replicas)
-        if failed.item() and error is None:
-            error = f"{directory}: a replica of this rank's part (ranks {dist.get_process_group_ranks(replicas)}) " \
-                    "could not read its rows"
-    if error is not None:
-        raise ValueError(error)
-    if replicas is not None:
-        for key, (target, _) in parts.items():
-            replica_read.complete_over_replicas(target, shares[key], replicas)
-
-
 def check_weights(directory: str | Path, config: ModelConfig) -> None:
     """Raise ValueError unless `directory` holds every parameter of a model of `config` with its shape, reading
     only the files' headers (the safetensors headers, a training checkpoint's DCP metadata)."""
     directory = Path(directory)
     with torch.device("meta"):
         shapes = {key: list(p.shape) for key, p in RecurrentGPT(config).named_parameters()}
-    if (state_dir := _training_state(directory)) is not None:
+    if (state_dir := training_state(directory)) is not None:
         import torch.distributed.checkpoint as dcp
 
         metadata = dcp.FileSystemReader(state_dir).read_metadata().state_dict_metadata
@@ -247,13 +188,7 @@ def check_weights(directory: str | Path, config: ModelConfig) -> None:
                   if key.startswith("model.")}
         where = state_dir
     else:
-        stored = {}
-        for file in _weight_files(directory):
-            try:
-                with safe_open(str(file), framework="pt", device="cpu") as f:
-                    stored.update({key: list(f.get_slice(key).get_shape()) for key in f.keys()})
-            except (SafetensorError, OSError) as err:
-                raise ValueError(f"{file} is not a readable safetensors file: {err}") from None
+        stored = {key: tensor.shape for key, tensor in tensor_locations(directory).items()}
         where = directory
     missing = sorted(set(shapes) - set(stored))
     if missing:
@@ -264,18 +199,26 @@ def check_weights(directory: str | Path, config: ModelConfig) -> None:
 
 
 @dataclass(frozen=True)
-class _Stored:
+class StoredTensor:
+    """Where a tensor of a safetensors model directory is stored."""
+
     file: Path
     shape: list[int]
 
 
-def _tensor_locations(directory: Path) -> dict[str, _Stored]:
+def open_weights(file: Path):
+    """A safetensors file of a model directory, opened on the host for its tensors and slices (memory-mapped; the
+    format holds no code to run)."""
+    return safe_open(str(file), framework="pt", device="cpu")
+
+
+def tensor_locations(directory: Path) -> dict[str, StoredTensor]:
     """Every stored tensor's name -> the safetensors file that holds it, and its shape (the files' headers)."""
     location = {}
     for file in _weight_files(directory):
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                location.update({key: _Stored(file, list(f.get_slice(key).get_shape())) for key in f.keys()})
+            with open_weights(file) as f:
+                location.update({key: StoredTensor(file, list(f.get_slice(key).get_shape())) for key in f.keys()})
         except (SafetensorError, OSError) as err:
             raise ValueError(f"{file} is not a readable safetensors file: {err}") from None
     return location
@@ -293,7 +236,7 @@ def weights_digest(directory: str | Path) -> tuple[str, str]:
         digest.update(f"{name} {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}\n".encode())
         digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
-    if (state_dir := _training_state(directory)) is not None:
+    if (state_dir := training_state(directory)) is not None:
         import torch.distributed.checkpoint as dcp
 
         metadata = dcp.FileSystemReader(state_dir).read_metadata().state_dict_metadata
@@ -302,14 +245,14 @@ def weights_digest(directory: str | Path) -> tuple[str, str]:
         for name in names:
             meta = metadata[f"model.{name}"]
             tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
-            _load_dcp_model(state_dir, {name: tensor}, one_process=True)
+            _read_checkpoint_model(state_dir, {name: tensor})
             add(name, tensor)
         return f"{len(names)} tensors of {state_dir}", digest.hexdigest()
     tied = ModelConfig.from_json(directory / CONFIG_NAME).tie_embeddings
-    location = _tensor_locations(directory)
+    location = tensor_locations(directory)
     names = sorted(key for key in location if key != "freqs_cis" and not (tied and key == "lm_head.weight"))
     for name in names:
-        with safe_open(str(location[name].file), framework="pt", device="cpu") as f:
+        with open_weights(location[name].file) as f:
             add(name, f.get_tensor(name))
     files = sorted({location[name].file.name for name in names})
     return f"{len(names)} tensors of {directory} ({', '.join(files)})", digest.hexdigest()

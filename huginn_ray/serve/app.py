@@ -1,7 +1,7 @@
 """The Ray Serve application: an OpenAI-compatible HTTP API in front of one continuous-depth-batching engine per
 replica.
 
-    app = build_app(ServeSettings(model_dir=..., tokenizer_dir=..., ...), replicas=2)
+    app = build_app(ServeSettings(model_dir=..., tokenizer_dir=..., ..., engine=EngineConfig(...)), replicas=2)
     serve.run(app, route_prefix="/")                   # jobs/serve.py does this
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events with "stream": true,
@@ -35,6 +35,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import DeploymentActorConfig
 
+from huginn_ray.generation.engine import EngineConfig
 from huginn_ray.serve.protocol import ApiError, Call, Tokens, choice, envelope, now, read_chat, read_completion, \
     response_id, usage
 
@@ -53,14 +54,9 @@ class ServeSettings:
     """cpu or cuda (each GPU replica sees the one GPU Ray gave it as cuda)."""
     dtype: str
     """float32 or bfloat16: the weights' dtype."""
-    max_rows: int
-    """Sequences each replica's engine advances at once (EngineConfig.max_rows)."""
-    max_cache_bytes: int
-    """Key/value bytes each replica's engine may reserve (EngineConfig.max_cache_bytes)."""
-    exit_wait_steps: int = 0
-    """Loop steps a sequence whose forward ended may wait for others (EngineConfig.exit_wait_steps)."""
-    admit_rows: int = 1
-    """Free rows an engine waits for before admitting waiting requests (EngineConfig.admit_rows)."""
+    engine: EngineConfig
+    """Each replica's engine capacities (rows, key/value bytes, exit wait, admission), checked by EngineConfig when
+    the driver plans them, before Ray starts."""
 
 
 SILENT_AFTER_S = 5.0
@@ -174,7 +170,7 @@ class HuginnServer:
 
         from huginn_ray.data.chat import END_TURN
         from huginn_ray.data.tokenizer import special_token_ids
-        from huginn_ray.generation.engine import Engine, EngineConfig
+        from huginn_ray.generation.engine import Engine
         from huginn_ray.model.inference import inference_placement, load_for_inference
         from huginn_ray.serve.engine_loop import EngineLoop
 
@@ -186,8 +182,7 @@ class HuginnServer:
         tokenizer = Tokenizer.from_file(str(Path(settings.tokenizer_dir) / "tokenizer.json"))
         special = special_token_ids(settings.tokenizer_dir)
         self.tokens = Tokens(tokenizer, special["bos"], special["eos"], tokenizer.token_to_id(END_TURN))
-        self.engine = Engine(self.model, EngineConfig(settings.max_rows, settings.max_cache_bytes,
-                                                             settings.exit_wait_steps, settings.admit_rows))
+        self.engine = Engine(self.model, settings.engine)
         self.loop = EngineLoop(self.engine, self.board.report)
 
     def __del__(self):
@@ -226,9 +221,10 @@ class HuginnServer:
                 raise ApiError(f"the body is not JSON: {err}", None) from None
             call = read(body, self.tokens, self.model.config)
             need = self.engine.reservation(call.request)  # a pure function of the request and the model
-            if need > self.settings.max_cache_bytes:
+            capacity = self.settings.engine.max_cache_bytes
+            if need > capacity:
                 raise ApiError(f"the request's key/value cache ({need:,} bytes for its prompt and max_tokens) exceeds "
-                               f"this server's capacity of {self.settings.max_cache_bytes:,} bytes", "max_tokens")
+                               f"this server's capacity of {capacity:,} bytes", "max_tokens")
         except ApiError as err:
             return JSONResponse(err.body(), status_code=400, headers=self.headers)
         response, created = response_id(call.kind), now()
@@ -292,7 +288,7 @@ def build_app(settings: ServeSettings, replicas: int = 1):
     one); Serve routes the rest to other replicas or queues them."""
     actor = {"num_gpus": 1, "num_cpus": 1} if settings.device == "cuda" else {"num_cpus": 1}
     deployment = HuginnServer.options(num_replicas=replicas, ray_actor_options=actor,
-                                      max_ongoing_requests=2 * settings.max_rows,
+                                      max_ongoing_requests=2 * settings.engine.max_rows,
                                       deployment_actors=[DeploymentActorConfig(
                                           name="stats", actor_class=ray.remote(num_cpus=0)(StatsBoard))])
     return deployment.bind(settings)

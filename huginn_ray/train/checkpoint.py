@@ -34,7 +34,6 @@ Ray Train once every rank's part is complete.
 from __future__ import annotations
 
 import json
-import stat
 import tempfile
 import time
 from concurrent.futures import Future
@@ -49,8 +48,9 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, \
     set_optimizer_state_dict
 
-from huginn_ray.model import replica_read
-from huginn_ray.model.pretrained import CONFIG_NAME, TRAINING_STATE_DIR
+from huginn_ray.checkpoint_layout import MARKER, TRAINING_STATE_DIR, incomplete
+from huginn_ray.model.pretrained import CONFIG_NAME
+from huginn_ray.train import replica_read
 from huginn_ray.train.collectives import all_ranks, count_ranks, from_rank0, world_size
 from huginn_ray.train.parallel import lazy_gloo_group
 
@@ -77,8 +77,6 @@ class TrainerState:
     layout: str = ""
     """parallelism of the run that wrote it (`replicate` or `hsdp, shard_size S`); informative: any layout reads it."""
 
-
-MARKER = "checkpoint_complete.json"
 
 IO_ATTEMPTS = 3
 """DCP reads and writes are tried this often (1 s, then 2 s apart) before the error counts: a transient error of a
@@ -277,30 +275,6 @@ def write_marker(directory: Path, step: int, files: dict[str, int]) -> None:
     (directory / MARKER).write_text(json.dumps({"step": step, "files": files}, indent=2, sort_keys=True))
 
 
-def incomplete(directory: Path, part: int = 0, parts: int = 1) -> str | None:
-    """Why `directory` is not a complete checkpoint (no or unreadable marker, a listed file missing or of
-    another size), or None when it is complete. With `parts` > 1, only the marker and this part's share of its
-    files (every `parts`-th in name order from the `part`-th; `resume` gives each rank its own share) are checked:
-    one stat per file."""
-    try:
-        listing = json.loads((directory / MARKER).read_text())
-        files, step = listing["files"], listing["step"]
-        if not (isinstance(files, dict) and isinstance(step, int)):
-            raise ValueError("'files' is not a mapping or 'step' not an integer")
-    except FileNotFoundError:
-        return f"no {MARKER}: the save did not finish"
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"{MARKER} cannot be read ({type(err).__name__}: {err})"
-    for name, size in sorted(files.items())[part::parts]:
-        try:
-            found = (directory / name).stat()
-        except FileNotFoundError:
-            found = None
-        if found is None or not stat.S_ISREG(found.st_mode):
-            return f"{name} is missing ({MARKER} lists it with {size} bytes)"
-        if found.st_size != size:
-            return f"{name} has {found.st_size} bytes, {MARKER} lists {size}: truncated or rewritten"
-    return None
 
 
 class CheckpointError(ValueError):
@@ -347,7 +321,7 @@ def read_tensors(directory: Path, model, optimizer, replicas=None) -> None:
 
     `replicas`: the process group of the ranks that hold the same part of the state as this one (the mesh's
     "replicate" dimension). With it, each of them reads one contiguous 1/R of the stored bytes the group needs
-    and the replicas complete each other in rounds of all-gather (huginn_ray.model.replica_read.read_dcp): the
+    and the replicas complete each other in rounds of all-gather (huginn_ray.train.replica_read.read_dcp): the
     file system serves the state once, not once per replica. Without it (one process), this rank reads its whole
     part through DCP's load."""
     tensors = {"model": model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}

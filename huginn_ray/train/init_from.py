@@ -1,14 +1,14 @@
-"""Starting a run from a trained model (`init_from: PATH`): the model's shape, the checks, the record.
+"""Starting a run from a trained model (`init_from: PATH`): the model's shape, the checks, the record, and the
+load of the weights.
 
 PATH is a Hugging Face model directory (the released Huginn-0125 layout: sharded safetensors, their index and the
 released config.json keys; a `python -m huginn_ray.model.export` output), a training checkpoint of this project
 (its `model/` beside the DCP `state/`; only a complete one), or a training output directory (its newest complete
 checkpoint, named on the console with every newer one it skipped). The model's shape
-is the directory's config.json; the weights are loaded by every rank before step 1
-(huginn_ray.model.pretrained.load_weights_into); the optimizer, the schedule and the data start fresh. A run that
-resumes reads its own checkpoint instead.
+is the directory's config.json; the weights are loaded by every rank before step 1 (`load_weights_into`); the
+optimizer, the schedule and the data start fresh. A run that resumes reads its own checkpoint instead.
 
-Everything here runs on the driver, at preflight, before Ray starts.
+Everything here but `load_weights_into` runs on the driver, at preflight, before Ray starts.
 """
 
 from __future__ import annotations
@@ -17,10 +17,16 @@ import dataclasses
 import json
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+
 from huginn_ray.config import ConfigError
 from huginn_ray.data.tokenizer import TOKENIZER_FILE
-from huginn_ray.model import ModelConfig
-from huginn_ray.model.pretrained import CONFIG_NAME, check_weights, resolve_model_dir, weights_digest
+from huginn_ray.model import ModelConfig, RecurrentGPT
+from huginn_ray.model.pretrained import CONFIG_NAME, check_weights, open_weights, reading_checkpoint_model, \
+    resolve_model_dir, tensor_locations, training_state, weights_digest
+from huginn_ray.train import replica_read
 from huginn_ray.train.run_plan import WeightsSource
 
 # ModelConfig fields that are training choices of this run, not the shape of the weights
@@ -102,3 +108,72 @@ def describe_source(init_from: str, model_cfg: ModelConfig) -> WeightsSource:
         raise ConfigError(f"init_from: {err}") from None
     hashed, sha256 = weights_digest(directory)
     return WeightsSource(str(directory), hashed, sha256)
+
+
+@torch.no_grad()
+def load_weights_into(model: RecurrentGPT, directory: str | Path, replicas=None) -> None:
+    """Fill `model`'s parameters (given storage by `RecurrentGPT.allocate`, possibly FSDP2-sharded) from the model
+    directory `directory` (any layout huginn_ray.model.pretrained.load_pretrained reads), each rank reading only
+    what it holds.
+
+    safetensors (one file or index + shards): every parameter's slice this rank holds (the whole tensor, or its
+    DTensor shard's rows) is read from the memory-mapped file and copied in, cast to the parameter's dtype; one
+    tensor slice is in host memory at a time. A training checkpoint: DCP reads the pieces of every tensor this
+    rank holds (a collective: every rank calls it). A tied head is the embedding (stored heads are not read).
+    `replicas`: the process group of the ranks holding the same part as this one (the mesh's "replicate"
+    dimension): each reads 1/R of the rows of its part and one all-gather per parameter over the group completes
+    them, so the files are read once, not once per replica (a collective then, in both layouts; a training
+    checkpoint through huginn_ray.train.replica_read.read_dcp).
+    Raises ValueError naming the file and key for a missing, unexpected or differently shaped tensor."""
+    directory = Path(directory)
+    params = dict(model.named_parameters())  # a tied head is listed once, as transformer.wte.weight
+    if (state_dir := training_state(directory)) is not None:
+        with reading_checkpoint_model(state_dir):
+            if replicas is None:
+                import torch.distributed.checkpoint as dcp
+
+                dcp.load({"model": params}, storage_reader=replica_read.counting_reader(state_dir))
+            else:
+                replica_read.read_dcp(state_dir, {"model": params}, replicas)
+        return
+    location = tensor_locations(directory)
+    missing = sorted(set(params) - set(location))
+    unexpected = sorted(set(location) - set(params) - {"freqs_cis", "lm_head.weight"})
+    if missing or unexpected:
+        raise ValueError(f"{directory}: the weights do not match the model of its {CONFIG_NAME}"
+                         + (f"; missing: {', '.join(missing[:5])}" if missing else "")
+                         + (f"; unexpected: {', '.join(unexpected[:5])}" if unexpected else ""))
+    for key, param in params.items():
+        stored = location[key]
+        if list(stored.shape) != list(param.shape):
+            raise ValueError(f"{stored.file}: {key} has shape {stored.shape}, the model's is {list(param.shape)}")
+    handles, error = {}, None
+    parts = {key: replica_read.local_rows(param) for key, param in params.items()}
+    shares = dict(zip(parts, replica_read.deal([target for target, _ in parts.values()], replicas.size())
+                      if replicas is not None else [None] * len(parts)))
+    try:
+        for key, (target, rows) in parts.items():
+            index = replica_read.portion(target, shares[key], replicas)
+            if index is not None:
+                file = location[key].file
+                if file not in handles:  # opened (its header read) once, by a rank that reads from it
+                    handles[file] = open_weights(file)
+                values = handles[file].get_slice(key)[replica_read.in_whole(index, rows.start if rows else 0)]
+                replica_read.count_read(values.numel() * values.element_size())
+                target[index].copy_(values)
+    except (SafetensorError, OSError) as err:
+        error = f"{directory}: a weights file cannot be read: {err}"
+    finally:
+        handles.clear()
+    if replicas is not None:
+        # the replicas complete each other only when every one of them has read its rows
+        failed = torch.tensor([float(error is not None)], device=next(iter(params.values())).device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=replicas)
+        if failed.item() and error is None:
+            error = f"{directory}: a replica of this rank's part (ranks {dist.get_process_group_ranks(replicas)}) " \
+                    "could not read its rows"
+    if error is not None:
+        raise ValueError(error)
+    if replicas is not None:
+        for key, (target, _) in parts.items():
+            replica_read.complete_over_replicas(target, shares[key], replicas)

@@ -36,7 +36,6 @@ import torch.distributed as dist
 from huginn_ray.cluster.devices import training_device
 from huginn_ray.data.shards import shard_path
 from huginn_ray.model import ModelConfig, RecurrentGPT, sample_recurrence, training_flops_per_token
-from huginn_ray.model.pretrained import load_weights_into
 from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, choose_attention_backend,
                                          probe_attention_backends, restrict_attention)
 from huginn_ray.train import checkpoint as ckpt
@@ -46,6 +45,7 @@ from huginn_ray.train.config import TrainConfig
 from huginn_ray.train.data_order import DataOrder, DataOrderError
 from huginn_ray.train.sharded_init import initialise_sharded
 from huginn_ray.train.fault_injection import inject_fault
+from huginn_ray.train.init_from import load_weights_into
 from huginn_ray.train.observe import (MODULES, NO_CLOCK, OWN_PHASES, LogWindow, ModuleNorms, PhaseClock,
                                       find_stragglers, own_time_slot, progress_line, read_interval)
 from huginn_ray.train.optim import apply_config_on_resume, build_optimizer, set_lr, trapezoid_lr

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from huginn_ray.model.model import RecurrentGPT
-from huginn_ray.model.replica_read import local_rows
+from huginn_ray.train.replica_read import local_rows
 
 
 @torch.no_grad()
