@@ -9,7 +9,7 @@ maximum of the two) through the real code paths of a run of `configs/train/front
     save      rank 0's small files, finish_save (agreement, marker), with the project's DCP save planner
               (checkpoint.SmallValuesOnRankZero) deciding which rank writes which piece
     resume    resume(): the candidate list, the completeness check, the agreement, and read_tensors through the
-              replica-spread read (huginn_ray.model.replica_read.read_dcp: the group's bytes from the `.metadata`,
+              replica-spread read (huginn_ray.train.replica_read.read_dcp: the group's bytes from the `.metadata`,
               this rank's contiguous span of them read from the files, the rounds of all-gather over the
               replicate group, the copies into the tensors), then the optimizer state set back
 

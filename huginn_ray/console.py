@@ -1,9 +1,9 @@
 """A console a person can read: the project's own lines on stdout, Ray's own INFO/WARNING lines in Ray's log files.
 
-Jobs that start their own local Ray call `local_ray_environment()` before `import ray` where they can
-(jobs/train.py), then `huginn_ray.cluster.local_ray.init_local_ray` (data and evaluation jobs: `quiet_local_ray`
-and `local_ray_init_kwargs`) or `LocalRayHead` (the training job: `quiet_local_ray` for the head's processes,
-`ray_connect_kwargs` for the driver). What it configures, and why each line used to appear:
+Jobs reach Ray through `huginn_ray.cluster.local_ray.connect_ray`, after `local_ray_environment()` before
+`import ray` where they can (jobs/train.py). A private local Ray is started in the process by `init_local_ray`
+(data and evaluation jobs: `quiet_local_ray` and `local_ray_init_kwargs`) or as a `LocalRayHead` in a session of
+its own (training and serving: `quiet_local_ray` for the head's processes, `ray_connect_kwargs` for the driver). What it configures, and why each line used to appear:
 
 - `RAY_AUTH_MODE=token` explicitly: Ray 2.5x enables token authentication for a new local cluster by default
   and warns that it did so; setting the mode explicitly keeps the safe default without the warning.

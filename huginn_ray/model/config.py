@@ -176,8 +176,9 @@ class ModelConfig:
             values["rope_base"] = float(values["rope_base"])
         return cls(**values)
 
-    def _check_derived(self, derived: dict) -> None:
-        expected = {
+    def derived_fields(self) -> dict:
+        """The HF file's keys that follow from the fields (written by to_hf_dict, checked on load)."""
+        return {
             "n_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_attention_heads,
             "head_dim": self.head_dim,
@@ -185,6 +186,9 @@ class ModelConfig:
             "padded_vocab_size": self.padded_vocab_size,
             "effective_expected_depth": self.effective_expected_depth,
         }
+
+    def _check_derived(self, derived: dict) -> None:
+        expected = self.derived_fields()
         for key, value in derived.items():
             if key == "init_values":
                 continue  # follows from n_embd and depth; informational in the HF file
@@ -199,12 +203,7 @@ class ModelConfig:
         return {
             **dataclasses.asdict(self),
             **FIXED_ARCHITECTURE,
-            "n_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_attention_heads,
-            "head_dim": self.head_dim,
-            "n_layers": self.n_layers_in_prelude + self.n_layers_in_recurrent_block + self.n_layers_in_coda,
-            "padded_vocab_size": self.padded_vocab_size,
-            "effective_expected_depth": self.effective_expected_depth,
+            **self.derived_fields(),
             "init_values": {
                 "std": self.init_std,
                 "out_proj": self.init_std_out_proj,

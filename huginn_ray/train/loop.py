@@ -202,7 +202,7 @@ def load_initial_weights(model: RecurrentGPT, plan: RunPlan, rank: int, seed: in
     """The starting weights into this rank's (allocated) parameters; every rank calls it. With plan.init_from the
     trained model's, each rank reading 1/W of it and the `replicas` (the ranks holding the same part) completing
     each other; else the random init of `seed` (torch's RNG seeded here, so the draws are the same wherever the
-    call comes), drawn shard by shard (`RecurrentGPT.initialise`)."""
+    call comes), drawn shard by shard (`initialise_sharded`)."""
     source = plan.init_from
     if not source:
         torch.manual_seed(seed)
