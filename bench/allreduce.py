@@ -105,7 +105,8 @@ def worker(rank: int, args, port: int, out: str) -> None:
     cfg = ModelConfig.from_name(args.model, activation_checkpointing=True)
     generator = torch.Generator().manual_seed(rank)
     inputs = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=generator).to(device)
-    mesh = parallel.build_mesh(parallel.MeshShape(True, args.world, args.node_size), device.type)
+    shape = parallel.MeshShape(sharded=True, world_size=args.world, shard_size=args.node_size)
+    mesh = parallel.build_mesh(shape, device.type)
     counter = InterNodeCounter(args.node_size)
     counter.install()
     results = {"backend": dist.get_backend(), "device": str(device), "world": args.world, "rank": rank}

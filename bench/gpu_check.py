@@ -677,7 +677,7 @@ def bf16_gather_check(setup: Setup) -> dict:
     num_steps = (1, 2) if setup.quick else (4, 4)
     ids = torch.randint(0, config.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     inputs, labels = ids[:, :-1].to(setup.device), ids[:, 1:].to(setup.device)
-    mesh = parallel.build_mesh(parallel.MeshShape(True, 1, 1), setup.device.type)
+    mesh = parallel.build_mesh(parallel.MeshShape(sharded=True, world_size=1, shard_size=1), setup.device.type)
     row = {"model": f"anchor D={config.n_embd}", "batch": batch, "seq_len": seq_len}
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)

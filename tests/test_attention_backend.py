@@ -19,6 +19,7 @@ from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.model.attention import (AttentionBackendError, AttentionShape, choose_attention_backend,
                                          probe_attention_backends, restrict_attention)
 from huginn_ray.train import loop
+from huginn_ray.train.stopping import Stop
 from test_train_parallel import MemoryReader, plan_for, train_config
 
 NEBEL = AttentionShape(batch=1, heads=55, seq_len=4096, head_dim=96, dtype=torch.bfloat16)
@@ -101,7 +102,7 @@ def test_a_worker_logs_the_kernel_it_trains_with_and_stops_on_a_long_math_only_s
     long = train_config(["block_size=2048"])
     plan = dataclasses.replace(plan_for(long), model_config=ModelConfig.from_name(
         "raven-tiny", vocab_size=64, block_size=2048))
-    with pytest.raises(loop.Stop, match=r"^attention: only the math attention kernel takes the training shape "
+    with pytest.raises(Stop, match=r"^attention: only the math attention kernel takes the training shape "
                                         r"\(micro-batch 2 x 4 heads x seq_len 2048 x head_dim 16, float32\)"):
         loop.build_components(long, plan, 0, torch.device("cpu"))
     on_purpose = train_config(["block_size=2048", "attention_backend=math"])

@@ -77,10 +77,10 @@ class LiveModelBytes(torch.utils._python_dispatch.TorchDispatchMode):
 def build(cfg, plan, rank, initialise=True):
     """build_components, with the most memory its ops hold at once until the model is built (the gradient
     exchange's buffers and the optimizer state come next)."""
-    from huginn_ray.train import loop
+    from huginn_ray.train import loop, parallelize
 
     tracker = LiveModelBytes()
-    builders = {name: getattr(loop, name) for name in ("build_grad_sync", "build_hsdp_grad_sync")}
+    builders = {name: getattr(parallelize, name) for name in ("build_grad_sync", "build_hsdp_grad_sync")}
 
     def stop_counting(builder):
         def build_exchange(*args, **kwargs):
@@ -89,14 +89,14 @@ def build(cfg, plan, rank, initialise=True):
         return build_exchange
 
     for name, builder in builders.items():  # replicate's exchange, hsdp's
-        setattr(loop, name, stop_counting(builder))
+        setattr(parallelize, name, stop_counting(builder))
     try:
         with tracker:
             c = loop.build_components(cfg, plan, rank, torch.device("cpu"), local_world_size=NODE_SIZE,
                                       initialise=initialise)
     finally:
         for name, builder in builders.items():
-            setattr(loop, name, builder)
+            setattr(parallelize, name, builder)
     return c, tracker.peak
 
 

@@ -192,8 +192,9 @@ def planned_shape(cfg) -> MeshShape:
     worker)."""
     workers = cfg.scaling.max_workers
     if not cfg.parallelism.sharded:
-        return MeshShape(False, workers, 1)
-    return MeshShape(True, workers, min(workers, GPU_NODE_SIZE) if cfg.scaling.use_gpu else workers)
+        return MeshShape(sharded=False, world_size=workers, shard_size=1)
+    return MeshShape(sharded=True, world_size=workers,
+                     shard_size=min(workers, GPU_NODE_SIZE) if cfg.scaling.use_gpu else workers)
 
 
 def shard_numel(shape: torch.Size, shards: int) -> int:
