@@ -134,6 +134,9 @@ class ParallelismSection:
     unit (embedding = head, recurrent-state adapter, final norm) are always fp32. bfloat16 halves those gathers
     and needs precision bf16-mixed (autocast feeds the matmuls bf16 activations); auto: bfloat16 when the run
     trains in bf16-mixed (GPUs by default), float32 otherwise (CPU)."""
+    context_parallel: int = 1
+    """Ranks one sequence is split over (the mesh's cp dimension): each holds block_size / context_parallel of
+    its tokens and attends over the sequence's gathered keys and values. Divides the ranks of a node; 1: no split."""
 
     @property
     def sharded(self) -> bool:
