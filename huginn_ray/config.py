@@ -130,6 +130,19 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _meant_sections(sections: list[type], keys: set[str]) -> list[type]:
+    """Of several config sections a mapping matches none of, those it meant: the ones whose required keys it has,
+    else the ones that have every key it has (so its error is that section's, naming the key)."""
+    def required(cls: type) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+
+    meant = [cls for cls in sections if required(cls) <= keys]
+    if len(meant) != 1:
+        meant = [cls for cls in sections if keys <= {f.name for f in dataclasses.fields(cls)}]
+    return meant
+
+
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -145,6 +158,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             except ConfigError as err:
                 errors[arg] = str(err)
         sections = [arg for arg in errors if dataclasses.is_dataclass(arg)]
+        if isinstance(value, dict) and len(sections) > 1:  # the section it meant: the one whose required keys it has
+            sections = _meant_sections(sections, set(value))
         if isinstance(value, dict) and len(sections) == 1:  # a mapping meant the section: its error names the key
             raise ConfigError(errors[sections[0]])
         raise ConfigError(next(iter(errors.values())) if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}")

@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from huginn_ray.config import ConfigError
-from huginn_ray.data.config import load_data_config
-from huginn_ray.data.decontaminate import (EvalFile, Match, build_ngram_set, document_words, eval_files,
-                                           first_match, gram_hashes, normalise)
+from huginn_ray.data.config import LocalEvalSet, load_data_config
+from huginn_ray.data.decontaminate import (DropGuard, EvalFile, Match, build_ngram_set, document_words, eval_files,
+                                           first_match, gram_hashes, guard_common_grams, normalise)
 from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_entries, content_hashes, duplicate_counts,
                                        duplicate_keys, duplicate_rows, hash_table)
 from huginn_ray.data.doc_filter import find_duplicates, read_bucket
@@ -35,9 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GSM8K_SAMPLE = ROOT / "configs" / "eval" / "gsm8k_test_sample.jsonl"
 
 
-def test_normalise_lowercases_strips_punctuation_and_splits_on_whitespace():
-    assert normalise("Janet’s ducks lay 16 eggs_per-day.\n\tShe sells them for $2!  ÉTÉ, naïve") == [
-        "janets", "ducks", "lay", "16", "eggsperday", "she", "sells", "them", "for", "2", "été", "naïve"]
+def test_normalise_lowercases_and_splits_on_whitespace_and_punctuation():
+    assert normalise("Q:Janet’s ducks lay 16 eggs_per-day.\n\tShe sells them for $2!  ÉTÉ, naïve") == [
+        "q", "janet", "s", "ducks", "lay", "16", "eggs", "per", "day", "she", "sells", "them", "for", "2", "été", "naïve"]
     assert normalise(" ... ") == []
 
 
@@ -54,13 +54,17 @@ def test_gram_hashes_are_the_polynomial_of_the_words_blake2b():
     assert gram_hashes(words, 5).tolist() == []
 
 
-def test_ngram_set_matches_13_grams_after_normalisation_and_short_items_whole(tmp_path):
+def test_ngram_set_matches_13_grams_after_normalisation_and_items_from_the_floor_whole(tmp_path):
     evals = tmp_path / "eval.jsonl"
     question = "One two three four five six seven eight nine ten eleven twelve thirteen fourteen?"
-    evals.write_text(json.dumps({"question": question, "answer": "Short answer: 42."}) + "\n\n")
-    ngrams = build_ngram_set([EvalFile(evals, str(evals))], 13)
-    assert (ngrams.n, len(ngrams.hashes), ngrams.lengths) == (13, 2 + 1, (3, 13))
+    answer = "So the short answer is 42, as before."  # 8 words: the floor, one gram of all of them
+    evals.write_text(json.dumps({"question": question, "answer": answer}) + "\n\n"
+                     + json.dumps({"question": "What is six times seven, Bob?", "answer": "#### 42"}) + "\n")
+    fields = ("question", "answer")
+    ngrams = build_ngram_set([EvalFile(evals, str(evals), fields)], 13)
+    assert (ngrams.n, ngrams.min_ngram, len(ngrams.hashes), ngrams.lengths) == (13, 8, 2 + 1, (8, 13))
     assert ngrams.sources == [f"{evals}, line 1, question", f"{evals}, line 1, answer"]
+    assert ngrams.short_items == (f"{evals}, line 3, question", f"{evals}, line 3, answer")  # 6 and 1 words
 
     def match(text: str, chat: bool = False):
         return first_match(document_words(text, chat), ngrams.hashes, ngrams.items, ngrams.lengths)
@@ -69,19 +73,113 @@ def test_ngram_set_matches_13_grams_after_normalisation_and_short_items_whole(tm
         "two three four five six seven eight nine ten eleven twelve thirteen fourteen", 0)
     assert match("two three four five six seven eight nine ten eleven twelve thirteen") is None  # 12 words
     assert match("two three four five six seven eight nine ten eleven twelve thirteen 14") is None
-    assert match("the short answer 42 was given") == Match("short answer 42", 1)
+    said = "so the short answer is 42 as before"
+    assert match("He said: so the short answer is 42 as before. Then left.") == Match(said, 1)
+    assert match("the short answer is 42 as before") is None  # 7 of its words
+    assert match("what is six times seven bob? 42") is None  # an item under the floor is never matched
     # chat documents as staged: each message's content on its own; JSON and roles never join two messages
-    conversation = [{"role": "user", "content": "short answer"}, {"role": "assistant", "content": "42 it is"}]
+    conversation = [{"role": "user", "content": "so the short answer"}, {"role": "assistant", "content": "is 42 as before"}]
     assert match(json.dumps(conversation), chat=True) is None
-    assert match(json.dumps([{"role": "user", "content": "So: short answer\n42"}]), chat=True) == Match(
-        "short answer 42", 1)  # the newline as whitespace, not as JSON's `\n`
-    assert match(json.dumps([["user", "x"], "then: short answer 42"]), chat=True) == Match("short answer 42", 1)
-    local = [EvalFile(evals, str(evals))]
+    assert match(json.dumps([{"role": "user", "content": "So the short answer\nis 42 as before"}]), chat=True) == Match(
+        said, 1)  # the newline as whitespace, not as JSON's `\n`
+    assert match(json.dumps([["user", "x"], "then: so the short answer is 42 as before"]), chat=True) == Match(said, 1)
+    local = [EvalFile(evals, str(evals), fields)]
     assert build_ngram_set(local, 13).digest == ngrams.digest != build_ngram_set(local, 12).digest
+    assert build_ngram_set(local, 13, guard=DropGuard(0.01)).digest != ngrams.digest  # the guard decides again
+    # the floor lowered: the 6-word question becomes one gram (the 1-word answer still is none)
+    lowered = build_ngram_set(local, 13, min_ngram=2)
+    assert (lowered.lengths, lowered.short_items) == ((6, 8, 13), (f"{evals}, line 3, answer",))
+    assert lowered.digest != ngrams.digest
     # a Hub set's commit is part of the digest: the same questions at another commit are another set
     at = [{"hub": "openai/gsm8k", "commit": "a" * 40}]
     assert build_ngram_set(local, 13, tuple(at)).digest != ngrams.digest
     assert build_ngram_set(local, 13, tuple(at)).digest != build_ngram_set(local, 13, ({**at[0], "commit": "b" * 40},)).digest
+
+
+MULTIPLE_CHOICE = [  # an evaluation set of short answers and multiple-choice letters, as a new user writes one
+    {"question": "Janet has three ducks and each lays sixteen eggs a day; how many eggs a week?", "answer": "#### 0"},
+    {"question": "Which planet of the solar system is the largest by mass and by volume?", "answer": "B"},
+    {"question": "Is water made of two hydrogen atoms bonded to one oxygen atom in each molecule?",
+     "answer": "True"},
+    {"question": "A train covers 60 miles in 1 hour; how many miles in 3 hours?", "answer": "1"},  # 13 words
+    {"question": "Name the author who wrote the novel about a white whale.", "answer": "A"},  # 11 words: one gram
+    {"question": "Is the sky blue? yes or no", "answer": "yes"},  # 7 words: under the floor, never matched
+]
+
+
+def test_short_answers_and_letters_drop_no_clean_document_and_every_planted_question_is_found(tmp_path):
+    """500 clean documents made of the words every corpus holds (0, 1, A, B, True, yes, numbers), against an
+    evaluation set whose answers are exactly those: no clean document matches; each question of 8 or more words,
+    planted verbatim, with case and whitespace changed, inside a longer document and inside a chat message, does;
+    the 7-word question and every answer are listed as too short, never matched."""
+    evals = tmp_path / "mc.jsonl"
+    evals.write_text("".join(json.dumps(r) + "\n" for r in MULTIPLE_CHOICE))
+    ngrams = build_ngram_set([EvalFile(evals, str(evals), ("question", "answer"))], 13)
+    assert ngrams.short_items == tuple(f"{evals}, line {i + 1}, answer" for i in range(5)) + (
+        f"{evals}, line 6, question", f"{evals}, line 6, answer")
+    assert ngrams.lengths == (11, 13)
+    rng = random.Random(7)
+    common = "0 1 2 3 16 60 A B C D True False yes no the a is of and to in it answer question".split()
+    clean = [" ".join(rng.choice(common) for _ in range(rng.randint(1, 200))) for _ in range(500)]
+    clean += ["0", "A", "B", "True", "yes", "1", "#### 0", "Answer: B", "the answer is True"]
+
+    def found(text: str, chat: bool = False):
+        match = first_match(document_words(text, chat), ngrams.hashes, ngrams.items, ngrams.lengths)
+        return None if match is None else ngrams.sources[match.item]
+
+    assert [doc for doc in clean if found(doc)] == []
+    for line, record in enumerate(MULTIPLE_CHOICE[:5], 1):
+        question = record["question"]
+        item = f"{evals}, line {line}, question"
+        spaced = "  \n\t".join(question.upper().split())
+        for planted in (question, spaced, f"{clean[line]} {question} {clean[line + 1]}", f"Q:{question}\nA: B"):
+            assert found(planted) == item, planted
+        conversation = [{"role": "user", "content": f"Please help. {question.lower()}"},
+                        {"role": "assistant", "content": "The answer is B"}]
+        assert found(json.dumps(conversation), chat=True) == item
+        assert found(json.dumps([["user", spaced], "so the answer is 0"]), chat=True) == item
+    assert found(MULTIPLE_CHOICE[5]["question"]) is None
+
+
+def test_the_guard_stops_a_dropping_run_on_a_common_gram_naming_it_and_lists_it_in_report_mode(tmp_path):
+    """An evaluation item quoting a boilerplate sentence that 50 of a source's 1,000 documents hold: its gram would
+    drop more than 0.1 % and more than 10 of them, so a dropping run stops naming the gram, the item and the
+    count, and mode report lists it; a small source whose one honest copy is 1 % of it is not stopped."""
+    from types import SimpleNamespace
+
+    boiler = "All rights reserved and no part of this page may be copied without permission."
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text(json.dumps({"question": f"{boiler} How many pages are there?"}) + "\n"
+                     + json.dumps({"question": "How many legs do four spiders and two ants have in total?"}) + "\n")
+    ngrams = build_ngram_set([EvalFile(evals, str(evals))], 13)
+    rng = random.Random(11)
+    words = "the raven flies over a recurrent depth of latent thought".split()
+    web = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(1000)]
+    for i in range(0, 1000, 20):
+        web[i] += f" {boiler}"
+    web[7] = "Homework: how many legs do four spiders and two ants have in total?"
+    small = ["just a note"] * 99 + ["Homework: how many legs do four spiders and two ants have in total?"]
+
+    def scanned(docs: list[str]) -> list[dict]:
+        matches = [first_match(document_words(d, False), ngrams.hashes, ngrams.items, ngrams.lengths) for d in docs]
+        return [{"gram": m.gram, "item": m.item} for m in matches if m is not None]
+
+    files = [(SimpleNamespace(name="web"), {"rows": 600}), (SimpleNamespace(name="web"), {"rows": 400}),
+             (SimpleNamespace(name="small"), {"rows": 100})]
+    matches = [scanned(web[:600]), scanned(web[600:]), scanned(small)]
+    gram = "all rights reserved and no part of this page may be copied without"
+    with pytest.raises(DataError, match=rf"^decontaminate: 1 n-gram\(s\) would drop more than max_drop_fraction="
+                                        rf"0.001 and more than min_guarded_drops=10 of a source's documents: "
+                                        rf"'{gram}' \(evaluation item {evals}, line 1, question\) in 50 of the "
+                                        r"1000 documents of source 'web'\. Common text"):
+        guard_common_grams(ngrams, files, matches, dropping=True)
+    listed = guard_common_grams(ngrams, files, matches, dropping=False)
+    assert listed == [{"source": "web", "gram": gram, "item": f"{evals}, line 1, question", "documents": 50,
+                       "of": 1000}]
+    # 50 documents are 5 %: a guard of 10 % (or of more than 50 documents) lets the run go on
+    for guard in (DropGuard(0.1, 10), DropGuard(0.001, 50)):
+        lenient = build_ngram_set([EvalFile(evals, str(evals))], 13, guard=guard)
+        assert guard_common_grams(lenient, files, matches, dropping=True) == []
 
 
 def test_bad_evaluation_files_are_named(tmp_path):
@@ -89,7 +187,9 @@ def test_bad_evaluation_files_are_named(tmp_path):
     evals.write_text('{"question": "q", "answer": "a"}\n{"question": "q2"}\n')
     with pytest.raises(DataError, match=rf"^decontaminate.against: {evals}, line 2: field 'answer' must be a "
                                         r"string, got NoneType$"):
-        build_ngram_set([EvalFile(evals, str(evals))], 13)
+        build_ngram_set([EvalFile(evals, str(evals), ("question", "answer"))], 13)
+    assert build_ngram_set([EvalFile(evals, str(evals))], 13).short_items == (  # the question only, by default
+        f"{evals}, line 1, question", f"{evals}, line 2, question")
     evals.write_text('{"question": "q", "answer": "a"}\nnot json\n')
     with pytest.raises(DataError, match=rf"^decontaminate.against: {evals}, line 2: invalid JSON"):
         build_ngram_set([EvalFile(evals, str(evals))], 13)
@@ -101,9 +201,23 @@ def test_data_config_refuses_bad_decontaminate_and_dedup_keys_by_name(tmp_path):
     (tmp_path / "gsm8k.jsonl").write_text('{"question": "q", "answer": "a"}\n')
     cfg = load_data_config(config, ["decontaminate.mode=drop", "decontaminate.against=[gsm8k.jsonl]"])
     assert cfg.decontaminate.against == [str(tmp_path / "gsm8k.jsonl")]  # relative to the config file
+    assert (cfg.decontaminate.ngram, cfg.decontaminate.min_ngram, cfg.decontaminate.max_drop_fraction,
+            cfg.decontaminate.min_guarded_drops) == (13, 8, 0.001, 10)
+    cfg = load_data_config(config, ["decontaminate.mode=drop",
+                                    "decontaminate.against=[{path: gsm8k.jsonl, fields: [question, answer]}]"])
+    assert cfg.decontaminate.against == [LocalEvalSet(str(tmp_path / "gsm8k.jsonl"), ["question", "answer"])]
     for overrides, message in (
             (["decontaminate.mode=remove"], "decontaminate.mode: 'remove' is not one of ['none', 'drop', 'report']"),
             (["decontaminate.ngram=0"], "decontaminate.ngram: must be in"),
+            (["decontaminate.min_ngram=14"], "decontaminate.min_ngram: 14 is more than decontaminate.ngram"),
+            (["decontaminate.max_drop_fraction=1.5"], "decontaminate.max_drop_fraction: must be in"),
+            (["decontaminate.min_guarded_drops=-1"], "decontaminate.min_guarded_drops: must be in"),
+            (["decontaminate.against=[{path: gsm8k.jsonl, fields: []}]"],
+             "decontaminate.against[0].fields: must list at least one field name"),
+            (["decontaminate.against=[{path: missing.jsonl}]"],
+             f"decontaminate.against[0].path: no such file: {tmp_path / 'missing.jsonl'}"),
+            (["decontaminate.against=[{path: gsm8k.jsonl, colour: red}]"],
+             "unknown config key 'decontaminate.against[0].colour'"),
             (["decontaminate.mode=drop"], "decontaminate.against: mode 'drop' needs at least one evaluation file"),
             (["decontaminate.against=[missing.jsonl]"],
              f"decontaminate.against[0]: no such file: {tmp_path / 'missing.jsonl'}"),
@@ -123,7 +237,7 @@ def test_hub_evaluation_sets_are_typed_entries_refused_by_name_when_malformed(tm
                       "    - {hub: cais/mmlu, config: all, split: test, revision: v1.0, fields: [question]}\n")
     cfg = load_data_config(config)
     assert cfg.decontaminate.against == [
-        str(tmp_path / "gsm8k.jsonl"), HubEvalSet("openai/gsm8k", "main", "test", "main", ["question", "answer"]),
+        str(tmp_path / "gsm8k.jsonl"), HubEvalSet("openai/gsm8k", "main", "test", "main", ["question"]),
         HubEvalSet("cais/mmlu", "all", "test", "v1.0", ["question"])]
     assert cfg.decontaminate.against[1].patterns == ["main/test-*.parquet"]
     assert HubEvalSet("acme/evals").patterns == ["data/test-*.parquet"]  # push_to_hub's default configuration
@@ -168,7 +282,7 @@ def test_a_hub_evaluation_set_is_resolved_fetched_once_and_read_with_its_commit(
         cached = tmp_path / "root" / "eval_sets" / f"openai/gsm8k@{repo.commit}" / "main/test-00000-of-00001.parquet"
         assert files == [EvalFile(local, str(local)),
                          EvalFile(cached, f"openai/gsm8k@{repo.commit[:12]}/main/test-00000-of-00001.parquet",
-                                  ("question", "answer"))]
+                                  ("question",))]
         assert cached.read_bytes() == repo.files["main/test-00000-of-00001.parquet"]
         data = repo.files["main/test-00000-of-00001.parquet"]
         assert origins == ({"path": str(local)}, {
@@ -186,8 +300,8 @@ def test_a_hub_evaluation_set_is_resolved_fetched_once_and_read_with_its_commit(
         assert eval_files([entry], tmp_path / "root", download, fetch=False) == (files[1:], origins[1:])
         assert [p for method, p, _ in hub.log if method == "GET" and "/resolve/" in p] == gets  # cached
     ngrams = build_ngram_set(files, 13, origins)
-    assert ngrams.sources[-4:] == [f"openai/gsm8k@{repo.commit[:12]}/main/test-00000-of-00001.parquet, row {r}, {f}"
-                                   for r in (1, 2) for f in ("question", "answer")]
+    assert ngrams.sources[-2:] == [f"openai/gsm8k@{repo.commit[:12]}/main/test-00000-of-00001.parquet, row {r}, question"
+                                   for r in (1, 2)]
     match = first_match(document_words(f"Intro. {HUB_QUESTIONS[1]} Outro.", False), ngrams.hashes, ngrams.items,
                         ngrams.lengths)
     assert match is not None and ngrams.sources[match.item].endswith("row 2, question")

@@ -681,17 +681,17 @@ def test_plan_counts_the_filter_stage_bytes_tasks_memory_and_ngram_set_exactly(t
     staged = 73728 * 0.5
     tables = 16 * docs + 128 * 3  # doc_scan: (hash, row) per document + an npy header per scan unit (one a file)
     keys = 8 * docs + 128 * 1  # doc_dedup: at most every document's key, one bucket
-    items = [json.loads(line)[f] for line in gsm8k.read_text().splitlines() for f in ("question", "answer")]
+    items = [json.loads(line)["question"] for line in gsm8k.read_text().splitlines()]  # a plain path: its questions
     grams = sum(max(1, len(normalise(t)) - 12) for t in items)
-    assert (grams, len(items)) == (129, 8)
+    assert (grams, len(items)) == (89, 4)
     ngram_file = 16 * grams + 128
     assert p["filter"] == {
         "documents": 18, "staged_bytes": 36864, "rewritten_bytes": 36864, "hash_table_bytes": int(tables),
         "duplicate_key_bytes": int(keys),
         "ngram_set": {"built_on": "driver, before any stage (pipeline.eval_ngrams); saved as ngrams.npy in the "
                                   "filter stage's directory, loaded from it once by each ScanDocuments actor",
-                      "actors": 1, "grams": 129, "items": 8, "file_bytes": ngram_file,
-                      "bytes_per_actor": 129 * 12, "load_peak_bytes_per_actor": 129 * 28,
+                      "actors": 1, "grams": 89, "items": 4, "file_bytes": ngram_file,
+                      "bytes_per_actor": 89 * 12, "load_peak_bytes_per_actor": 89 * 28,
                       "eval_sets": [str(gsm8k)]}}
     assert p["io_bytes"]["filter"] == {"read": int(staged + tables + keys + staged),
                                        "written": int(tables + keys + staged + ngram_file)}
@@ -715,8 +715,8 @@ def test_plan_counts_the_filter_stage_bytes_tasks_memory_and_ngram_set_exactly(t
     assert off["counts"]["ray_tasks"] == p["counts"]["ray_tasks"] - (1 + 1 + 3)
     assert job.main(["--config", str(config), "--plan"]) == 0  # the table names the filter stage
     assert ("filter: scans 18 documents (36.00 KiB staged; scan units: 3, reads: 1), rewrites at most 36.00 KiB; hash "
-            "tables 672 B, duplicate keys at most 272 B; n-gram set 129 grams of 8 items (2.14 KiB file; 1.51 KiB per "
-            "scan actor, actors: 1, 3.53 KiB while loading), built on the driver") in capsys.readouterr().out
+            "tables 672 B, duplicate keys at most 272 B; n-gram set 89 grams of 4 items (1.52 KiB file; 1.04 KiB per "
+            "scan actor, actors: 1, 2.43 KiB while loading), built on the driver") in capsys.readouterr().out
 
 
 def test_plan_counts_the_scan_units_and_reads_that_the_filter_stage_builds(tmp_path, monkeypatch, capsys):

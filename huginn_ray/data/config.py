@@ -80,8 +80,9 @@ class HubEvalSet:
     revision: str = "main"
     """Branch, tag or commit; resolved to a commit when a run starts, recorded with the n-gram set (and part of its
     digest, so a moved branch is a changed evaluation set)."""
-    fields: list[str] = field(default_factory=lambda: ["question", "answer"])
-    """Columns whose values (strings) are checked, each value one evaluation item (GSM8k: question and answer)."""
+    fields: list[str] = field(default_factory=lambda: ["question"])
+    """Columns whose values (strings) are checked, each value one evaluation item (GSM8k's `question`; add `answer`
+    to check its worked solutions too)."""
 
     @property
     def patterns(self) -> list[str]:
@@ -90,15 +91,39 @@ class HubEvalSet:
 
 
 @dataclass
+class LocalEvalSet:
+    """An evaluation set in a local file, an entry of `decontaminate.against` (a plain path is one with the default
+    fields):
+
+        against: [{path: ../eval/gsm8k_test.jsonl, fields: [question, answer]}]"""
+
+    path: str
+    """JSONL or parquet records holding the fields as strings; relative to the config file."""
+    fields: list[str] = field(default_factory=lambda: ["question"])
+    """Fields whose values are checked, each value one evaluation item (GSM8k's `question` by default)."""
+
+
+@dataclass
 class DecontaminateConfig:
     mode: Literal["none", "drop", "report"] = "none"
     """'drop': training documents that share an n-gram with an evaluation set are left out (and listed);
     'report': listed and kept; 'none': not checked. The list: `<output_dir>/filtered/decontamination.jsonl`."""
     ngram: int = 13
-    """Words per n-gram (GPT-3 and Llama 2 use 13); an evaluation item with fewer words is one gram of all of them."""
-    against: list[str | HubEvalSet] = field(default_factory=list)
-    """Evaluation sets: a local file (a path, relative to the config file: JSONL or parquet records with `question`
-    and `answer` strings, GSM8k's test format) or a Hub dataset (a mapping, `HubEvalSet`)."""
+    """Words per n-gram (GPT-3 and Llama 2 use 13); an evaluation item of `min_ngram` to `ngram` words is one gram
+    of all its words."""
+    min_ngram: int = 8
+    """The fewest words a gram has (GPT-3's floor): an evaluation item shorter than this is never matched (a number,
+    a letter, `True`: words every corpus holds), only listed with its count in `filtered/ngrams.json`."""
+    max_drop_fraction: float = 0.001
+    """The guard: one gram found in more than this fraction of a source's documents, and in more than
+    `min_guarded_drops` of them, is common text, not contamination: with mode drop the run stops before the filter
+    stage writes anything, naming the gram, its evaluation item and the count; with mode report it is listed."""
+    min_guarded_drops: int = 10
+    """The guard stops a run only for a gram found in more documents than this (a small source with one honest
+    match is not stopped)."""
+    against: list[str | LocalEvalSet | HubEvalSet] = field(default_factory=list)
+    """Evaluation sets: a local file (a path, or a mapping `LocalEvalSet` to choose its fields; relative to the
+    config file; JSONL or parquet records, GSM8k's test format) or a Hub dataset (a mapping, `HubEvalSet`)."""
 
 
 @dataclass
@@ -165,12 +190,18 @@ class DataConfig:
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"val_fraction: must be in (0, 1), got {self.val_fraction}")
         check_ranges(self, DATA_RANGES)
+        if self.decontaminate.min_ngram > self.decontaminate.ngram:
+            raise ConfigError(f"decontaminate.min_ngram: {self.decontaminate.min_ngram} is more than "
+                              f"decontaminate.ngram ({self.decontaminate.ngram})")
         if self.decontaminate.mode != "none" and not self.decontaminate.against:
             raise ConfigError(f"decontaminate.against: mode {self.decontaminate.mode!r} needs at least one "
                               "evaluation file")
         for i, entry in enumerate(self.decontaminate.against):
             if isinstance(entry, HubEvalSet):
                 check_hub_eval_set(entry, f"decontaminate.against[{i}]")
+            elif isinstance(entry, LocalEvalSet) and (not entry.fields or not all(entry.fields)):
+                raise ConfigError(f"decontaminate.against[{i}].fields: must list at least one field name, got "
+                                  f"{entry.fields!r}")
         if not self.output_dir:
             raise ConfigError("output_dir: must be set")
 
@@ -207,6 +238,9 @@ DATA_RANGES: dict[str, Range] = {
     "tokenizer.vocab_size": Range(33),  # more than the 32 special tokens at the top (train_tokenizer checks the rest)
     "tokenizer.max_token_length": AT_LEAST_1,
     "decontaminate.ngram": AT_LEAST_1,
+    "decontaminate.min_ngram": AT_LEAST_1,
+    "decontaminate.max_drop_fraction": Range(0.0, 1.0),
+    "decontaminate.min_guarded_drops": NON_NEGATIVE,
     "local_ray.num_cpus": AT_LEAST_1,
     "local_ray.object_store_mib": POSITIVE,
 }
@@ -216,10 +250,13 @@ def load_data_config(path: str | Path, overrides: list[str] | tuple[str, ...] = 
     path = Path(path).resolve()
     cfg = load_config(DataConfig, path, overrides)
     base = path.parent
-    against = [str(_resolve(p, base)) if isinstance(p, str) else p for p in cfg.decontaminate.against]
+    against = [str(_resolve(p, base)) if isinstance(p, str) else
+               dataclasses.replace(p, path=str(_resolve(p.path, base))) if isinstance(p, LocalEvalSet) else p
+               for p in cfg.decontaminate.against]
     for i, p in enumerate(against):
-        if isinstance(p, str) and not Path(p).is_file():
-            raise ConfigError(f"decontaminate.against[{i}]: no such file: {p}")
+        if not isinstance(p, HubEvalSet) and not Path(getattr(p, "path", p)).is_file():
+            raise ConfigError(f"decontaminate.against[{i}]{'' if isinstance(p, str) else '.path'}: no such file: "
+                              f"{getattr(p, 'path', p)}")
     return dataclasses.replace(
         cfg,
         decontaminate=dataclasses.replace(cfg.decontaminate, against=against),

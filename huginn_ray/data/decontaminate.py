@@ -1,20 +1,32 @@
 """Decontamination: which training documents share an n-gram with an evaluation set.
 
     files, origins = eval_files(cfg.decontaminate.against, cfg.root, cfg.download)  # on the driver
-    ngrams = build_ngram_set(files, n=13, origins=origins)                          # once, on the driver
+    ngrams = build_ngram_set(files, n=13, origins=origins, min_ngram=8)             # once, on the driver
     match = first_match(document_words(text, chat=False), ngrams.hashes, ngrams.items, ngrams.lengths)  # a scan actor
+    guarded = guard_common_grams(ngrams, files, matches, dropping=True)            # the driver, before any write
 
-Evaluation sets are local files (GSM8k's test format: `question`, `answer`) or Hub datasets
-(`config.HubEvalSet`). A Hub set is fetched with huggingface_hub as the download stage fetches sources
+Evaluation sets are local files (`config.LocalEvalSet`, or a plain path; GSM8k's test format) or Hub datasets
+(`config.HubEvalSet`), each with the fields of its records that are checked (`fields`; GSM8k's `question` by
+default): each value is one evaluation item. A Hub set is fetched with huggingface_hub as the download stage fetches sources
 (huginn_ray/data/hub_download.py: HF_ENDPOINT, HF_TOKEN, retries, size and hash verified, a verified file trusted
 by its record): every Hub set is first resolved to a commit and listed (metadata only; a missing repo, revision
 or split is refused by name before anything is fetched), then its files are fetched into
 `<output_dir>/eval_sets/<repo>@<commit>/`, where a rerun at the same commit finds them.
 
-Normalisation, as the GPT-3 (Brown et al. 2020, appendix C) and Llama 2 (Touvron et al. 2023, §4.6) reports do
-it: lowercase, strip punctuation (every character that is neither a word character nor whitespace, and `_`), split
-on whitespace; an n-gram is n consecutive words. An evaluation item (a GSM8k question, an answer) shorter than n
-words counts as one gram of all its words, so documents are also checked for grams of that length.
+Normalisation, close to the GPT-3 (Brown et al. 2020, appendix C) and Llama 2 (Touvron et al. 2023, §4.6) reports:
+lowercase, punctuation (every character that is neither a word character nor whitespace, and `_`) made a space,
+split on whitespace, so that a question glued to its prompt (`Q:Janet's ducks`) still gives its words (`q janet s
+ducks`); an n-gram is n consecutive words. An evaluation item of `min_ngram` (GPT-3's floor, 8) to n words
+counts as one gram of all its words, so documents are also checked for grams of that length; an item shorter than
+`min_ngram` words (a number, a multiple-choice letter, `True`) is never matched: every corpus holds those words. Such
+items are listed, with their count, in the set's report (`ngrams.json`, `short_items`).
+
+The guard (`guard_common_grams`): a document records its first gram found. One gram found in more than
+`max_drop_fraction` of a source's documents and in more than `min_guarded_drops` of them is common text (a
+boilerplate sentence an evaluation item quotes), not contamination. The filter stage's scan is the counting pass:
+it writes only its own intermediate tables, and the driver checks the counts before the stage writes a filtered
+file; with mode drop the run stops there, naming the gram, its evaluation item and the count; with mode report the
+gram is listed (and printed) and its documents kept.
 
 Hashes, so the set is small and the check vectorised: a word's hash is the 64-bit blake2b of its UTF-8 bytes;
 a gram's hash is the polynomial `sum(word_hash[j] * P^(len-1-j)) mod 2^64` over its words, computed for all
@@ -29,27 +41,34 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from huginn_ray.data.config import DownloadConfig, HubEvalSet
+from huginn_ray.data.config import DownloadConfig, HubEvalSet, LocalEvalSet
 from huginn_ray.data.formatting import DataError
+
+if TYPE_CHECKING:
+    from huginn_ray.data.sources import Source
 
 POLY = np.uint64(0x9E3779B97F4A7C15)
 """The polynomial's base (odd, so no gram's hash loses its first words' bits)."""
 _NOT_WORD = re.compile(r"[^\w\s]|_")
-EVAL_FIELDS = ("question", "answer")
-"""The fields of a local evaluation file's records (GSM8k's test format) whose text is checked, each as its own
-item."""
+EVAL_FIELDS = ("question",)
+"""The fields of an evaluation file's records whose text is checked when its set names none (GSM8k's question)."""
+MIN_NGRAM = 8
+"""The fewest words of a gram (GPT-3's floor; `decontaminate.min_ngram`)."""
 EVAL_CACHE = "eval_sets"
 """Under the data root: the Hub evaluation sets' files, `<repo>@<commit>/<path in the repo>`."""
 
 
 def normalise(text: str) -> list[str]:
-    """Lowercased words of `text` with punctuation removed (`"Janet's ducks, 16."` -> `["janets", "ducks", "16"]`)."""
-    return _NOT_WORD.sub("", text.lower()).split()
+    """Lowercased words of `text`, punctuation as a space (`"Q:Janet's ducks, 16."` -> `["q", "janet", "s", "ducks",
+    "16"]`)."""
+    return _NOT_WORD.sub(" ", text.lower()).split()
 
 
 _WORD_HASHES: dict[str, int] = {}
@@ -91,10 +110,22 @@ def gram_hashes(words: list[str], n: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class DropGuard:
+    """When one gram's matches are common text rather than contamination (`guard_common_grams`)."""
+
+    max_fraction: float = 0.001
+    """More than this fraction of a source's documents (`decontaminate.max_drop_fraction`) ..."""
+    min_drops: int = 10
+    """... and more than this many of them (`decontaminate.min_guarded_drops`)."""
+
+
+@dataclass(frozen=True)
 class NgramSet:
     """The evaluation sets' grams: `hashes` sorted (uint64), `items[i]` the evaluation item of hashes[i], `lengths`
-    the gram lengths to check (n, and the word counts of items shorter than n), `sources` per item its file and
-    1-based line or row, `origins` per evaluation set where it came from (`eval_files`)."""
+    the gram lengths to check (n, and the word counts of items of `min_ngram` to n words), `sources` per item its
+    file, 1-based line or row and field, `origins` per evaluation set where it came from (`eval_files`),
+    `short_items` the items shorter than `min_ngram` words (never matched), `guard` the rule the filter stage applies
+    to the matches."""
 
     n: int
     hashes: np.ndarray
@@ -102,12 +133,17 @@ class NgramSet:
     lengths: tuple[int, ...]
     sources: list[str]
     origins: tuple[dict, ...] = ()
+    min_ngram: int = MIN_NGRAM
+    short_items: tuple[str, ...] = ()
+    guard: DropGuard = DropGuard()
 
     @property
     def digest(self) -> str:
-        """sha256 of the set's content and of the Hub sets' commits: part of every downstream fingerprint."""
+        """sha256 of the set's content, the Hub sets' commits and the guard: part of every downstream fingerprint
+        (a changed guard decides again whether the run stops)."""
         commits = [origin["commit"] for origin in self.origins if "commit" in origin]
-        h = hashlib.sha256(json.dumps([self.n, list(self.lengths), commits]).encode())
+        h = hashlib.sha256(json.dumps([self.n, list(self.lengths), commits, self.min_ngram,
+                                       [self.guard.max_fraction, self.guard.min_drops]]).encode())
         h.update(self.hashes.tobytes())
         return h.hexdigest()
 
@@ -164,9 +200,10 @@ def eval_files(against: list, root: Path, download: DownloadConfig, fetch: bool 
     endpoint, token = None, None
     files, origins = [], []
     for entry in against:
-        if isinstance(entry, str):
-            files.append(EvalFile(Path(entry), entry))
-            origins.append({"path": entry})
+        if not isinstance(entry, HubEvalSet):
+            local = entry if isinstance(entry, LocalEvalSet) else LocalEvalSet(entry, list(EVAL_FIELDS))
+            files.append(EvalFile(Path(local.path), local.path, tuple(local.fields)))
+            origins.append({"path": local.path})
             continue
         commit, hub_files = next(resolved)
         folder = root / EVAL_CACHE / f"{entry.hub}@{commit}"
@@ -231,13 +268,16 @@ def read_eval_items(file: EvalFile) -> list[tuple[str, str]]:
     return items
 
 
-def build_ngram_set(files: list[EvalFile], n: int, origins: tuple[dict, ...] = ()) -> NgramSet:
-    """Every n-gram of every item of the evaluation files (an item shorter than n: itself)."""
-    hashes, items, lengths, sources = [], [], {n}, []
+def build_ngram_set(files: list[EvalFile], n: int, origins: tuple[dict, ...] = (), min_ngram: int = MIN_NGRAM,
+                    guard: DropGuard = DropGuard()) -> NgramSet:
+    """Every n-gram of every item of the evaluation files (an item of min_ngram to n words: itself; a shorter one:
+    none, listed in `short_items`)."""
+    hashes, items, lengths, sources, short = [], [], {n}, [], []
     for file in files:
         for where, text in read_eval_items(file):
             words = normalise(text)
-            if not words:
+            if len(words) < min_ngram:
+                short.append(where)
                 continue
             size = min(n, len(words))
             lengths.add(size)
@@ -248,12 +288,13 @@ def build_ngram_set(files: list[EvalFile], n: int, origins: tuple[dict, ...] = (
     all_hashes = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
     all_items = np.concatenate(items) if items else np.zeros(0, np.uint32)
     order = np.lexsort((all_items, all_hashes))  # by hash, then item: the same set for the same files
-    return NgramSet(n, all_hashes[order], all_items[order], tuple(sorted(lengths)), sources, origins)
+    return NgramSet(n, all_hashes[order], all_items[order], tuple(sorted(lengths)), sources, origins, min_ngram,
+                    tuple(short), guard)
 
 
 def save_ngram_set(ngrams: NgramSet, directory: Path) -> None:
-    """`ngrams.npy` (hash, item) and `ngrams.json` (n, lengths, item sources, the sets' origins, digest) under
-    `directory`."""
+    """`ngrams.npy` (hash, item) and `ngrams.json` (n, min_ngram, lengths, item sources, the items too short to be
+    matched and their count, the guard, the sets' origins, digest) under `directory`."""
     from huginn_ray.data import layout
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -261,9 +302,11 @@ def save_ngram_set(ngrams: NgramSet, directory: Path) -> None:
     with open(tmp, "wb") as f:
         np.save(f, np.stack([ngrams.hashes, ngrams.items.astype(np.uint64)], axis=1))
     layout.commit_file(tmp, directory / "ngrams.npy")
-    layout.write_json(directory / "ngrams.json", {"n": ngrams.n, "lengths": list(ngrams.lengths),
-                                                  "grams": len(ngrams.hashes), "items": ngrams.sources,
-                                                  "origins": list(ngrams.origins), "digest": ngrams.digest})
+    layout.write_json(directory / "ngrams.json", {
+        "n": ngrams.n, "min_ngram": ngrams.min_ngram, "lengths": list(ngrams.lengths), "grams": len(ngrams.hashes),
+        "items": ngrams.sources, "short_items": {"count": len(ngrams.short_items), "items": list(ngrams.short_items)},
+        "guard": {"max_drop_fraction": ngrams.guard.max_fraction, "min_guarded_drops": ngrams.guard.min_drops},
+        "origins": list(ngrams.origins), "digest": ngrams.digest})
 
 
 def document_words(text: str, chat: bool) -> list[list[str]]:
@@ -309,3 +352,46 @@ def first_match(pieces: list[list[str]], hashes: np.ndarray, items: np.ndarray,
                 i = int(hit[0])
                 return Match(" ".join(words[i:i + size]), int(items[at[i]]))
     return None
+
+
+def guard_common_grams(ngrams: NgramSet, files: list[tuple[Source, dict]], matches: list[list[dict]],
+                       dropping: bool) -> list[dict]:
+    """The grams the guard catches (`DropGuard`): per source, a gram that is the first match of more than
+    `max_fraction` of its documents and of more than `min_drops` of them, with its evaluation item and counts,
+    most documents first. `files`: (source, staged file with its `rows`) in the filter stage's order, `matches` per
+    file its documents' first matches (`gram`, `item`). With `dropping` a caught gram stops the run (a DataError
+    naming each); else they are returned to be listed."""
+    documents: Counter = Counter()
+    found: dict[str, Counter] = {}
+    item_of: dict[str, int] = {}
+    for (source, f), file_matches in zip(files, matches):
+        documents[source.name] += f["rows"]
+        counts = found.setdefault(source.name, Counter())
+        for m in file_matches:
+            counts[m["gram"]] += 1
+            item_of.setdefault(m["gram"], m["item"])
+    guard = ngrams.guard
+    caught = sorted(({"source": name, "gram": gram, "item": ngrams.sources[item_of[gram]], "documents": count,
+                      "of": documents[name]}
+                     for name, counts in found.items() for gram, count in counts.items()
+                     if count > guard.min_drops and count > guard.max_fraction * documents[name]),
+                    key=lambda c: (-c["documents"], c["source"], c["gram"]))
+    if caught and dropping:
+        named = "; ".join(f"{c['gram']!r} (evaluation item {c['item']}) in {c['documents']} of the {c['of']} "
+                          f"documents of source {c['source']!r}" for c in caught[:5])
+        raise DataError(
+            f"decontaminate: {len(caught)} n-gram(s) would drop more than max_drop_fraction={guard.max_fraction} "
+            f"and more than min_guarded_drops={guard.min_drops} of a source's documents: {named}"
+            f"{' ...' if len(caught) > 5 else ''}. Common text, not contamination: nothing was filtered or "
+            "written; remove or narrow that evaluation item (its set's `fields`), raise decontaminate.min_ngram or "
+            "the guard's limits, or list every match with decontaminate.mode=report")
+    return caught
+
+
+def decontamination_counts(ngrams: NgramSet, report: list[dict], guarded: list[dict]) -> dict:
+    """The filter marker's and the manifest's `decontamination`: per evaluation item the documents whose first
+    match it is (dropped, or with mode report listed and kept), in item order; the grams the guard listed; how
+    many items were too short to be matched."""
+    per_item = Counter(r["item"] for r in report)
+    return {"documents_per_item": {item: per_item[item] for item in ngrams.sources if per_item[item]},
+            "guarded": guarded, "short_items": len(ngrams.short_items)}

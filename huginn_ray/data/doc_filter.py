@@ -52,7 +52,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.decontaminate import NgramSet, document_words, first_match, save_ngram_set
+from huginn_ray.data.decontaminate import (NgramSet, decontamination_counts, document_words, first_match,
+                                           guard_common_grams, save_ngram_set)
 from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_entries, content_hashes, duplicate_counts,
                                        duplicate_keys, duplicate_rows, hash_table)
 from huginn_ray.data.execution import (block_size, declared_memory, node_memory_cap, quiet_remote_args, rerun_killed,
@@ -453,13 +454,15 @@ def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Pa
     matches: list[list[dict]] = [[] for _ in files]
     for unit in units:
         matches[unit["file"]] += json.loads((scan_dir / f"{unit['name']}.json").read_text())
+    dropping = mode == "drop"
+    # the scan was the counting pass: a gram common in a source stops a dropping run before any file is filtered
+    guarded = guard_common_grams(ngrams, files, matches, dropping) if ngrams is not None else []
     duplicate_files: list[str] = []
     duplicates = np.zeros(len(files), np.int64)
     if dedup == "exact" and files:
         tables = [(unit["file"], str(scan_dir / f"{unit['name']}.npy")) for unit in units]
         duplicate_files = run_dedup(tables, sum(f["rows"] for _, f in files), dups_dir)
         duplicates = duplicate_counts(duplicate_files, len(files))
-    dropping = mode == "drop"
     duplicates_dropped = duplicates.copy()  # a contaminated duplicate counts as contaminated only
     rewrite = []
     for i, (source, f) in enumerate(files):
@@ -510,7 +513,8 @@ def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Pa
     marker = {"fingerprint": fingerprint, "decontaminate": mode, "dedup": dedup,
               "ngram_set": None if ngrams is None else {"n": ngrams.n, "grams": len(ngrams.hashes),
                                                         "digest": ngrams.digest},
-              "sources": per_source}
+              "sources": per_source,
+              "decontamination": None if ngrams is None else decontamination_counts(ngrams, report, guarded)}
     layout.commit_work_dir(work, out_root, marker)
     for name, entry in per_source.items():
         decon = entry["decontaminated"]
@@ -518,6 +522,9 @@ def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Pa
         print(f"[filter] {name}: {entry['documents_in']} documents -> {entry['rows']} kept; decontaminated: "
               f"{what or 'off'}; exact duplicates dropped: {entry['exact_duplicates_dropped']}"
               f"{'' if dedup == 'exact' else ' (dedup off)'}", flush=True)
+    for c in guarded:  # mode report: listed and kept
+        print(f"[filter] WARNING: {c['gram']!r} (evaluation item {c['item']}) is in {c['documents']} of the {c['of']} "
+              f"documents of {c['source']}: common text, which mode drop refuses", flush=True)
     if report:
         print(f"[filter] {len(report)} documents share an n-gram with the evaluation sets: {out_root / REPORT}",
               flush=True)

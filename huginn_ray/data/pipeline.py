@@ -21,7 +21,7 @@ from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_sources, downloaded_files
 from huginn_ray.data.plan import build_plan
-from huginn_ray.data.decontaminate import EVAL_CACHE, NgramSet, build_ngram_set, eval_files
+from huginn_ray.data.decontaminate import EVAL_CACHE, DropGuard, NgramSet, build_ngram_set, eval_files
 from huginn_ray.data.dedup import duplicates_found, find_val_duplicates, sorted_unique, validation_hashes
 from huginn_ray.data.doc_filter import filter_counts, filter_fingerprint, run_filter
 from huginn_ray.data.execution import original_error
@@ -160,7 +160,8 @@ def eval_ngrams(cfg: DataConfig, fetch: bool = True) -> NgramSet | None:
         if "commit" in origin:
             print(f"[decontaminate] {origin['hub']} ({origin['config']}, {origin['split']}) at "
                   f"{origin['commit'][:12]}: {len(origin['files'])} file(s) in {cfg.root / EVAL_CACHE}", flush=True)
-    return build_ngram_set(files, cfg.decontaminate.ngram, origins)
+    d = cfg.decontaminate
+    return build_ngram_set(files, d.ngram, origins, d.min_ngram, DropGuard(d.max_drop_fraction, d.min_guarded_drops))
 
 
 def expected_filter_fingerprint(cfg: DataConfig, sources: list[Source], markers: dict[str, dict],
@@ -446,6 +447,7 @@ def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:
         if filtered is None:
             raise DataError(f"no filtered documents at {cfg.root / 'filtered'}; run the filter stage first")
         extra["document_filters"] = filter_counts(filtered)
+        extra["decontamination"] = filtered.get("decontamination")
     files = [{"path": str(cfg.root / "packed" / f["file"]), "train_rows": f["train_rows"], "val_rows": f["val_rows"]}
              for f in pack_marker["files"]]
     return run_shuffle(files, pack_marker["seq_len"] + 1, cfg.root / "shards", num_shards=cfg.num_shards,
