@@ -476,11 +476,39 @@ def test_filter_workers_killed_in_scan_dedup_and_filter_rerun_with_twice_their_m
         assert attempts[0] == [first, "killed"], stage
         assert attempts[1:] and {memory for memory, _ in attempts[1:]} == {2 * (first or UNDECLARED_MEMORY)}, stage
 
+    marker = json.loads((tmp_path / "undisturbed" / "filtered" / "_COMPLETE.json").read_text())
+    assert marker["decontamination"] == {"documents_per_item": {f"{GSM8K_SAMPLE}, line 1, question": 1,
+                                                                f"{GSM8K_SAMPLE}, line 2, question": 1},
+                                         "guarded": [], "short_items": 0}
+
+    # the guard: an evaluation item whose one gram ("the raven", the floor lowered to 2 words) many documents hold
+    # stops the run after the scan, naming it, and the filter stage's output is left as it was
+    monkeypatch.undo()
+    common = tmp_path / "common.jsonl"
+    common.write_text(json.dumps({"question": "The raven!"}) + "\n")
+    holding = sum(1 for d in docs + docs[:1] if " the raven " in f" {d} ")
+    assert holding > 3
+    before = {p: p.read_bytes() for p in sorted((tmp_path / "undisturbed" / "filtered").rglob("*")) if p.is_file()}
+    capsys.readouterr()
+    assert prepare_data.main(["--quiet", "--config", str(config), "--stage", "filter",
+                              f"output_dir={tmp_path / 'undisturbed'}", "decontaminate.ngram=2",
+                              "decontaminate.min_ngram=2", "decontaminate.min_guarded_drops=3",
+                              f"decontaminate.against=[{common}]"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("prepare_data: error:")]
+    assert errors == [
+        "prepare_data: error: decontaminate: 1 n-gram(s) would drop more than max_drop_fraction=0.001 and more than "
+        f"min_guarded_drops=3 of a source's documents: 'the raven' (evaluation item {common}, line 1, question) in "
+        f"{holding} of the 91 documents of source 'web'. Common text, not contamination: nothing was filtered or "
+        "written; remove or narrow that evaluation item (its set's `fields`), raise decontaminate.min_ngram or the "
+        "guard's limits, or list every match with decontaminate.mode=report"]
+    assert {p: p.read_bytes() for p in sorted((tmp_path / "undisturbed" / "filtered").rglob("*"))
+            if p.is_file()} == before
+    assert not list((tmp_path / "undisturbed").glob("filtered.partial/web/*.parquet"))
+
     # a staged file rewritten with fewer documents than its marker says (the filter's fingerprint changed:
     # the stage runs again)
     staged = tmp_path / "undisturbed" / "staging" / "web" / "00001.parquet"
     pq.write_table(pq.read_table(staged).slice(0, 20), staged)
-    monkeypatch.undo()
     capsys.readouterr()
     assert prepare_data.main(["--quiet", "--config", str(config), "--stage", "filter",
                               f"output_dir={tmp_path / 'undisturbed'}", "decontaminate.mode=report"]) == 1
