@@ -644,6 +644,38 @@ def test_publish_turns_an_old_shards_directory_into_a_version_and_a_crash_betwee
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shards", "shards.v0003"]
 
 
+def test_last_run_stats_keep_the_peak_of_a_split_made_per_file_ahead_of_the_run(tmp_path, monkeypatch):
+    """The released data's train split made per file by per_file_shards, then write_shards (the val split, the
+    train shards kept): the run's figures hold the largest peak RSS of both, the train split's included; a second
+    run of the same work whose tasks all ran before reports none of the first's."""
+    from huginn_ray.data import shard_build
+
+    peaks = {"train": 900.0, "val": 300.0}
+
+    def per_file_split(split, method, files, work, **settings):  # the tasks' pass: shards committed, peak reported
+        out = work / "out" / split
+        todo = [r for r in range(2) if not (out / f"{r:05d}.parquet").exists()]
+        for r in todo:
+            (out / f"{r:05d}.parquet").write_bytes(b"shard")
+        return [], peaks[split] if todo else None
+
+    monkeypatch.setattr(shard_build, "per_file_split", per_file_split)
+    monkeypatch.setattr(shard_build, "publish", lambda work, shard_root, manifest: None)
+    files = [{"path": f"{i}.parquet", "rel": f"{i}.parquet", "train_rows": 4, "val_rows": 4} for i in range(2)]
+    settings = dict(row_len=9, token_dtype="uint16", vocab_size=100, row_group_size=2, hash_inputs=False)
+    work_id = shard_build.shard_work_id("fp", 1, 1, "uint16")
+
+    def run() -> dict:
+        shard_build.per_file_shards("train", "hard_link", files, tmp_path / "shards", work_id, "fp", **settings)
+        shard_build.write_shards([], {"train": ("hard_link", files), "val": ("hard_link", files)},
+                                 shard_root=tmp_path / "shards", num_shards=2, seed=0, reducer_mib=1, map_mib=1,
+                                 fingerprint="fp", manifest_extra={}, **settings)
+        return dict(shard_build.last_run_stats)
+
+    assert run() == {"max_task_peak_rss_mib": 900.0}
+    assert run() == {}  # every shard kept: no task ran
+
+
 def test_plan_counts_the_filter_stage_bytes_tasks_memory_and_ngram_set_exactly(tmp_path, capsys):
     """`--plan` of a small config with decontaminate (drop, the GSM8k sample) and dedup exact, no tokenizer (so
     the stated DEFAULTS: 1 text byte per jsonl byte, staged 0.5 byte per text byte, 4,096 text bytes per document):

@@ -27,7 +27,10 @@ last_run_stats: dict = {}
 and map files of the whole shuffle read back from its committed files (shuffle.py `_committed_figures`: every map
 group and reducer counted once, whichever attempt committed it), and the largest peak RSS a task reported (tasks
 report it with their results, which a dataset stopped by a killed worker loses: the tasks of its rerun report
-theirs)."""
+theirs), those of a split that `per_file_shards` made ahead of it included."""
+_ahead_peaks: dict[str, float] = {}
+"""Per work id, the largest peak RSS of the per-file splits `per_file_shards` made ahead of `write_shards`, which
+takes it into its run's figures (once: a later run of the same work starts from nothing)."""
 
 
 def run_shuffle(files: list[dict], row_len: int, shard_root: Path, **settings) -> dict:
@@ -75,7 +78,8 @@ def per_file_shards(split: str, method: str, files: list[dict], shard_root: Path
     hashes its rows have."""
     work, _ = open_work(Path(shard_root), work_id, fingerprint)
     found, peak_rss_mib = per_file_split(split, method, files, work, digests={}, **settings)
-    _note_peak_rss(peak_rss_mib)
+    if peak_rss_mib is not None:
+        _ahead_peaks[work_id] = max(_ahead_peaks.get(work_id, 0.0), peak_rss_mib)
     return found
 
 
@@ -122,7 +126,8 @@ def write_shards(shuffle_files: list[dict], per_file: dict[str, tuple[str, list[
     if shuffled:
         plans, groups, with_mask = _plan_shuffle(shuffle_files, shuffled, row_len, num_shards=num_shards,
                                                  token_dtype=token_dtype, reducer_mib=reducer_mib, map_mib=map_mib)
-    work, resumed = open_work(shard_root, shard_work_id(fingerprint, map_mib, reducer_mib, token_dtype), fingerprint)
+    work_id = shard_work_id(fingerprint, map_mib, reducer_mib, token_dtype)
+    work, resumed = open_work(shard_root, work_id, fingerprint)
     if resumed:
         done_maps = sum(1 for _ in (work / "map").glob("*/*.idx.npy"))
         done_shards = sum(1 for _ in (work / "out").glob("*/*.parquet"))
@@ -130,6 +135,7 @@ def write_shards(shuffle_files: list[dict], per_file: dict[str, tuple[str, list[
               f"{done_shards}/{2 * num_shards} shards already written are kept", flush=True)
 
     last_run_stats.clear()
+    _note_peak_rss(_ahead_peaks.pop(work_id, None))  # per_file_shards' tasks ran for this run, before this call
     digests: dict[str, str] = {}
     supervised: dict[str, int] = {}
     if shuffled:
