@@ -146,6 +146,13 @@ def test_file_that_never_succeeds_fails_the_run_and_a_rerun_fetches_only_what_is
     partial = complete[0]
     data = (download / partial).read_bytes()
     (download / partial).write_bytes(data[: len(data) // 3])  # a partial file left behind
+    # what a job killed in the middle of a file leaves: huggingface_hub's temporary file, under a name no later call
+    # uses (its lock and metadata files are reused and stay)
+    library = download / ".cache" / "huggingface" / "download" / "extra"
+    library.mkdir(parents=True, exist_ok=True)
+    (library / "notes.jsonl.lock").write_bytes(b"")
+    stale = library / "3f2a.notes.jsonl.0123abcd.incomplete"
+    stale.write_bytes(b"half a file")
     with FakeHub([_repo()], token=TOKEN) as hub:
         result = _prepare(_config(tmp_path), hub, tmp_path / "hf_home")
         assert result.returncode == 0, result.stderr[-3000:]
@@ -153,6 +160,8 @@ def test_file_that_never_succeeds_fails_the_run_and_a_rerun_fetches_only_what_is
         for path in complete[1:]:
             assert _file_gets(hub, path) == 0, f"{path} was complete and should not be fetched again"
     assert _staged(tmp_path) == _staged(clean_root)
+    assert "[download] mix: removed 1 temporary file(s) of downloads interrupted" in result.stdout
+    assert not list(download.rglob("*.incomplete")) and (library / "notes.jsonl.lock").exists()
 
 
 @pytest.fixture
