@@ -800,3 +800,18 @@ def test_plan_counts_the_scan_units_and_reads_that_the_filter_stage_builds(tmp_p
         "staged_files": 5, "scan_units": len(units), "scan_tasks": len(reads)} == {
         "staged_files": 5, "scan_units": 7, "scan_tasks": 4}
     assert planned["filter"]["hash_table_bytes"] == 16 * 16 + 128 * 7  # an npy header per scan unit
+
+    # the pack stage, batches of 4 documents: its batches (one packed file each) and read tasks are those
+    # tokenize_pack builds (pack_batches, read_units) from the same staging markers
+    from huginn_ray.data.tokenize_pack import pack_batches, read_units
+
+    assert job.main(["--config", str(tmp_path / "data.yaml"), "--plan", "--json", "docs_per_pack_batch=4"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    sources = [files[0][0], files[2][0]]  # web (a, b), code (c, d, e)
+    staged = {source.name: {"files": [{"output": f["output"], "rows": f["rows"], "max_chars": 0}
+                                      for t, f in files if t is source]} for source in sources}
+    batches = pack_batches(sources, tmp_path / "staging", staged, 4)
+    assert [b["count"] for b in batches] == [4, 4, 2, 1, 1, 1, 3]
+    assert {k: planned["counts"][k] for k in ("pack_batches", "pack_tasks")} == {
+        "pack_batches": len(batches), "pack_tasks": len(read_units(batches, 4))} == {"pack_batches": 7,
+                                                                                      "pack_tasks": 4}

@@ -34,6 +34,8 @@ Estimates, all per split-less total (train + validation together):
   document: planned as every file (S read, S written), the upper bound a run reaches when duplicates or matches
   are spread over all files (a file that loses none is a hard link: no byte); nothing is rewritten with
   `mode: report` and `dedup: none`;
+- the pack stage's batches (tokenize_pack's rule applied to each staged file's estimated documents: its runs of
+  `docs_per_pack_batch`, one packed file each) and its read tasks (`read_units`: consecutive batches grouped);
 - memory per task: the `memory=` the stages declare (tokenize_pack.py; shuffle.map_task_memory and
   reduce_task_memory; doc_filter.py's dedup tasks), for the largest task of each kind;
 - time: input volumes over the throughputs of THROUGHPUT (BENCHMARKS.md figures where measured, marked assumed
@@ -65,6 +67,7 @@ from huginn_ray.data.plan_sources import (DEFAULTS, EMPTY, TEXT_PER_INPUT_BYTE, 
                                           mean_ratios, packed_splits, plan_tokenizer, planned, sample_source)
 from huginn_ray.data.shuffle import map_task_memory, plan_split, reduce_task_memory
 from huginn_ray.data.sources import Source
+from huginn_ray.data.tokenize_pack import read_units
 from huginn_ray.data.tokens import arrow_type, token_dtype
 
 THROUGHPUT = {
@@ -135,14 +138,12 @@ NGRAM_ACTOR_BYTES_PER_GRAM = (8 + 4, 16 + 8 + 4)
 `ngrams.npy`, 16 B, read whole before the two are copied out of it)."""
 
 
-def _scan_work(staged: list[tuple[Source, list[float], float]]) -> tuple[int, int]:
+def _scan_work(staged: list[tuple[Source, list[int], float]]) -> tuple[int, int]:
     """(scan units, scan reads) of the doc_scan stage over staged files, each given as (source, every file's
-    estimated documents, the source's characters per document): the units and reads doc_filter builds
-    (`scan_units`, `scan_reads`) from staging markers of those counts. A file is taken to hold at least one
-    document."""
+    estimated documents, at least one, the source's characters per document): the units and reads doc_filter builds
+    (`scan_units`, `scan_reads`) from staging markers of those counts."""
     files, markers = [], {}
-    for source, file_docs, chars_per_doc in staged:
-        rows = [max(1, round(docs)) for docs in file_docs]
+    for source, rows, chars_per_doc in staged:
         markers[source.name] = {"rows": sum(rows), "chars": sum(rows) * chars_per_doc}
         files += [(source, {"rows": n, "output": f"{i:05d}.parquet"}) for i, n in enumerate(rows)]
     units = scan_units(files, markers, Path("staging"))
@@ -159,10 +160,10 @@ class _Volumes:
     documents: float = 0.0
     worst_pack_chars: float = 0.0
     """The characters of the largest pack batch (the pack task's memory formula counts characters)."""
-    scanned: list[tuple[Source, list[float], float]] = field(default_factory=list)
+    scanned: list[tuple[Source, list[int], float]] = field(default_factory=list)
     """Per staged source: (source, each file's estimated documents, characters per document)."""
     # the packed rows of all sources, and their shards
-    pack_tasks: float = 0.0
+    pack_batches: list[int] = field(default_factory=list)  # documents per pack batch, in the stage's order
     packed_tokens: float = 0.0
     packed_file_bytes: float = 0.0
     shard_token_bytes: float = 0.0
@@ -278,11 +279,13 @@ def _volumes(cfg: DataConfig, entries: list[dict], fallback: Ratios, row_len: in
         volumes.packed_tokens += tokens
         docs = text * r.docs_per_text_byte
         volumes.documents += docs
-        volumes.scanned.append((e["source"], [size * text_per_byte * r.docs_per_text_byte for size in e["sizes"]],
-                          r.chars_per_text_byte / r.docs_per_text_byte))
-        batches = max(e["files"], math.ceil(docs / cfg.docs_per_pack_batch))
-        volumes.pack_tasks += batches
-        volumes.packed_file_bytes += tokens * r.packed_file_per_token + batches * r.parquet_file_bytes
+        file_docs = [max(1, round(size * text_per_byte * r.docs_per_text_byte)) for size in e["sizes"]]
+        volumes.scanned.append((e["source"], file_docs, r.chars_per_text_byte / r.docs_per_text_byte))
+        # tokenize_pack.pack_batches' rule: each staged file's runs of docs_per_pack_batch documents
+        batches = [min(cfg.docs_per_pack_batch, n - start) for n in file_docs
+                   for start in range(0, n, cfg.docs_per_pack_batch)]
+        volumes.pack_batches += batches
+        volumes.packed_file_bytes += tokens * r.packed_file_per_token + len(batches) * r.parquet_file_bytes
         volumes.shard_token_bytes += tokens * r.shard_per_token
         chars_per_doc = r.chars_per_text_byte / r.docs_per_text_byte
         volumes.worst_pack_chars = max(volumes.worst_pack_chars, chars_per_doc * min(docs, cfg.docs_per_pack_batch))
@@ -416,19 +419,22 @@ def _counts(cfg: DataConfig, entries: list[dict], volumes: _Volumes, filters: _F
             all_packed: bool) -> dict:
     """The files and tasks of each stage."""
     staged_files = sum(e["files"] for e in entries if not e.get("packed"))
+    # the pack stage's read tasks (one encoder call each): its batches grouped as tokenize_pack.read_units groups them
+    pack_reads = len(read_units([{"count": n} for n in volumes.pack_batches], cfg.docs_per_pack_batch))
     train_files = volumes.packed["train"]["files"] if shards.methods["train"] == "shuffle" else 0
     dedup_tasks = volumes.packed["val"]["files"] + train_files if all_packed else 0
     per_file_tasks = sum(cfg.num_shards for method in shards.methods.values() if method != "shuffle")
     counts = {
         "input_files": sum(e["files"] for e in entries),
         "staged_files": staged_files,
-        "pack_tasks": int(volumes.pack_tasks),
+        "pack_batches": len(volumes.pack_batches),  # one packed file each
+        "pack_tasks": pack_reads,
         "map_tasks": shards.map_tasks,
         "map_files": 2 * len(shards.shuffled) * shards.map_tasks,  # per shuffled split: data + index
         "per_file_tasks": per_file_tasks,
         "reducers": sum(shards.reducers.values()),
         "shard_files": 2 * cfg.num_shards,
-        "ray_tasks": int(sum(e["files"] for e in entries) + dedup_tasks + volumes.pack_tasks + shards.map_tasks
+        "ray_tasks": int(sum(e["files"] for e in entries) + dedup_tasks + pack_reads + shards.map_tasks
                          + sum(shards.reducers.values()) + per_file_tasks
                          + (filters.scan_reads + filters.buckets + staged_files if filters.filtering else 0)),
     }
