@@ -37,7 +37,8 @@ GSM8K_SAMPLE = ROOT / "configs" / "eval" / "gsm8k_test_sample.jsonl"
 
 def test_normalise_lowercases_and_splits_on_whitespace_and_punctuation():
     assert normalise("Q:Janet’s ducks lay 16 eggs_per-day.\n\tShe sells them for $2!  ÉTÉ, naïve") == [
-        "q", "janet", "s", "ducks", "lay", "16", "eggs", "per", "day", "she", "sells", "them", "for", "2", "été", "naïve"]
+        "q", "janet", "s", "ducks", "lay", "16", "eggs", "per", "day", "she", "sells", "them", "for", "2", "été",
+        "naïve"]
     assert normalise(" ... ") == []
 
 
@@ -78,7 +79,8 @@ def test_ngram_set_matches_13_grams_after_normalisation_and_items_from_the_floor
     assert match("the short answer is 42 as before") is None  # 7 of its words
     assert match("what is six times seven bob? 42") is None  # an item under the floor is never matched
     # chat documents as staged: each message's content on its own; JSON and roles never join two messages
-    conversation = [{"role": "user", "content": "so the short answer"}, {"role": "assistant", "content": "is 42 as before"}]
+    conversation = [{"role": "user", "content": "so the short answer"},
+                    {"role": "assistant", "content": "is 42 as before"}]
     assert match(json.dumps(conversation), chat=True) is None
     assert match(json.dumps([{"role": "user", "content": "So the short answer\nis 42 as before"}]), chat=True) == Match(
         said, 1)  # the newline as whitespace, not as JSON's `\n`
@@ -300,8 +302,8 @@ def test_a_hub_evaluation_set_is_resolved_fetched_once_and_read_with_its_commit(
         assert eval_files([entry], tmp_path / "root", download, fetch=False) == (files[1:], origins[1:])
         assert [p for method, p, _ in hub.log if method == "GET" and "/resolve/" in p] == gets  # cached
     ngrams = build_ngram_set(files, 13, origins)
-    assert ngrams.sources[-2:] == [f"openai/gsm8k@{repo.commit[:12]}/main/test-00000-of-00001.parquet, row {r}, question"
-                                   for r in (1, 2)]
+    assert ngrams.sources[-2:] == [
+        f"openai/gsm8k@{repo.commit[:12]}/main/test-00000-of-00001.parquet, row {r}, question" for r in (1, 2)]
     match = first_match(document_words(f"Intro. {HUB_QUESTIONS[1]} Outro.", False), ngrams.hashes, ngrams.items,
                         ngrams.lengths)
     assert match is not None and ngrams.sources[match.item].endswith("row 2, question")

@@ -7,8 +7,8 @@
 
 Evaluation sets are local files (`config.LocalEvalSet`, or a plain path; GSM8k's test format) or Hub datasets
 (`config.HubEvalSet`), each with the fields of its records that are checked (`fields`; GSM8k's `question` by
-default): each value is one evaluation item. A Hub set is fetched with huggingface_hub as the download stage fetches sources
-(huginn_ray/data/hub_download.py: HF_ENDPOINT, HF_TOKEN, retries, size and hash verified, a verified file trusted
+default): each value is one evaluation item. A Hub set is fetched with huggingface_hub as the download stage
+fetches sources (huginn_ray/data/hub_download.py: HF_ENDPOINT, HF_TOKEN, retries, size and hash verified, a verified file trusted
 by its record): every Hub set is first resolved to a commit and listed (metadata only; a missing repo, revision
 or split is refused by name before anything is fetched), then its files are fetched into
 `<output_dir>/eval_sets/<repo>@<commit>/`, where a rerun at the same commit finds them.
