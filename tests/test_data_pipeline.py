@@ -1303,6 +1303,9 @@ def test_decontamination_drops_or_reports_planted_test_questions_and_exact_dupli
         "talk": {"decontaminated": {"dropped": 1}, "exact_duplicates_dropped": 0}}
     assert {name: s["docs"] for name, s in manifest["sources"].items()} == {"web": 37, "mirror": 5, "talk": 7}
     assert manifest["provenance"]["eval_sets"] == [{"path": str(GSM8K_SAMPLE)}]  # as filtered/ngrams.json has it
+    assert manifest["decontamination"] == {  # per evaluation item: the documents it dropped
+        "documents_per_item": {f"{GSM8K_SAMPLE}, line {i}, question": 1 for i in (1, 2, 3, 4)}, "guarded": [],
+        "short_items": 0}
     filtered = {name: pq.read_table(out / "filtered" / name / "00000.parquet").column("text").to_pylist()
                 for name in texts}
     assert filtered == {"web": [t for i, t in enumerate(texts["web"]) if i not in (5, 17, 30)],
@@ -1311,7 +1314,7 @@ def test_decontamination_drops_or_reports_planted_test_questions_and_exact_dupli
     assert [(r["source"], r["doc_id"], r["item"], r["dropped"]) for r in report] == [
         ("web", 5, f"{GSM8K_SAMPLE}, line 1, question", True), ("web", 17, f"{GSM8K_SAMPLE}, line 2, question", True),
         ("web", 30, f"{GSM8K_SAMPLE}, line 3, question", True), ("talk", 6, f"{GSM8K_SAMPLE}, line 4, question", True)]
-    assert report[0]["gram"] == "janets ducks lay 16 eggs per day she eats three for breakfast every"
+    assert report[0]["gram"] == "janet s ducks lay 16 eggs per day she eats three for breakfast"
     assert report[0]["file"] == str(tmp_path / "web" / "docs.jsonl")
     # files without a dropped document are hard links to the staged file, not copies
     talk_staged = out / "staging" / "talk" / "00000.parquet"
