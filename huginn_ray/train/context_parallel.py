@@ -114,6 +114,16 @@ class ContextParallel:
         finally:
             self.active = False
 
+    def mean(self, values: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
+        """Device scalars (the model's telemetry) averaged over the cp group: one all-reduce. A mean over the
+        tokens is exact (every rank holds as many); a statistic of pairs of tokens (token correlation) is the mean
+        of the ranks' own."""
+        if not self.enabled or not values:
+            return values
+        stacked = torch.stack(list(values.values()))
+        dist.all_reduce(stacked, group=self.group)
+        return dict(zip(values, (stacked / self.size).unbind()))
+
     def check_active(self, what: str) -> None:
         if not self.active:
             raise ContextParallelError(
