@@ -3,7 +3,8 @@
 Training loop: raven-tiny at block_size 256 trained for 12 steps by `loop.train_step` on 4 ranks, with
 context_parallel 4 (replicate) and with hsdp over shard 2 x cp 2, logs the losses and gradient norms of the same
 run on one rank without context parallelism within 1e-5 relative (activation checkpointing, no-grad iterations,
-the keyed initial state); step 1's reduced gradients agree within 1e-5.
+the keyed initial state); step 1's reduced gradients agree within 1e-5. The shard 2 x cp 2 run saved after step 6 and resumed by new
+components trains steps 7-12 with the uninterrupted run's losses, bit for bit.
 
 Model level: 4 spawned ranks split a raven-tiny sequence of 256 tokens over a cp group of 4 (head-tail pieces of
 32 tokens); every rank runs the forward and backward of its 64 positions inside the context, with no-grad and
@@ -15,7 +16,10 @@ sequences. A backward outside the context is refused by name.
 from __future__ import annotations
 
 import json
+import os
+import re
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,7 +110,11 @@ def four_rank_report(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def four_rank_reports(tmp_path_factory):
-    reports = spawn(four_rank_report, 4, tmp_path_factory.mktemp("cp4"), timeout_s=180)
+    os.environ["CP_TEST_CHECKPOINT"] = str(tmp_path_factory.mktemp("cp_run") / "checkpoint")  # the spawned ranks'
+    try:
+        reports = spawn(four_rank_report, 4, tmp_path_factory.mktemp("cp4"), timeout_s=180)
+    finally:
+        del os.environ["CP_TEST_CHECKPOINT"]
     for report in reports:
         assert "error" not in report, report.get("trace")
     return reports
@@ -179,11 +187,50 @@ def loop_run(rank: int, world_size: int) -> dict:
             step()
 
         c.optimizer.step = recording_step
-        results = [loop.train_step(c, s, cfg, plan, cpu) for s in range(1, LOOP_STEPS + 1)]
+        results = [loop.train_step(c, s, cfg, plan, cpu) for s in range(1, SAVED_AT + 1)]
+        if name == RESUMED_LAYOUT:
+            save(c, plan, rank, world_size)
+        results += [loop.train_step(c, s, cfg, plan, cpu) for s in range(SAVED_AT + 1, LOOP_STEPS + 1)]
         report[name] = {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
                         "depths": [r.depths for r in results], "grads": grads,
                         "weights": {n: whole(p).tolist() for n, p in c.model.named_parameters()}}
+        if name == RESUMED_LAYOUT:  # a new run from the checkpoint of step 6
+            c = loop.build_components(cfg, plan, rank, cpu, local_world_size=world_size)
+            resume(c, plan, rank)
+            report[name]["resumed_losses"] = [loop.train_step(c, s, cfg, plan, cpu).loss
+                                              for s in range(SAVED_AT + 1, LOOP_STEPS + 1)]
     return report
+
+
+SAVED_AT = 6
+RESUMED_LAYOUT = "shard2xcp2"
+"""The layout whose run is saved after step 6 and resumed by new components for steps 7-12."""
+
+
+def checkpoint_dir() -> Path:
+    return Path(os.environ["CP_TEST_CHECKPOINT"])
+
+
+def save(c, plan, rank: int, world_size: int) -> None:
+    from huginn_ray.train import checkpoint as ckpt
+
+    ckpt.write(checkpoint_dir(), rank, c.model, c.optimizer,
+               ckpt.TrainerState(step=SAVED_AT, world_size=world_size, num_streams=plan.num_streams,
+                                 global_batch_rows=plan.global_batch_rows, rows_per_stream=c.reader.position),
+               torch.device("cpu"))
+
+
+def resume(c, plan, rank: int) -> None:
+    """What the loop does with a checkpoint: model and optimizer loaded, the data position checked, the reader
+    seeked."""
+    from huginn_ray.train import checkpoint as ckpt
+
+    directory = checkpoint_dir()
+    resumed = ckpt.resume(directory, directory.parent, rank, c.model, c.optimizer, torch.device("cpu"),
+                          log=lambda message: None)
+    ckpt.check_data_position(resumed.state, directory, plan.num_streams, plan.global_batch_rows)
+    c.reader.seek(resumed.state.rows_per_stream)
+    c.resumed = True
 
 
 def whole(tensor):
@@ -223,3 +270,39 @@ def test_a_context_parallel_run_trains_as_one_rank_without_it(loop_runs, layout)
         for name, weight in reference["weights"].items():
             # after 12 Adam steps: its normalisation amplifies fp32 summation-order differences of tiny gradients
             assert relative_error(run["weights"][name], weight) < 1e-4, name
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallelism.context_parallel=0"], "parallelism.context_parallel"),
+    (["parallelism.context_parallel=3", "scaling.num_workers=4"], "context_parallel=3 does not divide "
+                                                                    "scaling.num_workers=4"),
+    (["parallelism.context_parallel=2", "scaling.num_workers=[2, 4]"], "an elastic worker count"),
+    (["parallelism.context_parallel=4", "scaling.num_workers=4", "block_size=20"],
+     "block_size=20 does not split into 8 equal pieces"),
+    (["parallelism.context_parallel=2", "grad_sync.kind=ddp"], "with grad_sync.kind=ddp is not supported"),
+    (["parallelism.context_parallel=2", "compile=true"], "with compile=true is not supported"),
+])
+def test_a_context_parallel_layout_the_run_cannot_serve_is_refused_by_name(overrides, message):
+    from huginn_ray.config import ConfigError
+    from huginn_ray.train.config import load_train_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_train_config(None, ["max_steps=2", "block_size=16", *overrides])
+
+
+def test_a_cp_group_lies_inside_a_node_and_reads_as_one_data_rank():
+    from huginn_ray.train import parallel
+
+    shape = parallel.mesh_shape(True, 8, 4, context_parallel=2)
+    assert (shape.shard_size, shape.replicas, shape.data_ranks) == (4, 2, 4)
+    assert [shape.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert shape.name == "hsdp, shard_size 4, context_parallel 2"
+    with pytest.raises(parallel.LayoutError, match="context_parallel=4 does not divide the 2 ranks of a node"):
+        parallel.mesh_shape(False, 8, 2, context_parallel=4)
+
+
+def test_a_context_parallel_run_resumes_exactly(loop_runs):
+    _, reports = loop_runs
+    for report in reports:
+        run = report[RESUMED_LAYOUT]
+        assert run["resumed_losses"] == run["losses"][SAVED_AT:]
