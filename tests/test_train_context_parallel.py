@@ -4,7 +4,8 @@ Training loop: raven-tiny at block_size 256 trained for 12 steps by `loop.train_
 context_parallel 4 (replicate) and with hsdp over shard 2 x cp 2, logs the losses and gradient norms of the same
 run on one rank without context parallelism within 1e-5 relative (activation checkpointing, no-grad iterations,
 the keyed initial state); step 1's reduced gradients agree within 1e-5. The shard 2 x cp 2 run saved after step 6 and resumed by new
-components trains steps 7-12 with the uninterrupted run's losses, bit for bit.
+components trains steps 7-12 with the uninterrupted run's losses, bit for bit. Validation (no gradients, the rows
+split alike, the sums over every rank) gives one rank's losses at depths 1 and 3 within 1e-5.
 
 Model level: 4 spawned ranks split a raven-tiny sequence of 256 tokens over a cp group of 4 (head-tail pieces of
 32 tokens); every rank runs the forward and backward of its 64 positions inside the context, with no-grad and
@@ -187,12 +188,13 @@ def loop_run(rank: int, world_size: int) -> dict:
             step()
 
         c.optimizer.step = recording_step
+        validation = validation_loss(c, cfg, plan, rank)
         results = [loop.train_step(c, s, cfg, plan, cpu) for s in range(1, SAVED_AT + 1)]
         if name == RESUMED_LAYOUT:
             save(c, plan, rank, world_size)
         results += [loop.train_step(c, s, cfg, plan, cpu) for s in range(SAVED_AT + 1, LOOP_STEPS + 1)]
         report[name] = {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
-                        "depths": [r.depths for r in results], "grads": grads,
+                        "depths": [r.depths for r in results], "grads": grads, "validation": validation,
                         "weights": {n: whole(p).tolist() for n, p in c.model.named_parameters()}}
         if name == RESUMED_LAYOUT:  # a new run from the checkpoint of step 6
             c = loop.build_components(cfg, plan, rank, cpu, local_world_size=world_size)
@@ -200,6 +202,21 @@ def loop_run(rank: int, world_size: int) -> dict:
             report[name]["resumed_losses"] = [loop.train_step(c, s, cfg, plan, cpu).loss
                                               for s in range(SAVED_AT + 1, LOOP_STEPS + 1)]
     return report
+
+
+def validation_loss(c, cfg, plan, rank: int) -> dict:
+    """The validation metrics at depths 1 and 3 of the initial model on 4 fixed rows, each cp group validating its
+    data rank's rows of them, split as in training."""
+    from dataclasses import replace
+
+    from test_train_parallel import validate, MemoryReader
+
+    from huginn_ray.train.shard_reader import collate
+
+    rows = MemoryReader(None, 99, 0, cfg.block_size + 1).next_rows(c.order.rows_per_micro_batch)
+    batch = collate(rows[list(c.order.rows(c.shape.data_rank(rank)))], plan.pad_id, plan.eos_id)
+    return validate(c.model, c.cp.local_batch(batch), replace(cfg, eval_depths=[1, 3], eval_iters=1), plan,
+                    torch.device("cpu"), c.autocast)
 
 
 SAVED_AT = 6
@@ -263,6 +280,7 @@ def test_a_context_parallel_run_trains_as_one_rank_without_it(loop_runs, layout)
     for report in reports:
         run = report[layout]
         assert run["depths"] == reference["depths"]
+        assert run["validation"] == pytest.approx(reference["validation"], rel=1e-5)
         assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
         assert run["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5)
         for name, grad in reference["grads"].items():

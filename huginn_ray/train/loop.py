@@ -5,7 +5,9 @@ small all-reduce, used on the device), sample the depth (n, k) from the step (th
 forward+backward every micro-batch, exchange gradients (fp32 mean), clip, set the scheduled lr in every group,
 step (not the first one), then validate, log and checkpoint on their intervals. The loss is the sum of the token
 losses of the whole global batch over its supervised tokens, divided by their count, on every layout, gradient
-accumulation and split of a micro-batch's rows over the ranks (they may differ by a row: data_order.py).
+accumulation and split of a micro-batch's rows over the ranks (they may differ by a row: data_order.py). With
+context parallelism each rank of a cp group trains its positions of its group's rows, forward and backward inside
+the group's context (huginn_ray.train.context_parallel), and counts and sums only its own tokens.
 
 All ranks decide alike with one small all-reduce per step, read once by the host (the step's only host sync):
 the loss, whether the loss or gradient norm is non-finite, a stop request (SIGTERM, the Slurm signal), the time
@@ -182,8 +184,9 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
     sync = gradient_sync(model, cfg, shape, mesh)  # after the weights: DDP broadcasts rank 0's when built
     optimizer = build_optimizer(model, cfg.optim)
     reader = StepPrefetcher(
-        RankReader(order, shape.data_rank(rank), lambda stream: ShardReader(shard_path(plan.data_dir, "train", stream), stream,
-                                                           cfg.seed, cfg.block_size + 1)),
+        RankReader(order, shape.data_rank(rank),
+                   lambda stream: ShardReader(shard_path(plan.data_dir, "train", stream), stream, cfg.seed,
+                                              cfg.block_size + 1)),
         order.grad_accum, lambda rows: cp.local_batch(collate(rows, plan.pad_id, plan.eos_id, model_cfg.vocab_size)),
         pin=device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if plan.precision == "bf16-mixed" else nullcontext()
@@ -493,7 +496,8 @@ def read_batches(c: Components, cfg: TrainConfig) -> tuple[list[Batch], str | No
     except DATA_ERRORS as err:
         zeros = torch.zeros(cfg.micro_batch_size, cfg.block_size, dtype=torch.long)
         keys = torch.zeros(cfg.micro_batch_size, dtype=torch.long)
-        return [c.cp.local_batch(Batch(zeros, zeros, keys))] * c.order.grad_accum, f"{c.reader.path}: {type(err).__name__}: {err}"
+        batch = c.cp.local_batch(Batch(zeros, zeros, keys))
+        return [batch] * c.order.grad_accum, f"{c.reader.path}: {type(err).__name__}: {err}"
 
 
 def clip_gradients(c: Components, max_norm: float) -> torch.Tensor:
