@@ -9,7 +9,8 @@ The first n iterations run without autograd and only the last k carry gradients 
 memory a training step keeps does not grow with the sampled depth. `forward` runs every stage; generation and
 training's memory plan call the stages (the public methods named on the right) one at a time. Parameter and
 buffer names are those of the released Hugging Face checkpoint, so state_dicts move between the two unchanged.
-The blocks are in huginn_ray.model.blocks, the latent noise in huginn_ray.model.noise.
+The blocks are in huginn_ray.model.blocks, the latent noise in huginn_ray.model.noise. `split_sequence` trains on
+a part of every sequence (context parallelism: the caller passes the split and its attention).
 """
 
 from __future__ import annotations

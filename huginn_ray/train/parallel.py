@@ -128,7 +128,8 @@ def describe_layout(shape: MeshShape, placements: list[dict]) -> str:
     mesh = (f"hsdp: {shape.replicas} shard group(s) of {shape.shard_size} ranks" if shape.sharded
             else "replicate")
     if shape.context_parallel > 1:
-        mesh += f"; cp groups of {shape.context_parallel} consecutive ranks split each sequence"
+        mesh += (f"; cp groups of {shape.context_parallel} consecutive ranks split each sequence (all-gather K/V "
+                 "attention)")
     return f"{shape.world_size} workers on {len(nodes)} node(s): {where}; {mesh}"
 
 
