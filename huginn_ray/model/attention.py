@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -129,9 +130,23 @@ def restrict_attention(model: nn.Module, backend: str | None) -> nn.Module:
     return model
 
 
+class SequenceSplit(Protocol):
+    """A sequence split over several ranks (context parallelism; huginn_ray.train.context_parallel implements it):
+    this rank holds the tokens at `positions`, and `attend` is causal attention of its queries over the whole
+    sequence's keys and values."""
+
+    positions: Tensor
+    """This rank's positions in the sequence (int64, on the model's device), in the order its tokens come."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q, k, v: (batch, heads, local length, head_dim) at `positions`; returns the output, shaped as q."""
+
+
 class CausalSelfAttention(nn.Module):
     sdpa_backends: list[SDPBackend] | None = None
     """The scaled_dot_product_attention kernels this module may use (restrict_attention); None: torch's choice."""
+    sequence_split: SequenceSplit | None = None
+    """Set by RecurrentGPT.split_sequence: calls without a KV cache attend through it (context parallelism)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -155,8 +170,11 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.update(block_index, k, v)
             causal = mask is None
         with sdpa_kernel(self.sdpa_backends) if self.sdpa_backends else nullcontext():
-            y = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal
-            )
+            if cache is None and self.sequence_split is not None:
+                y = self.sequence_split.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            else:
+                y = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal
+                )
         return self.proj(y.transpose(1, 2).reshape(batch, length, width))
 

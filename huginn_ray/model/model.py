@@ -9,7 +9,8 @@ The first n iterations run without autograd and only the last k carry gradients 
 memory a training step keeps does not grow with the sampled depth. `forward` runs every stage; generation and
 training's memory plan call the stages (the public methods named on the right) one at a time. Parameter and
 buffer names are those of the released Hugging Face checkpoint, so state_dicts move between the two unchanged.
-The blocks are in huginn_ray.model.blocks, the latent noise in huginn_ray.model.noise.
+The blocks are in huginn_ray.model.blocks, the latent noise in huginn_ray.model.noise. `split_sequence` trains on
+a part of every sequence (context parallelism: the caller passes the split and its attention).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from huginn_ray.model.attention import rope_table
+from huginn_ray.model.attention import SequenceSplit, rope_table
 from huginn_ray.model.blocks import CHECKPOINT_OPTIONS, RecurrentCore, RMSNorm, SandwichBlock
 from huginn_ray.model.cache import KVCache
 from huginn_ray.model.config import ModelConfig
@@ -91,7 +92,7 @@ class RecurrentGPT(nn.Module):
         position = len(cache) if cache is not None else 0
         self._check_input_ids(input_ids, position, values=check_token_ids)
         n, k = self._resolve_num_steps(num_steps)
-        rope = self.freqs_cis[:, position : position + input_ids.shape[1]]
+        rope = self.rope(position, input_ids.shape[1], cache is None)
 
         # training only: generation passes a KV cache, evaluation runs without gradients
         checkpointing = (self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
@@ -160,6 +161,30 @@ class RecurrentGPT(nn.Module):
         x = x[:, -1] if last is None else x[torch.arange(len(last)), last]
         return self.lm_head(self.transformer.ln_f(x)).float()
 
+    # ---- a sequence split over ranks (context parallelism) ----------------------------------------------------
+    sequence_split: SequenceSplit | None = None
+    """Set by `split_sequence`: the forward's tokens are the split's positions of the sequence."""
+
+    def split_sequence(self, split: SequenceSplit | None) -> RecurrentGPT:
+        """Train on a part of every sequence (context parallelism): the tokens a forward gets are those at
+        `split.positions`, every attention call without a KV cache attends through `split.attend` (over the whole
+        sequence), the RoPE angles are the positions', and `keyed_initial_state` draws each row's noise whole and
+        keeps the positions'. None: whole sequences again. Returns the model."""
+        self.sequence_split = split
+        for block in self.blocks():
+            block.attn.sequence_split = split
+        return self
+
+    def rope(self, position: int, length: int, split: bool = True) -> Tensor:
+        """The RoPE table of `length` tokens from `position`, or (`split` and the model trains on a split
+        sequence) of the split's positions."""
+        if split and self.sequence_split is not None:
+            positions = self.sequence_split.positions
+            if len(positions) != length:
+                raise ValueError(f"{length} tokens, but this rank's part of the split sequence holds {len(positions)}")
+            return self.freqs_cis[:, positions]
+        return self.freqs_cis[:, position : position + length]
+
     # ---- the initial latent state --------------------------------------------------------------------------
     def initial_state(self, embedded: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """The latent state the recurrence starts from: noise drawn from `generator` (None: torch's global one)."""
@@ -176,13 +201,20 @@ class RecurrentGPT(nn.Module):
         """The initial latent state of rows with these keys (training's row keys, huginn_ray.train.shard_reader),
         drawn like the forward's own but row i from a generator seeded with `row_seed(seed, keys[i])`: a row gets
         the same noise on whichever rank, in whichever micro-batch it is trained (the forward's own draw comes
-        from the rank's global RNG)."""
-        state = torch.empty(len(keys), seq_len, self.config.n_embd, device=device)
+        from the rank's global RNG). On a split sequence (`split_sequence`) `seq_len` is the whole row's: each row's
+        noise is drawn whole (one row's transient) and the split's positions kept, the unsplit run's values."""
+        positions = self.sequence_split.positions if self.sequence_split is not None else None
+        local = seq_len if positions is None else len(positions)
+        state = torch.empty(len(keys), local, self.config.n_embd, device=device)
         if self.config.state_init == "zero":
             return state.zero_()
+        whole = None if positions is None else torch.empty(seq_len, self.config.n_embd, device=device)
         for row, key in enumerate(keys.tolist()):
             generator = torch.Generator(device=device).manual_seed(row_seed(seed, key))
-            state[row].uniform_(*TRUNC_NORMAL_UNIFORM, generator=generator)
+            if whole is None:
+                state[row].uniform_(*TRUNC_NORMAL_UNIFORM, generator=generator)
+            else:
+                state[row] = whole.uniform_(*TRUNC_NORMAL_UNIFORM, generator=generator)[positions]
         return self.noise_from_uniform(state)
 
     def _resolve_num_steps(self, num_steps: int | tuple[int, int] | None) -> tuple[int, int]:

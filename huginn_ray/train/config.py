@@ -410,6 +410,7 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
     check_profile_steps(cfg)
     check_compile_options(cfg)
     check_param_dtype(cfg)
+    check_context_parallel(cfg)
     return cfg
 
 
@@ -471,6 +472,31 @@ def check_compile_options(cfg: TrainConfig) -> None:
                           "GPUs)")
 
 
+def check_context_parallel(cfg: TrainConfig) -> None:
+    """parallelism.context_parallel = N > 1: a fixed worker count that N divides (it must also divide a node's
+    workers: checked at startup, where Ray Train reports them), a block_size of 2N equal pieces (the head-tail
+    layout), and none of the combinations context parallelism does not serve."""
+    size = cfg.parallelism.context_parallel
+    if size == 1:
+        return
+    name = f"parallelism.context_parallel={size}"
+    if isinstance(cfg.scaling.num_workers, list):
+        raise ConfigError(f"{name}: an elastic worker count (scaling.num_workers={cfg.scaling.num_workers}) is not "
+                          "supported with context parallelism; give one worker count")
+    if cfg.scaling.num_workers % size:
+        raise ConfigError(f"{name} does not divide scaling.num_workers={cfg.scaling.num_workers}")
+    if cfg.block_size % (2 * size):
+        raise ConfigError(f"{name}: block_size={cfg.block_size} does not split into {2 * size} equal pieces (the "
+                          f"head-tail layout: rank r holds pieces r and {2 * size - 1} - r); use a multiple of "
+                          f"{2 * size}")
+    if cfg.grad_sync.kind == "ddp":
+        raise ConfigError(f"{name} with grad_sync.kind=ddp is not supported: use chunk_stream or "
+                          "chunk_stream_overlap")
+    if cfg.compile:
+        raise ConfigError(f"{name} with compile=true is not supported: the compiled blocks would trace the cp "
+                          "group's all-gather of keys and values")
+
+
 def check_sharding_config(cfg: TrainConfig) -> None:
     if cfg.parallelism.sharded and cfg.grad_sync.kind == "ddp":
         raise ConfigError(f"grad_sync.kind={cfg.grad_sync.kind}: under parallelism.mode=hsdp the exchange between "
@@ -494,6 +520,7 @@ TRAIN_RANGES: dict[str, Range] = {
     "schedule.min_lr": NON_NEGATIVE,
     "grad_sync.chunk_mib": Range(0, 16384, lo_open=True),  # 0 would hang every worker at startup
     "scaling.num_workers": AT_LEAST_1,
+    "parallelism.context_parallel": AT_LEAST_1,
     "scaling.cpus_per_worker": POSITIVE,
     "checkpoint.save_step_interval": AT_LEAST_1,
     "checkpoint.keep": AT_LEAST_1,

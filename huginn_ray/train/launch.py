@@ -80,8 +80,9 @@ def data_version(data_dir: Path, resumed: ckpt.TrainerState | None) -> Path:
 def data_order(cfg: TrainConfig, num_streams: int, resumed: ckpt.TrainerState | None) -> DataOrder:
     """The run's data order on scaling.num_workers ranks (elastic [min, max]: on max, and min must be served
     too): the global batch is world_batch_size, else the checkpoint's, else micro_batch_size x (max) workers; a
-    resumed run keeps its checkpoint's (the data position counts rows of that batch)."""
-    world_size = cfg.scaling.max_workers
+    resumed run keeps its checkpoint's (the data position counts rows of that batch). With context parallelism
+    the data order runs on the cp groups (a cp group's ranks read the same rows)."""
+    world_size = cfg.scaling.max_workers // cfg.parallelism.context_parallel
     if resumed is not None and cfg.world_batch_size is not None and cfg.world_batch_size != resumed.global_batch_rows:
         raise PreflightError(
             f"world_batch_size={cfg.world_batch_size}, but the run's newest checkpoint (step {resumed.step}) was "
@@ -89,7 +90,8 @@ def data_order(cfg: TrainConfig, num_streams: int, resumed: ckpt.TrainerState | 
             f"world_batch_size={resumed.global_batch_rows}, or a new run_name to start over)")
     rows = cfg.world_batch_size or (resumed.global_batch_rows if resumed else cfg.micro_batch_size * world_size)
     try:
-        DataOrder(num_streams, rows, cfg.micro_batch_size, cfg.scaling.min_workers).check()
+        DataOrder(num_streams, rows, cfg.micro_batch_size,
+                  cfg.scaling.min_workers // cfg.parallelism.context_parallel).check()
         order = DataOrder(num_streams, rows, cfg.micro_batch_size, world_size).check()
     except DataOrderError as err:
         raise PreflightError(f"scaling.num_workers={cfg.scaling.num_workers}: {err}") from None
@@ -97,8 +99,10 @@ def data_order(cfg: TrainConfig, num_streams: int, resumed: ckpt.TrainerState | 
 
 
 def worker_counts(cfg: TrainConfig) -> range:
-    """Every worker count the run may train on: scaling.num_workers, or its [min, max]."""
-    return range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1)
+    """Every count of data ranks the run may train on: scaling.num_workers, or its [min, max] (divided by
+    parallelism.context_parallel: the cp groups)."""
+    cp = cfg.parallelism.context_parallel
+    return range(cfg.scaling.min_workers // cp, cfg.scaling.max_workers // cp + 1)
 
 
 def largest_rank_micro_batch(cfg: TrainConfig, order: DataOrder) -> int:

@@ -5,7 +5,9 @@ small all-reduce, used on the device), sample the depth (n, k) from the step (th
 forward+backward every micro-batch, exchange gradients (fp32 mean), clip, set the scheduled lr in every group,
 step (not the first one), then validate, log and checkpoint on their intervals. The loss is the sum of the token
 losses of the whole global batch over its supervised tokens, divided by their count, on every layout, gradient
-accumulation and split of a micro-batch's rows over the ranks (they may differ by a row: data_order.py).
+accumulation and split of a micro-batch's rows over the ranks (they may differ by a row: data_order.py). With
+context parallelism each rank of a cp group trains its positions of its group's rows, forward and backward inside
+the group's context (huginn_ray.train.context_parallel), and counts and sums only its own tokens.
 
 All ranks decide alike with one small all-reduce per step, read once by the host (the step's only host sync):
 the loss, whether the loss or gradient norm is non-finite, a stop request (SIGTERM, the Slurm signal), the time
@@ -42,6 +44,7 @@ from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train import parallel
 from huginn_ray.train.collectives import all_ranks, count_ranks
 from huginn_ray.train.config import TrainConfig
+from huginn_ray.train.context_parallel import ContextParallel, ContextParallelError
 from huginn_ray.train.data_order import DataOrder, DataOrderError
 from huginn_ray.train.sharded_init import initialise_sharded
 from huginn_ray.train.fault_injection import inject_fault
@@ -91,7 +94,7 @@ def _train(cfg: TrainConfig, plan: RunPlan) -> None:
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     device = training_device()
     c = start_worker(cfg, plan, ctx, device)
-    val_batch = read_validation_batch(c.order, cfg, plan, rank, device)
+    val_batch = c.cp.local_batch(read_validation_batch(c.order, cfg, plan, c.shape.data_rank(rank), device))
     state, resized_from = restore_state(c, cfg, plan, rank, world_size, device)
     if cfg.warmup_allreduce_mib > 0:
         warmup_allreduce(device, cfg.warmup_allreduce_mib, timeout_s=cfg.warmup_timeout_s)
@@ -113,12 +116,14 @@ def start_worker(cfg: TrainConfig, plan: RunPlan, ctx, device: torch.device) -> 
                              initialise=False)  # a checkpoint may hold the weights: initialised after the resume
     except DataOrderError as err:  # the same on every rank, before any collective
         raise Stop(f"data order: {err}", reporter=rank == 0) from None
+    except (parallel.LayoutError, ContextParallelError) as err:
+        raise Stop(f"layout: {err}", reporter=rank == 0) from None
     placements = all_ranks(placement, device)
     c.hosts = [p["node_ip"] for p in placements]
     parallel.check_node_layout(c.shape, placements)
     if rank == 0:
         print(f"[huginn] {parallel.describe_layout(c.shape, placements)}", flush=True)
-    parallel.warm_mesh(c.mesh, device)
+    parallel.warm_mesh(c.mesh, device, c.cp.group)
     return c
 
 
@@ -138,6 +143,8 @@ class Components:
     mesh: object
     """The ("replicate", "shard") DeviceMesh (huginn_ray.train.parallel)."""
     shape: parallel.MeshShape
+    cp: ContextParallel
+    """This rank's part of its cp group (huginn_ray.train.context_parallel; disabled at context_parallel 1)."""
     resumed: bool = False
     """Model, optimizer and reader were loaded from a checkpoint."""
     hosts: list[str] | None = None
@@ -159,14 +166,17 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
     if device.type == "cpu":
         torch.set_num_threads(cfg.cpu_threads)
     world_size = dist.get_world_size()
-    order = plan.data_order(cfg.micro_batch_size, world_size)
-    shape = parallel.mesh_shape(cfg.parallelism.sharded, world_size, local_world_size or world_size)
+    shape = parallel.mesh_shape(cfg.parallelism.sharded, world_size, local_world_size or world_size,
+                                cfg.parallelism.context_parallel)
+    order = plan.data_order(cfg.micro_batch_size, shape.data_ranks)  # a cp group's ranks read the same rows
     mesh = parallel.build_mesh(shape, device.type)
+    cp = ContextParallel(parallel.context_group(shape), cfg.block_size, device)
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     random.seed(cfg.seed)
     model_cfg = plan.model_config
     with torch.device("meta"):  # no CPU copy of the model: allocate and initialise on the training device
         model = RecurrentGPT(model_cfg)
+    model.split_sequence(cp if cp.enabled else None)
     use_attention_backend(model, cfg, plan, order.largest_micro_batch, rank, device)
     shard_and_allocate(model, cfg, plan.precision, shape, mesh, device)
     if initialise:
@@ -174,12 +184,13 @@ def build_components(cfg: TrainConfig, plan: RunPlan, rank: int, device: torch.d
     sync = gradient_sync(model, cfg, shape, mesh)  # after the weights: DDP broadcasts rank 0's when built
     optimizer = build_optimizer(model, cfg.optim)
     reader = StepPrefetcher(
-        RankReader(order, rank, lambda stream: ShardReader(shard_path(plan.data_dir, "train", stream), stream,
-                                                           cfg.seed, cfg.block_size + 1)),
-        order.grad_accum, lambda rows: collate(rows, plan.pad_id, plan.eos_id, model_cfg.vocab_size),
+        RankReader(order, shape.data_rank(rank),
+                   lambda stream: ShardReader(shard_path(plan.data_dir, "train", stream), stream, cfg.seed,
+                                              cfg.block_size + 1)),
+        order.grad_accum, lambda rows: cp.local_batch(collate(rows, plan.pad_id, plan.eos_id, model_cfg.vocab_size)),
         pin=device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if plan.precision == "bf16-mixed" else nullcontext()
-    return Components(model_cfg, model, sync, optimizer, reader, order, autocast, mesh, shape)
+    return Components(model_cfg, model, sync, optimizer, reader, order, autocast, mesh, shape, cp)
 
 
 def use_attention_backend(model: RecurrentGPT, cfg: TrainConfig, plan: RunPlan, rows: int, rank: int,
@@ -395,7 +406,7 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: RunPlan, device
         labels = batch.labels.to(device, non_blocking=True)
         states = c.model.keyed_initial_state(batch.keys, cfg.block_size, cfg.seed, device)
         last = micro == grad_accum - 1
-        with c.sync.micro_batch(last=last):
+        with c.sync.micro_batch(last=last), c.cp.sequence():  # forward and backward inside the cp context
             with c.autocast:
                 # collate checks every batch's token ids on the host: no device read for them here
                 out = c.sync.module(inputs, labels=labels, num_steps=(n, k), input_states=states,
@@ -413,6 +424,7 @@ def train_step(c: Components, step: int, cfg: TrainConfig, plan: RunPlan, device
         clock.lap("backward")
         telemetry = out.telemetry or telemetry
     c.sync.finish()
+    telemetry = c.cp.mean(telemetry)
     clock.lap("comm")
     grad_squares = norms.grads() if norms is not None else None  # before clipping
 
@@ -484,7 +496,8 @@ def read_batches(c: Components, cfg: TrainConfig) -> tuple[list[Batch], str | No
     except DATA_ERRORS as err:
         zeros = torch.zeros(cfg.micro_batch_size, cfg.block_size, dtype=torch.long)
         keys = torch.zeros(cfg.micro_batch_size, dtype=torch.long)
-        return [Batch(zeros, zeros, keys)] * c.order.grad_accum, f"{c.reader.path}: {type(err).__name__}: {err}"
+        batch = c.cp.local_batch(Batch(zeros, zeros, keys))
+        return [batch] * c.order.grad_accum, f"{c.reader.path}: {type(err).__name__}: {err}"
 
 
 def clip_gradients(c: Components, max_norm: float) -> torch.Tensor:

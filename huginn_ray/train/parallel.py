@@ -1,5 +1,5 @@
 """Data parallelism as a device mesh: `replicate` (every rank holds the whole model) or `hsdp` (FSDP2 inside a
-shard group, the reference's chunk stream between shard groups).
+shard group, the reference's chunk stream between shard groups), and context parallelism inside either.
 
 The mesh has two dimensions, ("replicate", "shard"), of shape (W / S, S); rank = replica x S + shard index, so a
 shard group is S consecutive ranks, which is one node when S is Ray Train's local world size (Ray Train numbers
@@ -21,6 +21,13 @@ Numerics: the sharded parameters are the fp32 master weights, reductions run in 
 autocast around the forward, as in `replicate`. `parallelism.param_dtype` (`gather_dtype`) picks the dtype the
 blocks' matmul weights are gathered in: fp32 (the default on CPU) or bf16 (the default under bf16-mixed), the
 values autocast would cast them to, at half the bytes (`apply_hsdp`).
+
+Context parallelism (`parallelism.context_parallel` = N, huginn_ray.train.context_parallel): N consecutive ranks
+(a cp group, inside a node) split each sequence; they read the same rows (the data order runs on W / N ranks,
+`MeshShape.data_rank`) and hold the same parameters: under hsdp FSDP shards over the whole shard group, shard x cp
+(as torchtitan shards over its flattened dp_shard x cp), under replicate every rank holds the model. Their
+gradients are partial sums over their positions, which the exchange sums like any rank's; the chunk stream
+between shard groups is unchanged.
 """
 
 from __future__ import annotations
@@ -46,25 +53,46 @@ class MeshShape:
     """hsdp: FSDP2 shards the model over a shard group; replicate: every rank holds it whole."""
     world_size: int
     shard_size: int
-    """Ranks that share one copy of the model (1 under replicate)."""
+    """Ranks that share one copy of the model (1 under replicate); under hsdp with context parallelism the ranks
+    of shard x cp (FSDP shards over both, as torchtitan does)."""
+    context_parallel: int = 1
+    """Ranks one sequence is split over (`parallelism.context_parallel`): a cp group is that many consecutive
+    ranks, inside a shard group (hsdp) or a node (replicate)."""
 
     @property
     def replicas(self) -> int:
         return self.world_size // self.shard_size
 
     @property
+    def data_ranks(self) -> int:
+        """Ranks that read different rows (huginn_ray.train.data_order): the cp groups; a cp group's ranks read the
+        same rows and keep their positions of them."""
+        return self.world_size // self.context_parallel
+
+    def data_rank(self, rank: int) -> int:
+        """The data order's rank of `rank`: its cp group."""
+        return rank // self.context_parallel
+
+    @property
     def name(self) -> str:
         """The layout as a checkpoint records it (`TrainerState.layout`)."""
-        return f"hsdp, shard_size {self.shard_size}" if self.sharded else "replicate"
+        name = f"hsdp, shard_size {self.shard_size}" if self.sharded else "replicate"
+        return name + (f", context_parallel {self.context_parallel}" if self.context_parallel > 1 else "")
 
 
-def mesh_shape(sharded: bool, world_size: int, local_world_size: int) -> MeshShape:
-    """Sharded (hsdp): a shard group is one node of `local_world_size` ranks (Ray Train's local world size)."""
-    if not sharded:
-        return MeshShape(sharded, world_size, 1)
-    if world_size % local_world_size:
-        raise ValueError(f"{local_world_size} ranks per node do not divide the world size {world_size}")
-    return MeshShape(sharded, world_size, local_world_size)
+class LayoutError(ValueError):
+    """A worker layout the mesh cannot take (names the numbers)."""
+
+
+def mesh_shape(sharded: bool, world_size: int, local_world_size: int, context_parallel: int = 1) -> MeshShape:
+    """Sharded (hsdp): a shard group is one node of `local_world_size` ranks (Ray Train's local world size).
+    `context_parallel` consecutive ranks split each sequence; it must divide the node's ranks."""
+    if sharded and world_size % local_world_size:
+        raise LayoutError(f"{local_world_size} ranks per node do not divide the world size {world_size}")
+    if local_world_size % context_parallel:
+        raise LayoutError(f"parallelism.context_parallel={context_parallel} does not divide the {local_world_size} "
+                         "ranks of a node: a cp group would span nodes")
+    return MeshShape(sharded, world_size, local_world_size if sharded else 1, context_parallel)
 
 
 def check_node_layout(shape: MeshShape, placements: list[dict]) -> None:
@@ -84,6 +112,9 @@ def check_node_layout(shape: MeshShape, placements: list[dict]) -> None:
     if local_size % shape.shard_size:
         raise RuntimeError(f"a shard group of {shape.shard_size} ranks does not divide the {local_size} workers of "
                            "a node: it would span nodes")
+    if local_size % shape.context_parallel:
+        raise RuntimeError(f"parallelism.context_parallel={shape.context_parallel} does not divide the {local_size} "
+                           "workers of a node: a cp group would span nodes")
 
 
 def describe_layout(shape: MeshShape, placements: list[dict]) -> str:
@@ -96,6 +127,9 @@ def describe_layout(shape: MeshShape, placements: list[dict]) -> str:
                       for node, ranks in sorted(nodes.items()))
     mesh = (f"hsdp: {shape.replicas} shard group(s) of {shape.shard_size} ranks" if shape.sharded
             else "replicate")
+    if shape.context_parallel > 1:
+        mesh += (f"; cp groups of {shape.context_parallel} consecutive ranks split each sequence (all-gather K/V "
+                 "attention)")
     return f"{shape.world_size} workers on {len(nodes)} node(s): {where}; {mesh}"
 
 
@@ -110,6 +144,15 @@ def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
     replica, shard = divmod(dist.get_rank(), shape.shard_size)
     groups = [group_of(layout[:, shard].tolist()), group_of(layout[replica].tolist())]
     return DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=("replicate", "shard"))
+
+
+def context_group(shape: MeshShape):
+    """This rank's cp group (its `context_parallel` consecutive ranks), created by its members alone; None without
+    context parallelism."""
+    if shape.context_parallel == 1:
+        return None
+    first = shape.data_rank(dist.get_rank()) * shape.context_parallel
+    return group_of(list(range(first, first + shape.context_parallel)))
 
 
 def group_of(ranks: list[int]):
@@ -131,11 +174,11 @@ def lazy_gloo_group():
     return dist.new_group(backend="gloo")
 
 
-def warm_mesh(mesh: DeviceMesh, device: torch.device) -> None:
-    """One small all-reduce in each of this rank's mesh groups, so a communicator that cannot form fails here,
-    at startup, naming the dimension, instead of in step 1."""
-    for name in ("shard", "replicate"):
-        group = mesh.get_group(name)
+def warm_mesh(mesh: DeviceMesh, device: torch.device, cp_group=None) -> None:
+    """One small all-reduce in each of this rank's mesh groups (and its cp group), so a communicator that cannot
+    form fails here, at startup, naming the dimension, instead of in step 1."""
+    groups = [("shard", mesh.get_group("shard")), ("replicate", mesh.get_group("replicate"))]
+    for name, group in groups + ([("cp", cp_group)] if cp_group is not None else []):
         probe = torch.ones(1, device=device)
         try:
             dist.all_reduce(probe, group=group)
