@@ -45,6 +45,8 @@ class StepKind:
     """Whether some request restricts sampling to its top-k tokens."""
     top_p: bool = False
     """Whether some request restricts sampling to a top-p set."""
+    latest: bool = True
+    """Whether some request keeps latest copies (`latest`, `ring:N`); else the core writes none."""
 
 
 def decode_step(model: RecurrentGPT, slots: Slots, kind: StepKind) -> None:
@@ -59,7 +61,8 @@ def core(model: RecurrentGPT, slots: Slots, kind: StepKind) -> None:
     iterating = slots.active & ~slots.exited
     plane = slots.iteration % slots.kept
     rope = model.freqs_cis[0, slots.position][:, None]
-    cache = SlotAttention(slots, kind.columns, slots.position, iterating, core_mask(slots, kind.columns, plane), plane)
+    cache = SlotAttention(slots, kind.columns, slots.position, iterating, core_mask(slots, kind.columns, plane), plane,
+                          kind.latest)
     new = model.core_step(slots.state[:, None], slots.injected[:, None], rope, cache, 0)[:, 0]
     slots.state.copy_(torch.where(iterating[:, None], new, slots.state))
     iteration = slots.iteration + iterating.long()

@@ -195,13 +195,15 @@ class Engine:
     def kind(self) -> StepKind:
         """The next decode step's kind, from the requests in flight and the step count alone."""
         requests = [flight.request for flight in self.in_flight.values()]
-        need = max(len(request.prompt) + request.max_new_tokens - 1 for request in requests)
-        columns = 1 << max(4, (need - 1).bit_length())
+        # a row's forward is at position len(prompt) + emitted - 1, and a finish may write the next one's prelude
+        need = max(len(flight.request.prompt) + flight.emitted + 1 for flight in self.in_flight.values())
+        columns = min(1 << max(4, (need - 1).bit_length()), self.slots.cache.positions)
         return StepKind(columns=columns, finish=self.loop_step % (self.config.exit_wait_steps + 1) == self.config.exit_wait_steps,
                         criteria=tuple(sorted({r.exit_criterion for r in requests if r.exit_criterion is not None})),
                         sampling=any(r.temperature > 0 for r in requests),
                         top_k=any(r.temperature > 0 and r.top_k is not None for r in requests),
-                        top_p=any(r.temperature > 0 and r.top_p is not None and r.top_p < 1 for r in requests))
+                        top_p=any(r.temperature > 0 and r.top_p is not None and r.top_p < 1 for r in requests),
+                        latest=any(r.cache != "full" for r in requests))
 
     def _send_outputs(self) -> None:
         """Start the copy of the finish's outputs to the host (read by the next `step`)."""

@@ -133,12 +133,12 @@ class SlotAttention:
     attention reads the first `columns` positions of the B slots in place, through `mask` (B, 1, 1, keys)."""
 
     def __init__(self, slots: Slots, columns: int, position: Tensor, write: Tensor, mask: Tensor,
-                 plane: Tensor | None = None):
+                 plane: Tensor | None = None, latest: bool = True):
         self.cache, self.columns, self.position, self.mask = slots.cache, columns, position, mask
         rows = torch.arange(slots.rows, device=slots.device)
         self.slot = torch.where(write, rows, slots.rows)
-        self.plane = plane
-        if plane is not None:
+        self.plane, self.latest = plane, latest
+        if plane is not None and latest:
             self.latest_slot = torch.where(write & ~slots.full, rows, slots.rows)
             self.latest_plane = torch.full_like(plane, slots.cache.planes)
 
@@ -159,7 +159,8 @@ class SlotAttention:
             return keys[:rows, : self.columns], values[:rows, : self.columns]
         for store, new in ((keys, k), (values, v)):
             store.index_put_((self.slot, self.position, self.plane), new[:, 0])
-            store.index_put_((self.latest_slot, self.position, self.latest_plane), new[:, 0])
+            if self.latest:
+                store.index_put_((self.latest_slot, self.position, self.latest_plane), new[:, 0])
         return keys[:rows, : self.columns].flatten(1, 2), values[:rows, : self.columns].flatten(1, 2)
 
     def attention_mask(self, index: int, length: int) -> Tensor:
