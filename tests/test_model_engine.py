@@ -269,7 +269,10 @@ def test_capacities_are_checked(model):
         EngineConfig(max_rows=1, max_cache_bytes=1, exit_wait_steps=-1)
     with pytest.raises(ValueError, match="admit_rows must be at most max_rows=2, got 3"):
         EngineConfig(max_rows=2, max_cache_bytes=1, admit_rows=3)
+    with pytest.raises(ValueError, match="cuda_graphs needs the model on a CUDA device, not cpu"):
+        Engine(model, EngineConfig(max_rows=2, max_cache_bytes=1000, cuda_graphs=True))
     engine = Engine(model, EngineConfig(max_rows=2, max_cache_bytes=1000))
+    assert not engine.runner.cuda_graphs  # off by default on the CPU
     with pytest.raises(ValueError, match="exceeds max_cache_bytes=1,000"):
         engine.submit(Request((1, 2), 3))
 
