@@ -14,11 +14,14 @@ Prints tokens/s (wall clock) and tokens per CPU second of this process (steadier
 the best of --repeats runs, mean and maximum core iterations per token, and the fraction of requests whose
 adaptive engine output equals `generate` at batch size 1 (token for token); --json prints one JSON object.
 Prompts: the first 16 tokens of rows of --data-dir shards (val/*.parquet, then train/*.parquet) when given, else a
-built-in set (seeded random token ids). The goal: adaptive tokens/s >= 0.7 x (num_steps / mean iterations) x
-fixed-depth tokens/s, i.e. the iterations that exits save become throughput.
+built-in set (seeded random token ids).
 
---profile adds, for each engine, its loop steps and calls and what a call costs by its rows (`step_profile`),
-and the most adaptive / fixed that separate core and finish calls of these costs can give (`exit_bound`).
+The counters (one more run of each engine under huginn_ray.generation.counting.OpCounter): `host_syncs_per_step`
+(reads of the device by the host inside a decode step, StepRunner.run), `ops_per_token_adaptive` and
+`ops_per_token_fixed` (ATen ops of every engine step, admission and prefill included, per token), and
+`graph_breaks` (torch._dynamo.explain of a finishing decode step). `goals` says which of the targets hold:
+no host read, ops ratio <= 1.8 x mean / max iterations, every output equal to batch 1's, adaptive >= 1.5 x the
+engine's fixed depth and >= 1.3 x kv_cache_greedy's tokens/s.
 With --checkpoint and --data-dir it also prints, at batch size 1 teacher-forced on validation rows (prompt 16
 tokens, then 48 forced), the mean core iterations per token and the next-token loss of each exit criterion at
 its default threshold against the fixed depth (--criteria-table).
@@ -27,12 +30,15 @@ its default threshold against the fixed depth (--criteria-table).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 import torch
 
+from huginn_ray.generation.counting import OpCounter
+from huginn_ray.generation.decode_step import decode_step
 from huginn_ray.generation.engine import Engine, EngineConfig
 from huginn_ray.generation.exits import DEFAULT_THRESHOLDS
 from huginn_ray.generation.generate import generate
@@ -134,79 +140,68 @@ def throughput(model: RecurrentGPT, args: argparse.Namespace) -> dict:
         "mean_iterations": mean, "max_iterations": max(iterations),
         "tokens_equal_fraction": equal / len(texts),
     }
+    config = EngineConfig(args.batch, 2**62, args.exit_wait, args.admit_rows)
+    counted_adaptive, counted_fixed = counted_run(model, config, adaptive), counted_run(model, config, fixed)
+    report["host_syncs_per_step"] = max(counted_adaptive["host_syncs_per_step"], counted_fixed["host_syncs_per_step"])
+    report["ops_per_token_adaptive"] = counted_adaptive["ops_per_token"]
+    report["ops_per_token_fixed"] = counted_fixed["ops_per_token"]
+    report["graph_breaks"] = graph_breaks(model, config, adaptive[: args.batch])
     report["speedup"] = report["adaptive_tokens_per_s"] / report["fixed_tokens_per_s"]
     report["speedup_cpu"] = report["adaptive_tokens_per_cpu_s"] / report["fixed_tokens_per_cpu_s"]
     report["iteration_ratio"] = depth / mean
-    report["goal_met"] = report["speedup"] >= 0.7 * report["iteration_ratio"]
+    report["speedup_over_generate_fixed"] = report["adaptive_tokens_per_s"] / report["generate_fixed_tokens_per_s"]
+    report["ops_ratio_bound"] = 1.8 * mean / max(iterations)
+    report["goals"] = {
+        "host_syncs_per_step == 0": report["host_syncs_per_step"] == 0,
+        "ops_per_token_adaptive / fixed <= 1.8 x mean / max iterations":
+            report["ops_per_token_adaptive"] / report["ops_per_token_fixed"] <= report["ops_ratio_bound"],
+        "tokens_equal_fraction == 1": report["tokens_equal_fraction"] == 1.0,
+        "adaptive >= 1.5 x engine fixed": report["speedup"] >= 1.5,
+        "adaptive >= 1.3 x generate_fixed": report["speedup_over_generate_fixed"] >= 1.3}
     return report
 
 
-def step_profile(model: RecurrentGPT, args: argparse.Namespace) -> dict:
-    """One more run of each engine on the same requests with the calls of its loop steps timed
-    (time.perf_counter around huginn_ray.generation.stepping's `iterate` and `coda_head` and the engine's `finish`):
-    loop steps, tokens per step, core calls and their rows, `finish` calls and their rows, and the median
-    milliseconds of a decoding core call and of a decoding coda + head call by their number of rows (what a
-    call's cost does with its rows)."""
-    import huginn_ray.generation.engine as engine_module
-    import huginn_ray.generation.stepping as stepping
+def counted_run(model: RecurrentGPT, config: EngineConfig, requests: list[Request]) -> dict:
+    """One more engine run on `requests` under an OpCounter: ATen ops of every `step()` (admission and prefill
+    included) per token emitted, and the host reads within the decode steps (StepRunner.run) per step."""
+    engine = Engine(model, config)
+    counter = OpCounter()
+    counter.counting = False
+    run, steps = engine.runner.run, []
 
-    calls: dict[str, list[tuple[int, bool, float]]] = {}
-    patched = [(stepping, "iterate", "core"), (stepping, "coda_head", "coda_head"), (engine_module, "finish", "finish")]
-    originals = [getattr(module, name) for module, name, _ in patched]
-
-    def timed_call(function, key):
-        def call(model, sequences, *rest):
-            began = time.perf_counter()
-            out = function(model, sequences, *rest)
-            decoding = all(sequence.length == 1 for sequence in sequences)
-            calls.setdefault(key, []).append((len(sequences), decoding, time.perf_counter() - began))
-            return out
-        return call
-
-    def median_ms(key: str) -> dict[int, float]:
-        by_rows: dict[int, list[float]] = {}
-        for rows, decoding, seconds in calls.get(key, []):
-            if decoding:
-                by_rows.setdefault(rows, []).append(seconds)
-        return {rows: round(1000 * sorted(t)[len(t) // 2], 3) for rows, t in sorted(by_rows.items())}
-
-    texts = prompts(args, model.config.vocab_size)
-    threshold = DEFAULT_THRESHOLDS[args.criterion] if args.threshold is None else args.threshold
-    report = {}
-    for label, criterion in (("adaptive", args.criterion), ("fixed", None)):
-        calls.clear()
-        engine = Engine(model, EngineConfig(args.batch, 2**62, args.exit_wait, args.admit_rows))
-        for (module, name, key), function in zip(patched, originals):
-            setattr(module, name, timed_call(function, key))
+    def counted_step(kind):
+        read_before = counter.host_reads
+        counter.counting = True
         try:
-            outputs(engine, [Request(p, args.new_tokens, args.num_steps, criterion, threshold) for p in texts])
+            run(kind)
         finally:
-            for (module, name, _), function in zip(patched, originals):
-                setattr(module, name, function)
-        steps = engine.loop_step
-        report[label] = {
-            "loop_steps": steps, "tokens_per_step": len(texts) * args.new_tokens / steps,
-            "core_calls_per_step": len(calls["core"]) / steps,
-            "rows_per_core_call": sum(rows for rows, _, _ in calls["core"]) / len(calls["core"]),
-            "rows_per_decoding_core_call": sum(rows for rows, decoding, _ in calls["core"] if decoding)
-            / max(1, sum(decoding for _, decoding, _ in calls["core"])),
-            "finish_calls_per_step": len(calls["finish"]) / steps,
-            "rows_per_finish_call": sum(rows for rows, _, _ in calls["finish"]) / len(calls["finish"]),
-            "core_ms_by_rows": median_ms("core"), "coda_head_ms_by_rows": median_ms("coda_head"),
-            "finish_ms": round(1000 * sorted(t for _, _, t in calls["finish"])[len(calls["finish"]) // 2], 3)}
-    return report
+            counter.counting = False
+        steps.append(counter.host_reads - read_before)
+
+    engine.runner.run = counted_step
+    ops, tokens = 0, 0
+    with counter:
+        request_ids = [engine.submit(request) for request in requests]
+        while engine.busy:
+            before = counter.ops
+            counter.counting = True
+            tokens += len(engine.step())
+            counter.counting = False
+            ops += counter.ops - before
+    assert request_ids and tokens == sum(request.max_new_tokens for request in requests)
+    return {"ops_per_token": ops / tokens, "host_syncs_per_step": sum(steps) / len(steps), "steps": len(steps)}
 
 
-def exit_bound(core_ms: float, finish_ms: float, mean: float, depth: int, wait: int) -> float:
-    """The most adaptive / fixed tokens/s that separate core and finish calls can give where a call costs the
-    same whatever its rows (per-call overhead, or reading the weights): R rows always iterating, none draining,
-    admitted or in prefill. A token then takes `mean` core iterations plus, with exit_wait_steps `wait`, about
-    wait / 2 steps waiting for its finish (coda, head, next prelude), and one finish call serves the rows of
-    wait + 1 steps; the fixed depth runs `depth` steps per token and one finish per forward:
-        adaptive / fixed <= depth / (mean + wait / 2) * (c + f / depth) / (c + f / (wait + 1))
-    with c a core call's cost and f a finish call's."""
-    c, f = core_ms, finish_ms
-    return depth / (mean + wait / 2) * (c + f / depth) / (c + f / (wait + 1))
+def graph_breaks(model: RecurrentGPT, config: EngineConfig, requests: list[Request]) -> int:
+    """Graph breaks of the decode step (a finishing one, with the requests' criteria) under TorchDynamo, traced
+    by torch._dynamo.explain on an engine a few steps into `requests`."""
+    engine = Engine(model, config)
+    for request in requests:
+        engine.submit(request)
+    for _ in range(3):
+        engine.step()
+    kind = dataclasses.replace(engine.kind(), finish=True)
+    return torch._dynamo.explain(decode_step)(model, engine.slots, kind).graph_break_count
 
 
 def criteria_table(model: RecurrentGPT, args: argparse.Namespace) -> None:
@@ -250,8 +245,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each; the best counts")
     parser.add_argument("--rows", type=int, default=2, help="validation rows of the criteria table")
     parser.add_argument("--criteria-table", action="store_true", help="needs --checkpoint and --data-dir")
-    parser.add_argument("--profile", action="store_true",
-                        help="also time each engine's calls by their rows (step_profile; JSON key 'profile')")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.requests = args.requests or 2 * args.batch
@@ -265,20 +258,6 @@ def main() -> None:
         torch.manual_seed(0)
         model = RecurrentGPT(ModelConfig.from_name("raven-tiny")).eval()
     report = throughput(model, args)
-    if args.profile:
-        profile = report["profile"] = step_profile(model, args)
-        # the bound with this run's figures: the fixed engine's core call over its full batch, the adaptive
-        # engine's median finish call, the adaptive mean iterations; at this exit_wait_steps and the best of 0-8
-        core_ms = profile["fixed"]["core_ms_by_rows"][max(profile["fixed"]["core_ms_by_rows"])]
-        finish_ms = profile["adaptive"]["finish_ms"]
-
-        def bound_at(wait: int) -> float:
-            return exit_bound(core_ms, finish_ms, report["mean_iterations"], args.num_steps, wait)
-
-        bounds = {wait: bound_at(wait) for wait in range(9)}
-        best = max(bounds, key=bounds.get)
-        profile["bound"] = {"core_ms": core_ms, "finish_ms": finish_ms, "at_exit_wait": bound_at(args.exit_wait),
-                            "best": bounds[best], "best_exit_wait": best}
     if args.json:
         print(json.dumps(report))
     else:
@@ -295,23 +274,12 @@ def main() -> None:
             print(f"| {label} | {report[key + '_tokens_per_s']:.1f} | {report[key + '_tokens_per_cpu_s']:.1f} | "
                   f"{mean} | {most} |")
         print(f"adaptive / fixed: {report['speedup']:.2f}x (per CPU second {report['speedup_cpu']:.2f}x); "
-              f"num_steps / mean iterations: {report['iteration_ratio']:.2f}; goal (>= 0.7 x that) "
-              f"{'met' if report['goal_met'] else 'not met'}; adaptive engine tokens equal to batch-1 generate: "
+              f"num_steps / mean iterations: {report['iteration_ratio']:.2f}; adaptive / kv_cache_greedy "
+              f"{report['speedup_over_generate_fixed']:.2f}x; adaptive engine tokens equal to batch-1 generate: "
               f"{report['tokens_equal_fraction']:.3f}")
-        for label in ("adaptive", "fixed") if "profile" in report else ():
-            profile = report["profile"][label]
-            print(f"{label} engine: {profile['loop_steps']} loop steps, {profile['tokens_per_step']:.2f} tokens, "
-                  f"{profile['core_calls_per_step']:.2f} core calls of {profile['rows_per_core_call']:.1f} rows (decoding "
-                  f"calls {profile['rows_per_decoding_core_call']:.1f}) and "
-                  f"{profile['finish_calls_per_step']:.2f} finish calls of {profile['rows_per_finish_call']:.1f} rows a "
-                  f"step; median ms of a decoding core call by rows {profile['core_ms_by_rows']}, of a coda + head "
-                  f"call {profile['coda_head_ms_by_rows']}, of a finish call {profile['finish_ms']}")
-        if "profile" in report:
-            bound = report["profile"]["bound"]
-            print(f"bound (exit_bound) with a core call of {bound['core_ms']} ms and a finish call of "
-                  f"{bound['finish_ms']} ms: adaptive / fixed <= {bound['at_exit_wait']:.2f}x at exit_wait_steps "
-                  f"{args.exit_wait}, {bound['best']:.2f}x at best (exit_wait_steps {bound['best_exit_wait']}); "
-                  f"the goal asks {0.7 * report['iteration_ratio']:.2f}x")
+        print(f"host reads per decode step {report['host_syncs_per_step']}, ATen ops per token adaptive "
+              f"{report['ops_per_token_adaptive']:.0f} / fixed {report['ops_per_token_fixed']:.0f}, graph breaks "
+              f"{report['graph_breaks']}; goals: {report['goals']}")
     if args.criteria_table:
         criteria_table(model, args)
 

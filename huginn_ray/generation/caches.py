@@ -1,8 +1,8 @@
 """The key/value caches of generation with per-token depth: what a batched call over sequences at different
 positions and iterations reads and writes.
 
-Every sequence's keys/values live in one `CachePool` (huginn_ray.generation.generate's batch, or the engine's
-requests), where tokens exit the recurrence at different iterations and a deeper token meets past positions that
+Every sequence's keys/values live in one `CachePool` (huginn_ray.generation.generate's batch, or the prompts the
+engine prefills together), where tokens exit the recurrence at different iterations and a deeper token meets past positions that
 have no entry for its iteration; each sequence owns a slot of it (`SequenceCache`). `Rows` indexes the pool for
 batched calls, each row at its own position and iteration, and `RowBatch` lets one such call read and write it
 through the KV-cache protocol of `CausalSelfAttention` (`attention_mask`, `update`), as the model's own

@@ -1,4 +1,5 @@
-"""Continuous depth batching: a serving engine in which every sequence exits the recurrence on its own.
+"""Continuous depth batching: a serving engine in which every sequence exits the recurrence on its own, decoded
+by a fixed-shape step that never reads the device.
 
     engine = Engine(model, EngineConfig(max_rows=32, max_cache_bytes=2**30))
     request_id = engine.submit(Request(prompt=(1, 2, 3), max_new_tokens=16, exit_criterion="latent-diff", seed=7))
@@ -6,31 +7,21 @@
         for event in engine.step():          # TokenEvent(request_id, token_id, core_iterations, finished, ...)
             ...
 
-A pool of sequences at different positions and different core iterations is advanced together, one loop step
-per `step()`: a batched core iteration over every sequence in the pool that is iterating (one call for the
-decoding sequences, one for those in their prompt's prefill, so that a prompt does not pad every row to its
-length; huginn_ray.generation.stepping.iterate_pool, the generator's own step: the same criteria, caches and
-sampling). A sequence whose forward ends (its criterion at its own threshold, min_steps and check_every, or its
-own num_steps) leaves the core calls; the ended forwards run the coda and head and emit their tokens together
-(stepping.finish), in the step they end or, with `exit_wait_steps`, once the first of them has waited that
-many steps (or no sequence is left iterating), and their next tokens' prelude joins the pool at the next loop
-step. A finished (or cancelled) request frees its row and its cache at once, and waiting requests are
-admitted at the start of a step, in the order they came, while both capacities allow: rows (`max_rows`, the
-batch of a core call) and key/value bytes (`max_cache_bytes`; a request reserves the most its cache can hold,
-CachePool.reserved_bytes), once `admit_rows` rows are free.
+`max_rows` slots hold the requests in flight (huginn_ray.generation.slots). Each `step()` (1) reads the outputs of
+the previous step's finish (one step late: on CUDA from pinned memory, copied without blocking) and turns them
+into TokenEvents, freeing the slots of finished requests and copying in the next draws of those going on; (2)
+admits waiting requests, in the order they came, while rows (`max_rows`) and key/value bytes
+(`max_cache_bytes`; a request reserves the most its cache can hold, CachePool.reserved_bytes) allow, once
+`admit_rows` rows are free: their prompts' prefill runs eagerly, batched (huginn_ray.generation.admission), and
+their first tokens are events of this step; (3) runs one decode step over all slots
+(huginn_ray.generation.decode_step: a core iteration of every iterating row, and every `exit_wait_steps` + 1
+steps the finish of the forwards that ended), as a replayed CUDA graph with `cuda_graphs`.
 
-Each request draws its initial noise and its samples from its own generator, seeded with its `seed`, and
-attends only through its own cache at its own positions: its output is what `generate` gives it alone at
-batch size 1 with `generator=torch.Generator().manual_seed(seed)`, token for token and iteration for
-iteration, up to the rounding of batched matmuls (tests/test_model_engine.py).
-
-Layout: one CachePool holds every request's keys/values; a request takes a slot and, at admission, the
-entries it reserved (prompt + max_new_tokens positions x the blocks its strategy keeps), and gives both back
-when it finishes or is cancelled. A batched call reads and writes every row through index tensors computed once
-per set of rows (`Rows`: one table read per step for the decoding rows, one for the rows that exit, shared by
-their coda and their next prelude): per block one indexed store of the new keys/values and one gather of the
-attended ones, no per-row work; the attention then reads every row's positions up to the furthest row's (one
-extra copy of what it reads, as the concatenation of the model's own KVCache has).
+Each request draws its initial noise and its samples from its own generator, seeded with its `seed`, in the
+order batch-1 `generate` draws them (taken at admission), and attends only through its own cache at its own
+positions: its output is what `generate` gives it alone at batch size 1 with
+`generator=torch.Generator().manual_seed(seed)`, token for token and iteration for iteration, up to the rounding
+of batched matmuls (tests/test_model_engine.py).
 """
 
 from __future__ import annotations
@@ -40,9 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
+from huginn_ray.generation.admission import Draws, draw_ahead, load, prefill, refill
 from huginn_ray.generation.caches import CachePool
+from huginn_ray.generation.decode_step import StepKind
+from huginn_ray.generation.graphs import StepRunner
 from huginn_ray.generation.requests import Request
-from huginn_ray.generation.stepping import Sequence, finish, iterate_pool, start
+from huginn_ray.generation.slots import Slots
+from huginn_ray.generation.stepping import Sequence
 from huginn_ray.model.model import RecurrentGPT
 
 
@@ -55,22 +50,26 @@ class EngineConfig:
     max_cache_bytes: int
     """Key/value bytes the sequences in flight may reserve together."""
     exit_wait_steps: int = 0
-    """Loop steps a sequence whose forward ended may wait, out of the core calls, for others to end, so that
-    the coda, head and next prelude of all of them run as one call each (0: in the step its forward ended).
-    Each such call costs about as much for 1 row as for 10 when a call's cost is its weights' reads or its
-    fixed overhead, not its rows' work; waiting adds at most this many steps to a token's latency and does not
-    change any output."""
+    """Decode steps between two finishes: the coda, head, sampling and next prelude run over the slots every
+    exit_wait_steps + 1 steps (0: every step), on a schedule the host knows without reading the device; a
+    forward that ended waits for the next one, out of the core. A finish costs the same for 1 row as for all,
+    so waiting trades up to this many steps of a token's latency for fewer finishes; it changes no output."""
     admit_rows: int = 1
     """Rows that must be free before waiting requests are admitted (or as many as are waiting; any number when
-    no row is in flight), so that prompts enter together: each admission step runs a prelude call, and its
-    prompts' prefill runs in core calls of their own until it ends, each costing about as much for one prompt as
-    for several. Free rows stay idle meanwhile; it does not change any output. At most max_rows."""
+    no row is in flight), so that prompts enter together: their prefill runs batched, in calls costing about
+    as much for one prompt as for several. Free rows stay idle meanwhile; it does not change any output. At
+    most max_rows."""
+    cuda_graphs: bool | None = None
+    """Replay each kind of decode step as a captured CUDA graph (huginn_ray.generation.graphs); None: on when
+    the model is on a CUDA device. The eager step (off) is the same function."""
 
     def __post_init__(self):
         for name, least in (("max_rows", 1), ("max_cache_bytes", 1), ("exit_wait_steps", 0), ("admit_rows", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if self.cuda_graphs not in (None, True, False):
+            raise ValueError(f"cuda_graphs must be true, false or None, got {self.cuda_graphs!r}")
         if self.admit_rows > self.max_rows:
             raise ValueError(f"admit_rows must be at most max_rows={self.max_rows}, got {self.admit_rows}")
 
@@ -91,6 +90,20 @@ class TokenEvent:
     """"stop" (a stop token), "length" (max_new_tokens), or None while the request goes on."""
 
 
+
+
+@dataclass
+class InFlight:
+    """A request in a slot."""
+
+    request: Request
+    slot: int
+    draws: Draws
+    """Its pre-drawn random numbers (admission.draw_ahead)."""
+    emitted: int = 1
+    """Tokens emitted so far (the host's count, one step late)."""
+
+
 class Engine:
     """Continuous depth batching over one model (see the module docstring), which it puts in eval mode. Not
     thread-safe: one caller drives `submit`, `step` and `cancel` (a server's engine loop)."""
@@ -99,21 +112,28 @@ class Engine:
         self.model, self.config = model.eval(), config
         self.device = model.freqs_cis.device
         parameter = next(model.parameters())
-        self.element_size = parameter.element_size()
-        entry_bytes = 2 * model.config.n_embd * self.element_size
-        self.caches = CachePool(model.config, self.device, parameter.dtype, config.max_cache_bytes // entry_bytes)
-        """Every request's keys/values, allocated at admission as it reserved them (so never beyond max_cache_bytes)."""
+        self.dtype, self.element_size = parameter.dtype, parameter.element_size()
+        self.slots = Slots(model.config, config.max_rows, self.device, self.dtype)
+        cuda_graphs = self.device.type == "cuda" if config.cuda_graphs is None else config.cuda_graphs
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {self.device}")
+        self.runner = StepRunner(self.model, self.slots, cuda_graphs)
         self.waiting: deque[tuple[int, Request]] = deque()
-        self.pool: dict[int, Sequence] = {}
+        self.in_flight: dict[int, InFlight] = {}
+        self.free_slots = list(range(config.max_rows - 1, -1, -1))
         self.reserved: dict[int, int] = {}
-        self.ended_at: dict[int, int] = {}
-        """Request id -> the loop step its forward ended, while it waits for `finish` (exit_wait_steps)."""
+        self.pending: tuple[dict[int, int], list[torch.Tensor], torch.cuda.Event | None] | None = None
+        """The last finish's outputs on their way to the host: slot -> request id then, the host copies, and
+        (CUDA) the event that marks their copy done."""
+        self.host_outputs = None
+        if self.device.type == "cuda":
+            self.host_outputs = [torch.empty_like(t, device="cpu").pin_memory() for t in self.slots.outputs()]
         self.loop_step = 0
         self.next_id = 0
 
     @property
     def rows_in_flight(self) -> int:
-        return len(self.pool)
+        return len(self.in_flight)
 
     @property
     def cache_bytes_reserved(self) -> int:
@@ -121,13 +141,13 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        """Whether any request is waiting or in flight."""
-        return bool(self.waiting or self.pool)
+        """Whether any request is waiting or in flight (or a step's tokens are still to be read)."""
+        return bool(self.waiting or self.in_flight or self.pending)
 
     def reservation(self, request: Request) -> int:
         """Cache bytes a checked request reserves while in flight."""
         return CachePool.reserved_bytes(self.model.config, len(request.prompt) + request.max_new_tokens - 1,
-                                               request.cache, request.num_steps, self.element_size)
+                                        request.cache, request.num_steps, self.element_size)
 
     def submit(self, request: Request) -> int:
         """Queue a request; returns its id. A bad field, or a request that could never fit the cache capacity,
@@ -150,55 +170,111 @@ class Engine:
             if waiting_id == request_id:
                 del self.waiting[index]
                 return True
-        if request_id in self.pool:
+        if request_id in self.in_flight:
+            slot = self.in_flight[request_id].slot
+            self.slots.active[slot] = False
+            self.slots.exited[slot] = False
             self._free(request_id)
             return True
         return False
 
     @torch.no_grad()
     def step(self) -> list[TokenEvent]:
-        """Admit what fits (once `admit_rows` rows are free), then one loop step; the tokens it emitted (none
-        in a step whose ended forwards all still wait, exit_wait_steps)."""
-        self._admit()
-        if not self.pool:
-            return []
-        ids = {id(sequence): request_id for request_id, sequence in self.pool.items()}
-        iterating = [sequence for request_id, sequence in self.pool.items() if request_id not in self.ended_at]
-        for sequence in iterate_pool(self.model, iterating) if iterating else []:
-            self.ended_at[ids[id(sequence)]] = self.loop_step
-        self.loop_step += 1
-        if not self.ended_at or (len(self.ended_at) < len(self.pool)
-                                 and self.loop_step - min(self.ended_at.values()) <= self.config.exit_wait_steps):
-            return []
-        ended = [self.pool[request_id] for request_id in self.ended_at]
-        self.ended_at.clear()
-        events = []
-        for sequence, token_id in finish(self.model, ended):
-            request_id = ids[id(sequence)]
-            events.append(TokenEvent(request_id, token_id, sequence.steps[-1], sequence.finish_reason is not None,
-                                     sequence.finish_reason))
-            if sequence.finish_reason is not None:
-                self._free(request_id)
+        """Read the last finish's tokens, admit what fits (once `admit_rows` rows are free), then one decode
+        step; the tokens read and those of the admitted requests' prefill."""
+        events = self._collect()
+        events += self._admit()
+        if self.in_flight:
+            kind = self.kind()
+            self.runner.run(kind)
+            self.loop_step += 1
+            if kind.finish:
+                self._send_outputs()
         return events
 
-    def _admit(self) -> None:
-        if self.pool and self.config.max_rows - len(self.pool) < min(self.config.admit_rows, len(self.waiting)):
-            return  # wait for more free rows (admit_rows)
-        admitted = []
-        while self.waiting and len(self.pool) < self.config.max_rows:
+    def kind(self) -> StepKind:
+        """The next decode step's kind, from the requests in flight and the step count alone."""
+        requests = [flight.request for flight in self.in_flight.values()]
+        # a row's forward is at position len(prompt) + emitted - 1, and a finish may write the next one's prelude
+        need = max(len(flight.request.prompt) + flight.emitted + 1 for flight in self.in_flight.values())
+        columns = min(1 << max(4, (need - 1).bit_length()), self.slots.cache.positions)
+        return StepKind(columns=columns, finish=self.loop_step % (self.config.exit_wait_steps + 1) == self.config.exit_wait_steps,
+                        criteria=tuple(sorted({r.exit_criterion for r in requests if r.exit_criterion is not None})),
+                        sampling=any(r.temperature > 0 for r in requests),
+                        top_k=any(r.temperature > 0 and r.top_k is not None for r in requests),
+                        top_p=any(r.temperature > 0 and r.top_p is not None and r.top_p < 1 for r in requests),
+                        latest=any(r.cache != "full" for r in requests))
+
+    def _send_outputs(self) -> None:
+        """Start the copy of the finish's outputs to the host (read by the next `step`)."""
+        requests = {flight.slot: request_id for request_id, flight in self.in_flight.items()}
+        if self.host_outputs is None:  # CPU: a plain copy, after the step
+            self.pending = (requests, [t.clone() for t in self.slots.outputs()], None)
+            return
+        for host, device in zip(self.host_outputs, self.slots.outputs()):
+            host.copy_(device, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self.pending = (requests, self.host_outputs, copied)
+
+    def _collect(self) -> list[TokenEvent]:
+        """The TokenEvents of the last finish; frees finished requests, refills the draws of those going on."""
+        if self.pending is None:
+            return []
+        requests, outputs, copied = self.pending
+        self.pending = None
+        if copied is not None:
+            copied.synchronize()
+        tokens, emitted, iterations, done = (t.tolist() for t in outputs)
+        events = []
+        for slot, request_id in requests.items():
+            flight = self.in_flight.get(request_id)
+            if not emitted[slot] or flight is None or flight.slot != slot:
+                continue  # nothing emitted, or cancelled since
+            flight.emitted += 1
+            reason = None
+            if done[slot]:
+                reason = "stop" if tokens[slot] in flight.request.stop_token_ids else "length"
+                self._free(request_id)
+            else:
+                refill(self.slots, slot, flight.draws, flight.emitted + 1)
+            events.append(TokenEvent(request_id, tokens[slot], iterations[slot], reason is not None, reason))
+        return events
+
+    def _admit(self) -> list[TokenEvent]:
+        """Admit what fits: prefill, first tokens, then into slots."""
+        if self.in_flight and self.config.max_rows - len(self.in_flight) < min(self.config.admit_rows,
+                                                                                len(self.waiting)):
+            return []  # wait for more free rows (admit_rows)
+        admitted, pool = [], None
+        while self.waiting and len(self.in_flight) + len(admitted) < self.config.max_rows:
             request_id, request = self.waiting[0]
             need = self.reservation(request)
             if self.cache_bytes_reserved + need > self.config.max_cache_bytes:
                 break  # first come, first served: a large request is not overtaken
             self.waiting.popleft()
+            pool = pool or CachePool(self.model.config, self.device, self.dtype)
             generator = torch.Generator(device=self.device).manual_seed(request.seed)
-            self.pool[request_id] = Sequence(request, generator, self.caches, self.model.config)
+            admitted.append((request_id, Sequence(request, generator, pool, self.model.config)))
             self.reserved[request_id] = need
-            admitted.append(self.pool[request_id])
-        if admitted:
-            start(self.model, admitted)
+        if not admitted:
+            return []
+        ids = {id(sequence): request_id for request_id, sequence in admitted}
+        events = []
+        for sequence, token_id in prefill(self.model, [sequence for _, sequence in admitted]):
+            request_id, request = ids[id(sequence)], sequence.request
+            reason = sequence.finish_reason
+            events.append(TokenEvent(request_id, token_id, sequence.steps[-1], reason is not None, reason))
+            if reason is not None:
+                del self.reserved[request_id]
+                continue
+            slot = self.free_slots.pop()
+            draws = draw_ahead(self.model, request, sequence.generator, self.dtype)
+            load(self.slots, slot, sequence, self.model)
+            refill(self.slots, slot, draws, 2)
+            self.in_flight[request_id] = InFlight(request, slot, draws)
+        return events
 
     def _free(self, request_id: int) -> None:
-        self.pool.pop(request_id).cache.release()
+        self.free_slots.append(self.in_flight.pop(request_id).slot)
         del self.reserved[request_id]
-        self.ended_at.pop(request_id, None)

@@ -1,4 +1,5 @@
-"""How sequences advance, batched: the loop step that `generate` and the serving engine share.
+"""How sequences advance, batched: the loop step of `generate` (the reference) and of the engine's prompt prefill
+(huginn_ray.generation.admission; the engine decodes with huginn_ray.generation.decode_step).
 
 Every sequence is a `Sequence` with its own slot of a `CachePool` (keys/values; a decoding forward's latent state),
 random generator and forward in progress. `advance` runs one loop step: `iterate_pool`, a batched core iteration
@@ -7,8 +8,7 @@ store per block, whatever the rows' positions; one call for the decoding sequenc
 prompt's prefill), then the exit criteria of the sequences that check after it, then `finish` of the sequences
 whose forwards ended (their criterion, or their maximum depth): they run the coda and head, emit a token and
 start their next token's forward (prelude, initial state), which joins the next loop step: one coda call and one
-prelude call over one `Rows` (the index tensors built once for both). The engine may hold ended forwards back
-from `finish` for a few steps to finish more of them per call (EngineConfig.exit_wait_steps). So no row waits
+prelude call over one `Rows` (the index tensors built once for both). So no row waits
 for another (the release iterates exited rows until the whole batch exits), and each row gets what it gets alone
 at batch size 1 from the same initial noise and sampling draws, up to the rounding of batched matmuls.
 

@@ -2,7 +2,8 @@
 position and block index (a fixed depth).
 
 `CausalSelfAttention` reads a cache through two calls, `attention_mask` and `update`; generation's batched caches
-(huginn_ray.generation.caches.RowBatch) answer the same two.
+(huginn_ray.generation.caches.RowBatch for `generate`, huginn_ray.generation.slots.SlotAttention for the engine's
+decode step) answer the same two.
 
 Block indices: prelude blocks 0..P-1, core block j of iteration i gets P + L*i + j, coda blocks -1, -2, ...
 """
