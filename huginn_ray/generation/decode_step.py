@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from huginn_ray.generation.exits import ENTROPY_EPS, ENTROPY_START, LOGIT_CRITERIA, kl, minp
-from huginn_ray.generation.slots import CRITERION_CODES, SlotAttention, Slots, core_mask, past_mask
+from huginn_ray.generation.slots import CRITERION_CODES, SlotAttention, Slots, core_reads, past_mask
 from huginn_ray.model.model import RecurrentGPT
 
 
@@ -61,8 +61,8 @@ def core(model: RecurrentGPT, slots: Slots, kind: StepKind) -> None:
     iterating = slots.active & ~slots.exited
     plane = slots.iteration % slots.kept
     rope = model.freqs_cis[0, slots.position][:, None]
-    cache = SlotAttention(slots, kind.columns, slots.position, iterating, core_mask(slots, kind.columns, plane), plane,
-                          kind.latest)
+    read_plane, mask = core_reads(slots, kind.columns, plane)
+    cache = SlotAttention(slots, kind.columns, slots.position, iterating, mask, plane, kind.latest, read_plane)
     new = model.core_step(slots.state[:, None], slots.injected[:, None], rope, cache, 0)[:, 0]
     slots.state.copy_(torch.where(iterating[:, None], new, slots.state))
     iteration = slots.iteration + iterating.long()

@@ -1,5 +1,5 @@
 """The engine's persistent device buffers: B slots, each a request decoding one token at a time, and their
-keys/values, laid out so that a decode step over all B slots has fixed shapes and reads the cache in place.
+keys/values, laid out so that a decode step over all B slots has fixed shapes and reads no index from the host.
 
 Per slot (index s < B; index B is the trash slot that masked rows write to and nothing reads):
 - the forward in progress: latent `state` and `injected` half (B, D), `position` of its token, core `iteration`,
@@ -18,9 +18,9 @@ Keys/values (`SlotCache`): per slot contiguous columns, one tensor per block: pr
 (B + 1, positions, heads, head_dim); core block j (B + 1, positions, planes + 1, heads, head_dim), plane q of a
 position holding the iteration i ≡ q (mod the slot's kept planes) it reached last, and plane `planes` the latest
 iteration (`latest`, `ring:N`). `depths` (B + 1, positions) are the core iterations of each committed position
-(NOT_YET beyond). A call's attention reads the first `columns` positions of every slot as a view of these
-tensors (a core block: columns x (planes + 1) keys, masked to the one plane each position gives this row's
-iteration), with no gather.
+(NOT_YET beyond). A call's attention reads the first `columns` positions of every slot: of a prelude or coda
+block as a view of these tensors, of a core block the one plane each position gives this row's iteration, indexed
+on the device into a copy (core_reads).
 """
 
 from __future__ import annotations
@@ -130,14 +130,18 @@ class SlotAttention:
     """The KV-cache protocol of `CausalSelfAttention` (`attention_mask`, `update`) for one call over all B
     slots, one query each: the new keys/values of the rows `write` marks go to their slot at `position` (core
     blocks: at `plane`, and, but for `full` rows, at the latest plane), the others' to the trash slot; the
-    attention reads the first `columns` positions of the B slots in place, through `mask` (B, 1, 1, keys)."""
+    attention reads the first `columns` positions of the B slots through `mask` (B, 1, 1, columns): prelude and
+    coda blocks in place (a view), core blocks as the one plane each position gives the row (`read_plane`,
+    core_reads), copied into (B, columns, heads, head_dim)."""
 
     def __init__(self, slots: Slots, columns: int, position: Tensor, write: Tensor, mask: Tensor,
-                 plane: Tensor | None = None, latest: bool = True):
+                 plane: Tensor | None = None, latest: bool = True, read_plane: Tensor | None = None):
         self.cache, self.columns, self.position, self.mask = slots.cache, columns, position, mask
         rows = torch.arange(slots.rows, device=slots.device)
         self.slot = torch.where(write, rows, slots.rows)
         self.plane, self.latest = plane, latest
+        if plane is not None:  # (B, columns) index triples: row, column, the plane read
+            self.read_at = (rows[:, None], torch.arange(columns, device=slots.device)[None], read_plane)
         if plane is not None and latest:
             self.latest_slot = torch.where(write & ~slots.full, rows, slots.rows)
             self.latest_plane = torch.full_like(plane, slots.cache.planes)
@@ -161,7 +165,10 @@ class SlotAttention:
             store.index_put_((self.slot, self.position, self.plane), new[:, 0])
             if self.latest:
                 store.index_put_((self.latest_slot, self.position, self.latest_plane), new[:, 0])
-        return keys[:rows, : self.columns].flatten(1, 2), values[:rows, : self.columns].flatten(1, 2)
+        # one plane per row and position: reading every plane through a mask would attend (planes + 1) times
+        # the keys, which costs far more than this copy of the keys the row attends (an index of whole
+        # heads x head_dim vectors; torch.gather's per-element index is several times slower on CPU)
+        return keys[self.read_at], values[self.read_at]
 
     def attention_mask(self, index: int, length: int) -> Tensor:
         return self.mask
@@ -172,15 +179,14 @@ def past_mask(position: Tensor, columns: int) -> Tensor:
     return (torch.arange(columns, device=position.device) <= position[:, None])[:, None, None]
 
 
-def core_mask(slots: Slots, columns: int, plane: Tensor) -> Tensor:
-    """(B, 1, 1, columns x (planes + 1)): for each row's past positions and its own, the plane of this row's
-    iteration where that position reached it (`depths` > plane), else its latest plane (`latest`, `ring:N`) or
-    nothing (`full`); positions after its own, nothing."""
+def core_reads(slots: Slots, columns: int, plane: Tensor) -> tuple[Tensor, Tensor]:
+    """For a core iteration of every row at `plane`: (B, columns) the plane each past position (and its own)
+    gives the row, the row's plane where that position reached it (`depths` > plane), else the latest plane; and
+    the (B, 1, 1, columns) mask: the row's positions up to its own, without those that did not reach the plane
+    for `full` rows (the latest copy stands in for them under `latest` and `ring:N`)."""
     cache = slots.cache
     past = torch.arange(columns, device=slots.device) <= slots.position[:, None]
     present = cache.depths[: slots.rows, :columns] > plane[:, None]
-    planes = torch.arange(cache.planes + 1, device=slots.device)
-    at_plane = (planes == plane[:, None])[:, None]
-    at_latest = ((planes == cache.planes) & ~slots.full[:, None])[:, None]
-    mask = past[:, :, None] & torch.where(present[:, :, None], at_plane, at_latest)
-    return mask.reshape(slots.rows, 1, 1, columns * (cache.planes + 1))
+    read_plane = torch.where(present, plane[:, None], cache.planes)
+    mask = past & (present | ~slots.full[:, None])
+    return read_plane, mask[:, None, None]
