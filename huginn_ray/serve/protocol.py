@@ -51,7 +51,12 @@ class ApiError(ValueError):
         self.param = param
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param, "code": None}}
+        return error_body(str(self), "invalid_request_error", self.param)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object (the body of every non-200 answer, and a stream's error event)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 @dataclass(frozen=True)
