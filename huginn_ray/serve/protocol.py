@@ -96,8 +96,8 @@ def read_completion(body, tokens: Tokens, config: ModelConfig) -> Call:
     if "prompt" not in fields:
         raise ApiError("prompt is required", "prompt")
     prompt = fields["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt (lm-eval's local-completions sends [[ids]])
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError("prompt must not be empty", "prompt")
