@@ -147,3 +147,31 @@ def through_server(tmp_path, env, run):
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+def test_server_requests_carry_the_recipes_fields_and_the_ray_data_paths_seeds(tmp_path):
+    from huginn_ray.eval.server_lm import Server, server_generation_lm
+    from huginn_ray.model.export import export
+
+    train_tokenizer(["def main(): return 1\n" * 50, "Q: how many?\nA: The answer is 6.\n" * 50], 4096,
+                    tmp_path / "tokenizer")
+    torch.manual_seed(0)
+    hf_dir = export(RecurrentGPT(ModelConfig.from_name("raven-tiny", vocab_size=4096)), tmp_path / "hf",
+                    tmp_path / "tokenizer")
+    lm = server_generation_lm(hf_dir, Server("http://127.0.0.1:9", 4, "k3y", "kl", 0.01), seed=5)
+    assert (lm.base_url, lm.header, lm._concurrent, lm.max_length) == (
+        "http://127.0.0.1:9/v1/completions", {"Authorization": "Bearer k3y"}, 4, 256)
+    lm.depth, lm.index = 8, {(7, 8, 9): 2}
+    payload = lm._create_payload([[7, 8, 9]], generate=True, seed=1234, eos="<|end_text|>",
+                                 gen_kwargs={"until": ["Q:"], "max_gen_toks": 16, "do_sample": False})
+    assert payload == {"prompt": [[7, 8, 9]], "model": "huginn", "max_tokens": 16, "temperature": 0,
+                       "stop": ["Q:", "<|end_text|>", "<|end_turn|>"], "seed": 5 + 2, "num_steps": 8,
+                       "return_token_ids": True, "exit_criterion": "kl", "exit_threshold": 0.01}
+    # the reply's text: its tokens decoded without special tokens, cut at the first `until` string (HFLM's)
+    ids = lm.tokenizer.encode("The answer is 6.\nQ: how", add_special_tokens=False)
+    end_turn = lm.tokenizer.convert_tokens_to_ids("<|end_turn|>")
+    [text] = lm.parse_generations({"choices": [{"index": 0, "text": "", "token_ids": [end_turn, *ids],
+                                                "core_iterations": [8, 3, 8]}]})
+    assert lm._cut(text, {"until": ["Q:"]}) == "The answer is 6.\n" and lm.depths_run == {8: {3, 8}}
+    with pytest.raises(ValueError, match="--server must be an http"):
+        Server("127.0.0.1:8000")
