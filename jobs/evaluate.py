@@ -6,6 +6,8 @@
         [--limit N] [--out DIR]
     python jobs/evaluate.py --checkpoint DIR --gsm8k TEST_JSONL [--num-steps 32 | --sweep [4,8,16,32,64]]
         [--limit N] [--out DIR] [--device cpu|cuda] [--replicas N] [dtype=bfloat16] [max_gen_toks=N] [seed=N]
+    python jobs/evaluate.py --checkpoint DIR --gsm8k TEST_JSONL [--num-steps 32 | --sweep ...] --server URL
+        [num_concurrent=8] [exit_criterion=kl] [exit_threshold=X] [max_gen_toks=N] [seed=N]
 
 Depth scaling and GSM8k run as Ray Data batch inference over an actor pool of model replicas (--replicas N, one
 per GPU or CPU actors; huginn_ray/eval/batch_inference.py) on the cluster in $RAY_ADDRESS, else on a private
@@ -14,6 +16,10 @@ depth_scaling.csv + depth_scaling.png into --out (default: an eval/ directory be
 harness on it through HFLM (pip install -e .[eval]). --gsm8k runs the paper's GSM8k recipe (huginn_ray/eval/gsm8k.py:
 lm-eval's gsm8k_cot pinned in configs/eval/, chat template, the authors' system prompt, 32 iterations) on a local
 JSONL copy of the test split, offline; with --sweep at each listed depth, writing gsm8k_depth_sweep.csv + .png.
+With --server URL the GSM8k generations go through a running jobs/serve.py instead (lm-eval's local-completions,
+num_concurrent requests at once, batched by the server's engine; huginn_ray/eval/server_lm.py), which must serve
+this checkpoint; its API key from $HUGINN_API_KEY. The prompts and per-request seeds are the Ray Data path's;
+with exit_criterion= (and exit_threshold=) every token exits the recurrence on that criterion.
 All log metrics and files to the checkpoint's MLflow run (or a new run when the checkpoint has none).
 --device: cpu or cuda (default: cuda when a GPU is present: for depth scaling and GSM8k, when the Ray cluster has
 GPUs, one per replica). key=value: batch_size, seed (depth scaling: the latent noise's; GSM8k: request i is
@@ -28,6 +34,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from huginn_ray.cluster.local_ray import connect_ray
@@ -36,7 +43,9 @@ from huginn_ray.model.inference import inference_placement
 from huginn_ray.model.pretrained import resolve_model_dir
 
 OPTIONS = {"batch_size": int, "seed": int, "mlflow_uri": str, "experiment": str, "tokenizer": str, "dtype": str,
-           "max_gen_toks": int}
+           "max_gen_toks": int, "num_concurrent": int, "exit_criterion": str, "exit_threshold": float}
+SERVER_OPTIONS = ("num_concurrent", "exit_criterion", "exit_threshold")
+"""Options of the evaluation through a server (--server) only."""
 
 
 def find_tracking(model_dir: Path) -> tuple[str | None, str | None]:
@@ -99,6 +108,22 @@ def replicas_for(args, options: dict):
     replicas = Replicas(count, placement.device.type, placement.dtype_name)
     print(f"[huginn] {replicas.count} model replica(s) on {placement.describe()}", flush=True)
     return replicas
+
+
+def server_for(args, options: dict):
+    """The running server the GSM8k generations go through (--server), its key from $HUGINN_API_KEY."""
+    from huginn_ray.eval.server_lm import Server
+    from huginn_ray.serve.access import API_KEY_ENV
+
+    for option, given in (("--replicas", args.replicas), ("--device", args.device), ("dtype=", options.get("dtype"))):
+        if given is not None:
+            raise ValueError(f"{option} places the Ray Data path's replicas; with --server the server's own "
+                             f"replicas generate (jobs/serve.py's options)")
+    server = Server(args.server, options.get("num_concurrent", 8), os.environ.get(API_KEY_ENV),
+                    options.get("exit_criterion"), options.get("exit_threshold"))
+    print(f"[huginn] generating through the server at {server.url} ({server.num_concurrent} requests at once)",
+          flush=True)
+    return server
 
 
 def run_depth_scaling(args, model_dir: Path, out: Path, options: dict) -> int:
@@ -185,10 +210,15 @@ def run_gsm8k(args, model_dir: Path, out: Path, options: dict) -> int:
     if tokenizer is None:
         raise ValueError("the GSM8k recipe needs a tokenizer (its chat template): pass tokenizer=DIR")
     hf_dir = export(load_pretrained(model_dir), out / "hf", tokenizer)
-    with connect_ray(num_cpus=os.cpu_count()):  # on a private local Ray: every CPU of the machine
-        report = evaluate_gsm8k(hf_dir, args.gsm8k, out / "tasks", depths, replicas_for(args, options),
-                                limit=args.limit, max_gen_toks=options.get("max_gen_toks"),
-                                seed=options.get("seed", 0))
+    settings = dict(limit=args.limit, max_gen_toks=options.get("max_gen_toks"), seed=options.get("seed", 0))
+    started = time.monotonic()
+    if args.server:
+        server = server_for(args, options)
+        report = evaluate_gsm8k(hf_dir, args.gsm8k, out / "tasks", depths, server, **settings)
+    else:
+        with connect_ray(num_cpus=os.cpu_count()):  # on a private local Ray: every CPU of the machine
+            report = evaluate_gsm8k(hf_dir, args.gsm8k, out / "tasks", depths, replicas_for(args, options), **settings)
+    report["settings"]["wall_s"] = round(time.monotonic() - started, 1)
     rows = sweep_rows(report)
     name = "gsm8k_depth_sweep" if args.sweep else "gsm8k"
     path = out / f"{name}.json"
@@ -210,7 +240,7 @@ def run_gsm8k(args, model_dir: Path, out: Path, options: dict) -> int:
         print(f"[huginn] table: {csv_path}")
         print(f"[huginn] plot: {png_path}")
     print(f"[huginn] results and settings: {path} ({GSM8K_RECIPE.task}, system prompt, chat template, "
-          f"{report['settings']['samples']} problems)")
+          f"{report['settings']['samples']} problems, generated in {report['settings']['wall_s']} s)")
     print(f"[huginn] MLflow: {uri} (run {run_id})")
     return 0
 
@@ -232,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is present)")
     parser.add_argument("--replicas", type=int, default=None,
                         help="depth scaling and GSM8k: model replicas (default: one per GPU of the cluster, else 1)")
+    parser.add_argument("--server", help="GSM8k: generate through this running jobs/serve.py (its base URL, e.g. "
+                                         "http://127.0.0.1:8000) instead of Ray Data replicas")
     parser.add_argument("overrides", nargs="*", help="key=value: " + ", ".join(OPTIONS))
     args = parser.parse_args(argv)
     try:
@@ -245,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) if args.out else model_dir.parent / "eval"
         if args.sweep and not args.gsm8k:
             raise ValueError("--sweep needs --gsm8k TEST_JSONL")
+        if args.server and not args.gsm8k:
+            raise ValueError("--server needs --gsm8k TEST_JSONL (the evaluation through a server runs the GSM8k "
+                             "recipe)")
+        for key in SERVER_OPTIONS:
+            if key in options and not args.server:
+                raise ValueError(f"{key}= applies to the evaluation through a server: pass --server URL")
         if args.gsm8k:
             return run_gsm8k(args, model_dir, out, options)
         if args.lm_eval:

@@ -2,13 +2,14 @@
 
     python jobs/serve.py --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--replicas N] [--tokenizer DIR]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--max-rows 32] [--max-cache-gib 4] [--exit-wait-steps 0]
-        [--admit-rows 1] [--model-name NAME]
+        [--admit-rows 1] [--model-name NAME] [--api-key KEY]
 
 DIR is a model directory, a training checkpoint, or a training out_dir (newest checkpoint); the tokenizer defaults
 to one stored beside the model. Each replica loads the model once (on one GPU with --device cuda, the default when
 a GPU is present, else on one CPU) and runs one continuous-depth-batching engine. Listens on 127.0.0.1 unless
---host says otherwise. Connects to the Ray cluster in $RAY_ADDRESS, else starts a private local Ray with token
-authentication. Ctrl-C (SIGINT) or SIGTERM shuts the application down, stops the local Ray, and exits 0.
+--host says otherwise. With --api-key KEY (or $HUGINN_API_KEY) every request must carry `Authorization: Bearer
+KEY` (401 otherwise); an address other than loopback is refused without a key. Connects to the Ray cluster in
+$RAY_ADDRESS, else starts a private local Ray with token authentication. Ctrl-C (SIGINT) or SIGTERM shuts the application down, stops the local Ray, and exits 0.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from huginn_ray.generation.engine import EngineConfig  # noqa: E402
 from huginn_ray.model.export import find_tokenizer  # noqa: E402
 from huginn_ray.model.inference import DTYPES, inference_placement  # noqa: E402
 from huginn_ray.model.pretrained import resolve_model_dir  # noqa: E402
+from huginn_ray.serve.access import API_KEY_ENV, check_access  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="free rows an engine waits for before admitting queued requests together "
                              "(EngineConfig.admit_rows: throughput for time to first token)")
     parser.add_argument("--model-name", help="the model's name in the API (default: the directory's name)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"every request must send `Authorization: Bearer KEY` (default: ${API_KEY_ENV}; the "
+                             f"variable keeps the key out of the process list); required off loopback")
     parser.add_argument("--verbose", action="store_true", help="Ray's own INFO lines on the console")
     args = parser.parse_args(argv)
     try:
@@ -77,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(settings, args.replicas), name="huginn", route_prefix="/")
         print(f"[huginn] serving {settings.model_name} ({args.replicas} replica(s), {settings.device}, "
-              f"{settings.dtype}) on http://{args.host}:{args.port}/v1; Ctrl-C stops it", flush=True)
+              f"{settings.dtype}) on http://{args.host}:{args.port}/v1"
+              f"{' (API key required)' if settings.api_key else ''}; Ctrl-C stops it", flush=True)
         threading.Event().wait()
     except KeyboardInterrupt:
         print("[huginn] shutting down", flush=True)
@@ -99,6 +105,7 @@ def plan(args) -> "ServeSettings":  # noqa: F821
     """The replicas' settings, every name and path checked before Ray starts; ValueError naming the option."""
     from huginn_ray.serve.app import ServeSettings
 
+    check_access(args.host, args.api_key)
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     if not 0 < args.port < 65536:
@@ -114,8 +121,8 @@ def plan(args) -> "ServeSettings":  # noqa: F821
         raise ValueError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
     name = args.model_name or (model_dir.parent.name if model_dir.name == "model" else model_dir.name)
     return ServeSettings(model_dir=str(model_dir), tokenizer_dir=os.path.abspath(tokenizer_dir), model_name=name,
-                         device=placement.device.type, dtype=placement.dtype_name, engine=engine)
-
+                         device=placement.device.type, dtype=placement.dtype_name, engine=engine,
+                         api_key=args.api_key)
 
 ENGINE_OPTIONS = {"max_rows": "--max-rows", "max_cache_bytes": "--max-cache-gib",
                   "exit_wait_steps": "--exit-wait-steps", "admit_rows": "--admit-rows"}

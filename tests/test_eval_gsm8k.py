@@ -1,15 +1,20 @@
 """The paper's GSM8k recipe: the pinned task against lm-eval's gsm8k_cot, and jobs/evaluate.py --gsm8k --sweep
 offline on the shipped 4-problem sample with a tiny export (the accuracy is meaningless; settings, the prompt
-lm-eval built, and the sweep's CSV, plot and MLflow entries are checked)."""
+lm-eval built, and the sweep's CSV, plot and MLflow entries are checked), through Ray Data replicas and through a
+running jobs/serve.py (lm-eval's local-completions, requests batched by the server's engine): the same
+accuracies (not the same responses: the export's initial noise is drawn otherwise, huginn_ray/eval/server_lm.py)."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import sysconfig
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -19,6 +24,7 @@ import yaml
 from huginn_ray.data.tokenizer import train_tokenizer
 from huginn_ray.eval.gsm8k import GSM8K_RECIPE, SAMPLE_DATA, TASK_YAML, check_task_data
 from huginn_ray.model import ModelConfig, RecurrentGPT, save_pretrained
+from isolation import free_port
 
 pytest.importorskip("lm_eval")
 REPO = Path(__file__).resolve().parents[1]
@@ -51,37 +57,45 @@ def test_bad_task_data_is_refused_by_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_gsm8k_depth_sweep_runs_offline_with_the_recipes_settings(tmp_path):
+def test_gsm8k_depth_sweep_runs_offline_with_the_recipes_settings_through_replicas_and_through_the_server(tmp_path):
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     train_tokenizer([p.read_text() for p in sorted((stdlib / "json").glob("*.py"))], 4096, tmp_path / "tokenizer")
     torch.manual_seed(0)  # block_size 512: the 8-shot prompt (~1,500 tokens here) is cut from the left to 496
     save_pretrained(RecurrentGPT(ModelConfig.from_name("raven-tiny", block_size=512)), tmp_path / "ckpt" / "model")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-           "HF_HOME": str(tmp_path / "hf_home"), "TRANSFORMERS_OFFLINE": "1"}
-    def sweep(out, replicas):
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env.update({"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"),
+                "TRANSFORMERS_OFFLINE": "1", "HUGINN_API_KEY": "eval-key-" + uuid.uuid4().hex})
+
+    def sweep(out, *where):
         result = subprocess.run(
             [sys.executable, "jobs/evaluate.py", "--checkpoint", str(tmp_path / "ckpt"), "--gsm8k", str(SAMPLE_DATA),
-             "--sweep", "4,8", "--limit", "2", "--out", str(out), "--replicas", str(replicas),
+             "--sweep", "4,8", "--limit", "2", "--out", str(out), *where,
              f"tokenizer={tmp_path / 'tokenizer'}", "max_gen_toks=16"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
         )
         assert result.returncode == 0, result.stderr[-4000:]
-        assert f"[huginn] {replicas} model replica(s) on cpu, float32" in result.stdout
-        return json.loads((out / "gsm8k_depth_sweep.json").read_text())
+        return result.stdout, json.loads((out / "gsm8k_depth_sweep.json").read_text())
 
     out = tmp_path / "eval"
-    report = sweep(out, replicas=2)
+    printed, report = sweep(out, "--replicas", "2")
+    assert "[huginn] 2 model replica(s) on cpu, float32" in printed
     settings = report["settings"]
     assert settings["system_instruction"] == SYSTEM and settings["apply_chat_template"] and settings["fewshot_as_multiturn"]
     assert (settings["samples"], settings["max_gen_toks"], settings["depths"]) == (2, 16, [4, 8])
     assert (settings["replicas"], settings["device"], settings["dtype"]) == (2, "cpu", "float32")
-    # one replica gives every answer that two gave: each request is generated alone, seeded by its index
-    alone = sweep(tmp_path / "eval_one_replica", replicas=1)
+    # through jobs/serve.py (its API key from $HUGINN_API_KEY, as evaluate.py's): the requests, 4 at once, share
+    # the engine's batch, at each depth the accuracies are the replicas' (the responses are not: other noise)
+    url, printed, served = through_server(tmp_path, env, lambda url: sweep(tmp_path / "eval_server", "--server", url,
+                                                                          "num_concurrent=4"))
+    assert f"[huginn] generating through the server at {url} (4 requests at once)" in printed
+    assert (served["settings"]["num_concurrent"], served["settings"]["exit_criterion"]) == (4, None)
     for depth in ("4", "8"):
         responses = report["depths"][depth]["responses"][GSM8K_RECIPE.task]
         assert len(responses) == 2 and all(isinstance(text, str) for text in responses)
-        assert alone["depths"][depth]["responses"] == report["depths"][depth]["responses"]
-        assert alone["depths"][depth]["results"] == report["depths"][depth]["results"]
+        assert len(served["depths"][depth]["responses"][GSM8K_RECIPE.task]) == 2
+        assert served["depths"][depth]["results"] == report["depths"][depth]["results"]
+        assert served["depths"][depth]["forward_num_steps"] == [int(depth)]  # every token: that many iterations
     assert report["depths"]["4"]["responses"] != report["depths"]["8"]["responses"]  # the depth reached the model
     for depth in ("4", "8"):
         run = report["depths"][depth]
@@ -108,3 +122,56 @@ def test_gsm8k_depth_sweep_runs_offline_with_the_recipes_settings(tmp_path):
     assert run.data.metrics["gsm8k/flexible_extract_depth_8"] == float(rows[1]["flexible_extract"])
     assert {a.path for a in client.list_artifacts(run.info.run_id, "gsm8k")} == {
         "gsm8k/gsm8k_depth_sweep.json", "gsm8k/gsm8k_depth_sweep.csv", "gsm8k/gsm8k_depth_sweep.png"}
+
+
+def through_server(tmp_path, env, run):
+    """(url, evaluate.py's output, its report) of `run(url)` against jobs/serve.py serving the checkpoint on
+    loopback with the API key in env; the server stops on SIGINT."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen([sys.executable, str(REPO / "jobs" / "serve.py"), "--checkpoint", str(tmp_path / "ckpt"),
+                               "--tokenizer", str(tmp_path / "tokenizer"), "--port", str(port), "--replicas", "1",
+                               "--max-rows", "4", "--device", "cpu"],
+                              env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 300
+        while "[huginn] serving" not in (tmp_path / "serve.log").read_text():
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.3)
+        return (url, *run(url))
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def test_server_requests_carry_the_recipes_fields_and_the_ray_data_paths_seeds(tmp_path):
+    from huginn_ray.eval.server_lm import Server, server_generation_lm
+    from huginn_ray.model.export import export
+
+    train_tokenizer(["def main(): return 1\n" * 50, "Q: how many?\nA: The answer is 6.\n" * 50], 4096,
+                    tmp_path / "tokenizer")
+    torch.manual_seed(0)
+    hf_dir = export(RecurrentGPT(ModelConfig.from_name("raven-tiny", vocab_size=4096)), tmp_path / "hf",
+                    tmp_path / "tokenizer")
+    lm = server_generation_lm(hf_dir, Server("http://127.0.0.1:9", 4, "k3y", "kl", 0.01), seed=5)
+    assert (lm.base_url, lm.header, lm._concurrent, lm.max_length) == (
+        "http://127.0.0.1:9/v1/completions", {"Authorization": "Bearer k3y"}, 4, 256)
+    lm.depth, lm.index = 8, {(7, 8, 9): 2}
+    payload = lm._create_payload([[7, 8, 9]], generate=True, seed=1234, eos="<|end_text|>",
+                                 gen_kwargs={"until": ["Q:"], "max_gen_toks": 16, "do_sample": False})
+    assert payload == {"prompt": [[7, 8, 9]], "model": "huginn", "max_tokens": 16, "temperature": 0,
+                       "stop": ["Q:", "<|end_text|>", "<|end_turn|>"], "seed": 5 + 2, "num_steps": 8,
+                       "return_token_ids": True, "exit_criterion": "kl", "exit_threshold": 0.01}
+    # the reply's text: its tokens decoded without special tokens, cut at the first `until` string (HFLM's)
+    ids = lm.tokenizer.encode("The answer is 6.\nQ: how", add_special_tokens=False)
+    end_turn = lm.tokenizer.convert_tokens_to_ids("<|end_turn|>")
+    [text] = lm.parse_generations({"choices": [{"index": 0, "text": "", "token_ids": [end_turn, *ids],
+                                                "core_iterations": [8, 3, 8]}]})
+    assert lm._cut(text, {"until": ["Q:"]}) == "The answer is 6.\n" and lm.depths_run == {8: {3, 8}}
+    with pytest.raises(ValueError, match="--server must be an http"):
+        Server("127.0.0.1:8000")

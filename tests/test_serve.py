@@ -1,9 +1,12 @@
 """jobs/serve.py end to end: the OpenAI-compatible server on Ray Serve, on loopback in the private namespace.
 
-One server with two replicas (its own private local Ray, as a user starts it) answers 9 concurrent clients
-(completions and chat, streamed and not, through plain HTTP and the `openai` client) each exactly as `generate`
-answers that request alone at batch size 1, spreading them over both replicas as its /stats counts them; refuses
-bad requests with HTTP 400 naming the field; frees the slot of a client that disconnects mid-stream; drops from
+One server with two replicas (its own private local Ray, as a user starts it, with an API key) answers 9
+concurrent clients (completions and chat, streamed and not, through plain HTTP and the `openai` client, each with
+the key) each exactly as `generate` answers that request alone at batch size 1, spreading them over both replicas
+as its /stats counts them; answers 401 to every route without the key or with a wrong one; answers a request whose
+engine step fails (a seed torch cannot take) with 500 naming the failure, streamed with an error event, and counts
+it in /stats; refuses bad requests with HTTP 400 naming the field; frees the slot of a client that disconnects
+mid-stream; drops from
 /stats a replica whose process is killed, and answers /stats with 503 and then the same counts after its stats
 board's process is killed; and stops on SIGINT with exit 0, leaving no process behind. Beside it, without Ray:
 the board's liveness window on a fake clock, and the engine loop's idle reports and failed-request count.
@@ -36,6 +39,8 @@ from isolation import free_port, private_namespace_problem
 
 REPO = Path(__file__).resolve().parents[1]
 MARKER = "HUGINN_TEST_SERVE"
+API_KEY = "test-key-" + uuid.uuid4().hex
+AUTHORIZED = {"Authorization": f"Bearer {API_KEY}"}
 TEXTS = ["def main(): return 1\n" * 50, "class A: pass\n" * 50, "Hello world, how are you today?\n" * 30]
 
 # (route, body): every request returns its token ids and their core iterations (return_token_ids)
@@ -70,11 +75,11 @@ def checkpoint(tmp_path_factory):
     return root / "model"
 
 
-def post(port: int, route: str, body: dict) -> tuple[int, dict | list, str]:
+def post(port: int, route: str, body: dict, headers: dict = AUTHORIZED) -> tuple[int, dict | list, str]:
     """(status, JSON body, the replica that answered), or for a stream (status, [chunk, ...], replica) up to
     `data: [DONE]`."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    connection.request("POST", f"/v1/{route}", json.dumps(body), {"Content-Type": "application/json"})
+    connection.request("POST", f"/v1/{route}", json.dumps(body), {"Content-Type": "application/json", **headers})
     response = connection.getresponse()
     replica = response.getheader("Huginn-Replica")
     if not body.get("stream") or response.status != 200:
@@ -136,10 +141,11 @@ def alone(model, tokenizer, route: str, body: dict) -> dict:
                 prompt_tokens=len(ids))
 
 
-def stats(port: int) -> tuple[int, dict | str]:
-    """(status, JSON body) of GET /stats; the body as text when it is not JSON (Serve's own error pages)."""
+def stats(port: int, headers: dict = AUTHORIZED, route: str = "/stats") -> tuple[int, dict | str]:
+    """(status, JSON body) of GET /stats (or another GET route); the body as text when it is not JSON (Serve's own
+    error pages)."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    connection.request("GET", "/stats")
+    connection.request("GET", route, headers=headers)
     response = connection.getresponse()
     body = response.read()
     return response.status, json.loads(body) if response.getheader("content-type") == "application/json" \
@@ -188,17 +194,25 @@ def test_serve_spreads_concurrent_clients_over_replicas_answers_as_alone_and_sto
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen([sys.executable, str(REPO / "jobs" / "serve.py"), "--checkpoint", str(checkpoint),
                                "--port", str(port), "--replicas", "2", "--max-rows", "4", "--exit-wait-steps", "2",
-                               "--admit-rows", "2",
+                               "--admit-rows", "2", "--api-key", API_KEY,
                                "--device", "cpu"],
                               env={**env, MARKER: marker}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    # meanwhile: beyond loopback without a key, jobs/serve.py refuses by name before Ray starts
+    open_server = subprocess.Popen([sys.executable, str(REPO / "jobs" / "serve.py"), "--checkpoint", str(checkpoint),
+                                    "--host", "0.0.0.0", "--port", str(free_port())],
+                                   env={key: value for key, value in env.items() if key != "HUGINN_API_KEY"},
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
+        refused = open_server.communicate(timeout=120)
+        assert open_server.returncode == 2 and "error: --host 0.0.0.0 is not a loopback address" in refused[1] \
+            and "serving" not in refused[0], refused
         # up once serve.run returned with every replica running (one may answer before the other is up)
         deadline = time.monotonic() + 180
         while "[huginn] serving" not in (tmp_path / "serve.log").read_text():
             assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
             time.sleep(0.3)
         tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer" / "tokenizer.json"))
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)
 
         def through_openai():  # the real client, a sampled completion with the depth fields in extra_body
             body = dict(prompt="def main", max_tokens=6, temperature=0.9, seed=21, num_steps=4)
@@ -251,6 +265,30 @@ def test_serve_spreads_concurrent_clients_over_replicas_answers_as_alone_and_sto
             stream=True, extra_body={k: body[k] for k in ("top_k", "num_steps", "exit_criterion", "exit_threshold")})
         assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == answers[3]["text"]
 
+        # without the key, or with another, every route answers 401 (the openai client's AuthenticationError)
+        import openai
+
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            status, got, _ = post(port, "completions", dict(prompt="x", max_tokens=1), headers)
+            assert status == 401 and got["error"]["code"] == "invalid_api_key", got
+            assert [stats(port, headers, route)[0] for route in ("/stats", "/v1/models")] == [401, 401]
+        with pytest.raises(openai.AuthenticationError):
+            OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
+        assert len(client.models.list().data) == 1
+
+        # a request the engine's step fails on (a seed torch's generator cannot take, beyond 64 bits) is answered:
+        # 500 naming the failure, streamed as an error event before [DONE]; both count as failed in /stats
+        too_large = dict(prompt="def", max_tokens=2, num_steps=2, seed=2**64)
+        status, got, _ = post(port, "completions", too_large)
+        assert status == 500 and got["error"]["type"] == "internal_server_error", got
+        assert got["error"]["message"].startswith("the engine's step failed: ") and "Overflow" in got["error"]["message"]
+        status, got, _ = post(port, "completions", dict(too_large, stream=True))
+        assert status == 200 and [chunk["error"]["message"] for chunk in got] == [got[0]["error"]["message"]], got
+        assert got[0]["error"]["message"].startswith("the engine's step failed: "), got
+        served = stats_when(port, lambda served: served["total"]["requests_failed"] == 2)["total"]
+        assert (served["requests_failed"], served["requests_finished"], served["rows_in_flight"]) == (
+            2, len(REQUESTS) + 2, 0), served
+
         # bad requests: 400 with OpenAI's error object naming the field
         for route, body, param in [
             ("completions", dict(prompt="x", exit_criterion="wisdom"), "exit_criterion"),
@@ -267,7 +305,7 @@ def test_serve_spreads_concurrent_clients_over_replicas_answers_as_alone_and_sto
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         connection.request("POST", "/v1/completions", json.dumps(dict(prompt="def", max_tokens=240, num_steps=32,
                                                                       stream=True, return_token_ids=True)),
-                           {"Content-Type": "application/json"})
+                           {"Content-Type": "application/json", **AUTHORIZED})
         response = connection.getresponse()
         assert response.readline().startswith(b"data: ")
         connection.sock.shutdown(2)
@@ -304,6 +342,8 @@ def test_serve_spreads_concurrent_clients_over_replicas_answers_as_alone_and_sto
                                    "the stats board is restarting" in body["error"]["message"]
                                    for status, body in unavailable), statuses
     finally:
+        if open_server.poll() is None:  # it should have refused to start
+            open_server.kill()
         server.send_signal(signal.SIGINT)
         try:
             returncode = server.wait(timeout=90)
@@ -318,6 +358,21 @@ def test_serve_spreads_concurrent_clients_over_replicas_answers_as_alone_and_sto
     assert returncode == 0, (tmp_path / "serve.log").read_text()[-4000:]
     assert "shutting down" in (tmp_path / "serve.log").read_text()
     assert not left, left
+
+
+def test_access_asks_a_key_beyond_loopback_and_compares_the_whole_header():
+    from huginn_ray.serve.access import authorized, check_access, is_loopback
+
+    assert [is_loopback(host) for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost", "0.0.0.0", "::",
+                                           "10.0.0.1", "example.org")] == [True] * 4 + [False] * 4
+    check_access("127.0.0.1", None)
+    check_access("0.0.0.0", "k3y")
+    with pytest.raises(ValueError, match=r"--host 0.0.0.0 is not a loopback address: .* pass --api-key KEY"):
+        check_access("0.0.0.0", None)
+    with pytest.raises(ValueError, match=r"--api-key \(or \$HUGINN_API_KEY\) is empty"):
+        check_access("127.0.0.1", " ")
+    assert authorized(None, None) and authorized("Bearer k3y", "k3y")
+    assert not any(authorized(header, "k3y") for header in (None, "", "k3y", "Bearer k3", "Bearer k3yy", "bearer k3y"))
 
 
 def test_stop_strings_end_the_text_before_them_and_hold_back_what_may_start_one(checkpoint):
@@ -400,7 +455,7 @@ def test_engine_loop_reports_while_idle_and_counts_the_requests_a_failed_step_dr
 
         monkeypatch.setattr(engine, "step", fails_once)
         ended = asyncio.run(serve([Request((5, 6, 7), 4, num_steps=2, seed=1), Request((8, 9), 3, num_steps=2)]))
-        assert [str(event) for event in ended] == ["the device fell over"] * 2
+        assert [str(event) for event in ended] == ["the engine's step failed: RuntimeError: the device fell over"] * 2
         assert asyncio.run(serve([Request((5, 6, 7), 4, num_steps=2, seed=1)])) == ["length"]
         deadline = time.monotonic() + 30
         while reports[-1]["requests_finished"] == 0 and time.monotonic() < deadline:

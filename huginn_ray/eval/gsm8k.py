@@ -17,7 +17,10 @@ chat template is the export's (huginn_ray.data.chat.CHAT_TEMPLATE, the released 
 The depth sweep evaluates the same recipe at several recurrence depths (default 4, 8, 16, 32, 64: accuracy
 against test-time compute, as in the paper's figures) as one Ray Data pipeline over an actor pool of model
 replicas (huginn_ray.eval.batch_inference): every request at every depth is generated alone, seeded by its
-index, so the results do not depend on the replica count.
+index, so the results do not depend on the replica count. Or through a running jobs/serve.py
+(huginn_ray.eval.server_lm): the same requests and seeds, sent `num_concurrent` at once to its continuous depth
+batching engine, where a request may also exit the recurrence early (the initial noise a seed gives differs from
+the export's: server_lm.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from huginn_ray.eval.batch_inference import Replicas, ray_generation_lm
+from huginn_ray.eval.server_lm import Server, server_generation_lm
 
 TASK_YAML = Path(__file__).resolve().parents[2] / "configs" / "eval" / "gsm8k_cot_huginn.yaml"
 SAMPLE_DATA = TASK_YAML.parent / "gsm8k_test_sample.jsonl"
@@ -100,12 +104,14 @@ def write_task(data: str | Path, task_dir: str | Path) -> Path:
 
 
 def evaluate_gsm8k(hf_dir: str | Path, data: str | Path, task_dir: str | Path, depths: list[int],
-                   replicas: Replicas, limit: int | None = None, max_gen_toks: int | None = None,
+                   generator: Replicas | Server, limit: int | None = None, max_gen_toks: int | None = None,
                    seed: int = 0) -> dict:
-    """The recipe at each depth, as Ray Data batch inference on `replicas` (every depth's generations in one
-    pipeline, the model loaded once per replica; huginn_ray.eval.batch_inference), on the connected Ray cluster.
-    Returns {"settings", "depths": {depth: lm-eval report}}; `max_gen_toks` overrides the pinned 256 (for models
-    whose block_size cannot hold it) and is recorded."""
+    """The recipe at each depth, generated either as Ray Data batch inference on `Replicas` (every depth's
+    generations in one pipeline, the model loaded once per replica; huginn_ray.eval.batch_inference) on the
+    connected Ray cluster, or through a running `Server` (huginn_ray.eval.server_lm; `hf_dir` is then the served
+    model's export, for its tokenizer and chat template). Returns {"settings", "depths": {depth: lm-eval
+    report}}; `max_gen_toks` overrides the pinned 256 (for models whose block_size cannot hold it) and is
+    recorded."""
     from huginn_ray.eval.lm_eval import run_tasks
     from huginn_ray.model.config import ModelConfig
 
@@ -121,14 +127,18 @@ def evaluate_gsm8k(hf_dir: str | Path, data: str | Path, task_dir: str | Path, d
                 "fewshot_as_multiturn": recipe.fewshot_as_multiturn}
     if max_gen_toks is not None:
         settings["gen_kwargs"] = {"max_gen_toks": max_gen_toks}
-    lm = ray_generation_lm(hf_dir, depths, replicas, seed)
+    if isinstance(generator, Server):
+        lm, where = server_generation_lm(hf_dir, generator, seed), generator.described()
+    else:
+        lm = ray_generation_lm(hf_dir, depths, generator, seed)
+        where = {"dtype": generator.dtype, "device": generator.device, "replicas": generator.count}
     reports = {}
     for depth in depths:
         lm.depth = depth
-        reports[depth] = run_tasks(lm, depth, lambda: lm.depths_run[depth], [recipe.task], include, limit, **settings)
+        reports[depth] = run_tasks(lm, depth, lambda: lm.depths_run.get(depth, ()), [recipe.task], include, limit,
+                                   **settings)
     return {"settings": {**asdict(recipe), "task_yaml": str(TASK_YAML), "data": str(data),
-                         "samples": min(samples, limit or samples), "max_gen_toks": generation,
-                         "dtype": replicas.dtype, "device": replicas.device, "replicas": replicas.count,
+                         "samples": min(samples, limit or samples), "max_gen_toks": generation, **where,
                          "seed": seed, "depths": depths},
             "depths": reports}
 

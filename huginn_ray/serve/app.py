@@ -4,14 +4,17 @@ replica.
     app = build_app(ServeSettings(model_dir=..., tokenizer_dir=..., ..., engine=EngineConfig(...)), replicas=2)
     serve.run(app, route_prefix="/")                   # jobs/serve.py does this
 
-Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events with "stream": true,
+Routes (each answered 401 without `Authorization: Bearer <key>` when the server has an API key): POST
+/v1/completions, POST /v1/chat/completions (streamed as server-sent events with "stream": true,
 ending with `data: [DONE]`), GET /v1/models, GET /stats (the live replicas' engines by replica, and their sums;
 503 while the stats board restarts).
 Each replica loads the model once and owns one Engine, driven by one thread (engine_loop.py); every request a
 replica takes joins that engine's batch at the next loop step, and its response names that replica in the
 `Huginn-Replica` header. A refused request gets HTTP 400 with OpenAI's error object naming the field
-(protocol.py); a client that disconnects has its request cancelled (Ray Serve cancels the handler, whose
-`finally` cancels the engine request), which frees its row and cache.
+(protocol.py); a request the engine fails (a step that raised while it was in flight) gets HTTP 500 naming the
+exception, or, streamed, an error event before `data: [DONE]`; a client that disconnects has its request
+cancelled (Ray Serve cancels the handler, whose `finally` cancels the engine request), which frees its row and
+cache.
 
 The replicas' stats meet in `StatsBoard`, one actor per deployment that Serve starts before the replicas and
 stops with the deployment: each replica's engine loop reports its snapshot there (EngineLoop: when a request
@@ -36,8 +39,10 @@ from ray.exceptions import RayActorError
 from ray.serve.config import DeploymentActorConfig
 
 from huginn_ray.generation.engine import EngineConfig
-from huginn_ray.serve.protocol import ApiError, Call, Tokens, choice, envelope, now, read_chat, read_completion, \
-    response_id, usage
+from huginn_ray.serve.access import authorized
+from huginn_ray.serve.engine_loop import EngineFailed, EngineLoop
+from huginn_ray.serve.protocol import ApiError, Call, Tokens, choice, envelope, error_body, now, read_chat, \
+    read_completion, response_id, usage
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,8 @@ class ServeSettings:
     engine: EngineConfig
     """Each replica's engine capacities (rows, key/value bytes, exit wait, admission), checked by EngineConfig when
     the driver plans them, before Ray starts."""
+    api_key: str | None = None
+    """Every request must carry `Authorization: Bearer <api_key>` (else 401); None: no key asked."""
 
 
 SILENT_AFTER_S = 5.0
@@ -172,7 +179,6 @@ class HuginnServer:
         from huginn_ray.data.tokenizer import special_token_ids
         from huginn_ray.generation.engine import Engine
         from huginn_ray.model.inference import inference_placement, load_for_inference
-        from huginn_ray.serve.engine_loop import EngineLoop
 
         self.settings = settings
         self.replica = serve.get_replica_context().replica_tag
@@ -192,26 +198,40 @@ class HuginnServer:
 
     @api.post("/v1/completions")
     async def completions(self, http: HttpRequest):
-        return await self._answer(http, read_completion)
+        refused = self._unauthorized(http)
+        return refused if refused is not None else await self._answer(http, read_completion)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, http: HttpRequest):
-        return await self._answer(http, read_chat)
+        refused = self._unauthorized(http)
+        return refused if refused is not None else await self._answer(http, read_chat)
 
     @api.get("/v1/models")
-    async def models(self):
+    async def models(self, http: HttpRequest):
+        if (refused := self._unauthorized(http)) is not None:
+            return refused
         return {"object": "list", "data": [{"id": self.settings.model_name, "object": "model", "created": 0,
                                             "owned_by": "huginn_ray"}]}
 
     @api.get("/stats")
-    async def stats(self):
+    async def stats(self, http: HttpRequest):
+        if (refused := self._unauthorized(http)) is not None:
+            return refused
         served = await self.board.stats()
         if served is None:
-            return JSONResponse({"error": {"message": "the stats board is restarting (Serve starts a new one after "
-                                                      "the old one died); try again in a few seconds",
-                                           "type": "service_unavailable", "param": None, "code": None}},
+            return JSONResponse(error_body("the stats board is restarting (Serve starts a new one after the old one "
+                                           "died); try again in a few seconds", "service_unavailable"),
                                 status_code=503, headers=self.headers)
         return served
+
+    def _unauthorized(self, http: HttpRequest) -> JSONResponse | None:
+        """401 unless the request carries `Authorization: Bearer <the server's key>` (None: it does, or the server
+        has no key; access.py)."""
+        if authorized(http.headers.get("authorization"), self.settings.api_key):
+            return None
+        return JSONResponse(error_body("a valid API key is required: send `Authorization: Bearer <key>`",
+                                       "invalid_request_error", code="invalid_api_key"),
+                            status_code=401, headers={**self.headers, "WWW-Authenticate": "Bearer"})
 
     async def _answer(self, http: HttpRequest, read):
         try:
@@ -232,8 +252,11 @@ class HuginnServer:
             return StreamingResponse(self._chunks(call, response, created), media_type="text/event-stream",
                                      headers=self.headers)
         text, finish_reason, token_ids, iterations = "", None, [], []
-        async for piece, finish_reason, ids, steps in self._pieces(call):
-            text, token_ids, iterations = text + piece, token_ids + ids, iterations + steps
+        try:
+            async for piece, finish_reason, ids, steps in self._pieces(call):
+                text, token_ids, iterations = text + piece, token_ids + ids, iterations + steps
+        except EngineFailed as err:
+            return JSONResponse(error_body(str(err), "internal_server_error"), status_code=500, headers=self.headers)
         body = envelope(call, response, self.settings.model_name, created,
                         [choice(call, text, finish_reason, token_ids, iterations, chunk=False)], chunk=False)
         body["usage"] = usage(len(call.request.prompt), len(token_ids), sum(iterations))
@@ -241,16 +264,22 @@ class HuginnServer:
 
     async def _chunks(self, call: Call, response: str, created: int):
         """Server-sent events: one chunk per piece of text, the finish reason in the last, then the usage when
-        stream_options.include_usage asks for it, then [DONE]."""
+        stream_options.include_usage asks for it, then [DONE]. A request the engine fails ends with an error event
+        (OpenAI's error object, as vLLM streams it) and [DONE]: the status line (200) has gone out already."""
         first, completion_tokens, core_iterations = True, 0, 0
-        async for piece, finish_reason, ids, steps in self._pieces(call):
-            completion_tokens, core_iterations = completion_tokens + len(ids), core_iterations + sum(steps)
-            if not piece and finish_reason is None and not call.return_token_ids:
-                continue
-            chunk = envelope(call, response, self.settings.model_name, created,
-                             [choice(call, piece, finish_reason, ids, steps, chunk=True, first=first)], chunk=True)
-            first = False
-            yield f"data: {json.dumps(chunk)}\n\n"
+        try:
+            async for piece, finish_reason, ids, steps in self._pieces(call):
+                completion_tokens, core_iterations = completion_tokens + len(ids), core_iterations + sum(steps)
+                if not piece and finish_reason is None and not call.return_token_ids:
+                    continue
+                chunk = envelope(call, response, self.settings.model_name, created,
+                                 [choice(call, piece, finish_reason, ids, steps, chunk=True, first=first)], chunk=True)
+                first = False
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except EngineFailed as err:
+            yield f"data: {json.dumps(error_body(str(err), 'internal_server_error'))}\n\n"
+            yield "data: [DONE]\n\n"
+            return
         if call.include_usage:
             chunk = envelope(call, response, self.settings.model_name, created, [], chunk=True)
             chunk["usage"] = usage(len(call.request.prompt), completion_tokens, core_iterations)
@@ -267,7 +296,7 @@ class HuginnServer:
         try:
             while True:
                 event = await ticket.events.get()
-                if isinstance(event, Exception):
+                if isinstance(event, EngineFailed):
                     raise event
                 is_stop = event.finish_reason == "stop"
                 piece = text.add(event.token_id, is_stop)

@@ -2,7 +2,7 @@
 
     loop = EngineLoop(engine, report)     # report(loop.snapshot()) now, as the engine changes, and every second
     ticket = loop.submit(request)         # from a handler, on its asyncio event loop
-    event = await ticket.events.get()     # TokenEvent ... until event.finished; or an Exception
+    event = await ticket.events.get()     # TokenEvent ... until event.finished; or an EngineFailed
     loop.cancel(ticket)                   # the client went away: frees the request's row and cache
     loop.stop()
 
@@ -46,7 +46,12 @@ class Ticket:
     loop: asyncio.AbstractEventLoop
     """The handler's event loop: tokens are put on `events` there."""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    """TokenEvent per token, or an Exception if the engine failed."""
+    """TokenEvent per token, or an EngineFailed that ends the request."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine raised while it held the request (its submit, or a step while the request was in flight): the
+    request ends unanswered. The message names the exception; the server answers it with HTTP 500."""
 
 
 @dataclass
@@ -58,7 +63,8 @@ class LoopStats:
     requests_cancelled: int = 0
     """Requests dropped before their end (client gone, stop string)."""
     requests_failed: int = 0
-    """Requests ended by an engine step that raised (each handler gets the exception)."""
+    """Requests ended by the engine raising: its submit refused one, or a step failed every request in flight
+    (each handler gets an EngineFailed naming the exception)."""
     tokens: int = 0
     """Tokens emitted."""
     loop_steps: int = 0
@@ -145,12 +151,14 @@ class EngineLoop:
                 self.changed.set()
 
     def _submit(self, ticket: Ticket, request: Request) -> bool:
-        """Whether the engine took the request."""
+        """Whether the request entered the engine or failed (either changes the reported counts)."""
         try:
             request_id = self.engine.submit(request)
-        except Exception as err:  # the handler checked the request; this is the engine's word on it
-            self._deliver(ticket, err)
-            return False
+        except Exception as err:  # the handler checked the request: an engine that refuses it has failed
+            logger.exception("the engine refused a request the handler had checked")
+            self._deliver(ticket, EngineFailed(f"the engine refused the request: {type(err).__name__}: {err}"))
+            self.stats.requests_failed += 1
+            return True
         self.tickets[request_id], self.ids[ticket] = ticket, request_id
         return True
 
@@ -160,9 +168,10 @@ class EngineLoop:
             events = self.engine.step()
         except Exception as err:
             logger.exception("the engine's step failed; failing every request in flight")
+            failure = EngineFailed(f"the engine's step failed: {type(err).__name__}: {err}")
             for request_id, ticket in list(self.tickets.items()):
                 self.engine.cancel(request_id)
-                self._deliver(ticket, err)
+                self._deliver(ticket, failure)
             self.stats.requests_failed += len(self.tickets)
             self.tickets.clear()
             self.ids.clear()
@@ -180,7 +189,7 @@ class EngineLoop:
         return left
 
     @staticmethod
-    def _deliver(ticket: Ticket, item: TokenEvent | Exception) -> None:
+    def _deliver(ticket: Ticket, item: TokenEvent | EngineFailed) -> None:
         try:
             ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, item)
         except RuntimeError:  # the handler's event loop is closed: nobody is listening

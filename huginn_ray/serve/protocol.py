@@ -51,7 +51,12 @@ class ApiError(ValueError):
         self.param = param
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param, "code": None}}
+        return error_body(str(self), "invalid_request_error", self.param)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object (the body of every non-200 answer, and a stream's error event)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 @dataclass(frozen=True)
@@ -91,8 +96,8 @@ def read_completion(body, tokens: Tokens, config: ModelConfig) -> Call:
     if "prompt" not in fields:
         raise ApiError("prompt is required", "prompt")
     prompt = fields["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt (lm-eval's local-completions sends [[ids]])
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError("prompt must not be empty", "prompt")
