@@ -69,7 +69,12 @@ def test_export_loads_without_huginn_ray_and_matches_logits(exported):
     prompt = ids[:1, :4]
     greedy = {d: generate(model, prompt, 6, num_steps=d).tokens[0, 4:].tolist() for d in (1, 3)}
     assert greedy[1] != greedy[3]  # so that matching below shows num_steps reached the model
-    torch.save({"ids": ids, "states": states, "reference": reference, "prompt": prompt}, root / "reference.pt")
+    # the initial noise of one seed, as the model draws it with state_init like-init
+    noisy = RecurrentGPT(ModelConfig.from_name("raven-tiny"))
+    torch.manual_seed(7)
+    noise = noisy.initial_state(torch.zeros(1, 3, model.config.n_embd))
+    torch.save({"ids": ids, "states": states, "reference": reference, "prompt": prompt, "noise": noise},
+               root / "reference.pt")
 
     result = run_isolated(f"""
         import json, torch
@@ -84,7 +89,10 @@ def test_export_loads_without_huginn_ray_and_matches_logits(exported):
                 errors[depth] = float((got - ref).norm() / ref.norm())
             generated = {{d: model.generate(data["prompt"], max_new_tokens=6, num_steps=d, do_sample=False)[0, 4:].tolist()
                          for d in (1, 3)}}
-        print("RESULT " + json.dumps({{"errors": errors, "generated": generated, "modules": sorted(
+            model.config.state_init = "like-init"
+            torch.manual_seed(7)
+            noise_equal = torch.equal(model._initial_state(torch.zeros(1, 3, model.config.n_embd)), data["noise"])
+        print("RESULT " + json.dumps({{"errors": errors, "generated": generated, "noise_equal": noise_equal, "modules": sorted(
             m for m in __import__("sys").modules if m.split(".")[0] == "huginn_ray"),
             "encoded": tokenizer("def f(x): return x")["input_ids"],
             "chat": dict(tokenizer.apply_chat_template({CHAT!r}, return_dict=True, return_assistant_tokens_mask=True)),
@@ -95,6 +103,7 @@ def test_export_loads_without_huginn_ray_and_matches_logits(exported):
     assert report["modules"] == []
     assert all(error < 1e-5 for error in report["errors"].values()), report["errors"]
     assert report["generated"] == {str(d): tokens for d, tokens in greedy.items()}
+    assert report["noise_equal"]  # one seed, one initial state, in huginn_ray and in the export
     assert len(report["encoded"]) > 3
     # the exported tokenizer carries the chat template: the ids and assistant mask of huginn_ray.data.chat
     from tokenizers import Tokenizer

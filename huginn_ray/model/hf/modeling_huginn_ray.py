@@ -21,6 +21,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .configuration_huginn_ray import RavenConfig
 
 
+def _normal_cdf(x):
+    return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+
+_TRUNC_NORMAL_UNIFORM = (2 * _normal_cdf(-3.0) - 1, 2 * _normal_cdf(3.0) - 1)
+"""The uniform range whose inverse-CDF image is N(0, 1) truncated to [-3, 3]."""
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -203,9 +211,11 @@ class RavenForCausalLM(RavenPreTrainedModel, GenerationMixin):
     def _initial_state(self, embedded):
         if self.config.state_init == "zero":
             return torch.zeros_like(embedded)
+        # N(0, std^2) truncated at 3 std by the inverse CDF of uniform draws, as huginn_ray's own model draws it, so
+        # that one seed gives one state on both (torch's trunc_normal_ resamples since torch 2.6: other values)
         std = self.config.init_std
-        state = torch.empty_like(embedded)
-        nn.init.trunc_normal_(state, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        state = torch.empty_like(embedded).uniform_(*_TRUNC_NORMAL_UNIFORM)
+        state.erfinv_().mul_(std * math.sqrt(2.0)).clamp_(min=-3 * std, max=3 * std)
         return state * math.sqrt(self.config.n_embd)
 
     @staticmethod
