@@ -377,6 +377,7 @@ def test_train_job_refuses_a_plan_above_the_device_memory(tmp_path, capsys, monk
     assert code == 2
     assert "memory plan:" in err and "exceeds device_memory_gib x memory_headroom" in err
     assert "largest items: " in err and "what would help: parallelism.mode=hsdp" in err
+    assert "block_size=32 needs 0.0 GiB per rank, no block_size of 32 tokens or more fits" in err
 
 
 def test_hsdp_plan_holds_the_peak_of_a_real_fsdp2_step(single_rank_group):
@@ -456,6 +457,7 @@ def test_a_sequence_that_does_not_fit_is_refused_naming_the_longest_block_that_f
 
     cfg = load_train_config(FRONTIER, ["block_size=131072", "model.overrides.block_size=131072"])
     with pytest.raises(PreflightError, match=r"memory plan: 172\.2 GiB per rank exceeds .* what would help: "
-                                             r"block_size=131072 needs 172\.2 GiB per rank; the longest block_size "
-                                             r"that fits is 33792 \(context_parallel=1\); parallelism.context_parallel"):
+                                             r"parallelism.context_parallel up to 8 .*; block_size=131072 needs "
+                                             r"172\.2 GiB per rank, the longest block_size that fits is 33792 "
+                                             r"\(context_parallel=1\) \(the whole plan"):
         check_memory(cfg, ModelConfig.from_name("nebel-raven-3.5b", block_size=131072), 1)

@@ -285,9 +285,9 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
     if search and not plan.fits:
         plan.longest_block = longest_block_size(cfg, model_cfg, rows, accumulates, plan)
         fitting = (f"the longest block_size that fits is {plan.longest_block}" if plan.longest_block
-                   else f"no block_size of {block_step(cp)} tokens or more fits")
-        plan.advice = (f"block_size={cfg.block_size} needs {plan.total / GIB:.1f} GiB per rank; {fitting} "
-                       f"(context_parallel={cp}); " + plan.advice)
+                   else f"no block_size of {block_step(cfg)} tokens or more fits")
+        plan.advice += (f"; block_size={cfg.block_size} needs {plan.total / GIB:.1f} GiB per rank, {fitting} "
+                        f"(context_parallel={cp})")
     return plan
 
 
@@ -318,9 +318,10 @@ def add_context_parallel_row(plan: MemoryPlan, cfg, model_cfg: ModelConfig, rows
     return kv_grad
 
 
-def block_step(cp: int) -> int:
-    """The granularity of the block_size search: BLOCK_STEP and the head-tail split's 2 x context_parallel."""
-    return math.lcm(BLOCK_STEP, 2 * cp)
+def block_step(cfg) -> int:
+    """The granularity of the block_size search: BLOCK_STEP (block_size if shorter) and the head-tail split's
+    2 x context_parallel."""
+    return math.lcm(min(BLOCK_STEP, cfg.block_size), 2 * cfg.parallelism.context_parallel)
 
 
 def longest_block_size(cfg, model_cfg: ModelConfig, rows: int, accumulates: bool, plan: MemoryPlan) -> int:
@@ -328,12 +329,12 @@ def longest_block_size(cfg, model_cfg: ModelConfig, rows: int, accumulates: bool
     when none does. The plan grows linearly with block_size (activations, gathered K/V and logits chunks are per
     token, the rest fixed): the line through the plan at one step and `plan` (at cfg.block_size) gives the
     candidate, which the plans around it confirm."""
-    step = block_step(cfg.parallelism.context_parallel)
+    step = block_step(cfg)
 
     def total(block: int) -> int:
         return plan_memory(dataclasses.replace(cfg, block_size=block), model_cfg, rows, accumulates, False).total
 
-    smallest = total(step)
+    smallest = total(step) if step < cfg.block_size else plan.total
     if smallest > plan.limit:
         return 0
     per_step = max(1, (plan.total - smallest) * step // max(1, cfg.block_size - step))
