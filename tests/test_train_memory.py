@@ -244,10 +244,10 @@ def test_the_plan_holds_a_whole_cpu_train_step_and_its_optimizer_step_to_the_byt
         # made one by one) is the plan's to the byte, and so is everything alive during it
         assert step.peak == optimizer_step.transient_bytes
         assert fixed + gradients + step.peak == plan.phase_total(optimizer_step)
-        # at most the largest tensor (the update written over its denominator), the sums of 75 tensors and 3 scalars of
-        # the clip, not the weights group twice over (13.3 MiB)
-        largest = max(p.numel() for p in model.parameters()) * 4
-        assert step.peak - (parameter_bytes(model) if log_step else 0) <= largest + (75 + 3) * 4
+        # the largest tensor (the update written over its denominator), the sums of 75 tensors and 3 scalars of
+        # the clip (a log step peaks in the norms' copies and their updates instead)
+        if not log_step:
+            assert step.peak == max(p.numel() for p in model.parameters()) * 4 + (75 + 3) * 4
         if log_step:  # squares of the gradients before clipping, and of the step's updates
             assert grad_squares.sum() > 0 and update_squares.sum() > 0
         assert plan.total >= fixed + max(forward_backward.peak, gradients + step.peak), plan.render()
