@@ -21,8 +21,8 @@ On the device present it measures and prints, as a table, and writes as JSON (--
 7. optimizer: AdamW's fused kernel (what the training takes on GPUs) against its multi-tensor step over the
    parameters of a nebel-width model of 1/1/1 layers: seconds per step, and the largest difference of the
    weights after the same steps from the same gradients (within ADAMW_TOLERANCE, else the row fails); and
-   ELLISAdam, the training's default, `foreach=True` (multi-tensor over 64 MiB buckets of several tensors, a
-   larger tensor with the single-tensor ops) against one tensor at a time.
+   ELLISAdam, the training's default, eager and compiled (`optim.compile_step`, not with --quick) against its
+   reference formula (bench/ellis_reference.py), weights within ADAMW_TOLERANCE.
 8. bf16 gathers: hsdp on the one device (a shard group of one: FSDP2 still gathers, casts and reduce-scatters)
    with the blocks' matmul weights gathered in fp32, then in bf16 (`parallelism.param_dtype`), under bf16
    autocast: seconds per forward+backward, bytes all-gathered per step by dtype (bf16 at most 0.6 x fp32's), the
@@ -61,6 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ellis_reference import ReferenceState, reference_step  # noqa: E402
 from model_step import CUSTOM, matmul_flops_per_second, step_seconds, synchronize  # noqa: E402
 
 from huginn_ray.cluster.devices import distributed_backend  # noqa: E402
@@ -599,18 +600,23 @@ def cuda_graph_replay_seconds(call) -> float:
 # ---------------------------------------------------------------------------------------------------------
 ADAMW_TOLERANCE = 1e-6
 """Largest |weight difference| allowed between AdamW's fused and multi-tensor steps after `Setup.steps` steps at
-lr 1e-3 (each step moves a weight by about 1e-3; the two differ by the rounding of a few fp32 operations)."""
+lr 1e-3 (each step moves a weight by about 1e-3; the two differ by the rounding of a few fp32 operations), and
+between ELLISAdam's step and its reference formula (bench/ellis_reference.py)."""
 
 
-def optimizer_check(setup: Setup) -> dict:
+def optimizer_check(setup: Setup, config: ModelConfig | None = None) -> dict:
     """On the same parameters, gradients and param groups (weight decay on the matrices only, as
-    build_optimizer's groups): AdamW `fused=True` against `foreach=True`, and ELLISAdam (the training's default,
-    with OptimConfig's defaults) with `foreach=True` against one tensor at a time; the median seconds
-    of a step and the largest weight difference after `setup.steps` steps of each pair."""
+    build_optimizer's groups) of `config` (default: a nebel-width model of 1/1/1 layers): AdamW `fused=True`
+    against `foreach=True`; ELLISAdam (the training's default, OptimConfig's defaults) eager and compiled
+    (`optim.compile_step`; not with --quick, where compiling would cost the test suite tens of seconds) against
+    the reference formula. The median seconds of a step and the largest weight difference after `setup.steps`
+    steps against the first of each group."""
     from huginn_ray.train.config import OptimConfig
+    from huginn_ray.train.optim import configured_group_options
 
-    config = model_config("nebel-width", setup, n_layers_in_prelude=1, n_layers_in_recurrent_block=1,
-                          n_layers_in_coda=1)
+    if config is None:
+        config = model_config("nebel-width", setup, n_layers_in_prelude=1, n_layers_in_recurrent_block=1,
+                              n_layers_in_coda=1)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = RecurrentGPT(config)
@@ -619,33 +625,42 @@ def optimizer_check(setup: Setup) -> dict:
     start = [p.detach().clone() for p in params]
     grads = [torch.randn_like(p) * 1e-2 for p in params]
 
-    def ellis(foreach: bool) -> torch.optim.Optimizer:
-        return build_optimizer(model, OptimConfig(foreach=foreach))
+    def ellis(compiled: bool):
+        return build_optimizer(model, OptimConfig(compile_step=compiled)).step
 
-    def adamw(variant: str) -> torch.optim.Optimizer:
+    def reference():
+        cfg = OptimConfig()
+        options = configured_group_options(cfg)
+        groups = [{**group, **options[group["name"]], "lr": cfg.lr}
+                  for group in param_groups(model, cfg.weight_decay, cfg.no_weight_decay_for_bias_and_norm)]
+        states = [[ReferenceState(p) for p in group["params"]] for group in groups]
+        return lambda: [reference_step(group, group_states) for group, group_states in zip(groups, states)]
+
+    def adamw(variant: str):
         return torch.optim.AdamW(param_groups(model, 0.1, True), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
-                                 **{variant: True})
+                                 **{variant: True}).step
 
     seconds, differences = {}, {}
-    pairs = ((("fused", lambda: adamw("fused")), ("foreach", lambda: adamw("foreach"))),
-             (("ellis_multi_tensor", lambda: ellis(True)), ("ellis_one_tensor", lambda: ellis(False))))
-    for pair in pairs:
-        first = None  # the first optimizer's weights, against which the second's are compared (one copy at a time)
-        for name, make in pair:
+    ellis_variants = [("ellis_reference", reference), ("ellis_eager", lambda: ellis(False))]
+    if not setup.quick:
+        ellis_variants.append(("ellis_compiled", lambda: ellis(True)))
+    for variants in ((("fused", lambda: adamw("fused")), ("foreach", lambda: adamw("foreach"))), ellis_variants):
+        first = None  # the first variant's weights, against which the others' are compared (one copy at a time)
+        for name, make in variants:
             with torch.no_grad():
                 for p, initial, grad in zip(params, start, grads):
                     p.copy_(initial)
                     p.grad = grad
-            optimizer = make()
+            step = make()
             times = []
-            for _ in range(setup.steps + 1):  # the first step allocates AdamW's moments: not timed
+            for _ in range(setup.steps + 1):  # the first step allocates AdamW's moments (compiles): not timed
                 synchronize(setup.device)
                 started = time.perf_counter()
-                optimizer.step()
+                step()
                 synchronize(setup.device)
                 times.append(time.perf_counter() - started)
             seconds[name] = float(np.median(times[1:]))
-            del optimizer
+            del step
             if first is None:
                 first = [p.detach().clone() for p in params]
             else:
@@ -653,17 +668,20 @@ def optimizer_check(setup: Setup) -> dict:
             free_device_memory(setup.device)
         del first
 
-    difference = differences["foreach"]
     row = {"params": sum(p.numel() for p in params), "steps": setup.steps + 1,
            "training_takes_fused": adamw_fused(setup.device),
            "fused_seconds": seconds["fused"], "foreach_seconds": seconds["foreach"],
-           "fused_speedup": seconds["foreach"] / seconds["fused"], "max_abs_weight_difference": difference,
+           "fused_speedup": seconds["foreach"] / seconds["fused"], "max_abs_weight_difference": differences["foreach"],
            "tolerance": ADAMW_TOLERANCE,
-           "ellis_multi_tensor_seconds": seconds["ellis_multi_tensor"],
-           "ellis_one_tensor_seconds": seconds["ellis_one_tensor"],
-           "ellis_max_abs_weight_difference": differences["ellis_one_tensor"]}
-    if not difference <= ADAMW_TOLERANCE:
-        row["error"] = f"fused and foreach AdamW differ by {difference:.3g} > {ADAMW_TOLERANCE:g} in a weight"
+           "ellis_seconds": {name.removeprefix("ellis_"): seconds[name] for name, _ in ellis_variants},
+           "ellis_max_abs_weight_difference": {name.removeprefix("ellis_"): differences[name]
+                                               for name, _ in ellis_variants[1:]}}
+    errors = [f"{name} differs by {difference:.3g} > {ADAMW_TOLERANCE:g} in a weight" for name, difference
+              in [("fused AdamW from foreach", differences["foreach"])] +
+              [(f"ELLISAdam {name} from the reference", differences[f"ellis_{name}"]) for name in
+               row["ellis_max_abs_weight_difference"]] if not difference <= ADAMW_TOLERANCE]
+    if errors:
+        row["error"] = "; ".join(errors)
     return row
 
 
@@ -813,10 +831,12 @@ def render(report: dict) -> str:
                           f"{result['fused_seconds'] * 1e3:.2f} ms/step, foreach {result['foreach_seconds'] * 1e3:.2f} "
                           f"ms/step ({result['fused_speedup']:.2f}x); max |weight difference| after "
                           f"{result['steps']} steps {result['max_abs_weight_difference']:.3g} (tolerance "
-                          f"{result['tolerance']:g}); ELLISAdam foreach=True "
-                          f"{result['ellis_multi_tensor_seconds'] * 1e3:.2f} ms/step, one tensor at a time "
-                          f"{result['ellis_one_tensor_seconds'] * 1e3:.2f} ms/step, max |weight difference| "
-                          f"{result['ellis_max_abs_weight_difference']:.3g}"]
+                          f"{result['tolerance']:g}); ELLISAdam "
+                          + ", ".join(f"{name} {value * 1e3:.2f} ms/step" for name, value in
+                                      result["ellis_seconds"].items())
+                          + "; max |weight difference| from the reference "
+                          + ", ".join(f"{name} {value:.3g}" for name, value in
+                                      result["ellis_max_abs_weight_difference"].items())]
         elif section == "bf16_gather":
             lines += ["", f"bf16 gathers (hsdp on this device, {result['model']}, {result['batch']} x "
                           f"{result['seq_len']}, bf16 autocast): fwd+bwd {result['float32']['seconds'] * 1e3:.1f} ms "

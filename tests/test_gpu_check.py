@@ -87,9 +87,9 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
     assert optimizer["training_takes_fused"] is False and "error" not in optimizer
     assert 0 < optimizer["max_abs_weight_difference"] <= optimizer["tolerance"] == 1e-6  # rounded differently
     assert optimizer["fused_seconds"] > 0 and optimizer["foreach_seconds"] > 0
-    # ELLISAdam's multi-tensor step runs the single-tensor step's arithmetic, bucket by bucket: the same weights
-    assert optimizer["ellis_max_abs_weight_difference"] == 0
-    assert optimizer["ellis_multi_tensor_seconds"] > 0 and optimizer["ellis_one_tensor_seconds"] > 0
+    # ELLISAdam's eager step against its reference formula (--quick does not compile)
+    assert list(optimizer["ellis_seconds"]) == ["reference", "eager"] and min(optimizer["ellis_seconds"].values()) > 0
+    assert 0 <= optimizer["ellis_max_abs_weight_difference"]["eager"] <= 1e-6
     gathers = report["bf16_gather"]
     assert "error" not in gathers and gathers["norms_and_qk_bias_fp32"]
     with torch.device("meta"):

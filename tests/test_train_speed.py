@@ -24,8 +24,8 @@ def test_collate_checks_token_ids_once_per_batch_on_the_host():
 
 
 def test_speed_switches_in_the_config(tmp_path):
-    cfg = load_train_config(None, ["max_steps=1", "compile=true", "loss_chunk_tokens=256", "optim.foreach=true"])
-    assert cfg.compile and cfg.loss_chunk_tokens == 256 and cfg.optim.foreach is True
+    cfg = load_train_config(None, ["max_steps=1", "compile=true", "loss_chunk_tokens=256", "optim.compile_step=true"])
+    assert cfg.compile and cfg.loss_chunk_tokens == 256 and cfg.optim.compile_step is True
     # the blocks' compile mode: without CUDA graphs on GPUs, torch's default on CPU, or the one the config names
     assert compile_options_for(cfg, "cuda") == {"mode": "max-autotune-no-cudagraphs"}
     assert compile_options_for(cfg, "cpu") == {}
@@ -35,6 +35,6 @@ def test_speed_switches_in_the_config(tmp_path):
     for mode in ("max-autotune", "reduce-overhead"):  # CUDA graphs: the recurrence breaks them
         with pytest.raises(ConfigError, match=f"^compile_options.mode={mode}: this mode records CUDA graphs"):
             load_train_config(None, ["max_steps=1", f"compile_options={{mode: {mode}}}"])
-    assert load_train_config(None, ["max_steps=1"]).optim.foreach is None
+    assert load_train_config(None, ["max_steps=1"]).optim.compile_step is None
     with pytest.raises(ConfigError, match="loss_chunk_tokens"):
         load_train_config(None, ["max_steps=1", "loss_chunk_tokens=-1"])

@@ -28,7 +28,10 @@ Rows (what lives across the step, or a long part of it), per rank:
   configurations bf16 autocast is emulated on meta (linear/matmul/attention inputs cast to bf16, casts of weights
   cached as autocast does) and attention is counted as the fused flash kernel saves it (q, k, v, output,
   log-sum-exp), as on the device. The chunked loss (`loss_chunk_tokens`) saves only references to the final
-  hidden states, the head weight and the labels.
+  hidden states, the head weight and the labels. With `parallelism.context_parallel: N` one micro-batch is this
+  rank's block_size / N tokens; each attention call all-gathers the whole sequence's K and V (2 x block_size x
+  D in the compute dtype), saved for backward unless the block is checkpointed; the core's backward holds one
+  call's gathered K/V (recomputed) and their fp32 gradient.
 
 Phases (the moments memory can peak), each the rows alive then plus what exists only then; every activation
 counts in every phase up to the end of backward (those of the coda and the core are freed before the later
@@ -54,10 +57,10 @@ ones: the plan errs safe):
   reduce-scatter input (core-sized, fp32);
 - optimizer step: backward has freed every activation (under hsdp FSDP2 has also resharded every unit and
   reduce-scattered every gradient): the parameters, gradients, optimizer state and exchange buffers, plus the
-  step's scratch. ELLISAdam (huginn_ray.train.optim) runs each group in buckets of at most STEP_BUCKET_BYTES
-  (64 MiB; a larger tensor alone; one tensor at a time with `optim.foreach: false`) and writes each update over
-  its denominator: its scratch is the largest bucket, plus with update clipping one scalar per tensor and one
-  per tensor of that bucket (512 bytes each on GPUs, the caching allocator's smallest block). AdamW: twice a
+  step's scratch. ELLISAdam (huginn_ray.train.optim) steps one tensor at a time and writes each update over
+  its denominator: its scratch is the largest tensor, one hyperparameter tensor per group, plus with update
+  clipping one scalar per tensor and three more (512 bytes each on GPUs, the caching allocator's smallest
+  block); its compiled step (the default on GPUs) holds no tensor-sized scratch, so there the plan errs safe. AdamW: twice a
   tensor plus the tensor before it (torch's single-tensor step; the fused kernel on GPUs holds none of them).
   With `observe.module_norms` (the default) a log step also holds ModuleNorms' copy of this rank's parameters
   through the step, then frees it tensor by tensor while it makes and squares (in fp64 chunks of NORM_CHUNK
@@ -69,6 +72,7 @@ communication library's buffers, the allocator's fragmentation; `memory_headroom
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass, field
@@ -94,6 +98,10 @@ ROOT_W, ROOT_G = "gathered: root unit weights (fp32)", "gathered: root unit grad
 CORE_W, CORE_G = "gathered: core block unit weights", "gathered: core block unit gradients"
 PREFETCH = "gathered: one prelude block (backward prefetch)"
 GRADS, PRELUDE_G = "gradients (fp32)", "gradients of the prelude blocks (fp32)"
+GATHERED_KV = "context parallel: gathered K/V saved for backward"
+BLOCK_STEP = 1024
+"""The longest block_size that fits (`longest_block_size`) is searched in multiples of this (and of
+2 x context_parallel, the head-tail split's chunks)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,8 @@ class MemoryPlan:
     headroom: float = 0.9
     header: str = ""
     advice: str = ""
+    longest_block: int | None = None
+    """A plan that does not fit: the longest block_size that would (0: none), the rest of the config kept."""
 
     def phase_total(self, phase: Phase) -> int:
         return sum(b for name, b, _ in self.rows if name not in phase.absent) + phase.transient_bytes
@@ -209,13 +219,18 @@ def model_name(cfg, model_cfg: ModelConfig) -> str:
 
 
 def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int | None = None,
-                accumulates: bool = True) -> MemoryPlan:
+                accumulates: bool = True, search: bool = True) -> MemoryPlan:
     """The per-rank memory plan of a TrainConfig (huginn_ray.train.config), for micro-batches of
     `micro_batch_rows` rows: the largest a rank gets in the run's data order (huginn_ray.train.data_order; the
     preflight passes it), by default micro_batch_size. `accumulates`: whether a step may run more than one
     micro-batch on a rank (on any worker count of the run); when it never does, a replicated step's gradients
-    (set to None after every step) come into being in its backward, which the phases then count."""
+    (set to None after every step) come into being in its backward, which the phases then count. A plan that
+    does not fit names the longest block_size that would (`longest_block_size`; not with `search` false)."""
     rows = micro_batch_rows or cfg.micro_batch_size
+    cp = cfg.parallelism.context_parallel
+    if cp < 1 or cfg.block_size % cp:
+        raise ValueError(f"parallelism.context_parallel={cp} must be positive and divide block_size={cfg.block_size}")
+    local_tokens = cfg.block_size // cp
     if model_cfg is None:
         from huginn_ray.train.init_from import model_config, section_config
 
@@ -232,7 +247,9 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
     plan = MemoryPlan(device_bytes=device_memory_bytes(cfg), headroom=cfg.memory_headroom)
     layout = f"hsdp, {shape.replicas} shard groups x {shape.shard_size}" if shape.sharded else "replicate"
     plan.header = (f"memory plan per rank: {model_name(cfg, model_cfg)}, {shape.world_size} ranks ({layout}), "
-                   f"micro-batch {rows} x {cfg.block_size} tokens, {precision}, "
+                   f"micro-batch {rows} x {cfg.block_size} tokens"
+                   + (f" split over context_parallel={cp} ranks ({local_tokens} each)" if cp > 1 else "")
+                   + f", {precision}, "
                    f"grad_sync.kind={cfg.grad_sync.kind}")
     if shape.sharded:
         whole, local = add_sharded_rows(plan, cfg, model, gather, shape.shard_size)
@@ -247,13 +264,15 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
             for module in block.modules():
                 if isinstance(module, torch.nn.Linear):
                     module.weight.data = module.weight.data.to(gather)
-    ids = torch.zeros(rows, cfg.block_size, dtype=torch.long, device="meta")
+    ids = torch.zeros(rows, local_tokens, dtype=torch.long, device="meta")
     measured = saved_activation_bytes(model, ids, (1, k), bf16=bf16, device_type="cuda" if cfg.scaling.use_gpu
                                       else "cpu", loss_chunk_tokens=cfg.loss_chunk_tokens)
     checkpointing = "every block checkpointed" if model_cfg.activation_checkpointing else "no checkpointing"
     plan.rows.append((f"activations saved for backward (k={k})", measured["activations"],
-                      f"meta forward+loss under saved_tensors_hooks, {checkpointing}"))
-    add_phases(plan, cfg, model, shape, measured, rows * cfg.block_size, bf16, whole)
+                      f"meta forward+loss under saved_tensors_hooks, {checkpointing}"
+                      + (f", {local_tokens} local tokens" if cp > 1 else "")))
+    gathered_kv = add_context_parallel_row(plan, cfg, model_cfg, rows, bf16)
+    add_phases(plan, cfg, model, shape, measured, rows * local_tokens, bf16, whole, gathered_kv)
     if cfg.scaling.use_gpu:
         plan.not_counted += [
             ("CUDA/HIP context", int(0.6 * GIB), "driver context + kernel images, ~0.5-1 GiB per process"),
@@ -263,7 +282,68 @@ def plan_memory(cfg, model_cfg: ModelConfig | None = None, micro_batch_rows: int
             ("allocator fragmentation", int(0.05 * plan.total), "~5% of the planned peak (caching allocator)"),
         ]
     plan.advice = advice(cfg, model_cfg, shape, rows)
+    if search and not plan.fits:
+        plan.longest_block = longest_block_size(cfg, model_cfg, rows, accumulates, plan)
+        fitting = (f"the longest block_size that fits is {plan.longest_block}" if plan.longest_block
+                   else f"no block_size of {block_step(cfg)} tokens or more fits")
+        plan.advice += (f"; block_size={cfg.block_size} needs {plan.total / GIB:.1f} GiB per rank, {fitting} "
+                        f"(context_parallel={cp})")
     return plan
+
+
+def context_parallel_bytes(cfg, model_cfg: ModelConfig, rows: int, bf16: bool) -> tuple[int, int]:
+    """(one attention call's gathered K and V, their fp32 gradient) under context parallelism: every rank
+    all-gathers the keys and values of the whole sequence (block_size tokens) before each attention call; 0, 0
+    without."""
+    if cfg.parallelism.context_parallel == 1:
+        return 0, 0
+    elements = 2 * rows * cfg.block_size * model_cfg.num_attention_heads * model_cfg.head_dim
+    return elements * (2 if bf16 else 4), elements * 4
+
+
+def add_context_parallel_row(plan: MemoryPlan, cfg, model_cfg: ModelConfig, rows: int, bf16: bool) -> int:
+    """The gathered K/V every attention call with gradient saves for backward (none when every block is
+    checkpointed: a block's recomputation gathers them again); returns what the core's backward holds on top:
+    one call's gathered K/V recomputed (with checkpointing) and their fp32 gradient."""
+    kv, kv_grad = context_parallel_bytes(cfg, model_cfg, rows, bf16)
+    if not kv:
+        return 0
+    calls = (model_cfg.n_layers_in_prelude + model_cfg.mean_backprop_depth * model_cfg.n_layers_in_recurrent_block
+             + model_cfg.n_layers_in_coda)
+    if model_cfg.activation_checkpointing:
+        plan.rows.append((GATHERED_KV, 0, "none: every block is checkpointed, its recomputation gathers them again"))
+        return kv + kv_grad
+    plan.rows.append((GATHERED_KV, calls * kv, f"{calls} attention calls with gradient x K and V of "
+                                               f"{cfg.block_size} tokens"))
+    return kv_grad
+
+
+def block_step(cfg) -> int:
+    """The granularity of the block_size search: BLOCK_STEP (block_size if shorter) and the head-tail split's
+    2 x context_parallel."""
+    return math.lcm(min(BLOCK_STEP, cfg.block_size), 2 * cfg.parallelism.context_parallel)
+
+
+def longest_block_size(cfg, model_cfg: ModelConfig, rows: int, accumulates: bool, plan: MemoryPlan) -> int:
+    """The longest block_size (a multiple of `block_step`) whose plan fits, every other field of `cfg` kept; 0
+    when none does. The plan grows linearly with block_size (activations, gathered K/V and logits chunks are per
+    token, the rest fixed): the line through the plan at one step and `plan` (at cfg.block_size) gives the
+    candidate, which the plans around it confirm."""
+    step = block_step(cfg)
+
+    def total(block: int) -> int:
+        return plan_memory(dataclasses.replace(cfg, block_size=block), model_cfg, rows, accumulates, False).total
+
+    smallest = total(step) if step < cfg.block_size else plan.total
+    if smallest > plan.limit:
+        return 0
+    per_step = max(1, (plan.total - smallest) * step // max(1, cfg.block_size - step))
+    block = min(cfg.block_size - step, step + (plan.limit - smallest) // per_step * step)
+    while block > step and total(block) > plan.limit:
+        block -= step
+    while block + step < cfg.block_size and total(block + step) <= plan.limit:
+        block += step
+    return block
 
 
 def gathered_numel(unit: torch.nn.Module, whole: set, shards: int, padded: bool = False) -> int:
@@ -361,12 +441,14 @@ def add_exchange_row(plan: MemoryPlan, cfg, shape: MeshShape, whole: set, local:
 
 
 def add_phases(plan: MemoryPlan, cfg, model: RecurrentGPT, shape: MeshShape, measured: dict, tokens: int,
-               bf16: bool, whole: set) -> None:
+               bf16: bool, whole: set, gathered_kv: int = 0) -> None:
     """The phases, in step order. Every activation counts in each up to the end of backward (the coda's and the
     core's are freed before the later phases: an overestimate). Under hsdp each micro-batch's backward
     reduce-scatters its unsharded gradients, so none exist during a forward. A replicated step of one
     micro-batch has no gradient before its backward (with accumulation they exist from the second micro-batch
-    on), and the chunked loss's head gradient (the .grad of the tied embedding) is its backward's transient."""
+    on), and the chunked loss's head gradient (the .grad of the tied embedding) is its backward's transient.
+    `tokens`: this rank's (its part of the sequence under context parallelism); `gathered_kv`: what the core's
+    backward holds on top under context parallelism (`add_context_parallel_row`)."""
     hsdp = shape.sharded
     model_cfg = model.config
     split = any(name == PRELUDE_G for name, _, _ in plan.rows)
@@ -389,11 +471,13 @@ def add_phases(plan: MemoryPlan, cfg, model: RecurrentGPT, shape: MeshShape, mea
     # recomputation of the core's first segment (the adapter and its first block), the largest; a prelude or coda
     # block's comes when the core is not gathered
     before_prelude = (PRELUDE_G,) if split else ()
+    kv = (" + its gathered K/V and their fp32 gradient" if model_cfg.activation_checkpointing
+          else " + the gathered K/V's fp32 gradient") if gathered_kv else ""
     if model_cfg.activation_checkpointing:
-        plan.phases.append(Phase("core backward", "recompute of one core block", measured["recompute_block"],
-                                 before_prelude))
+        plan.phases.append(Phase("core backward", "recompute of one core block" + kv,
+                                 measured["recompute_block"] + gathered_kv, before_prelude))
     else:
-        plan.phases.append(Phase("core backward", "nothing recomputed", 0, before_prelude))
+        plan.phases.append(Phase("core backward", "nothing recomputed" + kv, gathered_kv, before_prelude))
     if hsdp:
         # FSDP2 reshards the core's weights, then copies its gradients into the reduce-scatter input
         plan.phases.append(Phase("core reduce-scatter", "reduce-scatter input of the core unit (fp32)",
@@ -402,7 +486,8 @@ def add_phases(plan: MemoryPlan, cfg, model: RecurrentGPT, shape: MeshShape, mea
     # the optimizer step: backward has freed every activation, and under hsdp FSDP2 has resharded every unit
     # and reduce-scattered every gradient, so the sharded rows and the exchange buffers remain
     activations_row = f"activations saved for backward (k={model_cfg.mean_backprop_depth})"
-    freed = (activations_row, ROOT_W, ROOT_G, CORE_W, CORE_G, PREFETCH) if hsdp else (activations_row,)
+    freed = (activations_row, GATHERED_KV, ROOT_W, ROOT_G, CORE_W, CORE_G, PREFETCH) if hsdp else (activations_row,
+                                                                                                 GATHERED_KV)
     plan.phases.append(optimizer_phase(cfg, model, whole, shape.shard_size, freed))
 
 
@@ -411,6 +496,9 @@ def advice(cfg, model_cfg: ModelConfig, shape: MeshShape, rows: int) -> str:
     helps = []
     if not shape.sharded:
         helps.append("parallelism.mode=hsdp (parameters, gradients and optimizer state / shard size)")
+    if cfg.scaling.use_gpu and cfg.parallelism.context_parallel < GPU_NODE_SIZE:
+        helps.append(f"parallelism.context_parallel up to {GPU_NODE_SIZE} (each rank holds block_size / "
+                     "context_parallel tokens, plus every attention call's gathered K/V)")
     if cfg.grad_sync.kind == "chunk_stream_overlap":
         helps.append("a smaller grad_sync.max_chunks_in_flight")
     if not model_cfg.activation_checkpointing:
@@ -435,11 +523,9 @@ def optimizer_phase(cfg, model: RecurrentGPT, whole: set, shards: int, freed: tu
         scratch = max(2 * group[i] + (group[i - 1] if i else 0) for group in sizes for i in range(len(group)))
         phase = Phase("optimizer step", "AdamW: 2 x a tensor + the one before (single-tensor step)", scratch, freed)
         return with_update_norms(phase, cfg, model, whole, shards)
-    foreach = cfg.optim.foreach if cfg.optim.foreach is not None else cfg.scaling.use_gpu
     scalar_bytes = CUDA_BLOCK_BYTES if cfg.scaling.use_gpu else 4
-    scratch = step_scratch_bytes(sizes, foreach, cfg.optim.update_clipping, scalar_bytes)
-    how = "one bucket's scratch (multi-tensor)" if foreach else "one tensor's scratch (single-tensor)"
-    phase = Phase("optimizer step", f"ELLISAdam: {how} + per-tensor scalars", scratch, freed)
+    scratch = step_scratch_bytes(sizes, cfg.optim.update_clipping, scalar_bytes)
+    phase = Phase("optimizer step", "ELLISAdam: the largest tensor's denominator + per-tensor scalars", scratch, freed)
     return with_update_norms(phase, cfg, model, whole, shards)
 
 

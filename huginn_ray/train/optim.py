@@ -7,6 +7,7 @@ loaded from a checkpoint (loading replaces the group dicts, which is how the ref
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -21,40 +22,59 @@ EMBEDDING_MARKERS = ("wte", "lm_head")
 """Names of the embedding group (the head only when untied): the reference's markers that name a parameter here."""
 NO_DECAY_MARKERS = ("ln_f", "norm", "bias")
 """Names of the norm/bias group: every norm weight, `qk_bias`, `ln_f.weight`."""
-STEP_BUCKET_BYTES = 64 * 2**20
-"""ELLISAdam's multi-tensor step covers a group in buckets of consecutive tensors of at most this many bytes (a
-larger tensor is a bucket of its own): its scratch is one bucket's size instead of a group's."""
 
 
-def step_buckets(tensor_bytes: list[int], foreach: bool) -> list[range]:
-    """The tensors (of a group, by their bytes) ELLISAdam's step treats together: consecutive runs of at most
-    STEP_BUCKET_BYTES, a larger tensor alone, with `foreach`; one tensor at a time without."""
-    buckets, start, size = [], 0, 0
-    for i, nbytes in enumerate(tensor_bytes):
-        if i > start and (not foreach or size + nbytes > STEP_BUCKET_BYTES):
-            buckets.append(range(start, i))
-            start, size = i, 0
-        size += nbytes
-    if tensor_bytes:
-        buckets.append(range(start, len(tensor_bytes)))
-    return buckets
-
-
-def step_scratch_bytes(tensor_bytes_by_group: list[list[int]], foreach: bool, update_clipping: bool,
-                       scalar_bytes: int) -> int:
-    """Peak bytes ELLISAdam's step allocates beyond the parameters, gradients and state, for groups of tensors of
-    `tensor_bytes` (this rank's parts, every tensor with a gradient). It peaks where a bucket's update begins:
-    the bucket's denominators (its bytes; the update is written over them), and with update clipping one scalar
-    per tensor (the sum of g^2 / v, kept for the whole step) and one per tensor of the bucket (its clip
-    factor), each a `scalar_bytes` allocation (4 on the CPU; 512, the CUDA caching allocator's smallest block,
-    on GPUs). The moments' g^2 / v scratch before it is one bucket too, with fewer scalars."""
+def step_scratch_bytes(tensor_bytes_by_group: list[list[int]], update_clipping: bool, scalar_bytes: int) -> int:
+    """Peak bytes ELLISAdam's eager step allocates beyond the parameters, gradients and state, for groups of
+    tensors of `tensor_bytes` (this rank's parts, every tensor with a gradient), each small tensor a
+    `scalar_bytes` allocation (4 on the CPU; 512, the CUDA caching allocator's smallest block, on GPUs). It peaks
+    in the largest tensor's update: its denominator (the update is written over it), and with update clipping
+    one sum of g^2 / v per tensor (kept for the whole step) and three scalars of the clip's chain. The compiled step
+    holds no tensor-sized scratch: there the plan errs safe."""
     tensors = sum(len(sizes) for sizes in tensor_bytes_by_group)
-    peak = 0
-    for sizes in tensor_bytes_by_group:
-        for bucket in step_buckets(sizes, foreach):
-            scalars = (tensors + len(bucket)) * scalar_bytes if update_clipping else 0
-            peak = max(peak, sum(sizes[i] for i in bucket) + scalars)
-    return peak
+    largest = max((max(sizes) for sizes in tensor_bytes_by_group if sizes), default=0)
+    return largest + ((tensors + 3) * scalar_bytes if update_clipping else 0)
+
+
+def moments_(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, beta1: float, beta2: float, eps_sq: float,
+             update_clipping: bool) -> torch.Tensor | None:
+    """One tensor's moments in place; with update clipping v floored at eps^2 and the sum of g^2 / v returned
+    (a device scalar). Eager: 8 passes over the tensor (lerp 3, mul 2, addcmul 3), with update clipping 14 (lerp
+    3, g^2 2, lerp 3, floor 2, divide 3, sum 1); compiled, one kernel: 5 (reads g, m, v, writes m, v)."""
+    m.lerp_(g, 1.0 - beta1)
+    if not update_clipping:
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        return None
+    squares = g * g
+    v.lerp_(squares, 1.0 - beta2).clamp_(min=eps_sq)
+    return squares.div_(v).sum()
+
+
+def update_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, total: torch.Tensor | None, numel: int,
+            step_size: float, bias_correction2: float, decay: float, eps: float, atan_adam: bool,
+            decays: bool) -> None:
+    """One tensor's step in place: p <- p decay - step_size / clip * u, u = atan2(m, sqrt(v) / sqrt(1 - b2^t))
+    (or m / (sqrt(v) / sqrt(1 - b2^t) + eps); `bias_correction2` is sqrt(1 - b2^t)), clip = max(sqrt(total /
+    numel), 1) with update clipping (`total` the sum of g^2 / v over the whole tensor of `numel` elements, also
+    when this rank holds a shard). The floats become arguments of the compiled kernel, not constants: a new lr
+    does not recompile. Eager: 12 passes with decay (sqrt 2, bias correction 2, atan2 3 into the denominator,
+    decay 2, add 3; the division form 2 more), 10 without; compiled, one kernel: 4 (reads p, m, v, writes p)."""
+    denom = v.sqrt().div_(bias_correction2)
+    update = torch.atan2(m, denom, out=denom) if atan_adam else torch.div(m, denom.add_(eps), out=denom)
+    if decays:  # a flag, not a test of `decay`: a branch on a float argument would recompile at each new lr
+        p.mul_(decay)
+    if total is None:
+        p.add_(update, alpha=-step_size)
+    else:  # the clip stays on the device: no host sync
+        p.addcmul_(update, -step_size / total.div(numel).sqrt().clamp(min=1.0))
+
+
+@functools.cache
+def compiled_kernels() -> tuple:
+    """`moments_` and `update_` compiled (torch.compile, shape-generic over flat tensors): each one fused kernel
+    per tensor. Compiled at the first step that takes them, once per process."""
+    return (torch.compile(moments_, dynamic=True, fullgraph=True),
+            torch.compile(update_, dynamic=True, fullgraph=True))
 
 
 class ELLISAdam(torch.optim.Optimizer):
@@ -62,7 +82,7 @@ class ELLISAdam(torch.optim.Optimizer):
 
     Per tensor with gradient g (state `exp_avg` m, `exp_avg_sq` v, `step` t):
       first step: m = g, v = g^2 with `running_init` (else zeros);
-      m <- m + (1 - b1)(g - m);  v <- b2 v + (1 - b2) g^2;
+      m <- m + (1 - b1)(g - m);  v <- v + (1 - b2)(g^2 - v) (b2 v + (1 - b2) g^2 without update clipping);
       `update_clipping`: v <- max(v, eps^2) in place, eta = lr / max(sqrt(mean(g^2 / v)), 1), else eta = lr
                          (the RMS stays on the device: no host sync per tensor; the mean is over the whole
                          tensor also when it is sharded: the step sums every sharded tensor's local part in one
@@ -73,6 +93,12 @@ class ELLISAdam(torch.optim.Optimizer):
       `atan_adam`: u = atan2(m, sqrt(v) / sqrt(1 - b2^t)), else u = m / (sqrt(v) / sqrt(1 - b2^t) + eps);
       p <- p - eta u.
     `init_lr` is the constructor lr, kept in every group so that it survives `load_state_dict`.
+
+    The step runs two functions per tensor, `moments_` (then one all-reduce of the sharded tensors' sums) and
+    `update_`, in place on this rank's part. Passes over memory per tensor (a pass: one tensor-sized read or
+    write), with the Huginn options (update clipping, atan2, decay): compiled (`compiled`, the default on GPUs)
+    9, one kernel reading g, m, v and writing m, v, one reading p, m, v and writing p (fused AdamW: 7); eager
+    26 (14 + 12; the step it replaced took 30, with more launches). `running_init` adds 3 passes at the first step.
     """
 
     def __init__(
@@ -86,7 +112,7 @@ class ELLISAdam(torch.optim.Optimizer):
         atan_adam: bool = False,
         running_init: bool = False,
         decouple_wd: bool = False,
-        foreach: bool | None = None,
+        compiled: bool | None = None,
     ):
         if lr <= 0:
             raise ValueError(f"ELLISAdam: lr must be positive (it is also init_lr), got {lr}")
@@ -104,19 +130,16 @@ class ELLISAdam(torch.optim.Optimizer):
             decouple_wd=decouple_wd,
         )
         super().__init__(params, defaults)
-        self.foreach = foreach
+        self.compiled = compiled
         for group in self.param_groups:  # the state exists from the start (see `_init_state`)
             for p in group["params"]:
                 self._init_state(p)
 
-    foreach: bool | None = None
-    """True: the multi-tensor step (torch._foreach_* over buckets of each group); False: one tensor at a time; None
-    (default): multi-tensor when the parameters live on a GPU, where it saves a launch per small tensor (on CPU
-    the foreach ops are loops over the same kernels). A bucket of one tensor takes the single-tensor ops either
-    way. Both give the same result; it is an attribute, not a group option,
-    so param_groups and state_dict keep their layout. Either way the step's scratch is bounded: the
-    multi-tensor ops run over buckets of at most STEP_BUCKET_BYTES (`step_buckets`), each op in place where
-    the maths allows, and each update is written over its denominator (`step_scratch_bytes` counts it)."""
+    compiled: bool | None = None
+    """True: the step's two functions compiled (`compiled_kernels`), one fused kernel each per tensor; False:
+    eager; None (default): compiled when the parameters live on a GPU, eager on the CPU (where compiling costs
+    seconds at every worker's start). It is an attribute, not a group option, so param_groups and state_dict keep
+    their layout. Both give the same result to rounding."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -126,25 +149,27 @@ class ELLISAdam(torch.optim.Optimizer):
                 loss = closure()
         work = [(group, [p for p in group["params"] if p.grad is not None]) for group in self.param_groups]
         work = [(group, params) for group, params in work if params]
-        foreach = self.foreach if self.foreach is not None else any(local(ps[0]).device.type != "cpu" for _, ps in work)
-        # each multi-tensor op covers one bucket (bounded bytes): its scratch is a bucket's, not a group's
-        work = [(group, [params[i] for i in bucket]) for group, params in work
-                for bucket in step_buckets([local(p).numel() * local(p).element_size() for p in params], foreach)]
+        if not work:
+            return loss
+        compiled = self.compiled if self.compiled is not None else local(work[0][1][0]).device.type != "cpu"
+        moments, update = compiled_kernels() if compiled else (moments_, update_)
         # 1. moments, and per tensor the sum of g^2 / v over this rank's part (update clipping)
-        # a bucket of one (large) tensor takes the single-tensor ops: a foreach kernel over one large tensor is
-        # slower than the plain kernel (BENCHMARKS.md "GPU check": 0.90x over nebel-width's tensors on an H100)
-        sums = [self._moments_group(params, group) if len(params) > 1 else [self._moments(params[0], group)]
-                for group, params in work]
+        sums = [[self._moments(moments, p, group) for p in params] for group, params in work]
         # 2. whole-tensor sums of sharded tensors: one all-reduce over the shard group for every tensor of the step
         self._sum_over_shards(work, sums)
         # 3. the update, each tensor scaled down by max(RMS(g / sqrt(v)), 1) of the whole tensor
         for (group, params), group_sums in zip(work, sums):
-            clips = [None if total is None else total.div(p.numel()).sqrt().clamp(min=1.0)
-                     for p, total in zip(params, group_sums)]
-            if len(params) > 1:
-                self._apply_group(params, group, clips)
-            else:
-                self._apply(params[0], group, clips[0])
+            lr, init_lr = float(group["lr"]), float(group["init_lr"])
+            beta1, beta2 = group["betas"]
+            wd = group["weight_decay"]
+            decay = 1.0 - (lr / init_lr) * wd if group["decouple_wd"] else 1.0 - lr * wd
+            for p, total in zip(params, group_sums):
+                state = self.state[p]
+                state["step"] += 1
+                t = int(state["step"])  # a host tensor: no device sync
+                update(flat(p), flat(state["exp_avg"]), flat(state["exp_avg_sq"]), total, p.numel(),
+                       lr / (1.0 - beta1**t), math.sqrt(1.0 - beta2**t), decay, group["eps"], group["atan_adam"],
+                       wd != 0.0)
         return loss
 
     def _init_state(self, p: torch.Tensor) -> None:
@@ -153,100 +178,20 @@ class ELLISAdam(torch.optim.Optimizer):
         Created with the optimizer, not at the first step: a checkpoint (torch.distributed.checkpoint) written or
         read before the first step then finds the state in place. DCP would otherwise create it with a fake
         step on zero gradients, which would take ELLISAdam's running init from a zero gradient and count a step.
-        `running_init` is applied at the first real step instead (`_first_moments`)."""
+        `running_init` is applied at the first real step instead (`_moments`)."""
         self.state[p] = {"step": torch.zeros((), dtype=torch.int64), "exp_avg": torch.zeros_like(p.detach()),
                          "exp_avg_sq": torch.zeros_like(p.detach())}
 
-    @staticmethod
-    def _first_moments(state: dict, g: torch.Tensor, group: dict) -> None:
-        """`running_init`: before the first update the moments are the first gradient and its square."""
+    def _moments(self, moments, p: torch.Tensor, group: dict) -> torch.Tensor | None:
+        """`moments` (eager or compiled `moments_`) over one tensor's local part; `running_init` before its
+        first update sets the moments to the first gradient and its square."""
+        state = self.state[p]
+        g, m, v = flat(p.grad), flat(state["exp_avg"]), flat(state["exp_avg_sq"])
         if group["running_init"] and int(state["step"]) == 0:  # a host tensor: no device sync
-            local(state["exp_avg"]).copy_(g)
-            torch.mul(g, g, out=local(state["exp_avg_sq"]))
-
-    def _moments(self, p: torch.Tensor, group: dict) -> torch.Tensor | None:
-        """Single tensor: m and v updated in place (this rank's part); with update clipping, v floored at eps^2
-        and the sum of g^2 / v returned as a device scalar (no host sync)."""
+            m.copy_(g)
+            torch.mul(g, g, out=v)
         beta1, beta2 = group["betas"]
-        g = local(p.grad)
-        state = self.state[p]
-        self._first_moments(state, g, group)
-        m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
-        m.lerp_(g, 1.0 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-        if not group["update_clipping"]:
-            return None
-        v.clamp_(min=group["eps"] ** 2)
-        return g.square().div_(v).sum()
-
-    def _apply(self, p: torch.Tensor, group: dict, clip: torch.Tensor | None) -> None:
-        """Single tensor: bias corrections, weight decay and the (clipped) step."""
-        lr, init_lr = float(group["lr"]), float(group["init_lr"])
-        beta1, beta2 = group["betas"]
-        eps, wd = group["eps"], group["weight_decay"]
-        state = self.state[p]
-        m, v, param = local(state["exp_avg"]), local(state["exp_avg_sq"]), local(p)
-        state["step"] += 1
-        t = int(state["step"])  # a host tensor: no device sync
-        step_size = lr / (1.0 - beta1**t)
-        denom = v.sqrt().div_(math.sqrt(1.0 - beta2**t))
-        if wd != 0.0:
-            param.mul_(1.0 - (lr / init_lr) * wd if group["decouple_wd"] else 1.0 - lr * wd)
-        # the update is written over denom: one tensor of scratch
-        update = torch.atan2(m, denom, out=denom) if group["atan_adam"] else torch.div(m, denom.add_(eps), out=denom)
-        if clip is not None:
-            update.div_(clip)
-        param.add_(update, alpha=-step_size)
-
-    def _moments_group(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor | None]:
-        """Multi-tensor `_moments`: the same operations, each over all tensors of the group at once."""
-        beta1, beta2 = group["betas"]
-        states = [self.state[p] for p in params]
-        grads = [local(p.grad) for p in params]
-        for state, g in zip(states, grads):
-            self._first_moments(state, g, group)
-        ms = [local(state["exp_avg"]) for state in states]
-        vs = [local(state["exp_avg_sq"]) for state in states]
-        torch._foreach_lerp_(ms, grads, 1.0 - beta1)
-        torch._foreach_mul_(vs, beta2)
-        torch._foreach_addcmul_(vs, grads, grads, value=1.0 - beta2)
-        if not group["update_clipping"]:
-            return [None] * len(params)
-        torch._foreach_clamp_min_(vs, group["eps"] ** 2)
-        ratios = torch._foreach_mul(grads, grads)
-        torch._foreach_div_(ratios, vs)
-        return [ratio.sum() for ratio in ratios]
-
-    def _apply_group(self, params: list[torch.Tensor], group: dict, clips: list[torch.Tensor | None]) -> None:
-        """Multi-tensor `_apply`."""
-        lr, init_lr = float(group["lr"]), float(group["init_lr"])
-        beta1, beta2 = group["betas"]
-        eps, wd = group["eps"], group["weight_decay"]
-        states = [self.state[p] for p in params]
-        ms = [local(state["exp_avg"]) for state in states]
-        vs = [local(state["exp_avg_sq"]) for state in states]
-        tensors = [local(p) for p in params]
-        steps = [state["step"] for state in states]
-        torch._foreach_add_(steps, 1)
-        ts = [int(step) for step in steps]  # host tensors: no device sync
-        denoms = torch._foreach_sqrt(vs)
-        torch._foreach_div_(denoms, [math.sqrt(1.0 - beta2**t) for t in ts])
-        if wd != 0.0:
-            torch._foreach_mul_(tensors, 1.0 - (lr / init_lr) * wd if group["decouple_wd"] else 1.0 - lr * wd)
-        # each update is written over its denominator (no multi-tensor op writes m / d into d): one bucket of scratch
-        if group["atan_adam"]:
-            updates = [torch.atan2(m, d, out=d) for m, d in zip(ms, denoms)]
-        else:
-            torch._foreach_add_(denoms, eps)
-            updates = [torch.div(m, d, out=d) for m, d in zip(ms, denoms)]
-        if clips[0] is not None:
-            torch._foreach_div_(updates, clips)
-        step_sizes = [lr / (1.0 - beta1**t) for t in ts]
-        if all(size == step_sizes[0] for size in step_sizes):  # the usual case: every tensor at the same step
-            torch._foreach_add_(tensors, updates, alpha=-step_sizes[0])
-        else:
-            for param, update, size in zip(tensors, updates, step_sizes):
-                param.add_(update, alpha=-size)
+        return moments(g, m, v, beta1, beta2, group["eps"] ** 2, group["update_clipping"])
 
     @staticmethod
     def _sum_over_shards(work: list, sums: list[list]) -> None:
@@ -261,6 +206,12 @@ class ELLISAdam(torch.optim.Optimizer):
         dist.all_reduce(totals, group=group)
         for (i, j), total in zip(sharded, totals):
             sums[i][j] = total
+
+
+def flat(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor as a flat view (the step's functions write through it): one compiled graph
+    serves every shape."""
+    return local(tensor).view(-1)
 
 
 def param_groups(model: nn.Module, weight_decay: float, no_decay_for_bias_and_norm: bool = True) -> list[dict]:
@@ -310,7 +261,7 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
             atan_adam=cfg.atan_adam,
             running_init=cfg.running_init,
             decouple_wd=cfg.decouple_wd,
-            foreach=cfg.foreach,
+            compiled=cfg.compile_step,
         )
     if cfg.name == "AdamW":
         device = local(groups[0]["params"][0]).device
