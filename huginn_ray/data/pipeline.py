@@ -7,6 +7,7 @@ and `--stage NAME` runs one stage alone.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -166,7 +167,12 @@ def eval_ngrams(cfg: DataConfig, fetch: bool = True) -> NgramSet | None:
 def expected_filter_fingerprint(cfg: DataConfig, sources: list[Source], markers: dict[str, dict],
                                 ngrams: NgramSet | None) -> str:
     return filter_fingerprint(sources, markers, cfg.decontaminate.mode, cfg.decontaminate.ngram,
-                              ngrams.digest if ngrams else None, cfg.dedup)
+                              ngrams.digest if ngrams else None, cfg.dedup, near_settings(cfg))
+
+
+def near_settings(cfg: DataConfig) -> dict | None:
+    """The near_dedup settings the filter stage runs with (None unless dedup is near)."""
+    return dataclasses.asdict(cfg.near_dedup) if cfg.dedup == "near" else None
 
 
 def run_stage_filter(cfg: DataConfig, sources: list[Source], ngrams: NgramSet | None = None) -> dict:
@@ -176,7 +182,7 @@ def run_stage_filter(cfg: DataConfig, sources: list[Source], ngrams: NgramSet | 
         return {}
     markers = staging_markers(cfg, sources)
     return run_filter(sources, markers, cfg.root / "staging", cfg.root / "filtered", mode=cfg.decontaminate.mode,
-                      ngrams=ngrams, dedup=cfg.dedup,
+                      ngrams=ngrams, dedup=cfg.dedup, near=near_settings(cfg),
                       fingerprint=expected_filter_fingerprint(cfg, sources, markers, ngrams))
 
 
