@@ -812,8 +812,8 @@ def test_staging_and_pack_resume_keeping_committed_files_and_clean_stale_tmp_dir
     for p in sorted(partial.glob("*.parquet"))[1::2]:
         p.unlink()
     staged_mtimes = {p.name: p.stat().st_mtime_ns for p in partial.glob("*.parquet")}
-    # staging stopped after every file of another source was committed, before its marker (written when the whole
-    # dataset ends): the rerun reads its files' footers and writes the marker, staging none of them again
+    # staging stopped after every file of another source was committed, before its marker (the driver killed
+    # between): the rerun reads its files' footers and writes the marker, staging none of them again
     complete_marker = json.loads((out / "staging" / "prose" / "_COMPLETE.json").read_text())
     unmarked = out / "staging" / "prose.partial"
     (out / "staging" / "prose").rename(unmarked)

@@ -836,3 +836,42 @@ def test_minhash_words_ignore_case_and_punctuation_and_components_keep_the_small
     pairs = np.array([[5, 9], [2, 9], [7, 8], [1, 3]], np.uint64)
     dropped, kept = component_drops(pairs[:, 0], pairs[:, 1])
     assert dropped.tolist() == [3, 5, 8, 9] and kept.tolist() == [1, 2, 7, 2]
+
+
+def test_a_source_is_committed_when_its_own_files_are_staged_while_another_still_runs(tmp_path, monkeypatch):
+    """stage_sources commits a source's marker as soon as its files are staged: here while the dataset still runs
+    the other source's file, which then fails; the finished source stays committed (a rerun skips it)."""
+    import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from huginn_ray.data import staging
+    from huginn_ray.data.formatting import DataError
+
+    for name in ("done", "broken"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.jsonl").write_text('{"text": "x"}\n')
+    sources = parse_sources(parse_yaml(f"- {{name: done, local_dir: {tmp_path / 'done'}, features: [text]}}\n"
+                            f"- {{name: broken, local_dir: {tmp_path / 'broken'}, features: [text]}}\n"), "sources.yaml")
+    seen = {}
+
+    def run_staging(files, todo, results):  # the dataset: stages `done`, then fails on `broken` once it is committed
+        stats = {"rows": 1, "chars": 1, "max_chars": 1, "read": 1, "empty": 0, "quarantined": {}, "first_bad": None}
+        done = next(f for f in files if f["source"].name == "done")
+        table = pa.table({"text": ["x"], "source": ["done"], "doc_id": [0]}, schema=staging.STAGING_SCHEMA)
+        pq.write_table(table.replace_schema_metadata({staging.STATS_KEY: json.dumps(stats)}), done["output"])
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "staging" / "done" / "_COMPLETE.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen["committed while running"] = (tmp_path / "staging" / "done" / "_COMPLETE.json").exists()
+        raise DataError("broken: a bad record")
+
+    monkeypatch.setattr(staging, "run_staging", run_staging)
+    monkeypatch.setattr(staging, "POLL_S", 0.05)
+    with pytest.raises(DataError, match="broken: a bad record"):
+        staging.stage_sources([(s, staging.list_local_files(s)) for s in sources], tmp_path / "staging")
+    assert seen == {"committed while running": True}
+    marker = json.loads((tmp_path / "staging" / "done" / "_COMPLETE.json").read_text())
+    assert marker["rows"] == 1 and marker["files"][0]["output"] == "00000.parquet"
+    assert not (tmp_path / "staging" / "broken").exists()

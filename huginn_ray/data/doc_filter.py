@@ -1,7 +1,7 @@
-"""The filter stage: staged documents -> `filtered/`, without contaminated documents and exact duplicates.
+"""The filter stage: staged documents -> `filtered/`, without contaminated documents and exact (and near) duplicates.
 
 Runs between staging and tokenize + pack when the data config sets `decontaminate.mode` (drop, report) or
-`dedup: exact`; the pack stage then reads `filtered/<source>/NNNNN.parquet` (same columns and doc_ids as the
+`dedup` (exact; near: exact, then the MinHash LSH steps of huginn_ray/data/doc_near_dedup.py); the pack stage then reads `filtered/<source>/NNNNN.parquet` (same columns and doc_ids as the
 staged files, so a document left out here never reaches packing, and the rest pack exactly as before). Three Ray
 Data datasets over every source with weight > 0, the records flowing from a read to a write:
 

@@ -40,6 +40,8 @@ _WORD_BASE_INVERSE = np.uint64(pow(0x100000001B3, -1, 1 << 64))
 _POSITION = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93,
                       0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0x94D049BB133111EB, 0xBF58476D1CE4E5B9], np.uint64)
 """Odd multipliers of a word's hash by its position in the shingle (order matters: "a b" is not "b a")."""
+SIGNATURE_BATCH_BYTES = 1 << 20
+"""Characters hashed into words at a time (the word hashes' arrays: ~40 bytes per character)."""
 SIGNATURE_CHUNK = 1 << 13
 """Shingles hashed at a time: a (chunk, bands x rows) uint64 array, 7 MiB at 112 hash functions (a larger one
 leaves the caches and is slower per shingle)."""
@@ -76,6 +78,20 @@ def mix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+_POWERS: list[np.ndarray] = [np.ones(1, np.uint64), np.ones(1, np.uint64)]
+
+
+def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(base^i, base^-i) modulo 2^64 for i < at least n, kept between calls (computing them cost as much as the
+    rest of the word hashes); at most SIGNATURE_BATCH_BYTES of them unless a longer text asks for more."""
+    if len(_POWERS[0]) < n:
+        size = max(n, min(2 * len(_POWERS[0]), SIGNATURE_BATCH_BYTES))
+        with np.errstate(over="ignore"):
+            for i, base in enumerate((_WORD_BASE, _WORD_BASE_INVERSE)):
+                _POWERS[i] = np.concatenate((np.ones(1, np.uint64), np.cumprod(np.full(size - 1, base, np.uint64))))
+    return _POWERS[0], _POWERS[1]
+
+
 def word_hashes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """(hash of every word of every text, in order; the text each word belongs to), words as the module's
     docstring defines them."""
@@ -87,11 +103,9 @@ def word_hashes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     inside = _WORD_BYTE[data]
     edges = np.diff(np.concatenate(([False], inside, [False])).astype(np.int8))
     starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    powers, inverse = _powers(len(data))
     with np.errstate(over="ignore"):
-        one = np.ones(1, np.uint64)
-        powers = np.concatenate((one, np.cumprod(np.full(len(data) - 1, _WORD_BASE, np.uint64))))  # base^i, wrapped
-        inverse = np.concatenate((one, np.cumprod(np.full(len(data) - 1, _WORD_BASE_INVERSE, np.uint64))))
-        prefix = np.concatenate(([np.uint64(0)], np.cumsum(data.astype(np.uint64) * powers)))
+        prefix = np.concatenate(([np.uint64(0)], np.cumsum(data.astype(np.uint64) * powers[:len(data)])))
         hashes = mix64((prefix[ends] - prefix[starts]) * inverse[starts])
     return hashes, np.searchsorted(starts_of_texts, starts, side="right") - 1
 
@@ -117,19 +131,35 @@ def shingle_hashes(texts: list[str], shingle: int) -> tuple[np.ndarray, np.ndarr
 
 def minhash_signatures(texts: list[str], params: MinHashParams) -> tuple[np.ndarray, np.ndarray]:
     """(signature of every text, (n, bands x rows) uint32; whether it has one: a text of no word has none, its row
-    is all ones)."""
+    is all ones). Texts are hashed in groups of about SIGNATURE_BATCH_BYTES characters."""
+    signatures = np.zeros((len(texts), params.bands * params.rows), np.uint32)
+    has = np.zeros(len(texts), bool)
+    start, size = 0, 0
+    for end, text in enumerate(texts, 1):
+        size += len(text) + 1
+        if size >= SIGNATURE_BATCH_BYTES or end == len(texts):
+            signatures[start:end], has[start:end] = _signatures(texts[start:end], params)
+            start, size = end, 0
+    return signatures, has
+
+
+def _signatures(texts: list[str], params: MinHashParams) -> tuple[np.ndarray, np.ndarray]:
     shingles, text_of = shingle_hashes(texts, params.shingle)
-    signatures = np.full((len(texts), params.bands * params.rows), np.iinfo(np.uint32).max, np.uint32)
+    minima = np.full((len(texts), params.bands * params.rows), np.iinfo(np.uint64).max, np.uint64)
     has = np.zeros(len(texts), bool)
     has[text_of] = True
+    values = np.empty((min(SIGNATURE_CHUNK, len(shingles)), params.bands * params.rows), np.uint64)
     for lo in range(0, len(shingles), SIGNATURE_CHUNK):
         part, owner = shingles[lo:lo + SIGNATURE_CHUNK], text_of[lo:lo + SIGNATURE_CHUNK]
-        with np.errstate(over="ignore"):
-            values = ((part[:, None] * params.a[None, :] + params.b[None, :]) >> _HIGH).astype(np.uint32)
+        chunk = values[:len(part)]
+        with np.errstate(over="ignore"):  # (a x + b) mod 2^64, in place
+            np.multiply(part[:, None], params.a[None, :], out=chunk)
+            np.add(chunk, params.b[None, :], out=chunk)
         firsts = np.flatnonzero(np.concatenate(([True], owner[1:] != owner[:-1])))
-        minima = np.minimum.reduceat(values, firsts, axis=0)
-        signatures[owner[firsts]] = np.minimum(signatures[owner[firsts]], minima)  # a text split between chunks
-    return signatures, has
+        # the minimum of the high halves is the high half of the minimum: shifted once, after
+        found = np.minimum.reduceat(chunk, firsts, axis=0)
+        minima[owner[firsts]] = np.minimum(minima[owner[firsts]], found)  # a text split between chunks
+    return (minima >> _HIGH).astype(np.uint32), has
 
 
 def band_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
