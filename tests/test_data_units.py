@@ -875,3 +875,17 @@ def test_a_source_is_committed_when_its_own_files_are_staged_while_another_still
     marker = json.loads((tmp_path / "staging" / "done" / "_COMPLETE.json").read_text())
     assert marker["rows"] == 1 and marker["files"][0]["output"] == "00000.parquet"
     assert not (tmp_path / "staging" / "broken").exists()
+
+
+def test_near_dedup_plan_counts_buckets_bytes_and_task_memory():
+    """What `dedup: near` adds to the plan: 14 band entries per document in buckets of DOCS_PER_BUCKET entries,
+    4 x 112 + 16 x 14 bytes per document written by the scan (+ two npy headers per unit), the bucket task's
+    memory as exact dedup's per entry."""
+    from huginn_ray.data.doc_dedup import DOCS_PER_BUCKET
+    from huginn_ray.data.doc_near_dedup import near_dedup_plan
+
+    small = near_dedup_plan(1000, 3, bands=14, rows=8)
+    assert (small.buckets, small.scan_bytes_written, small.bucket_task_memory) == (
+        1, 672 * 1000 + 2 * 128 * 3, 256 * 2**20 + 48 * 14_000)
+    large = near_dedup_plan(DOCS_PER_BUCKET, 1, bands=14, rows=8)
+    assert large.buckets == 14 and large.bucket_task_memory == 256 * 2**20 + 48 * DOCS_PER_BUCKET

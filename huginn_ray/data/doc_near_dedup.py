@@ -18,7 +18,8 @@ The filter stage (huginn_ray/data/doc_filter.py) runs them after its exact dedup
 Each step's files are committed on their own, so a rerun keeps what an interrupted run finished: a unit's tables,
 a bucket's pairs, the components. Costs (`near_dedup_plan`): per document 4 x bands x rows bytes of signature and
 16 x bands bytes of band table; a bucket task holds its band entries like an exact bucket (DOCS_PER_BUCKET
-entries, 16 bytes each, x 3 while sorting); the driver holds 16 bytes per similar pair.
+entries, 16 bytes each, x 3 while sorting); the driver holds 16 bytes per similar pair and 8 per exact
+duplicate while it finds the components.
 """
 
 from __future__ import annotations
