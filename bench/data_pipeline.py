@@ -2,7 +2,7 @@
 tokens/s per CPU core vs raw `tokenizers` encode_batch.
 
     python bench/data_pipeline.py [--text code|web|math] [--mib 64] [--cpus 2] [--vocab 16384] [--seq-len 4096]
-                                  [--filter] [--json] [--tokenizer DIR] [--out /tmp/hr_bench]
+                                  [--filter [--near]] [--json] [--tokenizer DIR] [--out /tmp/hr_bench]
 
 Builds a local source of --text documents (each repeated with a distinct header until --mib MiB; no network):
   code - the Python standard library's .py files;
@@ -17,7 +17,10 @@ on a local Ray with --cpus CPUs, each timed on its own through the pipeline's st
   filter  - with --filter only: `decontaminate` (mode drop, 13-grams) against configs/eval/gsm8k_test_sample.jsonl
             (4 GSM8k test problems) and `dedup: exact`, documents/s; the corpus then holds one more file of two
             documents, an exact copy of the corpus's first document and one quoting a GSM8k problem: the filter
-            must drop exactly one of each (the bench stops, naming the counts, when it does not);
+            must drop exactly one of each (the bench stops, naming the counts, when it does not); with --near,
+            `dedup: near` (exact, then MinHash LSH with the default near_dedup settings) instead of exact: the
+            corpus's repeats of a document under distinct headers are near duplicates of its first copy, so most
+            of a repeated corpus is dropped (the count is printed);
   raw     - one process, one thread: Tokenizer.encode_batch_fast over the staged documents in batches, before and
             after the pack stage (their mean is the reference), with the tokenizer as the pack stage loads it
             (special-token strings encoded as text: load_text_tokenizer); once more with the special tokens
@@ -169,6 +172,7 @@ def main() -> None:
     parser.add_argument("--object-store-mib", type=int, default=None)
     parser.add_argument("--filter", action="store_true",
                         help="run the filter stage (decontaminate against a local GSM8k sample, dedup: exact)")
+    parser.add_argument("--near", action="store_true", help="with --filter: dedup near instead of exact")
     parser.add_argument("--json", action="store_true", help="print the per-stage figures as one JSON object last")
     parser.add_argument("--tokenizer", default=None, help="keep the trained tokenizer here; reuse one found here")
     parser.add_argument("--out", default=None)
@@ -184,8 +188,8 @@ def main() -> None:
     (root / "sources.yaml").write_text(f"- {{name: stdlib, local_dir: {root / 'corpus'}, features: [text]}}\n")
     local_ray = {"num_cpus": args.cpus, "object_store_mib": args.object_store_mib,
                  "temp_dir": tempfile.mkdtemp(prefix="hrb_", dir="/tmp")}
-    filters = ({"decontaminate": {"mode": "drop", "ngram": 13, "against": [str(GSM8K_SAMPLE)]}, "dedup": "exact"}
-               if args.filter else {})
+    filters = ({"decontaminate": {"mode": "drop", "ngram": 13, "against": [str(GSM8K_SAMPLE)]},
+                "dedup": "near" if args.near else "exact"} if args.filter else {})
     (root / "data.yaml").write_text(json.dumps({
         "output_dir": str(root / "out"), "sources": str(root / "sources.yaml"), "seq_len": args.seq_len,
         "num_shards": args.num_shards, "docs_per_pack_batch": args.docs_per_batch, "local_ray": local_ray,
@@ -257,7 +261,8 @@ def main() -> None:
         print(f"filter stage: {staged_docs:,d} documents in {filter_s:.1f}s = {staged_docs / filter_s:,.0f} "
               f"documents/s ({staged_docs / filter_s / args.cpus:,.0f} per CPU); kept {filter_counts['rows']:,d}, "
               f"decontaminated {filter_counts['decontaminated']}, exact duplicates dropped "
-              f"{filter_counts['exact_duplicates_dropped']}")
+              f"{filter_counts['exact_duplicates_dropped']}"
+              f"{'' if not args.near else ', near duplicates dropped %d' % filter_counts['near_duplicates_dropped']}")
     print(f"raw encode_batch_fast (1 process, 1 thread): {raw / 1e3:.0f}k tokens/s "
           f"(before the pack stage {raw_before / 1e3:.0f}k, after {raw_after / 1e3:.0f}k); with special-token "
           f"strings matched as control tokens (Tokenizer.from_file as is), before the pack stage: "
@@ -275,7 +280,8 @@ def main() -> None:
                         "mib_per_s_per_cpu": corpus_mib / staging_s / args.cpus},
             "filter": {"documents": staged_docs, "kept": filter_counts["rows"],
                        "decontaminated": filter_counts["decontaminated"],
-                       "exact_duplicates_dropped": filter_counts["exact_duplicates_dropped"], "seconds": filter_s,
+                       "exact_duplicates_dropped": filter_counts["exact_duplicates_dropped"],
+                       "near_duplicates_dropped": filter_counts.get("near_duplicates_dropped"), "seconds": filter_s,
                        "documents_per_s": staged_docs / filter_s} if args.filter else None,
             "raw_tokens_per_s": raw,
             "pack": {"records": pack_docs, "tokens": pack_tokens, "seconds": pack_s, "records_per_s": pack_docs / pack_s,

@@ -223,7 +223,7 @@ def test_data_config_refuses_bad_decontaminate_and_dedup_keys_by_name(tmp_path):
             (["decontaminate.mode=drop"], "decontaminate.against: mode 'drop' needs at least one evaluation file"),
             (["decontaminate.against=[missing.jsonl]"],
              f"decontaminate.against[0]: no such file: {tmp_path / 'missing.jsonl'}"),
-            (["dedup=fuzzy"], "dedup: 'fuzzy' is not one of ['none', 'exact']"),
+            (["dedup=fuzzy"], "dedup: 'fuzzy' is not one of ['none', 'exact', 'near']"),
             (["decontaminate.colour=red"], "colour")):
         with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
             load_data_config(config, overrides)

@@ -812,8 +812,8 @@ def test_staging_and_pack_resume_keeping_committed_files_and_clean_stale_tmp_dir
     for p in sorted(partial.glob("*.parquet"))[1::2]:
         p.unlink()
     staged_mtimes = {p.name: p.stat().st_mtime_ns for p in partial.glob("*.parquet")}
-    # staging stopped after every file of another source was committed, before its marker (written when the whole
-    # dataset ends): the rerun reads its files' footers and writes the marker, staging none of them again
+    # staging stopped after every file of another source was committed, before its marker (the driver killed
+    # between): the rerun reads its files' footers and writes the marker, staging none of them again
     complete_marker = json.loads((out / "staging" / "prose" / "_COMPLETE.json").read_text())
     unmarked = out / "staging" / "prose.partial"
     (out / "staging" / "prose").rename(unmarked)
@@ -1282,8 +1282,8 @@ def test_decontamination_drops_or_reports_planted_test_questions_and_exact_dupli
     """decontaminate (13-grams against the GSM8k sample) drops the documents holding a test question, a chat
     message's included, counts them per source in the manifest and lists them; with mode report they are listed
     and kept. dedup exact drops the mirror's copies of web documents and its second copy of its own document, not
-    the one that differs in case. Dropped documents never reach packing; the filter stage resumes keeping its
-    committed files."""
+    the one that differs in case, which dedup near drops too (the same words). Dropped documents never reach
+    packing; the filter stage resumes keeping its committed files."""
     sources, texts = _write_contaminated_sources(tmp_path)
     config = _config(tmp_path, sources)
     with open(config, "a") as f:
@@ -1353,3 +1353,18 @@ def test_decontamination_drops_or_reports_planted_test_questions_and_exact_dupli
     assert "[filter] mirror: 9 documents -> 5 kept; decontaminated: off; exact duplicates dropped: 4" in printed
     assert "[filter] web: 40 documents -> 40 kept; decontaminated: off; exact duplicates dropped: 0" in printed
     assert sorted(p.name for p in (out / "filtered").iterdir()) == ["_COMPLETE.json", "mirror", "talk", "web"]
+
+    # dedup near: exact, then near; the mirror's upper-cased copy of web's document 3 (same words once lower-cased)
+    # is a near duplicate, named with the document kept in its place
+    assert prepare_data.main([*args, "decontaminate.mode=none", "dedup=near", "--stage", "filter"]) == 0
+    printed = capsys.readouterr().out
+    assert ("[filter] mirror: 9 documents -> 4 kept; decontaminated: off; exact duplicates dropped: 4; near "
+            "duplicates dropped: 1") in printed
+    assert "[filter] web: 40 documents -> 40 kept; decontaminated: off; exact duplicates dropped: 0; near" in printed
+    near = [json.loads(line) for line in (out / "filtered" / "near_duplicates.jsonl").read_text().splitlines()]
+    assert near == [{"source": "mirror", "file": str(tmp_path / "mirror" / "docs.jsonl"), "doc_id": 3,
+                     "kept": {"source": "web", "file": str(tmp_path / "web" / "docs.jsonl"), "doc_id": 3}}]
+    assert pq.read_table(out / "filtered" / "mirror" / "00000.parquet").column("text").to_pylist() == [
+        texts["mirror"][i] for i in (1, 4, 6, 7)]
+    assert sorted(p.name for p in (out / "filtered").iterdir()) == [
+        "_COMPLETE.json", "mirror", "near_duplicates.jsonl", "talk", "web"]

@@ -815,3 +815,123 @@ def test_plan_counts_the_scan_units_and_reads_that_the_filter_stage_builds(tmp_p
     assert {k: planned["counts"][k] for k in ("pack_batches", "pack_tasks")} == {
         "pack_batches": len(batches), "pack_tasks": len(read_units(batches, 4))} == {"pack_batches": 7,
                                                                                       "pack_tasks": 4}
+
+def _shingle_set(text: str, n: int = 5) -> set:
+    import re
+
+    words = re.findall(r"[a-z0-9\x80-\U0010ffff]+", text.lower())
+    return {tuple(words[i:i + n]) for i in range(max(1, len(words) - n + 1))}
+
+
+def _near_corpus():
+    """200 documents of 300 words, copies of the first 100 with a line added and 3 words (1 %) changed, and 40
+    distinct documents that share one 60-word boilerplate paragraph."""
+    import random
+
+    rng = random.Random(4)
+    vocab = ["".join(rng.choice("abcdefghijklmnop") for _ in range(rng.randint(2, 8))) for _ in range(20_000)]
+    originals = [" ".join(rng.choices(vocab, k=300)) for _ in range(200)]
+    copies = []
+    for text in originals[:100]:
+        words = text.split()
+        for i in rng.sample(range(len(words)), 3):
+            words[i] = rng.choice(vocab)
+        copies.append(" ".join(words) + "\nSee also: " + " ".join(rng.choices(vocab, k=8)) + ".")
+    boilerplate = " ".join(rng.choices(vocab, k=60))
+    shared = [f"{' '.join(rng.choices(vocab, k=120))}\n\n{boilerplate}" for _ in range(40)]
+    return originals, copies, shared
+
+
+def test_near_duplicates_are_removed_and_documents_sharing_boilerplate_are_kept():
+    """Copies with a line added and 1 % of their words changed (5-shingle Jaccard >= 0.8 with their original) are
+    found by MinHash LSH with the default 14 x 8 bands (at least 95 %: here all, the S-curve gives 99.6 % at 0.87)
+    and dropped in favour of the original (the smaller key); distinct documents sharing a boilerplate paragraph and
+    the other originals are all kept."""
+    from huginn_ray.data.near_dedup import (MinHashParams, band_keys, band_table, candidate_pairs, component_drops,
+                                            minhash_signatures, similar)
+
+    originals, copies, shared = _near_corpus()
+    texts = originals + copies + shared
+    assert min(len(_shingle_set(a) & _shingle_set(b)) / len(_shingle_set(a) | _shingle_set(b))
+               for a, b in zip(originals, copies)) >= 0.8
+    params = MinHashParams.make(5, 14, 8, seed=1)
+    signatures, has = minhash_signatures(texts, params)
+    assert signatures.shape == (340, 112) and has.all()
+    table = band_table(band_keys(signatures, 14, 8), has)
+    first, other = candidate_pairs(table[:, 0], table[:, 1])
+    keep = similar(signatures[first.astype(np.int64)], signatures[other.astype(np.int64)], 0.8)
+    dropped, kept = component_drops(first[keep], other[keep])
+    copy_keys = np.arange(200, 300)
+    assert np.isin(copy_keys, dropped).mean() >= 0.95
+    assert set(dropped.tolist()) <= set(copy_keys.tolist())  # no original, no boilerplate document
+    assert (kept == dropped - 200).all()  # each copy's kept document is its original
+
+
+def test_minhash_words_ignore_case_and_punctuation_and_components_keep_the_smallest_key():
+    """Words are runs of letters and digits, lower-cased; shingle order matters; a text of no word has no signature
+    and fewer words than a shingle make one shingle; the components of chained pairs drop all but the smallest key."""
+    from huginn_ray.data.near_dedup import MinHashParams, component_drops, minhash_signatures
+
+    params = MinHashParams.make(5, 2, 4, seed=0)
+    signatures, has = minhash_signatures(["Hello, World!  again", "hello world again", "again world hello", "...",
+                                          ""], params)
+    assert (signatures[0] == signatures[1]).all() and not (signatures[0] == signatures[2]).all()
+    assert has.tolist() == [True, True, True, False, False]
+    again, _ = minhash_signatures(["hello world again"], MinHashParams.make(5, 2, 4, seed=0))
+    assert (again[0] == signatures[1]).all()  # no state between calls: a batch's signatures are the text's own
+    pairs = np.array([[5, 9], [2, 9], [7, 8], [1, 3]], np.uint64)
+    dropped, kept = component_drops(pairs[:, 0], pairs[:, 1])
+    assert dropped.tolist() == [3, 5, 8, 9] and kept.tolist() == [1, 2, 7, 2]
+
+
+def test_a_source_is_committed_when_its_own_files_are_staged_while_another_still_runs(tmp_path, monkeypatch):
+    """stage_sources commits a source's marker as soon as its files are staged: here while the dataset still runs
+    the other source's file, which then fails; the finished source stays committed (a rerun skips it)."""
+    import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from huginn_ray.data import staging
+    from huginn_ray.data.formatting import DataError
+
+    for name in ("done", "broken"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.jsonl").write_text('{"text": "x"}\n')
+    sources = parse_sources(parse_yaml(f"- {{name: done, local_dir: {tmp_path / 'done'}, features: [text]}}\n"
+                            f"- {{name: broken, local_dir: {tmp_path / 'broken'}, features: [text]}}\n"), "sources.yaml")
+    seen = {}
+
+    def run_staging(files, todo, results):  # the dataset: stages `done`, then fails on `broken` once it is committed
+        stats = {"rows": 1, "chars": 1, "max_chars": 1, "read": 1, "empty": 0, "quarantined": {}, "first_bad": None}
+        done = next(f for f in files if f["source"].name == "done")
+        table = pa.table({"text": ["x"], "source": ["done"], "doc_id": [0]}, schema=staging.STAGING_SCHEMA)
+        pq.write_table(table.replace_schema_metadata({staging.STATS_KEY: json.dumps(stats)}), done["output"])
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "staging" / "done" / "_COMPLETE.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen["committed while running"] = (tmp_path / "staging" / "done" / "_COMPLETE.json").exists()
+        raise DataError("broken: a bad record")
+
+    monkeypatch.setattr(staging, "run_staging", run_staging)
+    monkeypatch.setattr(staging, "POLL_S", 0.05)
+    with pytest.raises(DataError, match="broken: a bad record"):
+        staging.stage_sources([(s, staging.list_local_files(s)) for s in sources], tmp_path / "staging")
+    assert seen == {"committed while running": True}
+    marker = json.loads((tmp_path / "staging" / "done" / "_COMPLETE.json").read_text())
+    assert marker["rows"] == 1 and marker["files"][0]["output"] == "00000.parquet"
+    assert not (tmp_path / "staging" / "broken").exists()
+
+
+def test_near_dedup_plan_counts_buckets_bytes_and_task_memory():
+    """What `dedup: near` adds to the plan: 14 band entries per document in buckets of DOCS_PER_BUCKET entries,
+    4 x 112 + 16 x 14 bytes per document written by the scan (+ two npy headers per unit), the bucket task's
+    memory as exact dedup's per entry."""
+    from huginn_ray.data.doc_dedup import DOCS_PER_BUCKET
+    from huginn_ray.data.doc_near_dedup import near_dedup_plan
+
+    small = near_dedup_plan(1000, 3, bands=14, rows=8)
+    assert (small.buckets, small.scan_bytes_written, small.bucket_task_memory) == (
+        1, 672 * 1000 + 2 * 128 * 3, 256 * 2**20 + 48 * 14_000)
+    large = near_dedup_plan(DOCS_PER_BUCKET, 1, bands=14, rows=8)
+    assert large.buckets == 14 and large.bucket_task_memory == 256 * 2**20 + 48 * DOCS_PER_BUCKET

@@ -127,6 +127,23 @@ class DecontaminateConfig:
 
 
 @dataclass
+class NearDedupConfig:
+    """MinHash LSH near-duplicate removal, used with `dedup: near` (huginn_ray/data/near_dedup.py)."""
+
+    shingle: int = 5
+    """Words per shingle: documents are compared as sets of `shingle` consecutive words."""
+    threshold: float = 0.8
+    """Jaccard similarity of two documents' shingle sets (estimated from their MinHash signatures) at which the
+    later one is a near duplicate of the first."""
+    bands: int = 14
+    """LSH bands: two documents whose signatures agree in all rows of any one band are compared (FineWeb: 14)."""
+    rows: int = 8
+    """Hash functions per band (FineWeb: 8); a signature holds bands x rows values, 4 bytes each."""
+    seed: int = 1
+    """Seeds the hash functions; another seed finds (almost) the same near duplicates."""
+
+
+@dataclass
 class LocalRayConfig:
     num_cpus: int | None = None
     """CPUs of a Ray instance this job starts itself (ignored when connecting to a running cluster)."""
@@ -169,9 +186,12 @@ class DataConfig:
     """Rows of chat sources (`kind: chat`); ignored by other sources."""
     decontaminate: DecontaminateConfig = field(default_factory=DecontaminateConfig)
     """Training documents that share an n-gram with an evaluation set (huginn_ray/data/decontaminate.py)."""
-    dedup: Literal["none", "exact"] = "none"
+    dedup: Literal["none", "exact", "near"] = "none"
     """'exact': of documents with the same text, across all sources, only the first (in source-list, file, row
-    order) is kept (huginn_ray/data/doc_dedup.py)."""
+    order) is kept (huginn_ray/data/doc_dedup.py); 'near': exact, then of documents whose word shingles are
+    `near_dedup.threshold` similar, only the first (huginn_ray/data/near_dedup.py)."""
+    near_dedup: NearDedupConfig = field(default_factory=NearDedupConfig)
+    """MinHash LSH settings of `dedup: near`."""
     local_ray: LocalRayConfig = field(default_factory=LocalRayConfig)
     """Settings of a Ray instance the job starts itself."""
 
@@ -241,6 +261,11 @@ DATA_RANGES: dict[str, Range] = {
     "decontaminate.min_ngram": AT_LEAST_1,
     "decontaminate.max_drop_fraction": Range(0.0, 1.0),
     "decontaminate.min_guarded_drops": NON_NEGATIVE,
+    "near_dedup.shingle": AT_LEAST_1,
+    "near_dedup.bands": AT_LEAST_1,
+    "near_dedup.rows": AT_LEAST_1,
+    "near_dedup.seed": NON_NEGATIVE,
+    "near_dedup.threshold": Range(0, 1, lo_open=True),
     "local_ray.num_cpus": AT_LEAST_1,
     "local_ray.object_store_mib": POSITIVE,
 }

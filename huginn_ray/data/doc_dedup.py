@@ -28,6 +28,8 @@ import numpy as np
 
 ROW_BITS = 32
 """A key's row field (doc_id uses the same split: staging.py)."""
+DOCS_PER_BUCKET = 1 << 24
+"""Entries one dedup task sorts (16 M: 256 MiB of (hash, key) pairs, ~3x that while sorting)."""
 
 
 def content_hash(text: str) -> int:

@@ -1,7 +1,7 @@
-"""The filter stage: staged documents -> `filtered/`, without contaminated documents and exact duplicates.
+"""The filter stage: staged documents -> `filtered/`, without contaminated documents and exact (and near) duplicates.
 
 Runs between staging and tokenize + pack when the data config sets `decontaminate.mode` (drop, report) or
-`dedup: exact`; the pack stage then reads `filtered/<source>/NNNNN.parquet` (same columns and doc_ids as the
+`dedup` (exact; near: exact, then the MinHash LSH steps of huginn_ray/data/doc_near_dedup.py); the pack stage then reads `filtered/<source>/NNNNN.parquet` (same columns and doc_ids as the
 staged files, so a document left out here never reaches packing, and the rest pack exactly as before). Three Ray
 Data datasets over every source with weight > 0, the records flowing from a read to a write:
 
@@ -54,19 +54,22 @@ import pyarrow.parquet as pq
 from huginn_ray.data import layout
 from huginn_ray.data.decontaminate import (NgramSet, decontamination_counts, document_words, first_match,
                                            guard_common_grams, save_ngram_set)
-from huginn_ray.data.doc_dedup import (bucket_bounds, bucket_entries, content_hashes, duplicate_counts,
-                                       duplicate_keys, duplicate_rows, hash_table)
+from huginn_ray.data.doc_dedup import (DOCS_PER_BUCKET, bucket_bounds, bucket_entries, content_hashes,
+                                       duplicate_counts, duplicate_keys, duplicate_rows, hash_table)
+from huginn_ray.data.doc_near_dedup import (NEAR_REPORT, SignatureFiles, find_near_pairs, near_bucket_count,
+                                            near_bucket_memory, near_columns, near_drops, near_pairs_files,
+                                            near_pairs_report, write_near_report, write_near_tables)
 from huginn_ray.data.execution import (block_size, declared_memory, node_memory_cap, quiet_remote_args, rerun_killed,
                                         table_sink, unit_reads)
+from huginn_ray.data.filter_counts import print_counts
 from huginn_ray.data.formatting import DataError
+from huginn_ray.data.near_dedup import MinHashParams
 from huginn_ray.data.sources import Source
 from huginn_ray.data.staging import STAGING_SCHEMA
 from huginn_ray.data.staging import STATS_KEY as STAGING_STATS_KEY
 from huginn_ray.data.tokenize_pack import BATCH, staged_documents, whole_batches
 
 FILTER_VERSION = 1
-DOCS_PER_BUCKET = 1 << 24
-"""Documents one dedup task sorts (16 M: 256 MiB of (hash, key) pairs, ~3x that while sorting)."""
 SCAN_UNIT_DOCS = 1 << 16
 SCAN_UNIT_CHARS = 1 << 26
 """A scan unit (one block from the read to the write) holds at most SCAN_UNIT_DOCS documents and, at its
@@ -83,9 +86,11 @@ write."""
 
 
 def filter_fingerprint(sources: list[Source], staging_markers: dict[str, dict], mode: str, ngram: int,
-                       ngram_digest: str | None, dedup: str) -> str:
+                       ngram_digest: str | None, dedup: str, near: dict | None = None) -> str:
+    """`near`: the near_dedup settings (shingle, threshold, bands, rows, seed) with dedup near."""
     return layout.fingerprint({
-        "version": FILTER_VERSION, "decontaminate": [mode, ngram, ngram_digest], "dedup": dedup,
+        "version": FILTER_VERSION, "decontaminate": [mode, ngram, ngram_digest],
+        "dedup": dedup if near is None else [dedup, near],
         "sources": [(s.name, staging_markers[s.name]["fingerprint"]) for s in sources if s.weight > 0]})
 
 
@@ -125,13 +130,15 @@ class ScanDocuments:
     block of whole scan units: per document its content hash and, when the set is not empty, its first gram
     found in the set (`gram`, `item`; null when none)."""
 
-    def __init__(self, ngram_file: str | None, lengths: tuple[int, ...]):
+    def __init__(self, ngram_file: str | None, lengths: tuple[int, ...], near: dict | None = None):
         if ngram_file is None:
             self.hashes, self.items = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
         else:
             table = np.load(ngram_file)  # save_ngram_set: (hash, item) per gram, sorted by hash
             self.hashes, self.items = np.ascontiguousarray(table[:, 0]), table[:, 1].astype(np.uint32)
         self.lengths = tuple(lengths)
+        self.near = None if near is None else MinHashParams.make(near["shingle"], near["bands"], near["rows"],
+                                                                 near["seed"])
 
     def __call__(self, table: pa.Table) -> pa.Table:
         return pa.concat_tables([self.scan(unit, records) for unit, records in whole_batches(table)])
@@ -144,15 +151,19 @@ class ScanDocuments:
                 match = first_match(document_words(text, unit["chat"]), self.hashes, self.items, self.lengths)
                 if match is not None:
                     grams[i], items[i] = match.gram, match.item
+        near = {} if self.near is None else near_columns(texts, self.near)
         return pa.table({"hash": pa.array(content_hashes(texts), pa.uint64()), "doc_id": records.column("doc_id"),
-                         "gram": pa.array(grams, pa.string()), "item": pa.array(items, pa.int64()),
+                         "gram": pa.array(grams, pa.string()), "item": pa.array(items, pa.int64()), **near,
                          BATCH: records.column(BATCH)})
 
 
 def write_scan(unit: dict, records: pa.Table, scan_dir: str) -> None:
-    """One scan unit's results, committed: its matches (`.json`, rows counted from the file's first row), then its
-    (hash, row) table (`.npy`: the unit is done when it exists)."""
+    """One scan unit's results, committed: with near dedup its signatures and band table (write_near_tables), its
+    matches (`.json`, rows counted from the file's first row), then its (hash, row) table (`.npy`: the unit is
+    done when it exists)."""
     table_path = Path(scan_dir) / f"{unit['name']}.npy"
+    if "signature" in records.column_names:
+        write_near_tables(records, table_path.with_suffix(""), unit["start"])
     matched = np.flatnonzero(records.column("gram").is_valid().to_numpy(zero_copy_only=False))
     doc_ids, grams, items = (records.column(c).take(matched).to_pylist() for c in ("doc_id", "gram", "item"))
     matches = [{"row": unit["start"] + int(i), "doc_id": d, "gram": g, "item": it}
@@ -179,8 +190,10 @@ def scan_tables(scan_dir: str):
     return table_sink("scan_tables", write)
 
 
-def run_scan(units: list[dict], scan_dir: Path, ngram_file: Path | None, lengths: tuple[int, ...]) -> None:
-    """doc_scan over the units whose table is not committed yet."""
+def run_scan(units: list[dict], scan_dir: Path, ngram_file: Path | None, lengths: tuple[int, ...],
+             near: dict | None) -> None:
+    """doc_scan over the units whose table is not committed yet (with `near`, the near_dedup settings, their
+    signatures too)."""
     import ray
     import ray.data
 
@@ -188,7 +201,7 @@ def run_scan(units: list[dict], scan_dir: Path, ngram_file: Path | None, lengths
         return (scan_dir / f"{units[i]['name']}.npy").exists()
 
     actors = int(ray.cluster_resources().get("CPU", 1))
-    scanner = {"ngram_file": None if ngram_file is None else str(ngram_file), "lengths": lengths}
+    scanner = {"ngram_file": None if ngram_file is None else str(ngram_file), "lengths": lengths, "near": near}
 
     def run(todo: list[int], declared: list[int | None]) -> None:
         classes: dict[int | None, list[dict]] = {}
@@ -259,14 +272,24 @@ def duplicate_keys_files(dups_dir: str):
     return table_sink("duplicate_keys", write)
 
 
-def run_dedup(tables: list[tuple[int, str]], documents: int, dups_dir: Path) -> list[str]:
-    """doc_dedup over the buckets whose keys are not committed yet; returns every bucket's file."""
+def run_dedup(tables: list[tuple[int, str]], documents: int, dups_dir: Path, near: tuple | None = None) -> list[str]:
+    """doc_dedup over the buckets whose keys are not committed yet; returns every bucket's file. With `near`
+    (bands, threshold, SignatureFiles) the pass is doc_near_pairs: `tables` are band tables, each bucket's output
+    its similar pairs (huginn_ray/data/doc_near_dedup.py)."""
     import ray.data
 
-    buckets = bucket_bounds(max(1, -(-documents // DOCS_PER_BUCKET)))
+    if near is None:
+        count, name = max(1, -(-documents // DOCS_PER_BUCKET)), "doc_dedup"
+        estimate = int(256 * 2**20 + 48 * documents / count)  # the (hash, key) pairs, x 3 while sorting
+        find, find_args, sink = find_duplicates, {}, duplicate_keys_files(str(dups_dir))
+    else:
+        bands, threshold, signatures = near
+        count, estimate, name = near_bucket_count(documents, bands), near_bucket_memory(documents, bands), "near_pairs"
+        find, find_args = find_near_pairs, {"signatures": signatures, "threshold": threshold}
+        sink = near_pairs_files(str(dups_dir))
+    buckets = bucket_bounds(count)
     files = [dups_dir / f"{b:05d}.npy" for b in range(len(buckets))]
     cap = node_memory_cap()
-    estimate = int(256 * 2**20 + 48 * documents / len(buckets))  # the (hash, key) pairs, x 3 while sorting
 
     def run(todo: list[int], declared: list[int | None]) -> None:
         classes: dict[int | None, list[tuple[int, int, int]]] = {}
@@ -280,11 +303,11 @@ def run_dedup(tables: list[tuple[int, str]], documents: int, dups_dir: Path) -> 
             with quiet_remote_args():
                 ray.data.read_datasource(bucket_hashes(members, tables), override_num_blocks=len(members),
                                          ray_remote_args=task).map_batches(
-                    find_duplicates, batch_size=None, batch_format="pyarrow", **task).write_datasink(
-                    duplicate_keys_files(str(dups_dir)), ray_remote_args=task)
+                    find, fn_kwargs=find_args, batch_size=None, batch_format="pyarrow", **task).write_datasink(
+                    sink, ray_remote_args=task)
 
     with block_size(None):
-        rerun_killed(run, [declared_memory(estimate, cap)] * len(buckets), name="doc_dedup",
+        rerun_killed(run, [declared_memory(estimate, cap)] * len(buckets), name=name,
                      unfinished=lambda todo: [b for b in todo if not files[b].exists()])
     return [str(f) for f in files]
 
@@ -430,11 +453,43 @@ def run_rewrite(files: list[dict], duplicate_files: list[str]) -> None:
     rerun_killed(run, [None] * len(files), name="doc_filter", unfinished=lambda todo: [i for i in todo if not done(i)])
 
 
+def run_near(units: list[dict], scan_dir: Path, near_dir: Path, documents: int, near: dict,
+             exact_files: list[str]) -> tuple[Path, Path]:
+    """Near dedup after the exact one: doc_near_pairs over the units' band tables, then the components
+    (doc_near_dedup.near_drops); returns its dropped and kept keys' files."""
+    (near_dir / "pairs").mkdir(parents=True, exist_ok=True)
+    band_tables = [(unit["file"], str(scan_dir / f"{unit['name']}.bands.npy")) for unit in units]
+    pair_files = run_dedup(band_tables, documents, near_dir / "pairs",
+                           (near["bands"], near["threshold"], SignatureFiles.of(units, scan_dir)))
+    return near_drops(pair_files, exact_files, near_dir)
+
+
+def run_dedups(units: list[dict], scan_dir: Path, work: Path, files: list, dedup: str,
+               near: dict | None) -> tuple[list[str], np.ndarray, list[str], np.ndarray]:
+    """Exact dedup (and near, with `near`) over the scanned units: (the exact duplicates' key files, each staged
+    file's count of them, the near duplicates' key file, each file's count of those)."""
+    duplicate_files: list[str] = []
+    duplicates = np.zeros(len(files), np.int64)
+    near_files: list[str] = []
+    near_found = np.zeros(len(files), np.int64)
+    if dedup != "none" and files:
+        documents = sum(f["rows"] for _, f in files)
+        tables = [(unit["file"], str(scan_dir / f"{unit['name']}.npy")) for unit in units]
+        duplicate_files = run_dedup(tables, documents, work / "dups")
+        duplicates = duplicate_counts(duplicate_files, len(files))
+        if near is not None:
+            dropped_keys, _ = run_near(units, scan_dir, work / "near", documents, near, duplicate_files)
+            near_files = [str(dropped_keys)]
+            near_found = duplicate_counts(near_files, len(files))
+    return duplicate_files, duplicates, near_files, near_found
+
+
 def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Path, out_root: Path, *,
-               mode: str, ngrams: NgramSet | None, dedup: str, fingerprint: str) -> dict:
+               mode: str, ngrams: NgramSet | None, dedup: str, fingerprint: str, near: dict | None = None) -> dict:
     """Filter every source with weight > 0 into `out_root` (skipped when complete); returns the stage's marker:
     per source the staging marker's shape (`rows`, `chars`, `files`, a `fingerprint` of its own) and the counts
-    `decontaminated` ({dropped: n} or {reported: n}) and `exact_duplicates_dropped`."""
+    `decontaminated` ({dropped: n} or {reported: n}) and `exact_duplicates_dropped` (and, with dedup near and
+    `near` its settings, `near_duplicates_dropped`)."""
     layout.finish_commit(out_root)
     if layout.is_complete(out_root, fingerprint):
         marker = layout.read_marker(out_root)
@@ -450,34 +505,32 @@ def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Pa
         save_ngram_set(ngrams, work)
     units = scan_units(files, markers, staging_root)
     run_scan(units, scan_dir, work / "ngrams.npy" if ngrams is not None else None,
-             ngrams.lengths if ngrams is not None else ())
+             ngrams.lengths if ngrams is not None else (), near)
     matches: list[list[dict]] = [[] for _ in files]
     for unit in units:
         matches[unit["file"]] += json.loads((scan_dir / f"{unit['name']}.json").read_text())
     dropping = mode == "drop"
     # the scan was the counting pass: a gram common in a source stops a dropping run before any file is filtered
     guarded = guard_common_grams(ngrams, files, matches, dropping) if ngrams is not None else []
-    duplicate_files: list[str] = []
-    duplicates = np.zeros(len(files), np.int64)
-    if dedup == "exact" and files:
-        tables = [(unit["file"], str(scan_dir / f"{unit['name']}.npy")) for unit in units]
-        duplicate_files = run_dedup(tables, sum(f["rows"] for _, f in files), dups_dir)
-        duplicates = duplicate_counts(duplicate_files, len(files))
+    duplicate_files, duplicates, near_files, near_found = run_dedups(units, scan_dir, work, files, dedup, near)
     duplicates_dropped = duplicates.copy()  # a contaminated duplicate counts as contaminated only
+    near_dropped = near_found.copy()
     rewrite = []
     for i, (source, f) in enumerate(files):
         staged, out = staging_root / source.name / f["output"], work / source.name / f["output"]
         contaminated = [m["row"] for m in matches[i]] if dropping else []
         if contaminated and duplicates[i]:
             duplicates_dropped[i] -= len(np.intersect1d(duplicate_rows(duplicate_files, i), contaminated))
+        if contaminated and near_found[i]:
+            near_dropped[i] -= len(np.intersect1d(duplicate_rows(near_files, i), contaminated))
         if out.exists():
             continue
-        if contaminated or duplicates[i]:
+        if contaminated or duplicates[i] or near_found[i]:
             rewrite.append({"ordinal": i, "source": source.name, "staged": str(staged), "out": str(out),
                             "rows": f["rows"], "contaminated": contaminated})
         else:
             link_staged(staged, out)
-    run_rewrite(rewrite, duplicate_files)
+    run_rewrite(rewrite, duplicate_files + near_files)
     results = []
     for source, f in files:
         metadata = pq.read_metadata(work / source.name / f["output"]).metadata or {}
@@ -489,9 +542,12 @@ def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Pa
         if source.weight > 0:
             per_source[source.name] = {"fingerprint": layout.fingerprint([fingerprint, source.name]), "rows": 0,
                                        "chars": 0, "files": [], "documents_in": 0, "exact_duplicates_dropped": 0,
-                                       "decontaminated": {}}
-    for (source, f), found, result, dropped in zip(files, matches, results, duplicates_dropped):
+                                       "decontaminated": {}, **({"near_duplicates_dropped": 0} if near else {})}
+    for (source, f), found, result, dropped, near_count in zip(files, matches, results, duplicates_dropped,
+                                                               near_dropped):
         entry = per_source[source.name]
+        if near is not None:
+            entry["near_duplicates_dropped"] += int(near_count)
         entry["rows"] += result["rows"]
         entry["chars"] += result["chars"]
         entry["documents_in"] += f["rows"]
@@ -508,6 +564,11 @@ def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Pa
         tmp = layout.temp_path(work / REPORT)
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in report))
         layout.commit_file(tmp, work / REPORT)
+    if near_files:
+        write_near_report(near_pairs_report(Path(near_files[0]), work / "near" / "kept.npy", [
+            {"source": source.name, "input": f["input"], "staged": str(staging_root / source.name / f["output"])}
+            for source, f in files]), work / NEAR_REPORT)
+        shutil.rmtree(work / "near")
     shutil.rmtree(scan_dir)
     shutil.rmtree(dups_dir)
     marker = {"fingerprint": fingerprint, "decontaminate": mode, "dedup": dedup,
@@ -516,23 +577,5 @@ def run_filter(sources: list[Source], markers: dict[str, dict], staging_root: Pa
               "sources": per_source,
               "decontamination": None if ngrams is None else decontamination_counts(ngrams, report, guarded)}
     layout.commit_work_dir(work, out_root, marker)
-    for name, entry in per_source.items():
-        decon = entry["decontaminated"]
-        what = ", ".join(f"{n} {k}" for k, n in decon.items())
-        print(f"[filter] {name}: {entry['documents_in']} documents -> {entry['rows']} kept; decontaminated: "
-              f"{what or 'off'}; exact duplicates dropped: {entry['exact_duplicates_dropped']}"
-              f"{'' if dedup == 'exact' else ' (dedup off)'}", flush=True)
-    for c in guarded:  # mode report: listed and kept
-        print(f"[filter] WARNING: {c['gram']!r} (evaluation item {c['item']}) is in {c['documents']} of the {c['of']} "
-              f"documents of {c['source']}: common text, which mode drop refuses", flush=True)
-    if report:
-        print(f"[filter] {len(report)} documents share an n-gram with the evaluation sets: {out_root / REPORT}",
-              flush=True)
+    print_counts(per_source, report, guarded, out_root / REPORT, dedup)
     return marker
-
-
-def filter_counts(marker: dict) -> dict[str, dict]:
-    """The manifest's `document_filters`: per source `decontaminated` and `exact_duplicates_dropped`."""
-    return {name: {"decontaminated": entry["decontaminated"],
-                   "exact_duplicates_dropped": entry["exact_duplicates_dropped"]}
-            for name, entry in marker["sources"].items()}

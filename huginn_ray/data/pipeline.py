@@ -7,6 +7,7 @@ and `--stage NAME` runs one stage alone.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -23,7 +24,8 @@ from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_sou
 from huginn_ray.data.plan import build_plan
 from huginn_ray.data.decontaminate import EVAL_CACHE, DropGuard, NgramSet, build_ngram_set, eval_files
 from huginn_ray.data.dedup import duplicates_found, find_val_duplicates, sorted_unique, validation_hashes
-from huginn_ray.data.doc_filter import filter_counts, filter_fingerprint, run_filter
+from huginn_ray.data.doc_filter import filter_fingerprint, run_filter
+from huginn_ray.data.filter_counts import filter_counts
 from huginn_ray.data.execution import original_error
 from huginn_ray.data.per_file import per_file_method
 from huginn_ray.data.shard_build import per_file_shards, run_shuffle, shard_work_id, write_shards
@@ -167,7 +169,12 @@ def eval_ngrams(cfg: DataConfig, fetch: bool = True) -> NgramSet | None:
 def expected_filter_fingerprint(cfg: DataConfig, sources: list[Source], markers: dict[str, dict],
                                 ngrams: NgramSet | None) -> str:
     return filter_fingerprint(sources, markers, cfg.decontaminate.mode, cfg.decontaminate.ngram,
-                              ngrams.digest if ngrams else None, cfg.dedup)
+                              ngrams.digest if ngrams else None, cfg.dedup, near_settings(cfg))
+
+
+def near_settings(cfg: DataConfig) -> dict | None:
+    """The near_dedup settings the filter stage runs with (None unless dedup is near)."""
+    return dataclasses.asdict(cfg.near_dedup) if cfg.dedup == "near" else None
 
 
 def run_stage_filter(cfg: DataConfig, sources: list[Source], ngrams: NgramSet | None = None) -> dict:
@@ -177,7 +184,7 @@ def run_stage_filter(cfg: DataConfig, sources: list[Source], ngrams: NgramSet | 
         return {}
     markers = staging_markers(cfg, sources)
     return run_filter(sources, markers, cfg.root / "staging", cfg.root / "filtered", mode=cfg.decontaminate.mode,
-                      ngrams=ngrams, dedup=cfg.dedup,
+                      ngrams=ngrams, dedup=cfg.dedup, near=near_settings(cfg),
                       fingerprint=expected_filter_fingerprint(cfg, sources, markers, ngrams))
 
 

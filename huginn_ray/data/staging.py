@@ -20,20 +20,27 @@ Each file is committed on its own (temp name, fsync, rename; its counts in the p
 crash keeps the staged files of the interrupted run (the `.partial` directory is keyed by the source's input
 fingerprint; their counts are read back from their footers on the driver) and stages only the rest. A killed
 worker: the files not yet committed run again with twice the memory (execution.rerun_killed). A source's
-directory is renamed to `staging/<source>/` with its marker when the dataset has staged all files.
+directory is renamed to `staging/<source>/` with its marker as soon as its own files are staged: the dataset runs
+on a thread while the driver looks for finished sources every POLL_S seconds (and once more when it ends, also
+when it failed), so a failure in one source does not make a rerun stage a finished one again.
 """
 
 from __future__ import annotations
 
 import collections
 import fnmatch
+import functools
 import json
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
@@ -46,6 +53,8 @@ STAGING_SCHEMA = pa.schema([("text", pa.large_string()), ("source", pa.string())
 FORMAT_VERSION = 2  # bump when formatting rules change, so staged data is rebuilt (2: record counts and
                     # quarantine; pretraining chat documents staged as parts)
 STATS_KEY = b"huginn_ray.staging"  # a staged file's row and character counts, in its parquet footer
+POLL_S = 1.0
+"""How often the driver looks for sources whose files are all staged, to commit them while the others run."""
 
 
 def list_local_files(source: Source) -> list[Path]:
@@ -91,7 +100,7 @@ def stage_sources(inputs: list[tuple[Source, list[Path]]], staging_root: Path) -
     """Stage every source whose output is not complete, all in one Ray Data dataset; returns {name: marker}.
 
     `inputs` holds each source with its sorted input files. A source's marker is written, and its directory
-    renamed into place, once all of its files are staged."""
+    renamed into place, as soon as all of its files are staged (while the dataset runs the other sources')."""
     markers: dict[str, dict] = {}
     todo, files = [], []
     for source, paths in inputs:
@@ -117,33 +126,77 @@ def stage_sources(inputs: list[tuple[Source, list[Path]]], staging_root: Path) -
     for i, f in enumerate(files):  # committed by an earlier, interrupted run: kept, counts from their footers
         if Path(f["output"]).exists():
             results[i] = staged_file_stats(Path(f["output"]))
-    run_staging(files, [i for i in range(len(files)) if i not in results], results)
+    pending = [i for i in range(len(files)) if i not in results]
+    committed: dict[str, dict] = {}
 
-    for task in todo:
-        source, count = task["source"], len(task["paths"])
-        stats = [results[task["first"] + i] for i in range(count)]
-        rows = sum(r["rows"] for r in stats)
-        quarantined = collections.Counter()
-        for r in stats:
-            quarantined.update(r["quarantined"])
-        records = {"read": sum(r["read"] for r in stats), "kept": rows,
-                   "quarantined": dict(sorted(quarantined.items())),
-                   "dropped": {"empty": sum(r["empty"] for r in stats)},
-                   "first_bad": next((r["first_bad"] for r in stats if r["first_bad"]), None)}
-        check_bad_records(source, records)
-        marker = {
-            "source": source.name, "fingerprint": task["fingerprint"],
-            "fingerprint_inputs": task["fingerprint_inputs"], "rows": rows,
-            "chars": sum(r["chars"] for r in stats), "records": records,
-            "files": [{"input": str(p), "output": f"{i:05d}.parquet", "rows": r["rows"], "max_chars": r["max_chars"]}
-                      for i, (p, r) in enumerate(zip(task["paths"], stats))],
-        }
-        layout.commit_work_dir(task["work"], task["final"], marker)
-        markers[source.name] = marker
-        note = "  WARNING: no rows" if rows == 0 else ""
-        print(f"[staging] {source.name}: {count} files -> {rows} documents{note}; "
-              f"{records_line(records, task['quarantine'])}", flush=True)
+    def commit_finished() -> None:
+        """Commit every source whose files are all staged (counts from their footers for those the dataset has not
+        reported yet)."""
+        for task in todo:
+            own = range(task["first"], task["first"] + len(task["paths"]))
+            if task["source"].name not in committed and all(Path(files[i]["output"]).exists() for i in own):
+                stats = [results.get(i) or staged_file_stats(Path(files[i]["output"])) for i in own]
+                committed[task["source"].name] = commit_source(task, stats)
+
+    while_running(functools.partial(run_staging, files, pending, results), commit_finished)
+    markers.update({task["source"].name: committed[task["source"].name] for task in todo})
     return markers
+
+
+def while_running(run: Callable[[], None], poll: Callable[[], None]) -> None:
+    """run() on a thread while poll() runs every POLL_S seconds, and once more when run() ends (also when it
+    failed, so that what finished is kept); an error of either is raised once run() has ended."""
+    failed: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            run()
+        except BaseException as err:  # raised on the caller's thread below
+            failed.append(err)
+
+    thread = threading.Thread(target=target, name="staging", daemon=True)
+    thread.start()
+    polled: BaseException | None = None
+    running = True
+    while running:
+        thread.join(POLL_S)
+        running = thread.is_alive()
+        if polled is None:
+            try:
+                poll()
+            except Exception as err:  # a source over its bad-record limit: raised when the dataset has stopped
+                polled = err
+    if failed:
+        raise failed[0]
+    if polled is not None:
+        raise polled
+
+
+def commit_source(task: dict, stats: list[dict]) -> dict:
+    """A staged source's marker, from its files' counts (its bad records checked against its limit), committed
+    with its directory; returns the marker."""
+    source, count = task["source"], len(task["paths"])
+    rows = sum(r["rows"] for r in stats)
+    quarantined = collections.Counter()
+    for r in stats:
+        quarantined.update(r["quarantined"])
+    records = {"read": sum(r["read"] for r in stats), "kept": rows,
+               "quarantined": dict(sorted(quarantined.items())),
+               "dropped": {"empty": sum(r["empty"] for r in stats)},
+               "first_bad": next((r["first_bad"] for r in stats if r["first_bad"]), None)}
+    check_bad_records(source, records)
+    marker = {
+        "source": source.name, "fingerprint": task["fingerprint"],
+        "fingerprint_inputs": task["fingerprint_inputs"], "rows": rows,
+        "chars": sum(r["chars"] for r in stats), "records": records,
+        "files": [{"input": str(p), "output": f"{i:05d}.parquet", "rows": r["rows"], "max_chars": r["max_chars"]}
+                  for i, (p, r) in enumerate(zip(task["paths"], stats))],
+    }
+    layout.commit_work_dir(task["work"], task["final"], marker)
+    note = "  WARNING: no rows" if rows == 0 else ""
+    print(f"[staging] {source.name}: {count} files -> {rows} documents{note}; "
+          f"{records_line(records, task['quarantine'])}", flush=True)
+    return marker
 
 
 def staged_file_stats(path: Path) -> dict:
@@ -227,21 +280,23 @@ def staging_inputs(files: list[dict], todo: list[int]):
                       files=lambda i: [files[i]["path"]])
 
 
-def runs(keys: list) -> list[tuple[int, int]]:
-    """(start, end) of each run of equal consecutive keys."""
-    bounds = [0] + [i for i in range(1, len(keys)) if keys[i] != keys[i - 1]] + [len(keys)]
+def runs(table: pa.Table) -> list[tuple[int, int]]:
+    """(start, end) of each run of records of one (file, batch)."""
+    file_col, batch_col = table.column("file").to_numpy(), table.column("batch").to_numpy()
+    change = np.flatnonzero((file_col[1:] != file_col[:-1]) | (batch_col[1:] != batch_col[:-1])) + 1
+    bounds = [0, *change.tolist(), table.num_rows]
     return list(zip(bounds[:-1], bounds[1:]))
 
 
 def format_records(table: pa.Table, files: list[dict]) -> pa.Table:
     """The stage's map: each input record's document or bad record (FORMATTED_COLUMNS), formatted by
     huginn_ray/data/formatting.py. It holds no state worth loading once, so it is a plain function on tasks."""
-    file_col, batch_col = table.column("file").to_pylist(), table.column("batch").to_pylist()
+    file_col = table.column("file").to_pylist()
     numbers, records = table.column("number").to_pylist(), table.column("record").to_pylist()
     lists = table.column("message_lists").to_pylist()
     texts: list[str | None] = []
     bad: list[str | None] = []
-    for start, end in runs(list(zip(file_col, batch_col))):
+    for start, end in runs(table):
         if numbers[start] == 0:  # a file's end, without records
             texts.append(None)
             bad.append(None)
@@ -271,7 +326,9 @@ def bad_record(entry: dict) -> BadRecord:
 
 class StagedFile:
     """One input file's staged parquet (under a temp name until committed) and quarantine file, written batch by
-    batch from its formatted records: one row group per batch that has documents, `doc_id` = index * 2^32 + row."""
+    batch from its formatted records: one row group per batch that has documents, `doc_id` = index * 2^32 + row.
+    The documents stay Arrow arrays from the map's records to the parquet writer (no Python string per document:
+    that conversion and back cost the writer a third of its time)."""
 
     def __init__(self, unit: dict):
         self.unit, self.source = unit, unit["source"]
@@ -282,19 +339,19 @@ class StagedFile:
         self.bad: list[BadRecord] = []
         self.batch, self.texts = 0, []
 
-    def add(self, batch: int, number: int, text: str | None, bad: str | None) -> None:
+    def add(self, batch: int, records: pa.Table) -> None:
+        """Consecutive formatted records of one batch (FORMATTED_COLUMNS)."""
         if batch != self.batch:
             self.flush()
             self.batch = batch
-        if number == 0:  # the end of a file without records
+        if records.column("number")[0].as_py() == 0:  # the end of a file without records
             return
-        self.read += 1
-        if bad is not None:
-            self.bad.append(bad_record(json.loads(bad)))
-        elif text:
-            self.texts.append(text)
-        else:
-            self.empty += 1
+        self.read += records.num_rows
+        self.bad += [bad_record(json.loads(b)) for b in pc.drop_null(records.column("bad")).to_pylist()]
+        texts = records.column("text").combine_chunks()
+        lengths = pc.fill_null(pc.utf8_length(texts), -1)  # null: a bad record
+        self.empty += int(pc.sum(pc.equal(lengths, 0)).as_py() or 0)
+        self.texts.append(texts.filter(pc.greater(lengths, 0)))
 
     def flush(self) -> None:
         """Write the batch's documents as one row group. More bad records than `max_bad_records` allows as a count
@@ -302,18 +359,20 @@ class StagedFile:
         limit = self.source.max_bad_records
         if is_count(limit) and len(self.bad) > limit:  # broken within this file
             raise DataError(bad_record_error(self.source, self.bad[int(limit)]))
-        texts, self.texts = self.texts, []
-        if not texts:
+        texts = pa.concat_arrays(self.texts) if self.texts else pa.array([], pa.large_string())
+        self.texts = []
+        if not len(texts):
             return
         first = (self.unit["index"] << 32) + self.rows
         self.writer.write_table(pa.table({
-            "text": pa.array(texts, pa.large_string()),
+            "text": texts.cast(pa.large_string()),
             "source": pa.array([self.source.name] * len(texts), pa.string()),
-            "doc_id": pa.array(range(first, first + len(texts)), pa.int64()),
-        }))
+            "doc_id": pa.array(np.arange(first, first + len(texts)), pa.int64()),
+        }, schema=STAGING_SCHEMA))
+        lengths = pc.utf8_length(texts)
         self.rows += len(texts)
-        self.chars += sum(len(t) for t in texts)
-        self.max_chars = max(self.max_chars, max(len(t) for t in texts))
+        self.chars += int(pc.sum(lengths).as_py())
+        self.max_chars = max(self.max_chars, int(pc.max(lengths).as_py()))
 
     def commit(self) -> dict:
         """Finish the file and commit its quarantine file (first) and its staged parquet; returns its counts."""
@@ -343,19 +402,18 @@ def staging_outputs(files: list[dict]):
     def write(tables) -> dict[int, dict]:
         done, staged, current, expected = {}, None, None, 0
         for table in tables:
-            file_col, batches = table.column("file").to_pylist(), table.column("batch").to_pylist()
-            ordinals, numbers = table.column("ordinal").to_pylist(), table.column("number").to_pylist()
-            texts, bad = table.column("text").to_pylist(), table.column("bad").to_pylist()
-            last = table.column("last").to_pylist()
-            for row in range(table.num_rows):
+            file_col, batches = table.column("file").to_numpy(), table.column("batch").to_numpy()
+            ordinals, last = table.column("ordinal").to_numpy(), table.column("last").to_numpy(zero_copy_only=False)
+            for start, end in runs(table):  # one file's records of one batch
                 if staged is None:
-                    current, expected, staged = file_col[row], 0, StagedFile(files[file_col[row]])
-                if file_col[row] != current or ordinals[row] != expected:  # never when the operators fuse
-                    raise RuntimeError(f"staging: a write received part of {files[file_col[row]]['path']}, "
+                    current, expected, staged = int(file_col[start]), 0, StagedFile(files[file_col[start]])
+                if file_col[start] != current or (ordinals[start:end] != np.arange(expected, expected + end - start)
+                                                  ).any():  # never when the operators fuse
+                    raise RuntimeError(f"staging: a write received part of {files[file_col[start]]['path']}, "
                                        "not all of its records in order (read, map and write must fuse)")
-                expected += 1
-                staged.add(batches[row], numbers[row], texts[row], bad[row])
-                if last[row]:
+                expected += end - start
+                staged.add(int(batches[start]), table.slice(start, end - start))
+                if last[end - 1]:
                     done[current] = staged.commit()
                     staged = None
         if staged is not None:
