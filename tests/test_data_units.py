@@ -742,6 +742,14 @@ def test_plan_counts_the_filter_stage_bytes_tasks_memory_and_ngram_set_exactly(t
     assert report["filter"]["rewritten_bytes"] == report["filter"]["duplicate_key_bytes"] == 0
     assert report["io_bytes"]["filter"] == {"read": 36864, "written": int(tables + ngram_file)}
     assert "dedup_task" not in report["memory_per_task_bytes"] and report["counts"]["dedup_tasks"] == 0
+    near = plan("dedup=near")  # exact then near: the exact buckets as above, and the signatures' buckets
+    from huginn_ray.data.doc_near_dedup import near_dedup_plan
+    signatures = near_dedup_plan(18, 3, bands=14, rows=8)
+    assert near["filter"]["near_signature_bytes"] == signatures.scan_bytes_written == 672 * 18 + 2 * 128 * 3
+    assert near["counts"]["near_pairs_tasks"] == signatures.buckets == 1 and near["counts"]["dedup_tasks"] == 1
+    assert near["memory_per_task_bytes"]["near_pairs_task"] == signatures.bucket_task_memory
+    assert near["counts"]["ray_tasks"] == p["counts"]["ray_tasks"] + 1
+    assert near["disk_after_stage_bytes"]["filter"] == disk["filter"] + signatures.scan_bytes_written
     off = plan("decontaminate.mode=none", "dedup=none")
     assert off["filter"] is None and "filter" not in off["io_bytes"] and "filter" not in off["disk_after_stage_bytes"]
     assert off["counts"]["ray_tasks"] == p["counts"]["ray_tasks"] - (1 + 1 + 3)

@@ -23,21 +23,17 @@ Estimates, all per split-less total (train + validation together):
   per rank, hard-linked or converted; a validation split is planned as shuffled when `drop_val_duplicates` is on,
   since which of its files lose rows is known only after the duplicate search);
 - the filter stage (`decontaminate` / `dedup` on; huginn_ray/data/doc_filter.py), `filter` in the plan: the
-  staged documents and bytes it scans, its scan units and reads (doc_filter's own rule, `scan_units` and
-  `scan_reads`, applied to each staged file's estimated documents: a file of more than a unit's documents or
-  characters is several units, consecutive small units share one read), its dedup buckets, and the evaluation
-  n-gram set (grams; bytes as the `ngrams.npy` file and in each `ScanDocuments` actor, which loads it once; built on
-  the driver before any stage, from the `ngrams` given, which `--plan` builds only when no Hub evaluation set has to
-  be fetched). Its bytes: `doc_scan` reads the staged files (S) and writes 16 B per document of hash tables (+ an
-  npy header per scan unit); `doc_dedup` reads those tables and writes at most
-  8 B per document (its duplicates' keys); `doc_filter` reads the duplicate keys and rewrites every file that loses a
-  document: planned as every file (S read, S written), the upper bound a run reaches when duplicates or matches
-  are spread over all files (a file that loses none is a hard link: no byte); nothing is rewritten with
-  `mode: report` and `dedup: none`;
+  staged documents and bytes it scans, its scan units and reads (doc_filter's `scan_units` and `scan_reads` over
+  each staged file's estimated documents), its dedup buckets, the evaluation n-gram set (grams; bytes as
+  `ngrams.npy` and in each `ScanDocuments` actor; built only when no Hub evaluation set has to be fetched) and,
+  with `dedup: near`, its signatures, band buckets and their tasks' memory (doc_near_dedup.near_dedup_plan).
+  Bytes: `doc_scan` reads the staged files (S) and writes 16 B per document of hash tables (+ an npy header per
+  scan unit); `doc_dedup` writes at most 8 B per document (its duplicates' keys); `doc_filter` rewrites every
+  file that loses a document: planned as every file (S read, S written), the upper bound (a file that loses none
+  is a hard link); nothing is rewritten with `mode: report` and `dedup: none`;
 - the pack stage's batches (tokenize_pack's rule applied to each staged file's estimated documents: its runs of
   `docs_per_pack_batch`, one packed file each) and its read tasks (`read_units`: consecutive batches grouped);
-- memory per task: the `memory=` the stages declare (tokenize_pack.py; shuffle.map_task_memory and
-  reduce_task_memory; doc_filter.py's dedup tasks), for the largest task of each kind;
+- memory per task: the `memory=` the stages declare (tokenize_pack, shuffle, doc_filter), the largest of each kind;
 - time: input volumes over the throughputs of THROUGHPUT (BENCHMARKS.md figures where measured, marked assumed
   where not), at the CPUs of `local_ray.num_cpus` (or this machine's).
 
@@ -62,6 +58,7 @@ from huginn_ray.data import layout
 from huginn_ray.data.config import DataConfig
 from huginn_ray.data.decontaminate import NgramSet
 from huginn_ray.data.doc_filter import DOCS_PER_BUCKET, scan_reads, scan_units
+from huginn_ray.data.doc_near_dedup import NearDedupPlan, near_dedup_plan
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.plan_sources import (DEFAULTS, EMPTY, TEXT_PER_INPUT_BYTE, Ratios, hub_listings, input_files,
                                           mean_ratios, packed_splits, plan_tokenizer, planned, sample_source)
@@ -74,8 +71,8 @@ THROUGHPUT = {
     "download_bytes_per_s": (100e6, "assumed: 100 MB/s aggregate from the Hub"),
     "staging_text_bytes_per_s_per_cpu": (20e6, "measured, BENCHMARKS.md: 20-24 MiB/s of text per task (Arrow's JSON "
                                                 "reader, web and math text)"),
-    "pack_tokens_per_s_per_cpu": (750e3, "measured, BENCHMARKS.md: 4k vocabulary on code, 1 CPU"),
-    "shuffle_bytes_per_s_per_cpu": (11e6, "measured, BENCHMARKS.md: ~22 MiB/s of packed bytes on 2 CPUs"),
+    "pack_tokens_per_s_per_cpu": (750e3, "assumed: no figure in BENCHMARKS.md's present tables"),
+    "shuffle_bytes_per_s_per_cpu": (11e6, "assumed: no figure in BENCHMARKS.md's present tables"),
     "filter_scan_text_bytes_per_s_per_cpu": (14.7 * 2**20, "measured, BENCHMARKS.md: bench/doc_filter.py, the n-gram "
                                                            "check 334 us per 750-word document, one core"),
     "filter_hash_text_bytes_per_s_per_cpu": (689 * 2**20, "measured, BENCHMARKS.md: bench/doc_filter.py, content "
@@ -201,6 +198,7 @@ class _FilterStage:
     duplicate_keys: float
     rewritten: float
     ngram_file: float
+    near: NearDedupPlan | None  # dedup near only
 
 
 def _source_entries(cfg: DataConfig, sources: list[Source], inputs: dict, tokenizer, row_len: int,
@@ -333,16 +331,19 @@ def _filter_stage(cfg: DataConfig, volumes: _Volumes, ngrams: NgramSet | None, a
     """The filter stage's units and bytes: its scan units and reads, dedup buckets, hash tables, duplicate keys,
     rewritten files and n-gram file."""
     filtering = not all_packed and (cfg.decontaminate.mode != "none" or cfg.dedup != "none")
-    buckets = max(1, math.ceil(volumes.documents / DOCS_PER_BUCKET)) if filtering and cfg.dedup == "exact" else 0
+    buckets = max(1, math.ceil(volumes.documents / DOCS_PER_BUCKET)) if filtering and cfg.dedup != "none" else 0
     scan_unit_count, scan_read_count = _scan_work(volumes.scanned) if filtering else (0, 0)
+    near = cfg.near_dedup
     return _FilterStage(
         filtering=filtering, buckets=buckets, scan_units=scan_unit_count, scan_reads=scan_read_count,
         # doc_scan: (hash, row) per document; doc_dedup: at most every document
         hash_tables=16 * volumes.documents + NPY_HEADER * scan_unit_count if filtering else 0.0,
         duplicate_keys=8 * volumes.documents + NPY_HEADER * buckets if buckets else 0.0,
-        rewritten=(volumes.staged_bytes if filtering and (cfg.decontaminate.mode == "drop" or cfg.dedup == "exact")
+        rewritten=(volumes.staged_bytes if filtering and (cfg.decontaminate.mode == "drop" or cfg.dedup != "none")
                    else 0.0),
-        ngram_file=16 * len(ngrams.hashes) + NPY_HEADER if filtering and ngrams is not None else 0.0)
+        ngram_file=16 * len(ngrams.hashes) + NPY_HEADER if filtering and ngrams is not None else 0.0,
+        near=(near_dedup_plan(int(volumes.documents), scan_unit_count, near.bands, near.rows)
+              if filtering and cfg.dedup == "near" else None))
 
 
 def _disk_after_stages(cfg: DataConfig, hub_bytes: int, volumes: _Volumes, filters: _FilterStage,
@@ -352,7 +353,7 @@ def _disk_after_stages(cfg: DataConfig, hub_bytes: int, volumes: _Volumes, filte
     disk["staging"] = disk["download"] + volumes.staged_bytes
     if filters.filtering:  # the filtered files stay; the hash tables and duplicate keys until the stage commits
         disk["filter"] = (disk["staging"] + filters.rewritten + filters.ngram_file + filters.hash_tables
-                          + filters.duplicate_keys)
+                          + filters.duplicate_keys + (filters.near.scan_bytes_written if filters.near else 0))
     disk["pack"] = disk["staging"] + filters.rewritten + filters.ngram_file + volumes.packed_file_bytes
     disk["shuffle"] = (disk["pack"] + shards.map_bytes
                        + 8 * (cfg.num_shards + 1) * len(shards.shuffled) * shards.map_tasks
@@ -412,6 +413,8 @@ def _memory_per_task(cfg: DataConfig, volumes: _Volumes, filters: _FilterStage, 
     }
     if filters.buckets:  # doc_filter.run_filter's declaration
         memory["dedup_task"] = int(256 * 2**20 + 48 * volumes.documents / filters.buckets)
+    if filters.near:
+        memory["near_pairs_task"] = filters.near.bucket_task_memory
     return memory
 
 
@@ -436,12 +439,13 @@ def _counts(cfg: DataConfig, entries: list[dict], volumes: _Volumes, filters: _F
         "shard_files": 2 * cfg.num_shards,
         "ray_tasks": int(sum(e["files"] for e in entries) + dedup_tasks + pack_reads + shards.map_tasks
                          + sum(shards.reducers.values()) + per_file_tasks
-                         + (filters.scan_reads + filters.buckets + staged_files if filters.filtering else 0)),
+                         + (filters.scan_reads + filters.buckets + staged_files if filters.filtering else 0)
+                         + (filters.near.buckets if filters.near else 0)),
     }
     if filters.filtering:  # doc_scan: one read (and actor call) per group of scan units; doc_dedup: one task per
         # bucket; doc_filter: one per staged file (the bound: a file that loses no document is linked, no task)
         counts.update(scan_units=filters.scan_units, scan_tasks=filters.scan_reads, dedup_tasks=filters.buckets,
-                      filter_tasks=staged_files)
+                      filter_tasks=staged_files, **({"near_pairs_tasks": filters.near.buckets} if filters.near else {}))
     return counts
 
 
@@ -455,6 +459,7 @@ def _filter_report(cfg: DataConfig, volumes: _Volumes, filters: _FilterStage, ng
         "documents": int(volumes.documents), "staged_bytes": int(volumes.staged_bytes),
         "rewritten_bytes": int(filters.rewritten), "hash_table_bytes": int(filters.hash_tables),
         "duplicate_key_bytes": int(filters.duplicate_keys),
+        **({"near_signature_bytes": filters.near.scan_bytes_written} if filters.near else {}),
         "ngram_set": None if cfg.decontaminate.mode == "none" else {
             "built_on": "driver, before any stage (pipeline.eval_ngrams); saved as ngrams.npy in the filter "
                         "stage's directory, loaded from it once by each ScanDocuments actor",
