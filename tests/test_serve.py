@@ -3,9 +3,8 @@
 One server with two replicas (its own private local Ray, as a user starts it, with an API key) answers 9
 concurrent clients (completions and chat, streamed and not, through plain HTTP and the `openai` client, each with
 the key) each exactly as `generate` answers that request alone at batch size 1, spreading them over both replicas
-as its /stats counts them; answers 401 to every route without the key or with a wrong one; answers a request whose
-engine step fails (a seed torch cannot take) with 500 naming the failure, streamed with an error event, and counts
-it in /stats; refuses bad requests with HTTP 400 naming the field; frees the slot of a client that disconnects
+as its /stats counts them; answers 401 to every route without the key or with a wrong one; refuses bad requests
+with HTTP 400 naming the field; frees the slot of a client that disconnects
 mid-stream; drops from
 /stats a replica whose process is killed, and answers /stats with 503 and then the same counts after its stats
 board's process is killed; and stops on SIGINT with exit 0, leaving no process behind. Beside it, without Ray:
@@ -276,23 +275,11 @@ def test_serve_spreads_concurrent_clients_over_replicas_answers_as_alone_and_sto
             OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
         assert len(client.models.list().data) == 1
 
-        # a request the engine's step fails on (a seed torch's generator cannot take, beyond 64 bits) is answered:
-        # 500 naming the failure, streamed as an error event before [DONE]; both count as failed in /stats
-        too_large = dict(prompt="def", max_tokens=2, num_steps=2, seed=2**64)
-        status, got, _ = post(port, "completions", too_large)
-        assert status == 500 and got["error"]["type"] == "internal_server_error", got
-        assert got["error"]["message"].startswith("the engine's step failed: ") and "Overflow" in got["error"]["message"]
-        status, got, _ = post(port, "completions", dict(too_large, stream=True))
-        assert status == 200 and [chunk["error"]["message"] for chunk in got] == [got[0]["error"]["message"]], got
-        assert got[0]["error"]["message"].startswith("the engine's step failed: "), got
-        served = stats_when(port, lambda served: served["total"]["requests_failed"] == 2)["total"]
-        assert (served["requests_failed"], served["requests_finished"], served["rows_in_flight"]) == (
-            2, len(REQUESTS) + 2, 0), served
-
         # bad requests: 400 with OpenAI's error object naming the field
         for route, body, param in [
             ("completions", dict(prompt="x", exit_criterion="wisdom"), "exit_criterion"),
             ("completions", dict(prompt="x", max_tokens=300), "max_tokens"),
+            ("completions", dict(prompt="x", seed=2**64), "seed"),  # beyond what a torch generator takes
             ("completions", dict(prompt="x", num_steps="4"), "num_steps"),
             ("completions", dict(prompt=""), "prompt"),
             ("chat/completions", dict(messages=[{"role": "robot", "content": "hi"}]), "messages"),

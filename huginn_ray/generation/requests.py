@@ -97,6 +97,8 @@ class Request:
         if self.top_p is not None:
             number("top_p", 0, 1, low_open=True)
         integer("seed", 0)
+        if self.seed >= 2**64:  # a torch generator takes 64 bits: the step that draws from it would raise
+            raise ValueError(f"seed must be below 2**64, got {self.seed!r}")
         if not isinstance(self.stop_token_ids, (tuple, list)):
             raise ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
         for token in self.stop_token_ids:
