@@ -2,7 +2,7 @@
 
     python jobs/serve.py --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--replicas N] [--tokenizer DIR]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--max-rows 32] [--max-cache-gib 4] [--exit-wait-steps 0]
-        [--admit-rows 1] [--model-name NAME] [--api-key KEY]
+        [--admit-rows 1] [--[no-]cuda-graphs] [--model-name NAME] [--api-key KEY]
 
 DIR is a model directory, a training checkpoint, or a training out_dir (newest checkpoint); the tokenizer defaults
 to one stored beside the model. Each replica loads the model once (on one GPU with --device cuda, the default when
@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admit-rows", type=int, default=1,
                         help="free rows an engine waits for before admitting queued requests together "
                              "(EngineConfig.admit_rows: throughput for time to first token)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
+                        help="replay each kind of decode step as a captured CUDA graph (EngineConfig.cuda_graphs; "
+                             "default: on with --device cuda, off on the CPU)")
     parser.add_argument("--model-name", help="the model's name in the API (default: the directory's name)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                         help=f"every request must send `Authorization: Bearer KEY` (default: ${API_KEY_ENV}; the "
@@ -113,6 +116,8 @@ def plan(args) -> "ServeSettings":  # noqa: F821
     engine = engine_config(args)
     # the driver of a remote cluster may have no GPU itself: its replicas do
     placement = inference_placement(args.device, args.dtype, check_present=not os.environ.get("RAY_ADDRESS"))
+    if args.cuda_graphs and placement.device.type != "cuda":
+        raise ValueError(f"--cuda-graphs needs --device cuda, not {placement.device.type}")
     model_dir = resolve_model_dir(args.checkpoint).resolve()
     tokenizer_dir = args.tokenizer or find_tokenizer(model_dir)
     if tokenizer_dir is None:
@@ -123,6 +128,7 @@ def plan(args) -> "ServeSettings":  # noqa: F821
     return ServeSettings(model_dir=str(model_dir), tokenizer_dir=os.path.abspath(tokenizer_dir), model_name=name,
                          device=placement.device.type, dtype=placement.dtype_name, engine=engine,
                          api_key=args.api_key)
+
 
 ENGINE_OPTIONS = {"max_rows": "--max-rows", "max_cache_bytes": "--max-cache-gib",
                   "exit_wait_steps": "--exit-wait-steps", "admit_rows": "--admit-rows"}
@@ -135,7 +141,7 @@ def engine_config(args) -> EngineConfig:
     gib = args.max_cache_gib
     try:  # a GiB count that is not finite reaches EngineConfig as it is, which refuses it as not an integer
         return EngineConfig(args.max_rows, int(gib * 2**30) if math.isfinite(gib) else gib, args.exit_wait_steps,
-                            args.admit_rows)
+                            args.admit_rows, args.cuda_graphs)
     except ValueError as err:
         message = str(err)
         field = min((message.find(name), name) for name in ENGINE_OPTIONS if name in message)[1]

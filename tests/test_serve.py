@@ -478,3 +478,19 @@ def test_engine_loop_reports_while_idle_and_counts_the_requests_a_failed_step_dr
         assert reports[-1] == dict(idle, requests_finished=2, requests_failed=2, tokens=5, loop_steps=8)
     finally:
         loop.stop()
+
+
+def test_cuda_graphs_off_a_cuda_device_are_refused_before_ray_starts(checkpoint, capsys):
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_job", REPO / "jobs" / "serve.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    assert job.main(["--checkpoint", str(checkpoint), "--device", "cpu", "--cuda-graphs"]) == 2
+    assert capsys.readouterr().err == "error: --cuda-graphs needs --device cuda, not cpu\n"
+    settings = job.plan(argparse.Namespace(checkpoint=str(checkpoint), tokenizer=None, host="127.0.0.1", port=8000, replicas=1,
+                                           device="cpu", dtype=None, max_rows=4, max_cache_gib=1.0,
+                                           exit_wait_steps=0, admit_rows=1, cuda_graphs=False, model_name=None,
+                                           api_key=None))
+    assert settings.engine.cuda_graphs is False  # --no-cuda-graphs reaches every replica's engine
