@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rows", type=int, default=32, help="sequences each engine advances at once")
     parser.add_argument("--max-cache-gib", type=float, default=4.0, help="key/value cache each engine may reserve")
     parser.add_argument("--exit-wait-steps", type=int, default=0,
-                        help="loop steps an exited sequence may wait to share its coda/head/prelude call with others "
-                             "(EngineConfig.exit_wait_steps: throughput for latency)")
+                        help="decode steps between two finishes (coda, head, sampling, next prelude) over the slots "
+                             "whose forwards ended (EngineConfig.exit_wait_steps: throughput for latency)")
     parser.add_argument("--admit-rows", type=int, default=1,
                         help="free rows an engine waits for before admitting queued requests together "
                              "(EngineConfig.admit_rows: throughput for time to first token)")

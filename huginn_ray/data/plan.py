@@ -57,7 +57,8 @@ import pyarrow.parquet as pq
 from huginn_ray.data import layout
 from huginn_ray.data.config import DataConfig
 from huginn_ray.data.decontaminate import NgramSet
-from huginn_ray.data.doc_filter import DOCS_PER_BUCKET, scan_reads, scan_units
+from huginn_ray.data.doc_dedup import DOCS_PER_BUCKET
+from huginn_ray.data.doc_filter import scan_reads, scan_units
 from huginn_ray.data.doc_near_dedup import NearDedupPlan, near_dedup_plan
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.plan_sources import (DEFAULTS, EMPTY, TEXT_PER_INPUT_BYTE, Ratios, hub_listings, input_files,
@@ -79,7 +80,6 @@ THROUGHPUT = {
                                                           "hash alone (dedup without decontamination)"),
 }
 """Rates the time estimate uses, with where each figure comes from."""
-
 
 PLAN_FORMAT = 4
 """The layout of a plan; plans cached under another layout are not read."""
