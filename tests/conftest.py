@@ -4,6 +4,12 @@ MUST_RUN lists, in one place, the tests that may skip on a developer's machine (
 must never skip in CI: under CI=true a skip of any of them is reported as a failure, with the skip's reason.
 An entry is a test file (every test in it) or a file::test id; an entry that matches no collected test of a
 collected file is an error, so the list cannot silently go stale when a test is renamed.
+
+ONE_AT_A_TIME lists the test files that start Ray, Ray Serve or an MLflow server, or listen on fixed ports: `make
+test` runs two pytest-xdist workers (`--dist loadgroup`), and these files run one after another on one of them
+(xdist group "ray": two Ray instances in one network namespace would contend for Ray's fixed default ports, and
+two of them at once do not fit the 2-core machine's memory), while every other file runs whole on whichever worker
+is free (its module fixtures built once).
 """
 
 from __future__ import annotations
@@ -25,13 +31,18 @@ MUST_RUN = (
     "tests/test_serve.py",
 )
 
+ONE_AT_A_TIME = frozenset(f"tests/test_{name}.py" for name in (
+    "cluster_env", "cluster_launcher", "cluster_sbatch", "data_decontaminate", "data_hub_download",
+    "data_job_submit", "data_pipeline", "data_released", "eval_depth", "eval_gsm8k", "eval_lm_eval",
+    "local_ray_auth", "serve", "train_multinode", "train_ray", "train_tracking"))
+
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("true", "1")
 
 
 def must_run(nodeid: str) -> bool:
-    base = nodeid.split("[", 1)[0]
+    base = nodeid.split("@", 1)[0].split("[", 1)[0]  # without xdist's "@group" and the parameters
     return any(base == entry or base.startswith(entry + "::") for entry in MUST_RUN)
 
 
@@ -43,6 +54,8 @@ def pytest_collection_modifyitems(session, config, items):
              and not any(base == entry or base.startswith(entry + "::") for base in bases)]
     if stale:
         raise pytest.UsageError(f"tests/conftest.py MUST_RUN names tests that do not exist: {stale}")
+    for item, file in zip(items, (item.nodeid.split("::", 1)[0] for item in items)):
+        item.add_marker(pytest.mark.xdist_group("ray" if file in ONE_AT_A_TIME else file))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -112,7 +112,10 @@ class LocalRayHead:
         self.temp_dir = tempfile.mkdtemp(prefix="hr_", dir="/tmp")  # short: Ray's socket paths are limited
         self.port, self.dashboard_port = free_port(), free_port()
         command = [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={self.port}",
-                   f"--temp-dir={self.temp_dir}", f"--num-cpus={num_cpus}", "--disable-usage-stats"]
+                   f"--temp-dir={self.temp_dir}", f"--num-cpus={num_cpus}", "--disable-usage-stats",
+                   # Ray's fixed defaults (agent 52365, client server 10001) would collide with another Ray on
+                   # this loopback, even one still shutting down: its job agent then never registers
+                   f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}"]
         if dashboard:
             command += ["--include-dashboard=true", "--dashboard-host=127.0.0.1",
                         f"--dashboard-port={self.dashboard_port}"]

@@ -47,7 +47,13 @@ def test_head_command_offers_the_gpus_asked_for_else_leaves_them_to_ray():
 
     common = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port=6379",
               "--node-ip-address=127.0.0.1", "--temp-dir=/tmp/hr_x", "--disable-usage-stats",
-              "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--dashboard-port=8265"]
-    assert head_command("/tmp/hr_x", 6379, 8265) == common
-    assert head_command("/tmp/hr_x", 6379, 8265, num_gpus=1) == common + ["--num-gpus=1"]
-    assert head_command("/tmp/hr_x", 6379, 8265, num_gpus=0) == common + ["--num-gpus=0"]
+              "--include-dashboard=true", "--dashboard-host=127.0.0.1"]
+    command = head_command("/tmp/hr_x", 6379)
+    assert command[:len(common)] == common
+    # the other ports are free ones, never Ray's fixed defaults
+    ports = dict(arg[2:].split("=") for arg in command[len(common):])
+    assert sorted(ports) == ["dashboard-agent-listen-port", "dashboard-port", "ray-client-server-port"]
+    assert not {"8265", "52365", "10001"} & set(ports.values())
+    assert head_command("/tmp/hr_x", 6379, num_gpus=1)[-1] == "--num-gpus=1"
+    assert head_command("/tmp/hr_x", 6379, num_gpus=0)[-1] == "--num-gpus=0"
+    assert not any(arg.startswith("--num-gpus") for arg in command)

@@ -133,7 +133,7 @@ class LocalRayHead:
         port = free_port()
         self.address = f"127.0.0.1:{port}"
         self.log_path = Path(temp_dir) / "ray_start.log"
-        command = head_command(temp_dir, port, free_port(), num_gpus)
+        command = head_command(temp_dir, port, num_gpus)
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             preexec_fn=_terminate_with_parent)
@@ -169,12 +169,16 @@ class LocalRayHead:
                 continue
 
 
-def head_command(temp_dir: str, port: int, dashboard_port: int, num_gpus: int | None = None) -> list[str]:
+def head_command(temp_dir: str, port: int, num_gpus: int | None = None) -> list[str]:
     """The `ray start` of a LocalRayHead: on loopback, blocking, with its dashboard (Ray Train's controller asks
-    the state API, which the dashboard serves, whether it is alive); `--num-gpus` only when num_gpus is given."""
+    the state API, which the dashboard serves, whether it is alive); `--num-gpus` only when num_gpus is given.
+    Every other port is a free one, not Ray's fixed default (dashboard 8265, job agent 52365, client server
+    10001): another Ray on this machine, even one still shutting down, would hold those, and this head's job
+    agent would then never register."""
     command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
                "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}", "--disable-usage-stats",
-               "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
+               "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={free_port()}",
+               f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}"]
     return command + ([f"--num-gpus={num_gpus}"] if num_gpus is not None else [])
 
 
