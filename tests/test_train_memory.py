@@ -277,10 +277,11 @@ def test_a_step_of_one_micro_batch_plans_its_gradients_from_its_backward_on():
     assert row(accumulating, "gradients (fp32)") == every
     assert (row(one, "gradients (fp32)"), row(one, "gradients of the prelude blocks (fp32)")) == (
         every - prelude, prelude)
-    missing = {"end of forward": every, "loss backward": every, "core backward": prelude, "optimizer step": 0}
+    missing = {"initial state draw": every, "end of forward": every, "loss backward": every,
+               "core backward": prelude, "optimizer step": 0}
     assert [(phase.name, accumulating.phase_total(phase) - one.phase_total(alone))
-            for phase, alone in zip(accumulating.phases, one.phases)] == [
-        (name, missing[name]) for name in ("end of forward", "loss backward", "core backward", "optimizer step")]
+            for phase, alone in zip(accumulating.phases, one.phases)] == [(name, missing[name]) for name in (
+                "initial state draw", "end of forward", "loss backward", "core backward", "optimizer step")]
     ddp = small_config("grad_sync.kind=ddp")
     assert plan_memory(ddp, mcfg, accumulates=False).total == plan_memory(ddp, mcfg).total
 
@@ -425,6 +426,9 @@ def test_context_parallel_plans_local_tokens_and_the_gathered_kv(capsys):
     kv = 2 * 131_072 * 5280
     core_backward = [phase.transient_bytes for phase in cp.phases if phase.name == "core backward"]
     assert core_backward == [6_616_551_448 + kv * 2 + kv * 4] == [14_921_273_368]
+    # before the forward: the rows' keyed initial state (16,384 local tokens) and one row's whole noise, fp32
+    draw = [phase.transient_bytes for phase in cp.phases if phase.name == "initial state draw"]
+    assert draw == [(16_384 + 131_072) * 5280 * 4] == [3_114_270_720]
     # the rest does not depend on the split
     assert [r[:2] for r in cp.rows if r[0] != memory.GATHERED_KV] == [r[:2] for r in local.rows]
     assert (cp.peak.name, cp.total, cp.fits) == ("core backward", 47_121_756_336, True)

@@ -430,12 +430,26 @@ def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
                         fingerprint=fingerprint, manifest_extra=extra, **settings)
 
 
+def check_rows_for_shards(pack_marker: dict, num_shards: int) -> None:
+    """Refuses packed data with fewer train rows than shards, naming seq_len when no row was cut at all: a row
+    never spans two staged files, so a corpus of files shorter than a row packs to nothing."""
+    train_rows = sum(s["train_rows"] for s in pack_marker["sources"].values())
+    if train_rows >= num_shards:
+        return
+    tokens = sum(s["doc_tokens"] for s in pack_marker["sources"].values())
+    raise DataError(f"seq_len={pack_marker['seq_len']}: the pack stage cut {train_rows} train rows from {tokens:,} "
+                    f"document tokens, fewer than num_shards={num_shards}. A row's {pack_marker['seq_len'] + 1:,} "
+                    "tokens come from one pack batch (one staged file's run of up to docs_per_pack_batch "
+                    "documents): lower seq_len or num_shards, or use sources whose files hold more tokens than a row")
+
+
 def run_stage_shuffle(cfg: DataConfig, sources: list[Source]) -> dict:
     if packed_only(sources):
         return run_stage_shuffle_packed(cfg, sources)
     pack_marker = layout.read_marker(cfg.root / "packed")
     if pack_marker is None:
         raise DataError(f"no packed data at {cfg.root / 'packed'}; run the pack stage first")
+    check_rows_for_shards(pack_marker, cfg.num_shards)
     markers = staging_markers(cfg, sources)
     empty = sorted(name for name, m in markers.items() if m["rows"] == 0)
     for name in empty:
@@ -474,6 +488,9 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     plan = build_plan(cfg, sources, ngrams)  # refuses a run whose peak disk does not fit output_dir's free space
     print(f"[plan] about {plan['estimated_tokens']:,d} packed tokens, peak disk "
           f"{plan['peak_disk_bytes'] / 2**30:.2f} GiB ({plan['free_bytes'] / 2**30:.1f} GiB free)", flush=True)
+    if plan["estimated_rows"] < cfg.num_shards and not plan["unsampled_sources"]:  # the shuffle would refuse
+        print(f"[plan] WARNING: about {plan['estimated_rows']} rows of seq_len + 1 = {cfg.seq_len + 1:,} tokens, "
+              f"fewer than num_shards={cfg.num_shards}: a row never spans two staged files", flush=True)
     layout.clean_stale_under(cfg.root)
     layout.finish_publish(cfg.root / "shards")
     steps = {"download": run_stage_download, "staging": run_stage_staging,

@@ -127,12 +127,21 @@ TEXT_PER_INPUT_BYTE = {".parquet": 2.5, ".gz": 3.5, ".zst": 4.0}
 """Text bytes per compressed input byte for unsampled sources (typical zstd/snappy/gzip ratios on text)."""
 
 
+def pack_batches(lengths: list[int], file_starts: list[int], docs_per_batch: int) -> list[list[int]]:
+    """The document lengths in the pack stage's batches: each file's documents in runs of `docs_per_batch`
+    (tokenize_pack.py: a row never spans two staged files, so a file shorter than a row packs to nothing)."""
+    ends = file_starts[1:] + [len(lengths)]
+    return [lengths[i:min(i + docs_per_batch, end)]
+            for start, end in zip(file_starts, ends) for i in range(start, end, docs_per_batch)]
+
+
 def sample_source(source: Source, files: list[tuple[str, int]], tokenizer, row_len: int, docs_per_batch: int,
                   dtype: str, row_group_size: int, chat_pack: bool = False) -> Ratios | None:
     """Format, encode and pack the first SAMPLE_BYTES of a source's files as the pipeline does (None: no text).
     A chat source's conversations are rendered with the chat template and laid out one per row or packed
     (`chat_pack`), in file order (the run lays out each split of a batch in a seeded order)."""
     texts: list[str] = []
+    file_starts: list[int] = []  # where each file's documents start in `texts`: the run packs per staged file
     input_bytes = staged_bytes = read_text_bytes = text_bytes = 0
     for path, size in files:
         if input_bytes and input_bytes + size > SAMPLE_BYTES:
@@ -149,6 +158,7 @@ def sample_source(source: Source, files: list[tuple[str, int]], tokenizer, row_l
         pq.write_table(pa.table({"text": pa.array(docs, pa.large_string()), "source": [source.name] * len(docs),
                                  "doc_id": pa.array(range(len(docs)), pa.int64())}, schema=STAGING_SCHEMA), staged)
         staged_bytes += staged.tell()
+        file_starts.append(len(texts))
         texts += docs
         input_bytes += size
     if not text_bytes:
@@ -156,18 +166,17 @@ def sample_source(source: Source, files: list[tuple[str, int]], tokenizer, row_l
     if source.is_chat:
         encoded = [render(json.loads(t), tokenizer, source.loss_on)[0] for t in texts]
         lengths = [len(ids) for ids in encoded]
-        rows = sum(len(pack_groups(lengths[i:i + docs_per_batch], row_len))
-                   for i in range(0, len(lengths), docs_per_batch)) if chat_pack else len(lengths)
-    elif source.needs_chat_templating:  # staged as parts: the template's structure as ids, the text as text
-        encoded = [render_document(json.loads(t), tokenizer) for t in texts]
-        lengths = [len(ids) for ids in encoded]
-        rows = sum(len(pack_row_starts(lengths[i:i + docs_per_batch], [source.every_token_is_sacred] * len(
-            lengths[i:i + docs_per_batch]), row_len)) for i in range(0, len(lengths), docs_per_batch))
+        rows = sum(len(pack_groups(batch, row_len)) for batch in pack_batches(lengths, file_starts, docs_per_batch)
+                   ) if chat_pack else len(lengths)
     else:
-        encoded = [e.ids for e in tokenizer.encode_batch_fast(texts[:256])]
-        lengths = [len(e.ids) for e in tokenizer.encode_batch_fast(texts)]
-        rows = sum(len(pack_row_starts(lengths[i:i + docs_per_batch], [source.every_token_is_sacred] * len(
-            lengths[i:i + docs_per_batch]), row_len)) for i in range(0, len(lengths), docs_per_batch))
+        if source.needs_chat_templating:  # staged as parts: the template's structure as ids, the text as text
+            encoded = [render_document(json.loads(t), tokenizer) for t in texts]
+            lengths = [len(ids) for ids in encoded]
+        else:
+            encoded = [e.ids for e in tokenizer.encode_batch_fast(texts[:256])]
+            lengths = [len(e.ids) for e in tokenizer.encode_batch_fast(texts)]
+        rows = sum(len(pack_row_starts(batch, [source.every_token_is_sacred] * len(batch), row_len))
+                   for batch in pack_batches(lengths, file_starts, docs_per_batch))
     tokens = sum(lengths)
     ids = np.concatenate([np.asarray(e) for e in encoded[:256]])
     sample_rows = np.resize(ids, (max(1, len(ids) // row_len), row_len))  # real ids in rows, as packing cuts them

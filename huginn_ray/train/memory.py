@@ -453,6 +453,13 @@ def add_phases(plan: MemoryPlan, cfg, model: RecurrentGPT, shape: MeshShape, mea
     model_cfg = model.config
     split = any(name == PRELUDE_G for name, _, _ in plan.rows)
     not_yet = (ROOT_G, CORE_G, PREFETCH) if hsdp else (GRADS, PRELUDE_G) if split else ()
+    activations_row = f"activations saved for backward (k={model_cfg.mean_backprop_depth})"
+    # the micro-batch's keyed initial state, drawn before its forward; on a split sequence each row's noise is
+    # drawn whole (one row of block_size tokens, fp32) and its positions kept (RecurrentGPT.keyed_initial_state)
+    whole_row = cfg.block_size * model_cfg.n_embd * 4 if cfg.parallelism.context_parallel > 1 else 0
+    plan.phases.append(Phase("initial state draw", "the keyed initial state (fp32)"
+                             + (" + one row's whole noise" if whole_row else ""),
+                             tokens * model_cfg.n_embd * 4 + whole_row, not_yet + (activations_row, GATHERED_KV)))
     casts = "autocast's cache" + (" and the chunked loss's head copy" if cfg.loss_chunk_tokens else "")
     ending = (f"bf16 weight casts ({casts}), " if bf16 else "") + (
         "one loss chunk" if cfg.loss_chunk_tokens else "nothing more")
@@ -485,7 +492,6 @@ def add_phases(plan: MemoryPlan, cfg, model: RecurrentGPT, shape: MeshShape, mea
                                  (CORE_W,)))
     # the optimizer step: backward has freed every activation, and under hsdp FSDP2 has resharded every unit
     # and reduce-scattered every gradient, so the sharded rows and the exchange buffers remain
-    activations_row = f"activations saved for backward (k={model_cfg.mean_backprop_depth})"
     freed = (activations_row, GATHERED_KV, ROOT_W, ROOT_G, CORE_W, CORE_G, PREFETCH) if hsdp else (activations_row,
                                                                                                  GATHERED_KV)
     plan.phases.append(optimizer_phase(cfg, model, whole, shape.shard_size, freed))
