@@ -523,24 +523,27 @@ def check_world_sizes(world_sizes: list[int], setup: Setup) -> None:
 
 def simulate(world_sizes: list[int]) -> dict:
     """Every simulated rank runs in a child process of its own (torch's device-mesh and FSDP objects are cached per
-    process, and a rank must not see another's)."""
+    process, and a rank must not see another's): first the local plan of every shard index (what the other ranks
+    send in DCP's plan exchange) and every step, then rank 0 of every world size, then its last rank (which
+    receives what rank 0 sent)."""
     per_rank: dict[str, list] = {}
     with tempfile.TemporaryDirectory(prefix="huginn_scale_sim_") as tmp:
         setup = make_setup(Path(tmp))
         check_world_sizes(world_sizes, setup)
-        # what the other ranks send in DCP's plan exchange: the local plan of every shard index
-        setup.local_plans_by_shard = dict(enumerate(in_children([(prime, (setup, shard))
-                                                                 for shard in range(setup.shard_size)])))
+        ranks = [(world_size, rank) for world_size in world_sizes for rank in sorted({0, world_size - 1})]
+        first = in_children([(prime, (setup, shard)) for shard in range(setup.shard_size)]
+                            + [(step_collectives_quietly, (setup, world_size, rank)) for world_size, rank in ranks])
+        setup.local_plans_by_shard = dict(enumerate(first[:setup.shard_size]))
+        steps = dict(zip(ranks, first[setup.shard_size:]))
+        from_zero = dict(zip(world_sizes, in_children([(simulate_rank_quietly, (setup, world_size, 0, FromRankZero()))
+                                                       for world_size in world_sizes])))
+        last = dict(zip([w for w in world_sizes if w > 1],
+                        in_children([(simulate_rank_quietly, (setup, w, w - 1, from_zero[w][1]))
+                                     for w in world_sizes if w > 1])))
         for world_size in world_sizes:
-            ranks = sorted({0, world_size - 1})
-            (first, from_rank_zero), = in_children([(simulate_rank_quietly, (setup, world_size, 0, FromRankZero()))])
-            results = [first]
-            if world_size > 1:
-                results += [in_children([(simulate_rank_quietly, (setup, world_size, world_size - 1,
-                                                                  from_rank_zero))])[0][0]]
-            steps = in_children([(step_collectives_quietly, (setup, world_size, rank)) for rank in ranks])
-            for result, collectives in zip(results, steps):
-                result["collectives_per_step"] = collectives
+            results = [from_zero[world_size][0]] + ([last[world_size][0]] if world_size in last else [])
+            for result, rank in zip(results, sorted({0, world_size - 1})):
+                result["collectives_per_step"] = steps[world_size, rank]
             state_bytes, state_tensors = {(result.pop("state_bytes"), result.pop("state_tensors"))
                                           for result in results}.pop()
             for item in ITEMS:
@@ -552,10 +555,10 @@ def simulate(world_sizes: list[int]) -> dict:
 
 def in_children(tasks: list, parallel: int = 2) -> list:
     """fn(*args) of every task, each in a child process of its own, `parallel` at a time, results in task order.
-    Children fork from a fork server started clean with torch and the training code imported (fast, and safe
-    where the caller has threads: a test process that ran Ray before)."""
+    Children fork from a fork server started clean with torch, the training code and this module imported (fast,
+    and safe where the caller has threads: a test process that ran Ray before)."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "huginn_ray.train.loop"])
+    context.set_forkserver_preload(["torch", "huginn_ray.train.loop", "ray.train", "scale_sim"])
     results, running = [None] * len(tasks), []
 
     def collect(index, process, receiver):
