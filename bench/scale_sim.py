@@ -2,7 +2,8 @@
 
 One process plays one rank of a world of W ranks (rank 0, then the last rank of the last node; each item is the
 maximum of the two) through the real code paths of a run of `configs/train/frontier_nebel_512_nodes.yaml` as
-written (bf16-mixed, 4,096 train shards, the data order of the second stream of ranks):
+written (bf16-mixed: bf16 gathers, and the gradient exchange's second stream for the parameters FSDP2 leaves whole;
+4,096 train shards, so one micro-batch per step):
 
     startup   the worker's own startup, loop._train up to its steps: start_worker (register_node,
               build_components: mesh, model, FSDP2 units, optimizer; the placements' all-gather and the node-layout
@@ -30,8 +31,9 @@ over stand-ins that count instead of communicating (what they stand in for: 4,09
   send); the collectives carrying them run and are counted.
 - the key-value store (`CountingStore`) counts every key an operation touches; keys the other ranks would have
   set are there, and a counter reads as if every rank had added to it.
-- Ray Train's worker context (rank, node, local rank, node address) is `SimulatedContext`; there is no
-  checkpoint registered with Ray, no MLflow logger, and the validation rows are zeros (the data is not read).
+- Ray Train's worker context (rank, node, local rank, node address) is `SimulatedContext`, and the placements'
+  all-gather returns every rank's placement from it (the all-gather runs and is counted); there is no checkpoint
+  registered with Ray, no MLflow logger, and the validation rows are zeros (the data is not read).
 - the file system is real (a temporary directory) but every stat, open, directory listing and byte read or written
   through Python is counted (os.stat, os.scandir, os.listdir, io.open and the files it returns), and the
   safetensors slices requested are counted by their bytes.
@@ -44,8 +46,10 @@ pieces in the save (their sizes, not written), and in the resume the archive hea
 whose data start it finds (measured on a real archive of that dtype and rank); the gathered bytes are not copied
 into the (meta) tensors, nor the non-tensor values unpickled. Modelled: `store_requests_rank0_startup`, the
 requests rank 0's store server answers, as W times a rank's own (every rank makes the same requests). The step's
-model is 64 wide (FSDP2 refuses to train meta parameters): its chunk-stream exchanges are counted on that
-model's gradient shard, not the nebel's.
+model is 64 wide (FSDP2 refuses to train meta parameters): its gradient exchange's chunk size is the
+configuration's scaled by that model's parameters over the nebel's, so that its gradient shard splits into about
+as many chunks as the nebel's; the exchanges are counted on it. Not simulated: the background (asynchronous)
+save's gloo group and DCP's async_save, the hang watch's store checks in steady state, the cp dimension.
 
     python bench/scale_sim.py --world-sizes 8,64,512,4096 [--json]
 """
