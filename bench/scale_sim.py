@@ -86,18 +86,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from huginn_ray.checkpoint_layout import TRAINING_STATE_DIR  # noqa: E402
 from huginn_ray.config import load_config  # noqa: E402
 from huginn_ray.model import ModelConfig, RecurrentGPT  # noqa: E402
-from huginn_ray.model import pretrained  # noqa: E402
 from huginn_ray.train import checkpoint as ckpt  # noqa: E402
 from huginn_ray.train import loop, parallel, validation  # noqa: E402
-from huginn_ray.train import replica_read  # noqa: E402
 from huginn_ray.train.collectives import all_ranks  # noqa: E402
 from huginn_ray.train.config import TrainConfig  # noqa: E402
-from huginn_ray.train.run_plan import RunPlan, WeightsSource  # noqa: E402
+from huginn_ray.train.run_plan import RunPlan  # noqa: E402
 from huginn_ray.train.shard_reader import Rows  # noqa: E402
 from huginn_ray.train.stopping import Stop  # noqa: E402
-from scale_sim_counting import (CountingCollectives, CountingSafetensors, CountingStore, Counts,  # noqa: E402
-                                ModelBytes, counting_files, host_reads_of_meta, released_files, uncounted)
+from scale_sim_counting import (CountingCollectives, CountingStore, Counts, ModelBytes,  # noqa: E402
+                                counting_files, host_reads_of_meta, uncounted)
 from scale_sim_dcp import FromRankZero, OtherRanks  # noqa: E402
+from scale_sim_reads import init_from_model, simulated_resume  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs/train/frontier_nebel_512_nodes.yaml"
 META = torch.device("meta")
@@ -132,6 +131,8 @@ ITEMS = {
     "dcp_plan_items_rank0_later_save": "the same at a later save: DCP's plan cache sends no unchanged plan (counted)",
     "bytes_written_save": "bytes a rank writes at a later save: its DCP pieces (planned: their sizes) plus its "
                           "small files, the .metadata and the marker (counted)",
+    "bytes_written_save_most_of_a_rank": "the most bytes of DCP pieces the save's global plan gives any of the W "
+                                         "ranks (planned: rank 0's global plan)",
     "collectives_save": "c10d operations of a later save: DCP's plan exchange and write agreement, finish_save "
                         "(counted)",
     "collective_bytes_save": "bytes those operations deliver to this rank (counted)",
@@ -295,8 +296,9 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, from_rank_zero: From
                 for phase, step in zip(("save_first", "save"), SAVE_STEPS):
                     counts.phase = phase
                     directory = simulated_save(setup, c, world_size, rank, step)
+            results["most_bytes_of_a_rank"] = other_ranks.most_bytes_of_a_rank()
             counts.phase = "resume"
-            results["planned_resume_bytes"] = simulated_resume(setup, c, directory, world_size, rank, counts)
+            results["planned_resume_bytes"] = simulated_resume(c, directory, SAVE_STEPS[-1], rank, counts)
             counts.phase = "init_from"
             init_from_model(setup, world_size, rank, counts)
     finally:
@@ -317,6 +319,7 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, from_rank_zero: From
         "dcp_plan_items_rank0_first_save": counts.get("save_first", "dcp_plan_items"),
         "dcp_plan_items_rank0_later_save": counts.get("save", "dcp_plan_items"),
         "bytes_written_save": counts.get("save", "bytes_written"),
+        "bytes_written_save_most_of_a_rank": results["most_bytes_of_a_rank"],
         "collectives_save": counts.get("save", "collectives"),
         "collective_bytes_save": counts.get("save", "collective_bytes"),
         "fs_metadata_ops_save": counts.get("save", "fs_metadata_ops"),
@@ -352,85 +355,6 @@ def simulated_save(setup: Setup, c, world_size: int, rank: int, step: int) -> Pa
     assert ckpt.finish_save(pending, CPU), f"the save of step {step} failed on rank {rank}"
     return directory
 
-
-def simulated_resume(setup: Setup, c, directory: Path, world_size: int, rank: int, counts: Counts) -> int:
-    """resume() over the later save's checkpoint, counted, through the replica-spread read (ckpt.read_tensors with the
-    mesh's replicate group: replica_read.read_dcp's plan, its opens and reads of the checkpoint's files, its
-    all-gathers over the fake group, the optimizer state set back). Planned only: the archive header of each piece
-    whose data start this rank reads (the synthesised pieces are raw bytes, no torch.save archive). Not run: the
-    copies of the gathered bytes into the tensors (meta here, the optimizer's step counters on the host; no file or
-    collective in them) and the non-tensor values' unpickling (their pieces hold no pickle). Returns the planned
-    header bytes."""
-    run_dir = directory.parent
-    with uncounted():
-        with open(directory / TRAINING_STATE_DIR / ".metadata", "rb") as f:
-            metadata = pickle.load(f)
-    planned = Counter()
-
-    def planned_data_start(files, segment) -> int:
-        files.stream(segment.relative_path)  # opened as the real header read opens it (counted)
-        dtype = metadata.state_dict_metadata[segment.fqn].properties.dtype
-        planned["header_bytes"] += archive_header_bytes(dtype, len(segment.chunk_sizes))
-        return 0  # the synthesised piece is the tensor's bytes alone
-
-    real_read = replica_read.read_dcp
-
-    def read_dcp(*args, **kwargs):  # counted apart from resume's checks
-        counts.phase = "resume_read"
-        try:
-            return real_read(*args, **kwargs)
-        finally:
-            counts.phase = "resume"
-
-    patches = [(replica_read._Files, "data_start", planned_data_start), (replica_read, "read_dcp", read_dcp),
-               (replica_read, "set_non_tensors", lambda *args: None), (replica_read, "_scatter", lambda *args: None)]
-    real = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, value in patches:
-        setattr(owner, name, value)
-    try:
-        resumed = ckpt.resume(directory, run_dir, rank, c.model, c.optimizer, CPU, log=lambda message: None,
-                              replicas=c.mesh.get_group("replicate"))
-    finally:
-        for owner, name, value in real:
-            setattr(owner, name, value)
-    assert resumed is not None and resumed.state.step == SAVE_STEPS[-1], resumed
-    return planned["header_bytes"]
-
-
-@functools.cache
-def archive_header_bytes(dtype: torch.dtype, dims: int) -> int:
-    """Bytes torch.load(map_location="meta") reads of a DCP piece (a torch.save archive) holding one tensor of
-    `dtype` with `dims` dimensions: read_dcp's read of where the piece's data starts, measured."""
-    with uncounted():
-        archive = io.BytesIO()
-        torch.save(torch.zeros([2] * dims, dtype=dtype), archive)
-    archive.seek(0)
-    with replica_read.counting_reads() as count:
-        torch.load(replica_read._CountingStream(archive), map_location="meta", weights_only=True)
-    return count.bytes
-
-
-def init_from_model(setup: Setup, world_size: int, rank: int, counts: Counts) -> None:
-    """A fresh run with init_from: build_components without weights, then load_initial_weights from a released
-    layout of the same model (safe_open counted)."""
-    directory = setup.root / "released"
-    with uncounted():
-        if not directory.exists():
-            directory.mkdir()
-            setup.model_cfg.to_json(directory / pretrained.CONFIG_NAME)
-            files = released_files(setup.shapes)
-            (directory / pretrained.INDEX_NAME).write_text(json.dumps({"weight_map": files}))
-            for name in set(files.values()):
-                (directory / name).touch()
-    plan = dataclasses.replace(setup.plan, init_from=WeightsSource(str(directory), str(directory), "0" * 64))
-    c = loop.build_components(setup.cfg, plan, rank, META, local_world_size=setup.shard_size, initialise=False)
-    real_open = pretrained.safe_open
-    pretrained.safe_open = CountingSafetensors(setup.shapes, counts)
-    counts.by_phase["init_from"] = Counter()  # what build_components did is counted in startup's figures
-    try:
-        loop.load_initial_weights(c.model, plan, rank, setup.cfg.seed, c.mesh.get_group("replicate"))
-    finally:
-        pretrained.safe_open = real_open
 
 
 # --- one training step ------------------------------------------------------------------------------------

@@ -118,6 +118,10 @@ class OtherRanks:
         self.final_plans: dict[int, SavePlan] = {}
         """rank -> the final plan DCP last scattered to it (what its planner's cache holds)."""
 
+    def most_bytes_of_a_rank(self) -> int:
+        """The most bytes DCP's last global plan gives one rank to write (0 where this rank did not coordinate)."""
+        return max((sum(item_bytes(item) for item in plan.items) for plan in self.final_plans.values()), default=0)
+
     def local_plan_of(self, r: int, own: SavePlan) -> SavePlan:
         if not own.usable:  # unchanged since the last save, as every rank's state is: DCP's plan cache sends nothing
             return SavePlan([], usable=False)

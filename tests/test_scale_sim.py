@@ -38,7 +38,7 @@ FLAT = {
 }
 """item -> its value at every world size."""
 
-NOT_GROWING = {"bytes_written_save"}
+NOT_GROWING = {"bytes_written_save", "bytes_written_save_most_of_a_rank"}
 """At a larger world size at most what they are at a smaller (DCP spreads the replicated pieces' writes)."""
 
 GROWING_BY_DESIGN = {
