@@ -153,6 +153,8 @@ ITEMS = {
 
 @dataclasses.dataclass
 class Setup:
+    """What every simulated rank of every world size shares."""
+
     cfg: TrainConfig
     plan: RunPlan
     model_cfg: ModelConfig
@@ -278,6 +280,8 @@ def start_rank(setup: Setup, world_size: int, rank: int):
 
 
 def simulate_rank(setup: Setup, world_size: int, rank: int, from_rank_zero: FromRankZero) -> dict:
+    """Rank `rank` of a `world_size`-rank run, counted: startup, two saves, a resume of the later one, init_from.
+    Rank 0 records in `from_rank_zero` what the other simulated rank receives from it."""
     counts = Counts()
     store = CountingStore(counts, world_size)  # held here: the process group keeps no Python reference to it
     new_groups = Counter()
