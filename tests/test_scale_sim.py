@@ -46,8 +46,8 @@ GROWING_BY_DESIGN = {
                                  "start_worker): its length and about 100 bytes of JSON per rank, beside the "
                                  "warm-up's 576 MiB"),
     "collective_bytes_save": (30_000, "DCP's write step gathers every rank's write results on rank 0 at every save "
-                              "(plan caching does not cover them): about 106 pieces a rank, padded to rank 0's "
-                              "size by torch's gather_object"),
+                              "(plan caching does not cover them), each padded by torch's gather_object to rank 0's "
+                              "size: about 28 KB a rank"),
     "dcp_plan_items_rank0_first_save": (106, "the first save's plan exchange: every rank's local plan, about 106 "
                                         "items each, on rank 0"),
     "collective_bytes_resume": (1, "the replica-spread read's all-gathers deliver the part (state / S) and the "
