@@ -172,7 +172,14 @@ class SmallValuesOnRankZero(DefaultSavePlanner):
     """DCP's save planner, except that the small values every rank holds whole (non-tensor values, plain tensors of
     at most replica_read.SMALL_BYTES: the optimizer's step counters) are written by rank 0 alone, one run of its
     file. DCP's own deduplication would deal them one by one over the ranks' files (about 300 of them for the
-    nebel), and the ranks reading them back at resume would open one file for each few bytes."""
+    nebel), and the ranks reading them back at resume would open one file for each few bytes.
+
+    DCP's save-plan caching is on: a rank whose local plan is the one of its previous save sends an empty plan, and
+    the coordinator reuses the global plan it made then, so that a save after the first exchanges O(1) per rank
+    instead of every rank's plan (about 300 items each) on rank 0."""
+
+    def __init__(self):
+        super().__init__(enable_plan_caching=True)
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
