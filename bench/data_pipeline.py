@@ -40,8 +40,10 @@ probe counts nothing is asserted.
 With --against TREE (a checkout or `git archive` export of another commit, e.g. the previous implementation), the
 bench runs itself --rounds times for each tree, alternating (this tree first), each run a separate process with
 PYTHONPATH set to its tree (every run prints the huginn_ray its driver and a Ray worker import), the other options
-passed on, and prints each stage's records/s per run and the ratio of the medians (this tree / TREE); with --json
-one more line holding every run's figures. The harness (corpus, probes, timing) is this file for both trees.
+passed on (give --tokenizer as an absolute path: each run starts in its tree's root, which Ray's workers import
+from; a run whose driver or workers import another huginn_ray stops the bench), and prints each stage's records/s
+per run and the ratio of the medians (this tree / TREE); with --json one more line holding every run's figures.
+The harness (corpus, probes, timing) is this file for both trees.
 The eval set's n-grams are built on the driver before the filter stage, outside its time, as `pipeline.run` does.
 """
 
@@ -191,12 +193,15 @@ def compare(argv: list[str], against: Path, rounds: int, as_json: bool) -> None:
     for round_ in range(rounds):
         for name, tree in trees.items():
             env = {**os.environ, "PYTHONPATH": str(tree)}
+            # run from the tree's root: Ray's workers put the driver's working directory first on their path
             done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--json"], env=env,
-                                  capture_output=True, text=True)
+                                  cwd=tree, capture_output=True, text=True)
             if done.returncode != 0:
                 sys.exit(f"run {round_ + 1} of {tree} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
             runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
             figures = runs[name][-1]
+            if figures["huginn_ray"] != f"driver {tree / 'huginn_ray'}, Ray worker {tree / 'huginn_ray'}":
+                sys.exit(f"run {round_ + 1} of {tree} imported another huginn_ray: {figures['huginn_ray']}")
             print(f"round {round_ + 1}, {name} ({tree}): ray data start-up {figures['ray_data_start_s']:.1f}s, "
                   + ", ".join(f"{stage} {figures[stage][rate]:,.0f}/s" for stage, rate in STAGE_RATES.items()
                               if figures.get(stage)), flush=True)
