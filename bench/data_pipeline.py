@@ -3,6 +3,7 @@ tokens/s per CPU core vs raw `tokenizers` encode_batch.
 
     python bench/data_pipeline.py [--text code|web|math] [--mib 64] [--cpus 2] [--vocab 16384] [--seq-len 4096]
                                   [--filter [--near]] [--json] [--tokenizer DIR] [--out /tmp/hr_bench]
+                                  [--against TREE [--rounds 3]]
 
 Builds a local source of --text documents (each repeated with a distinct header until --mib MiB; no network):
   code - the Python standard library's .py files;
@@ -13,6 +14,11 @@ Builds a local source of --text documents (each repeated with a distinct header 
 stages it, trains a tokenizer (huginn_ray.data.tokenizer.train_tokenizer) on 8 MiB of each of the three kinds,
 kept in --tokenizer DIR when given (reused when DIR already holds one), then runs the stages one after the other
 on a local Ray with --cpus CPUs, each timed on its own through the pipeline's stage entry points:
+  ray data start-up - timed on its own before the stages: the first Ray Data dataset of a Ray cluster starts Ray
+            Data's stats and autoscaling-coordinator actors (detached: once per cluster, so once per prepare_data
+            run on a local Ray) and worker processes that import Ray Data; a trivial dataset pays it here, so that
+            the stage figures below are each stage's own (this start-up is the same for every implementation on
+            Ray Data and is reported beside them, never in them);
   staging - jsonl -> staged parquet: documents/s, and MiB of text per s per CPU;
   filter  - with --filter only: `decontaminate` (mode drop, 13-grams) against configs/eval/gsm8k_test_sample.jsonl
             (4 GSM8k test problems) and `dedup: exact`, documents/s; the corpus then holds one more file of two
@@ -30,6 +36,14 @@ on a local Ray with --cpus CPUs, each timed on its own through the pipeline's st
   shuffle - the shuffle stage over the packed rows (map/reduce into 2*num_shards files): rows/s and MiB/s.
 Figures are printed (with --json, one more line: a JSON object of the per-stage figures); beyond the filter's
 probe counts nothing is asserted.
+
+With --against TREE (a checkout or `git archive` export of another commit, e.g. the previous implementation), the
+bench runs itself --rounds times for each tree, alternating (this tree first), each run a separate process with
+PYTHONPATH set to its tree (every run prints the huginn_ray its driver and a Ray worker import), the other options
+passed on (give --tokenizer as an absolute path: each run starts in its tree's root, which Ray's workers import
+from; a run whose driver or workers import another huginn_ray stops the bench), and prints each stage's records/s
+per run and the ratio of the medians (this tree / TREE); with --json one more line holding every run's figures.
+The harness (corpus, probes, timing) is this file for both trees.
 The eval set's n-grams are built on the driver before the filter stage, outside its time, as `pipeline.run` does.
 """
 
@@ -41,6 +55,8 @@ import json
 import os
 import random
 import shutil
+import statistics
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -154,6 +170,57 @@ def code_under_test() -> str:
     return f"driver {Path(huginn_ray.__file__).parent}, Ray worker {Path(worker).parent}"
 
 
+def ray_data_start_up() -> float:
+    """Seconds of the first Ray Data dataset of this cluster: a trivial one, which starts Ray Data's actors and a
+    worker that imports it."""
+    import ray.data
+
+    start = time.perf_counter()
+    ray.data.range(2, override_num_blocks=2).map_batches(lambda batch: batch).materialize()
+    return time.perf_counter() - start
+
+
+STAGE_RATES = {"staging": "documents_per_s", "filter": "documents_per_s", "pack": "records_per_s",
+               "shuffle": "rows_per_s"}
+
+
+def compare(argv: list[str], against: Path, rounds: int, as_json: bool) -> None:
+    """Run this bench `rounds` times for this tree and for `against`, alternating, and print the stages' records/s
+    side by side (argv: the options to pass on, without --against / --rounds)."""
+    here = Path(__file__).resolve().parents[1]
+    trees = {"this": here, "against": against.resolve()}
+    runs: dict[str, list[dict]] = {"this": [], "against": []}
+    for round_ in range(rounds):
+        for name, tree in trees.items():
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            # run from the tree's root: Ray's workers put the driver's working directory first on their path
+            done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--json"], env=env,
+                                  cwd=tree, capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.exit(f"run {round_ + 1} of {tree} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            figures = runs[name][-1]
+            if figures["huginn_ray"] != f"driver {tree / 'huginn_ray'}, Ray worker {tree / 'huginn_ray'}":
+                sys.exit(f"run {round_ + 1} of {tree} imported another huginn_ray: {figures['huginn_ray']}")
+            print(f"round {round_ + 1}, {name} ({tree}): ray data start-up {figures['ray_data_start_s']:.1f}s, "
+                  + ", ".join(f"{stage} {figures[stage][rate]:,.0f}/s" for stage, rate in STAGE_RATES.items()
+                              if figures.get(stage)), flush=True)
+    print(f"\n=== {here} against {against} ({rounds} rounds, alternating; median records/s) ===")
+    medians = {}
+    for stage, rate in STAGE_RATES.items():
+        if not runs["this"][0].get(stage):
+            continue
+        this, other = ([r[stage][rate] for r in runs[name]] for name in ("this", "against"))
+        medians[stage] = statistics.median(this) / statistics.median(other)
+        print(f"{stage}: {', '.join(f'{x:,.0f}' for x in this)} against {', '.join(f'{x:,.0f}' for x in other)}: "
+              f"{medians[stage]:.2f}x")
+    start_up = {name: [r["ray_data_start_s"] for r in runs[name]] for name in runs}
+    print("ray data start-up (s): " + "; ".join(f"{name} {', '.join(f'{x:.1f}' for x in xs)}"
+                                              for name, xs in start_up.items()))
+    if as_json:
+        print(json.dumps({"this": str(here), "against": str(against), "ratios": medians, "runs": runs}))
+
+
 def timed(stage, *args):
     start = time.perf_counter()
     result = stage(*args)
@@ -176,7 +243,16 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the per-stage figures as one JSON object last")
     parser.add_argument("--tokenizer", default=None, help="keep the trained tokenizer here; reuse one found here")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--against", type=Path, default=None,
+                        help="another tree (e.g. an export of the previous implementation): run both, alternating")
+    parser.add_argument("--rounds", type=int, default=3, help="with --against: runs of each tree")
     args = parser.parse_args()
+    if args.against is not None:
+        if args.out:
+            sys.exit("--against runs each tree in its own temporary directory: leave out --out")
+        passed = [a for i, a in enumerate(sys.argv[1:]) if a not in ("--against", "--rounds", "--json")
+                  and sys.argv[i] not in ("--against", "--rounds")]
+        return compare(passed, args.against, args.rounds, args.json)
 
     load_at_start = os.getloadavg()[0]
     root = Path(args.out or tempfile.mkdtemp(prefix="hr_bench_"))
@@ -200,6 +276,8 @@ def main() -> None:
     init_ray(cfg)
     code = code_under_test()
     print(f"huginn_ray: {code}", flush=True)
+    start_up_s = ray_data_start_up()
+    print(f"ray data start-up (once per cluster, before the stages): {start_up_s:.1f}s", flush=True)
     # the stages themselves, timed on their own (pipeline.run would add the plan, which samples the sources)
     _, staging_s = timed(run_stage_staging, cfg, sources)
     staged = sorted((root / "out" / "staging" / "stdlib").glob("*.parquet"))
@@ -255,6 +333,7 @@ def main() -> None:
     print(f"corpus: {args.text} text, {corpus_mib:.0f} MiB text, {staged_docs:,d} documents, "
           f"{pack_tokens / 1e6:.1f}M tokens, vocab {args.vocab}, seq_len {args.seq_len}, {args.cpus} Ray CPUs, "
           f"load average {load_at_start:.1f} at the start, {load_at_end:.1f} at the end")
+    print(f"ray data start-up: {start_up_s:.1f}s (before the stages, not in their figures)")
     print(f"staging stage: {staged_docs:,d} documents, {corpus_mib:.0f} MiB of text in {staging_s:.1f}s = "
           f"{staged_docs / staging_s:,.0f} documents/s, {corpus_mib / staging_s / args.cpus:.1f} MiB/s per CPU")
     if args.filter:
@@ -275,6 +354,7 @@ def main() -> None:
     if args.json:
         figures = {
             "huginn_ray": code, "text": args.text, "cpus": args.cpus, "load_average": [load_at_start, load_at_end],
+            "ray_data_start_s": start_up_s,
             "staging": {"documents": staged_docs, "mib": corpus_mib, "seconds": staging_s,
                         "documents_per_s": staged_docs / staging_s,
                         "mib_per_s_per_cpu": corpus_mib / staging_s / args.cpus},

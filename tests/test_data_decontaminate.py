@@ -395,8 +395,7 @@ def ray_instance():
 
 
 def _killed_once(fn, flag: Path):
-    """fn, except that its first call SIGKILLs its own worker process (a task's, or an actor's when fn is a
-    method); every call appends (memory= Ray gave the worker, killed or ran) to `<flag>.memory`."""
+    """fn, except that its first call SIGKILLs its own worker process; every call appends (memory= Ray gave the worker, killed or ran) to `<flag>.memory`."""
 
     def first_call_dies(*args, **kwargs):
         import ray
@@ -417,8 +416,8 @@ def _killed_once(fn, flag: Path):
 
 def test_filter_workers_killed_in_scan_dedup_and_filter_rerun_with_twice_their_memory_and_change_no_byte(
         ray_instance, tmp_path, monkeypatch, capsys):
-    """A scan actor, a dedup task and a filter task each SIGKILLed on their first call: the units they had not
-    committed run again with twice the memory (the scan actor declared none: 2 x UNDECLARED_MEMORY), and the
+    """A scan task, a dedup task and a filter task each SIGKILLed on their first call: the units they had not
+    committed run again with twice the memory (scan and filter tasks declare none: 2 x UNDECLARED_MEMORY), and the
     stage's outputs, with the scan cut into units of 7 documents, are byte for byte an undisturbed run's (files
     scanned whole), with no temp file left. A rewritten file has one row group per batch read, of its kept
     documents. A staged file that no longer holds the documents of its marker fails the job with the DataError
@@ -461,11 +460,7 @@ def test_filter_workers_killed_in_scan_dedup_and_filter_rerun_with_twice_their_m
 
     # the killed run also cuts the scan into units of 7 documents: the same bytes
     monkeypatch.setattr(doc_filter, "SCAN_UNIT_DOCS", 7)
-
-    class ScanKilledOnce(doc_filter.ScanDocuments):
-        __call__ = _killed_once(doc_filter.ScanDocuments.__call__, tmp_path / "scan")
-
-    monkeypatch.setattr(doc_filter, "ScanDocuments", ScanKilledOnce)
+    monkeypatch.setattr(doc_filter, "scan_documents", _killed_once(doc_filter.scan_documents, tmp_path / "scan"))
     monkeypatch.setattr(doc_filter, "find_duplicates", _killed_once(doc_filter.find_duplicates, tmp_path / "dedup"))
     monkeypatch.setattr(doc_filter, "read_documents_to_filter",
                         _killed_once(doc_filter.read_documents_to_filter, tmp_path / "filter"))

@@ -721,9 +721,9 @@ def test_plan_counts_the_filter_stage_bytes_tasks_memory_and_ngram_set_exactly(t
         "documents": 18, "staged_bytes": 36864, "rewritten_bytes": 36864, "hash_table_bytes": int(tables),
         "duplicate_key_bytes": int(keys),
         "ngram_set": {"built_on": "driver, before any stage (pipeline.eval_ngrams); saved as ngrams.npy in the "
-                                  "filter stage's directory, loaded from it once by each ScanDocuments actor",
-                      "actors": 1, "grams": 89, "items": 4, "file_bytes": ngram_file,
-                      "bytes_per_actor": 89 * 12, "load_peak_bytes_per_actor": 89 * 28,
+                                  "filter stage's directory, loaded from it by each scan task",
+                      "tasks_at_once": 1, "grams": 89, "items": 4, "file_bytes": ngram_file,
+                      "bytes_per_task": 89 * 12, "load_peak_bytes_per_task": 89 * 28,
                       "eval_sets": [str(gsm8k)]}}
     assert p["io_bytes"]["filter"] == {"read": int(staged + tables + keys + staged),
                                        "written": int(tables + keys + staged + ngram_file)}
@@ -756,7 +756,7 @@ def test_plan_counts_the_filter_stage_bytes_tasks_memory_and_ngram_set_exactly(t
     assert job.main(["--config", str(config), "--plan"]) == 0  # the table names the filter stage
     assert ("filter: scans 18 documents (36.00 KiB staged; scan units: 3, reads: 1), rewrites at most 36.00 KiB; hash "
             "tables 672 B, duplicate keys at most 272 B; n-gram set 89 grams of 4 items (1.52 KiB file; 1.04 KiB per "
-            "scan actor, actors: 1, 2.43 KiB while loading), built on the driver") in capsys.readouterr().out
+            "scan task, tasks at once: 1, 2.43 KiB while loading), built on the driver") in capsys.readouterr().out
 
 
 def test_plan_counts_the_scan_units_and_reads_that_the_filter_stage_builds(tmp_path, monkeypatch, capsys):

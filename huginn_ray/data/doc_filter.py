@@ -6,11 +6,14 @@ staged files, so a document left out here never reaches packing, and the rest pa
 Data datasets over every source with weight > 0, the records flowing from a read to a write:
 
 1. `doc_scan`: the staged documents read by scan unit (a staged file, or a run of `scan_unit_docs` documents of a
-   large one: huginn_ray/data/tokenize_pack.py `staged_documents`) -> `ScanDocuments`, a callable class on an
-   actor pool (one actor per CPU, the evaluation n-gram set loaded once per actor from `ngrams.npy`): each
-   document's content hash (huginn_ray/data/doc_dedup.py) and its first n-gram found in the evaluation sets
-   (huginn_ray/data/decontaminate.py) -> the `scan_tables` write, per unit `scan/FFFFFF-RRRRRRRRRR.npy` ((hash,
-   row) sorted) and `.json` (matches), F = the file's ordinal in source-list, file order, R its first row;
+   large one: huginn_ray/data/tokenize_pack.py `staged_documents`) -> `scan_documents` (the evaluation n-gram set
+   loaded from `ngrams.npy` by each call): each document's content hash (huginn_ray/data/doc_dedup.py) and its
+   first n-gram found in the evaluation sets (huginn_ray/data/decontaminate.py) -> the `scan_tables` write, per
+   unit `scan/FFFFFF-RRRRRRRRRR.npy` ((hash, row) sorted) and `.json` (matches), F = the file's ordinal in
+   source-list, file order, R its first row. Read, map and write are fused into one Ray task per read of scan
+   units: the documents never cross the object store, and the stage starts no actor (an actor pool's start, a
+   process importing Ray Data and the project, cost 2.5-3 s per filter run on the 2-core machine, more than
+   loading the n-gram set in every task);
 2. `doc_dedup` (dedup: exact): per hash bucket of about `DOCS_PER_BUCKET` documents, one record holding the
    bucket's (hash, key) entries read from every unit's table (`bucket_hashes`) -> `find_duplicates` -> the
    `duplicate_keys` write: the keys of the documents whose content occurred at a smaller key, `dups/BBBBB.npy`.
@@ -22,10 +25,9 @@ Data datasets over every source with weight > 0, the records flowing from a read
    the kept documents of each batch of `READ_BATCH_ROWS` read.
 
 Ray Data streams the records between the operators with its backpressure and shows each operator's progress in
-records (documents, buckets); progress bars are off under `prepare_data.py --quiet`. A worker or actor killed (by
-Ray's memory monitor, the kernel's OOM killer, a node lost) reruns the units that had not committed their files,
-each with twice its memory (huginn_ray/data/execution.py `rerun_killed`; tasks are not retried, actors not
-restarted); an error of this project's (a staged file that no longer matches its marker) fails the stage as that
+records (documents, buckets); progress bars are off under `prepare_data.py --quiet`. A worker killed (by Ray's
+memory monitor, the kernel's OOM killer, a node lost) reruns the units that had not committed their files, each
+with twice its memory (huginn_ray/data/execution.py `rerun_killed`; tasks are not retried); an error of this project's (a staged file that no longer matches its marker) fails the stage as that
 exception, naming the file.
 
 Resumable like the other stages: everything is written into `filtered.partial/`, keyed by the stage's
@@ -60,7 +62,7 @@ from huginn_ray.data.doc_near_dedup import (NEAR_REPORT, SignatureFiles, find_ne
                                             near_bucket_memory, near_columns, near_drops, near_pairs_files,
                                             near_pairs_report, write_near_report, write_near_tables)
 from huginn_ray.data.execution import (block_size, declared_memory, node_memory_cap, quiet_remote_args, rerun_killed,
-                                        table_sink, unit_reads)
+                                        table_sink, task_args, unit_reads)
 from huginn_ray.data.filter_counts import print_counts
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.near_dedup import MinHashParams
@@ -71,10 +73,12 @@ from huginn_ray.data.tokenize_pack import BATCH, staged_documents, whole_batches
 
 FILTER_VERSION = 1
 SCAN_UNIT_DOCS = 1 << 16
-SCAN_UNIT_CHARS = 1 << 26
+SCAN_UNIT_CHARS = 1 << 24
 """A scan unit (one block from the read to the write) holds at most SCAN_UNIT_DOCS documents and, at its
-source's mean document size, SCAN_UNIT_CHARS characters (64 Mi: about 64-256 MiB of text as Arrow and Python
-strings in an actor); a smaller staged file is one unit."""
+source's mean document size, SCAN_UNIT_CHARS characters (16 Mi: about 16-64 MiB of text as Arrow and Python
+strings in an actor, about a second of scanning); a smaller staged file is one unit. Units this size spread a
+large staged file over every scan actor (one of 64 Mi characters kept the 64 MiB file of bench/data_pipeline.py
+on one actor, the other CPU idle)."""
 READ_BATCH_ROWS = 4096
 """Staged documents `doc_filter` reads at a time; a rewritten file has one row group per batch read (its kept
 documents)."""
@@ -125,36 +129,35 @@ def scan_reads(units: list[dict]) -> list[list[dict]]:
     return reads
 
 
-class ScanDocuments:
-    """doc_scan's map, a callable class on an actor pool: the n-gram set is loaded once per actor. One call = one
-    block of whole scan units: per document its content hash and, when the set is not empty, its first gram
-    found in the set (`gram`, `item`; null when none)."""
+def scan_documents(table: pa.Table, ngram_file: str | None, lengths: tuple[int, ...],
+                   near: dict | None = None) -> pa.Table:
+    """doc_scan's map, a function on tasks: one call = one block of whole scan units: per document its content
+    hash and, when the set is not empty, its first gram found in the set (`gram`, `item`; null when none); with
+    `near` (the near_dedup settings) its MinHash signature and band keys."""
+    if ngram_file is None:
+        hashes, items = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
+    else:
+        grams = np.load(ngram_file)  # save_ngram_set: (hash, item) per gram, sorted by hash
+        hashes, items = np.ascontiguousarray(grams[:, 0]), grams[:, 1].astype(np.uint32)
+        del grams
+    params = None if near is None else MinHashParams.make(near["shingle"], near["bands"], near["rows"], near["seed"])
+    return pa.concat_tables([scan_unit(unit, records, hashes, items, tuple(lengths), params)
+                             for unit, records in whole_batches(table)])
 
-    def __init__(self, ngram_file: str | None, lengths: tuple[int, ...], near: dict | None = None):
-        if ngram_file is None:
-            self.hashes, self.items = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
-        else:
-            table = np.load(ngram_file)  # save_ngram_set: (hash, item) per gram, sorted by hash
-            self.hashes, self.items = np.ascontiguousarray(table[:, 0]), table[:, 1].astype(np.uint32)
-        self.lengths = tuple(lengths)
-        self.near = None if near is None else MinHashParams.make(near["shingle"], near["bands"], near["rows"],
-                                                                 near["seed"])
 
-    def __call__(self, table: pa.Table) -> pa.Table:
-        return pa.concat_tables([self.scan(unit, records) for unit, records in whole_batches(table)])
-
-    def scan(self, unit: dict, records: pa.Table) -> pa.Table:
-        texts = records.column("text").to_pylist()
-        grams, items = [None] * len(texts), [None] * len(texts)
-        if len(self.hashes):
-            for i, text in enumerate(texts):
-                match = first_match(document_words(text, unit["chat"]), self.hashes, self.items, self.lengths)
-                if match is not None:
-                    grams[i], items[i] = match.gram, match.item
-        near = {} if self.near is None else near_columns(texts, self.near)
-        return pa.table({"hash": pa.array(content_hashes(texts), pa.uint64()), "doc_id": records.column("doc_id"),
-                         "gram": pa.array(grams, pa.string()), "item": pa.array(items, pa.int64()), **near,
-                         BATCH: records.column(BATCH)})
+def scan_unit(unit: dict, records: pa.Table, hashes: np.ndarray, items: np.ndarray, lengths: tuple[int, ...],
+              near: MinHashParams | None) -> pa.Table:
+    texts = records.column("text").to_pylist()
+    grams, matched_items = [None] * len(texts), [None] * len(texts)
+    if len(hashes):
+        for i, text in enumerate(texts):
+            match = first_match(document_words(text, unit["chat"]), hashes, items, lengths)
+            if match is not None:
+                grams[i], matched_items[i] = match.gram, match.item
+    near_cols = {} if near is None else near_columns(texts, near)
+    return pa.table({"hash": pa.array(content_hashes(texts), pa.uint64()), "doc_id": records.column("doc_id"),
+                     "gram": pa.array(grams, pa.string()), "item": pa.array(matched_items, pa.int64()), **near_cols,
+                     BATCH: records.column(BATCH)})
 
 
 def write_scan(unit: dict, records: pa.Table, scan_dir: str) -> None:
@@ -194,13 +197,11 @@ def run_scan(units: list[dict], scan_dir: Path, ngram_file: Path | None, lengths
              near: dict | None) -> None:
     """doc_scan over the units whose table is not committed yet (with `near`, the near_dedup settings, their
     signatures too)."""
-    import ray
     import ray.data
 
     def done(i: int) -> bool:
         return (scan_dir / f"{units[i]['name']}.npy").exists()
 
-    actors = int(ray.cluster_resources().get("CPU", 1))
     scanner = {"ngram_file": None if ngram_file is None else str(ngram_file), "lengths": lengths, "near": near}
 
     def run(todo: list[int], declared: list[int | None]) -> None:
@@ -208,18 +209,15 @@ def run_scan(units: list[dict], scan_dir: Path, ngram_file: Path | None, lengths
         for i in todo:
             if not done(i):
                 classes.setdefault(declared[i], []).append(units[i])
-        for memory, members in sorted(classes.items(), key=lambda kv: kv[0] or 0):  # one actor pool per class
-            reads = scan_reads(members)
-            pool = max(1, min(actors, len(reads)))
+        for memory, members in sorted(classes.items(), key=lambda kv: kv[0] or 0):  # one dataset per declaration
+            reads, remote = scan_reads(members), task_args(memory)
             with quiet_remote_args():
-                # one read task and one block per read (whole units); reads and writes take no CPU, so that the
-                # scanners may hold every CPU, and at most `pool` of each run at once (each is a process)
-                ray.data.read_datasource(staged_documents(reads), override_num_blocks=len(reads), num_cpus=0,
-                                         concurrency=pool).map_batches(
-                    ScanDocuments, fn_constructor_kwargs=scanner, batch_size=None, batch_format="pyarrow",
-                    compute=ray.data.ActorPoolStrategy(min_size=1, max_size=pool), num_cpus=1, memory=memory,
-                    max_restarts=0).write_datasink(
-                    scan_tables(str(scan_dir)), ray_remote_args={"num_cpus": 0, "max_retries": 0}, concurrency=pool)
+                # one read task and one block per read (whole units); read, map and write carry the same remote
+                # args, so that Ray Data fuses them into one task per read
+                ray.data.read_datasource(staged_documents(reads), override_num_blocks=len(reads),
+                                         ray_remote_args=remote).map_batches(
+                    scan_documents, fn_kwargs=scanner, batch_size=None, batch_format="pyarrow", **remote
+                ).write_datasink(scan_tables(str(scan_dir)), ray_remote_args=remote)
 
     with block_size(None):
         rerun_killed(run, [None] * len(units), name="doc_scan",

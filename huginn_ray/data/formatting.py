@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.json as pj
 import pyarrow.parquet as pq
@@ -109,6 +110,20 @@ class Batch:
     empty: int = 0
     """Good records whose document is empty (filter `empty`)."""
     bad: list[BadRecord] = field(default_factory=list)
+
+
+@dataclass
+class FormattedBatch:
+    """A batch of records formatted (format_batch)."""
+    texts: pa.LargeStringArray
+    """Each record's document ("" when empty), null where the record is bad."""
+    bad: list[BadRecord]
+    """The bad records, in record order: one per null of `texts`."""
+
+
+def _formatted(results: list[str | BadRecord]) -> FormattedBatch:
+    return FormattedBatch(pa.array([None if isinstance(r, BadRecord) else r for r in results], pa.large_string()),
+                          [r for r in results if isinstance(r, BadRecord)])
 
 
 def check_role_order(messages: list[dict]) -> None:
@@ -192,9 +207,11 @@ class RawBatch:
     passes to its map (huginn_ray/data/staging.py)."""
     numbers: list[int]
     """The 1-based line (JSONL, text) or row (parquet) of each record."""
-    records: list[bytes]
-    """Each record's content: a JSON line as it is in the file; a parquet row's feature values, pickled (a value
-    that is not UTF-8 as `Undecodable`); a text file's bytes."""
+    records: pa.LargeBinaryArray
+    """Each record's content, as Arrow binary values (staging's read passes them to its map as they are, and a
+    clean batch of JSON lines reaches Arrow's JSON reader from their buffer without a copy): a JSON line as it is
+    in the file, its newline included; a parquet row's feature values, pickled (a value that is not UTF-8 as
+    `Undecodable`); a text file's bytes."""
     message_lists: list[str] = field(default_factory=list)
     """JSONL: the features the file holds as message lists (the first non-null value among its first
     ROWS_PER_BATCH records is a list), read as such by Arrow's reader in every batch of the file."""
@@ -226,11 +243,11 @@ def read_batches(path: str | Path, source: Source) -> Iterator[RawBatch]:
         raise DataError(f"source {source.name!r}: cannot read {path}: {type(err).__name__}: {err}") from None
 
 
-def format_batch(raw: RawBatch, path: str | Path, source: Source) -> list[str | BadRecord]:
-    """Each record's document ("" when empty) or BadRecord (named by file, line or row, and reason), in record
-    order. JSON lines are parsed by Arrow's JSON reader while the batch is clean; a batch that Arrow cannot read,
-    that holds a null (Arrow reads a missing field as null) or a record that cannot be formatted is read line by
-    line, which names each bad line and keeps the others."""
+def format_batch(raw: RawBatch, path: str | Path, source: Source) -> FormattedBatch:
+    """Each record's document ("" when empty) or BadRecord (named by file, line or row, and reason). JSON lines
+    are parsed by Arrow's JSON reader while the batch is clean; a batch that Arrow cannot read, that holds a null
+    (Arrow reads a missing field as null) or a record that cannot be formatted is read line by line, which names
+    each bad line and keeps the others."""
     path = Path(path)
     formatters = {"parquet": _parquet_records, "jsonl": _jsonl_records, "text": _text_record}
     try:
@@ -243,9 +260,9 @@ def iter_documents(path: str | Path, source: Source) -> Iterator[Batch]:
     """The documents of one input file, in batches with the file's bad records (named by line or row) and
     counts, read and formatted in this process (what staging does on its workers: huginn_ray/data/staging.py)."""
     for raw in read_batches(path, source):
-        results = format_batch(raw, path, source)
-        yield Batch([r for r in results if isinstance(r, str) and r], len(results),
-                    sum(1 for r in results if r == ""), [r for r in results if isinstance(r, BadRecord)])
+        formatted = format_batch(raw, path, source)
+        texts = formatted.texts.to_pylist()
+        yield Batch([t for t in texts if t], len(texts), sum(1 for t in texts if t == ""), formatted.bad)
 
 
 def _undecodable(data: bytes, err: UnicodeError) -> RecordError:
@@ -276,7 +293,7 @@ def _parquet_batches(path: Path, source: Source) -> Iterator[RawBatch]:
     for batch in pf.iter_batches(batch_size=ROWS_PER_BATCH, columns=source.features):
         columns = [_python_values(batch.column(f)) for f in source.features]
         yield RawBatch(list(range(first_row + 1, first_row + batch.num_rows + 1)),
-                       [pickle.dumps(list(values)) for values in zip(*columns)])
+                       binary_records([pickle.dumps(list(values)) for values in zip(*columns)]))
         first_row += batch.num_rows
 
 
@@ -294,9 +311,9 @@ def _python_values(column: pa.Array) -> list:
         return values
 
 
-def _parquet_records(raw: RawBatch, path: Path, source: Source) -> list[str | BadRecord]:
+def _parquet_records(raw: RawBatch, path: Path, source: Source) -> FormattedBatch:
     out: list[str | BadRecord] = []
-    for number, record in zip(raw.numbers, raw.records):
+    for number, record in zip(raw.numbers, raw.records.to_pylist()):
         values = pickle.loads(record)
         try:
             undecodable = next((v for v in values if isinstance(v, Undecodable)), None)
@@ -308,28 +325,41 @@ def _parquet_records(raw: RawBatch, path: Path, source: Source) -> list[str | Ba
                      for f, v in zip(source.features, values)}
             out.append(BadRecord(str(path), "row", number, err.reason, str(err),
                                  json.dumps(shown, ensure_ascii=False, default=str)))
-    return out
+    return _formatted(out)
 
 
 def _jsonl_batches(path: Path, source: Source) -> Iterator[RawBatch]:
     """The non-blank lines of a JSONL file in batches of ROWS_PER_BATCH, with their line numbers."""
-    batch, message_lists = RawBatch([], []), None
+    numbers, records, message_lists = [], [], None
     with io.BufferedReader(_open_binary(path)) as lines:
         for line_no, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            batch.numbers.append(line_no)
-            batch.records.append(line)
-            if len(batch.records) == ROWS_PER_BATCH:
-                message_lists = _message_list_features(batch.records, source) if message_lists is None else \
-                    message_lists
-                batch.message_lists = message_lists
-                yield batch
-                batch = RawBatch([], [])
-    if batch.records:
-        batch.message_lists = _message_list_features(batch.records, source) if message_lists is None else \
-            message_lists
-        yield batch
+            numbers.append(line_no)
+            records.append(line)
+            if len(records) == ROWS_PER_BATCH:
+                message_lists = _message_list_features(records, source) if message_lists is None else message_lists
+                yield RawBatch(numbers, binary_records(records), message_lists)
+                numbers, records = [], []
+    if records:
+        message_lists = _message_list_features(records, source) if message_lists is None else message_lists
+        yield RawBatch(numbers, binary_records(records), message_lists)
+
+
+def binary_records(records: list[bytes]) -> pa.LargeBinaryArray:
+    """A batch's records as RawBatch holds them."""
+    return pa.array(records, pa.large_binary())
+
+
+def _joined_lines(records: pa.LargeBinaryArray) -> pa.Buffer:
+    """The batch's JSON lines as one buffer, each ending in a newline: a slice of the records' own value buffer
+    (consecutive lines of the file, each with its newline), except where a line lacks its newline (a file's last
+    line may), which is copied with one added."""
+    _, offsets, values = records.buffers()
+    bounds = np.frombuffer(offsets, np.int64)[records.offset:records.offset + len(records) + 1]
+    if (np.frombuffer(values, np.uint8)[bounds[1:] - 1] == ord("\n")).all():  # (lines are non-blank: length >= 1)
+        return values.slice(int(bounds[0]), int(bounds[-1] - bounds[0]))
+    return pa.py_buffer(b"".join(line if line.endswith(b"\n") else line + b"\n" for line in records.to_pylist()))
 
 
 def _message_list_features(records: list[bytes], source: Source) -> list[str]:
@@ -353,29 +383,40 @@ def _message_list_features(records: list[bytes], source: Source) -> list[str]:
     return sorted(lists)
 
 
-def _jsonl_records(raw: RawBatch, path: Path, source: Source) -> list[str | BadRecord]:
+def _jsonl_records(raw: RawBatch, path: Path, source: Source) -> FormattedBatch:
     """A batch of JSON lines through Arrow's JSON reader (one thread: a task is one CPU), reading only the
-    features, typed as text or message lists; line by line (`_json_record`) when the batch is not clean."""
+    features, typed as text or message lists; line by line (`_json_record`) when the batch is not clean. A clean
+    batch of a source whose document is its one text feature keeps Arrow's column as the documents (checked to be
+    UTF-8, as Python's decoding of the values would check it)."""
     schema = pa.schema([(f, _message_list_type() if f in raw.message_lists else pa.large_string())
                         for f in source.features])
-    data = b"".join(line if line.endswith(b"\n") else line + b"\n" for line in raw.records)
+    data = _joined_lines(raw.records)
     try:
         table = pj.read_json(pa.BufferReader(data),
-                             read_options=pj.ReadOptions(use_threads=False, block_size=len(data) + 1),
+                             read_options=pj.ReadOptions(use_threads=False, block_size=data.size + 1),
                              parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"))
         if table.num_rows == len(raw.records) and not any(column.null_count for column in table.columns):
+            if _document_is_feature(source):
+                texts = table.column(0).combine_chunks()
+                texts.validate(full=True)
+                return FormattedBatch(texts, [])
             columns = [table.column(f).to_pylist() for f in source.features]
-            return [format_record(list(values), source) for values in zip(*columns)]
+            return _formatted([format_record(list(values), source) for values in zip(*columns)])
     except (pa.ArrowInvalid, UnicodeDecodeError, RecordError):
         pass
     out: list[str | BadRecord] = []
-    for line_no, line in zip(raw.numbers, raw.records):
+    for line_no, line in zip(raw.numbers, raw.records.to_pylist()):
         try:
             out.append(_json_record(line, source, set(raw.message_lists)))
         except RecordError as err:
             out.append(BadRecord(str(path), "line", line_no, err.reason, str(err),
                                  line.rstrip(b"\r\n").decode("utf-8", "backslashreplace")))
-    return out
+    return _formatted(out)
+
+
+def _document_is_feature(source: Source) -> bool:
+    """A source whose document is its one feature's text as it is (format_record)."""
+    return len(source.features) == 1 and not (source.is_chat or source.needs_chat_templating)
 
 
 def _json_record(line: bytes, source: Source, lists: set[str]) -> str:
@@ -432,14 +473,14 @@ def _text_batches(path: Path, source: Source) -> Iterator[RawBatch]:
     if source.features != ["text"]:
         raise DataError(f"source {source.name!r}: {path} is a text file, so features must be [text], "
                         f"got {source.features}")
-    yield RawBatch([1], [path.read_bytes()])
+    yield RawBatch([1], binary_records([path.read_bytes()]))
 
 
-def _text_record(raw: RawBatch, path: Path, source: Source) -> list[str | BadRecord]:
-    (data,) = raw.records
+def _text_record(raw: RawBatch, path: Path, source: Source) -> FormattedBatch:
+    (data,) = raw.records.to_pylist()
     try:
-        return [data.decode("utf-8")]
+        return _formatted([data.decode("utf-8")])
     except UnicodeDecodeError as err:
         bad = _undecodable(data, err)
-        return [BadRecord(str(path), "line", data.count(b"\n", 0, err.start) + 1, bad.reason, str(bad),
-                          data.decode("utf-8", "backslashreplace"))]
+        return _formatted([BadRecord(str(path), "line", data.count(b"\n", 0, err.start) + 1, bad.reason, str(bad),
+                                     data.decode("utf-8", "backslashreplace"))])

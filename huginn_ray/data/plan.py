@@ -25,7 +25,7 @@ Estimates, all per split-less total (train + validation together):
 - the filter stage (`decontaminate` / `dedup` on; huginn_ray/data/doc_filter.py), `filter` in the plan: the
   staged documents and bytes it scans, its scan units and reads (doc_filter's `scan_units` and `scan_reads` over
   each staged file's estimated documents), its dedup buckets, the evaluation n-gram set (grams; bytes as
-  `ngrams.npy` and in each `ScanDocuments` actor; built only when no Hub evaluation set has to be fetched) and,
+  `ngrams.npy` and in each scan task; built only when no Hub evaluation set has to be fetched) and,
   with `dedup: near`, its signatures, band buckets and their tasks' memory (doc_near_dedup.near_dedup_plan).
   Bytes: `doc_scan` reads the staged files (S) and writes 16 B per document of hash tables (+ an npy header per
   scan unit); `doc_dedup` writes at most 8 B per document (its duplicates' keys); `doc_filter` rewrites every
@@ -129,10 +129,10 @@ def build_plan(cfg: DataConfig, sources: list[Source], ngrams: NgramSet | None =
 NPY_HEADER = 128
 """Bytes of an .npy file's header (format 1.0, padded to 64-byte blocks; 128 for these arrays)."""
 
-NGRAM_ACTOR_BYTES_PER_GRAM = (8 + 4, 16 + 8 + 4)
-"""What a `ScanDocuments` actor holds of the n-gram set per gram (doc_filter.ScanDocuments.__init__): the hashes
-(uint64) and items (uint32) it keeps, and its peak while loading them (the (hash, item) uint64 table of
-`ngrams.npy`, 16 B, read whole before the two are copied out of it)."""
+NGRAM_TASK_BYTES_PER_GRAM = (8 + 4, 16 + 8 + 4)
+"""What a scan task holds of the n-gram set per gram (doc_filter.scan_documents): the hashes (uint64) and items
+(uint32) it keeps, and its peak while loading them (the (hash, item) uint64 table of `ngrams.npy`, 16 B, read
+whole before the two are copied out of it)."""
 
 
 def _scan_work(staged: list[tuple[Source, list[int], float]]) -> tuple[int, int]:
@@ -442,7 +442,7 @@ def _counts(cfg: DataConfig, entries: list[dict], volumes: _Volumes, filters: _F
                          + (filters.scan_reads + filters.buckets + staged_files if filters.filtering else 0)
                          + (filters.near.buckets if filters.near else 0)),
     }
-    if filters.filtering:  # doc_scan: one read (and actor call) per group of scan units; doc_dedup: one task per
+    if filters.filtering:  # doc_scan: one task per group of scan units; doc_dedup: one task per
         # bucket; doc_filter: one per staged file (the bound: a file that loses no document is linked, no task)
         counts.update(scan_units=filters.scan_units, scan_tasks=filters.scan_reads, dedup_tasks=filters.buckets,
                       filter_tasks=staged_files, **({"near_pairs_tasks": filters.near.buckets} if filters.near else {}))
@@ -454,7 +454,7 @@ def _filter_report(cfg: DataConfig, volumes: _Volumes, filters: _FilterStage, ng
     """The plan's `filter`: the documents and bytes the filter stage scans and writes, and its n-gram set."""
     if not filters.filtering:
         return None
-    scan_actors = min(cpus, filters.scan_reads)  # doc_filter.run_scan: one actor per CPU, at most one per read
+    scan_tasks = min(cpus, filters.scan_reads)  # doc_filter.run_scan: one task per read, at most one per CPU at once
     return {
         "documents": int(volumes.documents), "staged_bytes": int(volumes.staged_bytes),
         "rewritten_bytes": int(filters.rewritten), "hash_table_bytes": int(filters.hash_tables),
@@ -462,13 +462,13 @@ def _filter_report(cfg: DataConfig, volumes: _Volumes, filters: _FilterStage, ng
         **({"near_signature_bytes": filters.near.scan_bytes_written} if filters.near else {}),
         "ngram_set": None if cfg.decontaminate.mode == "none" else {
             "built_on": "driver, before any stage (pipeline.eval_ngrams); saved as ngrams.npy in the filter "
-                        "stage's directory, loaded from it once by each ScanDocuments actor",
-            "actors": scan_actors,
+                        "stage's directory, loaded from it by each scan task",
+            "tasks_at_once": scan_tasks,
             **({"grams": None, "why": "a Hub evaluation set is not fetched yet: built when the run starts"}
                if ngrams is None else
                {"grams": len(ngrams.hashes), "items": len(ngrams.sources), "file_bytes": int(filters.ngram_file),
-                "bytes_per_actor": NGRAM_ACTOR_BYTES_PER_GRAM[0] * len(ngrams.hashes),
-                "load_peak_bytes_per_actor": NGRAM_ACTOR_BYTES_PER_GRAM[1] * len(ngrams.hashes),
+                "bytes_per_task": NGRAM_TASK_BYTES_PER_GRAM[0] * len(ngrams.hashes),
+                "load_peak_bytes_per_task": NGRAM_TASK_BYTES_PER_GRAM[1] * len(ngrams.hashes),
                 "eval_sets": [o.get("path") or f"{o['hub']}@{o['commit'][:12]}" for o in ngrams.origins]})}}
 
 
@@ -576,8 +576,8 @@ def format_plan(plan: dict) -> str:
                      f"at most {_size(f['duplicate_key_bytes'])}; n-gram set " + (
                          "off" if grams is None else f"not built yet ({grams['why']})" if grams["grams"] is None else
                          f"{grams['grams']:,d} grams of {grams['items']:,d} items ({_size(grams['file_bytes'])} file; "
-                         f"{_size(grams['bytes_per_actor'])} per scan actor, actors: {grams['actors']}, "
-                         f"{_size(grams['load_peak_bytes_per_actor'])} while loading), built on the driver"))
+                         f"{_size(grams['bytes_per_task'])} per scan task, tasks at once: {grams['tasks_at_once']}, "
+                         f"{_size(grams['load_peak_bytes_per_task'])} while loading), built on the driver"))
     lines.append("shards from the packed rows: " + ", ".join(
         f"{split} {method}" for split, method in plan["reshard_method"].items()))
     lines.append("memory per task: " + ", ".join(

@@ -44,9 +44,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.execution import (original_error, quiet_remote_args, rerun_killed, table_sink, task_args,
-                                        unit_reads)
-from huginn_ray.data.formatting import BadRecord, DataError, RawBatch, format_batch, read_batches
+from huginn_ray.data.execution import (block_size, original_error, quiet_remote_args, rerun_killed, table_sink,
+                                        task_args, unit_reads)
+from huginn_ray.data.formatting import BadRecord, DataError, RawBatch, binary_records, format_batch, read_batches
 from huginn_ray.data.sources import Source
 
 STAGING_SCHEMA = pa.schema([("text", pa.large_string()), ("source", pa.string()), ("doc_id", pa.int64())])
@@ -223,7 +223,9 @@ def run_staging(files: list[dict], todo: list[int], results: dict[int, dict]) ->
             # file: its records go from the reader to the writer without crossing the object store, and one write
             # holds the whole file (the writer refuses part of one)
             remote = task_args(memory)
-            with quiet_remote_args():
+            # block shaping off: each batch's block goes from the read through the map to the writer as it is (Ray
+            # Data would otherwise concatenate the read's blocks into one of up to 128 MiB: a copy of the file)
+            with quiet_remote_args(), block_size(None):
                 try:
                     ray.data.read_datasource(staging_inputs(files, members), override_num_blocks=len(members),
                                              ray_remote_args=remote).map_batches(
@@ -261,7 +263,7 @@ def read_input_file(file: int, unit: dict):
         pending = (batch, ordinal, raw)
         ordinal += len(raw.records)
     if pending is None:  # no record: the file's end alone, so that its (empty) staged file is written
-        pending = (0, 0, RawBatch([0], [b""]))
+        pending = (0, 0, RawBatch([0], binary_records([b""])))
     yield _input_block(file, *pending, last=True)
 
 
@@ -269,7 +271,7 @@ def _input_block(file: int, batch: int, first: int, raw: RawBatch, last: bool) -
     n = len(raw.records)
     return pa.table([pa.array([file] * n, pa.int32()), pa.array([batch] * n, pa.int32()),
                      pa.array(range(first, first + n), pa.int64()), pa.array(raw.numbers, pa.int64()),
-                     pa.array(raw.records, pa.large_binary()),
+                     raw.records,
                      pa.array([json.dumps(raw.message_lists)] * n, pa.large_string()),
                      pa.array([False] * (n - 1) + [last], pa.bool_())], schema=INPUT_COLUMNS)
 
@@ -292,24 +294,31 @@ def format_records(table: pa.Table, files: list[dict]) -> pa.Table:
     """The stage's map: each input record's document or bad record (FORMATTED_COLUMNS), formatted by
     huginn_ray/data/formatting.py. It holds no state worth loading once, so it is a plain function on tasks."""
     file_col = table.column("file").to_pylist()
-    numbers, records = table.column("number").to_pylist(), table.column("record").to_pylist()
-    lists = table.column("message_lists").to_pylist()
-    texts: list[str | None] = []
+    numbers, records = table.column("number").to_pylist(), table.column("record")
+    lists = table.column("message_lists")
+    texts: list[pa.Array] = []
     bad: list[str | None] = []
     for start, end in runs(table):
         if numbers[start] == 0:  # a file's end, without records
-            texts.append(None)
+            texts.append(pa.nulls(1, pa.large_string()))
             bad.append(None)
             continue
         unit = files[file_col[start]]
-        raw = RawBatch(numbers[start:end], records[start:end], json.loads(lists[start]))
-        for result in format_batch(raw, unit["path"], unit["source"]):
-            texts.append(None if isinstance(result, BadRecord) else result)
-            bad.append(json.dumps(quarantine_entry(result), ensure_ascii=False)
-                       if isinstance(result, BadRecord) else None)
+        raw = RawBatch(numbers[start:end], one_array(records.slice(start, end - start)),
+                       json.loads(lists[start].as_py()))
+        formatted = format_batch(raw, unit["path"], unit["source"])
+        texts.append(formatted.texts)
+        entries = iter(formatted.bad)
+        bad += [json.dumps(quarantine_entry(next(entries)), ensure_ascii=False) if is_bad else None
+                for is_bad in formatted.texts.is_null().to_pylist()]
     return pa.table([table.column("file"), table.column("batch"), table.column("ordinal"), table.column("number"),
-                     pa.array(texts, pa.large_string()), pa.array(bad, pa.large_string()), table.column("last")],
+                     pa.concat_arrays(texts), pa.array(bad, pa.large_string()), table.column("last")],
                     schema=FORMATTED_COLUMNS)
+
+
+def one_array(column: pa.ChunkedArray) -> pa.Array:
+    """A column's values as one array: its chunk when it has one (no copy)."""
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
 def quarantine_entry(record: BadRecord) -> dict:
