@@ -1,6 +1,6 @@
 """Serving load test: N concurrent clients on loopback against the OpenAI-compatible server (jobs/serve.py).
 
-    python bench/serve_load.py --checkpoint DIR [--tokenizer DIR] [--max-rows 8] [--replicas 1]
+    python bench/serve_load.py --checkpoint DIR [--tokenizer DIR] [--max-rows 8] [--replicas 1] [--exit-wait-steps N]
         [--clients 8] [--requests 64] [--max-seconds 120] [--max-tokens 24] [--num-steps 16]
         [--exit-criterion latent-diff] [--exit-threshold 0.03] [--stream-every 2] [--json]
     python bench/serve_load.py --url http://127.0.0.1:8000 ...      # a server already running
@@ -125,6 +125,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
                "--max-rows", str(args.max_rows), "--replicas", str(args.replicas)]
     if args.tokenizer:
         command += ["--tokenizer", args.tokenizer]
+    if args.exit_wait_steps is not None:
+        command += ["--exit-wait-steps", str(args.exit_wait_steps)]
     server = subprocess.Popen(command, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -146,6 +148,7 @@ def main() -> None:
     parser.add_argument("--url", help="a running server instead")
     parser.add_argument("--max-rows", type=int, default=8, help="engine rows of the server it starts")
     parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--exit-wait-steps", type=int, help="the server's --exit-wait-steps (default: the server's)")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-seconds", type=float, default=120)

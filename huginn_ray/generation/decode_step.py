@@ -172,15 +172,20 @@ def finish(model: RecurrentGPT, slots: Slots, kind: StepKind) -> None:
     slots.emitted.copy_(emitted)
     slots.exited.copy_(slots.exited & ~ending)
     slots.active.copy_(slots.active & ~done)
-    begin_comparands(slots, going_on, initial)
+    begin_comparands(slots, going_on, initial, kind.criteria)
 
 
-def begin_comparands(slots: Slots, rows: Tensor, initial: Tensor) -> None:
+def begin_comparands(slots: Slots, rows: Tensor, initial: Tensor, criteria: tuple[str, ...]) -> None:
     """A fresh forward's criterion comparands for `rows`, from its initial states (B, D)
-    (huginn_ray.generation.exits.ExitCriterion's starting values)."""
-    V = slots.previous_logp.shape[1]
-    slots.previous_state.copy_(torch.where(rows[:, None, None], initial[:, None].float(), slots.previous_state))
-    slots.previous_entropy.copy_(torch.where(rows, ENTROPY_START, slots.previous_entropy))
-    slots.previous_argmax.copy_(torch.where(rows, -1, slots.previous_argmax))
-    slots.stable.copy_(torch.where(rows, 0, slots.stable))
-    slots.previous_logp.copy_(torch.where(rows[:, None], -math.log(V), slots.previous_logp))
+    (huginn_ray.generation.exits.ExitCriterion's starting values): those of `criteria` only, the criteria of
+    every request in flight (a slot's others are set when a request is loaded into it)."""
+    if "latent-diff" in criteria or "cosine" in criteria:
+        slots.previous_state.copy_(torch.where(rows[:, None, None], initial[:, None].float(), slots.previous_state))
+    if "entropy-diff" in criteria:
+        slots.previous_entropy.copy_(torch.where(rows, ENTROPY_START, slots.previous_entropy))
+    if "argmax-stability" in criteria:
+        slots.previous_argmax.copy_(torch.where(rows, -1, slots.previous_argmax))
+        slots.stable.copy_(torch.where(rows, 0, slots.stable))
+    if "kl" in criteria or "minp-kl" in criteria:
+        V = slots.previous_logp.shape[1]
+        slots.previous_logp.copy_(torch.where(rows[:, None], -math.log(V), slots.previous_logp))

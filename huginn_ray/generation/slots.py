@@ -140,8 +140,10 @@ class SlotAttention:
         rows = torch.arange(slots.rows, device=slots.device)
         self.slot = torch.where(write, rows, slots.rows)
         self.plane, self.latest = plane, latest
-        if plane is not None:  # (B, columns) index triples: row, column, the plane read
-            self.read_at = (rows[:, None], torch.arange(columns, device=slots.device)[None], read_plane)
+        if plane is not None:  # (B * columns,) the flat index of the (row, column, plane read) vectors
+            cache = slots.cache
+            columns_index = torch.arange(columns, device=slots.device)[None]
+            self.read_at = ((rows[:, None] * cache.positions + columns_index) * (cache.planes + 1) + read_plane).view(-1)
         if plane is not None and latest:
             self.latest_slot = torch.where(write & ~slots.full, rows, slots.rows)
             self.latest_plane = torch.full_like(plane, slots.cache.planes)
@@ -166,9 +168,11 @@ class SlotAttention:
             if self.latest:
                 store.index_put_((self.latest_slot, self.position, self.latest_plane), new[:, 0])
         # one plane per row and position: reading every plane through a mask would attend (planes + 1) times
-        # the keys, which costs far more than this copy of the keys the row attends (an index of whole
-        # heads x head_dim vectors; torch.gather's per-element index is several times slower on CPU)
-        return keys[self.read_at], values[self.read_at]
+        # the keys, which costs far more than this copy of the keys the row attends: an index_select of whole
+        # heads x head_dim vectors at flat indices (on CPU about 4x faster than advanced indexing with three
+        # index tensors, which computes each element's offset; torch.gather's per-element index is slower still)
+        shape = (rows, self.columns, self.cache.heads, self.cache.head_dim)
+        return tuple(store.view(-1, *shape[2:]).index_select(0, self.read_at).view(shape) for store in (keys, values))
 
     def attention_mask(self, index: int, length: int) -> Tensor:
         return self.mask
