@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -108,6 +109,37 @@ def test_each_request_gets_its_batch_1_output_with_requests_arriving_while_other
     assert got == [alone(model, request) for request in wanted]
     steps = [s for _, iterations in got for s in iterations]
     assert min(steps) < 10 and max(steps) == 10  # exits happened, and full depth too
+
+
+def test_every_forward_starts_its_criterion_from_the_starting_comparands(model):
+    """After every step, a row at iteration 0 (a forward that has not run yet: just admitted, or its previous
+    token just finished) holds its criterion's starting comparands, as batch-1 generation's fresh ExitCriterion:
+    the initial state, ENTROPY_START, no argmax and a stability of 0, the uniform log-probabilities."""
+    from huginn_ray.generation.exits import ENTROPY_START
+    from huginn_ray.generation.slots import CRITERION_CODES
+
+    codes = {code: name for name, code in CRITERION_CODES.items()}
+    engine = Engine(model, EngineConfig(max_rows=4, max_cache_bytes=10**9, exit_wait_steps=0))
+    checked = {name: 0 for name in CRITERION_CODES}
+    V = engine.slots.previous_logp.shape[1]
+
+    def watch(engine):
+        slots = engine.slots
+        for row in torch.nonzero(slots.active & (slots.iteration == 0)).flatten().tolist():
+            name = codes.get(int(slots.criterion[row]))
+            if name in ("latent-diff", "cosine"):
+                assert torch.equal(slots.previous_state[row, 0], slots.state[row].float()), (name, row)
+            elif name == "entropy-diff":
+                assert slots.previous_entropy[row].item() == ENTROPY_START
+            elif name == "argmax-stability":
+                assert (slots.previous_argmax[row].item(), slots.stable[row].item()) == (-1, 0)
+            elif name in ("kl", "minp-kl"):
+                assert torch.equal(slots.previous_logp[row], torch.full((V,), -math.log(V)))
+            if name is not None:
+                checked[name] += 1
+
+    drive(engine, {0: requests(14, min_steps=0)}, watch)
+    assert min(checked.values()) >= 2, checked  # every criterion, at forwards after the first
 
 
 def test_the_decode_step_reads_nothing_from_the_device(model):
