@@ -2,7 +2,7 @@
 
     files, origins = eval_files(cfg.decontaminate.against, cfg.root, cfg.download)  # on the driver
     ngrams = build_ngram_set(files, n=13, origins=origins, min_ngram=8)             # once, on the driver
-    match = first_match(document_words(text, chat=False), ngrams.hashes, ngrams.items, ngrams.lengths)  # a scan actor
+    match = first_match(document_words(text, chat=False), ngrams.hashes, ngrams.items, ngrams.lengths)  # a scan task
     guarded = guard_common_grams(ngrams, files, matches, dropping=True)            # the driver, before any write
 
 Evaluation sets are local files (`config.LocalEvalSet`, or a plain path; GSM8k's test format) or Hub datasets
@@ -32,8 +32,8 @@ Hashes, so the set is small and the check vectorised: a word's hash is the 64-bi
 a gram's hash is the polynomial `sum(word_hash[j] * P^(len-1-j)) mod 2^64` over its words, computed for all
 positions of a document at once with NumPy. A document matches when one of its grams' hashes is in the set (a
 false match needs a 64-bit collision). The set is a pair of arrays sorted by hash (the hash, and the evaluation
-item it comes from), written under the data root (`ngrams.npy`), from which each scan actor of the filter stage
-loads it once (huginn_ray/data/doc_filter.py).
+item it comes from), written under the data root (`ngrams.npy`), from which each scan task of the filter stage
+loads it (huginn_ray/data/doc_filter.py).
 """
 
 from __future__ import annotations

@@ -76,9 +76,8 @@ SCAN_UNIT_DOCS = 1 << 16
 SCAN_UNIT_CHARS = 1 << 24
 """A scan unit (one block from the read to the write) holds at most SCAN_UNIT_DOCS documents and, at its
 source's mean document size, SCAN_UNIT_CHARS characters (16 Mi: about 16-64 MiB of text as Arrow and Python
-strings in an actor, about a second of scanning); a smaller staged file is one unit. Units this size spread a
-large staged file over every scan actor (one of 64 Mi characters kept the 64 MiB file of bench/data_pipeline.py
-on one actor, the other CPU idle)."""
+strings in a task, about a second of scanning); a smaller staged file is one unit. Units this size spread a
+large staged file over every CPU's scan tasks (a 64 MiB staged file is four units, not one on one CPU)."""
 READ_BATCH_ROWS = 4096
 """Staged documents `doc_filter` reads at a time; a rewritten file has one row group per batch read (its kept
 documents)."""
