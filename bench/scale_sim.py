@@ -5,7 +5,7 @@ maximum of the two) through the real code paths of a run of `configs/train/front
 written (bf16-mixed: bf16 gathers, and the gradient exchange's second stream for the parameters FSDP2 leaves whole;
 4,096 train shards, so one micro-batch per step):
 
-    startup   the worker's own startup, loop._train up to its steps: start_worker (register_node,
+    startup   the worker's own startup, loop.train_on_rank up to its steps: start_worker (register_node,
               build_components: mesh, model, FSDP2 units, optimizer; the placements' all-gather and the node-layout
               check; warm_mesh), the validation rows' agreement, restore_state (no checkpoint: the seed's weights,
               check_replicas_agree), warmup_allreduce (128 MiB, 8 stages)
@@ -264,7 +264,7 @@ def meta_mesh(counts: Counts, new_groups: Counter):
 
 
 def start_rank(setup: Setup, world_size: int, rank: int):
-    """The worker's startup, loop._train up to its steps, over the stand-ins; returns the components and state
+    """The worker's startup, loop.train_on_rank up to its steps, over the stand-ins; returns the components and state
     run_steps would get."""
     ctx = SimulatedContext(rank, world_size, setup.shard_size)
     started = {}
@@ -275,7 +275,7 @@ def start_rank(setup: Setup, world_size: int, rank: int):
                   (loop, "build_components", on_meta(loop.build_components, 3)), (loop, "all_ranks", ctx.every_placement),
                   (loop, "warmup_allreduce", on_meta(loop.warmup_allreduce, 0)),
                   (parallel, "check_replicas_agree", on_meta(parallel.check_replicas_agree, 3))]):
-        loop._train(setup.cfg, setup.plan)
+        loop.train_on_rank(setup.cfg, setup.plan)
     return started["c"], started["state"]
 
 

@@ -16,7 +16,7 @@ step, within seconds, instead of leaving 4095 ranks waiting for the process-grou
 all-reduce and one read for everything else the log shows (huginn_ray.train.observe: phase times, module norms,
 every rank's step time, the model's telemetry, the validation losses).
 
-The file reads top down in the order a worker runs: its phases (`_train`), the components it builds, where its
+The file reads top down in the order a worker runs: its phases (`train_on_rank`), the components it builds, where its
 weights come from, the steps, then what a step logs, saves and validates. The model's parallelism is applied by
 huginn_ray.train.parallelize, the saves made by checkpoint.Checkpointer, the stops decided from
 huginn_ray.train.stopping.
@@ -69,7 +69,7 @@ def train_loop_per_worker(worker: WorkerConfig) -> None:
     logging.getLogger().setLevel(worker.log_level)
     cfg = worker.cfg
     try:
-        _train(cfg, worker.plan)
+        train_on_rank(cfg, worker.plan)
     except Stop as stop:
         # Every rank raises Stop at the same step (the decision is all-reduced). Ending normally instead of
         # raising keeps Ray Train from restarting a run that would only fail again; the driver learns why
@@ -85,7 +85,7 @@ def train_loop_per_worker(worker: WorkerConfig) -> None:
         tracking.close_loggers()
 
 
-def _train(cfg: TrainConfig, plan: RunPlan) -> None:
+def train_on_rank(cfg: TrainConfig, plan: RunPlan) -> None:
     """The run on this rank, phase by phase: start, validation rows, where the weights come from, the collective
     warmup, the metrics logger, the steps."""
     import ray.train  # here, not at the top: build_components and train_step run where Ray and MLflow are not installed
