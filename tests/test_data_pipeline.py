@@ -325,11 +325,11 @@ def test_same_bytes_from_a_separate_ray_with_one_cpu(prepared, chat_prepared, tm
         assert (tmp_path / "chat_one_cpu" / path.relative_to(chat_root / "pack")).read_bytes() == path.read_bytes()
 
 
-def _read_killed_once(fn, flag: Path):
-    """A read function (its first argument names the unit), except that the first attempt of the first call
-    SIGKILLs its own worker process in the middle of the task: after its first output is fully written under its
-    temp name, before that output is committed (the read, map and write of a unit are one task). Every attempt
-    appends (unit, memory= Ray gave it, killed or ran) to `<flag>.memory`."""
+def _task_killed_once(fn, flag: Path):
+    """A unit's task function (its first argument names the unit), except that the first attempt of the first
+    call SIGKILLs its own worker process in the middle of the task: after its first output is fully written under
+    its temp name, before that output is committed. Every attempt appends (unit, memory= Ray gave it, killed or
+    ran) to `<flag>.memory`."""
 
     def first_attempt_dies(*args, **kwargs):
         import ray
@@ -352,21 +352,17 @@ def _read_killed_once(fn, flag: Path):
     return first_attempt_dies
 
 
-def _map_step_killed_once(place_rows, flag: Path, work: Path, last: int):
-    """The shuffle map pass's map step, except that the first task of map group `last` SIGKILLs its own worker
-    process in the middle of the task, once the other groups' map files are committed under `work` (so that the
-    stopped dataset had completed tasks) and its own map file is fully written under its temp name, before it is
-    committed (the read, map and write of a map group are one task). Every task appends (its map group, memory=
-    Ray gave it, killed or ran) to `<flag>.memory`, once."""
-    seen = set()  # the map groups this task recorded (the map step runs once per block)
+def _map_task_killed_once(map_unit, flag: Path, work: Path, last: int):
+    """The shuffle map pass's task (shuffle.map_unit), except that the first attempt of map group `last` SIGKILLs
+    its own worker process in the middle of the task, once the other groups' map files are committed under `work`
+    (so that the stopped dataset had completed tasks) and its own map file is fully written under its temp name,
+    before it is committed. Every attempt appends (its map group, memory= Ray gave it, killed or ran) to
+    `<flag>.memory`."""
 
-    def first_attempt_dies(table, **kwargs):
+    def first_attempt_dies(unit, **kwargs):
         import ray
 
-        call = int(table.column("unit")[0].as_py())
-        if call in seen:
-            return place_rows(table, **kwargs)
-        seen.add(call)
+        call = unit[0]
         memory = ray.get_runtime_context().get_assigned_resources().get("memory")
         try:
             if call != last:
@@ -375,7 +371,7 @@ def _map_step_killed_once(place_rows, flag: Path, work: Path, last: int):
         except FileExistsError:  # another group, or the rerun of the killed one: the real work
             with open(flag.with_suffix(".memory"), "a") as f:
                 f.write(json.dumps([call, memory, "ran"]) + "\n")
-            return place_rows(table, **kwargs)
+            return map_unit(unit, **kwargs)
         import time
 
         from huginn_ray.data import layout
@@ -389,7 +385,7 @@ def _map_step_killed_once(place_rows, flag: Path, work: Path, last: int):
         with open(flag.with_suffix(".memory"), "a") as f:
             f.write(json.dumps([call, memory, "killed"]) + "\n")
         layout.commit_file = lambda tmp, final: os.kill(os.getpid(), signal.SIGKILL)  # this worker only
-        return place_rows(table, **kwargs)
+        return map_unit(unit, **kwargs)
 
     return first_attempt_dies
 
@@ -436,15 +432,14 @@ def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(pre
     from huginn_ray.data.execution import UNDECLARED_MEMORY
 
     root, config = prepared
-    monkeypatch.setattr(staging_mod, "read_input_file", _read_killed_once(staging_mod.read_input_file,
-                                                                          tmp_path / "staging"))
+    monkeypatch.setattr(staging_mod, "stage_file", _task_killed_once(staging_mod.stage_file, tmp_path / "staging"))
     monkeypatch.setattr(pack_mod, "TokenizeDocuments", _encoder_killed_once(pack_mod.TokenizeDocuments,
                                                                             tmp_path / "pack"))
     out = tmp_path / "killed"
     monkeypatch.setattr(build_mod, "group_files", lambda files, row_bytes, group_bytes: [
         files[i * len(files) // 4:(i + 1) * len(files) // 4] for i in range(4)])
-    monkeypatch.setattr(shuffle_mod, "place_rows", _map_step_killed_once(shuffle_mod.place_rows, tmp_path / "map",
-                                                                        out / "shards.partial", last=3))
+    monkeypatch.setattr(shuffle_mod, "map_unit", _map_task_killed_once(shuffle_mod.map_unit, tmp_path / "map",
+                                                                       out / "shards.partial", last=3))
     map_files: dict[str, list[tuple[int, int]]] = {}  # per split, each map file's (bytes, rows) when published
     publish = build_mod.publish
 
@@ -504,9 +499,8 @@ def test_progress_shows_on_the_console_unless_quiet(prepared, tmp_path):
                                   f"output_dir={tmp_path / 'b'}"]) == 0
     finally:
         progress.removeHandler(collect)
-    # staging's read, map and write run fused, one task per input file
-    assert any("Running Dataset" in line for line in shown) and any(
-        "Readstaging_inputs->MapBatches(format_records)->Write" in line for line in shown)
+    # staging runs one task per input file
+    assert any("Running Dataset" in line for line in shown) and any("Readstaging" in line for line in shown)
     assert records == []
 
 
@@ -643,8 +637,8 @@ def _shuffle(files, out, **kw):
 
 
 def test_shuffle_output_does_not_depend_on_map_and_reduce_grouping(ray_instance, tmp_path):
-    """Many map groups and reducers (1 MiB each) give the same shards as one of each (64 MiB). Each pass's read,
-    map step and write run fused, one task per map group or reducer (the rows never cross the object store)."""
+    """Many map groups and reducers (1 MiB each) give the same shards as one of each (64 MiB). Each pass is one
+    read task per map group or reducer that writes its own files (the rows never cross the object store)."""
     import logging
 
     files = _synthetic_packed(tmp_path / "packed")
@@ -667,8 +661,8 @@ def test_shuffle_output_does_not_depend_on_map_and_reduce_grouping(ray_instance,
         assert not (tmp_path / f"shards_{mib}.partial").exists()
     assert outputs[1] == outputs[64] and len(outputs[1]) == 6
     operators = [line.split(": ", 1)[1] for line in plans if line.startswith("Execution plan of Dataset")]
-    assert operators == 2 * ["InputDataBuffer[Input] -> TaskPoolMapOperator[ReadPackedRows->MapBatches(place_rows)"
-                             "->Write]", "InputDataBuffer[Input] -> TaskPoolMapOperator[ReadMapFileRows->Write]"]
+    assert operators == 2 * ["InputDataBuffer[Input] -> TaskPoolMapOperator[ReadShuffleMap]",
+                             "InputDataBuffer[Input] -> TaskPoolMapOperator[ReadShuffleReduce]"]
     firsts = [r[0] for p in (tmp_path / "shards_1" / "train").glob("*.parquet") for r in _rows(p)]
     assert len(set(firsts)) == len(firsts) == 3 * 106  # no row twice
     assert pq.ParquetFile(tmp_path / "shards_1" / "train" / "00000.parquet").schema_arrow == \
@@ -685,19 +679,19 @@ def test_shuffle_resumes_after_a_crash_and_redoes_only_missing_files(ray_instanc
     # a crash in the middle: the first validation reducer fails after all map files and the train shards exist
     from huginn_ray.data import shuffle as shuffle_mod
 
-    original = shuffle_mod.read_reducer_rows
+    original = shuffle_mod.reduce_unit
 
-    def flaky(unit, reducer, work):
-        if reducer["split"] == "val" and reducer["shards"][0] == 0:
+    def flaky(unit, **kwargs):
+        if unit[1]["split"] == "val" and unit[1]["shards"][0] == 0:
             raise RuntimeError("simulated crash")
-        return original(unit, reducer, work)
+        return original(unit, **kwargs)
 
-    shuffle_mod.read_reducer_rows = flaky
+    shuffle_mod.reduce_unit = flaky
     try:
         with pytest.raises(Exception, match="simulated crash"):
             _shuffle(files, out, reducer_mib=1, map_mib=1)
     finally:
-        shuffle_mod.read_reducer_rows = original
+        shuffle_mod.reduce_unit = original
     partial = tmp_path / "shards.partial"
     done_before = {p: p.stat().st_mtime_ns for p in partial.glob("out/*/*.parquet")}
     maps_before = {p: p.stat().st_mtime_ns for p in partial.glob("map/*/*.arrow")}
@@ -888,35 +882,30 @@ def test_reducers_open_only_the_map_files_holding_rows_for_them(ray_instance, tm
 
 
 def _map_group_task():
-    """What one task of the shuffle's map pass does for a map group of files (read, place, write: fused into one
-    task by Ray Data), here without Ray Data: run(files, plans, seed, row_len, work) -> its result. A nested
-    function, so that a Ray worker gets it by value (workers cannot import this test module)."""
+    """One task of the shuffle's map pass (shuffle.map_unit: read, place, write) for a map group of files, in a
+    plain Ray task: run(files, plans, seed, row_len, work) -> its result. A nested function, so that a Ray worker
+    gets it by value (workers cannot import this test module)."""
 
     def run(files: list[dict], plans: dict, seed: int, row_len: int, work: str) -> dict:
         from huginn_ray.data import shuffle as shuffle_mod
-        from huginn_ray.data.packed_rows import read_unit_rows
         from huginn_ray.data.shards import SPLITS
 
         unit = {"files": files, "offsets": {"train": 0, "val": 0},
                 "counts": {name: sum(f[f"{name}_rows"] for f in files) for name in SPLITS}}
-        tables = (shuffle_mod.place_rows(t, plans, seed)
-                  for t in read_unit_rows(0, unit, row_len, "uint16", 65536, False))
-        return shuffle_mod.write_map_units(tables, {0: unit}, plans, work, row_len, "uint16", False)[0]
+        return shuffle_mod.map_unit((0, unit), plans, seed, work, row_len, "uint16", 65536, False, False)
 
     return run
 
 
 def _convert_task():
-    """What one task of the released data's conversion does for one file (read, write: fused into one task by Ray
-    Data), here without Ray Data: run(entry, target, row_len, row_group_size) -> its result (nested: see above)."""
+    """One task of the released data's conversion (per_file.per_file_unit: read, write) for one file, in a plain
+    Ray task: run(entry, target, row_len, row_group_size) -> its result (nested: see above)."""
 
     def run(entry: dict, target: str, row_len: int, row_group_size: int) -> dict:
         from huginn_ray.data import per_file as per_file_mod
-        from huginn_ray.data.packed_rows import read_unit_rows
 
         unit = {"files": [entry], "target": target, "record": None}
-        return per_file_mod.write_per_file_units(read_unit_rows(0, unit, row_len, "uint16", 65536, False), {0: unit},
-                                                 False, row_len, "uint16", row_group_size, False)[0]
+        return per_file_mod.per_file_unit((0, unit), False, row_len, "uint16", 65536, False, row_group_size, None)
 
     return run
 
@@ -1039,14 +1028,12 @@ def test_a_map_task_stays_under_the_memory_it_declares(ray_instance, tmp_path):
     assert result["peak_rss_mib"] * 2**20 < declared, (result["peak_rss_mib"], declared / 2**20)
 
     # converting one such file (row groups of 256 rows) to a uint16 shard reads it by row groups: it declares a
-    # row group's read, not the file's 64 MiB of int64, plus the file's rows in uint16 that Ray Data's write keeps
-    # as blocks until the task ends, and stays under that
+    # row group's read and write, nothing that grows with the file's 64 MiB of int64, and stays under that
     entry = {"path": str(tmp_path / "in" / "grouped.parquet"), "train_rows": per_file, "val_rows": 0}
     pq.write_table(pq.read_table(files[0]["path"]), entry["path"], row_group_size=256)
     declared = per_file_mod.convert_task_memory(entry, row_len, "uint16", 64, False)
     assert declared == (256 * row_len * 8 * per_file_mod.CONVERT_READ_FACTOR + per_file_mod.CONVERT_READER_BYTES
-                        + 2 * (64 + 256) * row_len * 2 + packed_rows_mod.RAY_DATA_BLOCKS
-                        + per_file * (row_len * 2 + packed_rows_mod.HELD_COLUMN_BYTES) + (256 << 20))
+                        + 2 * (64 + 256) * row_len * 2 + packed_rows_mod.RAY_DATA_BLOCKS + (256 << 20))
     task = ray.remote(max_calls=1, memory=declared, runtime_env={"env_vars": {"HUGINN_FRESH_WORKER": "2"}})(
         _convert_task())
     result = ray.get(task.remote(entry, str(tmp_path / "shard.parquet"), row_len, 64))

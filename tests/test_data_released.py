@@ -301,16 +301,14 @@ def _rows_bytes(rows: list) -> bytes:
     return buf.getvalue()
 
 
-def _recording_reads(original, calls: Path, crash_after: int | None):
-    """packed_rows.read_unit_rows, recording each read of a released file for its shard (a per-file unit) as a file
-    under `calls`; with `crash_after`, the read for train rank `crash_after` waits until the train shards of the
-    ranks before it are committed, then fails (a crash of the run in the middle of the conversion: the driver
-    stops, the work directory stays as it is)."""
+def _recording_tasks(original, calls: Path, crash_after: int | None):
+    """per_file.per_file_unit (the task of a released file for its shard), recording each call as a file under
+    `calls`; with `crash_after`, the task for train rank `crash_after` waits until the train shards of the ranks
+    before it are committed, then fails (a crash of the run in the middle of the conversion: the driver stops, the
+    work directory stays as it is)."""
 
-    def read(unit_index, unit, *args):
-        if "target" not in unit:  # not a per-file shard's read
-            return original(unit_index, unit, *args)
-        target = Path(unit["target"])
+    def task(unit, **kwargs):
+        target = Path(unit[1]["target"])
         (calls / f"{target.parent.name}-{target.name}").touch()
         if crash_after is not None and target.name == f"{crash_after:05d}.parquet":
             import time
@@ -320,9 +318,9 @@ def _recording_reads(original, calls: Path, crash_after: int | None):
                     (target.parent / f"{r:05d}.parquet").exists() for r in range(crash_after)):
                 time.sleep(0.05)
             raise RuntimeError("simulated crash in the middle of the conversion")
-        return original(unit_index, unit, *args)
+        return original(unit, **kwargs)
 
-    return read
+    return task
 
 
 def test_one_validation_duplicate_keeps_the_training_split_per_file_and_resumes(ray_instance, tokenizer, tmp_path,
@@ -336,7 +334,7 @@ def test_one_validation_duplicate_keeps_the_training_split_per_file_and_resumes(
     before issue 29). A crash after 3 of the 4 training files are converted: the rerun converts only the 4th, and
     reads the validation rows' saved hashes instead of hashing them again."""
     from huginn_ray.data import dedup as dedup_mod
-    from huginn_ray.data import packed_rows as packed_rows_mod
+    from huginn_ray.data import per_file as per_file_mod
     from huginn_ray.data import shard_build as build_mod
 
     hash_files = dedup_mod._hash_files
@@ -363,8 +361,8 @@ def test_one_validation_duplicate_keeps_the_training_split_per_file_and_resumes(
 
     first_calls, second_calls = tmp_path / "calls1", tmp_path / "calls2"
     first_calls.mkdir(), second_calls.mkdir()
-    original = packed_rows_mod.read_unit_rows
-    monkeypatch.setattr(packed_rows_mod, "read_unit_rows", _recording_reads(original, first_calls, crash_after=3))
+    original = per_file_mod.per_file_unit
+    monkeypatch.setattr(per_file_mod, "per_file_unit", _recording_tasks(original, first_calls, crash_after=3))
     assert prepare_data.main(["--quiet", "--config", str(config)]) == 1
     assert "simulated crash in the middle of the conversion" in capsys.readouterr().err
     partial = out / "shards.partial" / "out"
@@ -373,7 +371,7 @@ def test_one_validation_duplicate_keeps_the_training_split_per_file_and_resumes(
     assert not list((partial / "val").glob("*.parquet"))  # the validation split waits for the training files
     assert len(list((out / "dedup").glob("*.npz"))) == 1  # the validation rows' hashes, saved
 
-    monkeypatch.setattr(packed_rows_mod, "read_unit_rows", _recording_reads(original, second_calls, crash_after=None))
+    monkeypatch.setattr(per_file_mod, "per_file_unit", _recording_tasks(original, second_calls, crash_after=None))
     assert prepare_data.main(["--quiet", "--config", str(config)]) == 0
     printed = capsys.readouterr().out
     assert sorted(p.name for p in second_calls.iterdir()) == ["train-00003.parquet"]  # only the missing file

@@ -1,8 +1,8 @@
 """How the stages run on Ray Data's streaming executor: every stage is a dataset of its records.
 
-    read_datasource(unit_reads(name, units, read))   one read task per unit of work (a file to download or stage,
-                                                     a unit of staged documents, a map group of packed rows, a
-                                                     hash bucket, a reducer): read(unit) yields its records
+    read_datasource(unit_reads(name, units, read))   one read task per unit of work (a file to download, a unit
+                                                     of staged documents, a hash bucket): read(unit) yields its
+                                                     records
       -> map_batches(fn or Class)                    the work on the records: a function on tasks, or a callable
                                                      class on an actor pool where it holds state worth loading
                                                      once (the tokenizer, the n-gram set)
@@ -10,9 +10,11 @@
 
 Ray Data streams the records between the operators with its backpressure and shows their progress in records and
 blocks. Where read, map and write are tasks that declare the same resources (`task_args`), Ray Data fuses them into
-one task per unit and the records never cross the object store (the download, staging, the filter's dedup and
-filter passes, the shuffle and the released data's conversion); where the map is an actor pool (tokenize + pack,
-the filter's scan), the records go through the object store to the actors and on to the writer.
+one task per unit and the records never cross the object store (the download, the filter's scan, dedup and filter
+passes); where the map is an actor pool (tokenize + pack), the records go through the object store to the actors
+and on to the writer. Where a unit's work is one sequential pass (staging a file, the shuffle's map groups and
+reducers, the released data's files), `run_unit_tasks` runs it as one read task that commits its own files and
+returns only what it committed: no operator between, no records in Ray Data.
 
 Memory: tasks and actors declare `memory=` to Ray. Units with different declarations go to different datasets
 (one per declaration, rounded up to an eighth of its power of two so that a few cover every size, run one after
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import pickle
 import warnings
 from typing import Any, Callable, Iterable
 
@@ -167,6 +170,30 @@ def unit_reads(name: str, units: list, read: Callable[..., Iterable], *, rows: C
                     for unit in units]
 
     return UnitReads()
+
+
+def run_unit_tasks(name: str, units: list, work: Callable[[Any], Any], memory: int | None, *,
+                   files: Callable[[Any], list[str]] | None = None) -> list:
+    """`work(unit)` for each unit, each in one Ray Data read task (operator `Read<name>`, `memory=` declared, no
+    retry by Ray) that reads, works on and commits its unit itself and hands Ray Data only what `work` returns
+    (pickled: what it committed); returns those, one per unit, in no particular order. `files(unit)`, when given,
+    names its input files for Ray Data's metadata. A dataset that fails returns nothing: what its completed tasks
+    committed is in their files.
+
+    Where a unit's work is one sequential pass (a file staged, a map group or a reducer of the shuffle), this is
+    cheaper than records through a read, a map and a write operator: no Arrow table per step, and no held copy
+    (Ray Data 2.60's write operator tees its task's blocks and drains the copy for its statistics only after the
+    datasink's write returns, so a write that gathers its unit keeps all of it twice)."""
+    import pyarrow as pa
+    import ray.data
+
+    def task(unit) -> list:
+        return [pa.table({"returned": pa.array([pickle.dumps(work(unit))], pa.binary())})]
+
+    with quiet_remote_args():
+        dataset = ray.data.read_datasource(unit_reads(name, units, task, files=files), override_num_blocks=len(units),
+                                           ray_remote_args=task_args(memory))
+    return [pickle.loads(row["returned"]) for row in dataset.take_all()]
 
 
 def table_sink(name: str, write: Callable[[Iterable], Any], collect: Callable[[list], Any] | None = None):

@@ -1,24 +1,25 @@
-"""Packed rows as Ray Data records, and how the operators that carry them run (shuffle, released data, dedup).
+"""Packed rows read by unit, and how the passes that carry them run (shuffle, released data, dedup).
 
-The operators of the shuffle (huginn_ray/data/shuffle.py), the per-file conversion of already packed data
-(per_file.py) and the validation-duplicate search (dedup.py) are each one Ray Data dataset over the rows
-themselves:
+The passes of the shuffle (huginn_ray/data/shuffle.py) and the per-file conversion of already packed data
+(per_file.py) are each one Ray Data dataset of one task per unit that does the unit's whole work:
 
-    read_datasource(packed_rows(units))   the rows of a unit's files (a map group, or one released file), read by
+    read_packed_file / read_unit_rows     the rows of a unit's files (a map group, or one released file), read by
                                           row groups, checked (row length, id range), with their file and index
-      -> map_batches(fn)                  the work on the rows: their place in the permutation, their hashes
-      -> write_datasink(sink)             the unit's output files (map files, shards), committed
+      -> the work on the rows             their place in the permutation, their hashes
+      -> the unit's output files          map files, shards: committed by the task itself
 
-(The shuffle's reduce pass reads map files instead, with no map step: shuffle.map_file_rows; the dedup passes
-gather their rows' hashes on the driver instead of writing: dedup.py.) A packed file is read by `read_packed_file`,
-READ_BATCH_ROWS rows at a time, each batch checked (row length, id range) and split into train and validation
-rows; the writes are Ray Data datasinks that return what each task committed (`results_sink`).
+run as the read task of the unit (`execution.run_unit_tasks`, operator `Read<name>`), which hands Ray Data only
+the small dict of what it committed. (The shuffle's reduce pass reads map files instead: shuffle.read_reducer_rows; the
+dedup passes gather their rows' hashes on the driver instead of writing, a read and a map step over the rows:
+dedup.py.) A packed file is read by `read_packed_file`, READ_BATCH_ROWS rows at a time, each batch checked (row
+length, id range) and split into train and validation rows.
 
-Read, map and write are tasks that declare the same resources, so Ray Data fuses them into one task per unit
-(operator `ReadPackedRows->MapBatches(fn)->Write`): the rows go from the read to the writer inside one worker
-and never through the object store, which matters where a stage moves all the bytes of the data (the shuffle).
-Ray Data shows each operator's progress in rows and blocks; blocks are at most BLOCK_BYTES (the context's
-target_max_block_size while a pass runs), so a task holds its own state plus a few blocks, not its unit's read.
+Why the rows do not go through a Ray Data write: Ray Data's write operator (2.60, `plan_write_op`) tees its
+task's blocks and drains the second copy for its statistics only after the datasink's write returns, so a write
+that gathers its whole unit (a map group, a reducer) would hold the unit's rows twice until the task ends. In one
+task per unit the rows go from the read to the files inside one worker, never through the object store (which
+matters where a stage moves all the bytes of the data), and each block is dropped once copied: a task holds its
+own state plus a block or two.
 
 `run_units` runs such a pass over units of declared memory: one dataset per memory class, tasks never retried by Ray
 (max_retries=0), a unit whose worker was killed rerun with twice its memory (execution.rerun_killed), and an error
@@ -37,7 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from huginn_ray.data.execution import quiet_remote_args, table_sink, task_args, unit_reads
+from huginn_ray.data.execution import quiet_remote_args, task_args, unit_reads
 from huginn_ray.data.shards import SPLITS
 from huginn_ray.data.tokens import (MASK, TokenRangeError, check_ids, fixed_rows, mask_rows, numpy_dtype,
                                     rows_to_arrow, token_column_error)
@@ -58,13 +59,6 @@ TASK_OVERHEAD = 256 << 20  # a worker's own footprint (interpreter, pyarrow, num
 RAY_DATA_BLOCKS = 3 * BLOCK_BYTES
 """What Ray Data holds in a task of these passes besides the task's own state: the read's and the map step's
 output buffers (blocks are emitted once they exceed BLOCK_BYTES) and the block being built from them."""
-
-HELD_COLUMN_BYTES = 40
-"""Ray Data's write (2.60) keeps every block of its task until the task ends (its write function tees the blocks
-and drains the second copy for statistics after the datasink's write returns), so a task that writes holds its
-unit's rows once as blocks besides what its write builds from them: their ids in the storage type (a loss mask:
-one byte more per id) and up to this many bytes per row of the columns the read and the map step add (unit, file,
-split, index, position, hash)."""
 
 READ_BATCH_ROWS = 1024
 """Rows decoded at a time from an input file (parquet still reads a whole column chunk, compressed, at once)."""
@@ -160,7 +154,7 @@ def packed_rows(units: list[tuple[int, dict]], *, row_len: int, dtype: str, voca
     """A Ray Data datasource of the rows of `units` ((unit index, unit) pairs), one read task per unit."""
     return unit_reads("PackedRows", units, lambda unit: read_unit_rows(*unit, row_len, dtype, vocab_size, hashed),
                       rows=lambda unit: sum(f["train_rows"] + f["val_rows"] for f in unit[1]["files"]),
-                      files=lambda unit: [f["path"] for f in unit[1]["files"]])
+                      files=unit_files)
 
 
 def read_dataset(datasource, count: int, memory: int | None):
@@ -178,19 +172,12 @@ def map_rows(dataset, fn: Callable, memory: int | None, **fn_kwargs):
                                    **task_args(memory))
 
 
-def write_rows(dataset, sink, memory: int | None) -> None:
-    """The write step of a pass, fused with the read and the map: runs the dataset to its end."""
-    dataset.write_datasink(sink, ray_remote_args=task_args(memory))
-
-
 def peak_rss_mib() -> float:
     """The peak resident memory of this process in MiB (a task reports its own: tests check it against its
     memory= declaration)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def results_sink(name: str, write: Callable[[list[pa.Table]], list[dict]]):
-    """A Ray Data datasink whose write is `write(tables)` over the blocks of its task; the dicts the writes return
-    are in `.results` ({unit: result}) once the dataset completes (a failed dataset reports none: what its
-    completed tasks committed is read back from their files)."""
-    return table_sink(name, write, lambda returns: {r["unit"]: r for returned in returns for r in returned})
+def unit_files(unit: tuple[int, dict]) -> list[str]:
+    """The input files of an (index, unit) pair, for Ray Data's metadata."""
+    return [f["path"] for f in unit[1].get("files", [])]

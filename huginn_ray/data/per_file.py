@@ -2,11 +2,10 @@
 
 A split whose files are exactly `num_shards` files of one row count, with a column `input_ids` of integer lists
 (`per_file_method`), becomes the shards one by one: rank r = the split's r-th file by name. Each file is one unit
-of one Ray Data pass (`per_file_split`), its read, map and write fused into one task (operator
-`ReadPackedRows->Write`, with the validation-duplicate lookup `ReadPackedRows->MapBatches(look_up_rows)->Write`):
-the file is read through (row length and id range checked, huginn_ray/data/packed_rows.py), then hard-linked as
-its shard when it already is one (`hard_link`), else written as the shard in the storage type (`convert_<dtype>`,
-`write_per_file_units`). Each file's record (its sha256, the lookup's hashes found) is committed before its shard,
+of one Ray Data pass (`per_file_split`), its read, lookup and write one task (`per_file_unit`, operator
+`Read<verify|convert>_released`, execution.run_unit_tasks): the file is read through (row length and id range
+checked, huginn_ray/data/packed_rows.py), then hard-linked as its shard when it already is one (`hard_link`), else
+written as the shard in the storage type (`convert_<dtype>`, `write_per_file_units`). Each file's record (its sha256, the lookup's hashes found) is committed before its shard,
 so a resumed run reads neither again. The shard stage (huginn_ray/data/shard_build.py) runs it for the splits that
 go per file and shuffles the others (huginn_ray/data/shuffle.py).
 """
@@ -26,10 +25,9 @@ import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
 from huginn_ray.data.dedup import in_sorted, row_hashes
-from huginn_ray.data.execution import block_size, run_units
-from huginn_ray.data.packed_rows import (BLOCK_BYTES, HELD_COLUMN_BYTES, RAY_DATA_BLOCKS, READ_BATCH_ROWS, SHA256,
-                                         TASK_OVERHEAD, map_rows, packed_rows, peak_rss_mib, read_dataset,
-                                         results_sink, rows_by_unit, write_rows)
+from huginn_ray.data.execution import block_size, run_unit_tasks, run_units
+from huginn_ray.data.packed_rows import (BLOCK_BYTES, RAY_DATA_BLOCKS, READ_BATCH_ROWS, SHA256, TASK_OVERHEAD,
+                                         peak_rss_mib, read_unit_rows, rows_by_unit, unit_files)
 from huginn_ray.data.shards import shard_path
 from huginn_ray.data.tokens import (MASK, TokenRangeError, arrow_type, fixed_rows, numpy_dtype, parquet_options,
                                     row_schema, rows_to_arrow, token_column_error)
@@ -86,16 +84,15 @@ def convert_task_memory(entry: dict, row_len: int, dtype: str, row_group_size: i
     """The memory a conversion task uses, declared as `memory=`: reading one batch (at most a row group,
     `read_packed_file`) at the file's id width (CONVERT_READ_FACTOR, CONVERT_READER_BYTES), the whole file's bytes when
     it is hashed (held while parsed), one output row group plus one batch twice (the rows and their Arrow copy),
-    Ray Data's blocks in flight (RAY_DATA_BLOCKS), the blocks its write keeps until the task ends (the file's rows
-    in the storage type: HELD_COLUMN_BYTES), and the worker's own footprint."""
+    the blocks in flight (RAY_DATA_BLOCKS) and the worker's own footprint: nothing that grows with the file but
+    its hashed bytes."""
     meta = pq.read_metadata(entry["path"])
     width = np.dtype(numpy_dtype(dtype)).itemsize
     input_width = max(4, meta.schema.to_arrow_schema().field("input_ids").type.value_type.bit_width // 8)
     batch = min([READ_BATCH_ROWS] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
     return (batch * row_len * input_width * CONVERT_READ_FACTOR + CONVERT_READER_BYTES
             + (os.path.getsize(entry["path"]) if hashed else 0)
-            + 2 * (row_group_size + batch) * row_len * width + RAY_DATA_BLOCKS
-            + meta.num_rows * (row_len * width + HELD_COLUMN_BYTES) + TASK_OVERHEAD)
+            + 2 * (row_group_size + batch) * row_len * width + RAY_DATA_BLOCKS + TASK_OVERHEAD)
 
 
 def _record_path(work: Path, split: str, rank: int) -> Path:
@@ -108,10 +105,9 @@ def per_file_split(split: str, method: str, files: list[dict], work: Path, *, ro
     """One split's files become its shards one per rank (rank r = the split's r-th file in name order), into
     `work`/out; a file whose shard an interrupted run already committed is not read again.
 
-    One Ray Data pass, one fused task per file: the read of its rows (packed_rows: row length and id range
-    checked; a local file hashed), with a `lookup` the map step `look_up_rows`, and the write
-    (`write_per_file_units`; operator `ReadPackedRows->Write`, with the lookup `ReadPackedRows->
-    MapBatches(look_up_rows)->Write`; `verify_released` or `convert_released` in messages):
+    One Ray Data pass, one task per file (`per_file_unit`; `verify_released` or `convert_released` in messages):
+    the read of its rows (packed_rows: row length and id range checked; a local file hashed), with a `lookup`
+    `look_up_rows` on each block, and the write (`write_per_file_units`):
 
     hard_link: every row is read through, then the file is hard-linked as `<split>/RRRRR.parquet`. A hard link,
     not a symlink: the shard is an ordinary file inside the shard directory that stays valid when the download
@@ -141,18 +137,10 @@ def per_file_split(split: str, method: str, files: list[dict], work: Path, *, ro
     results: dict[int, dict] = {}
 
     def per_file_pass(members: list[int], memory: int | None) -> None:
-        chosen = {todo[i]: units[todo[i]] for i in members}
-        sink = results_sink(name, functools.partial(
-            write_per_file_units, units=chosen, link=method == "hard_link", row_len=row_len, dtype=token_dtype,
-            row_group_size=row_group_size, looked_up=lookup is not None))
-        rows = read_dataset(packed_rows(list(chosen.items()), row_len=row_len, dtype=token_dtype,
-                                        vocab_size=vocab_size, hashed=hash_inputs), len(chosen), memory)
-        if lookup is not None:
-            rows = map_rows(rows, look_up_rows, memory, lookup=lookup, row_len=row_len)
-        try:
-            write_rows(rows, sink, memory)
-        finally:
-            results.update(sink.results)
+        done = run_unit_tasks(name, [(todo[i], units[todo[i]]) for i in members], functools.partial(
+            per_file_unit, link=method == "hard_link", row_len=row_len, dtype=token_dtype, vocab_size=vocab_size,
+            hashed=hash_inputs, row_group_size=row_group_size, lookup=lookup), memory, files=unit_files)
+        results.update((result["unit"], result) for result in done)
 
     # a file to link is read as one to convert is (and its blocks kept alike): the same declaration
     estimates = [convert_task_memory(units[rank]["files"][0], row_len, token_dtype, row_group_size, hash_inputs)
@@ -177,10 +165,23 @@ def look_up_rows(table: pa.Table, lookup: np.ndarray, row_len: int) -> pa.Table:
         "in_lookup", pa.array(in_sorted(hashes, lookup)))
 
 
+def per_file_unit(unit: tuple[int, dict], link: bool, row_len: int, dtype: str, vocab_size: int, hashed: bool,
+                  row_group_size: int, lookup: np.ndarray | None) -> dict:
+    """One task of a per-file pass: file `unit` ((rank, {"files": [entry], "target", "record"})) read, looked up
+    and committed as its shard; returns what it committed."""
+    index, planned = unit
+    tables = read_unit_rows(index, planned, row_len, dtype, vocab_size, hashed)
+    if lookup is not None:
+        tables = (look_up_rows(table, lookup, row_len) for table in tables)
+    [committed] = write_per_file_units(tables, {index: planned}, link, row_len, dtype, row_group_size,
+                                       lookup is not None)
+    return committed
+
+
 def write_per_file_units(tables, units: dict[int, dict], link: bool, row_len: int, dtype: str, row_group_size: int,
                          looked_up: bool) -> list[dict]:
     """The write of a per-file pass: for each file (unit: {"files": [entry], "target", "record"}) in `tables`,
-    its rows in its order (one file's read and write are one task); its record (sha256, the lookup hashes its
+    its rows in its order; its record (sha256, the lookup hashes its
     rows have) committed, then its shard: linked (`link`) or its rows written as list<dtype> in row groups of
     `row_group_size`, as a reducer writes a shard. A file whose rows are not all there is refused before its
     shard is committed."""

@@ -9,19 +9,19 @@ Train and validation rows are shuffled separately and never mixed.
 
 Execution: a two-pass external shuffle through files, so that no intermediate data lives in Ray's object store
 and nothing the driver or a task holds grows with N (huginn_ray/data/README.md has the cost model). Each pass is one
-Ray Data dataset of the rows themselves, read -> map -> write fused into one task per unit (packed_rows.py):
+Ray Data dataset of one task per unit that reads, works on and commits its unit's rows itself, the rows never
+leaving the worker (execution.run_unit_tasks):
 
-1. map (operator `ReadPackedRows->MapBatches(place_rows)->Write`, one task per group of
-   ~`shuffle.map_mib` of input files): the read yields the group's rows by row groups (row length and id range
-   checked), each with its split and index in the split; `place_rows` computes every row's position in the
-   permutation; the write (`write_map_units`) drops the surplus, sorts the rows by position (hence by destination
-   shard) and commits one Arrow IPC file per split, `map/<split>/MMMMMM.arrow` (columns `position`, `input_ids`,
-   and `loss_mask` for chat rows), plus `MMMMMM.idx.npy`: N + 1 row offsets, row range [idx[s], idx[s+1]) of the
-   file holds the rows bound for shard s.
-2. reduce (operator `ReadMapFileRows->Write`): the driver gathers a split's per-map indexes into one
+1. map (operator `ReadShuffleMap`, `map_unit`, one task per group of ~`shuffle.map_mib` of input files): the
+   group's rows are read by row groups (row length and id range checked), each with its split and index in the
+   split; `place_rows` computes every row's position in the permutation; `write_map_units` drops the surplus,
+   sorts the rows by position (hence by destination shard) and commits one Arrow IPC file per split,
+   `map/<split>/MMMMMM.arrow` (columns `position`, `input_ids`, and `loss_mask` for chat rows), plus
+   `MMMMMM.idx.npy`: N + 1 row offsets, row range [idx[s], idx[s+1]) of the file holds the rows bound for shard s.
+2. reduce (operator `ReadShuffleReduce`, `reduce_unit`): the driver gathers a split's per-map indexes into one
    `map/<split>/index.npy` ((N + 1) x M); one task per range of consecutive shards holding ~`shuffle.reducer_mib`
    of rows reads the two rows of it that bound its shards, memory-maps only the map files holding rows for it and
-   yields only its row ranges; the write (`write_reducer_shards`) merges them by position and commits its shards
+   reads only its row ranges; `write_reducer_shards` merges them by position and commits its shards
    `<split>/RRRRR.parquet` (column `input_ids`, list<uint16|int32>, row groups of `shuffle.row_group_size`).
 
 Chat rows (huginn_ray/data/tokenize_pack.py) carry a `loss_mask` column, list<uint8>, one entry per id: it is read,
@@ -29,7 +29,7 @@ sorted, written and merged with its row's ids in every step, so a shard's `loss_
 `input_ids` row r, and the manifest records `loss_mask` with the shards' supervised tokens per split. Inputs without
 the column give shards without it, byte for byte as before; a shuffle's inputs all have it or none does.
 
-Ray Data shows each operator's progress in rows (off under `prepare_data.py --quiet`). Map tasks and reducers
+Ray Data shows each pass's progress in tasks (off under `prepare_data.py --quiet`). Map tasks and reducers
 declare `memory=` to Ray from their data size and the input's id width (map_task_memory, reduce_task_memory), so
 Ray does not start more of them on a node than its memory holds; a task whose worker was killed reruns with twice
 its memory (execution.run_units). Every file is written under a temporary name and renamed when complete, in
@@ -52,10 +52,9 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.execution import block_size, run_units, unit_reads
-from huginn_ray.data.packed_rows import (BLOCK_BYTES, FILE, HELD_COLUMN_BYTES, INDEX, RAY_DATA_BLOCKS, SHA256,
-                                         SPLIT, TASK_OVERHEAD, UNIT, map_rows, packed_rows, peak_rss_mib,
-                                         read_dataset, results_sink, rows_by_unit, write_rows)
+from huginn_ray.data.execution import block_size, run_unit_tasks, run_units
+from huginn_ray.data.packed_rows import (BLOCK_BYTES, FILE, INDEX, RAY_DATA_BLOCKS, SHA256, SPLIT, TASK_OVERHEAD,
+                                         UNIT, peak_rss_mib, read_unit_rows, rows_by_unit, unit_files)
 from huginn_ray.data.permutation import FeistelPermutation
 from huginn_ray.data.shards import SPLITS, shard_path, shard_supervised_tokens
 from huginn_ray.data.tokens import MASK, arrow_type, fixed_rows, numpy_dtype, parquet_options, row_schema, rows_to_arrow
@@ -115,13 +114,12 @@ def map_task_memory(group: list[dict], row_len: int, dtype: str, input_width: in
                     mask: bool = False) -> int:
     """The memory a map task uses, declared to Ray as `memory=`: its rows once in the storage type, 24 bytes per
     row of positions and sort order, reading its largest input file (READ_FACTOR), one write chunk twice (the
-    gathered rows and their Arrow copy), Ray Data's blocks in flight (RAY_DATA_BLOCKS) and the blocks its write
-    keeps (the rows once more: HELD_COLUMN_BYTES), and the worker's own footprint. A loss mask adds one byte per
-    id."""
+    gathered rows and their Arrow copy), the blocks in flight (RAY_DATA_BLOCKS) and the worker's own footprint. A
+    loss mask adds one byte per id."""
     width = np.dtype(numpy_dtype(dtype)).itemsize + mask
     rows = sum(f["train_rows"] + f["val_rows"] for f in group)
     largest = max((f["train_rows"] + f["val_rows"] for f in group), default=0) * row_len * max(4, input_width)
-    return (rows * (2 * row_len * width + 24 + HELD_COLUMN_BYTES) + largest * (READ_FACTOR + hashed)
+    return (rows * (row_len * width + 24) + largest * (READ_FACTOR + hashed)
             + 2 * WRITE_CHUNK_BYTES + RAY_DATA_BLOCKS + TASK_OVERHEAD)
 
 
@@ -148,11 +146,22 @@ def place_rows(table: pa.Table, plans: dict, seed: int) -> pa.Table:
     return table.append_column("position", pa.array(position))
 
 
+def map_unit(unit: tuple[int, dict], plans: dict, seed: int, work: str, row_len: int, dtype: str, vocab_size: int,
+             hashed: bool, with_mask: bool) -> dict:
+    """One task of the shuffle's map pass: the rows of map group `unit` ((index, {"files", "counts"})) read,
+    placed and committed as its map files; returns what it committed."""
+    index, planned = unit
+    placed = (place_rows(table, plans, seed) for table in read_unit_rows(index, planned, row_len, dtype, vocab_size,
+                                                                         hashed))
+    [committed] = write_map_units(placed, {index: planned}, plans, work, row_len, dtype, with_mask)
+    return committed
+
+
 def write_map_units(tables, units: dict[int, dict], plans: dict, work: str, row_len: int, dtype: str,
                     with_mask: bool) -> list[dict]:
-    """The write of the shuffle's map pass: the placed rows of the units in `tables` (all rows of each: one
-    unit's read, map and write are one task) sorted by position, hence by destination shard, into one map file
-    (+ index) per split not yet committed. `units`: {unit: {"files": entries, "counts": {split: rows}}}.
+    """The write of the shuffle's map pass: the placed rows of the units in `tables` (all rows of each)
+    sorted by position, hence by destination shard, into one map file (+ index) per split not yet committed.
+    `units`: {unit: {"files": entries, "counts": {split: rows}}}.
 
     Each unit's rows are copied once into arrays of their planned size as the blocks arrive (a block is dropped
     once copied); a unit whose rows are not all there is refused before anything of it is committed."""
@@ -281,19 +290,23 @@ def read_reducer_rows(unit: int, reducer: dict, work: str):
             yield pa.Table.from_batches([batch]).append_column(UNIT, pa.array(np.full(n, unit, np.int32)))
 
 
-def map_file_rows(reducers: list[tuple[int, dict]], work: str):
-    """A Ray Data datasource of the map files' rows, one read task per reducer ((unit index, reducer) pairs)."""
-    return unit_reads("MapFileRows", reducers, lambda unit: read_reducer_rows(*unit, work),
-                      rows=lambda unit: unit[1]["rows"])
+def reduce_unit(unit: tuple[int, dict], plans: dict, work: str, row_len: int, dtype: str, row_group_size: int,
+                with_mask: bool) -> dict:
+    """One task of the shuffle's reduce pass: reducer `unit`'s ((index, reducer)) rows read from the map files and
+    committed as its shards; returns what it committed."""
+    index, reducer = unit
+    [committed] = write_reducer_shards(read_reducer_rows(index, reducer, work), {index: reducer}, plans, work,
+                                       row_len, dtype, row_group_size, with_mask)
+    return committed
 
 
 def write_reducer_shards(tables, reducers: dict[int, dict], plans: dict, work: str, row_len: int, dtype: str,
                          row_group_size: int, with_mask: bool) -> list[dict]:
-    """The write of the shuffle's reduce pass: each reducer's rows (all of them: one reducer's read and write are
-    one task), copied once into arrays of their size as the blocks arrive, ordered by position and written as its
-    shards `<split>/RRRRR.parquet` (column `input_ids`, list<dtype>, row groups of `row_group_size`), each
-    committed on its own. Returns per reducer its peak RSS and the supervised tokens (loss-mask ones after each
-    row's first token) of the shards it wrote."""
+    """The write of the shuffle's reduce pass: each reducer's rows (all of them), copied once into arrays of
+    their size as the blocks arrive, ordered by position and written as its shards `<split>/RRRRR.parquet`
+    (column `input_ids`, list<dtype>, row groups of `row_group_size`), each committed on its own. Returns per
+    reducer its peak RSS and the supervised tokens (loss-mask ones after each row's first token) of the shards it
+    wrote."""
     work_dir = Path(work)
     state: dict[int, dict] = {}
     for table in tables:
@@ -399,8 +412,8 @@ def _map_units(groups: list[list[dict]]) -> dict[int, dict]:
 
 def _map_pass(units: dict[int, dict], plans: dict, work: Path, *, row_len: int, seed: int, token_dtype: str,
               vocab_size: int, hash_inputs: bool, with_mask: bool, input_width: int) -> dict[int, dict]:
-    """The map files of every unit not yet committed (operator `ReadPackedRows->MapBatches(place_rows)->Write`);
-    returns the results its tasks reported."""
+    """The map files of every unit not yet committed (operator `ReadShuffleMap`); returns the results its tasks
+    reported."""
 
     def map_done(unit: int) -> bool:
         return all(_map_paths(work, name, unit)[1].exists() for name in plans)
@@ -414,17 +427,10 @@ def _map_pass(units: dict[int, dict], plans: dict, work: Path, *, row_len: int, 
     map_results: dict[int, dict] = {}
 
     def map_pass(members: list[int], memory: int | None) -> None:
-        chosen = {todo[i]: units[todo[i]] for i in members}
-        sink = results_sink("map_files", functools.partial(
-            write_map_units, units=chosen, plans=plans, work=str(work), row_len=row_len, dtype=token_dtype,
-            with_mask=with_mask))
-        rows = packed_rows(list(chosen.items()), row_len=row_len, dtype=token_dtype, vocab_size=vocab_size,
-                           hashed=hash_inputs)
-        try:
-            write_rows(map_rows(read_dataset(rows, len(chosen), memory), place_rows, memory, plans=plans, seed=seed),
-                       sink, memory)
-        finally:
-            map_results.update(sink.results)
+        done = run_unit_tasks("ShuffleMap", [(todo[i], units[todo[i]]) for i in members], functools.partial(
+            map_unit, plans=plans, seed=seed, work=str(work), row_len=row_len, dtype=token_dtype,
+            vocab_size=vocab_size, hashed=hash_inputs, with_mask=with_mask), memory, files=unit_files)
+        map_results.update((result["unit"], result) for result in done)
 
     with block_size(BLOCK_BYTES):
         run_units("shuffle_map", [map_task_memory(units[u]["files"], row_len, token_dtype, input_width, hash_inputs,
@@ -435,8 +441,8 @@ def _map_pass(units: dict[int, dict], plans: dict, work: Path, *, row_len: int, 
 
 def _reduce_pass(plans: dict, work: Path, *, row_len: int, token_dtype: str, row_group_size: int,
                  with_mask: bool) -> dict[int, dict]:
-    """The shards of every reducer with a shard still to write (operator `ReadMapFileRows->Write`); returns the
-    results its tasks reported."""
+    """The shards of every reducer with a shard still to write (operator `ReadShuffleReduce`); returns the results
+    its tasks reported."""
     reducers: dict[int, dict] = {}
     for name, plan in plans.items():
         index = np.load(_split_index_path(work, name), mmap_mode="r")
@@ -452,14 +458,11 @@ def _reduce_pass(plans: dict, work: Path, *, row_len: int, token_dtype: str, row
     reduce_results: dict[int, dict] = {}
 
     def reduce_pass(members: list[int], memory: int | None) -> None:
-        chosen = {todo_reducers[i]: reducers[todo_reducers[i]] for i in members}
-        sink = results_sink("shard_files", functools.partial(
-            write_reducer_shards, reducers=chosen, plans=plans, work=str(work), row_len=row_len, dtype=token_dtype,
-            row_group_size=row_group_size, with_mask=with_mask))
-        try:
-            write_rows(read_dataset(map_file_rows(list(chosen.items()), str(work)), len(chosen), memory), sink, memory)
-        finally:
-            reduce_results.update(sink.results)
+        chosen = [(todo_reducers[i], reducers[todo_reducers[i]]) for i in members]
+        done = run_unit_tasks("ShuffleReduce", chosen, functools.partial(
+            reduce_unit, plans=plans, work=str(work), row_len=row_len, dtype=token_dtype,
+            row_group_size=row_group_size, with_mask=with_mask), memory)
+        reduce_results.update((result["unit"], result) for result in done)
 
     def reducer_done(i: int) -> bool:
         reducer = reducers[todo_reducers[i]]

@@ -1,18 +1,17 @@
 """Staging: every source's raw files become parquet files with columns `text`, `source` and `doc_id` (§6.3).
 
-One Ray Data dataset carries the records of every (source, input file) pair of every source at once:
+One Ray Data dataset stages every (source, input file) pair of every source at once, one task per input file
+(`stage_file`, operator `Readstaging`; execution.run_unit_tasks):
 
-    read_datasource(staging_inputs)     one read task per input file: its records unformatted, in blocks of one
-                                        batch of ROWS_PER_BATCH (line or row numbers; huginn_ray/data/formatting.py
-                                        read_batches)
-      -> map_batches(format_records)    each record's document or bad record (formatting.format_batch); a plain
-                                        function on tasks: it holds no state worth loading once
-      -> write_datasink(staging_outputs)  the file's `staging/<source>.partial/<index>.parquet` (one row group per
-                                        batch with documents) and quarantine file, committed at its last record
+    read_batches(path)                  the file's records unformatted, in batches of ROWS_PER_BATCH (line or row
+                                        numbers; huginn_ray/data/formatting.py)
+      -> format_batch                   each record's document or bad record
+      -> StagedFile.add                 the batch's documents as one row group of the file's
+                                        `staging/<source>.partial/<index>.parquet`, its bad records kept for the
+                                        quarantine file; both committed at the file's end
 
-The three operators declare the same resources, so Ray Data fuses them into one task per input file: the records
-go from reader to writer inside the task, never through the object store, and one write holds the whole file in
-order (the writer refuses part of one). `index` is the input file's position in the source's sorted file list,
+The records go from the reader to the writer inside the task as Arrow arrays, never through the object store; the
+task hands Ray Data only the file's counts. `index` is the input file's position in the source's sorted file list,
 and `doc_id` = index * 2^32 + row number in the file: a stable identity, independent of task scheduling, that
 later names packed files and seeds their document order.
 
@@ -44,9 +43,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from huginn_ray.data import layout
-from huginn_ray.data.execution import (block_size, original_error, quiet_remote_args, rerun_killed, table_sink,
-                                        task_args, unit_reads)
-from huginn_ray.data.formatting import BadRecord, DataError, RawBatch, binary_records, format_batch, read_batches
+from huginn_ray.data.execution import original_error, rerun_killed, run_unit_tasks
+from huginn_ray.data.formatting import BadRecord, DataError, FormattedBatch, format_batch, read_batches
 from huginn_ray.data.sources import Source
 
 STAGING_SCHEMA = pa.schema([("text", pa.large_string()), ("source", pa.string()), ("doc_id", pa.int64())])
@@ -80,20 +78,6 @@ def input_fingerprint(source: Source, files: list[Path]) -> tuple[str, dict]:
         # fingerprints stay as they were
         **({"kind": source.kind, "system_prompt": source.system_prompt} if source.is_chat else {}),
     })
-
-
-INPUT_COLUMNS = pa.schema([("file", pa.int32()), ("batch", pa.int32()), ("ordinal", pa.int64()),
-                           ("number", pa.int64()), ("record", pa.large_binary()),
-                           ("message_lists", pa.large_string()), ("last", pa.bool_())])
-"""The read's records: `file` (the input file's position in the stage's list), `batch` (the file's batch of
-ROWS_PER_BATCH records), `ordinal` (the record's 0-based position in the file), its line or row `number` and its
-content (formatting.RawBatch), `last` on the file's last record. A file without records gives one row of number 0:
-its end."""
-FORMATTED_COLUMNS = pa.schema([("file", pa.int32()), ("batch", pa.int32()), ("ordinal", pa.int64()),
-                               ("number", pa.int64()), ("text", pa.large_string()), ("bad", pa.large_string()),
-                               ("last", pa.bool_())])
-"""The map's records, one per input record: its document (`text`; "" when empty, null when bad) or its bad record
-(`bad`: its quarantine entry as JSON)."""
 
 
 def stage_sources(inputs: list[tuple[Source, list[Path]]], staging_root: Path) -> dict[str, dict]:
@@ -206,33 +190,18 @@ def staged_file_stats(path: Path) -> dict:
 
 
 def run_staging(files: list[dict], todo: list[int], results: dict[int, dict]) -> None:
-    """Stage the input files `todo` (indexes into `files`) on Ray Data, putting each one's counts in `results`:
-    read (`staging_inputs`) -> map (`format_records`) -> write (`staging_outputs`), fused into one task per input
-    file. A killed worker: the files not yet committed run again with twice the memory (execution.rerun_killed);
-    an error of the project's own (DataError: a bad record beyond max_bad_records, an unreadable file) is raised
-    as itself."""
-    import ray.data
+    """Stage the input files `todo` (indexes into `files`) on Ray Data, one task per file (`stage_file`), putting
+    each one's counts in `results`. A killed worker: the files not yet committed run again with twice the memory
+    (execution.rerun_killed); an error of the project's own (DataError: a bad record beyond max_bad_records, an
+    unreadable file) is raised as itself."""
 
     def run(units: list[int], declared: list[int | None]) -> None:
         classes: dict[int | None, list[int]] = {}
         for unit in units:
             classes.setdefault(declared[unit], []).append(todo[unit])
         for memory, members in sorted(classes.items(), key=lambda kv: kv[0] or 0):  # one dataset per declaration
-            sink = staging_outputs(files)
-            # read, map and write declare the same resources, so that Ray Data fuses them into one task per input
-            # file: its records go from the reader to the writer without crossing the object store, and one write
-            # holds the whole file (the writer refuses part of one)
-            remote = task_args(memory)
-            # block shaping off: each batch's block goes from the read through the map to the writer as it is (Ray
-            # Data would otherwise concatenate the read's blocks into one of up to 128 MiB: a copy of the file)
-            with quiet_remote_args(), block_size(None):
-                try:
-                    ray.data.read_datasource(staging_inputs(files, members), override_num_blocks=len(members),
-                                             ray_remote_args=remote).map_batches(
-                        format_records, fn_kwargs={"files": files}, batch_size=None, batch_format="pyarrow",
-                        **remote).write_datasink(sink, ray_remote_args=remote)
-                finally:
-                    results.update(sink.results)
+            results.update(run_unit_tasks("staging", members, functools.partial(stage_file, files=files), memory,
+                                          files=lambda i: [files[i]["path"]]))
 
     own = None
     try:
@@ -254,71 +223,15 @@ RAY_DATA_RETRY_HINT = re.compile(r"\nFailed to .* after \d+/\d+ attempts")
 project's message (one line naming the file and record) is what comes before it."""
 
 
-def read_input_file(file: int, unit: dict):
-    """The read of one input file: its records in blocks of one batch each (INPUT_COLUMNS)."""
-    pending, ordinal = None, 0
-    for batch, raw in enumerate(read_batches(unit["path"], unit["source"])):
-        if pending is not None:
-            yield _input_block(file, *pending, last=False)
-        pending = (batch, ordinal, raw)
-        ordinal += len(raw.records)
-    if pending is None:  # no record: the file's end alone, so that its (empty) staged file is written
-        pending = (0, 0, RawBatch([0], binary_records([b""])))
-    yield _input_block(file, *pending, last=True)
-
-
-def _input_block(file: int, batch: int, first: int, raw: RawBatch, last: bool) -> pa.Table:
-    n = len(raw.records)
-    return pa.table([pa.array([file] * n, pa.int32()), pa.array([batch] * n, pa.int32()),
-                     pa.array(range(first, first + n), pa.int64()), pa.array(raw.numbers, pa.int64()),
-                     raw.records,
-                     pa.array([json.dumps(raw.message_lists)] * n, pa.large_string()),
-                     pa.array([False] * (n - 1) + [last], pa.bool_())], schema=INPUT_COLUMNS)
-
-
-def staging_inputs(files: list[dict], todo: list[int]):
-    """The stage's read: a Ray Data datasource of the input files' records, one read task per file."""
-    return unit_reads("staging_inputs", todo, lambda i: read_input_file(i, files[i]),
-                      files=lambda i: [files[i]["path"]])
-
-
-def runs(table: pa.Table) -> list[tuple[int, int]]:
-    """(start, end) of each run of records of one (file, batch)."""
-    file_col, batch_col = table.column("file").to_numpy(), table.column("batch").to_numpy()
-    change = np.flatnonzero((file_col[1:] != file_col[:-1]) | (batch_col[1:] != batch_col[:-1])) + 1
-    bounds = [0, *change.tolist(), table.num_rows]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def format_records(table: pa.Table, files: list[dict]) -> pa.Table:
-    """The stage's map: each input record's document or bad record (FORMATTED_COLUMNS), formatted by
-    huginn_ray/data/formatting.py. It holds no state worth loading once, so it is a plain function on tasks."""
-    file_col = table.column("file").to_pylist()
-    numbers, records = table.column("number").to_pylist(), table.column("record")
-    lists = table.column("message_lists")
-    texts: list[pa.Array] = []
-    bad: list[str | None] = []
-    for start, end in runs(table):
-        if numbers[start] == 0:  # a file's end, without records
-            texts.append(pa.nulls(1, pa.large_string()))
-            bad.append(None)
-            continue
-        unit = files[file_col[start]]
-        raw = RawBatch(numbers[start:end], one_array(records.slice(start, end - start)),
-                       json.loads(lists[start].as_py()))
-        formatted = format_batch(raw, unit["path"], unit["source"])
-        texts.append(formatted.texts)
-        entries = iter(formatted.bad)
-        bad += [json.dumps(quarantine_entry(next(entries)), ensure_ascii=False) if is_bad else None
-                for is_bad in formatted.texts.is_null().to_pylist()]
-    return pa.table([table.column("file"), table.column("batch"), table.column("ordinal"), table.column("number"),
-                     pa.concat_arrays(texts), pa.array(bad, pa.large_string()), table.column("last")],
-                    schema=FORMATTED_COLUMNS)
-
-
-def one_array(column: pa.ChunkedArray) -> pa.Array:
-    """A column's values as one array: its chunk when it has one (no copy)."""
-    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+def stage_file(index: int, files: list[dict]) -> tuple[int, dict]:
+    """One task of the stage: input file `files[index]` read batch by batch (formatting.read_batches), each batch
+    formatted and written as it comes (StagedFile), the staged file and its quarantine file committed at its end.
+    Returns (index, its counts)."""
+    unit = files[index]
+    staged = StagedFile(unit)
+    for raw in read_batches(unit["path"], unit["source"]):
+        staged.add(format_batch(raw, unit["path"], unit["source"]))
+    return index, staged.commit()
 
 
 def quarantine_entry(record: BadRecord) -> dict:
@@ -327,16 +240,10 @@ def quarantine_entry(record: BadRecord) -> dict:
             "record": record.record}
 
 
-def bad_record(entry: dict) -> BadRecord:
-    """A quarantine entry back as the BadRecord it was made from."""
-    unit = "line" if "line" in entry else "row"
-    return BadRecord(entry["file"], unit, entry[unit], entry["reason"], entry["detail"], entry["record"])
-
-
 class StagedFile:
     """One input file's staged parquet (under a temp name until committed) and quarantine file, written batch by
     batch from its formatted records: one row group per batch that has documents, `doc_id` = index * 2^32 + row.
-    The documents stay Arrow arrays from the map's records to the parquet writer (no Python string per document:
+    The documents stay Arrow arrays from the formatter to the parquet writer (no Python string per document:
     that conversion and back cost the writer a third of its time)."""
 
     def __init__(self, unit: dict):
@@ -346,35 +253,23 @@ class StagedFile:
         self.writer = pq.ParquetWriter(self.tmp, STAGING_SCHEMA)
         self.rows = self.chars = self.max_chars = self.read = self.empty = 0
         self.bad: list[BadRecord] = []
-        self.batch, self.texts = 0, []
 
-    def add(self, batch: int, records: pa.Table) -> None:
-        """Consecutive formatted records of one batch (FORMATTED_COLUMNS)."""
-        if batch != self.batch:
-            self.flush()
-            self.batch = batch
-        if records.column("number")[0].as_py() == 0:  # the end of a file without records
-            return
-        self.read += records.num_rows
-        self.bad += [bad_record(json.loads(b)) for b in pc.drop_null(records.column("bad")).to_pylist()]
-        texts = records.column("text").combine_chunks()
-        lengths = pc.fill_null(pc.utf8_length(texts), -1)  # null: a bad record
-        self.empty += int(pc.sum(pc.equal(lengths, 0)).as_py() or 0)
-        self.texts.append(texts.filter(pc.greater(lengths, 0)))
-
-    def flush(self) -> None:
-        """Write the batch's documents as one row group. More bad records than `max_bad_records` allows as a count
-        fail the file, naming the first one beyond it."""
+    def add(self, formatted: FormattedBatch) -> None:
+        """One batch's records (a null text: a bad record), written as one row group. More bad records than
+        `max_bad_records` allows as a count fail the file, naming the first one beyond it."""
+        self.read += len(formatted.texts)
+        self.bad += formatted.bad
         limit = self.source.max_bad_records
         if is_count(limit) and len(self.bad) > limit:  # broken within this file
             raise DataError(bad_record_error(self.source, self.bad[int(limit)]))
-        texts = pa.concat_arrays(self.texts) if self.texts else pa.array([], pa.large_string())
-        self.texts = []
+        lengths = pc.fill_null(pc.utf8_length(formatted.texts), -1)  # null: a bad record
+        self.empty += int(pc.sum(pc.equal(lengths, 0)).as_py() or 0)
+        texts = formatted.texts.filter(pc.greater(lengths, 0))
         if not len(texts):
             return
         first = (self.unit["index"] << 32) + self.rows
         self.writer.write_table(pa.table({
-            "text": texts.cast(pa.large_string()),
+            "text": texts,
             "source": pa.array([self.source.name] * len(texts), pa.string()),
             "doc_id": pa.array(np.arange(first, first + len(texts)), pa.int64()),
         }, schema=STAGING_SCHEMA))
@@ -385,7 +280,6 @@ class StagedFile:
 
     def commit(self) -> dict:
         """Finish the file and commit its quarantine file (first) and its staged parquet; returns its counts."""
-        self.flush()
         bad = self.bad
         stats = {"rows": self.rows, "chars": self.chars, "max_chars": self.max_chars, "read": self.read,
                  "empty": self.empty, "quarantined": dict(sorted(collections.Counter(r.reason for r in bad).items())),
@@ -401,36 +295,6 @@ class StagedFile:
             layout.commit_file(quarantine_tmp, quarantine)
         layout.commit_file(self.tmp, self.output)
         return stats
-
-
-def staging_outputs(files: list[dict]):
-    """The stage's write: a Ray Data datasink that writes each input file's staged parquet and quarantine file
-    from its formatted records and commits them when the file's last record arrives; the files' counts are in
-    `.results` ({file: counts}) once the write completes."""
-
-    def write(tables) -> dict[int, dict]:
-        done, staged, current, expected = {}, None, None, 0
-        for table in tables:
-            file_col, batches = table.column("file").to_numpy(), table.column("batch").to_numpy()
-            ordinals, last = table.column("ordinal").to_numpy(), table.column("last").to_numpy(zero_copy_only=False)
-            for start, end in runs(table):  # one file's records of one batch
-                if staged is None:
-                    current, expected, staged = int(file_col[start]), 0, StagedFile(files[file_col[start]])
-                if file_col[start] != current or (ordinals[start:end] != np.arange(expected, expected + end - start)
-                                                  ).any():  # never when the operators fuse
-                    raise RuntimeError(f"staging: a write received part of {files[file_col[start]]['path']}, "
-                                       "not all of its records in order (read, map and write must fuse)")
-                expected += end - start
-                staged.add(int(batches[start]), table.slice(start, end - start))
-                if last[end - 1]:
-                    done[current] = staged.commit()
-                    staged = None
-        if staged is not None:
-            raise RuntimeError(f"staging: a write received part of {files[current]['path']}, without its end")
-        return done
-
-    return table_sink("staging_outputs", write,
-                      lambda returns: {file: stats for returned in returns for file, stats in returned.items()})
 
 
 def records_line(records: dict, quarantine: Path) -> str:
