@@ -215,19 +215,24 @@ def _refused(err) -> bool:
     return code in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "404", "412", "409")
 
 
+def _conditional_put(location: str, data: bytes, **condition: str) -> bool:
+    """One PutObject under `condition` (IfNoneMatch / IfMatch); False when S3 refused it for the condition."""
+    from botocore.exceptions import ClientError
+
+    bucket, key = _s3_key(location)
+    try:
+        _s3_client(_endpoint()).put_object(Bucket=bucket, Key=key, Body=data, **condition)
+    except ClientError as err:
+        if _refused(err):
+            return False
+        raise
+    return True
+
+
 def create_if_absent(location: str, data: bytes) -> bool:
     """Create the file or object holding `data` unless it exists; True when this call created it."""
     if is_uri(location) and _scheme(location) != "file":
-        from botocore.exceptions import ClientError
-
-        bucket, key = _s3_key(location)
-        try:
-            _s3_client(_endpoint()).put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
-        except ClientError as err:
-            if _refused(err):
-                return False
-            raise
-        return True
+        return _conditional_put(location, data, IfNoneMatch="*")
     path = local_path(location)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = _temporary_copy(path, data)
@@ -265,16 +270,7 @@ def replace_if_version(location: str, data: bytes, version: str) -> bool:
     """Replace the file or object with `data` if it still is `version`; True when replaced, False when it
     changed or is gone since it was read."""
     if is_uri(location) and _scheme(location) != "file":
-        from botocore.exceptions import ClientError
-
-        bucket, key = _s3_key(location)
-        try:
-            _s3_client(_endpoint()).put_object(Bucket=bucket, Key=key, Body=data, IfMatch=version)
-        except ClientError as err:
-            if _refused(err):
-                return False
-            raise
-        return True
+        return _conditional_put(location, data, IfMatch=version)
     path = local_path(location)
     directory = os.open(path.parent, os.O_RDONLY)
     try:
