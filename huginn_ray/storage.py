@@ -274,7 +274,12 @@ def replace_if_version(location: str, data: bytes, version: str) -> bool:
     path = local_path(location)
     directory = os.open(path.parent, os.O_RDONLY)
     try:
-        fcntl.flock(directory, fcntl.LOCK_EX)  # released when closed
+        try:
+            fcntl.flock(directory, fcntl.LOCK_EX)  # released when closed
+        except OSError as err:
+            raise OSError(err.errno, f"{location}: the file system gives no flock on {path.parent} (on "
+                                     f"Lustre: mount with -o flock), which a conditional replace needs: "
+                                     f"{err.strerror}") from None
         try:
             if _local_version(os.stat(path)) != version:
                 return False

@@ -144,13 +144,17 @@ class RunLock:
         return holder.get("token") == self._token, version
 
     def _heartbeat(self) -> None:
+        failing = False
         while not self._stop.wait(self.heartbeat_s):
             try:
                 ours, version = self._ours()
                 if ours:
                     storage.replace_if_version(self.location, self._encoded(), version)
-            except OSError:
-                pass  # the store is unreachable for now: the next beat tries again
+                failing = False
+            except OSError as err:  # the next beat tries again; said once per streak of failures
+                if not failing:
+                    print(f"[huginn] warning: could not renew the run lock {self.location}: {err}", flush=True)
+                failing = True
 
     def release(self) -> None:
         if not self.held:
