@@ -5,8 +5,9 @@
     exists(join(location, "run1", "STOP"))                                   # True
 
 Reads, writes, listings and deletes go through `pyarrow.fs` (`FileSystem.from_uri`; S3's endpoint, region and
-credentials come from the environment as AWS's own tools read them: `AWS_ENDPOINT_URL`, `AWS_DEFAULT_REGION`,
-`AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY` or the instance's role). A local write goes to a temporary file that
+credentials come from the environment as AWS's own tools read them: `AWS_ENDPOINT_URL` (or `AWS_ENDPOINT_URL_S3`,
+passed to Arrow as `endpoint_override`), `AWS_DEFAULT_REGION`, `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY` or the
+instance's role). A local write goes to a temporary file that
 `os.replace` puts in place; an object-store write is one PUT. Either way a reader sees the old bytes or the new
 ones, never a mix.
 
@@ -100,6 +101,8 @@ def _endpoint() -> str | None:
 
 @functools.lru_cache(maxsize=32)
 def _bucket_filesystem(scheme: str, bucket: str, endpoint: str | None) -> pafs.FileSystem:
+    if scheme == "s3" and endpoint:  # given explicitly: older pyarrow and AWS_ENDPOINT_URL_S3 are not read by Arrow
+        return pafs.S3FileSystem(endpoint_override=endpoint)
     return pafs.FileSystem.from_uri(f"{scheme}://{bucket}")[0]
 
 
