@@ -133,11 +133,12 @@ def _lock_script(location: str) -> str:
 import sys, time
 from huginn_ray.train.runlock import RunLock, RunLockError
 lock = RunLock({location!r})
-time.sleep(max(0.0, float(sys.argv[1]) - time.time()))  # both start at the same moment
+print("ready", flush=True)
+sys.stdin.readline()  # both go at the same moment, past their imports
 try:
     lock.acquire()
     print("won", flush=True)
-    time.sleep(2)
+    time.sleep(1)
     lock.release()
 except RunLockError as err:
     print("refused", err, flush=True)
@@ -147,12 +148,14 @@ except RunLockError as err:
 def test_two_jobs_starting_on_the_same_bucket_run_directory_one_wins(s3):
     import subprocess
     import sys
-    import time
 
     run = "s3://huginn/runs/race"
-    start = time.time() + 2.5  # past both interpreters' imports
-    jobs = [subprocess.Popen([sys.executable, "-c", _lock_script(run), str(start)], stdout=subprocess.PIPE,
-                             text=True) for _ in range(2)]
+    jobs = [subprocess.Popen([sys.executable, "-c", _lock_script(run)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    assert [job.stdout.readline() for job in jobs] == ["ready\n"] * 2
+    for job in jobs:
+        job.stdin.write("go\n")
+        job.stdin.flush()
     outs = sorted(job.communicate(timeout=60)[0] for job in jobs)
     assert outs[1] == "won\n", outs
     assert outs[0].startswith(f"refused another job is writing run directory {run} "), outs
@@ -182,7 +185,7 @@ def test_a_stale_bucket_lock_is_taken_over(s3):
         RunLock(run, stale_s=2).acquire()
     import time
 
-    time.sleep(3.5)  # Last-Modified has whole seconds
+    time.sleep(2.2)  # Last-Modified has whole seconds, rounded down: the heartbeat looks 2.2 s old or older
     lock = RunLock(run, stale_s=2)
     assert "took over the stale lock" in lock.acquire()
     lock.release()
