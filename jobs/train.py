@@ -24,16 +24,13 @@ from huginn_ray.cluster.local_ray import connect_ray  # noqa: E402
 from huginn_ray.config import ConfigError  # noqa: E402
 from huginn_ray.train.config import load_train_config
 from huginn_ray.train.launch import PreflightError, preflight, run_training
-from huginn_ray.train.stopping import stop_file
+from huginn_ray.train.stopping import clear_stop_requests, request_stop
 from huginn_ray.train.runlock import RunLock, RunLockError
 
 
-def request_stop(cfg) -> None:
+def on_sigterm(cfg) -> None:
     """SIGTERM: ask the workers to save a checkpoint and stop after the current step."""
-    path = stop_file(cfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch()
-    print(f"[huginn] SIGTERM: asked the workers to save and stop ({path})", flush=True)
+    print(f"[huginn] SIGTERM: asked the workers to save and stop ({request_stop(cfg)})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    lock = RunLock(cfg.run_dir)  # one writer per run directory, checked before Ray starts
+    lock = RunLock(cfg.run_location)  # one writer per run directory, checked before Ray starts
     try:
         taken_over = lock.acquire()
     except RunLockError as err:
@@ -81,8 +78,8 @@ def _run(cfg, verbose: bool) -> int:
     if connection.local and not verbose:
         print(f"[huginn] Ray's own INFO/WARNING lines go to {connection.temp_dir}/session_latest/logs, kept if the "
               f"run fails (--verbose shows them here)", flush=True)
-    stop_file(cfg).unlink(missing_ok=True)  # left by an earlier attempt that this rerun resumes
-    signal.signal(signal.SIGTERM, lambda signum, frame: request_stop(cfg))
+    clear_stop_requests(cfg)  # left by an earlier attempt that this rerun resumes
+    signal.signal(signal.SIGTERM, lambda signum, frame: on_sigterm(cfg))
     print(startup_line(cfg, plan), flush=True)
     outcome = None
     try:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from huginn_ray import storage
 from huginn_ray.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigError, Range, check_ranges, load_config
 
 
@@ -282,18 +283,28 @@ def load_data_config(path: str | Path, overrides: list[str] | tuple[str, ...] = 
         if not isinstance(p, HubEvalSet) and not Path(getattr(p, "path", p)).is_file():
             raise ConfigError(f"decontaminate.against[{i}]{'' if isinstance(p, str) else '.path'}: no such file: "
                               f"{getattr(p, 'path', p)}")
-    return dataclasses.replace(
+    cfg = dataclasses.replace(
         cfg,
         decontaminate=dataclasses.replace(cfg.decontaminate, against=against),
-        sources=str(_resolve(cfg.sources, base)),
-        output_dir=str(_resolve(os.path.expanduser(cfg.output_dir), Path.cwd())),
+        sources=_resolve(cfg.sources, base),
+        output_dir=_resolve(os.path.expanduser(cfg.output_dir), Path.cwd()),
         tokenizer=dataclasses.replace(
             cfg.tokenizer,
-            path=str(_resolve(cfg.tokenizer.path, Path.cwd())) if cfg.tokenizer.path else "",
+            path=_resolve(cfg.tokenizer.path, Path.cwd()) if cfg.tokenizer.path else "",
         ),
     )
+    for key, value in (("output_dir", cfg.output_dir), ("tokenizer.path", cfg.tokenizer.path),
+                       ("sources", cfg.sources)):
+        if storage.is_uri(value):  # data preparation and the tokenizer read and write local files only, for now
+            raise ConfigError(f"{key}: {value} — object storage is not supported for this field yet")
+    return cfg
 
 
-def _resolve(value: str, base: Path) -> Path:
-    p = Path(value)
-    return p if p.is_absolute() else (base / p).resolve()
+def _resolve(value: str, base: Path) -> str:
+    """A URI kept as a URI; a local path: absolute kept as given, relative resolved against `base`."""
+    try:
+        if storage.is_uri(value) or not Path(value).is_absolute():
+            return storage.resolve_location(value, base)
+    except storage.StorageError as err:
+        raise ConfigError(str(err)) from None
+    return str(Path(value))

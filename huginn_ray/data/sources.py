@@ -32,6 +32,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from huginn_ray import storage
 from huginn_ray.config import ConfigError, from_dict, parse_yaml
 from huginn_ray.data.chat import LOSS_ON
 
@@ -133,6 +134,9 @@ def parse_sources(items: object, origin: str, base_dir: Path | None = None) -> l
             source = from_dict(Source, item, prefix="")
         except ConfigError as err:
             raise ConfigError(f"{origin}: {label}: {err}") from None
+        if storage.is_uri(source.local_dir):  # staging reads local files only, for now
+            raise ConfigError(f"{origin}: {label}: local_dir: {source.local_dir} — object storage is not "
+                              f"supported for this field yet")
         _check(source, origin, label)
         if source.local_dir and base_dir is not None and "{stdlib}" not in source.local_dir:
             if not Path(source.local_dir).is_absolute():

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from huginn_ray import storage
 from huginn_ray.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigError, Range, check_ranges, load_config
 
 
@@ -214,7 +215,7 @@ class CheckpointSection:
 @dataclass
 class MlflowSection:
     tracking_uri: str | None = None
-    """MLflow tracking URI; else $MLFLOW_TRACKING_URI; else a SQLite store under out_dir/mlflow."""
+    """MLflow tracking URI; else $MLFLOW_TRACKING_URI; else a SQLite store under out_dir/mlflow (a local one)."""
     experiment: str = "huginn_ray"
     """MLflow experiment name."""
     max_pending_metrics: int = 100_000
@@ -372,8 +373,19 @@ class TrainConfig:
     """Testing only."""
 
     @property
+    def run_location(self) -> str:
+        """Where this run writes, a local path or a bucket URI: Ray Train's checkpoints, the run lock, the
+        STOP/STOPPED files, fault-injection markers (huginn_ray.storage)."""
+        return storage.join(self.out_dir, self.run_name)
+
+    @property
     def run_dir(self) -> Path:
-        """Where this run writes: Ray Train's checkpoints, the STOP/STOPPED files, fault-injection markers."""
+        """`run_location` as a local Path, for what still reads and writes local files only (checkpoint resume,
+        profiler traces, flight-recorder dumps); load_train_config refuses an out_dir in a bucket until they can
+        use one."""
+        if storage.is_uri(self.out_dir):
+            raise storage.StorageError(f"out_dir: {self.out_dir} — object storage is not supported for this field "
+                                       f"yet")
         return Path(self.out_dir) / self.run_name
 
     @property
@@ -386,12 +398,7 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
     """Load, validate, and make every path absolute (relative to the current directory): Ray workers run in
     their own directories."""
     cfg = load_config(TrainConfig, path, overrides, removed=REMOVED_KEYS)
-    cfg.out_dir = str(Path(cfg.out_dir).resolve())
-    if cfg.data.data_dir:  # absolute, a pointer kept as a pointer: the preflight resolves it (RunPlan.data_dir)
-        cfg.data.data_dir = os.path.abspath(cfg.data.data_dir)
-    if cfg.data.tokenizer_path:
-        cfg.data.tokenizer_path = str(Path(cfg.data.tokenizer_path).resolve())
-    cfg.init_from = str(Path(cfg.init_from).resolve()) if cfg.init_from else None
+    resolve_locations(cfg)
     check_ranges(cfg, TRAIN_RANGES)
     check_worker_range(cfg.scaling.num_workers)
     if cfg.optim.lr == 0 and cfg.optim.name == "ELLISAdam":
@@ -412,6 +419,36 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
     check_param_dtype(cfg)
     check_context_parallel(cfg)
     return cfg
+
+
+NOT_IN_OBJECT_STORAGE_YET = ("out_dir", "data.data_dir", "data.tokenizer_path", "init_from")
+"""Fields that may not be a bucket URI yet: checkpoint resume, shard reading, the tokenizer and init_from read
+local files only."""
+
+
+def resolve_locations(cfg: TrainConfig) -> None:
+    """Every location absolute against the current directory (Ray workers run in their own), URIs kept as URIs;
+    refused by name: an unknown scheme, an out_dir in a bucket with no MLflow server to log to, and a bucket in a
+    field whose readers need local files."""
+    cwd = os.getcwd()
+    try:
+        cfg.out_dir = storage.resolve_location(cfg.out_dir, cwd)
+        if cfg.data.data_dir:  # a pointer kept as a pointer: the preflight resolves it (RunPlan.data_dir)
+            cfg.data.data_dir = storage.resolve_location(cfg.data.data_dir, cwd, follow_links=False)
+        if cfg.data.tokenizer_path:
+            cfg.data.tokenizer_path = storage.resolve_location(cfg.data.tokenizer_path, cwd)
+        cfg.init_from = storage.resolve_location(cfg.init_from, cwd) if cfg.init_from else None
+    except storage.StorageError as err:
+        raise ConfigError(str(err)) from None
+    if storage.is_uri(cfg.out_dir) and not (cfg.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):
+        raise ConfigError(f"mlflow.tracking_uri: must be given with out_dir in object storage ({cfg.out_dir}): the "
+                          f"default SQLite store under out_dir cannot live in a bucket; give an MLflow server "
+                          f"(mlflow.tracking_uri=http://host:port, its artifact store in the bucket)")
+    for key in NOT_IN_OBJECT_STORAGE_YET:
+        section, _, name = key.rpartition(".")
+        value = getattr(getattr(cfg, section) if section else cfg, name)
+        if value and storage.is_uri(value):
+            raise ConfigError(f"{key}: {value} — object storage is not supported for this field yet")
 
 
 REMOVED_KEYS = {

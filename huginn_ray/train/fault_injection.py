@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 
+from huginn_ray import storage
 from huginn_ray.train.config import TrainConfig
 
 
@@ -19,11 +20,11 @@ def inject_fault(cfg: TrainConfig, rank: int, step: int, start_step: int) -> Non
         action = "hung"
     else:
         return
-    marker = cfg.run_dir / f"fault_injected_rank{rank}_step{step}"
-    if marker.exists():
+    marker = storage.join(cfg.run_location, f"fault_injected_rank{rank}_step{step}")
+    if storage.exists(marker):
         return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"{action} after step {step} (attempt started at step {start_step}), pid {os.getpid()}\n")
+    storage.write_text(marker,
+                       f"{action} after step {step} (attempt started at step {start_step}), pid {os.getpid()}\n")
     if action == "killed":
         print(f"[huginn] fault injection: rank {rank} exits after step {step}", flush=True)
         os._exit(1)

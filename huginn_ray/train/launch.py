@@ -30,7 +30,7 @@ from huginn_ray.train.data_order import DataOrder, DataOrderError, accumulates_g
 from huginn_ray.train.memory import GIB, plan_memory
 from huginn_ray.train.shard_check import ShardCheckError, check_shards
 from huginn_ray.train.loop import train_loop_per_worker
-from huginn_ray.train.stopping import stopped_file
+from huginn_ray.train.stopping import clear_stop_reason, stop_reason
 from huginn_ray.train.run_plan import RunPlan, WorkerConfig
 
 
@@ -308,16 +308,16 @@ def run_training(cfg: TrainConfig, plan: RunPlan, ray_train_log_level: str = "IN
     )
     ok = False
     status = "FAILED"  # an exception leaves the MLflow run FAILED
-    stopped = stopped_file(cfg)
-    stopped.unlink(missing_ok=True)  # left by an earlier attempt that this rerun resumes
+    clear_stop_reason(cfg)  # left by an earlier attempt that this rerun resumes
     try:
         result = trainer.fit()
         metrics = dict(result.metrics or {})
         checkpoint_path = result.checkpoint.path if result.checkpoint else None
-        ok = not stopped.exists()
+        stopped = stop_reason(cfg)
+        ok = stopped is None
         reason = metrics.get("stop_reason")
         step = metrics.get("step")
-        message = stopped.read_text().strip() if not ok else (
+        message = stopped if not ok else (
             f"stopped on request at step {step}; rerun to resume" if reason == "request"
             else f"stopped at the time limit at step {step}; rerun to resume" if reason == "time limit"
             else f"finished at step {step}"

@@ -56,8 +56,8 @@ from huginn_ray.train.parallelize import gradient_sync, shard_and_allocate
 from huginn_ray.train.profiling import StepProfiler, log_profile
 from huginn_ray.train.run_plan import RunPlan, WorkerConfig
 from huginn_ray.train.shard_reader import Batch, RankReader, ShardReader, StepPrefetcher, collate
-from huginn_ray.train.stopping import (DATA_ERRORS, Stop, data_error_stop, report_stop, stop_files, stopped_file,
-                                       time_is_up)
+from huginn_ray.train.stopping import (DATA_ERRORS, Stop, data_error_stop, report_stop, stop_requested, time_is_up,
+                                       write_stop_reason)
 from huginn_ray.train.validation import (host_count, log_validation, read_validation_batch, validation_metrics,
                                          validation_sums)
 from huginn_ray.train.warmup import register_node, warmup_allreduce
@@ -76,8 +76,7 @@ def train_loop_per_worker(worker: WorkerConfig) -> None:
         # from the file (Ray's result carries the metrics of the last checkpoint only).
         print(f"[huginn] {stop}", flush=True)
         if stop.reporter:
-            stopped_file(cfg).parent.mkdir(parents=True, exist_ok=True)
-            stopped_file(cfg).write_text(str(stop) + "\n")
+            write_stop_reason(cfg, stop)
     finally:
         from huginn_ray.train import tracking
 
@@ -315,7 +314,7 @@ def run_steps(c: Components, cfg: TrainConfig, plan: RunPlan, state: ckpt.Traine
         profiler.before_step(step)
         step_start = time.time()
         result = train_step(c, step, cfg, plan, device, want_telemetry=cfg.telemetry and log_step,
-                            stop_here=rank == 0 and any(path.exists() for path in stop_files(cfg)),
+                            stop_here=rank == 0 and stop_requested(cfg),
                             time_up=rank == 0 and time_is_up(plan.stop_at_unix, step_start, step_seconds),
                             clock=clock, norms=norms if log_step else None)
         step_seconds = time.time() - step_start

@@ -1,12 +1,18 @@
-"""One writer per run: `<out_dir>/<run_name>/LOCK` names the driver that holds the run.
+"""One writer per run: `<run directory>/LOCK` names the driver that holds the run, in a local directory or a bucket.
 
 A second job on the same run directory while the holder is alive is refused before Ray starts, naming the holder
-(host, PID, since when). A lock whose holder is dead (same host, PID gone or reused by another program) is taken
-over with a message, atomically (`RunLock._remove_stale`: of two jobs taking over the same stale lock, one
-wins). The holder touches the file every HEARTBEAT_S; a lock from another host (a job resubmitted
-into a new allocation, whose head is another node) is taken over once its heartbeat is older than STALE_S, and
-refused before that, naming the file to delete if that job is known to be gone. The file is created with
-O_EXCL, so two jobs starting at the same moment cannot both win.
+(host, PID, since when). The lock lives on huginn_ray.storage's conditional writes, one implementation for local
+paths and object storage alike:
+- taking it is `create_if_absent` (O_EXCL-like locally, `If-None-Match: *` on S3): of two jobs starting at the
+  same moment, one wins and the other is refused naming the lock;
+- the holder rewrites it every HEARTBEAT_S (`replace_if_version`, its record's `beat` counting up, so every
+  heartbeat is a new version), while it still holds its own record;
+- a stale lock is taken over by `replace_if_version` from the version that was judged stale: of two jobs taking
+  over the same stale lock, one wins, and the other, looking again, finds the winner alive. Stale is a holder
+  on this host whose PID is gone or reused by another program (at once), or one from another host (a job
+  resubmitted into a new allocation, whose head is another node) whose lock was last written more than STALE_S
+  ago, by the storage's clock (a file's mtime, an object's Last-Modified); before that it is refused, naming the
+  lock to delete if that job is known to be gone.
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ import os
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
+
+from huginn_ray import storage
 
 LOCK_NAME = "LOCK"
 HEARTBEAT_S = 30.0
@@ -41,20 +50,15 @@ def _process_start(pid: int) -> str | None:
         return "?"
 
 
-def _read_holder(path: Path) -> tuple[dict, str | None]:
-    """The lock's holder record ({} when empty or torn) and the text it was read from (None when the file cannot
-    be read); FileNotFoundError when there is none."""
+def _read_holder(location: str) -> tuple[dict, str | None]:
+    """The lock's holder record ({} when empty or torn) and the version it was read at; FileNotFoundError when
+    there is none."""
+    data, version = storage.read_versioned(location)
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise
-    except OSError:
-        return {}, None
-    try:
-        holder = json.loads(text or "{}")
+        holder = json.loads(data or b"{}")
     except ValueError:
-        return {}, text
-    return (holder if isinstance(holder, dict) else {}), text
+        return {}, version
+    return (holder if isinstance(holder, dict) else {}), version
 
 
 def _alive(holder: dict) -> bool:
@@ -66,87 +70,91 @@ class RunLock:
     """Held from `acquire` to `release` (also a context manager)."""
 
     def __init__(self, run_dir: str | Path, heartbeat_s: float = HEARTBEAT_S, stale_s: float = STALE_S):
-        self.path = Path(run_dir) / LOCK_NAME
+        self.run_location = str(run_dir) if storage.is_uri(str(run_dir)) else str(Path(run_dir))
+        self.location = storage.join(self.run_location, LOCK_NAME)
+        self.path: Path | str = self.location if storage.is_uri(self.location) else Path(self.location)
+        """The lock: a `Path` for a local run directory, the URI for one in a bucket."""
         self.held = False
         self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
         self._stop = threading.Event()
+        self._token = uuid.uuid4().hex  # this lock's records, told apart from another lock of the same process
+        self._beat = 0
 
     def _record(self) -> dict:
         return {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid()),
-                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "token": self._token}
+
+    def _encoded(self) -> bytes:
+        self._beat += 1
+        return json.dumps({**self._record(), "beat": self._beat}).encode()
 
     def acquire(self) -> str | None:
         """Take the lock; returns a message when a stale lock was taken over. Raises RunLockError."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        storage.check_location(self.run_location, "run directory")
         message = None
         for _ in range(3):
+            if storage.create_if_absent(self.location, self._encoded()):
+                return self._hold(message)
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                try:
-                    holder, seen = _read_holder(self.path)
-                except FileNotFoundError:
-                    continue
-                if not holder:  # being written right now by a job that just won, or torn: look again
-                    time.sleep(0.2)
-                    try:
-                        holder, seen = _read_holder(self.path)
-                    except FileNotFoundError:
-                        continue
-                who = f"host {holder.get('host', '?')}, PID {holder.get('pid', '?')}, since {holder.get('since', '?')}"
-                if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
-                    raise RunLockError(f"{self.path.parent} is already locked by this process")
-                try:
-                    silent_s = time.time() - self.path.stat().st_mtime
-                except FileNotFoundError:
-                    continue
-                if holder and holder.get("host") != socket.gethostname():
-                    if silent_s <= self.stale_s:
-                        raise RunLockError(
-                            f"another job holds run directory {self.path.parent} ({who}, heartbeat {silent_s:.0f} s "
-                            f"ago) on another host; it is taken over once its heartbeat is {self.stale_s:.0f} s old, "
-                            f"or delete {self.path} if that job is known to be gone")
-                elif holder and _alive(holder):
-                    raise RunLockError(
-                        f"another job is writing run directory {self.path.parent} ({who}): refusing to start a "
-                        f"second writer; wait for it, stop it, or choose another run_name / out_dir")
-                message = (f"took over the stale lock {self.path} of a job that is no longer running ({who}, "
-                           f"heartbeat {silent_s:.0f} s ago)" if holder else f"took over the unreadable lock {self.path}")
-                self._remove_stale(seen)
+                holder, version = self._look_at_holder()
+                silent_s = time.time() - storage.modified(self.location)
+            except FileNotFoundError:
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(self._record(), f)
-            self.held = True
-            threading.Thread(target=self._heartbeat, name="huginn-run-lock", daemon=True).start()
-            return message
-        raise RunLockError(f"could not take {self.path}: other jobs keep taking it")
+            who = f"host {holder.get('host', '?')}, PID {holder.get('pid', '?')}, since {holder.get('since', '?')}"
+            if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
+                raise RunLockError(f"{self.run_location} is already locked by this process")
+            if holder and holder.get("host") != socket.gethostname():
+                if silent_s <= self.stale_s:
+                    raise RunLockError(
+                        f"another job holds run directory {self.run_location} ({who}, heartbeat {silent_s:.0f} s "
+                        f"ago) on another host; it is taken over once its heartbeat is {self.stale_s:.0f} s old, "
+                        f"or delete {self.location} if that job is known to be gone")
+            elif holder and _alive(holder):
+                raise RunLockError(
+                    f"another job is writing run directory {self.run_location} ({who}): refusing to start a "
+                    f"second writer; wait for it, stop it, or choose another run_name / out_dir")
+            message = (f"took over the stale lock {self.location} of a job that is no longer running ({who}, "
+                       f"heartbeat {silent_s:.0f} s ago)" if holder else
+                       f"took over the unreadable lock {self.location}")
+            # from the version judged stale: of two jobs taking it over, one wins; the other looks again
+            if storage.replace_if_version(self.location, self._encoded(), version):
+                return self._hold(message)
+        raise RunLockError(f"could not take {self.location}: other jobs keep taking it")
 
-    def _remove_stale(self, seen: str | None) -> None:
-        """Remove the lock file judged stale, and only that one: two jobs that both judged it stale must not
-        remove the lock the first of them has just created. It is renamed to a name of this job's own (atomic:
-        one of them gets it) and deleted only if it holds what was read (a holder's record names its host and
-        PID; the inode number is no proof: a new file may reuse the stale one's); a fresh lock moved by mistake
-        is put back (os.link: never over a lock that yet another job created meanwhile)."""
-        claim = self.path.with_name(f"{LOCK_NAME}.takeover-{socket.gethostname()}-{os.getpid()}")
+    def _look_at_holder(self) -> tuple[dict, str]:
+        """The holder and its version; an empty or torn record (a store that exposes a write in progress) is
+        read once more before it counts as unreadable."""
+        holder, version = _read_holder(self.location)
+        if not holder:
+            time.sleep(0.2)
+            holder, version = _read_holder(self.location)
+        return holder, version
+
+    def _hold(self, message: str | None) -> str | None:
+        self.held = True
+        threading.Thread(target=self._heartbeat, name="huginn-run-lock", daemon=True).start()
+        return message
+
+    def _ours(self) -> tuple[bool, str | None]:
+        """Whether the lock still holds this lock's record, and its version."""
         try:
-            os.rename(self.path, claim)
-        except FileNotFoundError:
-            return
-        if seen is None or claim.read_text() == seen:
-            os.unlink(claim)
-            return
-        try:
-            os.link(claim, self.path)
-        except FileExistsError:
-            pass
-        os.unlink(claim)
+            holder, version = _read_holder(self.location)
+        except (OSError, ValueError):
+            return False, None
+        return holder.get("token") == self._token, version
 
     def _heartbeat(self) -> None:
+        failing = False
         while not self._stop.wait(self.heartbeat_s):
             try:
-                os.utime(self.path)
-            except OSError:
-                pass
+                ours, version = self._ours()
+                if ours:
+                    storage.replace_if_version(self.location, self._encoded(), version)
+                failing = False
+            except OSError as err:  # the next beat tries again; said once per streak of failures
+                if not failing:
+                    print(f"[huginn] warning: could not renew the run lock {self.location}: {err}", flush=True)
+                failing = True
 
     def release(self) -> None:
         if not self.held:
@@ -154,10 +162,9 @@ class RunLock:
         self.held = False
         self._stop.set()
         try:
-            holder = json.loads(self.path.read_text())
-            if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-                self.path.unlink()
-        except (OSError, ValueError):
+            if self._ours()[0]:
+                storage.delete(self.location)
+        except OSError:
             pass
 
     def __enter__(self) -> "RunLock":

@@ -1,6 +1,7 @@
 """How a run stops on purpose, every rank at the same step: the `Stop` every rank raises, the files that ask the
 workers to save and stop (the driver's SIGTERM, the cluster's signal) and the one that tells the driver why they
-stopped, the time budget, and the stop after a rank cannot read its data.
+stopped (in the run directory, local or in a bucket: huginn_ray.storage), the time budget, and the stop after a
+rank cannot read its data.
 
 The decisions themselves travel in the step's one all-reduce (huginn_ray.train.loop.train_step); this module
 holds what they are made of and what they say.
@@ -9,11 +10,11 @@ holds what they are made of and what they say.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from huginn_ray import storage
 from huginn_ray.train.config import TrainConfig
 
 
@@ -34,25 +35,58 @@ class Stop(Exception):
         """This rank's message explains the stop; it writes it for the driver (the STOPPED file)."""
 
 
-def stop_file(cfg: TrainConfig) -> Path:
+def stop_file(cfg: TrainConfig) -> str:
     """Created by the driver when it gets SIGTERM (jobs/train.py): the workers save and stop at the next step.
 
     The training function runs outside its process's main thread, where Python cannot install signal
-    handlers, so the driver forwards the signal through this file."""
-    return cfg.run_dir / "STOP"
+    handlers, so the driver forwards the signal through this file (an object when the run is in a bucket)."""
+    return storage.join(cfg.run_location, "STOP")
 
 
 STOP_FILE_ENV = "HUGINN_STOP_FILE"
 """A second stop file, named by the cluster (cluster_yamls/frontier.sbatch creates it on Slurm's signal)."""
 
 
-def stop_files(cfg: TrainConfig) -> list[Path]:
-    return [stop_file(cfg)] + ([Path(os.environ[STOP_FILE_ENV])] if os.environ.get(STOP_FILE_ENV) else [])
+def stop_files(cfg: TrainConfig) -> list[str]:
+    return [stop_file(cfg)] + ([os.environ[STOP_FILE_ENV]] if os.environ.get(STOP_FILE_ENV) else [])
 
 
-def stopped_file(cfg: TrainConfig) -> Path:
+def request_stop(cfg: TrainConfig) -> str:
+    """The driver asks the workers to save and stop after the current step; returns the stop file."""
+    location = stop_file(cfg)
+    storage.write_bytes(location, b"")
+    return location
+
+
+def stop_requested(cfg: TrainConfig) -> bool:
+    """Rank 0, before every step: does a stop file exist?"""
+    return any(storage.exists(location) for location in stop_files(cfg))
+
+
+def clear_stop_requests(cfg: TrainConfig) -> None:
+    for location in stop_files(cfg):
+        storage.delete(location)
+
+
+def stopped_file(cfg: TrainConfig) -> str:
     """Written by rank 0 when the run stops on purpose; holds the reason."""
-    return cfg.run_dir / "STOPPED"
+    return storage.join(cfg.run_location, "STOPPED")
+
+
+def write_stop_reason(cfg: TrainConfig, stop: Stop) -> None:
+    storage.write_text(stopped_file(cfg), str(stop) + "\n")
+
+
+def clear_stop_reason(cfg: TrainConfig) -> None:
+    storage.delete(stopped_file(cfg))
+
+
+def stop_reason(cfg: TrainConfig) -> str | None:
+    """Why the workers stopped on purpose (the STOPPED file), None when they did not."""
+    try:
+        return storage.read_text(stopped_file(cfg)).strip()
+    except FileNotFoundError:
+        return None
 
 
 def time_is_up(stop_at_unix: float | None, now: float, step_seconds: float) -> bool:
@@ -66,8 +100,7 @@ def report_stop(cfg: TrainConfig, stop_reason: str, step: int) -> None:
     cause = f"stop requested ({', '.join(map(str, stop_files(cfg)))})" if stop_reason == "request" else \
         f"time budget ends in less than {cfg.time_limit_margin_s:g} s + two steps"
     print(f"[huginn] {cause}: saved step {step}, stopping", flush=True)
-    for path in stop_files(cfg):
-        path.unlink(missing_ok=True)
+    clear_stop_requests(cfg)
 
 
 def stop_if_a_rank_cannot_read(error: str | None, device: torch.device) -> None:

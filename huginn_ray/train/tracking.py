@@ -34,7 +34,8 @@ SECRET_KEY = re.compile(r"(^|_)(token|secret|password|key)$")  # hf_token, api_k
 
 
 def tracking_uri(configured: str | None, out_dir: str) -> str:
-    """Config, then $MLFLOW_TRACKING_URI, then an embedded SQLite store under out_dir/mlflow."""
+    """Config, then $MLFLOW_TRACKING_URI, then an embedded SQLite store under out_dir/mlflow (a local out_dir:
+    load_train_config refuses one in a bucket without a tracking URI)."""
     if configured:
         return configured
     if os.environ.get("MLFLOW_TRACKING_URI"):
