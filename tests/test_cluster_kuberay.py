@@ -79,10 +79,12 @@ def test_rayjob_manifest(capsys):
     assert head_container["resources"] == {"limits": {"cpu": "8", "memory": "32Gi"},
                                            "requests": {"cpu": "8", "memory": "32Gi"}}
     assert (head_container["env"], head_container["volumeMounts"]) == (ENV, [SHM_MOUNT])
-    assert head["template"]["spec"]["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}]
+    assert head["template"]["spec"]["volumes"] == [{"name": "dshm",
+                                                    "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}]
 
     [group] = cluster["workerGroupSpecs"]
-    assert (group["groupName"], group["replicas"], group["minReplicas"], group["maxReplicas"]) == ("gpu-workers", 2, 2, 2)
+    assert (group["groupName"], group["replicas"], group["minReplicas"], group["maxReplicas"]) == \
+        ("gpu-workers", 2, 2, 2)
     assert group["rayStartParams"] == {"num-gpus": "8"}
     pod = group["template"]["spec"]
     assert pod["serviceAccountName"] == "huginn-train"
@@ -101,8 +103,8 @@ def test_rayjob_manifest_holds_no_credentials(capsys):
                    "password", "@"):
         assert secret not in lowered, secret
     assert not re.search(r"token(?!izer)", lowered)  # data.tokenizer_path is the one "token" allowed
-    pods = [manifest["spec"]["rayClusterSpec"]["headGroupSpec"]] + manifest["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-    for group in pods:
+    cluster = manifest["spec"]["rayClusterSpec"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
         for variable in group["template"]["spec"]["containers"][0]["env"]:
             assert not SECRET_NAME.search(variable["name"])
 
@@ -206,7 +208,8 @@ def dockerfile_stages() -> tuple[dict[str, str], dict[str, str], list[tuple[str,
 
 def test_dockerfile_variants_and_versions():
     args, bases, stages = dockerfile_stages()
-    assert bases == {"cpu-base": "rayproject/ray:${RAY_VERSION}-py311", "cuda-base": "rayproject/ray:${RAY_VERSION}-py311-gpu",
+    assert bases == {"cpu-base": "rayproject/ray:${RAY_VERSION}-py311",
+                     "cuda-base": "rayproject/ray:${RAY_VERSION}-py311-gpu",
                      "rocm-base": "${ROCM_BASE}", "final": "${VARIANT}-base"}
     assert args["VARIANT"] in ("cpu", "cuda", "rocm") and args["ROCM_BASE"].startswith("rocm/pytorch:")
     # the image's Ray is the one the suite runs, within pyproject.toml's range, and the RayJob template's rayVersion

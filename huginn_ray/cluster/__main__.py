@@ -2,7 +2,8 @@
 
   python -m huginn_ray.cluster render [--slurm | --nodelist EXPR] TEMPLATE > cluster.yaml
   python -m huginn_ray.cluster rayjob --config CONFIG --out-dir s3://BUCKET/runs --image IMAGE \
-      --mlflow-tracking-uri URI [--variant cpu|cuda|rocm] [--workers N] [--gpus-per-worker G] [key=value ...] > rayjob.yaml
+      --mlflow-tracking-uri URI [--variant cpu|cuda|rocm] [--workers N] [--gpus-per-worker G] [key=value ...] \
+      > rayjob.yaml
   python -m huginn_ray.cluster wait-for-nodes COUNT [--address HOST:PORT] [--timeout SECONDS]
 """
 
