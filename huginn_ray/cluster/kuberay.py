@@ -221,9 +221,6 @@ def _entrypoint(request: RayJobRequest, train_workers: int, repo_root: Path) -> 
         key = item.partition("=")[0]
         if key in RENDERED_KEYS:
             raise KubeRayError(f"override {item!r}: the manifest sets {key} from {RENDERED_KEYS[key]}")
-    if not BUCKET_URI.match(request.out_dir) and request.shared_volume is None:
-        raise KubeRayError(f"--out-dir={request.out_dir!r} is not a bucket URI (s3://BUCKET/..., gs://BUCKET/...), "
-                           f"and the pods share no file system (--shared-volume)")
     rendered = [f"out_dir={request.out_dir}", f"scaling.num_workers={train_workers}",
                 f"scaling.use_gpu={'false' if request.variant == 'cpu' else 'true'}"]
     if request.mlflow_tracking_uri is not None:
