@@ -263,5 +263,5 @@ def test_dockerfile_holds_no_credentials_and_the_context_keeps_the_project():
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     needed = [p for p in tracked.splitlines() if p.split("/")[0] in ("huginn_ray", "jobs", "configs", "cluster_yamls")
               or p in ("pyproject.toml", "README.md")]
-    assert "huginn_ray/data/tokenizer.py" in needed or "huginn_ray/model/config.py" in needed
+    assert {"huginn_ray/data/tokenizer.py", "jobs/train.py", "configs/train/tiny_cpu.yaml"} <= set(needed)
     assert [p for p in needed if dockerignored(p, patterns)] == []
