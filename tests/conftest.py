@@ -31,6 +31,7 @@ MUST_RUN = (
     "tests/test_data_tokenizer.py::test_transformers_loads_it_with_the_same_ids",
     "tests/test_private_netns.py::test_inside_the_namespace_the_marker_names_its_namespaces",
     "tests/test_serve.py",
+    "tests/test_storage.py",
 )
 
 ONE_AT_A_TIME = frozenset(f"tests/test_{name}.py" for name in (

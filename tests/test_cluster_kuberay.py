@@ -154,9 +154,10 @@ def test_a_worker_count_that_is_not_an_integer_is_refused_naming_it(capsys):
     assert "argument --workers: invalid int value: 'two'" in capsys.readouterr().err
 
 
-def test_the_entrypoint_passes_train_py_s_own_parsing(capsys, monkeypatch):
-    """jobs/train.py's parser and load_train_config take the entrypoint's argv; training itself is stubbed out."""
-    manifest, _ = rendered(capsys, ARGS)
+def train_job_main(capsys, monkeypatch, args: list[str]) -> tuple[int, list, str]:
+    """jobs/train.py's main() on the rendered entrypoint's argv (the image's paths mapped to this checkout), with
+    the run lock and training stubbed out: (its return code, the configs it would train, its stderr)."""
+    manifest, _ = rendered(capsys, args)
     argv = shlex.split(manifest["spec"]["entrypoint"])
     assert argv[:2] == ["python", f"{IMAGE_PROJECT_DIR}/jobs/train.py"]
     in_repo = [arg.replace(IMAGE_PROJECT_DIR, str(REPO)) if arg.startswith(IMAGE_PROJECT_DIR) else arg
@@ -179,12 +180,29 @@ def test_the_entrypoint_passes_train_py_s_own_parsing(capsys, monkeypatch):
 
     monkeypatch.setattr(train_job, "RunLock", NoLock)
     monkeypatch.setattr(train_job, "_run", lambda cfg, verbose: accepted.append(cfg) or 0)
-    assert train_job.main(in_repo) == 0, capsys.readouterr().err
+    code = train_job.main(in_repo)
+    return code, accepted, capsys.readouterr().err
+
+
+def test_the_shared_volume_entrypoint_passes_train_py_s_own_parsing(capsys, monkeypatch):
+    args = cli(extra=("--shared-volume", "huginn-shared:/shared"), out_dir="/shared/runs",
+               overrides=["data.data_dir=/shared/data/shards", "data.tokenizer_path=/shared/data/tokenizer",
+                          "max_steps=100"])
+    code, accepted, err = train_job_main(capsys, monkeypatch, args)
+    assert code == 0, err
     [cfg] = accepted
     assert (cfg.scaling.num_workers, cfg.scaling.use_gpu, cfg.max_steps) == (16, True, 100)
     assert cfg.mlflow.tracking_uri == "http://mlflow.mlflow.svc:5000"
     assert (cfg.out_dir, cfg.data.data_dir, cfg.data.tokenizer_path) == \
-        (f"{BUCKET}/runs", f"{BUCKET}/data/shards", f"{BUCKET}/data/tokenizer")
+        ("/shared/runs", "/shared/data/shards", "/shared/data/tokenizer")
+
+
+def test_the_bucket_entrypoint_is_refused_by_train_py_naming_the_field(capsys, monkeypatch):
+    """Training does not read checkpoints, shards or the tokenizer from a bucket yet: jobs/train.py's own parsing
+    refuses the bucket manifest's entrypoint before anything starts, naming out_dir."""
+    code, accepted, err = train_job_main(capsys, monkeypatch, ARGS)
+    assert (code, accepted) == (2, [])
+    assert err == f"error: out_dir: {BUCKET}/runs — object storage is not supported for this field yet\n"
 
 
 def dockerfile_stages() -> tuple[dict[str, str], dict[str, str], list[tuple[str, list[str]]]]:
