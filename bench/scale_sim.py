@@ -20,6 +20,8 @@ written (bf16-mixed: bf16 gathers, and the gradient exchange's second stream for
               all-gather over the replicate group, the copies into the tensors), then the optimizer state set back
     step      one train_step (loop.py) with all its micro-batches (grad_accum: 1 with 4,096 shards), on a model of
               the nebel's depth and 64 wide
+    steady    one poll of the hang watch (hang_watch.HangWatch's loop, nothing in flight), which every rank runs
+              beside its steps: the store requests of steady state
 
 over stand-ins that count instead of communicating (what they stand in for: 4,096 processes on 512 nodes):
 
@@ -45,11 +47,13 @@ Measured (counted as the code runs): every per-rank item but those below. Planne
 pieces in the save (their sizes, not written), and in the resume the archive header a rank reads for each piece
 whose data start it finds (measured on a real archive of that dtype and rank); the gathered bytes are not copied
 into the (meta) tensors, nor the non-tensor values unpickled. Modelled: `store_requests_rank0_startup`, the
-requests rank 0's store server answers, as W times a rank's own (every rank makes the same requests). The step's
+requests rank 0's store server answers, as W times a rank's own (every rank makes the same requests), and
+`store_requests_rank0_per_s_steady`, W times a rank's store requests per hang-watch poll over the poll interval
+(the step itself makes none: `store_ops_per_step`, counted). The step's
 model is 64 wide (FSDP2 refuses to train meta parameters): its gradient exchange's chunk size is the
 configuration's scaled by that model's parameters over the nebel's, so that its gradient shard splits into about
 as many chunks as the nebel's; the exchanges are counted on it. Not simulated: the background (asynchronous)
-save's gloo group and DCP's async_save, the hang watch's store checks in steady state, the cp dimension.
+save's gloo group and DCP's async_save, the cp dimension.
 
     python bench/scale_sim.py --world-sizes 8,64,512,4096 [--json]
 """
@@ -87,7 +91,7 @@ from huginn_ray.checkpoint_layout import TRAINING_STATE_DIR  # noqa: E402
 from huginn_ray.config import load_config  # noqa: E402
 from huginn_ray.model import ModelConfig, RecurrentGPT  # noqa: E402
 from huginn_ray.train import checkpoint as ckpt  # noqa: E402
-from huginn_ray.train import loop, parallel, validation  # noqa: E402
+from huginn_ray.train import hang_watch, loop, parallel, validation  # noqa: E402
 from huginn_ray.train.collectives import all_ranks  # noqa: E402
 from huginn_ray.train.config import TrainConfig  # noqa: E402
 from huginn_ray.train.run_plan import RunPlan  # noqa: E402
@@ -126,6 +130,12 @@ ITEMS = {
     "fs_metadata_ops_init_from": "stat/open/list calls of load_initial_weights (counted)",
     "collectives_per_step": "c10d operations of one train_step with all its micro-batches (counted on a model of "
                             "the nebel's depth and 64 wide)",
+    "store_ops_per_step": "keys the store touches during that train_step (counted)",
+    "store_ops_per_hang_watch_poll": "keys the store touches in one poll of the hang watch with nothing in flight "
+                                     "(counted: its loop, once)",
+    "store_requests_rank0_per_s_steady": "requests rank 0's store server answers per second in steady state: W x "
+                                         "this rank's per poll / the poll interval (modelled: every rank polls; "
+                                         "the steps make none)",
     "dcp_plan_items_rank0_first_save": "write items of the local plans rank 0 receives in DCP's plan exchange at "
                                        "the first save (counted; the other ranks' plans supplied)",
     "dcp_plan_items_rank0_later_save": "the same at a later save: DCP's plan cache sends no unchanged plan (counted)",
@@ -296,6 +306,8 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, from_rank_zero: From
             c, _ = start_rank(setup, world_size, rank)
             results["peak_model_bytes_startup"] = model_bytes.peak
             results["data_read_amplification"] = read_amplification(c.order, c.shape.data_rank(rank))
+            counts.phase = "steady"
+            results["poll_s"] = hang_watch_poll(setup, rank, store)
             with other_ranks.installed():
                 for phase, step in zip(("save_first", "save"), SAVE_STEPS):
                     counts.phase = phase
@@ -318,6 +330,8 @@ def simulate_rank(setup: Setup, world_size: int, rank: int, from_rank_zero: From
         "collective_bytes_startup": counts.get("startup", "collective_bytes"),
         "peak_model_bytes_startup": results["peak_model_bytes_startup"],
         "data_read_amplification": results["data_read_amplification"],
+        "store_ops_per_hang_watch_poll": counts.get("steady", "store_ops"),
+        "store_requests_rank0_per_s_steady": world_size * counts.get("steady", "store_ops") / results["poll_s"],
         "bytes_read_init_from": counts.get("init_from", "bytes_read"),
         "fs_metadata_ops_init_from": counts.get("init_from", "fs_metadata_ops"),
         "dcp_plan_items_rank0_first_save": counts.get("save_first", "dcp_plan_items"),
@@ -385,9 +399,9 @@ class StepOfZeros:
         return [Batch(tokens, tokens + 5, torch.zeros(rows, dtype=torch.long))] * self.order.grad_accum
 
 
-def step_collectives(setup: Setup, world_size: int, rank: int) -> int:
-    """The c10d operations of one train_step (loop.py) at W with all its micro-batches, counted on the narrow model
-    on CPU over the fake group. Its chunk stream's chunk size is the configuration's scaled by the narrow model's
+def step_collectives(setup: Setup, world_size: int, rank: int) -> tuple[int, int]:
+    """The c10d operations and store keys of one train_step (loop.py) at W with all its micro-batches, counted on
+    the narrow model on CPU over the fake group. Its chunk stream's chunk size is the configuration's scaled by the narrow model's
     parameters over the nebel's, so that its gradient shard splits into about as many chunks. The fake group
     exchanges nothing, so the loss is garbage and the step may end in a Stop (non-finite loss): every collective of
     the step has run by then."""
@@ -406,6 +420,7 @@ def step_collectives(setup: Setup, world_size: int, rank: int) -> int:
         with patched([(loop, "ShardReader", NoData)]):
             c = loop.build_components(cfg, plan, rank, CPU, local_world_size=setup.shard_size)
         c.reader = StepOfZeros(c.order, c.shape.data_rank(rank), cfg.block_size)
+        counts.phase = "step"
         with CountingCollectives(counts, [], rank):
             try:
                 loop.train_step(c, 2, cfg, plan, CPU)
@@ -413,10 +428,30 @@ def step_collectives(setup: Setup, world_size: int, rank: int) -> int:
                 pass
     finally:
         dist.destroy_process_group()
-    return counts.get("startup", "collectives")
+    return counts.get("step", "collectives"), counts.get("step", "store_ops")
 
 
-def step_collectives_quietly(setup: Setup, world_size: int, rank: int) -> int:
+class OnePoll:
+    """The hang watch's stop event, as the watch sees it for one poll: not set at the first wait, set after."""
+
+    def __init__(self):
+        self.waits = 0
+
+    def wait(self, timeout: float) -> bool:
+        self.waits += 1
+        return self.waits > 1
+
+
+def hang_watch_poll(setup: Setup, rank: int, store) -> float:
+    """One poll of this rank's hang watch (the real loop, hang_watch.HangWatch._run, run once on this thread)
+    with nothing in flight; returns its poll interval."""
+    watch = hang_watch.HangWatch(setup.root / "runs", setup.cfg.pg_timeout_s, rank, store, "gloo")
+    watch.stopped = OnePoll()
+    watch._run()
+    return watch.poll_s
+
+
+def step_collectives_quietly(setup: Setup, world_size: int, rank: int) -> tuple[int, int]:
     with contextlib.redirect_stdout(io.StringIO()):
         return step_collectives(setup, world_size, rank)
 
@@ -475,7 +510,7 @@ def simulate(world_sizes: list[int]) -> dict:
         for world_size in world_sizes:
             results = [from_zero[world_size][0]] + ([last[world_size][0]] if world_size in last else [])
             for result, rank in zip(results, sorted({0, world_size - 1})):
-                result["collectives_per_step"] = steps[world_size, rank]
+                result["collectives_per_step"], result["store_ops_per_step"] = steps[world_size, rank]
             state_bytes, state_tensors = {(result.pop("state_bytes"), result.pop("state_tensors"))
                                           for result in results}.pop()
             for item in ITEMS:

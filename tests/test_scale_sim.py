@@ -1,9 +1,9 @@
 """The per-rank costs of the control plane do not grow with the world size: bench/scale_sim.py plays one rank of a
 16-, a 64- and a 512-rank run of the Frontier configuration as written (two, eight and 64 nodes of 8) through the
-worker's startup, two saves through start_save and dcp.save, a resume and a whole step, over a counting fake
-process group, store and file system: every item declared flat below has its exact value at every W, a later
-save's plan items on rank 0 are none at every W (DCP's save-plan caching), and the bytes a rank reads at resume and
-at init_from are 1/W of the state and of the parameters (the replica-spread reads)."""
+worker's startup, two saves through start_save and dcp.save, a resume, a whole step and a poll of the hang watch,
+over a counting fake process group, store and file system: every item declared flat below has its exact value at
+every W, a later save's plan items on rank 0 are none at every W (DCP's save-plan caching), and the bytes a rank
+reads at resume and at init_from are 1/W of the state and of the parameters (the replica-spread reads)."""
 
 import sys
 from pathlib import Path
@@ -29,6 +29,8 @@ FLAT = {
     "data_read_amplification": 1.0,  # no more ranks than the 4,096 shards: every row read is trained on
     "fs_metadata_ops_init_from": 9,
     "collectives_per_step": 49,
+    "store_ops_per_step": 0,  # a step talks to the store not at all: steady state is the hang watch's polls
+    "store_ops_per_hang_watch_poll": 1,  # the check of its signal key
     "dcp_plan_items_rank0_later_save": 0,  # DCP's plan cache: no rank sends an unchanged plan
     "collectives_save": 10,
     "fs_metadata_ops_save": 10,
@@ -59,6 +61,10 @@ GROWING_BY_DESIGN = {
 STORE_SERVER = ("store_requests_rank0_startup", "store_ops_startup")
 """Rank 0's store server answers W times a rank's requests."""
 
+STEADY_STORE_SERVER = ("store_requests_rank0_per_s_steady", "store_ops_per_hang_watch_poll", 1.0)
+"""In steady state rank 0's store server answers W times a rank's requests per hang-watch poll, one poll a second
+(the Frontier configuration's pg_timeout_s of 900 s gives the watch's 1 s)."""
+
 READ_SHARE = {
     "bytes_read_resume": "state_bytes",
     "bytes_read_init_from": "parameter_bytes",
@@ -72,7 +78,7 @@ def simulated():
 
 
 def test_every_item_is_declared_once(simulated):
-    declared = [*FLAT, *NOT_GROWING, *GROWING_BY_DESIGN, STORE_SERVER[0], *READ_SHARE]
+    declared = [*FLAT, *NOT_GROWING, *GROWING_BY_DESIGN, STORE_SERVER[0], STEADY_STORE_SERVER[0], *READ_SHARE]
     assert sorted(declared) == sorted(simulated["per_rank"]) and len(set(declared)) == len(declared)
 
 
@@ -99,6 +105,8 @@ def test_growing_items_grow_as_designed(simulated):
             assert 0 <= v1 - v0 <= per_added_rank * (w1 - w0), (item, per_rank[item])
     server, own = (per_rank[item] for item in STORE_SERVER)
     assert server == [w * n for w, n in zip(WORLD_SIZES, own)], (server, own)
+    steady, per_poll = (per_rank[item] for item in STEADY_STORE_SERVER[:2])
+    assert steady == [w * n / STEADY_STORE_SERVER[2] for w, n in zip(WORLD_SIZES, per_poll)], (steady, per_poll)
     # the file system serves the state (resume) and the parameters (init_from) once: 1 / W each, and a little
     for item, whole in READ_SHARE.items():
         for world_size, value in zip(WORLD_SIZES, per_rank[item]):
