@@ -16,8 +16,9 @@ kept in --tokenizer DIR when given (reused when DIR already holds one), then run
 on a local Ray with --cpus CPUs, each timed on its own through the pipeline's stage entry points:
   ray data start-up - timed on its own before the stages: the first Ray Data dataset of a Ray cluster starts Ray
             Data's stats and autoscaling-coordinator actors (detached: once per cluster, so once per prepare_data
-            run on a local Ray) and worker processes that import Ray Data; a trivial dataset pays it here, so that
-            the stage figures below are each stage's own (this start-up is the same for every implementation on
+            run on a local Ray) and worker processes that import Ray Data; a trivial dataset of one task per CPU
+            pays it here (one worker process per CPU, each importing the data stages), so that the stage figures
+            below are each stage's own (this start-up is the same for every implementation on
             Ray Data and is reported beside them, never in them);
   staging - jsonl -> staged parquet: documents/s, and MiB of text per s per CPU;
   filter  - with --filter only: `decontaminate` (mode drop, 13-grams) against configs/eval/gsm8k_test_sample.jsonl
@@ -170,13 +171,26 @@ def code_under_test() -> str:
     return f"driver {Path(huginn_ray.__file__).parent}, Ray worker {Path(worker).parent}"
 
 
-def ray_data_start_up() -> float:
-    """Seconds of the first Ray Data dataset of this cluster: a trivial one, which starts Ray Data's actors and a
-    worker that imports it."""
+WORKER_WARM_UP_S = 0.5
+"""How long each start-up task holds its CPU, so that the tasks run at once, one per CPU, each on a worker process
+of its own."""
+
+
+def ray_data_start_up(cpus: int) -> float:
+    """Seconds of the first Ray Data dataset of this cluster: a trivial one of one task per CPU, run at once, which
+    starts Ray Data's actors and one worker process per CPU that imports Ray Data and the data stages (including
+    WORKER_WARM_UP_S). Without it the first stage pays for the worker processes its tasks need: measured, staging's
+    one task per input file waited 2.4 s for a second worker to start for the corpus's small files."""
     import ray.data
 
+    def started_worker(batch):  # nested: Ray's workers get it by value (they cannot import this script)
+        import huginn_ray.data.pipeline  # noqa: F401 - what every stage's task imports
+
+        time.sleep(WORKER_WARM_UP_S)
+        return batch
+
     start = time.perf_counter()
-    ray.data.range(2, override_num_blocks=2).map_batches(lambda batch: batch).materialize()
+    ray.data.range(cpus, override_num_blocks=cpus).map_batches(started_worker).materialize()
     return time.perf_counter() - start
 
 
@@ -276,7 +290,7 @@ def main() -> None:
     init_ray(cfg)
     code = code_under_test()
     print(f"huginn_ray: {code}", flush=True)
-    start_up_s = ray_data_start_up()
+    start_up_s = ray_data_start_up(args.cpus)
     print(f"ray data start-up (once per cluster, before the stages): {start_up_s:.1f}s", flush=True)
     # the stages themselves, timed on their own (pipeline.run would add the plan, which samples the sources)
     _, staging_s = timed(run_stage_staging, cfg, sources)
