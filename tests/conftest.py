@@ -5,13 +5,9 @@ must never skip in CI: under CI=true a skip of any of them is reported as a fail
 An entry is a test file (every test in it) or a file::test id; an entry that matches no collected test of a
 collected file is an error, so the list cannot silently go stale when a test is renamed.
 
-ONE_AT_A_TIME lists the test files that start Ray, Ray Serve or an MLflow server, or listen on fixed ports: `make
-test` runs two pytest-xdist workers (`--dist loadgroup`), and these files run one after another on one of them
-(xdist group "ray": a Ray started by `ray.init` or by `ray up` listens on Ray's fixed default ports, which a
-second one in the same network namespace cannot take), while every other file runs whole on whichever worker is
-free (its module fixtures built once). tests/test_train_ray.py is not among them: its one Ray head
-(isolation.LocalRayHead) and MLflow server take free ports only, so it runs beside the group, which it would
-otherwise lengthen by about 12 minutes.
+`make test` runs two pytest-xdist workers with `--dist loadfile`: each test file runs whole on one worker, so its
+module fixtures (a Ray head, a simulation, a spawn of ranks) are built once. Files on the two workers run side by
+side: the Ray heads that jobs are submitted to, and the MLflow servers, take free ports (tests/isolation.py).
 """
 
 from __future__ import annotations
@@ -34,18 +30,13 @@ MUST_RUN = (
     "tests/test_storage.py",
 )
 
-ONE_AT_A_TIME = frozenset(f"tests/test_{name}.py" for name in (
-    "cluster_env", "cluster_launcher", "cluster_sbatch", "data_decontaminate", "data_hub_download",
-    "data_job_submit", "data_pipeline", "data_released", "eval_depth", "eval_gsm8k", "eval_lm_eval",
-    "local_ray_auth", "serve", "train_multinode", "train_tracking"))
-
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("true", "1")
 
 
 def must_run(nodeid: str) -> bool:
-    base = nodeid.split("@", 1)[0].split("[", 1)[0]  # without xdist's "@group" and the parameters
+    base = nodeid.split("[", 1)[0]  # without the parameters
     return any(base == entry or base.startswith(entry + "::") for entry in MUST_RUN)
 
 
@@ -57,8 +48,6 @@ def pytest_collection_modifyitems(session, config, items):
              and not any(base == entry or base.startswith(entry + "::") for base in bases)]
     if stale:
         raise pytest.UsageError(f"tests/conftest.py MUST_RUN names tests that do not exist: {stale}")
-    for item, file in zip(items, (item.nodeid.split("::", 1)[0] for item in items)):
-        item.add_marker(pytest.mark.xdist_group("ray" if file in ONE_AT_A_TIME else file))
 
 
 @pytest.hookimpl(hookwrapper=True)
