@@ -20,7 +20,7 @@ written (bf16-mixed: bf16 gathers, and the gradient exchange's second stream for
               all-gather over the replicate group, the copies into the tensors), then the optimizer state set back
     step      one train_step (loop.py) with all its micro-batches (grad_accum: 1 with 4,096 shards), on a model of
               the nebel's depth and 64 wide
-    steady    one poll of the hang watch (hang_watch.HangWatch's loop, nothing in flight), which every rank runs
+    steady    one poll of the hang watch (hang_watch.HangWatch.poll, nothing in flight), which every rank runs
               beside its steps: the store requests of steady state
 
 over stand-ins that count instead of communicating (what they stand in for: 4,096 processes on 512 nodes):
@@ -132,7 +132,7 @@ ITEMS = {
                             "the nebel's depth and 64 wide)",
     "store_ops_per_step": "keys the store touches during that train_step (counted)",
     "store_ops_per_hang_watch_poll": "keys the store touches in one poll of the hang watch with nothing in flight "
-                                     "(counted: its loop, once)",
+                                     "(counted: HangWatch.poll, once)",
     "store_requests_rank0_per_s_steady": "requests rank 0's store server answers per second in steady state: W x "
                                          "this rank's per poll / the poll interval (modelled: every rank polls; "
                                          "the steps make none)",
@@ -431,23 +431,11 @@ def step_collectives(setup: Setup, world_size: int, rank: int) -> tuple[int, int
     return counts.get("step", "collectives"), counts.get("step", "store_ops")
 
 
-class OnePoll:
-    """The hang watch's stop event, as the watch sees it for one poll: not set at the first wait, set after."""
-
-    def __init__(self):
-        self.waits = 0
-
-    def wait(self, timeout: float) -> bool:
-        self.waits += 1
-        return self.waits > 1
-
-
 def hang_watch_poll(setup: Setup, rank: int, store) -> float:
-    """One poll of this rank's hang watch (the real loop, hang_watch.HangWatch._run, run once on this thread)
-    with nothing in flight; returns its poll interval."""
+    """One poll of this rank's hang watch (hang_watch.HangWatch.poll, what its thread does every poll interval) with
+    nothing in flight; returns its poll interval."""
     watch = hang_watch.HangWatch(setup.root / "runs", setup.cfg.pg_timeout_s, rank, store, "gloo")
-    watch.stopped = OnePoll()
-    watch._run()
+    assert not watch.poll(), "the hang watch answered a signal in steady state"
     return watch.poll_s
 
 

@@ -69,6 +69,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_session(process: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM to the session a server was started in (start_new_session=True), SIGKILL after `timeout_s`."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=timeout_s)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 def wait_for(url: str, seconds: float, alive=lambda: True) -> None:
     deadline = time.monotonic() + seconds
     while True:
@@ -182,14 +194,7 @@ class MlflowServer:
     def stop(self) -> None:
         if self.process is None:
             return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)  # the server and its uvicorn worker
-            self.process.wait(timeout=60)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        stop_session(self.process, timeout_s=60)  # the server and its uvicorn worker
         try:  # a worker that outlived the server process
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:

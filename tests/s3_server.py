@@ -14,12 +14,11 @@ huginn_ray.storage's conditional writes use. The server runs in a session of its
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 
-from isolation import free_port, wait_for
+from isolation import free_port, stop_session, wait_for
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -68,13 +67,6 @@ class S3Server:
     def stop(self) -> None:
         if self.process is None:
             return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=30)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        stop_session(self.process, timeout_s=30)
         self.process = None
         self.log.close()

@@ -139,18 +139,25 @@ class HangWatch:
 
     def _run(self) -> None:
         while not self.stopped.wait(self.poll_s):
-            hung = self._hung_collective()
-            if hung is not None:
-                signal = json.dumps({"rank": self.rank, "group": hung[0].group, "seq": hung[0].seq,
-                                     "op": hung[0].op, "waited_s": hung[1]})
-                reporter = self.store.compare_set(f"{KEY}/signal", "", signal).decode() == signal
-            else:
-                reporter = False
-            if reporter or self.store.check([f"{KEY}/signal"]):
-                self._dump_and_answer()
-                if reporter:
-                    print(self._report(json.loads(signal)), flush=True)
+            if self.poll():
                 return
+
+    def poll(self) -> bool:
+        """One look: post a collective of this rank in flight too long, then answer a posted signal (dump, and the
+        report when this rank posted it). True once this rank has answered: the watch is done."""
+        hung = self._hung_collective()
+        if hung is not None:
+            signal = json.dumps({"rank": self.rank, "group": hung[0].group, "seq": hung[0].seq,
+                                 "op": hung[0].op, "waited_s": hung[1]})
+            reporter = self.store.compare_set(f"{KEY}/signal", "", signal).decode() == signal
+        else:
+            reporter = False
+        if reporter or self.store.check([f"{KEY}/signal"]):
+            self._dump_and_answer()
+            if reporter:
+                print(self._report(json.loads(signal)), flush=True)
+            return True
+        return False
 
     def _hung_collective(self) -> tuple[Collective, float] | None:
         """The collective this rank has waited in for `after_s` or more (the longest waiting), and how long."""
