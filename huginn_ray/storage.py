@@ -87,7 +87,9 @@ def local_path(location: str) -> Path:
     return Path(resolve_location(location, os.getcwd(), follow_links=False))
 
 
-def _filesystem(location: str) -> tuple[pafs.FileSystem, str]:
+def filesystem(location: str) -> tuple[pafs.FileSystem, str]:
+    """(pyarrow file system, path in it) of a location: what `pyarrow.parquet`, Ray Data and Ray Train's
+    `storage_filesystem` take. A bucket's path is `bucket/key`."""
     if not is_uri(location) or _scheme(location) == "file":
         return pafs.LocalFileSystem(), str(local_path(location))
     scheme, rest = location.split("://", 1)
@@ -108,7 +110,7 @@ def _bucket_filesystem(scheme: str, bucket: str, endpoint: str | None) -> pafs.F
 
 def read_bytes(location: str) -> bytes:
     """The object's or file's bytes; FileNotFoundError naming the location when there is none."""
-    fs, path = _filesystem(location)
+    fs, path = filesystem(location)
     try:
         with fs.open_input_stream(path) as f:
             return f.read()
@@ -128,7 +130,7 @@ def write_bytes(location: str, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(_temporary_copy(path, data), path)
         return
-    fs, path = _filesystem(location)
+    fs, path = filesystem(location)
     with fs.open_output_stream(path) as f:
         f.write(data)
 
@@ -149,7 +151,7 @@ def _temporary_copy(path: Path, data: bytes) -> str:
 
 
 def _info(location: str) -> pafs.FileInfo:
-    fs, path = _filesystem(location)
+    fs, path = filesystem(location)
     return fs.get_file_info(path)
 
 
@@ -176,7 +178,7 @@ def modified(location: str) -> float:
 def list_prefix(location: str) -> list[str]:
     """Every file or object under the directory or prefix `location` (recursively), as locations, sorted; []
     when there is none."""
-    fs, path = _filesystem(location)
+    fs, path = filesystem(location)
     infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
     return sorted(join(location, info.path[len(path):].lstrip("/"))
                   for info in infos if info.type == pafs.FileType.File)
@@ -184,12 +186,87 @@ def list_prefix(location: str) -> list[str]:
 
 def delete(location: str, missing_ok: bool = True) -> None:
     """Remove a file or object (not a directory)."""
-    fs, path = _filesystem(location)
+    fs, path = filesystem(location)
     try:
         fs.delete_file(path)
     except FileNotFoundError:
         if not missing_ok:
             raise FileNotFoundError(f"{location}: no such file or object") from None
+
+
+def open_input_file(location: str):
+    """A seekable reader (`pyarrow.NativeFile`): on object storage each `read_at`/`seek`+`read` is a ranged GET,
+    so a parquet footer or one row group is read without the rest of the object."""
+    fs, path = filesystem(location)
+    try:
+        return fs.open_input_file(path)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{location}: no such file or object") from err
+
+
+def copy_file(source: str, destination: str) -> None:
+    """Copy within one file system: on object storage a server-side copy (no bytes through this process); locally
+    a copy put in place by `os.replace`. Locations on two different file systems raise StorageError."""
+    source_fs, source_path = filesystem(source)
+    destination_fs, destination_path = filesystem(destination)
+    if type(source_fs) is not type(destination_fs) or (is_uri(source) and is_uri(destination) and
+                                                      source.split("/", 3)[2] != destination.split("/", 3)[2]):
+        raise StorageError(f"{source} -> {destination}: a copy stays within one bucket or file system")
+    if not is_uri(destination) or _scheme(destination) == "file":
+        Path(destination_path).parent.mkdir(parents=True, exist_ok=True)
+        temporary = _temporary_copy(Path(destination_path), b"")
+        pafs.LocalFileSystem().copy_file(source_path, temporary)
+        os.replace(temporary, destination_path)
+        return
+    source_fs.copy_file(source_path, destination_path)
+
+
+def upload_file(local_file: str | Path, location: str) -> None:
+    """A local file's bytes to a location (streamed, not held in memory); a local destination is written by
+    `os.replace` as `write_bytes` does."""
+    fs, path = filesystem(location)
+    if not is_uri(location) or _scheme(location) == "file":
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        temporary = _temporary_copy(Path(path), b"")
+        pafs.copy_files(str(local_file), temporary, source_filesystem=pafs.LocalFileSystem(),
+                        destination_filesystem=fs)
+        os.replace(temporary, path)
+        return
+    pafs.copy_files(str(local_file), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+
+def download_file(location: str, local_file: str | Path) -> None:
+    """A location's bytes to a local file, put in place by `os.replace` (a reader never sees part of it)."""
+    fs, path = filesystem(location)
+    destination = Path(local_file)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    temporary = _temporary_copy(destination, b"")
+    try:
+        pafs.copy_files(path, temporary, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+    except FileNotFoundError as err:
+        os.unlink(temporary)
+        raise FileNotFoundError(f"{location}: no such file or object") from err
+    os.replace(temporary, destination)
+
+
+def upload_dir(local_dir: str | Path, location: str, last: str | None = None) -> list[str]:
+    """Every file under `local_dir` to the same relative names under `location`; `last` (a relative name), when
+    given, is written after all the others, so a reader that waits for it sees a complete directory. Returns the
+    relative names, sorted."""
+    root = Path(local_dir)
+    names = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    for name in sorted(names, key=lambda n: n == last):
+        upload_file(root / name, join(location, *name.split(os.sep)))
+    return names
+
+
+def download_dir(location: str, local_dir: str | Path) -> list[str]:
+    """Every file or object under `location` to the same relative names under `local_dir`; the relative names,
+    sorted."""
+    names = [found[len(location.rstrip("/")) + 1:] for found in list_prefix(location)]
+    for name in names:
+        download_file(join(location, name), Path(local_dir, *name.split("/")))
+    return names
 
 
 # --- conditional writes ---------------------------------------------------------------------------------------
