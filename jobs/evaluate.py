@@ -12,7 +12,9 @@
 Depth scaling and GSM8k run as Ray Data batch inference over an actor pool of model replicas (--replicas N, one
 per GPU or CPU actors; huginn_ray/eval/batch_inference.py) on the cluster in $RAY_ADDRESS, else on a private
 local Ray; the results do not depend on the replica count. Depth scaling writes a table to the console and
-depth_scaling.csv + depth_scaling.png into --out (default: an eval/ directory beside the checkpoint). lm-eval exports the checkpoint to <out>/hf and runs EleutherAI's
+depth_scaling.csv + depth_scaling.png into --out (default: an eval/ directory beside the checkpoint; required
+for a checkpoint in a bucket, `s3://...`, which is read through this node's cache and handed to the replicas as
+its URI: huginn_ray/model_cache.py). lm-eval exports the checkpoint to <out>/hf and runs EleutherAI's
 harness on it through HFLM (pip install -e .[eval]). --gsm8k runs the paper's GSM8k recipe (huginn_ray/eval/gsm8k.py:
 lm-eval's gsm8k_cot pinned in configs/eval/, chat template, the authors' system prompt, 32 iterations) on a local
 JSONL copy of the test split, offline; with --sweep at each listed depth, writing gsm8k_depth_sweep.csv + .png.
@@ -40,7 +42,7 @@ from pathlib import Path
 from huginn_ray.cluster.local_ray import connect_ray
 from huginn_ray.eval.gsm8k import GSM8K_RECIPE
 from huginn_ray.model.inference import inference_placement
-from huginn_ray.model.pretrained import resolve_model_dir
+from huginn_ray.model_cache import in_bucket, local_model_dir
 
 OPTIONS = {"batch_size": int, "seed": int, "mlflow_uri": str, "experiment": str, "tokenizer": str, "dtype": str,
            "max_gen_toks": int, "num_concurrent": int, "exit_criterion": str, "exit_threshold": float}
@@ -141,7 +143,9 @@ def run_depth_scaling(args, model_dir: Path, out: Path, options: dict) -> int:
     depths = [int(d) for d in args.depths.split(",")]
     config = ModelConfig.from_json(model_dir / "config.json")
     with connect_ray(num_cpus=os.cpu_count()):  # on a private local Ray: every CPU of the machine
-        rows = depth_scaling(model_dir, data_dir, depths, replicas_for(args, options), max_rows=args.max_rows,
+        # a model in a bucket reaches the replicas as its URI: each loads its own node's copy
+        model = args.checkpoint.rstrip("/") if in_bucket(args.checkpoint) else model_dir
+        rows = depth_scaling(model, data_dir, depths, replicas_for(args, options), max_rows=args.max_rows,
                              batch_size=options.get("batch_size", 8), seed=options.get("seed", 233),
                              pad_id=ids["pad"], eos_id=ids["eos"])
     print(format_table(rows))
@@ -273,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
             if not sep or key not in OPTIONS:
                 raise ValueError(f"unknown option {item!r}; known keys: {', '.join(OPTIONS)}")
             options[key] = OPTIONS[key](value)
-        model_dir = resolve_model_dir(args.checkpoint)
+        if in_bucket(args.checkpoint) and not args.out:
+            raise ValueError(f"--out is required with --checkpoint {args.checkpoint} (the results are local files)")
+        model_dir = local_model_dir(args.checkpoint, log=print)
         out = Path(args.out) if args.out else model_dir.parent / "eval"
         if args.sweep and not args.gsm8k:
             raise ValueError("--sweep needs --gsm8k TEST_JSONL")

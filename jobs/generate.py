@@ -7,8 +7,10 @@
 
 Prints the text, then tokens/s, mean core iterations per token, the iterations of each token, FLOPs per token
 and cache bytes per token. DIR is a model directory, a training checkpoint, or a training out_dir (newest
-checkpoint). The tokenizer defaults to one stored beside the model. The model runs on the accelerator in bf16 when
-one is present, else on the CPU in fp32 (--device, --dtype; huginn_ray/model/inference.py).
+checkpoint); DIR and --tokenizer may be in a bucket (`s3://...`: a model directory or a training checkpoint, read
+through this node's cache, huginn_ray/model_cache.py). The tokenizer defaults to one stored beside the model. The
+model runs on the accelerator in bf16 when one is present, else on the CPU in fp32 (--device, --dtype;
+huginn_ray/model/inference.py).
 
 With --chat the prompt is the user's message of a conversation (after a system message with --system), rendered
 with the released chat template and Huginn's header (huginn_ray/data/chat.py, add_generation_prompt); generation
@@ -26,7 +28,7 @@ from huginn_ray.generation.exits import DEFAULT_THRESHOLDS
 from huginn_ray.generation.generate import generate
 from huginn_ray.model.export import find_tokenizer
 from huginn_ray.model.inference import DTYPES, inference_placement, load_for_inference
-from huginn_ray.model.pretrained import resolve_model_dir
+from huginn_ray.model_cache import local_dir, local_model_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--system needs --chat")
     try:
         placement = inference_placement(args.device, args.dtype)
-        model_dir = resolve_model_dir(args.checkpoint)
+        model_dir = local_model_dir(args.checkpoint, log=lambda line: print(line, file=sys.stderr))
         model, attention = load_for_inference(model_dir, placement)
-        tokenizer_dir = args.tokenizer or find_tokenizer(model_dir)
+        tokenizer_dir = local_dir(args.tokenizer, "--tokenizer") if args.tokenizer else find_tokenizer(model_dir)
         if tokenizer_dir is None:
             raise ValueError(f"no tokenizer stored with {model_dir}: pass --tokenizer")
         from huginn_ray.data.chat import chat_token_ids, render

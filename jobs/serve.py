@@ -5,7 +5,9 @@
         [--admit-rows 1] [--[no-]cuda-graphs] [--model-name NAME] [--api-key KEY]
 
 DIR is a model directory, a training checkpoint, or a training out_dir (newest checkpoint); the tokenizer defaults
-to one stored beside the model. Each replica loads the model once (on one GPU with --device cuda, the default when
+to one stored beside the model. DIR and --tokenizer may be in a bucket (`s3://...`: a model directory or a training
+checkpoint): the driver checks its copy, and every replica is handed the URI and loads its own node's copy
+(huginn_ray/model_cache.py, downloaded once per node). Each replica loads the model once (on one GPU with --device cuda, the default when
 a GPU is present, else on one CPU) and runs one continuous-depth-batching engine. Listens on 127.0.0.1 unless
 --host says otherwise. With --api-key KEY (or $HUGINN_API_KEY) every request must carry `Authorization: Bearer
 KEY` (401 otherwise); an address other than loopback is refused without a key. Connects to the Ray cluster in
@@ -20,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import PurePosixPath
 
 from huginn_ray.console import local_ray_environment
 
@@ -33,7 +36,7 @@ from huginn_ray.console import ray_connect_kwargs  # noqa: E402
 from huginn_ray.generation.engine import EngineConfig  # noqa: E402
 from huginn_ray.model.export import find_tokenizer  # noqa: E402
 from huginn_ray.model.inference import DTYPES, inference_placement  # noqa: E402
-from huginn_ray.model.pretrained import resolve_model_dir  # noqa: E402
+from huginn_ray.model_cache import in_bucket, local_dir, local_model_dir  # noqa: E402
 from huginn_ray.serve.access import API_KEY_ENV, check_access  # noqa: E402
 
 
@@ -119,16 +122,22 @@ def plan(args) -> "ServeSettings":  # noqa: F821
     placement = inference_placement(args.device, args.dtype, check_present=not os.environ.get("RAY_ADDRESS"))
     if args.cuda_graphs and placement.device.type != "cuda":
         raise ValueError(f"--cuda-graphs needs --device cuda, not {placement.device.type}")
-    model_dir = resolve_model_dir(args.checkpoint).resolve()
-    tokenizer_dir = args.tokenizer or find_tokenizer(model_dir)
+    model_dir = local_model_dir(args.checkpoint, log=lambda line: print(line, flush=True)).resolve()
+    tokenizer_dir = local_dir(args.tokenizer, "--tokenizer") if args.tokenizer else find_tokenizer(model_dir)
     if tokenizer_dir is None:
-        raise ValueError(f"no tokenizer stored with {model_dir}: pass --tokenizer")
+        raise ValueError(f"no tokenizer stored with {args.checkpoint}: pass --tokenizer")
     if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
-        raise ValueError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
-    name = args.model_name or (model_dir.parent.name if model_dir.name == "model" else model_dir.name)
-    return ServeSettings(model_dir=str(model_dir), tokenizer_dir=os.path.abspath(tokenizer_dir), model_name=name,
-                         device=placement.device.type, dtype=placement.dtype_name, engine=engine,
-                         api_key=args.api_key)
+        raise ValueError(f"--tokenizer {args.tokenizer or tokenizer_dir}: no tokenizer.json there")
+    named = PurePosixPath(args.checkpoint.rstrip("/")) if in_bucket(args.checkpoint) else model_dir
+    name = args.model_name or (named.parent.name if named.name == "model" else named.name)
+    # a model in a bucket reaches the replicas as its URI: each loads its own node's copy
+    model = args.checkpoint.rstrip("/") if in_bucket(args.checkpoint) else str(model_dir)
+    if args.tokenizer:
+        tokenizer = args.tokenizer if in_bucket(args.tokenizer) else os.path.abspath(args.tokenizer)
+    else:
+        tokenizer = None if in_bucket(args.checkpoint) else os.path.abspath(tokenizer_dir)
+    return ServeSettings(model_dir=model, tokenizer_dir=tokenizer, model_name=name, device=placement.device.type,
+                         dtype=placement.dtype_name, engine=engine, api_key=args.api_key)
 
 
 ENGINE_OPTIONS = {"max_rows": "--max-rows", "max_cache_bytes": "--max-cache-gib",

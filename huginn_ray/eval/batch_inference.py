@@ -64,9 +64,10 @@ class DepthLossReplica:
 
     def __init__(self, model_dir: str, depths: list[int], replicas: Replicas, seed: int, pad_id: int, eos_id: int):
         from huginn_ray.model.inference import load_for_inference
+        from huginn_ray.model_cache import local_model_dir
 
         self.placement = replicas.placement()
-        self.model, _ = load_for_inference(model_dir, self.placement)
+        self.model, _ = load_for_inference(local_model_dir(model_dir), self.placement)  # a bucket: this node's copy
         self.depths, self.seed, self.pad_id, self.eos_id = depths, seed, pad_id, eos_id
 
     @torch.no_grad()

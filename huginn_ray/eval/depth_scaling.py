@@ -36,15 +36,16 @@ def depth_scaling(model_dir: str | Path, data_dir: str | Path, depths: list[int]
                   max_rows: int | None = None, batch_size: int = 8, seed: int = 233, pad_id: int,
                   eos_id: int) -> list[DepthRow]:
     """One row per depth: the validation rows through Ray Data on `replicas` (huginn_ray.eval.batch_inference),
-    on the connected Ray cluster."""
+    on the connected Ray cluster. `model_dir`: a model directory or a bucket URI (huginn_ray.model_cache)."""
     from huginn_ray.model.config import ModelConfig
+    from huginn_ray.model_cache import local_model_dir
 
     shards = sorted(str(p) for p in (Path(data_dir) / "val").glob("*.parquet"))
     if not shards:
         raise ValueError(f"no validation shards in {Path(data_dir) / 'val'}")
     losses = depth_losses(model_dir, shards, depths, replicas, max_rows=max_rows, batch_size=batch_size, seed=seed,
                           pad_id=pad_id, eos_id=eos_id)
-    config = ModelConfig.from_json(Path(model_dir) / "config.json")
+    config = ModelConfig.from_json(local_model_dir(model_dir) / "config.json")
     seq_len = read_val_rows(shards[0], 1).shape[1] - 1
     rows = []
     for depth, (total, count) in zip(depths, losses):

@@ -2,6 +2,10 @@
 
     python -m huginn_ray.model.export --checkpoint DIR --out OUT [--tokenizer TOKENIZER_DIR]
 
+DIR, OUT and TOKENIZER_DIR may be in a bucket (`s3://...`). DIR and TOKENIZER_DIR are read through this node's
+cache (huginn_ray/model_cache.py); an OUT in a bucket is written to a local temporary directory first and uploaded
+with config.json last, so a reader that finds config.json finds the whole export.
+
 OUT holds config.json (the released Huginn-0125 keys plus model_type, architectures, auto_map,
 num_hidden_layers), model.safetensors (the released key layout, fp32), generation_config.json (stopping at
 <|end_text|> and <|end_turn|>, as the release's), the tokenizer files with the chat template
@@ -18,13 +22,16 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from huginn_ray.model.model import RecurrentGPT
-from huginn_ray.model.pretrained import load_pretrained, resolve_model_dir
+from huginn_ray import storage
+from huginn_ray.model.pretrained import CONFIG_NAME, load_pretrained
+from huginn_ray.model_cache import in_bucket, local_dir, local_model_dir
 
 HF_CODE = Path(__file__).parent / "hf"
 CODE_FILES = ("configuration_huginn_ray.py", "modeling_huginn_ray.py")
@@ -119,19 +126,31 @@ def find_tokenizer(checkpoint: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="model dir, training checkpoint, or training out_dir")
-    parser.add_argument("--out", required=True, help="directory to write the Hugging Face model into")
+    parser.add_argument("--out", required=True, help="directory or bucket prefix to write the Hugging Face model into")
     parser.add_argument("--tokenizer", help="tokenizer directory (tokenizer.json + tokenizer_config.json)")
     args = parser.parse_args(argv)
     try:
-        model_dir = resolve_model_dir(args.checkpoint)
+        if in_bucket(args.out):
+            storage.check_location(args.out, "--out")
+        model_dir = local_model_dir(args.checkpoint, log=print)
         model = load_pretrained(model_dir)
-        tokenizer = args.tokenizer or find_tokenizer(model_dir)
-        out = export(model, args.out, tokenizer)
+        tokenizer = local_dir(args.tokenizer, "--tokenizer") if args.tokenizer else find_tokenizer(model_dir)
+        out = upload_export(model, args.out, tokenizer) if in_bucket(args.out) else export(model, args.out, tokenizer)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"[huginn] exported {model_dir} to {out}" + ("" if tokenizer else " (no tokenizer: pass --tokenizer)"))
+    print(f"[huginn] exported {args.checkpoint if in_bucket(args.checkpoint) else model_dir} to {out}"
+          + ("" if tokenizer else " (no tokenizer: pass --tokenizer)"))
     return 0
+
+
+def upload_export(model: RecurrentGPT, location: str, tokenizer_dir: str | Path | None) -> str:
+    """The export written to a local temporary directory, then uploaded under the bucket prefix `location` with
+    config.json last (the loaders take a directory by its config.json)."""
+    with tempfile.TemporaryDirectory(prefix="huginn-export-") as local:
+        export(model, local, tokenizer_dir)
+        storage.upload_dir(local, location, last=CONFIG_NAME)
+    return location
 
 
 if __name__ == "__main__":

@@ -50,9 +50,11 @@ class ServeSettings:
     """What every replica needs to start (the driver's plan for the replicas)."""
 
     model_dir: str
-    """Absolute path of the model directory (config.json + weights)."""
-    tokenizer_dir: str
-    """Absolute path of the directory holding tokenizer.json."""
+    """The model directory (config.json + weights): an absolute path, or a bucket URI that each replica reads from
+    its node's copy (huginn_ray.model_cache)."""
+    tokenizer_dir: str | None
+    """The directory holding tokenizer.json: an absolute path or a bucket URI; None: the one stored with the model
+    in a bucket (each replica finds it in its copy: huginn_ray.model.export.find_tokenizer)."""
     model_name: str
     """The name the API reports (`model` of the responses, GET /v1/models)."""
     device: str
@@ -178,15 +180,20 @@ class HuginnServer:
         from huginn_ray.data.chat import END_TURN
         from huginn_ray.data.tokenizer import special_token_ids
         from huginn_ray.generation.engine import Engine
+        from huginn_ray.model.export import find_tokenizer
         from huginn_ray.model.inference import inference_placement, load_for_inference
+        from huginn_ray.model_cache import local_dir, local_model_dir
 
         self.settings = settings
         self.replica = serve.get_replica_context().replica_tag
         self.headers = {"Huginn-Replica": self.replica}
         self.board = BoardLink(self.replica, lambda: serve.get_deployment_actor("stats"))
-        self.model, _ = load_for_inference(settings.model_dir, inference_placement(settings.device, settings.dtype))
-        tokenizer = Tokenizer.from_file(str(Path(settings.tokenizer_dir) / "tokenizer.json"))
-        special = special_token_ids(settings.tokenizer_dir)
+        model_dir = local_model_dir(settings.model_dir)
+        self.model, _ = load_for_inference(model_dir, inference_placement(settings.device, settings.dtype))
+        tokenizer_dir = local_dir(settings.tokenizer_dir, "--tokenizer") if settings.tokenizer_dir \
+            else find_tokenizer(model_dir)
+        tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+        special = special_token_ids(tokenizer_dir)
         self.tokens = Tokens(tokenizer, special["bos"], special["eos"], tokenizer.token_to_id(END_TURN))
         self.engine = Engine(self.model, settings.engine)
         self.loop = EngineLoop(self.engine, self.board.report)

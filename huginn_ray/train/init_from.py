@@ -4,7 +4,9 @@ load of the weights.
 PATH is a Hugging Face model directory (the released Huginn-0125 layout: sharded safetensors, their index and the
 released config.json keys; a `python -m huginn_ray.model.export` output), a training checkpoint of this project
 (its `model/` beside the DCP `state/`; only a complete one), or a training output directory (its newest complete
-checkpoint, named on the console with every newer one it skipped). The model's shape
+checkpoint, named on the console with every newer one it skipped). PATH may be a bucket URI (`s3://...`) naming a
+model directory or a training checkpoint: the driver and every node read it from the node's local copy
+(huginn_ray.model_cache, downloaded once per node). The model's shape
 is the directory's config.json; the weights are loaded by every rank before step 1 (`load_weights_into`); the
 optimizer, the schedule and the data start fresh. A run that resumes reads its own checkpoint instead.
 
@@ -21,11 +23,13 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
+from huginn_ray import storage
 from huginn_ray.config import ConfigError
 from huginn_ray.data.tokenizer import TOKENIZER_FILE
 from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.model.pretrained import CONFIG_NAME, check_weights, open_weights, reading_checkpoint_model, \
-    resolve_model_dir, tensor_locations, training_state, weights_digest
+    tensor_locations, training_state, weights_digest
+from huginn_ray.model_cache import in_bucket, local_model_dir
 from huginn_ray.train import replica_read
 from huginn_ray.train.run_plan import WeightsSource
 
@@ -38,7 +42,7 @@ def model_config(cfg) -> ModelConfig:
     the directory's config.json, which an explicit `model` section must agree with field by field."""
     if not cfg.init_from:
         return section_config(cfg)
-    directory = resolve_model_dir(cfg.init_from, "init_from")
+    directory = local_model_dir(cfg.init_from, "init_from")
     try:
         stored = ModelConfig.from_json(directory / CONFIG_NAME)
     except ValueError as err:
@@ -76,22 +80,25 @@ def check_agrees(section, stored: ModelConfig, directory: Path) -> None:
                               "shape comes from init_from (leave the model section out, or make it agree)")
 
 
-def check_tokenizer(directory: Path, tokenizer_path: str, tokenizer_ids: dict) -> None:
-    """data.tokenizer_path must be the model's: its special ids equal the bos/eos/pad ids of the directory's
-    config.json (where it names them), and its vocabulary equals the directory's own tokenizer.json (where it has
-    one). `tokenizer_ids`: huginn_ray.data.tokenizer.special_token_ids of tokenizer_path."""
+def check_tokenizer(init_from: str | Path, tokenizer_path: str, tokenizer_ids: dict) -> None:
+    """data.tokenizer_path must be the model's: its special ids equal the bos/eos/pad ids of the config.json of
+    the model directory `init_from` names (where it names them), and its vocabulary equals the directory's own
+    tokenizer.json (where it has one). `tokenizer_ids`: huginn_ray.data.tokenizer.special_token_ids of
+    tokenizer_path (a local path or a location: its tokenizer.json is read through huginn_ray.storage)."""
     from tokenizers import Tokenizer
 
+    directory = local_model_dir(init_from, "init_from")
     config = json.loads((directory / CONFIG_NAME).read_text())
     for name in ("bos", "eos", "pad"):
         expected = config.get(f"{name}_token_id")
         if expected is not None and expected != tokenizer_ids[name]:
-            raise ConfigError(f"data.tokenizer_path: its {name} id is {tokenizer_ids[name]}, the model in {directory} "
+            raise ConfigError(f"data.tokenizer_path: its {name} id is {tokenizer_ids[name]}, the model in {init_from} "
                               f"was trained with {name}_token_id={expected} ({CONFIG_NAME}): another tokenizer")
     own = directory / TOKENIZER_FILE
     if own.is_file():
         theirs = Tokenizer.from_file(str(own)).get_vocab(with_added_tokens=True)
-        mine = Tokenizer.from_file(str(Path(tokenizer_path) / TOKENIZER_FILE)).get_vocab(with_added_tokens=True)
+        mine = Tokenizer.from_str(storage.read_text(storage.join(str(tokenizer_path), TOKENIZER_FILE))).get_vocab(
+            with_added_tokens=True)
         if theirs != mine:
             token, index = sorted(set(theirs.items()) ^ set(mine.items()), key=lambda item: item[1])[0]
             raise ConfigError(f"data.tokenizer_path: its vocabulary differs from the model's ({own}), e.g. at "
@@ -99,22 +106,23 @@ def check_tokenizer(directory: Path, tokenizer_path: str, tokenizer_ids: dict) -
 
 
 def describe_source(init_from: str, model_cfg: ModelConfig) -> WeightsSource:
-    """What the plan carries and MLflow records: the model directory, and the sha256 of its weights (read tensor by
-    tensor); the weights are checked first (every parameter there with its shape: the files' headers only)."""
-    directory = resolve_model_dir(init_from, "init_from", log=lambda line: print(line, flush=True))
+    """What the plan carries and MLflow records: the model directory (a bucket URI as it is: each worker reads its
+    node's copy), and the sha256 of its weights (read tensor by tensor); the weights are checked first (every
+    parameter there with its shape: the files' headers only)."""
+    directory = local_model_dir(init_from, "init_from", log=lambda line: print(line, flush=True))
     try:
         check_weights(directory, model_cfg)
     except ValueError as err:
         raise ConfigError(f"init_from: {err}") from None
     hashed, sha256 = weights_digest(directory)
-    return WeightsSource(str(directory), hashed, sha256)
+    return WeightsSource(init_from if in_bucket(init_from) else str(directory), hashed, sha256)
 
 
 @torch.no_grad()
 def load_weights_into(model: RecurrentGPT, directory: str | Path, replicas=None) -> None:
     """Fill `model`'s parameters (given storage by `RecurrentGPT.allocate`, possibly FSDP2-sharded) from the model
-    directory `directory` (any layout huginn_ray.model.pretrained.load_pretrained reads), each rank reading only
-    what it holds.
+    directory `directory` (any layout huginn_ray.model.pretrained.load_pretrained reads; a bucket URI through this
+    node's copy, huginn_ray.model_cache), each rank reading only what it holds.
 
     safetensors (one file or index + shards): every parameter's slice this rank holds (the whole tensor, or its
     DTensor shard's rows) is read from the memory-mapped file and copied in, cast to the parameter's dtype; one
@@ -125,7 +133,7 @@ def load_weights_into(model: RecurrentGPT, directory: str | Path, replicas=None)
     them, so the files are read once, not once per replica (a collective then, in both layouts; a training
     checkpoint through huginn_ray.train.replica_read.read_dcp).
     Raises ValueError naming the file and key for a missing, unexpected or differently shaped tensor."""
-    directory = Path(directory)
+    directory = local_model_dir(directory, "init_from") if in_bucket(directory) else Path(directory)
     params = dict(model.named_parameters())  # a tied head is listed once, as transformer.wte.weight
     if (state_dir := training_state(directory)) is not None:
         with reading_checkpoint_model(state_dir):

@@ -22,7 +22,6 @@ from huginn_ray.config import ConfigError
 from huginn_ray.data.shards import read_manifest, shard_version
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, check_tokenizer_fits, file_sha256, special_token_ids
 from huginn_ray.model import ModelConfig
-from huginn_ray.model.pretrained import resolve_model_dir
 from huginn_ray.train import hang_watch, init_from, tracking
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.config import TrainConfig
@@ -181,7 +180,7 @@ def preflight(cfg: TrainConfig) -> RunPlan:
     source = None
     if cfg.init_from:
         try:
-            init_from.check_tokenizer(resolve_model_dir(cfg.init_from, "init_from"), cfg.data.tokenizer_path, ids)
+            init_from.check_tokenizer(cfg.init_from, cfg.data.tokenizer_path, ids)
             source = init_from.describe_source(cfg.init_from, model_cfg)
         except ConfigError as err:
             raise PreflightError(str(err)) from None
