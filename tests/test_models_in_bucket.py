@@ -4,8 +4,8 @@ s3://...` uploads with config.json last. Against moto's S3 server; no Ray."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
-import re
 import threading
 from pathlib import Path
 
@@ -100,6 +100,23 @@ def test_generation_from_the_bucket_gives_the_local_tokens(made, cache, capsys):
         outputs.append([lines[0], lines[2]])  # the text, and each token's iterations (the timing line differs)
     assert outputs[0] == outputs[1]
     assert outputs[0][1] == "[huginn] mean core iterations per token: 2.00 (per token: 2 2 2 2 2)"
+
+
+def test_serve_hands_the_replicas_the_bucket_uri(made, cache, capsys):
+    """jobs/serve.py's plan checks the driver's copy and gives every replica the URI, not a driver-local path."""
+    root, tokenizer, _, checkpoint, uri = made
+    spec = importlib.util.spec_from_file_location("serve_job", REPO / "jobs" / "serve.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    options = dict(host="127.0.0.1", port=8000, replicas=2, device="cpu", dtype=None, max_rows=4, max_cache_gib=1.0,
+                   exit_wait_steps=0, admit_rows=1, cuda_graphs=False, model_name=None, api_key=None)
+    settings = job.plan(argparse.Namespace(checkpoint=f"{uri}/", tokenizer=str(tokenizer), **options))
+    assert (settings.model_dir, settings.tokenizer_dir, settings.model_name) == (uri, str(tokenizer),
+                                                                                 "checkpoint_000001")
+    with pytest.raises(ValueError, match=rf"^no tokenizer stored with {uri}: pass --tokenizer$"):
+        job.plan(argparse.Namespace(checkpoint=uri, tokenizer=None, **options))
+    local = job.plan(argparse.Namespace(checkpoint=str(checkpoint), tokenizer=str(tokenizer), **options))
+    assert (local.model_dir, local.model_name) == (str(checkpoint / "model"), "checkpoint_000001")
 
 
 def test_the_cache_is_filled_once_per_version(made, cache, downloads, s3):

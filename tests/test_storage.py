@@ -264,7 +264,7 @@ def test_the_train_config_keeps_uris_and_refuses_the_fields_that_need_local_file
         load_train_config(config, ["out_dir=s3://b/runs"])
     with pytest.raises(ConfigError, match="out_dir: s3://b/runs — object storage is not supported for this field"):
         load_train_config(config, ["out_dir=s3://b/runs", "mlflow.tracking_uri=http://127.0.0.1:1"])
-    for key in ("data.data_dir", "data.tokenizer_path", "init_from"):
+    for key in ("data.data_dir", "data.tokenizer_path"):
         with pytest.raises(ConfigError, match=f"{key}: gs://b/x — object storage is not supported for this field"):
             load_train_config(config, [f"{key}=gs://b/x"])
     with pytest.raises(ConfigError, match="hdfs://b/x: unknown scheme hdfs://"):
