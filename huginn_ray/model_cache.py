@@ -61,6 +61,8 @@ def local_model_dir(location: str | Path, purpose: str = "--checkpoint", log=Non
     location = str(location).rstrip("/")
     objects = object_versions(location, purpose)
     names = {name for name, _, _ in objects}
+    if location.endswith("/model") and names == {CONFIG_NAME}:  # a training checkpoint's model/: its weights are
+        return local_model_dir(location.removesuffix("/model"), purpose, log)  # the state/ beside it
     if CONFIG_NAME not in names and f"model/{CONFIG_NAME}" not in names:
         raise ConfigError(f"{purpose}: {location} holds no model directory ({CONFIG_NAME} or model/{CONFIG_NAME} "
                           f"at its top): name an export, a released-layout directory or a training checkpoint")

@@ -62,7 +62,9 @@ def find_tracking(model_dir: Path) -> tuple[str | None, str | None]:
     return uri, run_id
 
 
-def mlflow_run(model_dir: Path, out: Path, options: dict) -> tuple[str, str]:
+def mlflow_run(model_dir: Path, out: Path, options: dict, checkpoint: str) -> tuple[str, str]:
+    """The checkpoint's own MLflow run, else a new one; `checkpoint` (--checkpoint) names a model in a bucket, whose
+    `model_dir` is this node's copy."""
     from mlflow.tracking import MlflowClient
 
     uri, run_id = find_tracking(model_dir)
@@ -81,7 +83,8 @@ def mlflow_run(model_dir: Path, out: Path, options: dict) -> tuple[str, str]:
     experiment = client.get_experiment_by_name(name)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(
         name, artifact_location=(out / "mlflow" / "artifacts").resolve().as_uri() if uri.startswith("sqlite") else None)
-    run = client.create_run(experiment_id, run_name=f"eval {model_dir}", tags={"huginn.checkpoint": str(model_dir)})
+    named = checkpoint.rstrip("/") if in_bucket(checkpoint) else str(model_dir)
+    run = client.create_run(experiment_id, run_name=f"eval {named}", tags={"huginn.checkpoint": named})
     return uri, run.info.run_id
 
 
@@ -154,7 +157,7 @@ def run_depth_scaling(args, model_dir: Path, out: Path, options: dict) -> int:
     png_path = plot([r.depth for r in rows], [r.loss for r in rows], out / "depth_scaling.png",
                     config.mean_recurrence, f"{config.name}: validation loss by test-time depth",
                     flops=[r.flops_per_token for r in rows])
-    uri, run_id = mlflow_run(model_dir, out, options)
+    uri, run_id = mlflow_run(model_dir, out, options, args.checkpoint)
     client = MlflowClient(uri)
     for r in rows:
         for key in ("loss", "ppl", "flops_per_token"):
@@ -185,7 +188,7 @@ def run_lm_eval(args, model_dir: Path, out: Path, options: dict) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "lm_eval_results.json"
     path.write_text(json.dumps(results, indent=2, default=str))
-    uri, run_id = mlflow_run(model_dir, out, options)
+    uri, run_id = mlflow_run(model_dir, out, options, args.checkpoint)
     client = MlflowClient(uri)
     for task, metrics in results["results"].items():
         for key, value in metrics.items():
@@ -227,7 +230,7 @@ def run_gsm8k(args, model_dir: Path, out: Path, options: dict) -> int:
     name = "gsm8k_depth_sweep" if args.sweep else "gsm8k"
     path = out / f"{name}.json"
     path.write_text(json.dumps(report, indent=2, default=str))
-    uri, run_id = mlflow_run(model_dir, out, options)
+    uri, run_id = mlflow_run(model_dir, out, options, args.checkpoint)
     client = MlflowClient(uri)
     print(f"{'depth':>6} {'strict-match':>13} {'flexible-extract':>17} {'problems':>9}")
     for r in rows:

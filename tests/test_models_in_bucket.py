@@ -85,6 +85,9 @@ def test_export_from_a_bucket_checkpoint_is_bitwise_the_local_one(made, cache, t
     assert names == sorted(p.name for p in (tmp_path / "bucket").iterdir())
     for name in names:
         assert (tmp_path / "bucket" / name).read_bytes() == (tmp_path / "local" / name).read_bytes(), name
+    # the checkpoint's model/ named directly is read with its checkpoint (the weights are in state/), as locally
+    assert local_model_dir(f"{uri}/model") == cache / key / "model"
+    assert entries(cache) == [key]
 
 
 def test_generation_from_the_bucket_gives_the_local_tokens(made, cache, capsys):
