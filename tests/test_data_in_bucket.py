@@ -78,6 +78,7 @@ def test_the_tokenizer_helpers_read_a_bucket_as_a_local_directory(dataset):
 def test_the_pointer_object_is_resolved_and_must_name_a_version_beside_it(dataset):
     assert shard_version(f"{BUCKET}/shards") == f"{BUCKET}/shards.v0001"
     assert shard_version(f"{BUCKET}/shards.v0001") == f"{BUCKET}/shards.v0001"  # no pointer: the prefix itself
+    assert read_manifest(f"{BUCKET}/shards") == read_manifest(f"{BUCKET}/shards.v0001")  # through the pointer
     storage.write_text(f"{BUCKET}/bad", "../elsewhere\n")
     with pytest.raises(ValueError, match=r"s3://data/out/bad: a shard pointer must name a version beside it "
                                          r"\(bad.vNNNN\), it holds '../elsewhere'"):

@@ -62,9 +62,10 @@ _REQUIRED = {
 
 
 def read_manifest(shard_dir: str | Path) -> dict:
-    """Load and validate `<shard_dir>/manifest.json` (a local file or an object); errors name the file and the
-    offending key."""
-    path = storage.join(str(shard_dir), MANIFEST) if storage.is_uri(str(shard_dir)) else Path(shard_dir) / MANIFEST
+    """Load and validate `<shard_dir>/manifest.json` (a local file or an object; through the pointer, a symlink or
+    a bucket's pointer object, when `shard_dir` is one); errors name the file and the offending key."""
+    in_bucket = storage.is_uri(str(shard_dir))
+    path = storage.join(shard_version(str(shard_dir)), MANIFEST) if in_bucket else Path(shard_dir) / MANIFEST
     try:
         text = storage.read_text(str(path)) if isinstance(path, str) else path.read_text()
     except (FileNotFoundError, IsADirectoryError):
