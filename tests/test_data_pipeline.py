@@ -279,7 +279,8 @@ def test_weights_sacred_and_empty_source_in_manifest(prepared):
     assert 2 * notes["doc_tokens"] - rows * (SEQ_LEN + 1) < 2 * 2 * 64 * (SEQ_LEN + 1)
 
 
-def test_same_seed_same_bytes_other_seed_other_order(prepared, tmp_path):
+def test_another_seed_gives_another_order(prepared, tmp_path):
+    """(The same seed gives the same bytes: a fresh 1-CPU Ray's run and the bucket run below.)"""
     root, config = prepared
     tokenizer = root / "out" / "tokenizer"
 
@@ -287,9 +288,6 @@ def test_same_seed_same_bytes_other_seed_other_order(prepared, tmp_path):
         return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.glob("shards/*/*.parquet"))}
 
     first = shard_bytes(root / "out")
-    assert prepare_data.main(["--config", str(config), f"output_dir={tmp_path / 'again'}",
-                              f"tokenizer.path={tokenizer}"]) == 0
-    assert shard_bytes(tmp_path / "again") == first
     assert prepare_data.main(["--config", str(config), f"output_dir={tmp_path / 'seed2'}",
                               f"tokenizer.path={tokenizer}", "seed=234"]) == 0
     other = shard_bytes(tmp_path / "seed2")
