@@ -18,7 +18,8 @@ from huginn_ray.data.shards import MANIFEST, pointer_bytes, read_manifest, shard
 from huginn_ray.data.tokenizer import check_tokenizer_fits, file_sha256, special_token_ids
 from huginn_ray.train.config import load_train_config
 from huginn_ray.train.data_order import DataOrder
-from huginn_ray.train.launch import PreflightError, preflight
+from huginn_ray.train import checkpoint as ckpt
+from huginn_ray.train.launch import PreflightError, data_version, preflight
 from huginn_ray.train.shard_check import ShardCheckError, check_shards
 from huginn_ray.train.shard_reader import ShardReader, validation_rows
 from s3_server import S3Server
@@ -79,6 +80,15 @@ def test_the_pointer_object_is_resolved_and_must_name_a_version_beside_it(datase
     assert shard_version(f"{BUCKET}/shards") == f"{BUCKET}/shards.v0001"
     assert shard_version(f"{BUCKET}/shards.v0001") == f"{BUCKET}/shards.v0001"  # no pointer: the prefix itself
     assert read_manifest(f"{BUCKET}/shards") == read_manifest(f"{BUCKET}/shards.v0001")  # through the pointer
+    # a resumed run keeps the version its checkpoint records while it exists, and is refused by name once it is gone
+    storage.copy_file(f"{BUCKET}/shards.v0001/{MANIFEST}", f"{BUCKET}/shards.v0002/{MANIFEST}")
+    resumed = ckpt.TrainerState(step=6, num_streams=2, global_batch_rows=4, rows_per_stream=12,
+                                data_dir=f"{BUCKET}/shards.v0002")
+    assert data_version(f"{BUCKET}/shards", resumed) == f"{BUCKET}/shards.v0002"
+    storage.delete(f"{BUCKET}/shards.v0002/{MANIFEST}")
+    with pytest.raises(PreflightError, match=r"^data.data_dir: the run's newest checkpoint \(step 6\) was trained on "
+                                             r"s3://data/out/shards.v0002, which no longer exists"):
+        data_version(f"{BUCKET}/shards", resumed)
     storage.write_text(f"{BUCKET}/bad", "../elsewhere\n")
     with pytest.raises(ValueError, match=r"s3://data/out/bad: a shard pointer must name a version beside it "
                                          r"\(bad.vNNNN\), it holds '../elsewhere'"):

@@ -20,7 +20,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from huginn_ray import storage
 from huginn_ray.cluster.devices import DeviceSelectionError, check_ray_train_gpu_environment, distributed_backend
 from huginn_ray.config import ConfigError
-from huginn_ray.data.shards import is_version_of, read_manifest, shard_version
+from huginn_ray.data.shards import MANIFEST, is_version_of, read_manifest, shard_version
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, check_tokenizer_fits, file_sha256, special_token_ids
 from huginn_ray.model import ModelConfig
 from huginn_ray.model.pretrained import resolve_model_dir
@@ -68,7 +68,7 @@ def data_version(data_dir: str, resumed: ckpt.TrainerState | None) -> str:
     recorded = resumed.data_dir if resumed is not None and resumed.data_dir else None
     if recorded is None or recorded == current or not is_version_of(recorded, data_dir):
         return current
-    if not storage.exists(recorded):
+    if not storage.exists(storage.join(recorded, MANIFEST)):  # a bucket keeps no empty "directories" to look for
         raise PreflightError(
             f"data.data_dir: the run's newest checkpoint (step {resumed.step}) was trained on {recorded}, which no "
             f"longer exists ({data_dir} now points to {current}); a run keeps the shard version it started with: "
