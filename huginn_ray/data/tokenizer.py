@@ -15,7 +15,7 @@ Encoding follows tiktoken/bpeasy semantics: a pre-token that is a vocabulary ent
 (`ignore_merges`), otherwise merges apply in rank order. Pre-tokenisation keeps text the regex does not match
 as its own piece (the reference dropped it), so decoding gives back the exact input bytes.
 
-The readers (`special_token_ids`, `check_tokenizer_fits`, `file_sha256`) take a location: a local path, or a
+The readers (`load_tokenizer_file`, `special_token_ids`, `check_tokenizer_fits`, `file_sha256`) take a location: a local path, or a
 bucket URI (huginn_ray/storage.py) whose tokenizer.json is read in one GET and parsed from memory.
 """
 
@@ -161,8 +161,9 @@ def _tokenizer_location(tokenizer_dir: str | Path) -> str | Path:
     return Path(tokenizer_dir) / TOKENIZER_FILE
 
 
-def _load_tokenizer(file: str | Path):
-    """A `tokenizers.Tokenizer` from a local tokenizer.json, or from an object's text."""
+def load_tokenizer_file(file: str | Path):
+    """A `tokenizers.Tokenizer` from a tokenizer.json: a local file, or an object read in one GET and parsed from
+    its text."""
     from tokenizers import Tokenizer
 
     if storage.is_uri(str(file)):
@@ -173,7 +174,7 @@ def _load_tokenizer(file: str | Path):
 def special_token_ids(tokenizer_dir: str | Path) -> dict[str, int]:
     """bos/eos/pad ids (and the vocabulary size) of a saved tokenizer (a local directory or a bucket prefix)."""
     file = _tokenizer_location(tokenizer_dir)
-    tok = _load_tokenizer(file)
+    tok = load_tokenizer_file(file)
     ids = {"bos": tok.token_to_id(BOS), "eos": tok.token_to_id(EOS), "pad": tok.token_to_id(PAD)}
     missing = [k for k, v in ids.items() if v is None]
     if missing:
@@ -199,7 +200,7 @@ def check_tokenizer_fits(tokenizer_path: str | Path, model_vocab_size: int) -> i
     if not found:
         raise ValueError(f"tokenizer file not found: {file}")
     try:
-        tok = _load_tokenizer(file)
+        tok = load_tokenizer_file(file)
     except Exception as err:  # tokenizers raises plain Exception subclasses for bad JSON
         raise ValueError(f"{file}: cannot be loaded as a Hugging Face tokenizer: {err}") from None
     size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
