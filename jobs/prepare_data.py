@@ -18,7 +18,9 @@ import sys
 import time
 
 from huginn_ray.config import ConfigError
+from huginn_ray import storage
 from huginn_ray.data import layout
+from huginn_ray.data.bucket_publish import remove_old_versions as remove_bucket_versions
 from huginn_ray.data.config import load_data_config
 from huginn_ray.data.pipeline import (STAGES, check_chat_not_mixed, check_sources, eval_ngrams, init_ray,
                                       packed_only, print_last_error, root_error, run)
@@ -73,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepare_data: {message}", flush=True)
     if args.gc_shards:
         try:
-            for path in layout.remove_old_versions(cfg.root / "shards"):
+            for path in (remove_bucket_versions(cfg.output_dir) if cfg.in_bucket
+                         else layout.remove_old_versions(cfg.root / "shards")):
                 print(f"prepare_data: removed {path}", flush=True)
         finally:
             lock.release()
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not args.stage or "shuffle" in args.stage:
         print(f"prepare_data: {manifest['num_shards']} train + {manifest['num_shards']} val shards in "
-              f"{cfg.root / 'shards'} ({manifest['rows_per_shard']['train']} / {manifest['rows_per_shard']['val']} "
+              f"{storage.join(cfg.output_dir, 'shards')} ({manifest['rows_per_shard']['train']} / "
+              f"{manifest['rows_per_shard']['val']} "
               f"rows each) in {time.time() - start:.1f}s", flush=True)
     return 0
 

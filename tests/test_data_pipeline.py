@@ -279,7 +279,8 @@ def test_weights_sacred_and_empty_source_in_manifest(prepared):
     assert 2 * notes["doc_tokens"] - rows * (SEQ_LEN + 1) < 2 * 2 * 64 * (SEQ_LEN + 1)
 
 
-def test_same_seed_same_bytes_other_seed_other_order(prepared, tmp_path):
+def test_another_seed_gives_another_order(prepared, tmp_path):
+    """(The same seed gives the same bytes: a fresh 1-CPU Ray's run and the bucket run below.)"""
     root, config = prepared
     tokenizer = root / "out" / "tokenizer"
 
@@ -287,13 +288,36 @@ def test_same_seed_same_bytes_other_seed_other_order(prepared, tmp_path):
         return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.glob("shards/*/*.parquet"))}
 
     first = shard_bytes(root / "out")
-    assert prepare_data.main(["--config", str(config), f"output_dir={tmp_path / 'again'}",
-                              f"tokenizer.path={tokenizer}"]) == 0
-    assert shard_bytes(tmp_path / "again") == first
     assert prepare_data.main(["--config", str(config), f"output_dir={tmp_path / 'seed2'}",
                               f"tokenizer.path={tokenizer}", "seed=234"]) == 0
     other = shard_bytes(tmp_path / "seed2")
     assert other.keys() == first.keys() and other["shards/train/00000.parquet"] != first["shards/train/00000.parquet"]
+
+
+def test_a_bucket_output_dir_publishes_the_local_run_s_shard_bytes(prepared, tmp_path, capsys):
+    """output_dir in a bucket (a real S3 server): the stages run in scratch_dir (seeded with the local run's
+    staged and packed files, so the shuffle runs there), the shards and the tokenizer are uploaded, the pointer
+    object names the version; every shard's sha256 is the local run's."""
+    from huginn_ray import storage
+    from s3_server import S3Server
+
+    root, config = prepared
+    shutil.copytree(root / "out", tmp_path / "scratch", ignore=shutil.ignore_patterns("shards*", "LOCK"))
+    with S3Server() as s3:
+        s3.create_bucket("data")
+        assert prepare_data.main(["--config", str(config), "output_dir=s3://data/demo",
+                                  f"scratch_dir={tmp_path / 'scratch'}"]) == 0
+        assert storage.read_text("s3://data/demo/shards") == "shards.v0001\n"
+        local = {p.relative_to(root / "out" / "shards").as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                 for p in sorted((root / "out" / "shards").glob("*/*.parquet"))}
+        published = {name[len("s3://data/demo/shards.v0001/"):]: hashlib.sha256(storage.read_bytes(name)).hexdigest()
+                     for name in storage.list_prefix("s3://data/demo/shards.v0001") if name.endswith(".parquet")}
+        assert published == local and len(local) == 2 * N_SHARDS
+        assert (storage.read_bytes("s3://data/demo/tokenizer/tokenizer.json")
+                == (root / "out" / "tokenizer" / "tokenizer.json").read_bytes())
+        out = capsys.readouterr().out
+        assert "[pack] complete" in out and "[publish] uploaded 9 files" in out
+        assert "shards in s3://data/demo/shards (" in out
 
 
 def test_same_bytes_from_a_separate_ray_with_one_cpu(prepared, chat_prepared, tmp_path):

@@ -9,7 +9,9 @@ works from any working directory (and under `ray job submit --working-dir .`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -157,9 +159,15 @@ class LocalRayConfig:
 @dataclass
 class DataConfig:
     output_dir: str
-    """Root of everything this pipeline writes: download/, staging/, tokenizer/, packed/, shards/."""
+    """Root of everything this pipeline writes: download/, staging/, tokenizer/, packed/, shards/. A bucket
+    (`s3://...`): the stages run in `scratch_dir` and the published shards (and the tokenizer) are uploaded here
+    (huginn_ray/data/bucket_publish.py)."""
     sources: str
     """YAML list of sources (see huginn_ray/data/sources.py); relative to this config file."""
+    scratch_dir: str = ""
+    """With output_dir in a bucket: the local directory the stages run in (a rerun resumes from it; every node of
+    the Ray cluster must see it: a local Ray, or a shared file system); empty: `<system temp dir>/huginn_data/
+    <hash of output_dir>`. Ignored for a local output_dir."""
     seq_len: int = 4096
     """Model context; every packed row holds seq_len + 1 token ids."""
     num_shards: int = 4096
@@ -228,11 +236,22 @@ class DataConfig:
 
     @property
     def tokenizer_dir(self) -> Path:
-        return Path(self.tokenizer.path) if self.tokenizer.path else Path(self.output_dir) / "tokenizer"
+        return Path(self.tokenizer.path) if self.tokenizer.path else self.root / "tokenizer"
+
+    @property
+    def in_bucket(self) -> bool:
+        """output_dir is object storage: the stages run in `root`, a local scratch directory."""
+        return storage.is_uri(self.output_dir)
 
     @property
     def root(self) -> Path:
-        return Path(self.output_dir)
+        """The local directory the stages read and write: output_dir, or for a bucket output_dir the scratch."""
+        if not self.in_bucket:
+            return Path(self.output_dir)
+        if self.scratch_dir:
+            return Path(self.scratch_dir)
+        key = hashlib.sha256(self.output_dir.rstrip("/").encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / "huginn_data" / key
 
 
 def check_hub_eval_set(entry: HubEvalSet, key: str) -> None:
@@ -288,14 +307,16 @@ def load_data_config(path: str | Path, overrides: list[str] | tuple[str, ...] = 
         decontaminate=dataclasses.replace(cfg.decontaminate, against=against),
         sources=_resolve(cfg.sources, base),
         output_dir=_resolve(os.path.expanduser(cfg.output_dir), Path.cwd()),
+        scratch_dir=_resolve(os.path.expanduser(cfg.scratch_dir), Path.cwd()) if cfg.scratch_dir else "",
         tokenizer=dataclasses.replace(
             cfg.tokenizer,
             path=_resolve(cfg.tokenizer.path, Path.cwd()) if cfg.tokenizer.path else "",
         ),
     )
-    for key, value in (("output_dir", cfg.output_dir), ("tokenizer.path", cfg.tokenizer.path),
-                       ("sources", cfg.sources)):
-        if storage.is_uri(value):  # data preparation and the tokenizer read and write local files only, for now
+    if storage.is_uri(cfg.scratch_dir):
+        raise ConfigError(f"scratch_dir: {cfg.scratch_dir} — must be a local directory (the stages need POSIX files)")
+    for key, value in (("tokenizer.path", cfg.tokenizer.path), ("sources", cfg.sources)):
+        if storage.is_uri(value):  # the stages and the tokenizer's training read and write local files only
             raise ConfigError(f"{key}: {value} — object storage is not supported for this field yet")
     return cfg
 

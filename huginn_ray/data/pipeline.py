@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from huginn_ray import storage
 from huginn_ray.cluster.local_ray import connect_ray
 from huginn_ray.data import layout
+from huginn_ray.data.bucket_publish import publish_to_bucket
 from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_sources, downloaded_files
@@ -482,6 +484,8 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     """Run the given stages in order; returns the shard manifest when the shuffle stage ran."""
     sources = load_sources(cfg.sources)
     check_sources(sources)  # before the plan samples their files
+    if cfg.in_bucket:  # the bucket and the credentials, before any stage: the upload comes last
+        storage.check_location(cfg.output_dir, "output_dir")
     # the evaluation sets serve the filter stage (and the pack stage's check that its input is filtered with them):
     # resolved, fetched and read, a bad one refused, before the plan and any stage, only when one of those runs
     ngrams = eval_ngrams(cfg) if {"filter", "pack"} & set(stages) else None
@@ -504,6 +508,8 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
         print(f"==> {stage}", flush=True)
         result = steps[stage](cfg, sources)
         print(f"<== {stage} done in {time.time() - start:.1f}s", flush=True)
+    if cfg.in_bucket and "shuffle" in stages:  # the stages ran in the scratch directory
+        publish_to_bucket(cfg.root, cfg.output_dir, cfg.tokenizer_dir)
     return result
 
 

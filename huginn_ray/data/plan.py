@@ -534,7 +534,7 @@ def check_disk(cfg: DataConfig, peak: int) -> dict:
     free = shutil.disk_usage(probe).free
     needed = max(0, peak - existing)
     if needed > free:
-        raise DataError(f"output_dir {cfg.root}: the run needs {needed / 2**30:.2f} GiB more disk at its peak "
+        raise DataError(f"{'scratch_dir' if cfg.in_bucket else 'output_dir'} {cfg.root}: the run needs {needed / 2**30:.2f} GiB more disk at its peak "
                         f"({peak / 2**30:.2f} GiB in all, {existing / 2**30:.2f} GiB already there) but "
                         f"{free / 2**30:.2f} GiB are free on its file system")
     return {"output_dir_bytes": existing, "free_bytes": free}

@@ -10,6 +10,11 @@ their storage types from tokens.py); the shard stage (huginn_ray/data/shard_buil
 - versions: every completed set of shards is published as a new immutable directory `<output_dir>/shards.vNNNN`
   behind the pointer `<output_dir>/shards` (`publish`, layout.publish_version); a training run resolves the
   pointer once (`shard_version`) and reads that version to its end, whatever is published meanwhile.
+
+The shard store may be a bucket (`s3://...`, huginn_ray/storage.py): the same keys, and the pointer is a small
+object at `<output_dir>/shards` whose content is the version directory's name (`shards.v0003`), as the symlink's
+target is (`pointer_bytes`, `read_pointer`; huginn_ray/data/bucket_publish.py swaps it conditionally). Paths and
+readers take a location (a local path or a URI); a local one stays a `Path`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from huginn_ray import storage
 from huginn_ray.data import layout
 from huginn_ray.data.tokens import DTYPES, MASK, mask_rows
 
@@ -29,8 +35,19 @@ SPLITS = {"train": TRAIN, "val": VAL}
 MANIFEST = "manifest.json"
 
 
-def shard_path(shard_dir: str | Path, split: str, rank: int) -> Path:
+def shard_path(shard_dir: str | Path, split: str, rank: int) -> Path | str:
+    """Where rank `rank`'s shard of `split` is: a `Path` under a local directory, a URI under a bucket's."""
+    if storage.is_uri(str(shard_dir)):
+        return storage.join(str(shard_dir), split, f"{rank:05d}.parquet")
     return Path(shard_dir) / split / f"{rank:05d}.parquet"
+
+
+def open_parquet(path: str | Path) -> pq.ParquetFile:
+    """A shard opened for reading: a local file as pyarrow opens it; an object through a seekable reader whose
+    reads are ranged GETs (the footer, then only the row groups read)."""
+    if storage.is_uri(str(path)):
+        return pq.ParquetFile(storage.open_input_file(str(path)))
+    return pq.ParquetFile(path)
 
 
 def shard_supervised_tokens(path: Path, row_len: int) -> int:
@@ -45,12 +62,16 @@ _REQUIRED = {
 
 
 def read_manifest(shard_dir: str | Path) -> dict:
-    """Load and validate `<shard_dir>/manifest.json`; errors name the file and the offending key."""
-    path = Path(shard_dir) / MANIFEST
-    if not path.is_file():
-        raise ValueError(f"shard manifest not found: {path} (run jobs/prepare_data.py first)")
+    """Load and validate `<shard_dir>/manifest.json` (a local file or an object; through the pointer, a symlink or
+    a bucket's pointer object, when `shard_dir` is one); errors name the file and the offending key."""
+    in_bucket = storage.is_uri(str(shard_dir))
+    path = storage.join(shard_version(str(shard_dir)), MANIFEST) if in_bucket else Path(shard_dir) / MANIFEST
     try:
-        manifest = json.loads(path.read_text())
+        text = storage.read_text(str(path)) if isinstance(path, str) else path.read_text()
+    except (FileNotFoundError, IsADirectoryError):
+        raise ValueError(f"shard manifest not found: {path} (run jobs/prepare_data.py first)") from None
+    try:
+        manifest = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON: {err}") from None
     if not isinstance(manifest, dict):
@@ -89,8 +110,47 @@ def publish(work: Path, shard_root: Path, manifest: dict) -> None:
              "reads them)" if older else ""), flush=True)
 
 
-def shard_version(shard_dir: str | Path) -> Path:
+def shard_version(shard_dir: str | Path) -> str:
     """The version directory `shard_dir` names now: the pointer `<output_dir>/shards` resolved to
-    `<output_dir>/shards.vNNNN` (a directory that is not a pointer: itself). A training run resolves it once and
-    reads that version to its end, whatever is published meanwhile."""
-    return Path(os.path.realpath(shard_dir))
+    `<output_dir>/shards.vNNNN` (a directory that is not a pointer: itself), as a location. A training run
+    resolves it once and reads that version to its end, whatever is published meanwhile."""
+    if not storage.is_uri(str(shard_dir)):
+        return os.path.realpath(shard_dir)
+    name = read_pointer(str(shard_dir))
+    return str(shard_dir) if name is None else storage.join(parent(str(shard_dir)), name)
+
+
+def parent(location: str) -> str:
+    """The directory or prefix holding `location`."""
+    return location.rstrip("/").rsplit("/", 1)[0] if storage.is_uri(location) else os.path.dirname(location)
+
+
+def is_version_of(version: str, pointer: str) -> bool:
+    """Whether `version` is one of `pointer`'s version directories (`<pointer>.vNNNN` beside it)."""
+    name = version.rstrip("/").rsplit("/", 1)[-1]
+    pointer_name = pointer.rstrip("/").rsplit("/", 1)[-1]
+    return parent(version) == parent(pointer) and name.startswith(f"{pointer_name}.v") and name[
+        len(pointer_name) + 2:].isdigit()
+
+
+def pointer_bytes(version_name: str) -> bytes:
+    """What a bucket's pointer object holds: the version directory's name (relative, as the symlink's target)."""
+    return f"{version_name}\n".encode()
+
+
+def pointed_version(pointer: str, data: bytes) -> str:
+    """The version name a pointer object's bytes hold; ValueError naming the pointer unless it is a version of it."""
+    name = data.decode(errors="replace").strip()
+    if not is_version_of(storage.join(parent(pointer), name), pointer):
+        raise ValueError(f"{pointer}: a shard pointer must name a version beside it "
+                         f"({pointer.rstrip('/').rsplit('/', 1)[-1]}.vNNNN), it holds {name[:80]!r}")
+    return name
+
+
+def read_pointer(pointer: str) -> str | None:
+    """The version name a bucket pointer object names; None when `pointer` is no object (a prefix holding the
+    shards themselves)."""
+    try:
+        return pointed_version(pointer, storage.read_bytes(pointer))
+    except (FileNotFoundError, IsADirectoryError):
+        return None

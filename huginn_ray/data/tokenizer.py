@@ -14,6 +14,9 @@ The exported tokenizer wraps every document in <|begin_text|> ... <|end_text|> (
 Encoding follows tiktoken/bpeasy semantics: a pre-token that is a vocabulary entry is emitted whole
 (`ignore_merges`), otherwise merges apply in rank order. Pre-tokenisation keeps text the regex does not match
 as its own piece (the reference dropped it), so decoding gives back the exact input bytes.
+
+The readers (`load_tokenizer_file`, `special_token_ids`, `check_tokenizer_fits`, `file_sha256`) take a location: a local path, or a
+bucket URI (huginn_ray/storage.py) whose tokenizer.json is read in one GET and parsed from memory.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from huginn_ray import storage
 from huginn_ray.data import layout
 
 # The `aeolian` pre-tokenisation regex of the reference (Appendix C of the fact sheet), verbatim.
@@ -150,15 +154,31 @@ def load_text_tokenizer(path: str | Path):
     return tokenizer
 
 
-def special_token_ids(tokenizer_dir: str | Path) -> dict[str, int]:
-    """bos/eos/pad ids (and the vocabulary size) of a saved tokenizer."""
+def _tokenizer_location(tokenizer_dir: str | Path) -> str | Path:
+    """`<tokenizer_dir>/tokenizer.json`: a Path when local, a URI in a bucket."""
+    if storage.is_uri(str(tokenizer_dir)):
+        return storage.join(str(tokenizer_dir), TOKENIZER_FILE)
+    return Path(tokenizer_dir) / TOKENIZER_FILE
+
+
+def load_tokenizer_file(file: str | Path):
+    """A `tokenizers.Tokenizer` from a tokenizer.json: a local file, or an object read in one GET and parsed from
+    its text."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / TOKENIZER_FILE))
+    if storage.is_uri(str(file)):
+        return Tokenizer.from_str(storage.read_text(str(file)))
+    return Tokenizer.from_file(str(file))
+
+
+def special_token_ids(tokenizer_dir: str | Path) -> dict[str, int]:
+    """bos/eos/pad ids (and the vocabulary size) of a saved tokenizer (a local directory or a bucket prefix)."""
+    file = _tokenizer_location(tokenizer_dir)
+    tok = load_tokenizer_file(file)
     ids = {"bos": tok.token_to_id(BOS), "eos": tok.token_to_id(EOS), "pad": tok.token_to_id(PAD)}
     missing = [k for k, v in ids.items() if v is None]
     if missing:
-        raise ValueError(f"{Path(tokenizer_dir) / TOKENIZER_FILE}: no {', '.join(missing)} token")
+        raise ValueError(f"{file}: no {', '.join(missing)} token")
     ids["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
     return ids
 
@@ -166,16 +186,21 @@ def special_token_ids(tokenizer_dir: str | Path) -> dict[str, int]:
 def check_tokenizer_fits(tokenizer_path: str | Path, model_vocab_size: int) -> int:
     """Raise ValueError unless every id of the tokenizer is below the model's vocabulary size.
 
-    `tokenizer_path` is a tokenizer directory or its tokenizer.json. Returns the tokenizer's vocabulary size.
+    `tokenizer_path` is a tokenizer directory (or bucket prefix) or its tokenizer.json. Returns the tokenizer's
+    vocabulary size.
     """
-    from tokenizers import Tokenizer
-
-    path = Path(tokenizer_path)
-    file = path / TOKENIZER_FILE if path.is_dir() else path
-    if not file.is_file():
+    if storage.is_uri(str(tokenizer_path)):
+        location = str(tokenizer_path)
+        file = location if location.endswith(".json") else storage.join(location, TOKENIZER_FILE)
+        found = storage.exists(file)
+    else:
+        path = Path(tokenizer_path)
+        file = path / TOKENIZER_FILE if path.is_dir() else path
+        found = file.is_file()
+    if not found:
         raise ValueError(f"tokenizer file not found: {file}")
     try:
-        tok = Tokenizer.from_file(str(file))
+        tok = load_tokenizer_file(file)
     except Exception as err:  # tokenizers raises plain Exception subclasses for bad JSON
         raise ValueError(f"{file}: cannot be loaded as a Hugging Face tokenizer: {err}") from None
     size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
@@ -187,8 +212,9 @@ def check_tokenizer_fits(tokenizer_path: str | Path, model_vocab_size: int) -> i
 
 
 def file_sha256(path: str | Path) -> str:
+    """The sha256 of a local file's or an object's bytes (read in 1 MiB pieces)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with (storage.open_input_file(str(path)) if storage.is_uri(str(path)) else open(path, "rb")) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()

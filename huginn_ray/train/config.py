@@ -421,9 +421,8 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
     return cfg
 
 
-NOT_IN_OBJECT_STORAGE_YET = ("out_dir", "data.data_dir", "data.tokenizer_path")
-"""Fields that may not be a bucket URI yet: checkpoint resume, shard reading and the tokenizer read local files
-only."""
+NOT_IN_OBJECT_STORAGE_YET = ("out_dir",)
+"""Fields that may not be a bucket URI yet: checkpoint resume reads local files only."""
 
 
 def resolve_locations(cfg: TrainConfig) -> None:

@@ -17,9 +17,10 @@ import torch
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from huginn_ray import storage
 from huginn_ray.cluster.devices import DeviceSelectionError, check_ray_train_gpu_environment, distributed_backend
 from huginn_ray.config import ConfigError
-from huginn_ray.data.shards import read_manifest, shard_version
+from huginn_ray.data.shards import MANIFEST, is_version_of, read_manifest, shard_version
 from huginn_ray.data.tokenizer import TOKENIZER_FILE, check_tokenizer_fits, file_sha256, special_token_ids
 from huginn_ray.model import ModelConfig
 from huginn_ray.train import hang_watch, init_from, tracking
@@ -56,17 +57,17 @@ def newest_checkpoint_state(run_dir: Path) -> ckpt.TrainerState | None:
     return None
 
 
-def data_version(data_dir: Path, resumed: ckpt.TrainerState | None) -> Path:
+def data_version(data_dir: str, resumed: ckpt.TrainerState | None) -> str:
     """The shard version the run reads, resolved once here and handed to every worker (RunPlan.data_dir): the
-    version `data.data_dir` points to now (huginn_ray.data.shards.shard_version), or, when the run resumes, the
-    version its checkpoint was trained on if that is a version of the same pointer (a publish since the run
-    started does not change its data). A recorded version that is gone is refused by name."""
+    version `data.data_dir` points to now (huginn_ray.data.shards.shard_version: a symlink, or a bucket's pointer
+    object), or, when the run resumes, the version its checkpoint was trained on if that is a version of the same
+    pointer (a publish since the run started does not change its data). A recorded version that is gone is
+    refused by name."""
     current = shard_version(data_dir)
-    recorded = Path(resumed.data_dir) if resumed is not None and resumed.data_dir else None
-    if recorded is None or recorded == current or recorded.parent != data_dir.parent or not (
-            recorded.name.startswith(f"{data_dir.name}.v")):
+    recorded = resumed.data_dir if resumed is not None and resumed.data_dir else None
+    if recorded is None or recorded == current or not is_version_of(recorded, data_dir):
         return current
-    if not recorded.is_dir():
+    if not storage.exists(storage.join(recorded, MANIFEST)):  # a bucket keeps no empty "directories" to look for
         raise PreflightError(
             f"data.data_dir: the run's newest checkpoint (step {resumed.step}) was trained on {recorded}, which no "
             f"longer exists ({data_dir} now points to {current}); a run keeps the shard version it started with: "
@@ -147,11 +148,17 @@ def preflight(cfg: TrainConfig) -> RunPlan:
         raise PreflightError(str(err)) from None
     if not cfg.data.data_dir:
         raise PreflightError("data.data_dir is not set")
-    if not Path(cfg.data.data_dir).is_dir():
+    try:  # a bucket that does not exist, or no credentials: named before anything is read
+        storage.check_location(cfg.data.data_dir, "data.data_dir")
+        storage.check_location(cfg.data.tokenizer_path, "data.tokenizer_path")
+    except storage.StorageError as err:
+        raise PreflightError(str(err)) from None
+    if not (storage.exists(cfg.data.data_dir) if storage.is_uri(cfg.data.data_dir)
+            else Path(cfg.data.data_dir).is_dir()):
         raise PreflightError(f"data.data_dir: directory not found: {cfg.data.data_dir}")
     resumed = newest_checkpoint_state(cfg.run_dir)
-    data_dir = data_version(Path(cfg.data.data_dir), resumed)
     try:
+        data_dir = data_version(cfg.data.data_dir, resumed)
         manifest = read_manifest(data_dir)
     except ValueError as err:
         raise PreflightError(f"data.data_dir: {err}") from None
@@ -184,7 +191,7 @@ def preflight(cfg: TrainConfig) -> RunPlan:
             source = init_from.describe_source(cfg.init_from, model_cfg)
         except ConfigError as err:
             raise PreflightError(str(err)) from None
-    tokenizer_file = Path(cfg.data.tokenizer_path) / TOKENIZER_FILE
+    tokenizer_file = storage.join(cfg.data.tokenizer_path, TOKENIZER_FILE)
     if manifest["tokenizer_sha256"] != file_sha256(tokenizer_file):
         raise PreflightError(
             f"data.tokenizer_path: {tokenizer_file} is not the tokenizer the shards in {data_dir} were made with "

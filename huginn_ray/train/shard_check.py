@@ -21,6 +21,10 @@ Cost: 2W x (one open and a read of the footer: 0.6 KiB for a shard of two row gr
 shard of 745) with `threads` in flight, plus about 2 µs of Python per row group, which holds the GIL
 (BENCHMARKS.md: 8,192 Frontier-sized shards in 18 s on 2 busy cores). The first bad file in (train, val) x rank
 order is reported, however the threads finish.
+
+A data directory in a bucket (`s3://...`) is checked the same way, each footer by ranged GETs through a seekable
+reader (huginn_ray.storage.open_input_file: the object's size, then its last bytes), never the whole object; a
+missing or truncated object is refused naming it, as a local file is.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from huginn_ray import storage
 from huginn_ray.data.shards import MANIFEST, SPLITS, shard_path
 from huginn_ray.data.tokens import MASK
 from huginn_ray.data.tokens import arrow_type
@@ -64,7 +69,7 @@ def check_shards(data_dir: str | Path, manifest: dict, model_vocab_size: int,
     vocab_size = manifest["vocab_size"]
     if vocab_size > model_vocab_size:
         raise ShardCheckError(
-            f"{Path(data_dir) / MANIFEST}: the shards were made with a vocabulary of {vocab_size} ids "
+            f"{storage.join(str(data_dir), MANIFEST)}: the shards were made with a vocabulary of {vocab_size} ids "
             f"(vocab_size), the model has vocab_size={model_vocab_size}"
         )
     expected = {
@@ -86,15 +91,28 @@ def check_shards(data_dir: str | Path, manifest: dict, model_vocab_size: int,
     return ShardCheckSummary(len(files), time.perf_counter() - started, threads, unchecked)
 
 
-def check_shard(path: Path, rank: int, num_rows: int, row_length: int, value_type: pa.DataType,
-                vocab_size: int, loss_mask: bool = False) -> int:
-    """Check one shard's footer; returns how many of its row groups carry no id statistics."""
-    if not path.is_file():
+def read_footer(path: str | Path, rank: int) -> pq.FileMetaData:
+    """The footer of a local shard file or a shard object (ranged reads); ShardCheckError naming it when it is
+    missing or its footer does not parse."""
+    in_bucket = storage.is_uri(str(path))
+    if not in_bucket and not Path(path).is_file():
         raise ShardCheckError(f"missing shard of rank {rank}: {path}")
     try:
-        metadata = pq.read_metadata(path)
+        if not in_bucket:
+            return pq.read_metadata(path)
+        with storage.open_input_file(str(path)) as file:
+            return pq.read_metadata(file)
+    except FileNotFoundError:
+        raise ShardCheckError(f"missing shard of rank {rank}: {path}") from None
     except (OSError, pa.ArrowException) as err:
         raise ShardCheckError(f"{path}: not a readable parquet file (truncated or corrupt?): {err}") from None
+
+
+def check_shard(path: str | Path, rank: int, num_rows: int, row_length: int, value_type: pa.DataType,
+                vocab_size: int, loss_mask: bool = False) -> int:
+    """Check one shard's footer (a local file or an object); returns how many of its row groups carry no id
+    statistics."""
+    metadata = read_footer(path, rank)
     if metadata.num_rows != num_rows:
         raise ShardCheckError(f"{path}: {metadata.num_rows} rows, the manifest says {num_rows} (rows_per_shard)")
     schema = metadata.schema.to_arrow_schema()

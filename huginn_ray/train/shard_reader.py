@@ -33,7 +33,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from huginn_ray.data.shards import shard_path
+from huginn_ray import storage
+from huginn_ray.data.shards import open_parquet, shard_path
 from huginn_ray.data.tokens import MASK
 from huginn_ray.train.data_order import DataOrder
 
@@ -65,7 +66,7 @@ class Rows:
         return Rows(self.ids[index], None if self.loss_mask is None else self.loss_mask[index], self.keys[index])
 
 
-def read_row_group(file: pq.ParquetFile, path: Path, index: int, row_length: int,
+def read_row_group(file: pq.ParquetFile, path: str | Path, index: int, row_length: int,
                    column: str = COLUMN) -> np.ndarray:
     """(rows, row_length) int32 array of one row group's `column`; every row must have exactly `row_length`
     values."""
@@ -80,7 +81,7 @@ def read_row_group(file: pq.ParquetFile, path: Path, index: int, row_length: int
     return values.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False).reshape(-1, row_length)
 
 
-def read_rows(file: pq.ParquetFile, path: Path, index: int, row_length: int, stream: int, first_row: int) -> Rows:
+def read_rows(file: pq.ParquetFile, path: str | Path, index: int, row_length: int, stream: int, first_row: int) -> Rows:
     """One row group as Rows (its loss mask when the shard has one); `first_row`: its first row's index in the
     file."""
     ids = read_row_group(file, path, index, row_length)
@@ -91,11 +92,11 @@ def read_rows(file: pq.ParquetFile, path: Path, index: int, row_length: int, str
 
 
 class ShardReader:
-    """One train shard as a stream (module docstring)."""
+    """One train shard (a local file or an object) as a stream (module docstring)."""
 
     def __init__(self, path: str | Path, stream: int, seed: int, row_length: int):
-        self.path = Path(path)
-        self.file = pq.ParquetFile(self.path)
+        self.path = path if isinstance(path, str) and storage.is_uri(path) else Path(path)
+        self.file = open_parquet(self.path)
         self.stream = stream
         self.seed = seed
         self.row_length = row_length
@@ -284,7 +285,7 @@ def validation_rows(data_dir: str | Path, order: DataOrder, rank: int, eval_iter
     per_stream = {}
     for s in order.slices(rank):
         path = shard_path(data_dir, "val", s.stream)
-        file = pq.ParquetFile(path)
+        file = open_parquet(path)
         if file.metadata.num_rows < eval_iters * r:
             raise ValueError(f"{path}: {file.metadata.num_rows} rows, validation needs {eval_iters * r}")
         parts, first = [], 0
