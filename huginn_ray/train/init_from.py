@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 
 from huginn_ray import storage
 from huginn_ray.config import ConfigError
-from huginn_ray.data.tokenizer import TOKENIZER_FILE
+from huginn_ray.data.tokenizer import TOKENIZER_FILE, load_tokenizer_file
 from huginn_ray.model import ModelConfig, RecurrentGPT
 from huginn_ray.model.pretrained import CONFIG_NAME, check_weights, open_weights, reading_checkpoint_model, \
     tensor_locations, training_state, weights_digest
@@ -84,9 +84,7 @@ def check_tokenizer(init_from: str | Path, tokenizer_path: str, tokenizer_ids: d
     """data.tokenizer_path must be the model's: its special ids equal the bos/eos/pad ids of the config.json of
     the model directory `init_from` names (where it names them), and its vocabulary equals the directory's own
     tokenizer.json (where it has one). `tokenizer_ids`: huginn_ray.data.tokenizer.special_token_ids of
-    tokenizer_path (a local path or a location: its tokenizer.json is read through huginn_ray.storage)."""
-    from tokenizers import Tokenizer
-
+    tokenizer_path (a local path or a location)."""
     directory = local_model_dir(init_from, "init_from")
     config = json.loads((directory / CONFIG_NAME).read_text())
     for name in ("bos", "eos", "pad"):
@@ -96,9 +94,8 @@ def check_tokenizer(init_from: str | Path, tokenizer_path: str, tokenizer_ids: d
                               f"was trained with {name}_token_id={expected} ({CONFIG_NAME}): another tokenizer")
     own = directory / TOKENIZER_FILE
     if own.is_file():
-        theirs = Tokenizer.from_file(str(own)).get_vocab(with_added_tokens=True)
-        mine = Tokenizer.from_str(storage.read_text(storage.join(str(tokenizer_path), TOKENIZER_FILE))).get_vocab(
-            with_added_tokens=True)
+        theirs = load_tokenizer_file(own).get_vocab(with_added_tokens=True)
+        mine = load_tokenizer_file(storage.join(str(tokenizer_path), TOKENIZER_FILE)).get_vocab(with_added_tokens=True)
         if theirs != mine:
             token, index = sorted(set(theirs.items()) ^ set(mine.items()), key=lambda item: item[1])[0]
             raise ConfigError(f"data.tokenizer_path: its vocabulary differs from the model's ({own}), e.g. at "
