@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Literal
 
 from huginn_ray import storage
@@ -379,14 +378,9 @@ class TrainConfig:
         return storage.join(self.out_dir, self.run_name)
 
     @property
-    def run_dir(self) -> Path:
-        """`run_location` as a local Path, for what still reads and writes local files only (checkpoint resume,
-        profiler traces, flight-recorder dumps); load_train_config refuses an out_dir in a bucket until they can
-        use one."""
-        if storage.is_uri(self.out_dir):
-            raise storage.StorageError(f"out_dir: {self.out_dir} — object storage is not supported for this field "
-                                       f"yet")
-        return Path(self.out_dir) / self.run_name
+    def run_dir(self) -> str:
+        """The run directory, `run_location`: Ray Train's checkpoints, profiler traces, flight-recorder dumps."""
+        return self.run_location
 
     @property
     def saves_asynchronously(self) -> bool:
@@ -421,9 +415,8 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
     return cfg
 
 
-NOT_IN_OBJECT_STORAGE_YET = ("out_dir", "data.data_dir", "data.tokenizer_path", "init_from")
-"""Fields that may not be a bucket URI yet: checkpoint resume, shard reading, the tokenizer and init_from read
-local files only."""
+NOT_IN_OBJECT_STORAGE_YET = ("data.data_dir", "data.tokenizer_path", "init_from")
+"""Fields that may not be a bucket URI yet: shard reading, the tokenizer and init_from read local files only."""
 
 
 def resolve_locations(cfg: TrainConfig) -> None:
