@@ -191,7 +191,7 @@ def model_once(workers: int, root: Path) -> dict:
     history = lambda key: sorted(client.get_metric_history(outcome.mlflow_run_id, key),  # noqa: E731
                                  key=lambda m: m.timestamp)
     losses = history("loss")
-    killed_at = (cfg.run_dir / f"fault_injected_rank{workers - 1}_step{KILL_AFTER}").stat().st_mtime
+    killed_at = (Path(cfg.run_dir) / f"fault_injected_rank{workers - 1}_step{KILL_AFTER}").stat().st_mtime
     first_step = next(m for m in losses if m.step == 1).timestamp / 1000
     # rank 0 logs num_workers as each group starts: the second entry is the restarted group's (rank 0 of the
     # first group may log step 3's loss just after the killed rank's exit)

@@ -11,8 +11,11 @@ build on training.
 from __future__ import annotations
 
 import json
+import os
 import stat
 from pathlib import Path
+
+from huginn_ray import storage
 
 TRAINING_STATE_DIR = "state"
 """A training checkpoint's torch.distributed.checkpoint directory, beside its `model/`."""
@@ -22,13 +25,14 @@ MARKER = "checkpoint_complete.json"
 succeeded."""
 
 
-def incomplete(directory: Path, part: int = 0, parts: int = 1) -> str | None:
-    """Why `directory` is not a complete checkpoint (no or unreadable marker, a listed file missing or of
-    another size), or None when it is complete. With `parts` > 1, only the marker and this part's share of its
-    files (every `parts`-th in name order from the `part`-th; `resume` gives each rank its own share) are checked:
-    one stat per file."""
+def incomplete(directory: str | os.PathLike, part: int = 0, parts: int = 1) -> str | None:
+    """Why `directory` (a local path or a bucket prefix: huginn_ray.storage) is not a complete checkpoint (no or
+    unreadable marker, a listed file missing or of another size), or None when it is complete. With `parts` > 1,
+    only the marker and this part's share of its files (every `parts`-th in name order from the `part`-th; `resume`
+    gives each rank its own share) are checked: one stat (on a bucket, one HEAD) per file."""
+    directory = str(directory)
     try:
-        listing = json.loads((directory / MARKER).read_text())
+        listing = json.loads(read_text(storage.join(directory, MARKER)))
         files, step = listing["files"], listing["step"]
         if not (isinstance(files, dict) and isinstance(step, int)):
             raise ValueError("'files' is not a mapping or 'step' not an integer")
@@ -37,12 +41,33 @@ def incomplete(directory: Path, part: int = 0, parts: int = 1) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"{MARKER} cannot be read ({type(err).__name__}: {err})"
     for name, size in sorted(files.items())[part::parts]:
-        try:
-            found = (directory / name).stat()
-        except FileNotFoundError:
-            found = None
-        if found is None or not stat.S_ISREG(found.st_mode):
+        found = file_size(storage.join(directory, name))
+        if found is None:
             return f"{name} is missing ({MARKER} lists it with {size} bytes)"
-        if found.st_size != size:
-            return f"{name} has {found.st_size} bytes, {MARKER} lists {size}: truncated or rewritten"
+        if found != size:
+            return f"{name} has {found} bytes, {MARKER} lists {size}: truncated or rewritten"
     return None
+
+
+# A checkpoint's local files are read through Python's file API, as they always were (its errors, one stat or open
+# per call: what bench/scale_sim.py counts); a bucket's objects through huginn_ray.storage.
+
+def read_text(location: str | os.PathLike) -> str:
+    """The text of a checkpoint's file or object; FileNotFoundError when there is none."""
+    location = str(location)
+    return storage.read_text(location) if storage.is_uri(location) else Path(location).read_text()
+
+
+def file_size(location: str | os.PathLike) -> int | None:
+    """Bytes of a checkpoint's regular file or object; None when there is none (or a directory is there)."""
+    location = str(location)
+    if storage.is_uri(location):
+        try:
+            return storage.size(location)
+        except FileNotFoundError:
+            return None
+    try:
+        found = os.stat(location)
+    except FileNotFoundError:
+        return None
+    return found.st_size if stat.S_ISREG(found.st_mode) else None

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    lock = RunLock(cfg.run_location)  # one writer per run directory, checked before Ray starts
+    lock = RunLock(cfg.run_dir)  # one writer per run directory, checked before Ray starts
     try:
         taken_over = lock.acquire()
     except RunLockError as err:

@@ -243,8 +243,7 @@ def test_a_stop_request_in_a_bucket_run_directory_is_seen(s3, monkeypatch):
     assert not stopping.stop_requested(cfg) and stopping.stop_reason(cfg) is None
     stopping.write_stop_reason(cfg, stopping.Stop("rank 1 cannot read its data", reporter=True))
     assert stopping.stop_reason(cfg) == "rank 1 cannot read its data"
-    with pytest.raises(storage.StorageError, match="out_dir: s3://huginn/runs — object storage is not supported"):
-        cfg.run_dir
+    assert cfg.run_dir == "s3://huginn/runs/stopped"
 
 
 # --- config loaders ----------------------------------------------------------------------------------------------
@@ -258,12 +257,12 @@ def test_the_train_config_keeps_uris_and_refuses_the_fields_that_need_local_file
     config = str(Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny_cpu.yaml")
     cfg = load_train_config(config, ["out_dir=runs", "data.data_dir=data", "data.tokenizer_path=tok"])
     assert (cfg.out_dir, cfg.data.data_dir) == (str(tmp_path.resolve() / "runs"), str(tmp_path / "data"))
-    assert cfg.run_location == str(tmp_path.resolve() / "runs" / cfg.run_name) == str(cfg.run_dir)
+    assert cfg.run_dir == str(tmp_path.resolve() / "runs" / cfg.run_name)
     with pytest.raises(ConfigError, match=r"mlflow.tracking_uri: must be given with out_dir in object storage "
                                           r"\(s3://b/runs\)"):
         load_train_config(config, ["out_dir=s3://b/runs"])
-    with pytest.raises(ConfigError, match="out_dir: s3://b/runs — object storage is not supported for this field"):
-        load_train_config(config, ["out_dir=s3://b/runs", "mlflow.tracking_uri=http://127.0.0.1:1"])
+    cfg = load_train_config(config, ["out_dir=s3://b/runs", "mlflow.tracking_uri=http://127.0.0.1:1"])
+    assert cfg.run_dir == f"s3://b/runs/{cfg.run_name}"
     with pytest.raises(ConfigError, match="hdfs://b/x: unknown scheme hdfs://"):
         load_train_config(config, ["out_dir=hdfs://b/x"])
     assert load_train_config(config, [f"out_dir=file://{tmp_path}/f"]).out_dir == str(tmp_path.resolve() / "f")

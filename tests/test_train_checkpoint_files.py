@@ -129,7 +129,7 @@ def resume(run_dir: Path, registered_step: int | None = 12):
 
 def assert_resumed_at(resumed, model, step: int):
     assert resumed.state.step == resumed.state.rows_per_stream == step and resumed.state.world_size == WORLD
-    assert resumed.directory == checkpoint_of(resumed.directory.parent, step)
+    assert resumed.directory == str(checkpoint_of(Path(resumed.directory).parent, step))
     assert torch.equal(next(model.parameters()), torch.full_like(next(model.parameters()), step))
 
 
@@ -243,7 +243,7 @@ def two_gloo_ranks(rank: int, port: int, run_dir: str) -> None:
     if rank == 1:
         sees_everything = ckpt.incomplete
         ckpt.incomplete = lambda d, *share: ("state/__1_0.distcp is missing (checkpoint_complete.json lists it)"
-                                             if d == checkpoint_of(run_dir, 12) else sees_everything(d, *share))
+                                             if d == str(checkpoint_of(run_dir, 12)) else sees_everything(d, *share))
     model, optimizer = components()
     messages = []
     resumed = ckpt.resume(checkpoint_of(run_dir, 12), run_dir, rank, model, optimizer, CPU, log=messages.append)

@@ -91,7 +91,7 @@ def checkpoint_in(run_dir: Path, step: int, global_batch_rows: int, data_dir: st
 
 def test_a_resumed_run_keeps_its_checkpoint_s_global_batch_on_another_worker_count(dataset, tmp_path):
     cfg = tiny(dataset, tmp_path, "scaling.num_workers=1", "micro_batch_size=4")
-    checkpoint_in(cfg.run_dir, 6, global_batch_rows=4)
+    checkpoint_in(Path(cfg.run_dir), 6, global_batch_rows=4)
     plan = preflight(cfg)  # 1 worker, micro-batches of 4: the 2-worker run's 4 rows per step
     assert (plan.global_batch_rows, plan.num_streams) == (4, 2)
     with pytest.raises(PreflightError, match=r"^world_batch_size=8, but the run's newest checkpoint \(step 6\) was "
@@ -334,7 +334,7 @@ def test_a_run_keeps_the_shard_version_it_resolved_while_a_new_one_is_published(
 
     # the run resumed by a new job: its newest checkpoint records the version it was trained on
     capsys.readouterr()
-    checkpoint_in(cfg.run_dir, 3, global_batch_rows=plan.global_batch_rows, data_dir=plan.data_dir)
+    checkpoint_in(Path(cfg.run_dir), 3, global_batch_rows=plan.global_batch_rows, data_dir=plan.data_dir)
     assert preflight(cfg).data_dir == str(first)
     assert f"{pointer} now points to {second}; this run keeps reading {first}, the version it started with" in (
         capsys.readouterr().out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -441,7 +442,7 @@ def test_a_resume_trains_with_the_config_s_optimizer_hyperparameters_and_names_e
         loop.train_step(first, step, cfg, plan, CPU)
     state = ckpt.TrainerState(step=2, world_size=1, num_streams=1, global_batch_rows=plan.global_batch_rows,
                               rows_per_stream=2 * first.order.rows_per_stream_per_step)
-    ckpt.write(cfg.run_dir / "checkpoint_000002", 0, first.model, first.optimizer, state, CPU)
+    ckpt.write(Path(cfg.run_dir) / "checkpoint_000002", 0, first.model, first.optimizer, state, CPU)
 
     same = loop.build_components(cfg, plan, 0, CPU)
     capsys.readouterr()

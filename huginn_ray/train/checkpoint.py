@@ -27,6 +27,10 @@ marker's files (about one file each), so a checkpoint's W + 4 files are checked 
 failure costs more: a missing or short file makes every rank check every file, and every rank's reason is
 gathered (`collectives.all_ranks`), so that the message names the failure as every rank sees it.
 
+Saves write a local directory; everything that reads a checkpoint (`resume`, `incomplete`, `read_trainer_state`,
+`read_tensors`) takes a location, a local path or a bucket's prefix (huginn_ray.storage): on a bucket the
+candidates are listed, the sizes checked and the tensors read by ranged GETs where they are, not downloaded.
+
 During a run each rank's `Checkpointer` starts its saves (synchronous or in the background) and hands each one to
 Ray Train once every rank's part is complete.
 """
@@ -40,6 +44,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -48,7 +53,8 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, \
     set_optimizer_state_dict
 
-from huginn_ray.checkpoint_layout import MARKER, TRAINING_STATE_DIR, incomplete
+from huginn_ray import storage
+from huginn_ray.checkpoint_layout import MARKER, TRAINING_STATE_DIR, incomplete, read_text
 from huginn_ray.model.pretrained import CONFIG_NAME
 from huginn_ray.train import replica_read
 from huginn_ray.train.collectives import all_ranks, count_ranks, from_rank0, world_size
@@ -304,15 +310,16 @@ def load_file(path: Path, expected_keys: tuple[str, ...], **kwargs) -> dict:
     return data
 
 
-def read_trainer_state(directory: Path) -> TrainerState:
+def read_trainer_state(directory: str | Path) -> TrainerState:
+    """The trainer state of a checkpoint (a local path or a bucket prefix)."""
+    location = storage.join(str(directory), "trainer_state.json")
     try:
-        return TrainerState(**json.loads((directory / "trainer_state.json").read_text()))
+        return TrainerState(**json.loads(read_text(location)))
     except (OSError, ValueError, TypeError) as err:
-        raise CheckpointError(f"{directory / 'trainer_state.json'}: cannot be read "
-                              f"({type(err).__name__}: {err})") from None
+        raise CheckpointError(f"{location}: cannot be read ({type(err).__name__}: {err})") from None
 
 
-def check_data_position(state: TrainerState, directory: Path, num_streams: int, global_batch_rows: int) -> None:
+def check_data_position(state: TrainerState, directory: str, num_streams: int, global_batch_rows: int) -> None:
     """A checkpoint continues only the data order it was written in: the same shard count and global batch."""
     if (state.num_streams, state.global_batch_rows) != (num_streams, global_batch_rows):
         raise ValueError(
@@ -321,9 +328,10 @@ def check_data_position(state: TrainerState, directory: Path, num_streams: int, 
             "(world_batch_size): its data position does not carry over")
 
 
-def read_tensors(directory: Path, model, optimizer, replicas=None) -> None:
-    """Load model and optimizer in place from the checkpoint's DCP state, whatever layout wrote it (DCP reads the
-    pieces of each tensor this rank holds). A collective: every rank calls it; a failure on any rank raises
+def read_tensors(directory: str | Path, model, optimizer, replicas=None) -> None:
+    """Load model and optimizer in place from the checkpoint's DCP state (a local path or a bucket prefix: ranged
+    reads of the pieces this rank reads, never a download of the checkpoint), whatever layout wrote it (DCP reads
+    the pieces of each tensor this rank holds). A collective: every rank calls it; a failure on any rank raises
     CheckpointError on every rank.
 
     `replicas`: the process group of the ranks that hold the same part of the state as this one (the mesh's
@@ -332,7 +340,7 @@ def read_tensors(directory: Path, model, optimizer, replicas=None) -> None:
     file system serves the state once, not once per replica. Without it (one process), this rank reads its whole
     part through DCP's load."""
     tensors = {"model": model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    state_dir = directory / TRAINING_STATE_DIR
+    state_dir = storage.join(str(directory), TRAINING_STATE_DIR)
     try:
         with_retries(f"reading {state_dir}",
                      lambda: dcp.load(tensors, storage_reader=replica_read.counting_reader(state_dir))
@@ -346,13 +354,25 @@ def read_tensors(directory: Path, model, optimizer, replicas=None) -> None:
 @dataclass
 class Resumed:
     state: TrainerState
-    directory: Path
-    """The checkpoint the run resumed from."""
+    directory: str
+    """The checkpoint the run resumed from (a location: huginn_ray.storage)."""
 
 
-def resume(registered: Path | None, run_dir: Path, rank: int, model, optimizer, device,
+def checkpoint_location(checkpoint) -> str:
+    """Where a Ray Train checkpoint is, as a location: its `.path` is a path inside its `.filesystem` (pyarrow):
+    `s3://` + path on S3, `gs://` + path on GCS, the path itself on the local file system."""
+    prefixes = {"s3": "s3://", "gcs": "gs://", "local": ""}
+    kind = checkpoint.filesystem.type_name
+    if kind not in prefixes:
+        raise storage.StorageError(f"{checkpoint.path}: Ray Train's checkpoint is on a {kind} file system; "
+                                   f"out_dir is a local path or an s3:// or gs:// URI")
+    return prefixes[kind] + checkpoint.path
+
+
+def resume(registered: str | Path | None, run_dir: str | Path, rank: int, model, optimizer, device,
            log=None, replicas=None) -> Resumed | None:
     """Load the newest checkpoint that is complete and loads on every rank; None when there is none to resume.
+    Checkpoints and `run_dir` are locations (local paths or a bucket's prefixes: huginn_ray.storage).
 
     Candidates: `registered` (Ray Train's latest, `ray.train.get_checkpoint()`) first, then the other
     `checkpoint_*` directories under `run_dir` with a step up to its step, newest first: rank 0 lists them and
@@ -366,10 +386,9 @@ def resume(registered: Path | None, run_dir: Path, rank: int, model, optimizer, 
     run starts from step 0 after saying so. Call on every rank; `replicas`: see `read_tensors`."""
     log = log or (lambda message: print(message, flush=True))
     ranks = world_size()
-    candidates = from_rank0([str(path) for path in resume_candidates(registered, run_dir)] if rank == 0 else None,
-                            device)
+    candidates = from_rank0(resume_candidates(registered, run_dir) if rank == 0 else None, device)
     skipped, was_complete = [], registered is not None
-    for directory in map(Path, candidates):
+    for directory in candidates:
         # every rank decides from every rank's outcome, so all take the same branch (a shared file system may show
         # one node a file that another does not see yet), and all enter DCP's collective load together
         complete, why, state = check_candidate(directory, rank, ranks)
@@ -402,7 +421,7 @@ def resume(registered: Path | None, run_dir: Path, rank: int, model, optimizer, 
     return None
 
 
-def check_candidate(directory: Path, part: int, parts: int) -> tuple[bool, str | None, TrainerState | None]:
+def check_candidate(directory: str, part: int, parts: int) -> tuple[bool, str | None, TrainerState | None]:
     """(complete, why not usable, trainer state) of a resume candidate, checking share `part` of `parts` of the
     marker's files (`incomplete`); a complete one whose trainer state cannot be read is not usable."""
     why, state = incomplete(directory, part, parts), None
@@ -415,25 +434,43 @@ def check_candidate(directory: Path, part: int, parts: int) -> tuple[bool, str |
     return complete, why, state
 
 
-def resume_candidates(registered: Path | None, run_dir: Path) -> list[Path]:
+def resume_candidates(registered: str | Path | None, run_dir: str | Path) -> list[str]:
     """`registered` first, then the other checkpoint directories of the run, newest step first (ties: newest
     name; Ray names them by time). Without a registered checkpoint, every directory; with one, those whose
     step is not above its step (a newer directory is a save Ray never registered). A directory without a
-    readable trainer_state.json comes last: it is incomplete, and the message will say so."""
-    def step_of(directory: Path) -> int | None:
+    readable trainer_state.json comes last: it is incomplete, and the message will say so. All as locations."""
+    def step_of(directory: str) -> int | None:
         try:
-            return int(json.loads((directory / "trainer_state.json").read_text())["step"])
+            return int(json.loads(read_text(storage.join(directory, "trainer_state.json")))["step"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
+    registered = str(registered) if registered is not None else None
     newest = step_of(registered) if registered is not None else None
-    others = [p for p in sorted(run_dir.glob("checkpoint_*")) if p.is_dir()
-              and (registered is None or p.resolve() != registered.resolve())]
-    steps = {p: step_of(p) for p in others}
-    ordered = sorted((p for p in others if steps[p] is not None and (newest is None or steps[p] <= newest)),
-                     key=lambda p: (steps[p], p.name), reverse=True)
-    unordered = [p for p in others if steps[p] is None]
+    others = [d for d in checkpoint_directories(str(run_dir))
+              if registered is None or not same_location(d, registered)]
+    steps = {d: step_of(d) for d in others}
+    ordered = sorted((d for d in others if steps[d] is not None and (newest is None or steps[d] <= newest)),
+                     key=lambda d: (steps[d], d.rstrip("/").rsplit("/", 1)[-1]), reverse=True)
+    unordered = [d for d in others if steps[d] is None]
     return ([registered] if registered is not None else []) + ordered + unordered
+
+
+def checkpoint_directories(run_dir: str) -> list[str]:
+    """The `checkpoint_*` directories of a run directory (on a bucket: its `checkpoint_*/` prefixes), sorted."""
+    if not storage.is_uri(run_dir):
+        return sorted(str(p) for p in Path(run_dir).glob("checkpoint_*") if p.is_dir())
+    fs, path = storage.filesystem(run_dir)
+    found = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
+    return sorted(storage.join(run_dir, info.base_name) for info in found
+                  if info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_"))
+
+
+def same_location(a: str, b: str) -> bool:
+    """The same checkpoint: local paths compared with their links resolved, URIs as written."""
+    if storage.is_uri(a) or storage.is_uri(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return Path(a).resolve() == Path(b).resolve()
 
 
 def describe(failures: list[tuple[int, str]], ranks_asked: int) -> str:

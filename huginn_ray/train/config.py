@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Literal
 
 from huginn_ray import storage
@@ -373,20 +372,10 @@ class TrainConfig:
     """Testing only."""
 
     @property
-    def run_location(self) -> str:
+    def run_dir(self) -> str:
         """Where this run writes, a local path or a bucket URI: Ray Train's checkpoints, the run lock, the
-        STOP/STOPPED files, fault-injection markers (huginn_ray.storage)."""
+        STOP/STOPPED files, profiler traces, flight-recorder dumps, fault-injection markers (huginn_ray.storage)."""
         return storage.join(self.out_dir, self.run_name)
-
-    @property
-    def run_dir(self) -> Path:
-        """`run_location` as a local Path, for what still reads and writes local files only (checkpoint resume,
-        profiler traces, flight-recorder dumps); load_train_config refuses an out_dir in a bucket until they can
-        use one."""
-        if storage.is_uri(self.out_dir):
-            raise storage.StorageError(f"out_dir: {self.out_dir} — object storage is not supported for this field "
-                                       f"yet")
-        return Path(self.out_dir) / self.run_name
 
     @property
     def saves_asynchronously(self) -> bool:
@@ -421,14 +410,9 @@ def load_train_config(path: str | None, overrides: list[str] | tuple[str, ...] =
     return cfg
 
 
-NOT_IN_OBJECT_STORAGE_YET = ("out_dir",)
-"""Fields that may not be a bucket URI yet: checkpoint resume reads local files only."""
-
-
 def resolve_locations(cfg: TrainConfig) -> None:
     """Every location absolute against the current directory (Ray workers run in their own), URIs kept as URIs;
-    refused by name: an unknown scheme, an out_dir in a bucket with no MLflow server to log to, and a bucket in a
-    field whose readers need local files."""
+    refused by name: an unknown scheme, and an out_dir in a bucket with no MLflow server to log to."""
     cwd = os.getcwd()
     try:
         cfg.out_dir = storage.resolve_location(cfg.out_dir, cwd)
@@ -443,11 +427,6 @@ def resolve_locations(cfg: TrainConfig) -> None:
         raise ConfigError(f"mlflow.tracking_uri: must be given with out_dir in object storage ({cfg.out_dir}): the "
                           f"default SQLite store under out_dir cannot live in a bucket; give an MLflow server "
                           f"(mlflow.tracking_uri=http://host:port, its artifact store in the bucket)")
-    for key in NOT_IN_OBJECT_STORAGE_YET:
-        section, _, name = key.rpartition(".")
-        value = getattr(getattr(cfg, section) if section else cfg, name)
-        if value and storage.is_uri(value):
-            raise ConfigError(f"{key}: {value} — object storage is not supported for this field yet")
 
 
 REMOVED_KEYS = {

@@ -20,7 +20,7 @@ def inject_fault(cfg: TrainConfig, rank: int, step: int, start_step: int) -> Non
         action = "hung"
     else:
         return
-    marker = storage.join(cfg.run_location, f"fault_injected_rank{rank}_step{step}")
+    marker = storage.join(cfg.run_dir, f"fault_injected_rank{rank}_step{step}")
     if storage.exists(marker):
         return
     storage.write_text(marker,

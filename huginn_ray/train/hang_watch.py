@@ -23,6 +23,11 @@ All of this happens before the collective's own timeout raises, while every rank
 rank that is merely slow past half the timeout is named too (the line says how long the others waited). One
 dump per process: a restarted worker group is a new set of processes.
 
+With the run directory in a bucket, a process writes its dump to a local directory named by the run
+(huginn_ray.train.run_files) and uploads it to `<run_dir>/flight_recorder/rank_<k>`: this watch's dump once its
+answer is posted, NCCL's own when the worker's watch ends (a process NCCL's watchdog kills first leaves it in that
+local directory).
+
 The dumps are torch's own pickle (NCCL's dump format). torch's analyzer, `python -m
 torch.distributed.flight_recorder.fr_trace <run_dir>/flight_recorder -p rank_`, is made for them, but in torch
 2.13 it stops on gloo's dumps (gloo's recorder leaves the groups' ranks out of `pg_config`), hence this line.
@@ -42,6 +47,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 from torch.distributed import distributed_c10d
 
+from huginn_ray.train import run_files
 from huginn_ray.train.warmup import PREFIX as WARMUP_PREFIX
 
 BUFFER_ENTRIES = 2000
@@ -54,13 +60,17 @@ HANG_FRACTION = 0.5
 alive to answer and the report is out before the collective raises, late enough that only a hang or a severe
 straggler reaches it."""
 KEY = "hang_watch"
+DUMP_DIR = "flight_recorder"
+"""The run directory's directory of dumps."""
 
 
-def dump_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "flight_recorder"
+def dump_dir(run_dir: str | Path) -> Path:
+    """Where this process writes its dump: `<run_dir>/flight_recorder`, or, for a run directory in a bucket, a
+    local directory named by the run whose files are uploaded there (huginn_ray.train.run_files)."""
+    return run_files.local_dir(run_dir, DUMP_DIR)
 
 
-def flight_recorder_env(run_dir: Path) -> dict[str, str]:
+def flight_recorder_env(run_dir: str | Path) -> dict[str, str]:
     """Environment of every training worker, set before its process group exists: the recorder on, NCCL's (and
     RCCL's) dump at a watchdog timeout, into the run directory. A torch with the generic recorder (2.13 here)
     reads the TORCH_FR_* names and warns about the TORCH_NCCL_* ones they replace; an older one reads only those."""
@@ -115,8 +125,10 @@ def last_entered(entries: list[dict]) -> dict[str, Collective]:
 class HangWatch:
     """This rank's watch (see the module's docstring); `start` it after the process group exists."""
 
-    def __init__(self, run_dir: Path, timeout_s: float, rank: int, store, backend: str):
+    def __init__(self, run_dir: str | Path, timeout_s: float, rank: int, store, backend: str):
+        self.run_dir = str(run_dir)
         self.dumps = dump_dir(run_dir)
+        self.dumps.mkdir(parents=True, exist_ok=True)  # NCCL's own dump (at its watchdog's timeout) does not create it
         self.timeout_s = timeout_s
         self.after_s = HANG_FRACTION * timeout_s
         self.poll_s = min(1.0, timeout_s / 20)
@@ -182,11 +194,26 @@ class HangWatch:
     def _dump_and_answer(self) -> None:
         """This rank's recorder into its dump file; its last collective of every group to the store."""
         trace = self.dump_pickle()
-        self.dumps.mkdir(parents=True, exist_ok=True)
-        (self.dumps / f"{DUMP_PREFIX}{self.rank}").write_bytes(trace)
+        self.dump_file.write_bytes(trace)
         newest = last_entered(pickle.loads(trace).get("entries", []))
         self.store.set(f"{KEY}/entered/{self.rank}",
                        json.dumps({group: [c.seq, c.op] for group, c in newest.items()}))
+        self.publish()  # after the answer: an upload must not keep the reporter waiting
+
+    @property
+    def dump_file(self) -> Path:
+        return self.dumps / f"{DUMP_PREFIX}{self.rank}"
+
+    def publish(self) -> None:
+        """This rank's dump (this watch's, or NCCL's own at a watchdog timeout), if there is one, uploaded to
+        `<run_dir>/flight_recorder/` when the run directory is a bucket; a failed upload is said, not raised."""
+        if not self.dump_file.is_file():
+            return
+        try:
+            run_files.publish(self.dump_file, self.run_dir)
+        except OSError as err:
+            print(f"[huginn] hang watch: rank {self.rank}'s flight recorder stays in {self.dump_file} "
+                  f"({type(err).__name__}: {err})", flush=True)
 
     def _report(self, signal: dict) -> str:
         """The console line: who waited where, which ranks did not arrive, which did not answer."""
@@ -207,7 +234,7 @@ class HangWatch:
         return (f"[huginn] hang watch: rank {signal['rank']} has waited {signal['waited_s']:.1f} s in "
                 f"{hung.describe()} (ranks {ranks}, pg_timeout_s={self.timeout_s:g}); did not arrive: "
                 f"{', '.join(behind) or 'none'}; did not answer: {', '.join(silent) or 'none'}; every rank's flight "
-                f"recorder in {self.dumps}/{DUMP_PREFIX}<rank>")
+                f"recorder in {run_files.published_dir(self.run_dir, DUMP_DIR)}/{DUMP_PREFIX}<rank>")
 
     def _node(self, rank: int) -> str:
         key = f"{WARMUP_PREFIX}/host/{rank}"  # registered by every rank at startup (warmup.register_node)
@@ -215,11 +242,13 @@ class HangWatch:
 
 
 @contextlib.contextmanager
-def watching(run_dir: Path, timeout_s: float):
-    """This rank's hang watch for the duration of the block (the process group must exist)."""
+def watching(run_dir: str | Path, timeout_s: float):
+    """This rank's hang watch for the duration of the block (the process group must exist); at its end, a dump
+    NCCL's watchdog wrote is published too."""
     watch = HangWatch(run_dir, timeout_s, dist.get_rank(), distributed_c10d._get_default_store(),
                       dist.get_backend()).start()
     try:
         yield watch
     finally:
         watch.stop()
+        watch.publish()

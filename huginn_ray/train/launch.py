@@ -46,8 +46,9 @@ class PreflightError(ValueError):
     """Input that would make the run fail; raised before any worker starts."""
 
 
-def newest_checkpoint_state(run_dir: Path) -> ckpt.TrainerState | None:
-    """The trainer state of the run's newest complete checkpoint (the one a rerun resumes from), or None."""
+def newest_checkpoint_state(run_dir: str) -> ckpt.TrainerState | None:
+    """The trainer state of the run's newest complete checkpoint (the one a rerun resumes from), or None; `run_dir`
+    a local path or a bucket URI."""
     for directory in ckpt.resume_candidates(None, run_dir):
         if ckpt.incomplete(directory) is None:
             try:
@@ -283,13 +284,15 @@ def run_training(cfg: TrainConfig, plan: RunPlan, ray_train_log_level: str = "IN
 
     `ray_train_log_level` is the console level of Ray Train's own controller and worker loggers (its log
     files under the Ray session keep everything)."""
-    run_dir = str(cfg.run_dir)
+    run_dir = cfg.run_dir
     uri = tracking.tracking_uri(cfg.mlflow.tracking_uri, cfg.out_dir)
     plan.mlflow_uri = uri
     plan.mlflow_run_id = tracking.open_run(cfg, uri, run_dir, plan.init_from)
 
     backend = distributed_backend(torch.device("cuda" if cfg.scaling.use_gpu else "cpu"))
-    hang_watch.dump_dir(cfg.run_dir).mkdir(parents=True, exist_ok=True)  # NCCL's dump does not create it
+    # a bucket through huginn_ray.storage's pyarrow file system: the endpoint of AWS_ENDPOINT_URL is the one used
+    storage_filesystem, storage_path = storage.filesystem(cfg.out_dir) if storage.is_uri(cfg.out_dir) \
+        else (None, cfg.out_dir)
     trainer = TorchTrainer(
         train_worker,
         train_loop_config=WorkerConfig(cfg, plan, ray_train_log_level),
@@ -304,7 +307,8 @@ def run_training(cfg: TrainConfig, plan: RunPlan, ray_train_log_level: str = "IN
         ),
         run_config=RunConfig(
             name=cfg.run_name,
-            storage_path=cfg.out_dir,
+            storage_path=storage_path,
+            storage_filesystem=storage_filesystem,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=cfg.max_failures),
             logging_config=LoggingConfig(log_level=ray_train_log_level),
@@ -318,7 +322,7 @@ def run_training(cfg: TrainConfig, plan: RunPlan, ray_train_log_level: str = "IN
     try:
         result = trainer.fit()
         metrics = dict(result.metrics or {})
-        checkpoint_path = result.checkpoint.path if result.checkpoint else None
+        checkpoint_path = ckpt.checkpoint_location(result.checkpoint) if result.checkpoint else None
         stopped = stop_reason(cfg)
         ok = stopped is None
         reason = metrics.get("stop_reason")

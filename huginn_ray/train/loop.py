@@ -30,7 +30,6 @@ import random
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -236,8 +235,8 @@ def restore_state(c: Components, cfg: TrainConfig, plan: RunPlan, rank: int, wor
     state = ckpt.TrainerState(mlflow_run_id=plan.mlflow_run_id, world_size=world_size, layout=c.shape.name,
                               num_streams=plan.num_streams, global_batch_rows=plan.global_batch_rows,
                               data_dir=plan.data_dir)
-    checkpoint = ray.train.get_checkpoint()  # out_dir is a filesystem every node sees: the path is the directory
-    registered = Path(checkpoint.path) if checkpoint is not None else None
+    checkpoint = ray.train.get_checkpoint()  # read where it is (a shared file system or a bucket), not downloaded
+    registered = ckpt.checkpoint_location(checkpoint) if checkpoint is not None else None
     resumed = resume_from_checkpoint(c, cfg, plan, registered, rank, device)
     if resumed is not None:
         state = resumed.state
@@ -258,7 +257,7 @@ def restore_state(c: Components, cfg: TrainConfig, plan: RunPlan, rank: int, wor
     return state, resized_from
 
 
-def resume_from_checkpoint(c: Components, cfg: TrainConfig, plan: RunPlan, registered: Path | None, rank: int,
+def resume_from_checkpoint(c: Components, cfg: TrainConfig, plan: RunPlan, registered: str | None, rank: int,
                            device: torch.device) -> ckpt.Resumed | None:
     """Model, optimizer and reader from the newest checkpoint that loads (ckpt.resume), its data position checked,
     then the config's optimizer hyperparameters over the checkpoint's; None when there is none. Raises Stop on

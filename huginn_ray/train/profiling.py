@@ -3,8 +3,10 @@ on every rank, and a CUDA memory snapshot of them where there is CUDA.
 
 Every rank writes `<run_dir>/profile/rank<k>.trace.json` (Chrome trace format: chrome://tracing or
 https://ui.perfetto.dev) and, with memory_snapshot on CUDA, `<run_dir>/profile/rank<k>.memory.pickle`
-(https://pytorch.org/memory_viz). Rank 0 queues the files it can read (its own; every rank's on a shared file
-system) for MLflow's artifact `profile/`, copied and uploaded by the logger's threads.
+(https://pytorch.org/memory_viz); with the run directory in a bucket, into a local directory named by the run,
+then uploaded there (huginn_ray.train.run_files). Rank 0 queues the local files it can read (its own; every
+rank's on a shared file system or on its node) for MLflow's artifact `profile/`, copied and uploaded by the
+logger's threads.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from huginn_ray.train import run_files
 from huginn_ray.train.collectives import all_ranks
 from huginn_ray.train.config import ProfileSection
 
@@ -22,9 +25,10 @@ from huginn_ray.train.config import ProfileSection
 class StepProfiler:
     """Starts before step a, stops after step b (each rank). Outside those steps it costs nothing."""
 
-    def __init__(self, cfg: ProfileSection, run_dir: Path, rank: int, device: torch.device):
+    def __init__(self, cfg: ProfileSection, run_dir: str | Path, rank: int, device: torch.device):
         self.cfg, self.rank, self.device = cfg, rank, device
-        self.directory = run_dir / "profile"
+        self.run_dir = str(run_dir)
+        self.directory = run_files.local_dir(run_dir, "profile")
         self.profiler = None
         self.snapshot = cfg.memory_snapshot and device.type == "cuda"
         if cfg.steps and cfg.memory_snapshot and not self.snapshot and rank == 0:
@@ -43,7 +47,8 @@ class StepProfiler:
         self.profiler.start()
 
     def after_step(self, step: int) -> list[Path]:
-        """The files this rank wrote, after the profiled steps' last one (else nothing)."""
+        """The local files this rank wrote (published to the run directory), after the profiled steps' last one
+        (else nothing)."""
         if self.profiler is None or step != self.cfg.steps[1]:
             return []
         self.profiler.stop()
@@ -57,9 +62,9 @@ class StepProfiler:
             torch.cuda.memory._dump_snapshot(str(snapshot))
             torch.cuda.memory._record_memory_history(enabled=None)
             written.append(snapshot)
+        published = [run_files.publish(path, self.run_dir) for path in written]
         if self.rank == 0:
-            print(f"[huginn] profile of steps {self.cfg.steps[0]}-{step}: {', '.join(map(str, written))}",
-                  flush=True)
+            print(f"[huginn] profile of steps {self.cfg.steps[0]}-{step}: {', '.join(published)}", flush=True)
         return written
 
 

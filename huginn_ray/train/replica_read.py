@@ -22,6 +22,9 @@ the bytes a full read gives. Two readers:
   opens at most those files at any W.
 
 - `local_rows`: the part of a (possibly FSDP2-sharded) tensor this rank holds, and its rows of the whole tensor.
+Both DCP readers (`read_dcp` and `counting_reader`) take the DCP directory as a location, a local path or a
+bucket's prefix: every file is opened by huginn_ray.train.file_reads.open_for_reading (on a bucket, ranged GETs).
+
 - `counting_reads`: bytes read from the file system by this process (what the tests and bench/scale_sim.py count);
   `counting_reader`: DCP's own reader, counted (a rank reading its whole part, without replicas).
 """
@@ -35,6 +38,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from huginn_ray import storage
+from huginn_ray.train.file_reads import open_for_reading
 
 
 # ---- which rows a rank holds and reads ----------------------------------------------------------------------
@@ -230,24 +236,48 @@ class _CountingStream(io.RawIOBase):
 
 
 def _counting_file_system():
-    from torch.distributed.checkpoint.filesystem import FileSystem
+    """DCP's file system over huginn_ray.storage, for reading: a checkpoint directory is a location (a local path
+    or a bucket prefix), its files opened by `open_for_reading`, every byte read counted."""
+    from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-    class CountingFileSystem(FileSystem):
+    class CountingFileSystem(FileSystemBase):
         @contextmanager
         def create_stream(self, path, mode):
-            with super().create_stream(path, mode) as stream:
-                yield _CountingStream(stream) if "r" in mode else stream
+            if "r" not in mode:
+                raise ValueError(f"{path}: DCP's reader over huginn_ray.storage only reads")
+            with open_for_reading(path) as stream:
+                yield _CountingStream(stream)
+
+        def concat_path(self, path, suffix):
+            return storage.join(str(path), suffix)
+
+        def init_path(self, path):
+            return str(path)
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+            return True
+
+        def exists(self, path) -> bool:
+            return storage.exists(str(path))
+
+        def rename(self, path, new_path) -> None:
+            raise ValueError(f"{path}: DCP's reader over huginn_ray.storage only reads")
+
+        mkdir = rm_file = rename
 
     return CountingFileSystem()
 
 
 # ---- DCP -------------------------------------------------------------------------------------------------------
 def counting_reader(state_dir):
-    """DCP's FileSystemReader with its reads counted: what every rank reads when it loads its whole part."""
+    """DCP's FileSystemReader of the DCP directory `state_dir` (a local path or a bucket prefix), with its reads
+    counted: what every rank reads when it loads its whole part."""
     import torch.distributed.checkpoint as dcp
 
-    reader = dcp.FileSystemReader(state_dir)
+    reader = dcp.FileSystemReader(str(state_dir))
     reader.fs = _counting_file_system()
+    reader.path = str(state_dir)  # a bucket URI kept as it is (DCP's own init_path makes every path a Path)
     return reader
 
 
@@ -433,7 +463,7 @@ def plan_group_bytes(metadata, flat: dict, state_dir, device) -> GroupBytes:
     segments, position = [], 0
     for info, start, length, target_start, chunk_sizes, fqn in pieces:
         if info.transform_descriptors:
-            raise ValueError(f"{state_dir / info.relative_path}: the piece of {fqn} is stored transformed "
+            raise ValueError(f"{storage.join(state_dir, info.relative_path)}: the piece of {fqn} is stored transformed "
                              f"({info.transform_descriptors}): only plain torch.save pieces are read")
         segments.append(Segment(fqn, info.relative_path, info.offset, info.length, start, length, target_start,
                                 chunk_sizes, position))
@@ -488,7 +518,7 @@ class _Files:
 
     def stream(self, relative_path: str):
         if relative_path not in self.open:
-            self.open[relative_path] = _CountingStream(open(f"{self.state_dir}/{relative_path}", "rb"))
+            self.open[relative_path] = _CountingStream(open_for_reading(storage.join(self.state_dir, relative_path)))
         return self.open[relative_path]
 
     def data_start(self, segment: Segment) -> int:
@@ -496,7 +526,7 @@ class _Files:
         map_location="meta" (its header and record directory, no tensor data)."""
         from torch.distributed.checkpoint.utils import _create_file_view
 
-        path = f"{self.state_dir}/{segment.relative_path}"
+        path = storage.join(self.state_dir, segment.relative_path)
         try:
             stored = torch.load(_create_file_view(self.stream(segment.relative_path), segment.piece_offset,
                                                   segment.piece_length), map_location="meta", weights_only=True)
@@ -522,7 +552,7 @@ class _Files:
             while got < len(wanted):
                 n = stream.readinto(wanted[got:])
                 if not n:
-                    raise OSError(f"{self.state_dir}/{segment.relative_path}: short read of the piece of "
+                    raise OSError(f"{storage.join(self.state_dir, segment.relative_path)}: short read of the piece of "
                                   f"{segment.fqn}: the checkpoint file is truncated")
                 got += n
 

@@ -40,7 +40,7 @@ def stop_file(cfg: TrainConfig) -> str:
 
     The training function runs outside its process's main thread, where Python cannot install signal
     handlers, so the driver forwards the signal through this file (an object when the run is in a bucket)."""
-    return storage.join(cfg.run_location, "STOP")
+    return storage.join(cfg.run_dir, "STOP")
 
 
 STOP_FILE_ENV = "HUGINN_STOP_FILE"
@@ -70,7 +70,7 @@ def clear_stop_requests(cfg: TrainConfig) -> None:
 
 def stopped_file(cfg: TrainConfig) -> str:
     """Written by rank 0 when the run stops on purpose; holds the reason."""
-    return storage.join(cfg.run_location, "STOPPED")
+    return storage.join(cfg.run_dir, "STOPPED")
 
 
 def write_stop_reason(cfg: TrainConfig, stop: Stop) -> None:
