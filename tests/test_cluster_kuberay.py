@@ -197,12 +197,16 @@ def test_the_shared_volume_entrypoint_passes_train_py_s_own_parsing(capsys, monk
         ("/shared/runs", "/shared/data/shards", "/shared/data/tokenizer")
 
 
-def test_the_bucket_entrypoint_is_refused_by_train_py_naming_the_field(capsys, monkeypatch):
-    """Training does not read checkpoints, shards or the tokenizer from a bucket yet: jobs/train.py's own parsing
-    refuses the bucket manifest's entrypoint before anything starts, naming out_dir."""
+def test_the_bucket_entrypoint_passes_train_py_s_own_parsing(capsys, monkeypatch):
+    """The manifest's entrypoint with out_dir, shards and tokenizer in a bucket: jobs/train.py's own parsing
+    keeps every URI as it is and would train that configuration."""
     code, accepted, err = train_job_main(capsys, monkeypatch, ARGS)
-    assert (code, accepted) == (2, [])
-    assert err == f"error: out_dir: {BUCKET}/runs — object storage is not supported for this field yet\n"
+    assert code == 0, err
+    [cfg] = accepted
+    assert (cfg.out_dir, cfg.data.data_dir, cfg.data.tokenizer_path, cfg.run_dir) == \
+        (f"{BUCKET}/runs", f"{BUCKET}/data/shards", f"{BUCKET}/data/tokenizer", f"{BUCKET}/runs/{cfg.run_name}")
+    assert (cfg.scaling.num_workers, cfg.max_steps, cfg.mlflow.tracking_uri) == \
+        (16, 100, "http://mlflow.mlflow.svc:5000")
 
 
 def dockerfile_stages() -> tuple[dict[str, str], dict[str, str], list[tuple[str, list[str]]]]:

@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from huginn_ray import storage
 from isolation import LocalRayHead, MlflowServer, pids_of_head, private_namespace_problem
 from ray_jobs import submit_job
+from s3_server import S3Server
 from test_train_data import make_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,13 +43,22 @@ def env() -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def s3():
+    """A real S3 server (moto) with a bucket `runs`; started before the Ray head, whose workers find its endpoint
+    and credentials in their environment, as a cloud node's processes find theirs."""
+    with S3Server() as server:
+        server.create_bucket("runs")
+        yield server
+
+
+@pytest.fixture(scope="module")
+def cluster(s3):
     problem = private_namespace_problem()
     if problem:
         pytest.skip(f"starts a Ray head node that must stay private: {problem}")
     head = LocalRayHead(num_cpus=4, env=env())
     try:
-        yield {"address": head.address, "dashboard": head.dashboard}
+        yield {"address": head.address, "dashboard": head.dashboard, "temp_dir": head.temp_dir}
     finally:
         head.stop()  # the processes this head started, by PID; never a machine-wide `ray stop`
 
@@ -172,14 +183,13 @@ def test_two_worker_run_loss_falls(uninterrupted, mlflow_server):
     assert kept == [12, 16]
 
 
-def test_sigterm_to_the_job_s_process_group_then_resumes_past_a_truncated_checkpoint_log_the_same_losses(
+def test_sigterm_to_the_job_s_process_group_then_resumes_with_the_same_losses_and_fails_on_truncated_checkpoints(
         cluster, mlflow_server, dataset, uninterrupted):
     """A job that starts its own Ray gets SIGTERM on its whole process group (driver and everything it started
-    there, as from a scheduler ending the job step) as training starts: step 1 is saved and the job stops. Then
-    resume to 12, truncate the newest checkpoint's weights and resume to 16: the run skips it, falls back to
-    the step-8 checkpoint (checkpoint.keep=2 kept it) and replays steps 9-12, so the final state has come
-    through two resumes (a reader state that only survives one would show here). Every loss equals the
-    uninterrupted run's, bitwise. Last, with every checkpoint truncated, the run fails once, naming them."""
+    there, as from a scheduler ending the job step) as training starts: step 1 is saved and the job stops. The
+    rerun resumes to the end; every loss equals the uninterrupted run's, bitwise. Last, with every checkpoint
+    truncated, the run fails once, naming them. (The fall back past an incomplete checkpoint runs end to end in
+    the bucket test below; locally in tests/test_train_checkpoint_files.py.)"""
     out_dir = uninterrupted["out_dir"]
     driver = subprocess.Popen(
         [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(REPO / "configs/train/tiny_cpu.yaml"),
@@ -202,24 +212,13 @@ def test_sigterm_to_the_job_s_process_group_then_resumes_past_a_truncated_checkp
     ray_dir = next(l for l in stopped.splitlines() if "Ray's own INFO/WARNING lines go to" in l).split(" go to ")[1]
     assert pids_of_head(ray_dir.split("/session_latest")[0]) == []  # the job stopped the Ray it started
 
-    to_12 = train(cluster, overrides("resumed", out_dir, dataset, mlflow_server, "max_steps=12"))
-    kept = {json.loads(p.read_text())["step"]: p.parent
-            for p in (out_dir / "resumed").glob("checkpoint_*/trainer_state.json")}
-    assert sorted(kept) == [8, 12]
-    resumed_line = rf"\[huginn\] resumed from {re.escape(str(out_dir / 'resumed'))}/checkpoint_\S+ at step 1$"
-    assert re.search(resumed_line, to_12.stdout + to_12.stderr, re.M), to_12.stdout[-3000:]
-    weights = kept[12] / "state" / "__0_0.distcp"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     last = train(cluster, overrides("resumed", out_dir, dataset, mlflow_server))
-    console = last.stdout + last.stderr
-    assert f"[huginn] skipping checkpoint {kept[12]} (state/__0_0.distcp has" in console, console[-4000:]
-    assert f"[huginn] resumed from {kept[8]} at step 8" in console
+    resumed_line = rf"\[huginn\] resumed from {re.escape(str(out_dir / 'resumed'))}/checkpoint_\S+ at step 1$"
+    assert re.search(resumed_line, last.stdout + last.stderr, re.M), last.stdout[-3000:]
     run_id = run_id_of(last.stdout)
-    assert {run_id_of(to_12.stdout), run_id_of(stopped)} == {run_id}
-    # every step logged once, steps 9-12 twice: before the truncation and after the fallback
-    assert times_logged(mlflow_server, run_id) == {s: 2 if 9 <= s <= 12 else 1 for s in range(1, STEPS + 1)}
-    resumed = losses(mlflow_server, run_id)  # a replayed step logged bitwise the same loss (losses() checks)
-    assert resumed == uninterrupted["losses"]  # bitwise: fp32 on CPU, one thread, RNG states in the checkpoint
+    assert run_id_of(stopped) == run_id
+    assert times_logged(mlflow_server, run_id) == {s: 1 for s in range(1, STEPS + 1)}
+    assert losses(mlflow_server, run_id) == uninterrupted["losses"]  # bitwise: fp32 on CPU, one thread, RNG states
     assert final_data_position(out_dir, "resumed") == final_data_position(out_dir, "straight") == (STEPS, 2 * STEPS)
 
     # no checkpoint that loads: one attempt that names every checkpoint tried, not max_failures retries of it
@@ -235,6 +234,41 @@ def test_sigterm_to_the_job_s_process_group_then_resumes_past_a_truncated_checkp
         f"{kept[1]} (" in console, console[-4000:]
     assert [console.count(f"[huginn] skipping checkpoint {c} (") for c in kept] == [1, 1]  # tiny_cpu: max_failures=2
     assert MlflowClient(mlflow_server).get_run(run_id).info.status == "FAILED"
+
+
+def test_a_run_in_a_bucket_stopped_and_rerun_past_a_deleted_object_logs_the_local_losses(
+        cluster, mlflow_server, dataset, uninterrupted):
+    """Shards, tokenizer and out_dir in the S3 bucket (the moto server; the driver and Ray's workers have only
+    AWS_ENDPOINT_URL and credentials), MLflow at its server: a run to step 12, one object of its newest
+    checkpoint deleted, and the rerun to the end. The rerun skips that checkpoint naming the object, resumes from
+    step 8's by ranged reads, and every loss equals the local run's, bitwise. Nothing lands on a local disk but
+    Ray's session directory and scratch."""
+    data_dir, tokenizer = dataset
+    storage.upload_dir(data_dir, "s3://runs/data/shards", last="manifest.json")
+    storage.upload_dir(tokenizer, "s3://runs/data/tokenizer")
+    in_bucket = ("s3://runs/data/shards", "s3://runs/data/tokenizer")
+    run_dir = "s3://runs/out/bucket"
+    first = train(cluster, overrides("bucket", "s3://runs/out", in_bucket, mlflow_server, "max_steps=12",
+                                     "profile.steps=[2, 3]"))
+    checkpoints = {json.loads(storage.read_text(p))["step"]: p.rsplit("/", 1)[0]
+                   for p in storage.list_prefix(run_dir) if p.endswith("/trainer_state.json")}
+    assert sorted(checkpoints) == [8, 12] and all(c.startswith(f"{run_dir}/checkpoint_") for c in checkpoints.values())
+    assert sorted(storage.list_prefix(f"{run_dir}/profile")) == [f"{run_dir}/profile/rank0.trace.json",
+                                                                 f"{run_dir}/profile/rank1.trace.json"]
+    storage.delete(f"{checkpoints[12]}/state/__0_0.distcp")
+    last = train(cluster, overrides("bucket", "s3://runs/out", in_bucket, mlflow_server))
+    console = last.stdout + last.stderr
+    assert f"[huginn] skipping checkpoint {checkpoints[12]} (state/__0_0.distcp " in console, console[-4000:]
+    assert f"[huginn] resumed from {checkpoints[8]} at step 8" in console, console[-4000:]
+    run_id = run_id_of(last.stdout)
+    assert run_id_of(first.stdout) == run_id
+    assert times_logged(mlflow_server, run_id) == {s: 2 if 9 <= s <= 12 else 1 for s in range(1, STEPS + 1)}
+    assert losses(mlflow_server, run_id) == uninterrupted["losses"]  # bitwise
+    assert not storage.exists(f"{run_dir}/LOCK")
+    # the paths a POSIX-only layer would have made of the URIs (`Path("s3://runs").resolve()`): none, neither
+    # in the driver's working directory nor in the workers' (Ray's session directory)
+    assert not (REPO / "s3:").exists()
+    assert [p for p in Path(cluster["temp_dir"]).rglob("s3:*")] == []
 
 
 def test_killed_worker_is_restarted_from_checkpoint_with_the_same_final_loss(
