@@ -22,6 +22,10 @@ Conditional writes, which pyarrow lacks, are what a lock or a pointer needs inst
   be a new version (the run lock's heartbeat) change the bytes each time.
 The conditional writes use boto3 on `s3://`; on `gs://` they raise `StorageError` (not supported yet).
 
+Transfers: `upload_file`, `download_file` (put in place by `os.replace`) and `upload_dir` (a named marker last,
+so a reader that waits for it sees a whole directory) stream through `pyarrow.fs.copy_files`; `open_input_file`
+reads ranges (a parquet footer, a row group, a checkpoint's piece) without fetching the rest.
+
 Bad input (an unknown scheme, a bucket that does not exist, missing credentials) raises `StorageError` naming the
 location: `check_location` makes the bucket and credential checks once, before a job's work starts.
 """
@@ -204,23 +208,6 @@ def open_input_file(location: str):
         raise FileNotFoundError(f"{location}: no such file or object") from err
 
 
-def copy_file(source: str, destination: str) -> None:
-    """Copy within one file system: on object storage a server-side copy (no bytes through this process); locally
-    a copy put in place by `os.replace`. Locations on two different file systems raise StorageError."""
-    source_fs, source_path = filesystem(source)
-    destination_fs, destination_path = filesystem(destination)
-    if type(source_fs) is not type(destination_fs) or (is_uri(source) and is_uri(destination) and
-                                                      source.split("/", 3)[2] != destination.split("/", 3)[2]):
-        raise StorageError(f"{source} -> {destination}: a copy stays within one bucket or file system")
-    if not is_uri(destination) or _scheme(destination) == "file":
-        Path(destination_path).parent.mkdir(parents=True, exist_ok=True)
-        temporary = _temporary_copy(Path(destination_path), b"")
-        pafs.LocalFileSystem().copy_file(source_path, temporary)
-        os.replace(temporary, destination_path)
-        return
-    source_fs.copy_file(source_path, destination_path)
-
-
 def upload_file(local_file: str | Path, location: str) -> None:
     """A local file's bytes to a location (streamed, not held in memory); a local destination is written by
     `os.replace` as `write_bytes` does."""
@@ -257,15 +244,6 @@ def upload_dir(local_dir: str | Path, location: str, last: str | None = None) ->
     names = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     for name in sorted(names, key=lambda n: n == last):
         upload_file(root / name, join(location, *name.split(os.sep)))
-    return names
-
-
-def download_dir(location: str, local_dir: str | Path) -> list[str]:
-    """Every file or object under `location` to the same relative names under `local_dir`; the relative names,
-    sorted."""
-    names = [found[len(location.rstrip("/")) + 1:] for found in list_prefix(location)]
-    for name in names:
-        download_file(join(location, name), Path(local_dir, *name.split("/")))
     return names
 
 
