@@ -31,8 +31,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import pyarrow.fs as pafs
-
 from huginn_ray import storage
 from huginn_ray.config import ConfigError
 from huginn_ray.model.pretrained import CONFIG_NAME, resolve_model_dir, tensor_locations, training_state
@@ -90,7 +88,7 @@ def local_dir(location: str | Path, purpose: str, log=None) -> Path:
         raise ConfigError(f"{purpose}: {err}") from None
 
 
-def cached_copy(location: str, objects: list[list], purpose: str, log=None) -> Path:
+def cached_copy(location: str, objects: list[tuple[str, int, str]], purpose: str, log=None) -> Path:
     """This node's complete copy of `objects` (object_versions of the bucket prefix `location`), downloaded
     unless the cache holds it already (module docstring)."""
     key = hashlib.sha256(json.dumps([location, objects]).encode()).hexdigest()[:32]
@@ -112,7 +110,7 @@ def cached_copy(location: str, objects: list[list], purpose: str, log=None) -> P
     return entry
 
 
-def _download(location: str, objects: list[list], entry: Path) -> None:
+def _download(location: str, objects: list[tuple[str, int, str]], entry: Path) -> None:
     """Every object into a temporary sibling of `entry`, renamed to `entry` once all are there."""
     temporary = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}."))
     try:
@@ -129,30 +127,15 @@ def _download(location: str, objects: list[list], entry: Path) -> None:
         shutil.rmtree(temporary, ignore_errors=True)
 
 
-def object_versions(location: str, purpose: str) -> list[list]:
-    """[relative name, size, version] of every object under the bucket prefix `location`, sorted by name: S3's
-    ETag (a rewrite of the same size in the same second still changes it), elsewhere the modification time in ns.
-    ConfigError naming `purpose` and the location for a bucket that cannot be reached or a prefix with nothing."""
+def object_versions(location: str, purpose: str) -> list[tuple[str, int, str]]:
+    """(relative name, size, version) of every object under the bucket prefix `location`, sorted by name
+    (storage.list_versions). ConfigError naming `purpose` and the location for a bucket that cannot be reached or
+    a prefix with nothing."""
     try:
         storage.check_location(location, purpose)
     except storage.StorageError as err:
         raise ConfigError(str(err)) from None
-    if location.lower().startswith("s3://"):
-        import boto3  # only object storage needs it
-
-        bucket, _, key = location.split("://", 1)[1].partition("/")
-        prefix = f"{key.rstrip('/')}/" if key else ""
-        # a session of its own (boto3's default keeps the credentials it first found); it reads AWS_ENDPOINT_URL
-        pages = boto3.session.Session().client("s3").get_paginator("list_objects_v2").paginate(Bucket=bucket,
-                                                                                             Prefix=prefix)
-        objects = sorted([found["Key"][len(prefix):], found["Size"], found["ETag"]]
-                         for page in pages for found in page.get("Contents", [])
-                         if not found["Key"].endswith("/"))  # a directory marker (Arrow leaves one), not a file
-    else:
-        fs, path = storage.filesystem(location)
-        infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-        objects = sorted([info.path[len(path):].lstrip("/"), info.size, info.mtime_ns]
-                         for info in infos if info.type == pafs.FileType.File)
+    objects = storage.list_versions(location)
     if not objects:
         raise ConfigError(f"{purpose}: nothing at {location} (no objects under it)")
     return objects

@@ -188,6 +188,23 @@ def list_prefix(location: str) -> list[str]:
                   for info in infos if info.type == pafs.FileType.File)
 
 
+def list_versions(location: str) -> list[tuple[str, int, str]]:
+    """(relative name, size, version) of every file or object under the directory or prefix `location`
+    (recursively), sorted by name; [] when there is none. The version is S3's ETag (a rewrite of the same size in
+    the same second still changes it), elsewhere the modification time in ns. A directory marker (a key ending in
+    '/', which Arrow leaves) is not a file."""
+    if is_uri(location) and _scheme(location) == "s3":
+        bucket, _, key = location.split("://", 1)[1].partition("/")
+        prefix = f"{key.rstrip('/')}/" if key else ""
+        pages = _s3_client(_endpoint()).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return sorted((found["Key"][len(prefix):], found["Size"], found["ETag"])
+                      for page in pages for found in page.get("Contents", []) if not found["Key"].endswith("/"))
+    fs, path = filesystem(location)
+    infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    return sorted((info.path[len(path):].lstrip("/"), info.size, str(info.mtime_ns))
+                  for info in infos if info.type == pafs.FileType.File)
+
+
 def delete(location: str, missing_ok: bool = True) -> None:
     """Remove a file or object (not a directory)."""
     fs, path = filesystem(location)

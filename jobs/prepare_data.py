@@ -21,6 +21,7 @@ from huginn_ray.config import ConfigError
 from huginn_ray import storage
 from huginn_ray.data import layout
 from huginn_ray.data.bucket_publish import remove_old_versions as remove_bucket_versions
+from huginn_ray.data.bucket_sources import mirror_bucket_inputs
 from huginn_ray.data.config import load_data_config
 from huginn_ray.data.pipeline import (STAGES, check_chat_not_mixed, check_sources, eval_ngrams, init_ray,
                                       packed_only, print_last_error, root_error, run)
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.plan:
         try:
-            sources = load_sources(cfg.sources)
+            # the plan samples the files of bucket sources from their local copies
+            sources = mirror_bucket_inputs(cfg, load_sources(cfg.sources), quiet=args.json)
             # lists mixing packed or chat sources with others are refused; sources a run cannot fetch are
             # planned without and named (a run refuses them: check_sources)
             packed_only(sources)

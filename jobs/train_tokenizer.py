@@ -14,6 +14,7 @@ import argparse
 import sys
 import time
 
+from huginn_ray import storage
 from huginn_ray.config import ConfigError
 from huginn_ray.data import layout
 from huginn_ray.data.config import load_data_config
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_data_config(args.config, args.overrides)
     except ConfigError as err:
         print(f"train_tokenizer: config error: {err}", file=sys.stderr)
+        return 2
+    if storage.is_uri(cfg.tokenizer.path):  # read through a local copy, which a training would overwrite
+        print(f"train_tokenizer: config error: tokenizer.path: {cfg.tokenizer.path} is in object storage, where a "
+              f"tokenizer is read, not trained: leave tokenizer.path empty (<output_dir>/tokenizer)", file=sys.stderr)
         return 2
     lock = RunLock(cfg.root)  # one driver per output_dir (prepare_data.py takes the same), before Ray starts
     try:

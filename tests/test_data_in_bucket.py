@@ -1,6 +1,7 @@
 """Training data in a bucket (a real S3 server, tests/s3_server.py): the preflight resolves the pointer object,
 checks the tokenizer and every shard's footer by ranged reads, and the reader reads the very rows of the local
-files; prepared data is published to a bucket as an immutable version behind a conditionally swapped pointer."""
+files; prepared data is published to a bucket as an immutable version behind a conditionally swapped pointer;
+data preparation's inputs in a bucket (sources, the source list, the tokenizer) are copied and kept up to date."""
 
 from __future__ import annotations
 
@@ -173,3 +174,99 @@ def test_a_publish_uploads_the_scratch_version_then_swaps_the_pointer_and_a_race
     assert shard_version(f"{out}/shards") == f"{out}/shards.v0001"  # the winner's
     assert bucket_publish.remove_old_versions(out) == [f"{out}/shards.v0002", f"{out}/shards.v0003"]
     assert bucket_publish.versions(out) == ["shards.v0001"]
+
+
+def mirrored(cfg, items):
+    from huginn_ray.data.bucket_sources import mirror_bucket_inputs
+    from huginn_ray.data.sources import parse_sources
+
+    return mirror_bucket_inputs(cfg, parse_sources(items, "sources.yaml"))
+
+
+def test_a_bucket_source_is_copied_and_a_rerun_downloads_only_new_objects_and_keeps_the_fingerprint(
+        s3, tmp_path, monkeypatch):
+    from huginn_ray.data.config import DataConfig
+    from huginn_ray.data.staging import input_fingerprint, list_local_files
+
+    prefix = "s3://data/texts"
+    for name, text in (("a.txt", "alpha"), ("deep/b.txt", "beta"), ("skip.md", "not a pattern")):
+        storage.write_text(f"{prefix}/{name}", text)
+    storage.write_bytes(f"{prefix}/deep/", b"")  # a directory marker: no file
+    cfg = DataConfig(output_dir=str(tmp_path / "out"), sources="sources.yaml")
+    items = [{"name": "texts", "local_dir": prefix, "files": ["*.txt"], "features": ["text"]}]
+    downloads = []
+    download = storage.download_file
+    monkeypatch.setattr(storage, "download_file", lambda location, local: (downloads.append(location),
+                                                                           download(location, local)))
+
+    def fingerprint():
+        [source] = mirrored(cfg, items)
+        assert (source.local_dir, source.mirrored_from) == (str(tmp_path / "out/mirror/texts"), prefix)
+        files = list_local_files(source)
+        return [p.relative_to(source.local_dir).as_posix() for p in files], input_fingerprint(source, files)[0]
+
+    names, first = fingerprint()
+    assert names == ["a.txt", "deep/b.txt"] and sorted(downloads) == [f"{prefix}/a.txt", f"{prefix}/deep/b.txt"]
+    assert (tmp_path / "out/mirror/texts/deep/b.txt").read_text() == "beta"
+    downloads.clear()
+    assert fingerprint() == (names, first) and downloads == []  # an unchanged bucket: nothing fetched or restaged
+    storage.write_text(f"{prefix}/a.txt", "alpha, rewritten")
+    names, changed = fingerprint()
+    assert downloads == [f"{prefix}/a.txt"] and changed != first
+    assert (tmp_path / "out/mirror/texts/a.txt").read_text() == "alpha, rewritten"
+    storage.delete(f"{prefix}/deep/b.txt")
+    downloads.clear()
+    names, _ = fingerprint()
+    assert names == ["a.txt"] and downloads == [] and not (tmp_path / "out/mirror/texts/deep").exists()
+    copy = tmp_path / "out/mirror/texts"  # a local directory's versions: the modification times
+    assert storage.list_versions(str(copy)) == [("a.txt", 16, str((copy / "a.txt").stat().st_mtime_ns))]
+    with pytest.raises(DataError, match=r"^source 'texts': no object under s3://data/texts matches \['\*.json'\]$"):
+        mirrored(cfg, [{**items[0], "files": ["*.json"]}])
+
+
+def test_a_packed_bucket_source_is_recorded_in_the_manifest_by_its_uri_with_each_file_sha256(s3, tmp_path):
+    import hashlib
+
+    from huginn_ray.data.config import DataConfig
+    from huginn_ray.data.pipeline import packed_source_provenance
+
+    prefix = "s3://data/released"
+    for name in ("train/0.parquet", "val/0.parquet"):
+        storage.write_text(f"{prefix}/{name}", f"rows of {name}")
+    cfg = DataConfig(output_dir=str(tmp_path / "out"), sources="sources.yaml")
+    [source] = mirrored(cfg, [{"name": "released", "kind": "packed", "local_dir": prefix,
+                               "train_files": ["train/*"], "val_files": ["val/*"]}])
+    split_files = {split: [{"rel": f"{split}/0.parquet", "size": 19, "hash": None, "train_rows": 2 * (split == "train"),
+                            "val_rows": 2 * (split == "val")}] for split in ("train", "val")}
+    record = packed_source_provenance(cfg, source, split_files)
+    assert record["local_dir"] == prefix and (record["train_rows"], record["val_rows"]) == (2, 2)
+    assert record["files"] == [{"path": f"{split}/0.parquet", "size": 19,
+                                "hash": hashlib.sha256(f"rows of {split}/0.parquet".encode()).hexdigest()}
+                               for split in ("train", "val")]
+
+
+def test_the_sources_file_and_tokenizer_path_load_from_the_bucket(dataset, tmp_path):
+    from huginn_ray.config import ConfigError
+    from huginn_ray.data.config import load_data_config
+    from huginn_ray.data.pipeline import tokenizer_facts
+    from huginn_ray.data.sources import load_sources
+
+    _, tokenizer = dataset
+    storage.write_text("s3://data/lists/sources.yaml", "- {name: texts, local_dir: 's3://data/texts', features: "
+                                                       "[text]}\n- {name: lib, local_dir: /abs/lib, features: "
+                                                       "[text]}\n")
+    (tmp_path / "data.yaml").write_text(f"output_dir: {tmp_path}/out\nsources: s3://data/lists/sources.yaml\n"
+                                        f"tokenizer: {{path: '{BUCKET}/tokenizer'}}\n")
+    cfg = load_data_config(tmp_path / "data.yaml")
+    assert [(s.name, s.local_dir) for s in load_sources(cfg.sources)] == [("texts", "s3://data/texts"),
+                                                                          ("lib", "/abs/lib")]
+    from huginn_ray.data.bucket_sources import mirror_bucket_inputs
+    assert mirror_bucket_inputs(cfg, []) == []  # the tokenizer is copied as the run copies it, before the plan
+    assert cfg.tokenizer_dir == Path(cfg.output_dir) / "mirror" / ".tokenizer"
+    assert tokenizer_facts(cfg)["tokenizer_sha256"] == file_sha256(tokenizer / "tokenizer.json")
+    storage.write_text("s3://data/lists/relative.yaml", "- {name: texts, local_dir: texts, features: [text]}\n")
+    with pytest.raises(ConfigError, match=r"^s3://data/lists/relative.yaml: source 'texts': local_dir: 'texts' is "
+                                          r"relative, and the source list is in a bucket"):
+        load_sources("s3://data/lists/relative.yaml")
+    with pytest.raises(ConfigError, match=r"^source list not found: s3://data/lists/none.yaml$"):
+        load_sources("s3://data/lists/none.yaml")

@@ -287,7 +287,13 @@ def test_the_data_config_keeps_uris_and_refuses_them_by_name(tmp_path):
     (tmp_path / "data.yaml").write_text("output_dir: out\nsources: sources.yaml\n")
     cfg = load_data_config(tmp_path / "data.yaml", ["output_dir=s3://b/out", f"scratch_dir={tmp_path}/scratch"])
     assert (cfg.output_dir, cfg.root, cfg.in_bucket) == ("s3://b/out", tmp_path / "scratch", True)
-    with pytest.raises(ConfigError, match="tokenizer.path: s3://b/tok — object storage is not supported"):
-        load_data_config(tmp_path / "data.yaml", ["tokenizer.path=s3://b/tok"])
-    with pytest.raises(ConfigError, match="source 'a': local_dir: s3://b/a — object storage is not supported"):
-        parse_sources([{"name": "a", "local_dir": "s3://b/a"}], "sources.yaml", tmp_path)
+    cfg = load_data_config(tmp_path / "data.yaml", [f"output_dir={tmp_path}/out", "tokenizer.path=s3://b/tok",
+                                                    "sources=s3://b/sources.yaml"])
+    assert (cfg.tokenizer.path, cfg.sources, cfg.tokenizer_dir) == ("s3://b/tok", "s3://b/sources.yaml",
+                                                                    tmp_path / "out" / "mirror" / ".tokenizer")
+    assert parse_sources([{"name": "a", "local_dir": "s3://b/a", "features": ["text"]}], "sources.yaml",
+                         tmp_path)[0].local_dir == "s3://b/a"
+    with pytest.raises(ConfigError, match="^sources.yaml: source 'a': local_dir: ftp://b/a: unknown scheme ftp://"):
+        parse_sources([{"name": "a", "local_dir": "ftp://b/a", "features": ["text"]}], "sources.yaml", tmp_path)
+    with pytest.raises(ConfigError, match="scratch_dir: s3://b/s — must be a local directory"):
+        load_data_config(tmp_path / "data.yaml", ["output_dir=s3://b/out", "scratch_dir=s3://b/s"])

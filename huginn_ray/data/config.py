@@ -23,7 +23,8 @@ from huginn_ray.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigError, R
 @dataclass
 class DownloadConfig:
     max_in_flight: int = 8
-    """Hub files fetched at the same time (one Ray task each)."""
+    """Hub files fetched at the same time (one Ray task each); also the objects of inputs in a bucket copied at
+    the same time (threads of the driver: huginn_ray/data/bucket_sources.py)."""
     max_attempts: int = 8
     """Requests per listing, and calls of `hf_hub_download` per file, for the failures huggingface_hub does not
     retry itself (huginn_ray/data/hub_download.py); then the run fails naming the repo and file."""
@@ -32,7 +33,9 @@ class DownloadConfig:
 @dataclass
 class TokenizerConfig:
     path: str = ""
-    """Directory holding tokenizer.json + tokenizer_config.json; empty means `<output_dir>/tokenizer`."""
+    """Directory holding tokenizer.json + tokenizer_config.json; empty means `<output_dir>/tokenizer`. A bucket
+    prefix (`s3://...`) is copied into `mirror/.tokenizer/` of the local root (output_dir, or scratch_dir) before
+    each run (huginn_ray/data/bucket_sources.py) and read from there."""
     vocab_size: int = 65536
     """Total vocabulary: BPE merges + manual tokens + 32 special tokens at the top ids."""
     manual_tokens: bool = True
@@ -163,7 +166,8 @@ class DataConfig:
     (`s3://...`): the stages run in `scratch_dir` and the published shards (and the tokenizer) are uploaded here
     (huginn_ray/data/bucket_publish.py)."""
     sources: str
-    """YAML list of sources (see huginn_ray/data/sources.py); relative to this config file."""
+    """YAML list of sources (see huginn_ray/data/sources.py); relative to this config file, or an object
+    (`s3://...`)."""
     scratch_dir: str = ""
     """With output_dir in a bucket: the local directory the stages run in (a rerun resumes from it; every node of
     the Ray cluster must see it: a local Ray, or a shared file system); empty: `<system temp dir>/huginn_data/
@@ -236,7 +240,16 @@ class DataConfig:
 
     @property
     def tokenizer_dir(self) -> Path:
+        """The local tokenizer directory the stages read: tokenizer.path, its copy under `mirror_dir` when that is
+        a bucket prefix, else `<root>/tokenizer`."""
+        if storage.is_uri(self.tokenizer.path):
+            return self.mirror_dir / ".tokenizer"  # a source name starts with a letter or digit: no clash
         return Path(self.tokenizer.path) if self.tokenizer.path else self.root / "tokenizer"
+
+    @property
+    def mirror_dir(self) -> Path:
+        """Where the inputs in a bucket are copied (huginn_ray/data/bucket_sources.py): `<name>/` per source."""
+        return self.root / "mirror"
 
     @property
     def in_bucket(self) -> bool:
@@ -315,9 +328,6 @@ def load_data_config(path: str | Path, overrides: list[str] | tuple[str, ...] = 
     )
     if storage.is_uri(cfg.scratch_dir):
         raise ConfigError(f"scratch_dir: {cfg.scratch_dir} — must be a local directory (the stages need POSIX files)")
-    for key, value in (("tokenizer.path", cfg.tokenizer.path), ("sources", cfg.sources)):
-        if storage.is_uri(value):  # the stages and the tokenizer's training read and write local files only
-            raise ConfigError(f"{key}: {value} — object storage is not supported for this field yet")
     return cfg
 
 

@@ -20,6 +20,7 @@ from huginn_ray import storage
 from huginn_ray.cluster.local_ray import connect_ray
 from huginn_ray.data import layout
 from huginn_ray.data.bucket_publish import publish_to_bucket
+from huginn_ray.data.bucket_sources import mirror_bucket_inputs, mirrored_hashes
 from huginn_ray.data.config import DataConfig
 from huginn_ray.data.formatting import DataError
 from huginn_ray.data.hub_download import PROVENANCE, DownloadError, download_sources, downloaded_files
@@ -336,6 +337,23 @@ def run_provenance(cfg: DataConfig, sources: list[Source]) -> dict:
             "source_commits": commits, "eval_sets": eval_sets}
 
 
+def packed_source_provenance(cfg: DataConfig, source: Source, split_files: dict[str, list[dict]]) -> dict:
+    """A packed source's entry in the manifest's `sources`: where its files come from (a Hub commit, a local
+    directory, or the bucket prefix whose local copy was read), its rows, each file's size and hash (a Hub file's
+    verified hash, a bucket object's sha256 taken when copied; a local file's is added as the shuffle reads it)."""
+    marker = None if source.is_local else layout.read_marker(cfg.root / "download" / source.name, PROVENANCE)
+    copied = mirrored_hashes(cfg, source)
+    return {
+        "kind": "packed", "address": source.address,
+        "local_dir": (source.mirrored_from or str(source.resolved_local_dir())) if source.is_local else "",
+        "revision": source.revision, "commit": marker["commit"] if marker else None,
+        "train_rows": sum(f["train_rows"] for f in split_files["train"]),
+        "val_rows": sum(f["val_rows"] for f in split_files["val"]),
+        "files": [{"path": f["rel"], "size": f["size"], "hash": f["hash"] or copied.get(f["rel"])}
+                  for split in ("train", "val") for f in split_files[split]],
+    }
+
+
 def drop_val_duplicates(cfg: DataConfig, per_source: dict, provenance: dict, duplicates: dict[str, list[int]]) -> dict:
     """Count (and with cfg.drop_val_duplicates leave out) the validation rows that also occur in train
     (`duplicates`: per validation file path, the row numbers), per source.
@@ -370,16 +388,7 @@ def run_stage_shuffle_packed(cfg: DataConfig, sources: list[Source]) -> dict:
     per_source, provenance = {}, {}
     for source in sources:
         split_files = packed_source_files(cfg, source)
-        marker = None if source.is_local else layout.read_marker(cfg.root / "download" / source.name, PROVENANCE)
-        provenance[source.name] = {
-            "kind": "packed", "address": source.address,
-            "local_dir": str(source.resolved_local_dir()) if source.is_local else "",
-            "revision": source.revision, "commit": marker["commit"] if marker else None,
-            "train_rows": sum(f["train_rows"] for f in split_files["train"]),
-            "val_rows": sum(f["val_rows"] for f in split_files["val"]),
-            "files": [{"path": f["rel"], "size": f["size"], "hash": f["hash"]}
-                      for split in ("train", "val") for f in split_files[split]],
-        }
+        provenance[source.name] = packed_source_provenance(cfg, source, split_files)
         per_source[source.name] = split_files
     input_fingerprint = layout.fingerprint({
         "packed": {name: [(f["path"], f["size"], f["hash"] or os.stat(f["path"]).st_mtime_ns) for f in v["train"] + v["val"]]
@@ -486,6 +495,7 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
     check_sources(sources)  # before the plan samples their files
     if cfg.in_bucket:  # the bucket and the credentials, before any stage: the upload comes last
         storage.check_location(cfg.output_dir, "output_dir")
+    sources = mirror_bucket_inputs(cfg, sources)  # bucket local_dirs and tokenizer.path, copied for the stages
     # the evaluation sets serve the filter stage (and the pack stage's check that its input is filtered with them):
     # resolved, fetched and read, a bad one refused, before the plan and any stage, only when one of those runs
     ngrams = eval_ngrams(cfg) if {"filter", "pack"} & set(stages) else None
@@ -509,7 +519,7 @@ def run(cfg: DataConfig, stages: tuple[str, ...] = STAGES) -> dict:
         result = steps[stage](cfg, sources)
         print(f"<== {stage} done in {time.time() - start:.1f}s", flush=True)
     if cfg.in_bucket and "shuffle" in stages:  # the stages ran in the scratch directory
-        publish_to_bucket(cfg.root, cfg.output_dir, cfg.tokenizer_dir)
+        publish_to_bucket(cfg.root, cfg.output_dir, None if storage.is_uri(cfg.tokenizer.path) else cfg.tokenizer_dir)
     return result
 
 

@@ -220,7 +220,7 @@ def _source_entries(cfg: DataConfig, sources: list[Source], inputs: dict, tokeni
             else:
                 sampled.append(ratios)
         entries.append({"name": source.name, "files": len(files), "input_bytes": sum(s for _, s, _ in files),
-                        "hub_bytes": 0 if source.is_local else sum(s for _, s, _ in files), "weight": source.weight,
+                        "hub_bytes": 0 if source.is_local and not source.mirrored_from else sum(s for _, s, _ in files), "weight": source.weight,
                         "ratios": ratios, "sampled": ratios is not None, "commit": commit,
                         "paths": [p for p, _, _ in files], "sizes": [s for _, s, _ in files],
                         "packed": source.is_packed, "here": here, "source": source,

@@ -68,7 +68,9 @@ class Source:
     files: list[str] = field(default_factory=list)
     """fnmatch patterns selecting files (repo paths or paths below local_dir); default: data files."""
     local_dir: str = ""
-    """Read files from this directory instead of the Hub ('{stdlib}' = the Python standard library)."""
+    """Read files from this directory instead of the Hub ('{stdlib}' = the Python standard library), or from a
+    bucket prefix (`s3://bucket/prefix`): its objects that match the file patterns are copied into the local
+    scratch before each run (huginn_ray/data/bucket_sources.py)."""
     subset: str = ""
     """Dataset config / subdirectory: the default file patterns are looked up below `{subset}/`."""
     needs_chat_templating: bool = False
@@ -95,10 +97,18 @@ class Source:
     """Free-form category (code, math, wiki, ...), recorded in manifests."""
     license: str = ""
     """License of the source, recorded in manifests."""
+    mirrored_from: str = field(default="", init=False)
+    """Not a key of the list: the bucket prefix whose local copy `local_dir` is, once
+    bucket_sources.mirror_bucket_inputs has made it (what the manifest records as the source's local_dir)."""
 
     @property
     def is_local(self) -> bool:
         return bool(self.local_dir)
+
+    @property
+    def in_bucket(self) -> bool:
+        """local_dir is a bucket prefix (not copied yet)."""
+        return storage.is_uri(self.local_dir)
 
     @property
     def is_packed(self) -> bool:
@@ -121,8 +131,9 @@ class Source:
         return Path(self.local_dir.replace("{stdlib}", sysconfig.get_paths()["stdlib"]))
 
 
-def parse_sources(items: object, origin: str, base_dir: Path | None = None) -> list[Source]:
-    """Validate a parsed YAML list of sources; `origin` (the file name) appears in every error."""
+def parse_sources(items: object, origin: str, base_dir: Path | str | None = None) -> list[Source]:
+    """Validate a parsed YAML list of sources; `origin` (the file name) appears in every error. A relative local_dir
+    is resolved against `base_dir` (the list's directory), and refused when that is a bucket prefix."""
     if not isinstance(items, list) or not items:
         raise ConfigError(f"{origin}: expected a non-empty YAML list of sources")
     sources: list[Source] = []
@@ -134,13 +145,8 @@ def parse_sources(items: object, origin: str, base_dir: Path | None = None) -> l
             source = from_dict(Source, item, prefix="")
         except ConfigError as err:
             raise ConfigError(f"{origin}: {label}: {err}") from None
-        if storage.is_uri(source.local_dir):  # staging reads local files only, for now
-            raise ConfigError(f"{origin}: {label}: local_dir: {source.local_dir} — object storage is not "
-                              f"supported for this field yet")
         _check(source, origin, label)
-        if source.local_dir and base_dir is not None and "{stdlib}" not in source.local_dir:
-            if not Path(source.local_dir).is_absolute():
-                source.local_dir = str((base_dir / source.local_dir).resolve())
+        source.local_dir = _resolved_local_dir(source.local_dir, base_dir, f"{origin}: {label}: local_dir")
         sources.append(source)
     names = [s.name for s in sources]
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -149,11 +155,37 @@ def parse_sources(items: object, origin: str, base_dir: Path | None = None) -> l
     return sources
 
 
+def _resolved_local_dir(local_dir: str, base_dir: Path | str | None, key: str) -> str:
+    """A bucket URI kept (`file://` made a local path); a relative local path made absolute against `base_dir`,
+    refused by `key` when `base_dir` is a bucket prefix (a source list read from a bucket)."""
+    if not local_dir or "{stdlib}" in local_dir or (not storage.is_uri(local_dir) and Path(local_dir).is_absolute()):
+        return local_dir
+    if storage.is_uri(local_dir):
+        try:
+            return storage.resolve_location(local_dir, "/")
+        except storage.StorageError as err:
+            raise ConfigError(f"{key}: {err}") from None
+    if base_dir is not None and storage.is_uri(str(base_dir)):
+        raise ConfigError(f"{key}: {local_dir!r} is relative, and the source list is in a bucket: give an absolute "
+                          f"local path or a bucket URI")
+    return local_dir if base_dir is None else str((Path(base_dir) / local_dir).resolve())
+
+
 def load_sources(path: str | Path) -> list[Source]:
-    path = Path(path)
-    if not path.is_file():
+    """The source list in a local file or an object (`s3://...`)."""
+    path = str(path)
+    if storage.is_uri(path):
+        try:
+            storage.check_location(path, "sources")
+            text = storage.read_text(path)
+        except storage.StorageError as err:
+            raise ConfigError(str(err)) from None
+        except FileNotFoundError:
+            raise ConfigError(f"source list not found: {path}") from None
+        return parse_sources(parse_yaml(text), path, base_dir=path.rsplit("/", 1)[0])
+    if not Path(path).is_file():
         raise ConfigError(f"source list not found: {path}")
-    return parse_sources(parse_yaml(path.read_text()), str(path), base_dir=path.parent)
+    return parse_sources(parse_yaml(Path(path).read_text()), path, base_dir=Path(path).parent)
 
 
 def _check(source: Source, origin: str, label: str) -> None:
