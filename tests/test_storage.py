@@ -297,3 +297,17 @@ def test_the_data_config_keeps_uris_and_refuses_them_by_name(tmp_path):
         parse_sources([{"name": "a", "local_dir": "ftp://b/a", "features": ["text"]}], "sources.yaml", tmp_path)
     with pytest.raises(ConfigError, match="scratch_dir: s3://b/s — must be a local directory"):
         load_data_config(tmp_path / "data.yaml", ["output_dir=s3://b/out", "scratch_dir=s3://b/s"])
+
+
+def test_train_tokenizer_refuses_a_tokenizer_path_in_a_bucket_before_anything_starts(tmp_path, capsys):
+    import importlib.util
+
+    (tmp_path / "data.yaml").write_text(f"output_dir: {tmp_path}/out\nsources: sources.yaml\n")
+    spec = importlib.util.spec_from_file_location("train_tokenizer_job", Path(__file__).resolve().parents[1] /
+                                                  "jobs" / "train_tokenizer.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    assert job.main(["--config", str(tmp_path / "data.yaml"), "tokenizer.path=s3://b/tok"]) == 2
+    assert "config error: tokenizer.path: s3://b/tok is in object storage, where a tokenizer is read, not trained" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
