@@ -283,12 +283,15 @@ def test_killed_worker_is_restarted_from_checkpoint_with_the_same_final_loss(
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     # the steps after the checkpoint the restart resumed from (step 8, or step 4 if Ray had not registered the
     # step-8 report when the worker died) up to step 10 ran twice; the run did not start over. The killed attempt's
-    # step-10 metrics may still be in rank 0's sender queue when Ray ends the group (MLflow logging is
-    # asynchronous), so step 10 is logged once or twice.
+    # last metrics may still be in rank 0's sender queue when Ray ends the group (MLflow logging is asynchronous),
+    # so of the replayed steps a last few (step 10, and on a loaded machine step 9 too) may be logged once.
     counts = times_logged(mlflow_server, runs[0].info.run_id)
     resumed_at = min(s for s, n in counts.items() if n == 2) - 1
-    assert resumed_at in (4, 8) and counts[10] in (1, 2)
-    assert counts == {s: counts[10] if s == 10 else 2 if resumed_at < s < 10 else 1 for s in range(1, STEPS + 1)}
+    assert resumed_at in (4, 8)
+    assert {s: n for s, n in counts.items() if not resumed_at < s <= 10} == \
+        {s: 1 for s in range(1, STEPS + 1) if not resumed_at < s <= 10}
+    replayed = [counts[s] for s in range(resumed_at + 1, 11)]
+    assert replayed == sorted(replayed, reverse=True) and set(replayed) <= {1, 2}, counts  # 2, ..., 2, then 1s
     killed = losses(mlflow_server, runs[0].info.run_id)
     assert killed[STEPS] == uninterrupted["losses"][STEPS]
     assert killed == uninterrupted["losses"]
