@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	tools/ensure_sshd.sh
-	tools/private_netns.sh $(PY) -m pytest -n 2 --dist loadfile --durations 25 tests
+	tools/private_netns.sh $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations 25 tests
 
 # The pipeline end to end on the embedded default (a private local Ray per job): tokenizer, shards, training,
 # then what recurrence buys: loss by test-time depth, generation at a fixed depth and with an adaptive exit,

@@ -8,6 +8,8 @@ collected file is an error, so the list cannot silently go stale when a test is 
 `make test` runs two pytest-xdist workers with `--dist loadfile`: each test file runs whole on one worker, so its
 module fixtures (a Ray head, a simulation, a spawn of ranks) are built once. Files on the two workers run side by
 side: the Ray heads that jobs are submitted to, and the MLflow servers, take free ports (tests/isolation.py).
+SLOW_FIRST puts the files that take longest first (with `--no-loadscope-reorder` xdist hands files out in this
+order): a long file that started last would finish alone while the other worker sat idle.
 """
 
 from __future__ import annotations
@@ -31,6 +33,21 @@ MUST_RUN = (
 )
 
 
+SLOW_FIRST = (
+    "tests/test_train_ray.py",
+    "tests/test_eval_gsm8k.py",
+    "tests/test_train_multinode.py",
+    "tests/test_train_parallel.py",
+    "tests/test_serve.py",
+    "tests/test_data_pipeline.py",
+    "tests/test_cluster_launcher.py",
+    "tests/test_scale_sim.py",
+    "tests/test_data_hub_download.py",
+    "tests/test_train_tracking.py",
+)
+"""The files that take longest in `make test` (its `--durations` on a fresh clone), longest first."""
+
+
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("true", "1")
 
@@ -48,6 +65,8 @@ def pytest_collection_modifyitems(session, config, items):
              and not any(base == entry or base.startswith(entry + "::") for base in bases)]
     if stale:
         raise pytest.UsageError(f"tests/conftest.py MUST_RUN names tests that do not exist: {stale}")
+    rank = {name: index for index, name in enumerate(SLOW_FIRST)}  # SLOW_FIRST's files first, the rest as collected
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(SLOW_FIRST)))
 
 
 @pytest.hookimpl(hookwrapper=True)
