@@ -1,11 +1,8 @@
 """A real S3 server for the tests: moto in server mode on a free loopback port, with the environment a test (and
 every process it starts) needs to reach it the way AWS's own tools do.
 
-    @pytest.fixture(scope="module")
-    def s3():
-        with S3Server() as server:          # AWS_ENDPOINT_URL etc. set for the module, restored after
-            server.create_bucket("runs")
-            yield server
+    s3 = s3_fixture("runs")     # a test module's fixture `s3`: the server with bucket `runs`, AWS_ENDPOINT_URL and
+                                # credentials set for the module and restored after
 
 moto's server honours `If-None-Match: *` and `If-Match` on PutObject (412 PreconditionFailed), which
 huginn_ray.storage's conditional writes use. The server runs in a session of its own and is stopped by its PID.
@@ -17,6 +14,8 @@ import os
 import subprocess
 import sys
 import tempfile
+
+import pytest
 
 from isolation import free_port, stop_session, wait_for
 
@@ -70,3 +69,14 @@ class S3Server:
         stop_session(self.process, timeout_s=30)
         self.process = None
         self.log.close()
+
+
+def s3_fixture(*buckets: str):
+    """A module-scoped pytest fixture: a running S3Server holding these (empty) buckets."""
+    @pytest.fixture(scope="module")
+    def s3():
+        with S3Server() as server:
+            for bucket in buckets:
+                server.create_bucket(bucket)
+            yield server
+    return s3

@@ -20,17 +20,13 @@ from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train import replica_read
 from huginn_ray.train.config import OptimConfig
 from huginn_ray.train.optim import build_optimizer
-from s3_server import S3Server
+from s3_server import s3_fixture
 
 CPU = torch.device("cpu")
 STEPS = (4, 8)
 
 
-@pytest.fixture(scope="module")
-def s3():
-    with S3Server() as server:
-        server.create_bucket("runs")
-        yield server
+s3 = s3_fixture("runs")
 
 
 def components():

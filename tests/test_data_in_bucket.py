@@ -23,18 +23,14 @@ from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train.launch import PreflightError, data_version, preflight
 from huginn_ray.train.shard_check import ShardCheckError, check_shards
 from huginn_ray.train.shard_reader import ShardReader, validation_rows
-from s3_server import S3Server
+from s3_server import s3_fixture
 from test_train_data import make_dataset
 
 TINY = Path(__file__).resolve().parents[1] / "configs/train/tiny_cpu.yaml"
 BUCKET = "s3://data/out"
 
 
-@pytest.fixture(scope="module")
-def s3():
-    with S3Server() as server:
-        server.create_bucket("data")
-        yield server
+s3 = s3_fixture("data")
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,13 @@ from huginn_ray.config import ConfigError, load_config
 from huginn_ray.model import ModelConfig, RecurrentGPT, load_pretrained
 from huginn_ray.model import export
 from huginn_ray.model_cache import CACHE_ENV, cache_root, local_model_dir
-from s3_server import S3Server
+from s3_server import s3_fixture
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
 
 
-@pytest.fixture(scope="module")
-def s3():
-    with S3Server() as server:
-        server.create_bucket("models")
-        yield server
+s3 = s3_fixture("models")
 
 
 @pytest.fixture(scope="module")

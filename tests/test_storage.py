@@ -10,14 +10,10 @@ from pathlib import Path
 import pytest
 
 from huginn_ray import storage
-from s3_server import S3Server
+from s3_server import s3_fixture
 
 
-@pytest.fixture(scope="module")
-def s3():
-    with S3Server() as server:
-        server.create_bucket("huginn")
-        yield server
+s3 = s3_fixture("huginn")
 
 
 @pytest.fixture(params=["local", "s3"])

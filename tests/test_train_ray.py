@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 from huginn_ray import storage
 from isolation import LocalRayHead, MlflowServer, pids_of_head, private_namespace_problem
 from ray_jobs import submit_job
-from s3_server import S3Server
+from s3_server import s3_fixture
 from test_train_data import make_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,13 +42,9 @@ def env() -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """A real S3 server (moto) with a bucket `runs`; started before the Ray head, whose workers find its endpoint
-    and credentials in their environment, as a cloud node's processes find theirs."""
-    with S3Server() as server:
-        server.create_bucket("runs")
-        yield server
+# a real S3 server (moto) with a bucket `runs`; `cluster` starts after it, so the Ray head's workers find its
+# endpoint and credentials in their environment, as a cloud node's processes find theirs
+s3 = s3_fixture("runs")
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +254,7 @@ def test_a_run_in_a_bucket_stopped_and_rerun_past_a_deleted_object_logs_the_loca
     storage.delete(f"{checkpoints[12]}/state/__0_0.distcp")
     last = train(cluster, overrides("bucket", "s3://runs/out", in_bucket, mlflow_server))
     console = last.stdout + last.stderr
-    assert f"[huginn] skipping checkpoint {checkpoints[12]} (state/__0_0.distcp " in console, console[-4000:]
+    assert f"[huginn] skipping checkpoint {checkpoints[12]} (state/__0_0.distcp is missing (" in console, console[-4000:]
     assert f"[huginn] resumed from {checkpoints[8]} at step 8" in console, console[-4000:]
     run_id = run_id_of(last.stdout)
     assert run_id_of(first.stdout) == run_id
