@@ -2,11 +2,13 @@
 
     python bench/generate.py [--checkpoint DIR] [--data-dir SHARDS] [--batch 32] [--requests 64]
         [--num-steps 16] [--new-tokens 24] [--criterion latent-diff --threshold 0.03] [--exit-wait 3]
-        [--admit-rows BATCH/4] [--threads 1] [--json]
+        [--admit-rows BATCH/4] [--[no-]compile] [--threads 1] [--json]
 
 On the same prompts and model (raven-tiny at random init without --checkpoint), greedy decoding:
 (a) the engine (huginn_ray.generation.engine) with `--batch` rows, an adaptive exit criterion,
-    `EngineConfig.exit_wait_steps=--exit-wait` and `admit_rows=--admit-rows`;
+    `EngineConfig.exit_wait_steps=--exit-wait`, `admit_rows=--admit-rows` and `compile` (default on: each kind of
+    decode step compiled by torch.compile; its compilation happens in an untimed warm-up run, and
+    `compile_s` says how long that run took);
 (b) the engine at the fixed depth `--num-steps` (the same EngineConfig);
 (c) the model's own KV cache at that fixed depth (`kv_cache_greedy`: one forward per token), `--batch` prompts
     per call.
@@ -16,7 +18,7 @@ adaptive engine output equals `generate` at batch size 1 (token for token); --js
 Prompts: the first 16 tokens of rows of --data-dir shards (val/*.parquet, then train/*.parquet) when given, else a
 built-in set (seeded random token ids).
 
-The counters (one more run of each engine under huginn_ray.generation.counting.OpCounter): `host_syncs_per_step`
+The counters (one more run of each engine, eager, under huginn_ray.generation.counting.OpCounter): `host_syncs_per_step`
 (reads of the device by the host inside a decode step, StepRunner.run), `ops_per_token_adaptive` and
 `ops_per_token_fixed` (ATen ops of every engine step, admission and prefill included, per token), and
 `graph_breaks` (torch._dynamo.explain of a finishing decode step). `goals` says which of the targets hold:
@@ -109,14 +111,17 @@ def throughput(model: RecurrentGPT, args: argparse.Namespace) -> dict:
     fixed = [Request(p, args.new_tokens, depth) for p in texts]
 
     def engine(requests):
-        config = EngineConfig(args.batch, 2**62, args.exit_wait, args.admit_rows)
+        config = EngineConfig(args.batch, 2**62, args.exit_wait, args.admit_rows, compile=args.compile)
         return lambda: outputs(Engine(model, config), requests)
 
     def plain():
         for first in range(0, len(texts), args.batch):
             kv_cache_greedy(model, torch.tensor(texts[first : first + args.batch]), args.new_tokens, depth)
 
-    engine(adaptive[: args.batch])()  # warm-up
+    warm_up = time.perf_counter()
+    engine(adaptive)()  # with compile: every kind the timed runs meet is compiled here
+    engine(fixed)()
+    compile_s = time.perf_counter() - warm_up
     adaptive_s, adaptive_cpu, adaptive_out = timed(engine(adaptive), args.repeats)
     fixed_s, fixed_cpu, fixed_out = timed(engine(fixed), args.repeats)
     plain_s, plain_cpu, _ = timed(plain, args.repeats)
@@ -132,7 +137,8 @@ def throughput(model: RecurrentGPT, args: argparse.Namespace) -> dict:
         "model": cfg.name, "checkpoint": args.checkpoint, "prompts": "data" if args.data_dir else "built-in",
         "requests": len(texts), "batch": args.batch, "new_tokens": args.new_tokens, "num_steps": depth,
         "criterion": args.criterion, "threshold": threshold, "exit_wait_steps": args.exit_wait, "admit_rows": args.admit_rows,
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "engine_step": "compiled" if args.compile else "eager",
+        "compile_s": compile_s if args.compile else 0.0,
         "adaptive_tokens_per_s": tokens / adaptive_s, "fixed_tokens_per_s": tokens / fixed_s,
         "generate_fixed_tokens_per_s": tokens / plain_s,
         "adaptive_tokens_per_cpu_s": tokens / adaptive_cpu, "fixed_tokens_per_cpu_s": tokens / fixed_cpu,
@@ -241,6 +247,8 @@ def main() -> None:
     parser.add_argument("--exit-wait", type=int, default=3, help="the engines' EngineConfig.exit_wait_steps")
     parser.add_argument("--admit-rows", type=int, default=None,
                         help="the engines' EngineConfig.admit_rows (default: a quarter of --batch, at least 1)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="the engines' EngineConfig.compile (default: on)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each; the best counts")
     parser.add_argument("--rows", type=int, default=2, help="validation rows of the criteria table")

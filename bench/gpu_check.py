@@ -15,7 +15,8 @@ On the device present it measures and prints, as a table, and writes as JSON (--
    checkpoint saved mid-run resumes to the same losses;
 5. generation at batch 1: tokens/s of an adaptive exit (kl) against the fixed depth, on the trained model;
 6. engine: continuous depth batching (huginn_ray.generation.engine) at batch 32 on the trained model, fixed depth
-   against latent-diff exits: tokens/s, iterations per token, outputs equal to batch-1 generation;
+   against latent-diff exits, each with the eager and the compiled step (EngineConfig.compile), replayed as CUDA
+   graphs on a GPU: tokens/s, iterations per token, outputs equal to batch-1 generation;
    decode calls: one core iteration at decoding's shape (1 and 32 rows of one token): its ATen operations, ms
    per call eager, and ms per replay of it captured in a CUDA graph (how much of decoding is launch overhead);
 7. optimizer: AdamW's fused kernel (what the training takes on GPUs) against its multi-tensor step over the
@@ -484,22 +485,32 @@ def engine_events(model: RecurrentGPT, config: EngineConfig, requests: list[Requ
     return [events[request_id] for request_id in request_ids]
 
 
+ENGINE_RUNS = (("fixed depth", None, False), ("adaptive (latent-diff)", "latent-diff", False),
+               ("fixed depth, compiled", None, True), ("adaptive (latent-diff), compiled", "latent-diff", True))
+"""(label, exit criterion, EngineConfig.compile) of each engine run: on a GPU every one replays CUDA graphs."""
+
+
 def engine_check(setup: Setup, model: RecurrentGPT) -> dict:
     """The continuous-depth-batching engine on the trained model: 2 x batch requests (greedy, seeded), at the
-    fixed depth and with latent-diff exits; tokens/s, iterations per token, and the fraction of requests whose
-    adaptive output equals `generate` at batch size 1 (rounding of batched matmuls may move an exit)."""
+    fixed depth and with latent-diff exits, each with the eager and with the compiled step (`--quick`: eager
+    only); tokens/s, iterations per token, and the fraction of requests whose adaptive output equals `generate`
+    at batch size 1 (rounding of batched matmuls may move an exit). An untimed run of the same requests first
+    captures (and compiles) every kind of step the timed run meets."""
     model.eval()
     batch = 4 if setup.quick else 32
     vocab = model.config.vocab_size - 2
     prompts = [tuple(((torch.arange(16) * (row + 3) + row) % vocab).tolist()) for row in range(2 * batch)]
     # --quick: the tiny model after 8 steps moves its state by ~0.5-1 per iteration; a threshold that exits it
     threshold = 0.9 if setup.quick else DEFAULT_THRESHOLDS["latent-diff"]
-    result = {"threshold": threshold, "exit_wait_steps": EXIT_WAIT_STEPS}
-    config = EngineConfig(batch, 2**62, EXIT_WAIT_STEPS, max(1, batch // 4))
-    for label, criterion in (("fixed depth", None), ("adaptive (latent-diff)", "latent-diff")):
+    result = {"threshold": threshold, "exit_wait_steps": EXIT_WAIT_STEPS, "runs": []}
+    outputs = {}
+    for label, criterion, compiled in ENGINE_RUNS:
+        if compiled and setup.quick:
+            continue
+        config = EngineConfig(batch, 2**62, EXIT_WAIT_STEPS, max(1, batch // 4), compile=compiled)
         requests = [Request(prompt, setup.new_tokens, setup.depth, criterion, threshold, seed=row)
                     for row, prompt in enumerate(prompts)]
-        engine_events(model, config, requests[:2])  # warm-up
+        engine_events(model, config, requests)  # warm-up: captures and compiles
         synchronize(setup.device)
         start = time.perf_counter()
         events = engine_events(model, config, requests)
@@ -508,14 +519,17 @@ def engine_check(setup: Setup, model: RecurrentGPT) -> dict:
         iterations = [event.core_iterations for request_events in events for event in request_events]
         result[label] = {"tokens_per_s": len(iterations) / seconds, "mean_iterations": sum(iterations) / len(iterations),
                          "max_iterations": max(iterations)}
-    equal = 0
-    checked = list(zip(requests, events))[:EQUALITY_REQUESTS]
-    for request, request_events in checked:
-        alone = generate(model, torch.tensor([request.prompt], device=setup.device), setup.new_tokens, setup.depth,
-                         "latent-diff", threshold,
-                         generator=torch.Generator(device=setup.device).manual_seed(request.seed))
-        equal += alone.tokens[0, 16:].tolist() == [event.token_id for event in request_events]
-    result["tokens_equal_fraction"] = equal / len(checked)
+        result["runs"].append(label)
+        outputs[label] = [[event.token_id for event in request_events] for request_events in events]
+    adaptive = [label for label in result["runs"] if "adaptive" in label]
+    equal = dict.fromkeys(adaptive, 0)
+    checked = prompts[:EQUALITY_REQUESTS]
+    for row, prompt in enumerate(checked):
+        alone = generate(model, torch.tensor([prompt], device=setup.device), setup.new_tokens, setup.depth,
+                         "latent-diff", threshold, generator=torch.Generator(device=setup.device).manual_seed(row))
+        for label in adaptive:
+            equal[label] += alone.tokens[0, 16:].tolist() == outputs[label][row]
+    result["tokens_equal_fraction"] = {label: count / len(checked) for label, count in equal.items()}
     result["requests_compared"] = len(checked)
     return {"depth": setup.depth, "new_tokens": setup.new_tokens, "batch": batch, "requests": len(prompts), **result}
 
@@ -853,9 +867,9 @@ def render(report: dict) -> str:
                           f"{result['new_tokens']} tokens each, latent-diff < {result['threshold']}, exit_wait_steps "
                           f"{result['exit_wait_steps']}: " + "; ".join(
                 f"{label} {result[label]['tokens_per_s']:.1f} tok/s ({result[label]['mean_iterations']:.2f} "
-                f"iterations/token, max {result[label]['max_iterations']})"
-                for label in ("fixed depth", "adaptive (latent-diff)"))
-                + f"; adaptive equal to batch-1 generate: {result['tokens_equal_fraction']:.3f}"
+                f"iterations/token, max {result[label]['max_iterations']})" for label in result["runs"])
+                + "; adaptive equal to batch-1 generate: " + ", ".join(
+                    f"{label} {fraction:.3f}" for label, fraction in result["tokens_equal_fraction"].items())
                 + f" of {result['requests_compared']} requests"]
         elif section == "decode_calls":
             lines += ["", f"decode calls ({result['depth_of_a_call']}, {result['blocks']} blocks, 1 token per row, no "

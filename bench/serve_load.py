@@ -1,6 +1,7 @@
 """Serving load test: N concurrent clients on loopback against the OpenAI-compatible server (jobs/serve.py).
 
     python bench/serve_load.py --checkpoint DIR [--tokenizer DIR] [--max-rows 8] [--replicas 1] [--exit-wait-steps N]
+        [--compile] [--warm-up]
         [--clients 8] [--requests 64] [--max-seconds 120] [--max-tokens 24] [--num-steps 16]
         [--exit-criterion latent-diff] [--exit-threshold 0.03] [--stream-every 2] [--json]
     python bench/serve_load.py --url http://127.0.0.1:8000 ...      # a server already running
@@ -11,7 +12,9 @@ tools/private_netns.sh on a shared machine), and stops it with SIGINT at the end
 early after `--max-seconds`. Prompts: 16 seeded random token ids each; greedy, each request its own seed; every
 `--stream-every`-th request is streamed. Prints output tokens/s (tokens of all answered requests over the wall
 time from the first request to the last answer), p50/p99 latency of a whole request, p50/p99 time to the first
-token of the streamed ones, and the mean core iterations per token; --json prints one JSON object.
+token of the streamed ones, and the mean core iterations per token; --json prints one JSON object. `--compile`
+starts the server with `--compile`; `--warm-up` sends the whole load once, untimed, before the measured one (with
+--compile: every kind of decode step the measured run meets is compiled then).
 """
 
 from __future__ import annotations
@@ -127,6 +130,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         command += ["--tokenizer", args.tokenizer]
     if args.exit_wait_steps is not None:
         command += ["--exit-wait-steps", str(args.exit_wait_steps)]
+    if args.compile:
+        command.append("--compile")
     server = subprocess.Popen(command, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -149,6 +154,8 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, default=8, help="engine rows of the server it starts")
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--exit-wait-steps", type=int, help="the server's --exit-wait-steps (default: the server's)")
+    parser.add_argument("--compile", action="store_true", help="the server's --compile")
+    parser.add_argument("--warm-up", action="store_true", help="send the whole load once, untimed, first")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-seconds", type=float, default=120)
@@ -174,6 +181,8 @@ def main() -> None:
     if args.checkpoint:
         server, url = start_server(args)
     try:
+        if args.warm_up:
+            load(url, args, vocab_size or 4096)
         figures = load(url, args, vocab_size or 4096)
     finally:
         if server is not None:

@@ -2,7 +2,7 @@
 
     python jobs/serve.py --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--replicas N] [--tokenizer DIR]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--max-rows 32] [--max-cache-gib 4] [--exit-wait-steps 2]
-        [--admit-rows 1] [--[no-]cuda-graphs] [--model-name NAME] [--api-key KEY]
+        [--admit-rows 1] [--[no-]cuda-graphs] [--compile] [--model-name NAME] [--api-key KEY]
 
 DIR is a model directory, a training checkpoint, or a training out_dir (newest checkpoint); the tokenizer defaults
 to one stored beside the model. DIR and --tokenizer may be in a bucket (`s3://...`: a model directory or a training
@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
                         help="replay each kind of decode step as a captured CUDA graph (EngineConfig.cuda_graphs; "
                              "default: on with --device cuda, off on the CPU)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile each kind of decode step with torch.compile the first time it runs "
+                             "(EngineConfig.compile: the same outputs, faster steps; that first step waits seconds)")
     parser.add_argument("--model-name", help="the model's name in the API (default: the directory's name)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                         help=f"every request must send `Authorization: Bearer KEY` (default: ${API_KEY_ENV}; the "
@@ -151,7 +154,7 @@ def engine_config(args) -> EngineConfig:
     gib = args.max_cache_gib
     try:  # a GiB count that is not finite reaches EngineConfig as it is, which refuses it as not an integer
         return EngineConfig(args.max_rows, int(gib * 2**30) if math.isfinite(gib) else gib, args.exit_wait_steps,
-                            args.admit_rows, args.cuda_graphs)
+                            args.admit_rows, args.cuda_graphs, args.compile)
     except ValueError as err:
         message = str(err)
         field = min((message.find(name), name) for name in ENGINE_OPTIONS if name in message)[1]

@@ -73,7 +73,9 @@ def test_the_quick_cpu_run_covers_every_section_and_trains_resumes_and_generates
     engine = report["engine"]
     assert (engine["batch"], engine["requests"], engine["fixed depth"]["mean_iterations"]) == (4, 8, 4.0)
     assert 1.0 <= engine["adaptive (latent-diff)"]["mean_iterations"] < 4.0  # rows exit early
-    assert engine["tokens_equal_fraction"] == 1.0  # fp32, one thread: each request equals its batch-1 output
+    assert engine["runs"] == ["fixed depth", "adaptive (latent-diff)"]  # --quick: the eager step only
+    # fp32, one thread: each request equals its batch-1 output
+    assert engine["tokens_equal_fraction"] == {"adaptive (latent-diff)": 1.0}
     decode = report["decode_calls"]  # one iteration of the tiny core (1 block): the ATen ops a GPU launches per call
     assert (decode["blocks"], list(decode["rows"])) == (1, ["1", "4"])
     assert [row["aten_ops"] for row in decode["rows"].values()] == [76, 76]  # the same ops at any row count

@@ -111,6 +111,27 @@ def test_each_request_gets_its_batch_1_output_with_requests_arriving_while_other
     assert min(steps) < 10 and max(steps) == 10  # exits happened, and full depth too
 
 
+def test_the_compiled_step_gives_each_request_its_batch_1_output(model):
+    """EngineConfig.compile: each kind of decode step runs as TorchDynamo's one graph, compiled by Inductor
+    (fused loops in place of the eager ops), and each request still gets what `generate` gives it alone: a logit
+    criterion (the coda and head inside the core step), top-p sampling, `latest` and `ring:3` caches, warm start,
+    a request arriving mid-flight. The requests share their criterion, sampling modes and cache kinds, so that
+    two kinds are compiled (a finishing step and a core-only one): compiling costs seconds a kind."""
+    from torch._dynamo.utils import counters
+
+    wanted = [Request((5, 6, 7, 8), 4, 8, "kl", 5e-3, cache="latest", temperature=1.0, top_p=0.9, seed=1),
+              Request((9, 10), 4, 8, "kl", 1e-2, cache="ring:3", temperature=0.9, top_p=0.8, seed=2),
+              Request((11, 12, 13), 3, 8, "kl", 5e-3, cache="latest", warm_start=True, temperature=0.7, top_p=0.8,
+                      seed=3)]
+    graphs = counters["stats"]["unique_graphs"]
+    engine = Engine(model, EngineConfig(max_rows=3, max_cache_bytes=10**9, exit_wait_steps=1, compile=True))
+    got = drive(engine, {0: wanted[:2], 2: wanted[2:]})
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+    assert got == [alone(model, request) for request in wanted]
+    steps = [s for _, iterations in got for s in iterations]
+    assert min(steps) < 8 and max(steps) == 8  # exits happened, and full depth too
+
+
 def test_every_forward_starts_its_criterion_from_the_starting_comparands(model):
     """After every step, a row at iteration 0 (a forward that has not run yet: just admitted, or its previous
     token just finished) holds its criterion's starting comparands, as batch-1 generation's fresh ExitCriterion:
@@ -324,10 +345,10 @@ def test_a_full_row_with_the_most_cache_keys_batches_with_a_latest_row(model):
 
 def test_the_generation_benchmark_reports_its_counters(tmp_path):
     """bench/generate.py --json: host reads per decode step, ATen ops per token of both engines, graph breaks,
-    and which goals hold."""
+    and which goals hold (the engines eager: the compiled step has its own test, compiling costs seconds a kind)."""
     repo = Path(__file__).resolve().parent.parent
     run = subprocess.run([sys.executable, str(repo / "bench" / "generate.py"), "--batch", "4", "--new-tokens", "3",
-                          "--num-steps", "4", "--exit-wait", "1", "--repeats", "1", "--json"],
+                          "--num-steps", "4", "--exit-wait", "1", "--repeats", "1", "--no-compile", "--json"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(repo)})
     assert run.returncode == 0, run.stderr[-2000:]
@@ -335,3 +356,4 @@ def test_the_generation_benchmark_reports_its_counters(tmp_path):
     assert report["host_syncs_per_step"] == 0 and report["graph_breaks"] == 0
     assert report["ops_per_token_adaptive"] > 0 and report["ops_per_token_fixed"] > 0
     assert report["tokens_equal_fraction"] == 1.0 and report["goals"]["host_syncs_per_step == 0"]
+    assert report["engine_step"] == "eager" and report["compile_s"] == 0.0

@@ -108,7 +108,7 @@ def test_serve_hands_the_replicas_the_bucket_uri(made, cache, capsys):
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
     options = dict(host="127.0.0.1", port=8000, replicas=2, device="cpu", dtype=None, max_rows=4, max_cache_gib=1.0,
-                   exit_wait_steps=0, admit_rows=1, cuda_graphs=False, model_name=None, api_key=None)
+                   exit_wait_steps=0, admit_rows=1, cuda_graphs=False, compile=True, model_name=None, api_key=None)
     settings = job.plan(argparse.Namespace(checkpoint=f"{uri}/", tokenizer=str(tokenizer), **options))
     assert (settings.model_dir, settings.tokenizer_dir, settings.model_name) == (uri, str(tokenizer),
                                                                                  "checkpoint_000001")

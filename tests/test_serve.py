@@ -491,6 +491,7 @@ def test_cuda_graphs_off_a_cuda_device_are_refused_before_ray_starts(checkpoint,
     assert capsys.readouterr().err == "error: --cuda-graphs needs --device cuda, not cpu\n"
     settings = job.plan(argparse.Namespace(checkpoint=str(checkpoint), tokenizer=None, host="127.0.0.1", port=8000, replicas=1,
                                            device="cpu", dtype=None, max_rows=4, max_cache_gib=1.0,
-                                           exit_wait_steps=0, admit_rows=1, cuda_graphs=False, model_name=None,
+                                           exit_wait_steps=0, admit_rows=1, cuda_graphs=False, compile=True, model_name=None,
                                            api_key=None))
     assert settings.engine.cuda_graphs is False  # --no-cuda-graphs reaches every replica's engine
+    assert settings.engine.compile is True  # and --compile

@@ -40,11 +40,11 @@ class StepKind:
     criteria: tuple[str, ...] = ()
     """The exit criteria of the requests in the slots (sorted): only their quantities are computed."""
     sampling: bool = False
-    """Whether some request samples (temperature > 0); else every token is an argmax."""
+    """Whether the step finishes and some request samples (temperature > 0); else every token is an argmax."""
     top_k: bool = False
-    """Whether some request restricts sampling to its top-k tokens."""
+    """Whether the step finishes and some request restricts sampling to its top-k tokens."""
     top_p: bool = False
-    """Whether some request restricts sampling to a top-p set."""
+    """Whether the step finishes and some request restricts sampling to a top-p set."""
     latest: bool = True
     """Whether some request keeps latest copies (`latest`, `ring:N`); else the core writes none."""
 

@@ -15,7 +15,8 @@ admits waiting requests, in the order they came, while rows (`max_rows`) and key
 `admit_rows` rows are free: their prompts' prefill runs eagerly, batched (huginn_ray.generation.admission), and
 their first tokens are events of this step; (3) runs one decode step over all slots
 (huginn_ray.generation.decode_step: a core iteration of every iterating row, and every `exit_wait_steps` + 1
-steps the finish of the forwards that ended), as a replayed CUDA graph with `cuda_graphs`.
+steps the finish of the forwards that ended), compiled with `compile`, as a replayed CUDA graph with
+`cuda_graphs`.
 
 Each request draws its initial noise and its samples from its own generator, seeded with its `seed`, in the
 order batch-1 `generate` draws them (taken at admission), and attends only through its own cache at its own
@@ -62,6 +63,10 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     """Replay each kind of decode step as a captured CUDA graph (huginn_ray.generation.graphs); None: on when
     the model is on a CUDA device. The eager step (off) is the same function."""
+    compile: bool = False
+    """Compile each kind of decode step with torch.compile (one graph, static shapes) the first time it runs
+    (huginn_ray.generation.graphs): the same outputs, with fused elementwise work and no Python per op. The
+    first step of each kind waits for its compilation (seconds; torch's cache keeps it for later processes)."""
 
     def __post_init__(self):
         for name, least in (("max_rows", 1), ("max_cache_bytes", 1), ("exit_wait_steps", 0), ("admit_rows", 1)):
@@ -70,6 +75,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if self.cuda_graphs not in (None, True, False):
             raise ValueError(f"cuda_graphs must be true, false or None, got {self.cuda_graphs!r}")
+        if self.compile not in (True, False):
+            raise ValueError(f"compile must be true or false, got {self.compile!r}")
         if self.admit_rows > self.max_rows:
             raise ValueError(f"admit_rows must be at most max_rows={self.max_rows}, got {self.admit_rows}")
 
@@ -117,7 +124,7 @@ class Engine:
         cuda_graphs = self.device.type == "cuda" if config.cuda_graphs is None else config.cuda_graphs
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {self.device}")
-        self.runner = StepRunner(self.model, self.slots, cuda_graphs)
+        self.runner = StepRunner(self.model, self.slots, cuda_graphs, config.compile)
         self.waiting: deque[tuple[int, Request]] = deque()
         self.in_flight: dict[int, InFlight] = {}
         self.free_slots = list(range(config.max_rows - 1, -1, -1))
@@ -198,11 +205,12 @@ class Engine:
         # a row's forward is at position len(prompt) + emitted - 1, and a finish may write the next one's prelude
         need = max(len(flight.request.prompt) + flight.emitted + 1 for flight in self.in_flight.values())
         columns = min(1 << max(4, (need - 1).bit_length()), self.slots.cache.positions)
-        return StepKind(columns=columns, finish=self.loop_step % (self.config.exit_wait_steps + 1) == self.config.exit_wait_steps,
+        finish = self.loop_step % (self.config.exit_wait_steps + 1) == self.config.exit_wait_steps
+        sampled = [r for r in requests if r.temperature > 0] if finish else []  # only a finish samples
+        return StepKind(columns=columns, finish=finish,
                         criteria=tuple(sorted({r.exit_criterion for r in requests if r.exit_criterion is not None})),
-                        sampling=any(r.temperature > 0 for r in requests),
-                        top_k=any(r.temperature > 0 and r.top_k is not None for r in requests),
-                        top_p=any(r.temperature > 0 and r.top_p is not None and r.top_p < 1 for r in requests),
+                        sampling=bool(sampled), top_k=any(r.top_k is not None for r in sampled),
+                        top_p=any(r.top_p is not None and r.top_p < 1 for r in sampled),
                         latest=any(r.cache != "full" for r in requests))
 
     def _send_outputs(self) -> None:
