@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import tempfile
 from pathlib import Path
 
@@ -349,13 +350,16 @@ def test_same_bytes_from_a_separate_ray_with_one_cpu(prepared, chat_prepared, tm
         assert (tmp_path / "chat_one_cpu" / path.relative_to(chat_root / "pack")).read_bytes() == path.read_bytes()
 
 
-def _task_killed_once(fn, flag: Path):
+def _task_killed_once(fn, flag: Path, committed_first: str):
     """A unit's task function (its first argument names the unit), except that the first attempt of the first
     call SIGKILLs its own worker process in the middle of the task: after its first output is fully written under
-    its temp name, before that output is committed. Every attempt appends (unit, memory= Ray gave it, killed or
-    ran) to `<flag>.memory`."""
+    its temp name, before that output is committed, and once another task has committed a file matching the glob
+    `committed_first` (so that the stopped dataset has a finished task whose result it never returned). Every
+    attempt appends (unit, memory= Ray gave it, killed or ran) to `<flag>.memory`."""
 
     def first_attempt_dies(*args, **kwargs):
+        import glob
+
         import ray
 
         call = args[0]
@@ -370,7 +374,14 @@ def _task_killed_once(fn, flag: Path):
 
         with open(flag.with_suffix(".memory"), "a") as f:
             f.write(json.dumps([call, memory, "killed"]) + "\n")
-        layout.commit_file = lambda tmp, final: os.kill(os.getpid(), signal.SIGKILL)  # this worker only
+
+        def die(tmp, final):  # this worker only
+            deadline = time.monotonic() + 60
+            while not glob.glob(committed_first) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        layout.commit_file = die
         return fn(*args, **kwargs)
 
     return first_attempt_dies
@@ -456,10 +467,23 @@ def test_a_worker_killed_in_pack_and_in_the_shuffle_map_pass_changes_no_byte(pre
     from huginn_ray.data.execution import UNDECLARED_MEMORY
 
     root, config = prepared
-    monkeypatch.setattr(staging_mod, "stage_file", _task_killed_once(staging_mod.stage_file, tmp_path / "staging"))
+    out = tmp_path / "killed"
+    # the staging task killed dies once another one has committed its file: a finished task of the stopped dataset,
+    # whose source the driver commits (moving its work directory) as soon as the rerun has staged the rest; the
+    # driver polls often and the rerun waits before it returns, so that reading that file from its old place after
+    # the rerun would fail every time
+    monkeypatch.setattr(staging_mod, "stage_file", _task_killed_once(staging_mod.stage_file, tmp_path / "staging",
+                                                                     str(out / "staging" / "*.partial" / "*.parquet")))
+    monkeypatch.setattr(staging_mod, "POLL_S", 0.01)
+    rerun_killed = staging_mod.rerun_killed
+
+    def rerun_then_wait(*args, **kwargs):
+        rerun_killed(*args, **kwargs)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(staging_mod, "rerun_killed", rerun_then_wait)
     monkeypatch.setattr(pack_mod, "TokenizeDocuments", _encoder_killed_once(pack_mod.TokenizeDocuments,
                                                                             tmp_path / "pack"))
-    out = tmp_path / "killed"
     monkeypatch.setattr(build_mod, "group_files", lambda files, row_bytes, group_bytes: [
         files[i * len(files) // 4:(i + 1) * len(files) // 4] for i in range(4)])
     monkeypatch.setattr(shuffle_mod, "map_unit", _map_task_killed_once(shuffle_mod.map_unit, tmp_path / "map",

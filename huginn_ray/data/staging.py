@@ -104,7 +104,8 @@ def stage_sources(inputs: list[tuple[Source, list[Path]]], staging_root: Path) -
         todo.append({"source": source, "paths": paths, "work": work, "final": final, "fingerprint": expected,
                      "fingerprint_inputs": fingerprint_inputs, "quarantine": quarantine, "first": len(files)})
         files += [{"source": source, "index": i, "path": str(p), "output": str(work / f"{i:05d}.parquet"),
-                   "quarantine": str(quarantine / f"{i:05d}.jsonl")} for i, p in enumerate(paths)]
+                   "committed": str(final / f"{i:05d}.parquet"), "quarantine": str(quarantine / f"{i:05d}.jsonl")}
+                  for i, p in enumerate(paths)]
 
     results: dict[int, dict] = {}
     for i, f in enumerate(files):  # committed by an earlier, interrupted run: kept, counts from their footers
@@ -191,8 +192,9 @@ def staged_file_stats(path: Path) -> dict:
 
 def run_staging(files: list[dict], todo: list[int], results: dict[int, dict]) -> None:
     """Stage the input files `todo` (indexes into `files`) on Ray Data, one task per file (`stage_file`), putting
-    each one's counts in `results`. A killed worker: the files not yet committed run again with twice the memory
-    (execution.rerun_killed); an error of the project's own (DataError: a bad record beyond max_bad_records, an
+    each one's counts in `results` (a file committed by a task of a dataset that a killed worker stopped has none:
+    the driver reads its counts from its footer, commit_finished). A killed worker: the files not yet committed
+    run again with twice the memory (execution.rerun_killed); an error of the project's own (DataError: a bad record beyond max_bad_records, an
     unreadable file) is raised as itself."""
 
     def run(units: list[int], declared: list[int | None]) -> None:
@@ -203,19 +205,19 @@ def run_staging(files: list[dict], todo: list[int], results: dict[int, dict]) ->
             results.update(run_unit_tasks("staging", members, functools.partial(stage_file, files=files), memory,
                                           files=lambda i: [files[i]["path"]]))
 
+    def unfinished(units: list[int]) -> list[int]:  # a staged file is in its work directory or, once the driver
+        # committed its source (while the stopped dataset ran), in the source's directory
+        return [u for u in units if not any(Path(files[todo[u]][at]).exists() for at in ("output", "committed"))]
+
     own = None
     try:
-        rerun_killed(run, [None] * len(todo), name="staging",
-                     unfinished=lambda units: [u for u in units if not Path(files[todo[u]]["output"]).exists()])
+        rerun_killed(run, [None] * len(todo), name="staging", unfinished=unfinished)
     except Exception as err:
         own = original_error(err, (DataError,))
         if own is err:
             raise
     if own is not None:  # raised here, not in the handler: Ray's error (and the dataset it holds) can be collected
         raise DataError(RAY_DATA_RETRY_HINT.split(str(own))[0])
-    for i in todo:
-        if i not in results:  # committed by an attempt that a killed worker stopped later
-            results[i] = staged_file_stats(Path(files[i]["output"]))
 
 
 RAY_DATA_RETRY_HINT = re.compile(r"\nFailed to .* after \d+/\d+ attempts")
