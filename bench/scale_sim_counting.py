@@ -328,3 +328,16 @@ def host_reads_of_meta():
         yield
     finally:
         torch.Tensor.item, torch.Tensor.tolist = real_item, real_tolist
+
+
+@contextlib.contextmanager
+def patched(patches: list):
+    """(owner, name, value) set for the duration, then restored."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
