@@ -1,36 +1,51 @@
 """What one rank of a W-rank run does, counted with this project's own code, for W up to 4,096 on one machine.
 
 One process plays one rank of a world of W ranks (rank 0, then the last rank of the last node; each item is the
-maximum of the two) through the real code paths of a run of `configs/train/frontier_nebel_512_nodes.yaml` as
-written (bf16-mixed: bf16 gathers, and the gradient exchange's second stream for the parameters FSDP2 leaves whole;
-4,096 train shards, so one micro-batch per step):
+maximum of the two) through the real code paths of a run of each Frontier configuration as written (`SCENARIOS`):
+`configs/train/frontier_nebel_512_nodes.yaml` (bf16-mixed: bf16 gathers, and the gradient exchange's second stream
+for the parameters FSDP2 leaves whole; 4,096 train shards, so one micro-batch per step) and
+`configs/train/frontier_nebel_131k.yaml` (131,072 tokens, `parallelism.context_parallel: 8`: cp groups of 8
+consecutive ranks inside the node's shard group; 512 train shards of 131,073-token rows, one row of one shard per
+cp group at W = 4,096):
 
     startup   the worker's own startup, loop.train_on_rank up to its steps: start_worker (register_node,
-              build_components: mesh, model, FSDP2 units, optimizer; the placements' all-gather and the node-layout
-              check; warm_mesh), the validation rows' agreement, restore_state (no checkpoint: the seed's weights,
-              check_replicas_agree), warmup_allreduce (128 MiB, 8 stages)
+              build_components: mesh, cp group, model, FSDP2 units, optimizer; the placements' all-gather and the
+              node-layout check; warm_mesh, the cp group's included), the validation rows' agreement, restore_state
+              (no checkpoint: the seed's weights, check_replicas_agree), warmup_allreduce (128 MiB, 8 stages), and
+              what run_steps makes before its first step: the Checkpointer (both configurations save
+              asynchronously: checkpoint.async_save null and GPUs), whose background group lazy_gloo_group creates
     init_from build_components without weights, then load_initial_weights from a released-layout directory
-    save      two saves (steps 128 and 256) through ckpt.start_save and finish_save: dcp.save with the project's
-              planner (checkpoint.SmallValuesOnRankZero, DCP's save-plan caching on), its plan exchange and its
-              `.metadata`, then the agreement and the marker; the figures are the later save's (the steady state)
-              and the plan items rank 0 receives at the first and the later save
-    resume    resume() of the later save: the candidate list, the completeness check, the agreement, and
+    save      three saves (steps 128, 256, 384) through ckpt.start_save and finish_save: the first two through the
+              configuration's path, dcp.async_save on the Checkpointer's background group (its thread plans and
+              writes; finish_save waits for it at once, where the Checkpointer waits at the next save, so that
+              each save's collectives are counted in its own phase), the third as the run's last save is made,
+              synchronously (dcp.save on the default group); DCP's planner is the project's
+              (checkpoint.SmallValuesOnRankZero, save-plan caching on), with its plan exchange and its `.metadata`,
+              then the agreement and the marker. The save figures are the second's (the steady state), plus the
+              plan items rank 0 receives at the first, and the last save's collectives and file operations
+    resume    resume() of the last save: the candidate list, the completeness check, the agreement, and
               read_tensors through the replica-spread read (huginn_ray.train.replica_read.read_dcp: the group's
               bytes from the `.metadata`, this rank's contiguous span of them read from the files, the rounds of
               all-gather over the replicate group, the copies into the tensors), then the optimizer state set back
-    step      one train_step (loop.py) with all its micro-batches (grad_accum: 1 with 4,096 shards), on a model of
-              the nebel's depth and 64 wide
+    step      one train_step (loop.py) with all its micro-batches (grad_accum: 1 in both configurations), on a
+              model of the nebel's depth and 64 wide (scale_sim_step); with cp its sequence is scaled (131,072
+              tokens to 128: 16 per rank) and the cp attention's collectives run over the cp group: the K/V
+              all-gather of every attention call (every block of every iteration, the no-grad ones and the
+              checkpointed blocks' recomputation included) and its reduce-scatter in backward
     steady    one poll of the hang watch (hang_watch.HangWatch.poll, nothing in flight), which every rank runs
               beside its steps: the store requests of steady state
 
 over stand-ins that count instead of communicating (what they stand in for: 4,096 processes on 512 nodes):
 
 - the process group is torch's fake backend (`torch.testing._internal.distributed.fake_pg`): collectives return
-  at once; a dispatch mode counts every c10d operation. A broadcast from rank 0 delivers, on the other simulated
-  rank, what the simulated rank 0 sent; an all-reduce leaves this rank's value (every rank agreeing).
+  at once; a dispatch mode counts every c10d operation (in dcp.async_save's thread too: `background_save_counted`).
+  A broadcast from rank 0 delivers, on the other simulated rank, what the simulated rank 0 sent; an all-reduce
+  leaves this rank's value (every rank agreeing). The background save's group, gloo in a run, is made by the same
+  new_group call with the fake backend (the call counted); the connections gloo would open are modelled.
 - DCP's save coordination: the objects the other ranks send (their local plans, their write results) and the
   one DCP's scatter gives the last rank are supplied by `scale_sim_dcp.OtherRanks` (what each rank's DCP would
-  send); the collectives carrying them run and are counted.
+  send); the collectives carrying them run and are counted. A background save's copy to host memory is not made
+  (the state is on the meta device): its bytes are planned (`scale_sim_dcp.SparseWriter.stage`).
 - the key-value store (`CountingStore`) counts every key an operation touches; keys the other ranks would have
   set are there, and a counter reads as if every rank had added to it.
 - Ray Train's worker context (rank, node, local rank, node address) is `SimulatedContext`, and the placements'
@@ -42,20 +57,26 @@ over stand-ins that count instead of communicating (what they stand in for: 4,09
 - the model lives on the meta device (build_components, check_replicas_agree and the warm-up's buffer are given
   the meta device; the agreements whose values the code reads back run on the host): shapes and byte counts are
   real, no memory is used. DCP's tensor files are sparse files of their sizes (`scale_sim_dcp.SparseWriter`).
+- the step's cp attention builds its lower-right causal mask (a tensor subclass that cannot be created inside a
+  dispatch mode) outside the counting mode; it holds no data and runs no collective.
 
 Measured (counted as the code runs): every per-rank item but those below. Planned: the bytes of DCP's tensor
-pieces in the save (their sizes, not written), and in the resume the archive header a rank reads for each piece
-whose data start it finds (measured on a real archive of that dtype and rank); the gathered bytes are not copied
-into the (meta) tensors, nor the non-tensor values unpickled. Modelled: `store_requests_rank0_startup`, the
-requests rank 0's store server answers, as W times a rank's own (every rank makes the same requests), and
-`store_requests_rank0_per_s_steady`, W times a rank's store requests per hang-watch poll over the poll interval
-(the step itself makes none: `store_ops_per_step`, counted). The step's
-model is 64 wide (FSDP2 refuses to train meta parameters): its gradient exchange's chunk size is the
-configuration's scaled by that model's parameters over the nebel's, so that its gradient shard splits into about
-as many chunks as the nebel's; the exchanges are counted on it. Not simulated: the background (asynchronous)
-save's gloo group and DCP's async_save, the cp dimension.
+pieces in the save (their sizes, not written), the bytes a background save stages in host memory, and in the
+resume the archive header a rank reads for each piece whose data start it finds (measured on a real archive of
+that dtype and rank); the gathered bytes are not copied into the (meta) tensors, nor the non-tensor values
+unpickled. Computed from the data order: `data_read_amplification` and `data_reads_per_batch_row` (rows, not
+bytes: the data is not read). Modelled: `store_requests_rank0_startup`, the requests rank 0's store server
+answers, as W times a rank's own (every rank makes the same requests); `store_requests_rank0_per_s_steady`, W times
+a rank's store requests per hang-watch poll over the poll interval (the step itself makes none:
+`store_ops_per_step`, counted); `gloo_connections_background_group_rank0`, W - 1: the background group connects
+lazily (TORCH_GLOO_LAZY_INIT), and rank 0's gathers reach every rank. Scaled: the step's model is 64 wide (FSDP2
+refuses to train meta parameters): its gradient exchange's chunk size is the configuration's scaled by that
+model's parameters over the nebel's, so that its gradient shard splits into about as many chunks as the nebel's;
+with cp its sequence is 128 tokens (the cp group, the head-tail split and the number of attention calls are the
+configuration's; the gathered bytes are not). Not simulated: the overlap of a background save with training (the
+save is waited for at once), gloo's own connection handshakes, the data's bytes (a row of zeros).
 
-    python bench/scale_sim.py --world-sizes 8,64,512,4096 [--json]
+    python bench/scale_sim.py --world-sizes 8,64,512,4096 [--config NAME] [--json]
 """
 
 from __future__ import annotations

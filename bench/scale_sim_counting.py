@@ -120,8 +120,11 @@ class CountingCollectives(TorchDispatchMode):
 
 
 def tensors_in(value) -> list[torch.Tensor]:
+    """The tensors of a (nested) list, tuple or dict."""
     if torch.is_tensor(value):
         return [value]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in tensors_in(item)]
     if isinstance(value, (list, tuple)):
         return [t for item in value for t in tensors_in(item)]
     return []

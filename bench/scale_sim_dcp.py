@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from huginn_ray.train import checkpoint as ckpt
 from huginn_ray.train import parallel
-from scale_sim_counting import Counts, uncounted
+from scale_sim_counting import Counts, tensors_in, uncounted
 
 PICKLED_VALUE_BYTES = 1261
 """A non-tensor value's bytes in its file (a pickled object: a few hundred bytes)."""
@@ -97,7 +97,7 @@ class SparseWriter(FileSystemWriter):
     def stage(self, state_dict):
         """The background save's copy to host memory, planned: its bytes counted, the (meta) state returned."""
         self.counts.add("bytes_staged", sum(parallel.local(t).numel() * t.element_size()
-                                            for t in tensors_of(state_dict)))
+                                            for t in tensors_in(state_dict)))
         return state_dict
 
     def write_data(self, plan, planner):
@@ -107,17 +107,6 @@ class SparseWriter(FileSystemWriter):
         done = torch.futures.Future()
         done.set_result(results)
         return done
-
-
-def tensors_of(value) -> list[torch.Tensor]:
-    """The tensors of a (nested) state dict."""
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in tensors_of(item)]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in tensors_of(item)]
-    return []
 
 
 @contextlib.contextmanager
