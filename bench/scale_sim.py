@@ -441,9 +441,10 @@ def make_setup(root: Path, scenario: Scenario) -> Setup:
     """The scenario's configuration as written, with the plan its preflight would derive from its shards."""
     cfg = load_config(TrainConfig, scenario.config, ["out_dir=" + str(root / "runs"), "compile=false"])
     model_cfg = cfg_model(cfg)
+    schedule_steps = int(cfg.max_tokens) // cfg.world_batch_size // cfg.block_size
     plan = RunPlan(global_batch_rows=cfg.world_batch_size, num_streams=scenario.num_streams,
-                   data_dir=cfg.data.data_dir, schedule_steps=int(cfg.max_tokens) // cfg.world_batch_size // cfg.block_size,
-                   pad_id=0, eos_id=1, precision=cfg.precision, model_config=model_cfg)
+                   data_dir=cfg.data.data_dir, schedule_steps=schedule_steps, pad_id=0, eos_id=1,
+                   precision=cfg.precision, model_config=model_cfg)
     with torch.device("meta"):
         model = RecurrentGPT(model_cfg)
     return Setup(scenario, cfg, plan, model_cfg, NODE_SIZE, root,
@@ -567,12 +568,12 @@ def simulate_rank_quietly(setup: Setup, world_size: int, rank: int,
 
 def table(result: dict) -> str:
     sizes = result["world_sizes"]
-    lines = [f"{'per rank (max of rank 0 and rank W-1)':<34}" + "".join(f"{'W=' + str(w):>16}" for w in sizes)]
+    lines = [f"{'per rank (max of rank 0 and rank W-1)':<42}" + "".join(f"{'W=' + str(w):>16}" for w in sizes)]
     for item, values in result["per_rank"].items():
-        lines.append(f"{item:<34}" + "".join(f"{v:>16,}" for v in values))
+        lines.append(f"{item:<42}" + "".join(f"{v:>16,}" for v in values))
     state, parameters = result["sizes"]["state_bytes"], result["sizes"]["parameter_bytes"]
     for item, whole in (("bytes_read_resume", state), ("bytes_read_init_from", parameters)):
-        lines.append(f"{item + ' x W / ' + ('state' if whole == state else 'P'):<34}"
+        lines.append(f"{item + ' x W / ' + ('state' if whole == state else 'P'):<42}"
                      + "".join(f"{v * w / whole:>16.3f}" for v, w in zip(result["per_rank"][item], sizes)))
     lines.append(f"state (the checkpoint's tensors) {state:,} bytes, P (the parameters, fp32) {parameters:,} bytes")
     lines.append("")
