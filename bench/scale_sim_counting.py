@@ -120,8 +120,11 @@ class CountingCollectives(TorchDispatchMode):
 
 
 def tensors_in(value) -> list[torch.Tensor]:
+    """The tensors of a (nested) list, tuple or dict."""
     if torch.is_tensor(value):
         return [value]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in tensors_in(item)]
     if isinstance(value, (list, tuple)):
         return [t for item in value for t in tensors_in(item)]
     return []
@@ -328,3 +331,16 @@ def host_reads_of_meta():
         yield
     finally:
         torch.Tensor.item, torch.Tensor.tolist = real_item, real_tolist
+
+
+@contextlib.contextmanager
+def patched(patches: list):
+    """(owner, name, value) set for the duration, then restored."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)

@@ -15,7 +15,13 @@ things cannot come from the fake group and are supplied here, in one place each:
   every rank this rank's size).
 - `SparseWriter`: the model is on the meta device; each rank's file becomes a sparse file of the size its pieces
   fill, and the write results (file, offset, length of each piece) are FileSystemWriter's for a file of those
-  pieces back to back. The `.metadata` and everything else are FileSystemWriter's own.
+  pieces back to back. The `.metadata` and everything else are FileSystemWriter's own. A background save
+  (`dcp.async_save`) stages the state through the writer (FileSystemWriter is DCP's stager): the copy to host
+  memory is not made (the state is on the meta device), the staged state is the state itself, and the bytes the
+  copy would hold, this rank's part of the state, are planned (`bytes_staged`).
+- `background_save_counted`: `dcp.async_save` runs `dcp.save` in a thread of its own; the counting dispatch mode
+  is thread-local, so the thread's save runs inside the same mode (its collectives, on the background group, are
+  counted like the others).
 """
 
 from __future__ import annotations
@@ -27,13 +33,15 @@ import math
 import torch
 from torch.distributed import distributed_c10d
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import _async_thread_executor
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from huginn_ray.train import checkpoint as ckpt
-from scale_sim_counting import Counts, uncounted
+from huginn_ray.train import parallel
+from scale_sim_counting import Counts, tensors_in, uncounted
 
 PICKLED_VALUE_BYTES = 1261
 """A non-tensor value's bytes in its file (a pickled object: a few hundred bytes)."""
@@ -86,6 +94,12 @@ class SparseWriter(FileSystemWriter):
     other_ranks: OtherRanks | None = None
     """The other ranks' stand-in, which writes their files into the same directory."""
 
+    def stage(self, state_dict):
+        """The background save's copy to host memory, planned: its bytes counted, the (meta) state returned."""
+        self.counts.add("bytes_staged", sum(parallel.local(t).numel() * t.element_size()
+                                            for t in tensors_in(state_dict)))
+        return state_dict
+
     def write_data(self, plan, planner):
         self.other_ranks.directory = self.path
         size, results = sparse_file(self.path, plan)
@@ -93,6 +107,22 @@ class SparseWriter(FileSystemWriter):
         done = torch.futures.Future()
         done.set_result(results)
         return done
+
+
+@contextlib.contextmanager
+def background_save_counted(mode):
+    """dcp.async_save's thread runs its save inside `mode` (the counting dispatch mode, thread-local)."""
+    real = _async_thread_executor.save_wrapper
+
+    def save_in_mode(*args, **kwargs):
+        with mode:
+            return real(*args, **kwargs)
+
+    _async_thread_executor.save_wrapper = save_in_mode
+    try:
+        yield
+    finally:
+        _async_thread_executor.save_wrapper = real
 
 
 @contextlib.contextmanager
