@@ -13,7 +13,7 @@ On the same prompts and model (raven-tiny at random init without --checkpoint), 
 (c) the model's own KV cache at that fixed depth (`kv_cache_greedy`: one forward per token), `--batch` prompts
     per call.
 Prints tokens/s (wall clock) and tokens per CPU second of this process (steadier on a shared machine), each
-the best of --repeats runs, mean and maximum core iterations per token, and the fraction of requests whose
+the best of --repeats rounds (one run of each of (a), (b), (c) in turn), mean and maximum core iterations per token, and the fraction of requests whose
 adaptive engine output equals `generate` at batch size 1 (token for token); --json prints one JSON object.
 Prompts: the first 16 tokens of rows of --data-dir shards (val/*.parquet, then train/*.parquet) when given, else a
 built-in set (seeded random token ids).
@@ -68,16 +68,18 @@ def prompts(args: argparse.Namespace, vocab_size: int) -> list[tuple[int, ...]]:
             for _ in range(args.requests)]
 
 
-def timed(run, repeats: int):
-    """(best wall seconds, best process CPU seconds, the last run's result) over `repeats` runs: on a shared
-    machine the CPU seconds are the steadier figure."""
-    walls, cpus = [], []
+def timed_rounds(runs: dict, repeats: int) -> dict:
+    """name -> (best wall seconds, best process CPU seconds, the last run's result) of each of `runs`, run in
+    `repeats` rounds of one run each, in turn: a machine whose speed drifts slows every contender alike. On a
+    shared machine the CPU seconds are the steadier figure."""
+    walls, cpus, out = {name: [] for name in runs}, {name: [] for name in runs}, {}
     for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
-        out = run()
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
-    return min(walls), min(cpus), out
+        for name, run in runs.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            out[name] = run()
+            walls[name].append(time.perf_counter() - wall)
+            cpus[name].append(time.process_time() - cpu)
+    return {name: (min(walls[name]), min(cpus[name]), out[name]) for name in runs}
 
 
 def outputs(engine: Engine, requests: list[Request]) -> list[tuple[list[int], list[int]]]:
@@ -122,9 +124,9 @@ def throughput(model: RecurrentGPT, args: argparse.Namespace) -> dict:
     engine(adaptive)()  # with compile: every kind the timed runs meet is compiled here
     engine(fixed)()
     compile_s = time.perf_counter() - warm_up
-    adaptive_s, adaptive_cpu, adaptive_out = timed(engine(adaptive), args.repeats)
-    fixed_s, fixed_cpu, fixed_out = timed(engine(fixed), args.repeats)
-    plain_s, plain_cpu, _ = timed(plain, args.repeats)
+    timed = timed_rounds({"adaptive": engine(adaptive), "fixed": engine(fixed), "plain": plain}, args.repeats)
+    (adaptive_s, adaptive_cpu, adaptive_out), (fixed_s, fixed_cpu, fixed_out), (plain_s, plain_cpu, _) = (
+        timed["adaptive"], timed["fixed"], timed["plain"])
     tokens = len(texts) * args.new_tokens
     iterations = [i for _, token_iterations in adaptive_out for i in token_iterations]
     equal = sum(generate(model, torch.tensor([request.prompt]), args.new_tokens, depth, args.criterion, threshold,
@@ -250,7 +252,8 @@ def main() -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="the engines' EngineConfig.compile (default: on)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs of each; the best counts")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of one timed run of each (in turn); the best of each counts")
     parser.add_argument("--rows", type=int, default=2, help="validation rows of the criteria table")
     parser.add_argument("--criteria-table", action="store_true", help="needs --checkpoint and --data-dir")
     parser.add_argument("--json", action="store_true")
