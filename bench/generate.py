@@ -7,19 +7,20 @@
 On the same prompts and model (raven-tiny at random init without --checkpoint), greedy decoding:
 (a) the engine (huginn_ray.generation.engine) with `--batch` rows, an adaptive exit criterion,
     `EngineConfig.exit_wait_steps=--exit-wait`, `admit_rows=--admit-rows` and `compile` (default on: each kind of
-    decode step compiled by torch.compile; its compilation happens in an untimed warm-up run, and
-    `compile_s` says how long that run took);
+    decode step compiled by torch.compile; its compilation happens in an untimed warm-up run of each engine, and
+    `compile_s` says how long those two runs took);
 (b) the engine at the fixed depth `--num-steps` (the same EngineConfig);
 (c) the model's own KV cache at that fixed depth (`kv_cache_greedy`: one forward per token), `--batch` prompts
     per call.
 Prints tokens/s (wall clock) and tokens per CPU second of this process (steadier on a shared machine), each
-the best of --repeats rounds (one run of each of (a), (b), (c) in turn), mean and maximum core iterations per token, and the fraction of requests whose
-adaptive engine output equals `generate` at batch size 1 (token for token); --json prints one JSON object.
+the best of --repeats rounds (one run of each of (a), (b), (c) in turn), mean and maximum core iterations per
+token, and the fraction of requests whose adaptive engine output equals `generate` at batch size 1 (token for
+token); --json prints one JSON object.
 Prompts: the first 16 tokens of rows of --data-dir shards (val/*.parquet, then train/*.parquet) when given, else a
 built-in set (seeded random token ids).
 
-The counters (one more run of each engine, eager, under huginn_ray.generation.counting.OpCounter): `host_syncs_per_step`
-(reads of the device by the host inside a decode step, StepRunner.run), `ops_per_token_adaptive` and
+The counters (one more run of each engine, eager, under huginn_ray.generation.counting.OpCounter):
+`host_syncs_per_step` (reads of the device by the host inside a decode step, StepRunner.run), `ops_per_token_adaptive` and
 `ops_per_token_fixed` (ATen ops of every engine step, admission and prefill included, per token), and
 `graph_breaks` (torch._dynamo.explain of a finishing decode step). `goals` says which of the targets hold:
 no host read, ops ratio <= 1.8 x mean / max iterations, every output equal to batch 1's, adaptive >= 1.5 x the

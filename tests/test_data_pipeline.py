@@ -16,8 +16,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np

@@ -194,8 +194,8 @@ def run_staging(files: list[dict], todo: list[int], results: dict[int, dict]) ->
     """Stage the input files `todo` (indexes into `files`) on Ray Data, one task per file (`stage_file`), putting
     each one's counts in `results` (a file committed by a task of a dataset that a killed worker stopped has none:
     the driver reads its counts from its footer, commit_finished). A killed worker: the files not yet committed
-    run again with twice the memory (execution.rerun_killed); an error of the project's own (DataError: a bad record beyond max_bad_records, an
-    unreadable file) is raised as itself."""
+    run again with twice the memory (execution.rerun_killed); an error of the project's own (DataError: a bad
+    record beyond max_bad_records, an unreadable file) is raised as itself."""
 
     def run(units: list[int], declared: list[int | None]) -> None:
         classes: dict[int | None, list[int]] = {}

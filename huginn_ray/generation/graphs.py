@@ -7,8 +7,9 @@ step's shapes depend only on its `StepKind` and the buffers' sizes, so each kind
 - `compile`: `decode_step` under `torch.compile(fullgraph=True, dynamic=False)`; TorchDynamo guards on the kind
   and the buffers' shapes, so each kind (and each growth of the buffers) is compiled once, the first time it
   runs, and later steps of that kind run the compiled code. Inductor fuses the step's elementwise work (the
-  masks, the `torch.where`s, the criteria, the norms) into a few loops and removes the Python dispatch per op,
-  which is most of an eager step's time for a small model on the CPU (BENCHMARKS.md, "Generation").
+  masks, the `torch.where`s, the criteria, the norms) into a few loops and removes the Python dispatch per op:
+  for raven-tiny on the CPU the compiled server served 1.31-1.61x the eager one's tokens/s (BENCHMARKS.md,
+  "Serving").
 - `cuda_graphs`: the first step of a kind runs on a side stream (the real step, and the warm-up capture asks
   for; with `compile`, also its compilation), then the kind is captured (capture records and runs nothing); the
   next steps of that kind replay it. A growth of the buffers (more positions, core planes or stop ids:
@@ -34,7 +35,7 @@ class StepRunner:
     """`run(kind)`: one decode step over `slots`, eager, compiled (`compile`) and/or replayed (`cuda_graphs`)."""
 
     def __init__(self, model: RecurrentGPT, slots: Slots, cuda_graphs: bool, compile: bool = False):
-        self.model, self.slots, self.cuda_graphs, self.compile = model, slots, cuda_graphs, compile
+        self.model, self.slots, self.cuda_graphs = model, slots, cuda_graphs
         self.graphs: dict[StepKind, torch.cuda.CUDAGraph] = {}
         self.version = slots.cache.version
         self.memory = torch.cuda.graph_pool_handle() if cuda_graphs else None
@@ -46,7 +47,7 @@ class StepRunner:
         if self.compiled_step is None:
             decode_step(self.model, self.slots, kind)
             return
-        with torch._dynamo.config.patch(recompile_limit=COMPILED_KINDS):
+        with torch._dynamo.config.patch(recompile_limit=COMPILED_KINDS):  # torch's own config module (2.13)
             self.compiled_step(self.model, self.slots, kind)
 
     def run(self, kind: StepKind) -> None:
